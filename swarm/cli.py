@@ -1,0 +1,148 @@
+"""The ``swarm`` command: parse arguments, build a config, call the daemon or tool. Thin.
+
+Subcommands: ``stage``, ``coordinate``, ``demo``, ``model import``. Each returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from swarm.errors import SwarmError
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _stage_parser(sub) -> None:
+    p = sub.add_parser("stage", help="serve one block of a model's layers to the ring",
+                       description="Load layers [start, end) of a model and serve them over libp2p. Prints "
+                                   "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits 1.")
+    p.add_argument("--model", required=True, help="local HF directory, a .gguf file, smollm2-135m, or a hub id")
+    p.add_argument("--layers", required=True, help="half-open layer range start:end, e.g. 12:24")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default: loopback, any port)")
+    p.add_argument("--key", type=Path, help="ed25519 identity key file, created 0600 if absent "
+                                            "(default: $SWARM_CACHE/keys/stage-START-END.key)")
+    p.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
+
+
+def _coordinate_parser(sub) -> None:
+    p = sub.add_parser("coordinate", help="generate text with a running ring",
+                       description="Connect to the stages listed in a ring file, check them, and generate greedily.")
+    p.add_argument("--ring", required=True, type=Path, help="ring YAML file (model, stages, spares)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
+    p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
+    p.add_argument("--hop-timeout-s", type=float, default=60.0, help="deadline for each answer from the ring")
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="start a local ring on loopback and generate",
+                       description="Start N stage processes on 127.0.0.1 with an even split of layers, run the "
+                                   "coordinator, print text, tokens/s and the ring, then stop every process.")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
+    p.add_argument("--startup-timeout-s", type=float, default=180.0)
+
+
+def _model_parser(sub) -> None:
+    p = sub.add_parser("model", help="model utilities")
+    msub = p.add_subparsers(dest="model_cmd", required=True)
+    imp = msub.add_parser("import", help="convert a model (e.g. a .gguf file) into a cached safetensors directory "
+                                         "and print its path")
+    imp.add_argument("src", help="a .gguf file, a local directory, smollm2-135m, or a hub id")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description="Peer-to-peer pipeline-parallel LLM inference.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _stage_parser(sub)
+    _coordinate_parser(sub)
+    _demo_parser(sub)
+    _model_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model}[args.cmd](args)
+    except SwarmError as exc:
+        if args.cmd == "stage":
+            from swarm.stage import emit
+
+            emit("FATAL", {"reason": str(exc)})
+        else:
+            print(f"swarm {args.cmd}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"swarm {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_stage(args) -> int:
+    from swarm.config import StageConfig, cache_root
+    from swarm.ranges import LayerRange
+
+    layers = LayerRange.parse(args.layers)
+    key = args.key or cache_root() / "keys" / f"stage-{layers.start}-{layers.end}.key"
+    config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
+                         dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s)
+    from swarm.stage import run_stage
+
+    return run_stage(config)
+
+
+def cmd_coordinate(args) -> int:
+    import trio
+
+    from swarm.config import CoordinatorConfig, RingSpec, cache_root
+    from swarm.coordinator import generate
+
+    config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
+                               key_path=args.key or cache_root() / "keys" / "coordinator.key",
+                               hop_timeout_s=args.hop_timeout_s)
+    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = trio.run(generate, config, args.prompt, on_text)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print()
+        print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tok/s decode, "
+              f"ttft {result['ttft_s']:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from swarm.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_model(args) -> int:
+    from swarm.model.resolve import resolve_model
+
+    resolved = resolve_model(args.src, progress=None)
+    print(resolved.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

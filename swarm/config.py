@@ -1,0 +1,141 @@
+"""Role configurations and the ring file. Standard library + PyYAML only.
+
+Owns: ``StageConfig``, ``CoordinatorConfig`` and ``RingSpec`` (frozen, validated on construction),
+and reading a ring file::
+
+    model: smollm2-135m            # as for --model
+    stages:                        # in ring order; ranges must tile [0, L)
+      - {addr: /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW..., layers: "0:10"}
+      - {addr: ..., layers: "10:20"}
+    spares: []                     # same shape; used by the heal work
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.errors import ConfigError
+from swarm.ranges import LayerRange
+
+DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything ``swarm stage`` needs. Validated on construction (raises ConfigError)."""
+
+    model: str
+    layers: LayerRange
+    listen: str = DEFAULT_LISTEN
+    key_path: Path | None = None
+    threads: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    hop_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("--model is required")
+        if not self.listen.startswith("/ip4/") and not self.listen.startswith("/ip6/"):
+            raise ConfigError(f"--listen {self.listen!r} is not an /ip4/ or /ip6/ TCP multiaddr")
+        if "/tcp/" not in self.listen:
+            raise ConfigError(f"--listen {self.listen!r} must be a TCP multiaddr (e.g. /ip4/127.0.0.1/tcp/0)")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if self.hop_timeout_s <= 0:
+            raise ConfigError("hop timeout must be positive")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage as named in a ring file: its multiaddr (with /p2p/PeerId) and claimed layers."""
+
+    addr: str
+    layers: LayerRange
+
+    @property
+    def peer_id(self) -> str:
+        return self.addr.rsplit("/p2p/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """A parsed ring file (see the module docstring)."""
+
+    model: str
+    stages: tuple[StageSpec, ...]
+    spares: tuple[StageSpec, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: object, origin: str = "ring file") -> RingSpec:
+        """Build from the YAML mapping. Raises ConfigError naming the bad entry."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: expected a mapping with 'model' and 'stages'")
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{origin}: 'model' must name a model (a directory, a .gguf file or smollm2-135m)")
+        stages = _stage_list(data.get("stages"), "stages", origin, required=True)
+        spares = _stage_list(data.get("spares") or [], "spares", origin, required=False)
+        return cls(model=model, stages=tuple(stages), spares=tuple(spares))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RingSpec:
+        """Read a ring YAML file. Raises ConfigError if missing or malformed."""
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"ring file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"ring file {p} is not valid YAML: {exc}") from exc
+        return cls.from_dict(data, origin=str(p))
+
+    def to_dict(self) -> dict:
+        def one(s: StageSpec) -> dict:
+            return {"addr": s.addr, "layers": f"{s.layers.start}:{s.layers.end}"}
+
+        return {"model": self.model, "stages": [one(s) for s in self.stages], "spares": [one(s) for s in self.spares]}
+
+
+def _stage_list(raw: object, key: str, origin: str, required: bool) -> list[StageSpec]:
+    if not isinstance(raw, list) or (required and not raw):
+        raise ConfigError(f"{origin}: '{key}' must be a non-empty list of {{addr, layers}}" if required
+                          else f"{origin}: '{key}' must be a list")
+    out = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict) or "addr" not in entry or "layers" not in entry:
+            raise ConfigError(f"{origin}: {key}[{i}] must have 'addr' and 'layers'")
+        addr = str(entry["addr"])
+        if "/p2p/" not in addr or not addr.startswith("/"):
+            raise ConfigError(f"{origin}: {key}[{i}] addr {addr!r} must be a multiaddr ending in /p2p/<PeerId>")
+        out.append(StageSpec(addr=addr, layers=LayerRange.parse(entry["layers"])))
+    return out
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything ``swarm coordinate`` needs besides the prompt."""
+
+    ring: RingSpec
+    max_new_tokens: int = 64
+    chat: bool = False
+    key_path: Path | None = None
+    hop_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.hop_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive")
+
+
+def cache_root() -> Path:
+    """``$SWARM_CACHE`` or ``~/.cache/swarm``."""
+    env = os.environ.get("SWARM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "swarm"

@@ -1,0 +1,292 @@
+"""The coordinator: tokenize, drive chunks around the ring, stream text, report.
+
+Owns: connecting to every stage of a ring file, checking the ring (each stage reports the layer
+range and model it claims; the ranges tile ``[0, L)``), opening a session, the greedy decode loop
+(prefill, then one token per round trip), and the result record printed by ``--json``. Holds no
+layers of the target model: only the tokenizer. Glue; nothing imports it but the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import trio
+
+from swarm import wire
+from swarm.config import CoordinatorConfig, RingSpec
+from swarm.errors import (ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed,
+                          SwarmError)
+from swarm.ranges import check_tiling
+from swarm.wire import PROTOCOL_ID
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage reported about itself, next to what the ring file claimed."""
+
+    index: int
+    addr: str
+    peer_id: str
+    layers: tuple[int, int]
+    model: str
+    model_digest: str
+    max_ctx: int
+
+
+class RingClient:
+    """Streams from the coordinator to every stage of a ring, and the frames they send back.
+
+    Every stage may send on its stream (replies, errors); the tail also sends ``result`` frames.
+    One reader task per stream funnels ``(stage_index, frame)`` into a single channel.
+    """
+
+    def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float):
+        self.host = host
+        self.ring = ring
+        self.hop_timeout_s = hop_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.streams: list = []
+        self.infos: list[StageInfo] = []
+        self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
+
+    async def connect(self, num_layers: int, model_digest: str, nursery) -> list[StageInfo]:
+        """Dial every stage, ask for its info, and check the ring.
+
+        Raises:
+            StageLost / HopTimeout: a stage is unreachable (names its addr).
+            ConfigError: a stage serves other layers or another model, or the ranges do not tile.
+        """
+        check_tiling([s.layers for s in self.ring.stages], num_layers)
+        for i, spec in enumerate(self.ring.stages):
+            try:
+                stream = await self.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=self.connect_timeout_s)
+            except SwarmError as exc:
+                raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is unreachable: {exc}") from exc
+            self.streams.append(stream)
+            nursery.start_soon(self._pump, i, stream)
+        for i, spec in enumerate(self.ring.stages):
+            await self.streams[i].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
+        for i, spec in enumerate(self.ring.stages):
+            msg = await self._expect(i, "info_ok")
+            got = tuple(msg["layers"])
+            if got != (spec.layers.start, spec.layers.end):
+                raise ConfigError(f"stage {i} at {spec.addr} serves layers [{got[0]}, {got[1]}) but the ring file "
+                                  f"says {spec.layers}")
+            if msg["num_layers"] != num_layers or msg["model_digest"] != model_digest:
+                raise ConfigError(f"stage {i} at {spec.addr} serves model {msg['model']!r} "
+                                  f"({msg['num_layers']} layers, digest {msg['model_digest'][:12]}) but the ring file "
+                                  f"names {self.ring.model!r} ({num_layers} layers, digest {model_digest[:12]})")
+            if msg["peer_id"] != spec.peer_id:
+                raise ConfigError(f"stage {i} at {spec.addr} answered as PeerId {msg['peer_id']}")
+            self.infos.append(StageInfo(i, spec.addr, msg["peer_id"], got, msg["model"], msg["model_digest"],
+                                        msg["max_ctx"]))
+        return self.infos
+
+    async def _pump(self, index: int, stream) -> None:
+        while True:
+            try:
+                msg = await stream.recv()
+            except (StreamClosed, ProtocolError) as exc:
+                await self._send_ch.send((index, {"type": "_lost", "reason": str(exc)}))
+                return
+            await self._send_ch.send((index, msg))
+
+    async def _next(self, timeout_s: float) -> tuple[int, dict]:
+        try:
+            with trio.fail_after(timeout_s):
+                return await self._recv_ch.receive()
+        except trio.TooSlowError:
+            raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s") from None
+
+    def _raise_for(self, index: int, msg: dict) -> None:
+        spec = self.ring.stages[index]
+        if msg.get("type") == "_lost":
+            raise StageLost(f"stage {index} {spec.layers} at {spec.addr} closed the connection: {msg['reason']}")
+        if msg.get("type") == "error":
+            raise RemoteError(f"stage {index} {spec.layers} refused: {msg.get('reason')}")
+
+    async def _expect(self, index: int, kind: str, session: str | None = None) -> dict:
+        while True:
+            i, msg = await self._next(self.hop_timeout_s)
+            self._raise_for(i, msg)
+            if i == index and msg.get("type") == kind and (session is None or msg.get("session") == session):
+                return wire.validate(msg)
+            log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
+
+    async def open_session(self, session: str, max_len: int) -> None:
+        """Open ``session`` at every stage, telling each its successor (the tail gets none)."""
+        n = len(self.ring.stages)
+        for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
+            nxt = self.ring.stages[i + 1].addr if i + 1 < n else None
+            await self.streams[i].send(wire.frame("open", session=session, next=nxt, max_len=max_len))
+            await self._expect(i, "open_ok", session)
+
+    async def close_session(self, session: str) -> None:
+        for i, stream in enumerate(self.streams):
+            try:
+                await stream.send(wire.frame("close", session=session), timeout_s=5.0)
+            except SwarmError:
+                pass
+
+    async def run_chunk(self, session: str, epoch: int, pos: int, chunk: int, tokens: list[int]) -> list[int]:
+        """Send ``tokens`` at positions ``[pos, pos + T)`` round the ring; return the tail's T argmax ids."""
+        await self.streams[0].send(wire.frame("forward", session=session, epoch=epoch, pos=pos, chunk=chunk,
+                                              tokens=tokens), timeout_s=self.hop_timeout_s)
+        tail = len(self.streams) - 1
+        while True:
+            i, msg = await self._next(self.hop_timeout_s)
+            self._raise_for(i, msg)
+            if (i == tail and msg.get("type") == "result" and msg.get("session") == session
+                    and msg.get("chunk") == chunk and msg.get("epoch") == epoch):
+                ids = wire.validate(msg)["token_ids"]
+                if len(ids) != len(tokens):
+                    raise ProtocolError(f"tail returned {len(ids)} ids for a chunk of {len(tokens)}")
+                return ids
+
+
+def eos_ids(model_dir, tokenizer) -> set[int]:
+    """The end-of-sequence ids transformers' generate would stop at (generation_config first)."""
+    import json
+    from pathlib import Path
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.is_file():
+            val = json.loads(p.read_text()).get("eos_token_id")
+            if val is not None:
+                ids.update(val if isinstance(val, list) else [val])
+                break
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template and a generation prompt."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("--chat was given but this model's tokenizer has no chat template")
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+class TextStream:
+    """Incremental detokenizer: ``push(ids)`` returns the newly printable text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.printed = 0
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+            return ""
+        new, self.printed = text[self.printed:], len(text)
+        return new
+
+
+async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict:
+    """Run one greedy generation around the ring and return the result record.
+
+    Args:
+        config: the coordinator config (ring, limits, timeouts).
+        prompt: user text; with ``config.chat`` wrapped in the chat template.
+        on_text: called with each newly decoded piece of text as tokens are committed.
+    Returns:
+        dict with text, prompt_ids, output_ids, new_tokens, tokens_per_s (decode), ttft_s, total_s,
+        ring (index, peer_id, addr, layers), model.
+    Raises:
+        ConfigError, StageLost, HopTimeout, RemoteError, ContextOverflow-like RemoteError.
+    """
+    from transformers import AutoTokenizer
+
+    from swarm.model.block import model_num_layers
+    from swarm.model.resolve import model_manifest_digest, resolve_model
+    from swarm.transport import load_or_create_key, open_host
+
+    resolved = resolve_model(config.ring.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    num_layers = model_num_layers(resolved.path)
+    digest = model_manifest_digest(resolved.path)
+    prompt_ids = encode_prompt(tokenizer, prompt, config.chat)
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty after tokenization")
+    stop = eos_ids(resolved.path, tokenizer)
+    key = load_or_create_key(config.key_path) if config.key_path else None
+
+    async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
+        ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s)
+        infos = await ring.connect(num_layers, digest, nursery)
+        stream = TextStream(tokenizer)
+        on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
+        out, timing = await decode_greedy(ring, prompt_ids, config.max_new_tokens, stop, on_ids)
+        if on_text:
+            on_text(stream.push(out, final=True))
+        nursery.cancel_scope.cancel()
+    return {
+        "text": tokenizer.decode(out, skip_special_tokens=True),
+        "prompt_ids": prompt_ids,
+        "output_ids": out,
+        "new_tokens": len(out),
+        **timing,
+        "ring": [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)} for i in infos],
+        "model": resolved.name,
+    }
+
+
+async def decode_greedy(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+                        on_ids=None) -> tuple[list[int], dict]:
+    """Greedy generation over a connected ring: prefill, then one token per round trip.
+
+    Args:
+        ring: a RingClient after ``connect``.
+        prompt_ids: the prompt's token ids (non-empty).
+        max_new_tokens: stop after this many new tokens; stop_ids: stop after emitting one of these.
+        on_ids: called with the full list of new ids after each commit (for streaming).
+    Returns:
+        (new token ids, timing dict with tokens_per_s (decode), ttft_s, total_s).
+    Raises:
+        ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError.
+    """
+    max_ctx = min(i.max_ctx for i in ring.infos)
+    if len(prompt_ids) >= max_ctx:
+        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx}")
+    budget = min(max_new_tokens, max_ctx - len(prompt_ids))
+    session = uuid.uuid4().hex
+    await ring.open_session(session, len(prompt_ids) + budget)
+    out: list[int] = []
+    try:
+        t0 = time.perf_counter()
+        ids = await ring.run_chunk(session, 0, 0, 0, prompt_ids)  # prefill
+        t_first = time.perf_counter()
+        token, chunk = ids[-1], 1
+        while True:
+            out.append(token)
+            if on_ids:
+                on_ids(out)
+            if token in stop_ids or len(out) >= budget:
+                break
+            # decode: the last committed token at its absolute position
+            ids = await ring.run_chunk(session, 0, len(prompt_ids) + len(out) - 1, chunk, [token])
+            token, chunk = ids[-1], chunk + 1
+        t_end = time.perf_counter()
+    finally:
+        with trio.CancelScope(shield=True):
+            await ring.close_session(session)
+    decode_s = t_end - t_first
+    return out, {
+        "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else math.nan,
+        "ttft_s": t_first - t0,
+        "total_s": t_end - t0,
+    }

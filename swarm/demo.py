@@ -1,0 +1,54 @@
+"""``swarm demo``: a local ring on loopback, one generation, a clean shutdown.
+
+Glue over ``swarm.launch.LocalRing`` and ``swarm.coordinator.generate``; nothing imports it but the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+import yaml
+
+from swarm.config import CoordinatorConfig, cache_root
+from swarm.launch import LocalRing
+from swarm.ranges import even_split
+
+
+def run_demo(args) -> int:
+    """Start ``args.stages`` stages, generate once, print text, tokens/s and the ring. Returns 0."""
+    from swarm.coordinator import generate
+    from swarm.model.block import model_num_layers
+    from swarm.model.resolve import resolve_model
+
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
+    num_layers = model_num_layers(resolved.path)
+    ranges = even_split(num_layers, args.stages)
+    say(f"swarm demo: {resolved.name} ({num_layers} layers) on {args.stages} stages: "
+        + ", ".join(str(r) for r in ranges))
+    extra = ["--dtype", args.dtype]
+    with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \
+            LocalRing(args.model, ranges, cache_root() / "keys" / "demo", extra_args=extra,
+                      startup_timeout_s=args.startup_timeout_s) as ring:
+        spec = ring.ring_spec()
+        ring_path = args.ring_out or Path(tmp) / "ring.yaml"
+        ring_path.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        say(f"ring file: {ring_path}")
+        for sp in ring.stages:
+            say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
+        config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                                   key_path=cache_root() / "keys" / "coordinator.key")
+        if not args.json:
+            print(f"\nprompt: {args.prompt}\n")
+        on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        result = trio.run(generate, config, args.prompt, on_text)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"\n\n{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s decode, "
+              f"time to first token {result['ttft_s']:.2f} s")
+    return 0

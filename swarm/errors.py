@@ -1,0 +1,59 @@
+"""The swarm error hierarchy. Standard library only.
+
+Every error carries the facts of the fault (peer, session, layer range, sizes) in its message so
+that a one-line log or a FATAL line says exactly what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base class of every error swarm raises on purpose."""
+
+
+class ConfigError(SwarmError):
+    """A command-line flag, config file or ring file is invalid."""
+
+
+class ModelError(SwarmError):
+    """A model cannot be resolved, converted or loaded (missing file, unsupported family, offline hub)."""
+
+
+class IdentityError(SwarmError):
+    """A key file is missing, unreadable, malformed or has unsafe permissions."""
+
+
+class ProtocolError(SwarmError):
+    """A peer sent bytes that are not a valid swarm frame (bad length, msgpack, schema, dtype, shape)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's declared length exceeds the maximum; raised before anything is allocated."""
+
+
+class StreamClosed(SwarmError):
+    """The peer closed the stream (EOF) or reset it; no more frames will arrive."""
+
+
+class HopTimeout(SwarmError):
+    """A network wait ran past its deadline (dial, read or write on a hop)."""
+
+
+class StageLost(SwarmError):
+    """A stage of the ring is unreachable or stopped answering."""
+
+
+class ContextOverflow(SwarmError):
+    """A session would grow past the maximum context length."""
+
+
+class CacheFull(SwarmError):
+    """The KV cache budget cannot admit another session."""
+
+
+class RemoteError(SwarmError):
+    """A stage answered a request with an error frame; the message is the stage's reason."""
+
+
+class ReceiptInvalid(SwarmError):
+    """A receipt failed verification (signature, tiling, digest chain, nonce, token digest)."""

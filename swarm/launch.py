@@ -1,0 +1,162 @@
+"""Start stage daemons on loopback as child processes and always reap them.
+
+Owns: ``LocalRing``, used by ``swarm demo``, the tests and the benchmarks: spawn ``swarm stage``
+processes with an even split of layers and the CPU cores divided among them, wait for each
+``SWARM_STAGE_READY`` line, build the ring file, and on exit (also on errors and Ctrl-C)
+terminate and reap every process it started. Standard library + swarm.config only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.config import RingSpec, StageSpec
+from swarm.errors import StageLost, SwarmError
+from swarm.ranges import LayerRange
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageProcess:
+    """A running stage child: its process, READY payload, and collected stderr tail."""
+
+    layers: LayerRange
+    proc: subprocess.Popen
+    ready: dict | None = None
+    lines: "queue.Queue[str | None]" = field(default_factory=queue.Queue)
+    stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return self.ready["addrs"][0]
+
+
+def stage_command(model: str, layers: LayerRange, key: Path, threads: int, extra: list[str] | None = None) -> list[str]:
+    """The argv that starts one stage daemon with the current interpreter."""
+    return [sys.executable, "-m", "swarm", "stage", "--model", model, "--layers", f"{layers.start}:{layers.end}",
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(key), "--threads", str(threads), *(extra or [])]
+
+
+class LocalRing:
+    """Context manager: start one stage process per layer range, wait for READY, reap on exit.
+
+    Args:
+        model: the model spec passed to every stage.
+        ranges: layer ranges in ring order (see ``swarm.ranges.even_split``).
+        key_dir: where the stages' identity keys live (stable PeerIds across runs).
+        threads: torch threads per stage; default divides the cores among the stages.
+        extra_args: more ``swarm stage`` flags (e.g. ``["--dtype", "float32"]``).
+        startup_timeout_s: how long to wait for every READY line.
+    Raises:
+        StageLost: a stage printed FATAL or exited or did not become ready in time (with its reason).
+    """
+
+    def __init__(self, model: str, ranges: list[LayerRange], key_dir: Path, threads: int | None = None,
+                 extra_args: list[str] | None = None, startup_timeout_s: float = 180.0, env: dict | None = None):
+        self.model = model
+        self.ranges = ranges
+        self.key_dir = Path(key_dir)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // len(ranges))
+        self.extra_args = extra_args or []
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env
+        self.stages: list[StageProcess] = []
+
+    def __enter__(self) -> LocalRing:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for r in self.ranges:
+            key = self.key_dir / f"stage-{r.start}-{r.end}.key"
+            argv = stage_command(self.model, r, key, self.threads, self.extra_args)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
+            sp = StageProcess(r, proc)
+            threading.Thread(target=_pump, args=(proc.stdout, sp.lines, None), daemon=True).start()
+            threading.Thread(target=_pump, args=(proc.stderr, None, sp.stderr_tail), daemon=True).start()
+            self.stages.append(sp)
+        deadline = time.monotonic() + self.startup_timeout_s
+        for sp in self.stages:
+            sp.ready = self._wait_ready(sp, deadline)
+
+    def _wait_ready(self, sp: StageProcess, deadline: float) -> dict:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StageLost(f"stage {sp.layers} did not print SWARM_STAGE_READY within {self.startup_timeout_s:.0f} s"
+                                f"{_tail(sp)}")
+            try:
+                line = sp.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                raise StageLost(f"stage {sp.layers} exited with code {sp.proc.wait()} before it was ready{_tail(sp)}")
+            if line.startswith("SWARM_STAGE_READY "):
+                return json.loads(line.split(" ", 1)[1])
+            if line.startswith("SWARM_STAGE_FATAL "):
+                reason = json.loads(line.split(" ", 1)[1]).get("reason")
+                raise StageLost(f"stage {sp.layers} failed to start: {reason}")
+
+    def ring_spec(self, model: str | None = None) -> RingSpec:
+        return RingSpec(model=model or self.model,
+                        stages=tuple(StageSpec(addr=sp.addr, layers=sp.layers) for sp in self.stages))
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Terminate every stage (SIGTERM, then SIGKILL after ``grace_s``) and reap it."""
+        for sp in self.stages:
+            if sp.proc.poll() is None:
+                try:
+                    os.killpg(sp.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + grace_s
+        for sp in self.stages:
+            try:
+                sp.proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(sp.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                sp.proc.wait()
+
+
+def _pump(pipe, lines: queue.Queue | None, tail: list | None) -> None:
+    for line in pipe:
+        line = line.rstrip("\n")
+        if lines is not None:
+            lines.put(line)
+        if tail is not None:
+            tail.append(line)
+            del tail[:-20]
+    if lines is not None:
+        lines.put(None)
+
+
+def _tail(sp: StageProcess) -> str:
+    time.sleep(0.2)  # let the stderr pump catch the last lines of a dying process
+    return ("; stderr: " + " | ".join(sp.stderr_tail[-5:])) if sp.stderr_tail else ""
+
+
+__all__ = ["LocalRing", "StageProcess", "stage_command", "SwarmError"]

@@ -1,0 +1,345 @@
+"""A stage's block of decoder layers ``[start, end)``, loaded from only its own tensors.
+
+Owns: building transformers' own decoder-layer, embedding, norm and rotary modules for one layer
+range (via a per-family adapter), loading exactly the tensors those modules need from the
+safetensors shards (mmap), and the forward over a session's KV cache at absolute positions.
+Stage 0 adds the token embedding (and, for GPT-2, the learned position embedding); the tail adds
+the final norm and the LM head. May import torch, transformers and safetensors; no networking.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swarm.errors import ConfigError, ModelError
+from swarm.model.cache import KVCache
+from swarm.ranges import LayerRange
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a transformers family keeps its pieces (attribute paths in the CausalLM module).
+
+    ``call`` says how decoder layers are called: "rotary" (Llama-like layers take
+    ``position_embeddings``) or "plain" (GPT-2 blocks take hidden states, cache and mask only).
+    """
+
+    base: str
+    embed: str
+    layers: str
+    norm: str
+    lm_head: str = "lm_head"
+    rotary: str | None = None
+    pos_embed: str | None = None
+    call: str = "rotary"
+
+
+_LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "phi3": _LLAMA_LIKE,
+    "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
+}
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """Resolve ``auto|cpu|cuda|mps`` to a torch device.
+
+    Raises:
+        ConfigError: if the requested device is not available on this machine.
+    """
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but CUDA is not available on this machine")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError("--device mps was requested but MPS is not available on this machine")
+    if device not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or mps")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Resolve ``auto`` or a dtype name: auto is float32 on CPU, bfloat16 on CUDA, float16 on MPS.
+
+    Raises:
+        ConfigError: on an unknown dtype name.
+    """
+    if dtype == "auto":
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_config(model_dir: Path):
+    """Load the transformers config of ``model_dir`` and check the family is supported.
+
+    Raises:
+        ModelError: if config.json is missing/invalid or the family has no adapter.
+    """
+    from transformers import AutoConfig
+
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{model_dir} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelError(f"cannot read {cfg_path}: {exc}") from exc
+    if config.model_type not in FAMILIES:
+        raise ModelError(
+            f"model family {config.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+class LayerBlock(torch.nn.Module):
+    """Decoder layers ``[start, end)`` of a causal LM, plus the embedding (head) / norm and LM head (tail).
+
+    Build with :func:`load_block`. Attributes: ``layer_range``, ``num_layers`` (L of the model),
+    ``hidden_size`` (D), ``vocab_size`` (V), ``is_head``, ``is_tail``, ``dtype``, ``device``,
+    ``max_ctx``, ``loaded_tensors`` (names read from disk), ``loaded_bytes``.
+    """
+
+    def __init__(self, config, family: Family, layer_range: LayerRange, modules: dict, device, dtype):
+        super().__init__()
+        self.config = config
+        self.family = family
+        self.layer_range = layer_range
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.is_head = layer_range.start == 0
+        self.is_tail = layer_range.end == self.num_layers
+        self.device = device
+        self.dtype = dtype
+        self.max_ctx = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 4096)
+        self.layers = torch.nn.ModuleList(modules["layers"])
+        self.embed = modules.get("embed")
+        self.pos_embed = modules.get("pos_embed")
+        self.norm = modules.get("norm")
+        self.lm_head = modules.get("lm_head")
+        self.rotary = modules.get("rotary")
+        self.loaded_tensors: list[str] = []
+        self.loaded_bytes = 0
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """A fresh KV cache for one session, ``max_len`` defaulting to the model's maximum context."""
+        return KVCache(list(range(self.layer_range.start, self.layer_range.end)), max_len or self.max_ctx)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, pos: int, token_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this block over T new positions ``[pos, pos + T)`` and extend the session's KV cache.
+
+        Args:
+            cache: the session's KVCache; ``pos <= cache.kv_len`` (smaller rolls back).
+            pos: absolute position of the first new token.
+            token_ids: (B, T) int64, required on the head stage.
+            hidden: (B, T, D) activations entering layer ``start`` in the block dtype, on other stages.
+        Returns:
+            (B, T, D) activations leaving layer ``end - 1``, or on the tail (B, T, V) float32 logits.
+        Raises:
+            ProtocolError: on a position gap; ContextOverflow: past the maximum context;
+            ValueError: if the wrong input kind is given for this stage.
+        """
+        if self.is_head:
+            if token_ids is None:
+                raise ValueError(f"stage {self.layer_range} is the head and needs token ids")
+            token_ids = token_ids.to(self.device)
+            h = self.embed(token_ids)
+        else:
+            if hidden is None:
+                raise ValueError(f"stage {self.layer_range} needs hidden states")
+            h = hidden.to(self.device, self.dtype)
+        b, t = h.shape[:2]
+        cache.begin(pos, t)
+        try:
+            position_ids = torch.arange(pos, pos + t, device=self.device).unsqueeze(0).expand(b, -1)
+            if self.pos_embed is not None:
+                h = h + self.pos_embed(position_ids)
+            rope = self.rotary(h, position_ids) if self.rotary is not None else None
+            for layer in self.layers:
+                mask = self._mask(layer, pos, t)
+                if self.family.call == "rotary":
+                    h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, cache=cache)
+                else:
+                    h = layer(h, cache=cache, attention_mask=mask)
+                if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
+                    h = h[0]
+        except BaseException:
+            cache.abort()
+            raise
+        cache.commit()
+        if self.is_tail:
+            h = self.norm(h)
+            return self.lm_head(h).float()
+        return h
+
+    def _mask(self, layer, pos: int, t: int) -> torch.Tensor | None:
+        """Boolean (1, 1, T, S + T) mask, True = attend; None where SDPA's own causal path is exact.
+
+        Matches transformers' choice: no mask for a single new token or a cache-less prompt, unless
+        a sliding window (Mistral/Qwen2 ``sliding_window``) cuts into the keys.
+        """
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+        # Qwen2/Qwen3 set the window per layer on the module; Mistral only in the config.
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        total = pos + t
+        windowed = window is not None and total > window
+        if not windowed and (t == 1 or pos == 0):
+            return None
+        q = torch.arange(pos, total, device=self.device).unsqueeze(1)  # (T, 1)
+        k = torch.arange(total, device=self.device).unsqueeze(0)  # (1, S + T)
+        allowed = k <= q
+        if windowed:
+            allowed &= (q - k) < window
+        return allowed[None, None]  # (1, 1, T, S + T)
+
+
+def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
+               device: str = "auto", progress: bool = False) -> LayerBlock:
+    """Load layers ``[start, end)`` (and embedding / norm + LM head where owned) from ``model_dir``.
+
+    Only the tensors of the owned modules are read, through safetensors' mmap.
+
+    Args:
+        model_dir: an HF-layout directory (config.json + safetensors, sharded or not).
+        layer_range: the layers to hold; must lie in ``[0, L)``.
+        dtype: auto|float32|bfloat16|float16|float64. device: auto|cpu|cuda|mps.
+        progress: show a progress bar while reading tensors.
+    Returns:
+        A LayerBlock in eval mode.
+    Raises:
+        ModelError: missing files or tensors, unsupported family. ConfigError: bad range/dtype/device.
+    """
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from swarm.model.resolve import tensor_index
+
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    family = FAMILIES[config.model_type]
+    layer_range.check_within(config.num_hidden_layers)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    base = _get(skeleton, family.base)
+    owned: dict[str, torch.nn.Module] = {}
+    layer_list = _get(base, family.layers)
+    modules: dict = {"layers": [layer_list[i] for i in range(layer_range.start, layer_range.end)]}
+    for i in range(layer_range.start, layer_range.end):
+        owned[f"{family.base}.{family.layers}.{i}"] = layer_list[i]
+    head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
+    if head:
+        modules["embed"] = owned[f"{family.base}.{family.embed}"] = _get(base, family.embed)
+        if family.pos_embed:
+            modules["pos_embed"] = owned[f"{family.base}.{family.pos_embed}"] = _get(base, family.pos_embed)
+    if tail:
+        modules["norm"] = owned[f"{family.base}.{family.norm}"] = _get(base, family.norm)
+        modules["lm_head"] = owned[family.lm_head] = _get(skeleton, family.lm_head)
+
+    index = tensor_index(model_dir)
+    tied_name = f"{family.base}.{family.embed}.weight"
+    wanted: dict[str, tuple[torch.nn.Module, str, str]] = {}  # file tensor name -> (module, param name, file)
+    for prefix, module in owned.items():
+        for pname, _ in module.named_parameters():
+            full = f"{prefix}.{pname}"
+            src = full
+            if full not in index and full == f"{family.lm_head}.weight" and getattr(config, "tie_word_embeddings", False):
+                src = tied_name  # tied LM head: the tail reads the embedding matrix
+            if src not in index:
+                raise ModelError(f"{model_dir} lacks tensor {src!r} needed by layers {layer_range}")
+            wanted[full] = (module, pname, src)
+
+    block = LayerBlock(config, family, layer_range, modules, dev, dt)
+    by_file: dict[Path, list[str]] = {}
+    for full, (_, _, src) in wanted.items():
+        by_file.setdefault(index[src], []).append(full)
+    bar = _progress(len(wanted), progress, f"loading layers {layer_range}")
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for full in names:
+                module, pname, src = wanted[full]
+                tensor = f.get_tensor(src).to(device=dev, dtype=dt)
+                _assign(module, pname, tensor)
+                block.loaded_tensors.append(src)
+                block.loaded_bytes += tensor.numel() * tensor.element_size()
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    if family.rotary:
+        rot_cls = type(_get(base, family.rotary))
+        with torch.device(dev):
+            block.rotary = rot_cls(config=config)
+    leftover = [n for n, t in block.named_parameters() if t.is_meta] + [n for n, t in block.named_buffers() if t.is_meta]
+    if leftover:
+        raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
+    block.eval()
+    log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s", layer_range,
+             len(block.loaded_tensors), block.loaded_bytes, dt, dev)
+    return block
+
+
+def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> None:
+    owner = module
+    *path, leaf = pname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, leaf)
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise ModelError(f"tensor {pname} has shape {tuple(tensor.shape)}, expected {tuple(old.shape)}")
+    setattr(owner, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+
+def model_num_layers(model_dir: Path | str) -> int:
+    """Number of decoder layers L declared in ``model_dir/config.json`` (cheap, no transformers)."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if key in data:
+            return int(data[key])
+    raise ModelError(f"{model_dir}/config.json does not state the number of layers")

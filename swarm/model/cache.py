@@ -1,0 +1,96 @@
+"""Per-session KV cache for one stage's block of layers, addressed by absolute position.
+
+Owns: the key/value rows of every layer a stage holds, for one session, and ``kv_len`` (the
+number of committed positions). Rollback sets ``kv_len`` back; stale rows past ``kv_len`` are
+overwritten by the next chunk, so rollback never frees or copies memory.
+
+Duck-types the part of ``transformers.Cache`` that decoder layers call (``update``), so
+transformers' own attention modules write into it. May import torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.errors import ContextOverflow, ProtocolError
+
+
+class KVCache:
+    """Growable per-layer K/V buffers of shape (B, Hkv, capacity, Dh).
+
+    Usage per forward: ``begin(pos, T)``; every layer calls ``update``; then ``commit()``.
+
+    Args:
+        layer_ids: absolute indices of the layers this cache serves (the modules' ``layer_idx``).
+        max_len: maximum context length in positions; exceeding it raises ContextOverflow.
+    """
+
+    def __init__(self, layer_ids: list[int], max_len: int) -> None:
+        self.layer_ids = list(layer_ids)
+        self.max_len = int(max_len)
+        self.kv_len = 0
+        self._pending = 0
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+
+    def begin(self, pos: int, new_tokens: int) -> None:
+        """Prepare to write positions ``[pos, pos + new_tokens)``, rolling back if ``pos < kv_len``.
+
+        Raises:
+            ProtocolError: if ``pos > kv_len`` (a gap: positions would be skipped).
+            ContextOverflow: if ``pos + new_tokens > max_len``.
+        """
+        if pos < 0 or pos > self.kv_len:
+            raise ProtocolError(f"chunk at pos {pos} is not contiguous with the session's kv_len {self.kv_len}")
+        if pos + new_tokens > self.max_len:
+            raise ContextOverflow(
+                f"positions [{pos}, {pos + new_tokens}) exceed the maximum context of {self.max_len}"
+            )
+        self.kv_len = pos  # rollback (no-op when pos == kv_len)
+        self._pending = new_tokens
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write T new rows for ``layer_idx`` at ``[kv_len, kv_len + T)`` and return all S + T rows.
+
+        Args:
+            key_states, value_states: (B, Hkv, T, Dh) in the stage dtype, after rotary.
+            layer_idx: the layer's absolute index.
+        Returns:
+            (keys, values), each (B, Hkv, kv_len + T, Dh): views into the buffers.
+        """
+        t = key_states.shape[2]
+        end = self.kv_len + t
+        keys = self._keys.get(layer_idx)
+        if keys is None or keys.shape[2] < end or keys.shape[:2] != key_states.shape[:2]:
+            keys, values = self._grow(layer_idx, key_states, value_states, end)
+        else:
+            values = self._values[layer_idx]
+        keys[:, :, self.kv_len:end] = key_states
+        values[:, :, self.kv_len:end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _grow(self, layer_idx, key_states, value_states, needed):
+        capacity = min(self.max_len, max(256, 1 << (needed - 1).bit_length()))
+        capacity = max(capacity, needed)
+        b, h, _, dh = key_states.shape
+        new_k = key_states.new_zeros((b, h, capacity, dh))
+        new_v = value_states.new_zeros((b, h, capacity, value_states.shape[-1]))
+        old_k = self._keys.get(layer_idx)
+        if old_k is not None and old_k.shape[:2] == (b, h):
+            new_k[:, :, : self.kv_len] = old_k[:, :, : self.kv_len]
+            new_v[:, :, : self.kv_len] = self._values[layer_idx][:, :, : self.kv_len]
+        self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
+        return new_k, new_v
+
+    def commit(self) -> None:
+        """Advance ``kv_len`` past the rows written since ``begin``."""
+        self.kv_len += self._pending
+        self._pending = 0
+
+    def abort(self) -> None:
+        """Forget a forward that failed midway; ``kv_len`` stays where ``begin`` set it."""
+        self._pending = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (capacity, not just ``kv_len``)."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))

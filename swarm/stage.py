@@ -1,0 +1,271 @@
+"""The stage daemon: serve one block of layers to the ring over libp2p.
+
+Owns: the ``/swarm/ring/1`` handler, per-session state (KV cache, successor, reply stream), the
+hop to the successor, and the lifecycle lines on stdout (``SWARM_STAGE_READY`` /
+``SWARM_STAGE_FATAL``). Glue: imports the transport, wire and model modules; nothing imports it.
+
+Data path per frame: the head receives token ids from the coordinator, every stage runs its
+layers in a worker thread (so trio and the libp2p host stay responsive), forwards hidden states to
+its successor over one persistent stream, and the tail returns argmax token ids straight to the
+coordinator on the stream that opened the session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarm import wire
+from swarm.config import StageConfig
+from swarm.errors import ContextOverflow, ProtocolError, StreamClosed, SwarmError
+from swarm.wire import PROTOCOL_ID
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One session's state at this stage."""
+
+    session_id: str
+    cache: object
+    reply: object  # FramedStream back to the coordinator that opened the session
+    next_addr: str | None
+    next_stream: object | None = None
+    epoch: int = 0
+    positions: int = 0
+    frames_in: int = 0
+    frames_out: int = 0
+    errors: list = field(default_factory=list)
+
+
+class StageServer:
+    """Serves a loaded LayerBlock on a SwarmHost. Create, then ``await serve(host)``."""
+
+    def __init__(self, config: StageConfig, block, model_name: str, model_digest: str):
+        self.config = config
+        self.block = block
+        self.model_name = model_name
+        self.model_digest = model_digest
+        self.sessions: dict[str, Session] = {}
+        self.successors: dict[str, object] = {}  # addr -> FramedStream, one persistent stream per hop
+        self._dial_lock = trio.Lock()
+        self._compute_lock = trio.Lock()
+        self.host = None
+
+    def info(self) -> dict:
+        b = self.block
+        return wire.frame(
+            "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
+            layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
+            vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
+        )
+
+    async def handle_stream(self, stream) -> None:
+        """Serve every frame arriving on one inbound stream until the peer closes it."""
+        peer = getattr(stream, "remote_peer_id", "?")
+        log.debug("stream.open peer=%s", peer)
+        try:
+            while True:
+                try:
+                    msg = await stream.recv()
+                except StreamClosed:
+                    break
+                except ProtocolError as exc:  # the byte stream is broken: say why, then drop it
+                    log.warning("frame.invalid peer=%s reason=%s", peer, exc)
+                    await self._try_send(stream, wire.error_frame(str(exc)))
+                    break
+                try:
+                    await self.dispatch(stream, wire.validate(msg))
+                except ProtocolError as exc:
+                    log.warning("frame.rejected peer=%s reason=%s", peer, exc)
+                    await self._try_send(stream, wire.error_frame(str(exc), session=_session_of(msg)))
+        except trio.Cancelled:
+            raise
+        except Exception:  # root of a connection task: log, never take the daemon down
+            log.exception("stream.crashed peer=%s", peer)
+        finally:
+            self._drop_sessions_of(stream)
+            with trio.move_on_after(1):
+                await stream.aclose()
+
+    async def dispatch(self, stream, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "info":
+            await stream.send(self.info())
+        elif kind == "open":
+            await self._open(stream, msg)
+        elif kind == "forward":
+            await self._forward(stream, msg)
+        elif kind == "close":
+            self.sessions.pop(msg["session"], None)
+            log.info("session.close session=%s", msg["session"])
+            await stream.send(wire.frame("close_ok", session=msg["session"]))
+        else:
+            raise ProtocolError(f"a stage does not accept {kind!r} frames")
+
+    async def _open(self, stream, msg: dict) -> None:
+        sid, next_addr = msg["session"], msg["next"]
+        if self.block.is_tail and next_addr is not None:
+            raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
+        if not self.block.is_tail and next_addr is None:
+            raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
+        max_len = min(msg["max_len"] or self.block.max_ctx, self.block.max_ctx)
+        session = Session(sid, self.block.new_cache(max_len), stream, next_addr)
+        if next_addr is not None:
+            try:
+                session.next_stream = await self._successor(next_addr)
+            except SwarmError as exc:
+                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+                return
+        self.sessions[sid] = session
+        log.info("session.open session=%s next=%s max_len=%d", sid, next_addr, max_len)
+        await stream.send(wire.frame("open_ok", session=sid))
+
+    async def _successor(self, addr: str):
+        async with self._dial_lock:
+            s = self.successors.get(addr)
+            if s is None or getattr(s, "closed", False):
+                s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
+                self.successors[addr] = s
+                self.host.spawn(self._drain_successor, addr, s)
+            return s
+
+    async def _drain_successor(self, addr: str, s) -> None:
+        """Read what a successor says on our outbound stream (only errors) and relay them."""
+        while True:
+            try:
+                msg = await s.recv()
+            except (StreamClosed, ProtocolError):
+                if self.successors.get(addr) is s:
+                    del self.successors[addr]
+                return
+            sess = self.sessions.get(_session_of(msg) or "")
+            if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
+                await self._try_send(sess.reply, msg)
+
+    async def _forward(self, stream, msg: dict) -> None:
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            return
+        if msg["epoch"] < sess.epoch:
+            return  # stale speculation: drop before computing
+        sess.epoch = msg["epoch"]
+        block = self.block
+        if block.is_head:
+            if "tokens" not in msg:
+                raise ProtocolError(f"stage {block.layer_range} is the head and expects token ids")
+            bad = [t for t in msg["tokens"] if t >= block.vocab_size]
+            if bad:
+                raise ProtocolError(f"token id {bad[0]} is outside the vocabulary of {block.vocab_size}")
+            inputs = {"token_ids": torch.tensor([msg["tokens"]], dtype=torch.long)}
+        else:
+            if "hidden" not in msg:
+                raise ProtocolError(f"stage {block.layer_range} expects hidden states, got token ids")
+            inputs = {"hidden": wire.decode_tensor(msg["hidden"], rank=3, last_dim=block.hidden_size)}
+        sess.frames_in += 1
+        pos = msg["pos"]
+        try:
+            async with self._compute_lock:
+                out = await trio.to_thread.run_sync(self._compute, sess, pos, inputs)
+        except (ContextOverflow, ProtocolError) as exc:
+            code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
+            await self._try_send(sess.reply, wire.error_frame(f"stage {block.layer_range}: {exc}", code, sid))
+            return
+        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
+        if block.is_tail:
+            await sess.reply.send(wire.frame("result", token_ids=out, **meta))
+        else:
+            try:
+                await sess.next_stream.send(wire.frame("forward", hidden=out, **meta), timeout_s=self.config.hop_timeout_s)
+            except SwarmError as exc:
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {block.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
+                return
+        sess.frames_out += 1
+
+    def _compute(self, sess: Session, pos: int, inputs: dict):
+        """Worker-thread body: forward, then encode (tail: argmax ids; others: hidden bytes)."""
+        out = self.block.forward(sess.cache, pos, **inputs)
+        sess.positions += out.shape[1]
+        if self.block.is_tail:
+            return out[0].argmax(dim=-1).tolist()
+        return wire.encode_tensor(out)
+
+    async def _try_send(self, stream, msg: dict) -> None:
+        try:
+            await stream.send(msg, timeout_s=5.0)
+        except SwarmError as exc:
+            log.info("send.failed reason=%s", exc)
+
+    def _drop_sessions_of(self, stream) -> None:
+        for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
+            del self.sessions[sid]
+            log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload."""
+    from swarm.transport import open_host
+
+    async with open_host(key, [listen]) as host:
+        server.host = host
+        host.set_handler(PROTOCOL_ID, server.handle_stream)
+        b = server.block
+        task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
+                             "model": server.model_name, "model_digest": server.model_digest})
+        await trio.sleep_forever()
+
+
+def _session_of(msg) -> str | None:
+    return msg.get("session") if isinstance(msg, dict) and isinstance(msg.get("session"), str) else None
+
+
+def emit(line_kind: str, payload: dict) -> None:
+    """Print one lifecycle line (``SWARM_STAGE_<KIND> {json}``) to stdout and flush."""
+    sys.stdout.write(f"SWARM_STAGE_{line_kind} {json.dumps(payload, sort_keys=True)}\n")
+    sys.stdout.flush()
+
+
+def run_stage(config: StageConfig) -> int:
+    """Load the block, listen, print READY, serve until interrupted. Returns the exit code.
+
+    Every start-up failure prints ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 1.
+    """
+    from swarm.model.block import load_block
+    from swarm.model.resolve import model_manifest_digest, resolve_model
+    from swarm.transport import load_or_create_key
+
+    try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        key = load_or_create_key(config.key_path)
+        resolved = resolve_model(config.model)
+        block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
+                           progress=sys.stderr.isatty())
+        digest = model_manifest_digest(resolved.path)
+    except SwarmError as exc:
+        emit("FATAL", {"reason": str(exc)})
+        return 1
+    server = StageServer(config, block, resolved.name, digest)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ready = await nursery.start(serve, server, key, config.listen)
+            emit("READY", ready)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except SwarmError as exc:
+        emit("FATAL", {"reason": str(exc)})
+        return 1
+    return 0

@@ -1,0 +1,159 @@
+"""Frames of the ring protocol: schema, validation, and tensors as raw bytes.
+
+Owns: the message types of ``/swarm/ring/1``, their field types and ranges, and the conversion of
+tensors to and from ``{"dtype", "shape", "data"}`` maps (raw little-endian bytes, no pickle).
+Framing on the stream (length prefix, maximum size) belongs to ``swarm.transport.framing``.
+May import torch and msgpack (through the transport); no networking.
+
+Every frame is a msgpack map with ``v`` (protocol version) and ``type``. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from swarm.errors import ProtocolError
+
+PROTOCOL_ID = "/swarm/ring/1"
+VERSION = 1
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+_INT = (int,)
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_LIST = (list,)
+_DICT = (dict,)
+
+# type -> {field: allowed python types}; "v" and "type" are checked for every frame.
+SCHEMA: dict[str, dict[str, tuple]] = {
+    "info": {},
+    "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
+                "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
+    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},
+    "open_ok": {"session": _STR},
+    "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
+    "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
+    "close": {"session": _STR},
+    "close_ok": {"session": _STR},
+    "error": {"reason": _STR, "code": _STR},
+}
+MAX_SESSION_CHARS = 128
+MAX_INT = 2**31 - 1
+
+
+def frame(kind: str, **fields: Any) -> dict:
+    """Build a frame map of ``kind`` with the protocol version set."""
+    return {"v": VERSION, "type": kind, **fields}
+
+
+def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
+    """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable."""
+    out = frame("error", reason=reason, code=code)
+    if session is not None:
+        out["session"] = session
+    return out
+
+
+def validate(msg: Any) -> dict:
+    """Check a decoded frame against the schema and return it.
+
+    Raises:
+        ProtocolError: naming the first bad field (wrong version, unknown type, missing field,
+            wrong type, negative or oversized integer, over-long session id).
+    """
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"frame is a {type(msg).__name__}, not a map")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this node speaks {VERSION})")
+    kind = msg.get("type")
+    if kind not in SCHEMA:
+        raise ProtocolError(f"unknown frame type {kind!r}")
+    for name, types in SCHEMA[kind].items():
+        if name not in msg:
+            raise ProtocolError(f"{kind} frame lacks field {name!r}")
+        value = msg[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ProtocolError(f"{kind} frame field {name!r} has type {type(value).__name__}")
+        if isinstance(value, int) and not 0 <= value <= MAX_INT:
+            raise ProtocolError(f"{kind} frame field {name!r}={value} is out of range")
+    session = msg.get("session")
+    if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
+        raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")
+    if kind == "forward":
+        has_tokens, has_hidden = "tokens" in msg, "hidden" in msg
+        if has_tokens == has_hidden:
+            raise ProtocolError("forward frame must carry exactly one of 'tokens' or 'hidden'")
+        if has_tokens:
+            toks = msg["tokens"]
+            if not isinstance(toks, list) or not toks or not all(isinstance(x, int) and not isinstance(x, bool) for x in toks):
+                raise ProtocolError("forward frame 'tokens' must be a non-empty list of integers")
+        elif not isinstance(msg["hidden"], dict):
+            raise ProtocolError("forward frame 'hidden' must be a tensor map")
+    return msg
+
+
+def encode_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
+    """Encode a tensor as ``{"dtype": name, "shape": [...], "data": raw bytes}``.
+
+    Args:
+        t: any tensor of a wire dtype (float32/64, bfloat16, float16); moved to CPU.
+        dtype: cast to this dtype first (the wire dtype); default keeps ``t.dtype``.
+    Raises:
+        ProtocolError: if the dtype is not a wire dtype.
+    """
+    if dtype is not None:
+        t = t.to(dtype)
+    if t.dtype not in DTYPE_NAMES:
+        raise ProtocolError(f"dtype {t.dtype} cannot travel on the wire")
+    t = t.detach().to("cpu").contiguous()
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": data}
+
+
+def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = None,
+                  max_elements: int = 1 << 28) -> torch.Tensor:
+    """Decode a tensor map, checking dtype, rank, last dimension and byte length before copying.
+
+    Args:
+        m: the map produced by :func:`encode_tensor`.
+        rank: required number of dimensions (e.g. 3 for (B, T, D)).
+        last_dim: required size of the last dimension (e.g. the hidden size D).
+        max_elements: refuse larger tensors.
+    Returns:
+        A CPU tensor of the declared dtype and shape (a private copy of the bytes).
+    Raises:
+        ProtocolError: unknown dtype, bad shape, or ``len(data) != prod(shape) * itemsize``.
+    """
+    if not isinstance(m, dict):
+        raise ProtocolError("tensor field is not a map")
+    name, shape, data = m.get("dtype"), m.get("shape"), m.get("data")
+    if name not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor dtype {name!r} is not allowed (allowed: {', '.join(WIRE_DTYPES)})")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"tensor shape {shape!r} is not a list of non-negative integers")
+    if rank is not None and len(shape) != rank:
+        raise ProtocolError(f"tensor has rank {len(shape)}, expected {rank}")
+    if last_dim is not None and shape and shape[-1] != last_dim:
+        raise ProtocolError(f"tensor last dimension is {shape[-1]}, expected {last_dim}")
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError("tensor data is not bytes")
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise ProtocolError(f"tensor of {numel} elements exceeds the limit of {max_elements}")
+    dtype = WIRE_DTYPES[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(data) != numel * itemsize:
+        raise ProtocolError(f"tensor data has {len(data)} bytes, shape {shape} x {itemsize} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)

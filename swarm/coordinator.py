@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from swarm import wire
-from swarm.config import CoordinatorConfig, RingSpec
+from swarm.config import CoordinatorConfig, RingSpec, cache_root
 from swarm.errors import (ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed,
                           SwarmError)
 from swarm.ranges import check_tiling
@@ -223,7 +223,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     if not prompt_ids:
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
-    key = load_or_create_key(config.key_path) if config.key_path else None
+    key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s)

@@ -57,6 +57,7 @@ class StageServer:
         self._dial_lock = trio.Lock()
         self._compute_lock = trio.Lock()
         self.host = None
+        self.nursery = None  # background tasks (successor drains), set by serve()
 
     def info(self) -> dict:
         b = self.block
@@ -133,7 +134,7 @@ class StageServer:
             if s is None or getattr(s, "closed", False):
                 s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
                 self.successors[addr] = s
-                self.host.spawn(self._drain_successor, addr, s)
+                self.nursery.start_soon(self._drain_successor, addr, s)
             return s
 
     async def _drain_successor(self, addr: str, s) -> None:
@@ -215,8 +216,8 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
     """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload."""
     from swarm.transport import open_host
 
-    async with open_host(key, [listen]) as host:
-        server.host = host
+    async with open_host(key, [listen]) as host, trio.open_nursery() as nursery:
+        server.host, server.nursery = host, nursery
         host.set_handler(PROTOCOL_ID, server.handle_stream)
         b = server.block
         task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),

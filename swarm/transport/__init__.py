@@ -1,0 +1,51 @@
+"""Transport layer of a swarm node: identity, the libp2p host, framed streams, deadlines.
+
+Owns everything between "send this map to that stage" and TCP: the ed25519 node key and its
+PeerId, a py-libp2p host restricted to TCP + Noise + Yamux, length-prefixed msgpack frames
+with a draining reader task, and the mapping of network faults onto ``swarm.errors``.
+May import: stdlib, trio, msgpack, pynacl, multiaddr, libp2p. Never torch, numpy or model
+code: ``import swarm.transport`` must not load torch (a test checks it).
+
+Modules:
+- ``identity``  key file (0600), PeerId, sign / verify from a PeerId alone
+- ``framing``   wire format, pure encoder/decoder, ``FramedStream``
+- ``host``      ``open_host`` -> ``SwarmHost`` (listen, dial, serve protocols)
+"""
+
+from swarm.transport.framing import (
+    LENGTH_PREFIX_BYTES,
+    MAX_FRAME_BYTES,
+    QUEUE_FRAMES,
+    FrameDecoder,
+    FramedStream,
+    decode_body,
+    decode_length_prefix,
+    encode_frame,
+)
+from swarm.transport.host import DEFAULT_LISTEN_ADDRS, SwarmHost, open_host
+from swarm.transport.identity import (
+    load_or_create_key,
+    peer_id_of,
+    public_key_of_peer,
+    sign,
+    verify_peer_signature,
+)
+
+__all__ = [
+    "DEFAULT_LISTEN_ADDRS",
+    "LENGTH_PREFIX_BYTES",
+    "MAX_FRAME_BYTES",
+    "QUEUE_FRAMES",
+    "FrameDecoder",
+    "FramedStream",
+    "SwarmHost",
+    "decode_body",
+    "decode_length_prefix",
+    "encode_frame",
+    "load_or_create_key",
+    "open_host",
+    "peer_id_of",
+    "public_key_of_peer",
+    "sign",
+    "verify_peer_signature",
+]

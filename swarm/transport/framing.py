@@ -1,0 +1,417 @@
+"""Length-prefixed msgpack frames over one libp2p stream.
+
+Owns: the frame wire format, its pure encoder/decoder, and ``FramedStream`` (a send lock, a
+reader task draining the stream into a bounded queue, deadlines, close/reset semantics).
+May import: stdlib, trio, msgpack, libp2p exception types. No torch, no model terms; the frame
+*schema* (what keys a map holds) belongs to ``swarm.wire``.
+
+Wire format of one frame::
+
+    +----------------------------+------------------------------------------+
+    | length: uint32 big-endian  | body: `length` bytes, one msgpack map     |
+    +----------------------------+------------------------------------------+
+
+Bodies are packed with ``use_bin_type=True`` and unpacked with ``raw=False`` and
+``strict_map_key=True`` (map keys must be str or bytes), so byte strings round-trip as bytes
+and text as str. A declared length above the stream's maximum is refused before anything
+is read or allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import msgpack
+import trio
+from libp2p.exceptions import BaseLibp2pError
+
+from swarm.errors import FrameTooLarge, HopTimeout, ProtocolError, StreamClosed, SwarmError
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+"""Default largest accepted frame body, in bytes (prefill of a long prompt is the big one)."""
+QUEUE_FRAMES = 64
+"""Decoded frames a reader task may hold before it stops draining the stream."""
+LENGTH_PREFIX_BYTES = 4
+_PREFIX = struct.Struct(">I")
+_CLOSE_TIMEOUT_S = 1.0  # graceful FIN; a frozen peer must not hold up our close
+
+
+def _check_max(max_bytes: int) -> int:
+    if not 1 <= max_bytes <= 0xFFFF_FFFF:
+        raise ValueError(f"max frame bytes must be in [1, 2**32 - 1], got {max_bytes}")
+    return max_bytes
+
+
+def encode_frame(msg: Mapping[str, Any], max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Pack one map into a complete frame (length prefix + msgpack body).
+
+    Args:
+        msg: the map to send; values must be msgpack-serializable (bytes stay bytes).
+        max_bytes: largest allowed body size in bytes.
+    Returns:
+        ``uint32_be(len(body)) + body`` as one bytes object, ready for a single write.
+    Raises:
+        FrameTooLarge: the packed body exceeds ``max_bytes``.
+        TypeError: ``msg`` is not a mapping or holds a value msgpack cannot pack.
+    """
+    if not isinstance(msg, Mapping):
+        raise TypeError(f"a frame is a map, got {type(msg).__name__}")
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > max_bytes:
+        raise FrameTooLarge(f"frame body is {len(body)} bytes, max is {max_bytes} (sender side)")
+    return _PREFIX.pack(len(body)) + body
+
+
+def decode_length_prefix(prefix: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
+    """Read a frame's declared body length and check it against the maximum.
+
+    Args:
+        prefix: exactly 4 bytes, the big-endian uint32 length.
+        max_bytes: largest allowed body size in bytes.
+    Returns:
+        The declared body length in bytes.
+    Raises:
+        ProtocolError: ``prefix`` is not 4 bytes.
+        FrameTooLarge: the declared length exceeds ``max_bytes`` (nothing has been allocated).
+    """
+    if len(prefix) != LENGTH_PREFIX_BYTES:
+        raise ProtocolError(f"length prefix is {len(prefix)} bytes, expected 4")
+    (length,) = _PREFIX.unpack(prefix)
+    if length > max_bytes:
+        raise FrameTooLarge(f"peer declared a {length}-byte frame, max is {max_bytes}")
+    return length
+
+
+def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Unpack one frame body, which must be exactly one msgpack map.
+
+    Args:
+        body: the bytes after the length prefix.
+    Returns:
+        The decoded map (str/bytes keys; bin -> bytes, str -> str).
+    Raises:
+        ProtocolError: malformed msgpack, trailing bytes, non-str/bytes keys, or a top level
+            that is not a map.
+    """
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        # ValueError covers ExtraData, FormatError, StackError and truncated input.
+        raise ProtocolError(f"malformed msgpack in a {len(body)}-byte frame: {e}") from e
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"frame top level is {type(msg).__name__}, expected a map")
+    return msg
+
+
+class FrameDecoder:
+    """Incremental, network-free frame decoder (for tests, fuzzing and byte-level tools).
+
+    Feed it arbitrary slices of a byte stream; it returns every frame completed so far. After
+    an error it stays failed: the stream cannot be resynchronized.
+    """
+
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_bytes = _check_max(max_bytes)
+        self._buf = bytearray()
+        self._need: int | None = None  # body length of the frame in progress
+        self._error: SwarmError | None = None
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Append bytes and return the frames they complete.
+
+        Args:
+            data: the next bytes of the stream, any length.
+        Returns:
+            Decoded maps, in order (possibly empty).
+        Raises:
+            FrameTooLarge: a declared length exceeds ``max_bytes`` (checked on the prefix alone).
+            ProtocolError: a body is not one msgpack map.
+        """
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        self._buf += data
+        out: list[dict[str, Any]] = []
+        try:
+            while True:
+                if self._need is None:
+                    if len(self._buf) < LENGTH_PREFIX_BYTES:
+                        return out
+                    self._need = decode_length_prefix(bytes(self._buf[:4]), self.max_bytes)
+                    del self._buf[:4]
+                if len(self._buf) < self._need:
+                    return out
+                body = bytes(self._buf[: self._need])
+                del self._buf[: self._need]
+                self._need = None
+                out.append(decode_body(body))
+        except ProtocolError as e:
+            self._error = e
+            raise
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet part of a completed frame."""
+        return len(self._buf)
+
+
+class RawStream(Protocol):
+    """What FramedStream needs from a byte stream (a libp2p ``INetStream`` fits)."""
+
+    async def read(self, n: int) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def close(self) -> None: ...
+    async def reset(self) -> None: ...
+
+
+# What a raw stream raises when the peer or the connection goes away.
+_RAW_ERRORS = (
+    EOFError,
+    OSError,
+    BaseLibp2pError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
+
+
+class FramedStream:
+    """A message stream of msgpack maps over one raw (libp2p) stream.
+
+    Lifetime: construct, then ``start(nursery)`` runs the reader task in that nursery.
+    ``SwarmHost`` does both: outbound streams' readers run in the host's nursery, inbound
+    streams' readers in a nursery scoped to the protocol handler (the stream is closed when the
+    handler returns). The reader drains the stream continuously into a queue of
+    ``queue_frames`` decoded frames, so the Yamux window keeps opening while the consumer
+    computes (Yamux resets a writer whose window stays full for 5 s).
+
+    ``async with stream:`` closes it on exit.
+    """
+
+    def __init__(
+        self,
+        raw: RawStream,
+        *,
+        remote_peer_id: str,
+        protocol_id: str,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        queue_frames: int = QUEUE_FRAMES,
+    ) -> None:
+        self.raw = raw
+        self.remote_peer_id = remote_peer_id
+        self.protocol_id = protocol_id
+        self.max_frame_bytes = _check_max(max_frame_bytes)
+        self._send_lock = trio.Lock()
+        self._tx, self._rx = trio.open_memory_channel[dict[str, Any]](queue_frames)
+        self._reader_scope = trio.CancelScope()
+        self._started = False
+        self._closed = False  # we called aclose(): send and recv fail at once
+        self._broken = False  # reset after a fatal error: send fails, recv drains the queue
+        self._terminal: SwarmError | None = None  # why no more frames will arrive
+
+    def __repr__(self) -> str:
+        return f"FramedStream(peer={self.remote_peer_id}, protocol={self.protocol_id})"
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the reader task in ``nursery``; call exactly once, before ``recv``."""
+        if self._started:
+            raise RuntimeError(f"{self!r} already started")
+        self._started = True
+        nursery.start_soon(self._reader, name=f"frame-reader {self.remote_peer_id[-8:]}")
+
+    async def __aenter__(self) -> FramedStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ---- sending -------------------------------------------------------------------------
+
+    async def send(self, msg: Mapping[str, Any], timeout_s: float | None = 30.0) -> None:
+        """Send one map as one frame; concurrent senders never interleave.
+
+        Args:
+            msg: the map to send.
+            timeout_s: deadline in seconds for waiting on the lock and writing (None: no limit).
+        Raises:
+            FrameTooLarge: the packed map exceeds ``max_frame_bytes`` (nothing was written).
+            HopTimeout: the deadline passed; if part of the frame was written the stream is
+                reset, because the byte stream can no longer be resynchronized.
+            StreamClosed: the stream was closed (by us or the peer) or reset.
+            TypeError: ``msg`` cannot be packed.
+        """
+        frame = encode_frame(msg, self.max_frame_bytes)
+        self._check_sendable()
+        writing = False
+        try:
+            with _deadline(timeout_s):
+                async with self._send_lock:
+                    self._check_sendable()
+                    writing = True
+                    # One write of header+body: Yamux slices it into 64 KiB frames itself.
+                    await self.raw.write(frame)
+                    writing = False
+        except trio.TooSlowError:
+            log.warning(
+                "hop.send_timeout peer=%s protocol=%s frame_bytes=%d timeout_s=%.2f partial=%s",
+                self.remote_peer_id, self.protocol_id, len(frame), timeout_s, writing,
+            )
+            if writing:
+                await self._abort(StreamClosed(f"{self!r} was reset after a send timeout"))
+            raise HopTimeout(
+                f"send to peer {self.remote_peer_id} ({self.protocol_id}) of {len(frame)} bytes "
+                f"timed out after {timeout_s}s"
+            ) from None
+        except _RAW_ERRORS as e:
+            raise StreamClosed(
+                f"send to peer {self.remote_peer_id} ({self.protocol_id}) failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    async def recv(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Return the next frame's map, in the order the peer sent them.
+
+        Args:
+            timeout_s: deadline in seconds (None: wait as long as the stream lives).
+        Returns:
+            The decoded map.
+        Raises:
+            HopTimeout: no frame arrived before the deadline (the stream stays usable).
+            StreamClosed: EOF or reset from the peer (after every queued frame was returned),
+                or we closed the stream.
+            FrameTooLarge / ProtocolError: the peer sent an oversized or malformed frame; the
+                stream has been reset, and every later recv raises the same error.
+        """
+        if self._closed:
+            raise self._terminal_copy()
+        if not self._started:
+            raise RuntimeError(f"recv on {self!r} before start(nursery)")
+        try:
+            with _deadline(timeout_s):
+                return await self._rx.receive()
+        except trio.TooSlowError:
+            raise HopTimeout(
+                f"recv from peer {self.remote_peer_id} ({self.protocol_id}) timed out "
+                f"after {timeout_s}s"
+            ) from None
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._terminal_copy() from None
+
+    def _check_sendable(self) -> None:
+        if self._closed:
+            raise self._terminal_copy()
+        if self._broken:
+            raise StreamClosed(f"{self!r} was reset after: {self._terminal}")
+
+    def _terminal_copy(self) -> SwarmError:
+        t = self._terminal or StreamClosed(f"{self!r} is closed")
+        return type(t)(str(t))
+
+    async def _reader(self) -> None:
+        terminal: SwarmError | None = None
+        try:
+            with self._reader_scope:
+                terminal = await self._read_frames()
+        except ProtocolError as e:  # includes FrameTooLarge
+            log.warning(
+                "hop.bad_frame peer=%s protocol=%s error=%s",
+                self.remote_peer_id, self.protocol_id, e,
+            )
+            terminal = e
+            await self._abort(e)
+        except StreamClosed as e:
+            terminal = e
+        finally:
+            # Cancelled (aclose, or the owning nursery shutting down) leaves terminal None.
+            if self._terminal is None:
+                self._terminal = terminal or StreamClosed(f"{self!r} stopped reading (closed locally)")
+            self._tx.close()
+
+    async def _read_frames(self) -> StreamClosed:
+        """Move decoded frames into the queue until a clean EOF, which it returns."""
+        while True:
+            prefix = await self._read_exact(LENGTH_PREFIX_BYTES, frame_start=True)
+            if prefix is None:
+                return StreamClosed(
+                    f"peer {self.remote_peer_id} closed the stream ({self.protocol_id})"
+                )
+            length = decode_length_prefix(prefix, self.max_frame_bytes)
+            body = await self._read_exact(length)
+            await self._tx.send(decode_body(body or b""))
+
+    async def _read_exact(self, n: int, frame_start: bool = False) -> bytes | None:
+        """Read exactly ``n`` bytes; libp2p's read(n) may return fewer.
+
+        Returns None on a clean EOF before the first byte of a frame (``frame_start``).
+        Raises StreamClosed on reset, or on EOF in the middle of a frame.
+        """
+        chunks: list[bytes] = []
+        got = 0
+        while got < n:
+            try:
+                data = await self.raw.read(n - got)
+            except _RAW_ERRORS as e:
+                if isinstance(e, EOFError):  # libp2p StreamEOF / MuxedStreamEOF
+                    data = b""
+                else:
+                    raise StreamClosed(
+                        f"stream from peer {self.remote_peer_id} ({self.protocol_id}) broke: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+            if not data:
+                if frame_start and got == 0:
+                    return None
+                raise StreamClosed(
+                    f"peer {self.remote_peer_id} closed the stream ({self.protocol_id}) "
+                    f"mid-frame after {got} of {n} bytes"
+                )
+            chunks.append(data)
+            got += len(data)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    # ---- closing -------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close our side gracefully (FIN after any frame being written) and stop reading.
+
+        Later ``send``/``recv`` raise StreamClosed ("closed locally"). Frames the peer sends
+        afterwards are not read. Idempotent; never raises for a broken stream.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._terminal is None:
+            self._terminal = StreamClosed(f"{self!r} was closed locally")
+        self._reader_scope.cancel()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_CLOSE_TIMEOUT_S) as scope:
+                async with self._send_lock:
+                    with contextlib.suppress(*_RAW_ERRORS):
+                        await self.raw.close()
+            if scope.cancelled_caught:
+                await self._reset_raw()
+        log.debug("hop.close peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
+
+    async def _abort(self, reason: SwarmError) -> None:
+        """Reset the stream after a fatal error; ``reason`` is what recv/send report."""
+        self._broken = True
+        if self._terminal is None:
+            self._terminal = reason
+        self._reader_scope.cancel()
+        await self._reset_raw()
+
+    async def _reset_raw(self) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+            with contextlib.suppress(*_RAW_ERRORS):
+                await self.raw.reset()
+
+
+def _deadline(timeout_s: float | None) -> contextlib.AbstractContextManager[Any]:
+    """``trio.fail_after(timeout_s)``, or no deadline when ``timeout_s`` is None."""
+    return contextlib.nullcontext() if timeout_s is None else trio.fail_after(timeout_s)

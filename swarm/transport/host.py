@@ -1,0 +1,319 @@
+"""The libp2p host of a swarm node: listen, dial, and hand out framed streams.
+
+Owns: building the py-libp2p host (TCP + Noise + Yamux, nothing else), its lifetime on trio,
+listen-address checks, dialing with deadlines, and mapping libp2p failures onto swarm errors.
+May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors`` and ``swarm.transport``.
+No torch, no model terms.
+
+Security is Noise only and the muxer Yamux only: libp2p's default ``new_host()`` also offers
+TLS, secio and *plaintext*, so both option maps are passed explicitly and a peer that speaks
+only plaintext fails the security handshake.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.host.exceptions import StreamFailure
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.protocol_muxer.exceptions import MultiselectClientError, ProtocolNotSupportedError
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.tcp.tcp import TCP
+
+from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
+from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream
+from swarm.transport.identity import peer_id_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN_ADDRS = ("/ip4/127.0.0.1/tcp/0",)
+StreamHandler = Callable[[FramedStream], Awaitable[None]]
+
+
+class SwarmHost:
+    """A running libp2p host; obtain one from ``open_host``."""
+
+    def __init__(self, host: IHost, nursery: trio.Nursery) -> None:
+        self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
+        self._nursery = nursery
+        self._peer_id = host.get_id().to_base58()
+
+    @property
+    def peer_id(self) -> str:
+        """This node's base58 PeerId."""
+        return self._peer_id
+
+    def addrs(self) -> list[str]:
+        """Full dialable multiaddrs of this node, each ending in ``/p2p/<peer_id>``.
+
+        Returns:
+            The actually bound addresses (a requested port 0 shows the kernel's choice).
+        """
+        out = []
+        for addr in self.libp2p_host.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self._peer_id}")
+        return out
+
+    def set_handler(
+        self, protocol_id: str, handler: StreamHandler, *, max_frame_bytes: int = MAX_FRAME_BYTES
+    ) -> None:
+        """Serve inbound streams of ``protocol_id`` with ``handler(FramedStream)``.
+
+        Each inbound stream runs ``handler`` in its own task with the stream's reader task in a
+        nursery scoped to it; the stream is closed when the handler returns, so a handler that
+        serves a long-lived hop simply keeps awaiting. An exception escaping the handler is
+        logged with its traceback and resets that stream only.
+
+        Args:
+            protocol_id: multistream protocol id, e.g. ``/swarm/hop/1``.
+            handler: async callable taking the FramedStream.
+            max_frame_bytes: largest frame body accepted on these streams.
+        """
+
+        async def serve(net_stream: INetStream) -> None:
+            stream = FramedStream(
+                net_stream,
+                remote_peer_id=_remote_peer_id(net_stream),
+                protocol_id=protocol_id,
+                max_frame_bytes=max_frame_bytes,
+            )
+            log.debug("hop.accept peer=%s protocol=%s", stream.remote_peer_id, protocol_id)
+            try:
+                async with trio.open_nursery() as nursery:
+                    stream.start(nursery)
+                    try:
+                        await handler(stream)
+                    finally:
+                        await stream.aclose()
+            except Exception:  # root of a connection task: report, never kill the host
+                log.exception(
+                    "hop.handler_failed peer=%s protocol=%s", stream.remote_peer_id, protocol_id
+                )
+                await stream._abort(ProtocolError(f"handler for {protocol_id} failed"))
+
+        self.libp2p_host.set_stream_handler(TProtocol(protocol_id), serve)
+
+    async def open_stream(
+        self,
+        addr: str,
+        protocol_id: str,
+        timeout_s: float = 10.0,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> FramedStream:
+        """Connect to a peer (if not connected) and open a new framed stream to it.
+
+        When not connected, the peer is taken off libp2p's 60 s negative dial cache and its
+        remembered addresses are replaced by ``addr``, so a restarted stage or a spare at the
+        same PeerId but a new port can be reached at once. An existing connection is reused.
+
+        Args:
+            addr: full multiaddr ending in ``/p2p/<peer_id>``.
+            protocol_id: protocol to negotiate on the new stream.
+            timeout_s: deadline in seconds for dial + stream negotiation together.
+            max_frame_bytes: largest frame body accepted on this stream.
+        Returns:
+            A started FramedStream; its reader runs in the host's nursery.
+        Raises:
+            ConfigError: ``addr`` is not a multiaddr with a ``/p2p/`` PeerId.
+            HopTimeout: the deadline passed.
+            StageLost: the peer is unreachable, refused, or failed the Noise handshake.
+            ProtocolError: the peer does not speak ``protocol_id``.
+        """
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except (ValueError, multiaddr.exceptions.Error) as e:
+            raise ConfigError(f"not a dialable multiaddr with /p2p/<peer_id>: {addr!r} ({e})") from e
+        host = self.libp2p_host
+        network = host.get_network()
+        start = trio.current_time()
+        try:
+            with trio.fail_after(timeout_s):
+                if not network.get_connections(info.peer_id):
+                    # The swarm dials only one TCP addr per peer, possibly a stale one from an
+                    # earlier dial or identify: dial exactly the addr we were given.
+                    host.get_peerstore().clear_addrs(info.peer_id)
+                    network.unblock_peer(info.peer_id)
+                    await host.connect(info)
+                    log.debug(
+                        "hop.dial peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start
+                    )
+                net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+        except trio.TooSlowError:
+            log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
+            raise HopTimeout(
+                f"opening {protocol_id} to {addr} timed out after {timeout_s}s"
+            ) from None
+        except StreamFailure as e:
+            if _is_unsupported_protocol(e):
+                raise ProtocolError(f"peer at {addr} does not speak {protocol_id}") from e
+            raise StageLost(f"cannot open {protocol_id} to {addr}: {e}") from e
+        except (BaseLibp2pError, OSError) as e:
+            log.info("hop.unreachable addr=%s error=%s", addr, e)
+            raise StageLost(f"peer at {addr} is unreachable: {type(e).__name__}: {e}") from e
+        stream = FramedStream(
+            net_stream,
+            remote_peer_id=_remote_peer_id(net_stream),
+            protocol_id=protocol_id,
+            max_frame_bytes=max_frame_bytes,
+        )
+        stream.start(self._nursery)
+        log.debug(
+            "hop.open peer=%s protocol=%s waited_s=%.3f",
+            stream.remote_peer_id, protocol_id, trio.current_time() - start,
+        )
+        return stream
+
+
+@asynccontextmanager
+async def open_host(
+    key_pair: KeyPair,
+    listen_addrs: Sequence[str] = DEFAULT_LISTEN_ADDRS,
+    *,
+    dial_retries: int = 1,
+    health_check_interval_s: float | None = None,
+) -> AsyncIterator[SwarmHost]:
+    """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
+
+    Args:
+        key_pair: the node's ed25519 key (see ``load_or_create_key``); fixes the PeerId.
+        listen_addrs: TCP multiaddrs such as ``/ip4/127.0.0.1/tcp/0`` (port 0: any free port;
+            ``SwarmHost.addrs()`` reports the bound one).
+        dial_retries: extra TCP dial attempts libp2p makes per connect (0.1 s, 0.2 s... apart).
+        health_check_interval_s: if set, enable libp2p's connection health monitor: ping each
+            connection this often and close it when a ping fails, so a frozen peer surfaces
+            as StreamClosed instead of a silent hang. Off by default (hops carry their own
+            deadlines and heartbeats).
+    Yields:
+        The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
+    Raises:
+        ConfigError: a listen address is malformed, not TCP, already in use, or not local.
+    """
+    maddrs = [_parse_listen_addr(a) for a in listen_addrs]
+    if not maddrs:
+        raise ConfigError("open_host needs at least one listen address")
+    for maddr in maddrs:
+        _probe_bindable(maddr)
+    _route_libp2p_logs()
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={
+            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
+                key_pair, noise_privkey=create_x25519_key_pair().private_key
+            )
+        },
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=maddrs,
+        transports=[TCP()],
+        connection_config=_connection_config(health_check_interval_s),
+    )
+    # new_host takes no retry option; the swarm reads this attribute on every dial.
+    host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
+    async with host.run(maddrs):
+        network = host.get_network()
+        # The auto-connector dials every peer in the peerstore until it holds ~150
+        # connections, and re-dials dead ones every 10 s; the ring decides whom we dial.
+        await network.auto_connector.stop()
+        listening = network.listeners
+        failed = [str(m) for m in maddrs if str(m) not in listening]
+        if failed:
+            raise ConfigError(f"cannot listen on {', '.join(failed)} (address in use or not local)")
+        log.info("host.start peer=%s addrs=%s", peer_id_of(key_pair), [str(a) for a in host.get_addrs()])
+        async with trio.open_nursery() as nursery:
+            try:
+                yield SwarmHost(host, nursery)
+            finally:
+                nursery.cancel_scope.cancel()
+    log.info("host.stop peer=%s", peer_id_of(key_pair))
+
+
+def _connection_config(health_check_interval_s: float | None) -> ConnectionConfig:
+    # max_connections_per_peer=1: the swarm's dial waits for either that many connections or
+    # its 250 ms happy-eyeballs delay, even with a single address; 1 makes connect ~5 ms.
+    # Extra connections from a simultaneous dial are within the grace period and kept.
+    if health_check_interval_s is None:
+        return ConnectionConfig(max_connections_per_peer=1)
+    if not health_check_interval_s > 0:
+        raise ConfigError(f"health_check_interval_s must be > 0, got {health_check_interval_s}")
+    return ConnectionConfig(
+        max_connections_per_peer=1,
+        enable_health_monitoring=True,
+        health_initial_delay=health_check_interval_s,
+        health_warmup_window=0.0,
+        health_check_interval=health_check_interval_s,
+        ping_timeout=min(5.0, health_check_interval_s),
+        abort_connection_on_ping_failure=True,
+    )
+
+
+def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:
+    try:
+        maddr = multiaddr.Multiaddr(addr)
+    except (ValueError, multiaddr.exceptions.Error) as e:
+        raise ConfigError(f"listen address {addr!r} is not a multiaddr: {e}") from e
+    names = [p.name for p in maddr.protocols()]
+    if len(names) != 2 or names[0] not in ("ip4", "ip6") or names[1] != "tcp":
+        raise ConfigError(f"listen address {addr} must be /ip4|ip6/<ip>/tcp/<port>")
+    return maddr
+
+
+def _probe_bindable(maddr: multiaddr.Multiaddr) -> None:
+    """Fail fast if a fixed TCP port is taken.
+
+    libp2p binds listeners with SO_REUSEPORT (for hole punching), so a second libp2p host on
+    the same port would *succeed* and silently share inbound connections. A probe socket with
+    SO_REUSEADDR but without SO_REUSEPORT cannot bind a port someone listens on, while
+    TIME_WAIT leftovers of a restarted node do not block it.
+    """
+    port = int(maddr.value_for_protocol("tcp"))
+    if port == 0:
+        return
+    ip6 = maddr.value_for_protocol("ip6") if "ip6" in [p.name for p in maddr.protocols()] else None
+    family, ip = (socket.AF_INET6, ip6) if ip6 else (socket.AF_INET, maddr.value_for_protocol("ip4"))
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as e:
+            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ConfigError(f"listen address {maddr} {why}") from e
+
+
+def _route_libp2p_logs() -> None:
+    # `import libp2p` detaches its logger tree (propagate=False, no handlers) unless
+    # LIBP2P_DEBUG is set, so its warnings bypass the daemon's logging config and land on
+    # stderr via logging.lastResort. Route them through the standard tree instead.
+    if not os.environ.get("LIBP2P_DEBUG"):
+        logging.getLogger("libp2p").propagate = True
+        # It pins itself to INFO and logs every cycle; we stop it (see open_host) anyway.
+        logging.getLogger("libp2p.network.auto_connector").setLevel(logging.WARNING)
+
+
+def _remote_peer_id(net_stream: INetStream) -> str:
+    return net_stream.muxed_conn.peer_id.to_base58()
+
+
+def _is_unsupported_protocol(error: StreamFailure) -> bool:
+    cause = error.__cause__
+    if isinstance(cause, ProtocolNotSupportedError):
+        return True
+    # 0.8.1 folds the peer's "na" answers into a plain MultiselectClientError.
+    return isinstance(cause, MultiselectClientError) and "not supported" in str(cause)

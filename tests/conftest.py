@@ -1,0 +1,84 @@
+"""Shared fixtures: the shared real model, seeded synthetic models of each supported family."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SWARM_SHARED", REPO.parent / "shared"))
+STORIES = SHARED / "models" / "stories260k"
+
+
+def _need_shared(path: Path) -> Path:
+    if path.exists():
+        return path
+    if os.environ.get("SWARM_REQUIRE_SHARED") == "1":
+        pytest.fail(f"SWARM_REQUIRE_SHARED=1 but {path} is missing")
+    pytest.skip(f"{path} not present (a fresh clone has no ../shared)")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """../shared/models/stories260k: a real pretrained 5-layer Llama (skips without ../shared)."""
+    return _need_shared(STORIES)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Keep keys and converted models of tests out of the user's ~/.cache/swarm, except the
+    converted SmolLM2 which is expensive: tests that need it use ``smollm2_dir``."""
+    if "SWARM_CACHE" not in os.environ:
+        monkeypatch.setenv("SWARM_CACHE", str(tmp_path_factory.getbasetemp() / "swarm-cache"))
+
+
+FAMILY_CONFIGS = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=128),
+    "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=128),
+    "qwen3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, head_dim=8, max_position_embeddings=128),
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=97, sliding_window=6, max_position_embeddings=128),
+    "gpt2": dict(n_embd=32, n_layer=4, n_head=4, vocab_size=97, n_positions=128, bos_token_id=0, eos_token_id=0),
+}
+
+
+def make_synthetic(family: str, out_dir: Path, dtype: str = "float64", seed: int = 0, **overrides) -> Path:
+    """Write a seeded random tiny model of ``family`` (transformers' own classes) to ``out_dir``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**FAMILY_CONFIGS[family], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """Factory: ``synthetic(family, dtype="float64")`` -> directory of a seeded tiny model (cached per session)."""
+    made: dict = {}
+
+    def get(family: str, dtype: str = "float64", **overrides) -> Path:
+        key = (family, dtype, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = make_synthetic(family, tmp_path_factory.mktemp(f"{family}-{dtype}"), dtype, **overrides)
+        return made[key]
+
+    return get
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype: str) -> list[int]:
+    """Single-process transformers ``generate(do_sample=False)`` new ids: the exactness reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,59 @@
+"""In-process rings for tests: real StageServers on real libp2p hosts (loopback), one trio run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from swarm.config import RingSpec, StageConfig, StageSpec
+from swarm.coordinator import RingClient, decode_greedy
+from swarm.model.block import load_block
+from swarm.model.resolve import model_manifest_digest
+from swarm.ranges import LayerRange
+from swarm.stage import StageServer, serve
+from swarm.transport import load_or_create_key, open_host
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], key_dir: Path,
+                     dtype: str = "float64") -> tuple[RingSpec, list[StageServer]]:
+    """Start one StageServer per range in ``nursery``; return the ring spec and the servers."""
+    digest = model_manifest_digest(model_dir)
+    specs, servers = [], []
+    for a, b in ranges:
+        r = LayerRange(a, b)
+        block = load_block(model_dir, r, dtype=dtype, device="cpu")
+        server = StageServer(StageConfig(model=str(model_dir), layers=r), block, Path(model_dir).name, digest)
+        ready = await nursery.start(serve, server, load_or_create_key(key_dir / f"s{a}-{b}.key"), LOOPBACK)
+        specs.append(StageSpec(addr=ready["addrs"][0], layers=r))
+        servers.append(server)
+    return RingSpec(model=str(model_dir), stages=tuple(specs)), servers
+
+
+async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt: list[int], new_tokens: int,
+                        key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0) -> list[int]:
+    """Connect a coordinator to ``spec`` and decode greedily; returns the new ids."""
+    async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
+            trio.open_nursery() as nursery:
+        ring = RingClient(host, spec, hop_timeout_s, 10.0)
+        await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
+        out, _ = await decode_greedy(ring, prompt, new_tokens, set(stop_ids))
+        nursery.cancel_scope.cancel()
+    return out
+
+
+def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dtype="float64", num_layers=None):
+    """Start an in-process ring, generate, tear everything down; returns the new ids."""
+    num_layers = num_layers or ranges[-1][1]
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, ranges, key_dir, dtype)
+                out = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir)
+                nursery.cancel_scope.cancel()
+        return out
+
+    return trio.run(main)

@@ -71,8 +71,8 @@ class RingClient:
             self.streams.append(stream)
             nursery.start_soon(self._pump, i, stream)
         for i, spec in enumerate(self.ring.stages):
+            # one request in flight at a time: _expect skips frames that answer something else
             await self.streams[i].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-        for i, spec in enumerate(self.ring.stages):
             msg = await self._expect(i, "info_ok")
             got = tuple(msg["layers"])
             if got != (spec.layers.start, spec.layers.end):

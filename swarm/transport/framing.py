@@ -209,7 +209,8 @@ class FramedStream:
         self._tx, self._rx = trio.open_memory_channel[dict[str, Any]](queue_frames)
         self._reader_scope = trio.CancelScope()
         self._started = False
-        self._closed = False  # we called aclose(): send and recv fail at once
+        self._closed = False  # we called aclose() or reset(): send and recv fail at once
+        self._closed_how = "closed"
         self._broken = False  # reset after a fatal error: send fails, recv drains the queue
         self._terminal: SwarmError | None = None  # why no more frames will arrive
 
@@ -289,7 +290,7 @@ class FramedStream:
                 stream has been reset, and every later recv raises the same error.
         """
         if self._closed:
-            raise self._terminal_copy()
+            raise StreamClosed(f"{self!r} was {self._closed_how} locally")
         if not self._started:
             raise RuntimeError(f"recv on {self!r} before start(nursery)")
         try:
@@ -305,7 +306,7 @@ class FramedStream:
 
     def _check_sendable(self) -> None:
         if self._closed:
-            raise self._terminal_copy()
+            raise StreamClosed(f"{self!r} was {self._closed_how} locally")
         if self._broken:
             raise StreamClosed(f"{self!r} was reset after: {self._terminal}")
 
@@ -389,6 +390,8 @@ class FramedStream:
         if self._terminal is None:
             self._terminal = StreamClosed(f"{self!r} was closed locally")
         self._reader_scope.cancel()
+        if self._broken:  # already reset: nothing graceful left to do
+            return
         with trio.CancelScope(shield=True):
             with trio.move_on_after(_CLOSE_TIMEOUT_S) as scope:
                 async with self._send_lock:
@@ -397,6 +400,16 @@ class FramedStream:
             if scope.cancelled_caught:
                 await self._reset_raw()
         log.debug("hop.close peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
+
+    async def reset(self) -> None:
+        """Abort the stream now (Yamux RST): the peer's reads fail, queued frames are dropped.
+
+        Use when the stream's state is unknown (a handler crashed, a frame was cut off).
+        Later ``send``/``recv`` raise StreamClosed. Never raises for a broken stream.
+        """
+        if not self._closed:
+            self._closed, self._closed_how = True, "reset"
+        await self._abort(StreamClosed(f"{self!r} was reset locally"))
 
     async def _abort(self, reason: SwarmError) -> None:
         """Reset the stream after a fatal error; ``reason`` is what recv/send report."""

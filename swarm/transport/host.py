@@ -101,13 +101,15 @@ class SwarmHost:
                     stream.start(nursery)
                     try:
                         await handler(stream)
+                    except BaseException:
+                        await stream.reset()  # mid-conversation: tell the peer at once
+                        raise
                     finally:
-                        await stream.aclose()
-            except Exception:  # root of a connection task: report, never kill the host
+                        await stream.aclose()  # also stops the reader so the nursery can exit
+            except Exception:  # root of a stream task: report, never take the host down
                 log.exception(
                     "hop.handler_failed peer=%s protocol=%s", stream.remote_peer_id, protocol_id
                 )
-                await stream._abort(ProtocolError(f"handler for {protocol_id} failed"))
 
         self.libp2p_host.set_stream_handler(TProtocol(protocol_id), serve)
 
@@ -207,6 +209,8 @@ async def open_host(
     Raises:
         ConfigError: a listen address is malformed, not TCP, already in use, or not local.
     """
+    if dial_retries < 0:
+        raise ConfigError(f"dial_retries must be >= 0, got {dial_retries}")
     maddrs = [_parse_listen_addr(a) for a in listen_addrs]
     if not maddrs:
         raise ConfigError("open_host needs at least one listen address")

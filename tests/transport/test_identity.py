@@ -1,0 +1,81 @@
+"""Key file handling, PeerId stability, and signatures verified from the PeerId alone."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import nacl.signing
+import pytest
+from libp2p.identity_utils import load_identity
+
+from swarm.errors import IdentityError
+from swarm.transport import load_or_create_key, peer_id_of, public_key_of_peer, sign, verify_peer_signature
+
+
+def test_created_0600_in_new_dirs_and_peer_id_stable(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "node.key"
+    old_umask = os.umask(0)  # even a permissive umask must not loosen the key file
+    try:
+        kp = load_or_create_key(path)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert peer_id_of(load_or_create_key(path)) == peer_id_of(kp)
+    assert peer_id_of(load_or_create_key(path, create=False)) == peer_id_of(kp)
+    assert peer_id_of(load_identity(path)) == peer_id_of(kp)  # libp2p's own format
+    assert peer_id_of(kp).startswith("12D3KooW")
+    assert [p.name for p in path.parent.iterdir()] == ["node.key"]  # no temp file left
+
+
+def test_missing_without_create_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(IdentityError, match="does not exist"):
+        load_or_create_key(tmp_path / "nope.key", create=False)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_group_or_other_access_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "node.key"
+    load_or_create_key(path)
+    path.chmod(mode)
+    with pytest.raises(IdentityError) as info:
+        load_or_create_key(path)
+    assert str(path) in str(info.value) and f"{mode:04o}" in str(info.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a key", bytes(range(32)), b"\x08\x01\x12\x03abc"])
+def test_malformed_is_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "node.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, content)
+    os.close(fd)
+    with pytest.raises(IdentityError, match="node.key"):
+        load_or_create_key(path)
+
+
+def test_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "dir.key").mkdir(mode=0o700)
+    with pytest.raises(IdentityError, match="not a regular file"):
+        load_or_create_key(tmp_path / "dir.key")
+
+
+def test_sign_verify_from_peer_id_alone(tmp_path: Path) -> None:
+    kp = load_or_create_key(tmp_path / "node.key")
+    pid = peer_id_of(kp)
+    data = b"receipt: job=1 range=[0, 5)"
+    sig = sign(kp, data)
+    assert len(sig) == 64
+    assert verify_peer_signature(pid, data, sig)
+    # PyNaCl alone, from the key bytes inlined in the PeerId:
+    nacl.signing.VerifyKey(public_key_of_peer(pid)).verify(data, sig)
+
+    assert not verify_peer_signature(pid, data + b"!", sig)
+    assert not verify_peer_signature(pid, data, bytes([sig[0] ^ 1]) + sig[1:])
+    assert not verify_peer_signature(pid, data, sig[:63])
+    other = peer_id_of(load_or_create_key(tmp_path / "other.key"))
+    assert not verify_peer_signature(other, data, sig)
+    assert not verify_peer_signature("not-a-peer-id", data, sig)
+    assert not verify_peer_signature("", data, sig)
+    # A sha256 (non-inlined) PeerId carries no key: fails closed.
+    assert not verify_peer_signature("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", data, sig)

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, collapse
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model}[args.cmd](args)
+        try:
+            return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model}[args.cmd](args)
+        except BaseExceptionGroup as group:
+            raise collapse(group) from None
     except SwarmError as exc:
         if args.cmd == "stage":
             from swarm.stage import emit

@@ -18,7 +18,7 @@ import trio
 
 from swarm import wire
 from swarm.config import CoordinatorConfig, RingSpec, cache_root
-from swarm.errors import (ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed,
+from swarm.errors import (ConfigError, HopTimeout, ModelError, ProtocolError, RemoteError, StageLost, StreamClosed,
                           SwarmError)
 from swarm.ranges import check_tiling
 from swarm.wire import PROTOCOL_ID
@@ -216,7 +216,10 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     from swarm.transport import load_or_create_key, open_host
 
     resolved = resolve_model(config.ring.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer of {resolved.path}: {str(exc).splitlines()[0]}") from exc
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
     prompt_ids = encode_prompt(tokenizer, prompt, config.chat)

@@ -57,3 +57,16 @@ class RemoteError(SwarmError):
 
 class ReceiptInvalid(SwarmError):
     """A receipt failed verification (signature, tiling, digest chain, nonce, token digest)."""
+
+
+def collapse(exc: BaseException) -> BaseException:
+    """The first SwarmError (or KeyboardInterrupt) inside nested exception groups, else ``exc``.
+
+    trio nurseries wrap errors in ExceptionGroups; a command reports the one fault that matters.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = collapse(sub)
+            if isinstance(found, (SwarmError, KeyboardInterrupt)):
+                return found
+    return exc

@@ -91,7 +91,7 @@ class LocalRing:
             key = self.key_dir / f"stage-{r.start}-{r.end}.key"
             argv = stage_command(self.model, r, key, self.threads, self.extra_args)
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_die_with_parent)
             sp = StageProcess(r, proc)
             threading.Thread(target=_pump, args=(proc.stdout, sp.lines, None), daemon=True).start()
             threading.Thread(target=_pump, args=(proc.stderr, None, sp.stderr_tail), daemon=True).start()
@@ -140,6 +140,16 @@ class LocalRing:
                 except ProcessLookupError:
                     pass
                 sp.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the launcher dies, even by SIGKILL,
+    so no stage outlives a killed demo or test."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _pump(pipe, lines: queue.Queue | None, tail: list | None) -> None:

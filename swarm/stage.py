@@ -22,7 +22,7 @@ import trio
 
 from swarm import wire
 from swarm.config import StageConfig
-from swarm.errors import ContextOverflow, ProtocolError, StreamClosed, SwarmError
+from swarm.errors import ContextOverflow, ProtocolError, StreamClosed, SwarmError, collapse
 from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,10 @@ def run_stage(config: StageConfig) -> int:
             emit("READY", ready)
 
     try:
-        trio.run(main)
+        try:
+            trio.run(main)
+        except BaseExceptionGroup as group:
+            raise collapse(group) from None
     except KeyboardInterrupt:
         return 0
     except SwarmError as exc:

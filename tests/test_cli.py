@@ -1,0 +1,192 @@
+"""The full CLI path: real `swarm stage` processes, real libp2p on loopback, `swarm coordinate`/`demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from swarm.launch import LocalRing
+from swarm.ranges import LayerRange
+from tests.conftest import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time"
+
+
+def run_swarm(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m swarm ...` in its own process group; kill the whole group if it overruns."""
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"swarm {' '.join(args)} timed out; stderr: {err[-2000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def stories_ring(stories_dir, tmp_path_factory):
+    """Three real stage processes serving stories260k: [0, 2), [2, 4), [4, 5)."""
+    ranges = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+    with LocalRing(str(stories_dir), ranges, tmp_path_factory.mktemp("keys"), threads=1,
+                   extra_args=["--dtype", "float32"], startup_timeout_s=120) as ring:
+        yield ring
+
+
+def write_ring(path: Path, model, stages: list[tuple[str, str]]) -> Path:
+    path.write_text(yaml.safe_dump({"model": str(model), "stages": [{"addr": a, "layers": l} for a, l in stages]}))
+    return path
+
+
+def test_coordinate_matches_transformers(stories_ring, stories_dir, tmp_path):
+    ring = write_ring(tmp_path / "ring.yaml", stories_dir, [(s.addr, f"{s.layers.start}:{s.layers.end}")
+                                                             for s in stories_ring.stages])
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "40", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 40, "float32")
+    assert out["new_tokens"] == 40 and out["tokens_per_s"] > 0 and out["ttft_s"] > 0
+    assert [r["peer_id"] for r in out["ring"]] == [s.ready["peer_id"] for s in stories_ring.stages]
+    assert [r["layers"] for r in out["ring"]] == [[0, 2], [2, 4], [4, 5]]
+    assert out["text"].startswith(", there was")  # the real model's continuation, decoded
+
+
+def test_coordinate_streams_text(stories_ring, stories_dir, tmp_path):
+    ring = write_ring(tmp_path / "ring.yaml", stories_dir, [(s.addr, f"{s.layers.start}:{s.layers.end}")
+                                                             for s in stories_ring.stages])
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    assert "there was" in res.stdout and "tok/s" in res.stderr
+
+
+def _stages(ring):
+    return [(s.addr, f"{s.layers.start}:{s.layers.end}") for s in ring.stages]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("gap", r"gap in the ring: layers \[2, 4\)"),
+    ("overlap", r"overlap in the ring"),
+    ("claims", r"serves layers \[2, 4\) but the ring file says \[2, 5\)"),
+    ("wrong_model", r"serves model 'stories260k'"),
+    ("unreachable", r"stage 1 \[2, 4\) at .* is unreachable"),
+    ("missing_file", r"ring file .* does not exist"),
+    ("not_yaml", r"not valid YAML"),
+    ("bad_addr", r"must be a multiaddr ending in /p2p/"),
+])
+def test_bad_ring_files(stories_ring, stories_dir, synthetic, tmp_path, case, expect):
+    st = _stages(stories_ring)
+    model = stories_dir
+    if case == "gap":
+        st = [st[0], st[2]]
+    elif case == "overlap":
+        st = [st[0], (st[1][0], "1:4"), st[2]]
+    elif case == "claims":
+        st = [st[0], (st[1][0], "2:5")]
+    elif case == "wrong_model":
+        model = synthetic("llama", num_hidden_layers=5, vocab_size=512)
+        for f in stories_dir.glob("tokenizer*"):
+            (model / f.name).write_bytes(f.read_bytes())
+    elif case == "unreachable":
+        peer = st[1][0].rsplit("/p2p/", 1)[1]
+        st = [st[0], (f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{peer}", "2:4"), st[2]]
+    ring = write_ring(tmp_path / "ring.yaml", model, st)
+    if case == "missing_file":
+        ring = tmp_path / "nope.yaml"
+    elif case == "not_yaml":
+        ring.write_text("model: [unclosed")
+    elif case == "bad_addr":
+        ring.write_text(yaml.safe_dump({"model": str(model), "stages": [{"addr": "127.0.0.1:4001", "layers": "0:5"}]}))
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "4",
+                    "--hop-timeout-s", "20", timeout=120)
+    assert res.returncode == 1
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("swarm coordinate: error:")]
+    assert len(lines) == 1, res.stderr[-3000:]
+    import re
+    assert re.search(expect, lines[0]), lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_ring_still_serves_after_bad_clients(stories_ring, stories_dir, tmp_path):
+    """After every refusal above the stages are still up and answer exactly."""
+    assert all(s.proc.poll() is None for s in stories_ring.stages)
+    ring = write_ring(tmp_path / "ring.yaml", stories_dir, _stages(stories_ring))
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", "The cat", "--max-new-tokens", "10", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 10, "float32")
+
+
+def test_demo_json(stories_dir, tmp_path):
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "20", "--json", "--dtype", "float32", "--ring-out", str(tmp_path / "r.yaml"))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 20, "float32")
+    ring = yaml.safe_load((tmp_path / "r.yaml").read_text())
+    assert [s["layers"] for s in ring["stages"]] == ["0:2", "2:4", "4:5"]
+    assert [s["addr"] for s in ring["stages"]] == [r["addr"] for r in out["ring"]]
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--model", "/no/such/model", "--layers", "0:2"], "no such model path"),
+    (["--layers", "3:9"], r"out of bounds: the model has 5 layers"),
+    (["--layers", "3:3"], "empty"),
+    (["--layers", "two"], "not of the form start:end"),
+])
+def test_stage_fatal_lines(stories_dir, tmp_path, args, expect):
+    if "--model" not in args:
+        args = ["--model", str(stories_dir), *args]
+    res = run_swarm("stage", *args, "--key", str(tmp_path / "k.key"), timeout=60)
+    assert res.returncode == 1
+    fatal = [ln for ln in res.stdout.splitlines() if ln.startswith("SWARM_STAGE_FATAL ")]
+    assert len(fatal) == 1 and expect.split(":")[0] in json.loads(fatal[0].split(" ", 1)[1])["reason"]
+    import re
+    assert re.search(expect, fatal[0])
+
+
+def test_stage_fatal_key_permissions(stories_dir, tmp_path):
+    key = tmp_path / "k.key"
+    key.write_bytes(b"")
+    key.chmod(0o644)
+    res = run_swarm("stage", "--model", str(stories_dir), "--layers", "0:2", "--key", str(key), timeout=60)
+    assert res.returncode == 1 and "unsafe mode 0644" in res.stdout
+
+
+def test_stage_fatal_port_in_use(stories_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = run_swarm("stage", "--model", str(stories_dir), "--layers", "0:2", "--key", str(tmp_path / "k.key"),
+                        "--listen", f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
+    assert res.returncode == 1 and f"127.0.0.1/tcp/{port}" in res.stdout and "SWARM_STAGE_FATAL" in res.stdout
+
+
+def test_stage_key_stable_peer_id(stories_dir, tmp_path):
+    ids = []
+    for _ in range(2):
+        with LocalRing(str(stories_dir), [LayerRange(0, 5)], tmp_path, threads=1) as ring:
+            ids.append(ring.stages[0].ready["peer_id"])
+    assert ids[0] == ids[1]
+    assert (tmp_path / "stage-0-5.key").stat().st_mode & 0o777 == 0o600

@@ -66,6 +66,8 @@ class RingClient:
         for i, spec in enumerate(self.ring.stages):
             try:
                 stream = await self.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=self.connect_timeout_s)
+            except ProtocolError as exc:
+                raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is not a swarm stage: {exc}") from exc
             except SwarmError as exc:
                 raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is unreachable: {exc}") from exc
             self.streams.append(stream)

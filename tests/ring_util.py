@@ -8,6 +8,7 @@ import trio
 
 from swarm.config import RingSpec, StageConfig, StageSpec
 from swarm.coordinator import RingClient, decode_greedy
+from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
@@ -35,12 +36,15 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
 async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt: list[int], new_tokens: int,
                         key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0) -> list[int]:
     """Connect a coordinator to ``spec`` and decode greedily; returns the new ids."""
-    async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
-            trio.open_nursery() as nursery:
-        ring = RingClient(host, spec, hop_timeout_s, 10.0)
-        await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
-        out, _ = await decode_greedy(ring, prompt, new_tokens, set(stop_ids))
-        nursery.cancel_scope.cancel()
+    try:
+        async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
+                trio.open_nursery() as nursery:
+            ring = RingClient(host, spec, hop_timeout_s, 10.0)
+            await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
+            out, _ = await decode_greedy(ring, prompt, new_tokens, set(stop_ids))
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
     return out
 
 

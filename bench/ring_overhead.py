@@ -1,0 +1,114 @@
+"""Decode tokens/s of a 3-stage loopback ring vs the same model in one process, side by side.
+
+Both sides use one torch thread per process (in greedy decode the stages compute one at a time).
+Rounds alternate single / ring so machine noise hits both alike; medians are reported.
+
+Prints one JSON object: ring_tokens_per_s, single_tokens_per_s, ratio, per_hop_overhead_ms (the
+ring's extra time per token spread over its hops: coordinator -> stage 0 -> ... -> tail -> coordinator),
+wire_bytes_per_token (frame bytes on every hop for one decode step, before Noise/Yamux framing),
+and the settings. Usage: python bench/ring_overhead.py [--model smollm2-135m] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarm import wire  # noqa: E402
+from swarm.coordinator import RingClient, decode_greedy  # noqa: E402
+from swarm.errors import collapse  # noqa: E402
+from swarm.launch import LocalRing  # noqa: E402
+from swarm.model.block import model_num_layers  # noqa: E402
+from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
+from swarm.ranges import even_split  # noqa: E402
+from swarm.transport import load_or_create_key, open_host  # noqa: E402
+from swarm.transport.framing import encode_frame  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def single_decode(model, prompt_ids: list[int], tokens: int) -> float:
+    """Greedy decode tokens/s of transformers in this process (DynamicCache, one token per forward)."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True).logits
+        nxt = int(logits[0, -1].argmax())
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            logits = model(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits
+            nxt = int(logits[0, -1].argmax())
+        return (tokens - 1) / (time.perf_counter() - t0)
+
+
+async def ring_decode(spec, model_dir, prompt_ids, tokens, key) -> tuple[float, list[int]]:
+    async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
+        ring = RingClient(host, spec, 120.0, 30.0)
+        await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
+        out, timing = await decode_greedy(ring, prompt_ids, tokens, set())
+        nursery.cancel_scope.cancel()
+    return timing["tokens_per_s"], out
+
+
+def wire_bytes_per_token(hidden_size: int, num_stages: int, dtype: torch.dtype) -> dict:
+    meta = dict(session="0" * 32, epoch=0, pos=1000, chunk=1000)
+    head = len(encode_frame(wire.frame("forward", tokens=[12345], **meta)))
+    hidden = len(encode_frame(wire.frame("forward", hidden=wire.encode_tensor(torch.zeros(1, 1, hidden_size, dtype=dtype)), **meta)))
+    result = len(encode_frame(wire.frame("result", token_ids=[12345], **meta)))
+    return {"coordinator_to_head": head, "stage_to_stage": hidden, "tail_to_coordinator": result,
+            "total": head + hidden * (num_stages - 1) + result}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    resolved = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(resolved.path))
+    prompt_ids = list(tok(PROMPT)["input_ids"])
+    model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32).eval()
+    num_layers = model_num_layers(resolved.path)
+    single, ring_rates = [], []
+    with tempfile.TemporaryDirectory() as tmp, LocalRing(args.model, even_split(num_layers, args.stages), Path(tmp),
+                                                          threads=1, extra_args=["--dtype", "float32"]) as ring:
+        spec = ring.ring_spec()
+        key = load_or_create_key(Path(tmp) / "coord.key")
+        for _ in range(args.rounds):
+            single.append(single_decode(model, prompt_ids, args.tokens))
+            try:
+                rate, _ = trio.run(ring_decode, spec, resolved.path, prompt_ids, args.tokens, key)
+            except BaseExceptionGroup as group:
+                raise collapse(group) from None
+            ring_rates.append(rate)
+    s, r = statistics.median(single), statistics.median(ring_rates)
+    hops = args.stages + 1
+    print(json.dumps({
+        "model": resolved.name, "stages": args.stages, "tokens": args.tokens, "rounds": args.rounds,
+        "threads_per_process": 1,
+        "ring_tokens_per_s": round(r, 2), "single_tokens_per_s": round(s, 2), "ratio": round(r / s, 3),
+        "per_hop_overhead_ms": round((1 / r - 1 / s) * 1000 / hops, 3),
+        "wire_bytes_per_token": wire_bytes_per_token(model.config.hidden_size, args.stages, torch.float32),
+        "ring_runs": [round(x, 2) for x in ring_rates], "single_runs": [round(x, 2) for x in single],
+    }))
+
+
+if __name__ == "__main__":
+    main()

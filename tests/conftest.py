@@ -43,6 +43,8 @@ FAMILY_CONFIGS = {
                   num_key_value_heads=2, vocab_size=97, head_dim=8, max_position_embeddings=128),
     "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=97, sliding_window=6, max_position_embeddings=128),
+    "phi3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0),
     "gpt2": dict(n_embd=32, n_layer=4, n_head=4, vocab_size=97, n_positions=128, bos_token_id=0, eos_token_id=0),
 }
 

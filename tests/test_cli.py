@@ -190,3 +190,22 @@ def test_stage_key_stable_peer_id(stories_dir, tmp_path):
             ids.append(ring.stages[0].ready["peer_id"])
     assert ids[0] == ids[1]
     assert (tmp_path / "stage-0-5.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_model_import_prints_directory(stories_dir):
+    res = run_swarm("model", "import", str(stories_dir), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(stories_dir)
+
+
+def test_model_import_hub_id_offline_is_clear():
+    res = run_swarm("model", "import", "someorg/somemodel", timeout=60, env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 1
+    assert "cannot download 'someorg/somemodel'" in res.stderr and "offline" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("sub", ["stage", "coordinate", "demo", "model"])
+def test_help(sub):
+    res = run_swarm(sub, "--help", timeout=60)
+    assert res.returncode == 0 and "usage: swarm" in res.stdout

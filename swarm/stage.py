@@ -180,6 +180,12 @@ class StageServer:
             code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
             await self._try_send(sess.reply, wire.error_frame(f"stage {block.layer_range}: {exc}", code, sid))
             return
+        except Exception as exc:  # a torch failure fails this session only; the stage keeps serving
+            log.exception("forward.failed session=%s pos=%d", sid, pos)
+            self.sessions.pop(sid, None)
+            await self._try_send(sess.reply, wire.error_frame(
+                f"stage {block.layer_range}: forward failed: {type(exc).__name__}: {exc}", "internal", sid))
+            return
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
         if block.is_tail:
             await sess.reply.send(wire.frame("result", token_ids=out, **meta))

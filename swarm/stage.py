@@ -131,7 +131,7 @@ class StageServer:
     async def _successor(self, addr: str):
         async with self._dial_lock:
             s = self.successors.get(addr)
-            if s is None or getattr(s, "closed", False):
+            if s is None or s.closed:
                 s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
                 self.successors[addr] = s
                 self.nursery.start_soon(self._drain_successor, addr, s)

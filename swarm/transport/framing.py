@@ -217,6 +217,12 @@ class FramedStream:
     def __repr__(self) -> str:
         return f"FramedStream(peer={self.remote_peer_id}, protocol={self.protocol_id})"
 
+    @property
+    def closed(self) -> bool:
+        """True once the stream can carry no new frames: closed or reset locally, reset after an
+        error, or ended by the peer (frames already queued can still be received)."""
+        return self._closed or self._broken or self._terminal is not None
+
     def start(self, nursery: trio.Nursery) -> None:
         """Start the reader task in ``nursery``; call exactly once, before ``recv``."""
         if self._started:

@@ -145,6 +145,21 @@ async def test_eof_after_queued_frames() -> None:
 
 
 @trio_test
+async def test_closed_flag_when_peer_ends_the_stream() -> None:
+    async def close_at_once(stream: FramedStream) -> None:
+        await stream.recv()
+
+    async with two_hosts() as (a, b):
+        a.set_handler(SINK, close_at_once)
+        s = await b.open_stream(a.addrs()[0], SINK, timeout_s=5)
+        assert not s.closed
+        await s.send({"hello": 1})
+        with pytest.raises(StreamClosed):
+            await s.recv(timeout_s=5)
+        assert s.closed
+
+
+@trio_test
 async def test_receiver_refuses_oversized_declared_length_and_resets() -> None:
     sink = Sink()
     async with two_hosts() as (a, b):

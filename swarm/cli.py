@@ -14,7 +14,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError, collapse
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def _stage_parser(sub) -> None:
@@ -51,7 +51,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])

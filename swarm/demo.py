@@ -14,6 +14,7 @@ import trio
 import yaml
 
 from swarm.config import CoordinatorConfig, cache_root
+from swarm.errors import ConfigError
 from swarm.launch import LocalRing
 from swarm.ranges import even_split
 
@@ -25,6 +26,8 @@ def run_demo(args) -> int:
     from swarm.model.resolve import resolve_model
 
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
     num_layers = model_num_layers(resolved.path)
     ranges = even_split(num_layers, args.stages)

@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
+    # multi-line detail; swarm reports them itself in one line. Show them with -v.
+    logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
+    if not args.verbose:
+        import os
+
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model}[args.cmd](args)
@@ -124,13 +131,22 @@ def cmd_coordinate(args) -> int:
                                hop_timeout_s=args.hop_timeout_s)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
+    if result.get("context_limited"):
+        print(f"swarm coordinate: note: the model's context limit capped the answer at {result['new_tokens']} "
+              "new tokens", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:
         print()
-        print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tok/s decode, "
-              f"ttft {result['ttft_s']:.2f} s]", file=sys.stderr)
+        print(f"[{result['new_tokens']} tokens, {_rate(result)} decode, ttft {result['ttft_s']:.2f} s]",
+              file=sys.stderr)
     return 0
+
+
+def _rate(result: dict) -> str:
+    """tokens/s as text; decode speed needs at least two tokens."""
+    rate = result.get("tokens_per_s")
+    return f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s (one token)"
 
 
 def cmd_demo(args) -> int:

@@ -109,6 +109,9 @@ def _stage_list(raw: object, key: str, origin: str, required: bool) -> list[Stag
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or "addr" not in entry or "layers" not in entry:
             raise ConfigError(f"{origin}: {key}[{i}] must have 'addr' and 'layers'")
+        if not isinstance(entry["layers"], str):
+            raise ConfigError(f"{origin}: {key}[{i}] layers must be a quoted string like \"10:20\" "
+                              f"(got {entry['layers']!r}; YAML reads an unquoted 10:20 as a number)")
         addr = str(entry["addr"])
         if "/p2p/" not in addr or not addr.startswith("/"):
             raise ConfigError(f"{origin}: {key}[{i}] addr {addr!r} must be a multiaddr ending in /p2p/<PeerId>")

@@ -9,7 +9,6 @@ layers of the target model: only the tokenizer. Glue; nothing imports it but the
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ class RingClient:
             except ProtocolError as exc:
                 raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is not a swarm stage: {exc}") from exc
             except SwarmError as exc:
-                raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is unreachable: {exc}") from exc
+                raise StageLost(f"stage {i} {spec.layers} is unreachable: {exc}") from exc
             self.streams.append(stream)
             nursery.start_soon(self._pump, i, stream)
         for i, spec in enumerate(self.ring.stages):
@@ -268,6 +267,8 @@ async def decode_greedy(ring: RingClient, prompt_ids: list[int], max_new_tokens:
     if len(prompt_ids) >= max_ctx:
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx}")
     budget = min(max_new_tokens, max_ctx - len(prompt_ids))
+    if budget < max_new_tokens:
+        log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
     session = uuid.uuid4().hex
     await ring.open_session(session, len(prompt_ids) + budget)
     out: list[int] = []
@@ -291,7 +292,8 @@ async def decode_greedy(ring: RingClient, prompt_ids: list[int], max_new_tokens:
             await ring.close_session(session)
     decode_s = t_end - t_first
     return out, {
-        "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else math.nan,
+        "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
         "ttft_s": t_first - t0,
         "total_s": t_end - t0,
+        "context_limited": budget < max_new_tokens,
     }

@@ -40,7 +40,7 @@ def run_demo(args) -> int:
         spec = ring.ring_spec()
         ring_path = args.ring_out or Path(tmp) / "ring.yaml"
         ring_path.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
-        say(f"ring file: {ring_path}")
+        say(f"ring file: {ring_path}" + ("" if args.ring_out else " (removed on exit; keep one with --ring-out)"))
         for sp in ring.stages:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
@@ -52,6 +52,8 @@ def run_demo(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"\n\n{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s decode, "
+        from swarm.cli import _rate
+
+        print(f"\n\n{result['new_tokens']} tokens, {_rate(result)} decode, "
               f"time to first token {result['ttft_s']:.2f} s")
     return 0

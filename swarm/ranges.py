@@ -62,6 +62,14 @@ def check_tiling(ranges: list[LayerRange], num_layers: int) -> None:
     """
     if not ranges:
         raise ConfigError("the ring has no stages")
+    if sorted(ranges) != list(ranges):
+        try:
+            check_tiling(sorted(ranges), num_layers)
+        except ConfigError:
+            pass
+        else:
+            order = ", ".join(str(r) for r in ranges)
+            raise ConfigError(f"stages are listed out of order ({order}): list them in layer order, starting at 0")
     expected = 0
     for i, r in enumerate(ranges):
         if r.start > expected:

@@ -86,8 +86,8 @@ class StageServer:
                 except ProtocolError as exc:
                     log.warning("frame.rejected peer=%s reason=%s", peer, exc)
                     await self._try_send(stream, wire.error_frame(str(exc), session=_session_of(msg)))
-        except trio.Cancelled:
-            raise
+        except StreamClosed as exc:  # we answered a peer that had already gone
+            log.info("stream.gone peer=%s reason=%s", peer, exc)
         except Exception:  # root of a connection task: log, never take the daemon down
             log.exception("stream.crashed peer=%s", peer)
         finally:

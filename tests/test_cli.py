@@ -71,7 +71,7 @@ def test_coordinate_streams_text(stories_ring, stories_dir, tmp_path):
                                                              for s in stories_ring.stages])
     res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "12")
     assert res.returncode == 0, res.stderr
-    assert "there was" in res.stdout and "tok/s" in res.stderr
+    assert "there was" in res.stdout and "tokens/s decode" in res.stderr
 
 
 def _stages(ring):
@@ -89,10 +89,12 @@ def _closed_port() -> int:
     ("overlap", r"overlap in the ring"),
     ("claims", r"serves layers \[2, 4\) but the ring file says \[2, 5\)"),
     ("wrong_model", r"serves model 'stories260k'"),
-    ("unreachable", r"stage 1 \[2, 4\) at .* is unreachable"),
+    ("unreachable", r"stage 1 \[2, 4\) is unreachable: peer at /ip4/127.0.0.1"),
     ("missing_file", r"ring file .* does not exist"),
     ("not_yaml", r"not valid YAML"),
     ("bad_addr", r"must be a multiaddr ending in /p2p/"),
+    ("out_of_order", r"stages are listed out of order"),
+    ("unquoted", r"layers must be a quoted string"),
 ])
 def test_bad_ring_files(stories_ring, stories_dir, synthetic, tmp_path, case, expect):
     st = _stages(stories_ring)
@@ -115,6 +117,10 @@ def test_bad_ring_files(stories_ring, stories_dir, synthetic, tmp_path, case, ex
         ring = tmp_path / "nope.yaml"
     elif case == "not_yaml":
         ring.write_text("model: [unclosed")
+    elif case == "out_of_order":
+        ring = write_ring(tmp_path / "ring.yaml", model, [st[1], st[0], st[2]])
+    elif case == "unquoted":
+        ring.write_text(f"model: {model}\nstages:\n" + "".join(f"  - {{addr: {a}, layers: {l}}}\n" for a, l in st))
     elif case == "bad_addr":
         ring.write_text(yaml.safe_dump({"model": str(model), "stages": [{"addr": "127.0.0.1:4001", "layers": "0:5"}]}))
     res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "4",
@@ -154,9 +160,9 @@ def test_demo_json(stories_dir, tmp_path):
     (["--layers", "3:3"], "empty"),
     (["--layers", "two"], "not of the form start:end"),
 ])
-def test_stage_fatal_lines(stories_dir, tmp_path, args, expect):
+def test_stage_fatal_lines(synthetic, tmp_path, args, expect):
     if "--model" not in args:
-        args = ["--model", str(stories_dir), *args]
+        args = ["--model", str(synthetic("llama", num_hidden_layers=5)), *args]
     res = run_swarm("stage", *args, "--key", str(tmp_path / "k.key"), timeout=60)
     assert res.returncode == 1
     fatal = [ln for ln in res.stdout.splitlines() if ln.startswith("SWARM_STAGE_FATAL ")]
@@ -165,31 +171,52 @@ def test_stage_fatal_lines(stories_dir, tmp_path, args, expect):
     assert re.search(expect, fatal[0])
 
 
-def test_stage_fatal_key_permissions(stories_dir, tmp_path):
+def test_stage_fatal_key_permissions(synthetic, tmp_path):
     key = tmp_path / "k.key"
     key.write_bytes(b"")
     key.chmod(0o644)
-    res = run_swarm("stage", "--model", str(stories_dir), "--layers", "0:2", "--key", str(key), timeout=60)
+    res = run_swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--key", str(key), timeout=60)
     assert res.returncode == 1 and "unsafe mode 0644" in res.stdout
 
 
-def test_stage_fatal_port_in_use(stories_dir, tmp_path):
+def test_stage_fatal_port_in_use(synthetic, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = run_swarm("stage", "--model", str(stories_dir), "--layers", "0:2", "--key", str(tmp_path / "k.key"),
+        res = run_swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--key", str(tmp_path / "k.key"),
                         "--listen", f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
     assert res.returncode == 1 and f"127.0.0.1/tcp/{port}" in res.stdout and "SWARM_STAGE_FATAL" in res.stdout
 
 
-def test_stage_key_stable_peer_id(stories_dir, tmp_path):
+def test_stage_key_stable_peer_id(synthetic, tmp_path):
     ids = []
     for _ in range(2):
-        with LocalRing(str(stories_dir), [LayerRange(0, 5)], tmp_path, threads=1) as ring:
+        with LocalRing(str(synthetic("llama")), [LayerRange(0, 4)], tmp_path, threads=1) as ring:
             ids.append(ring.stages[0].ready["peer_id"])
     assert ids[0] == ids[1]
-    assert (tmp_path / "stage-0-5.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "stage-0-4.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_demo_smollm2_matches_transformers(smollm2_dir, tmp_path):
+    """The default model through real stage processes (no ../shared needed)."""
+    cache = smollm2_dir.parent.parent  # <cache>/models/<name>: reuse the converted model
+    res = run_swarm("demo", "--stages", "3", "--max-new-tokens", "16", "--json", "--dtype", "float32",
+                    env={"SWARM_CACHE": str(cache)}, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["model"] == "smollm2-135m" and [r["layers"] for r in out["ring"]] == [[0, 10], [10, 20], [20, 30]]
+    assert out["output_ids"] == reference_greedy(smollm2_dir, out["prompt_ids"], 16, "float32")
+    assert len({r["peer_id"] for r in out["ring"]}) == 3
+
+
+def test_one_token_json_is_valid(stories_ring, stories_dir, tmp_path):
+    ring = write_ring(tmp_path / "ring.yaml", stories_dir, _stages(stories_ring))
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    assert "NaN" not in res.stdout
+    out = json.loads(res.stdout)
+    assert out["new_tokens"] == 1 and out["tokens_per_s"] is None
 
 
 def test_model_import_prints_directory(stories_dir):

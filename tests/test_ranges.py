@@ -46,3 +46,18 @@ def test_even_split_tiles(layers, stages):
 def test_even_split_too_many():
     with pytest.raises(ConfigError):
         even_split(3, 4)
+
+
+def test_out_of_order_is_named():
+    with pytest.raises(ConfigError, match="out of order"):
+        check_tiling([LayerRange(10, 20), LayerRange(0, 10), LayerRange(20, 30)], 30)
+
+
+def test_unquoted_yaml_layers_named():
+    import yaml
+
+    from swarm.config import RingSpec
+
+    data = yaml.safe_load("model: m\nstages:\n  - {addr: /ip4/127.0.0.1/tcp/1/p2p/X, layers: 10:20}\n")
+    with pytest.raises(ConfigError, match=r"stages\[0\] layers must be a quoted string"):
+        RingSpec.from_dict(data, "ring.yaml")

@@ -1,0 +1,210 @@
+"""Speculative decoding around the ring: chunk scheduling and the greedy accept rule. Pure.
+
+Owns: ``SpecLoop``, which decides which verify chunks to send (up to ``depth`` in flight, each
+drafted as if the previous one fully accepts), and turns the tail's argmax ids into committed
+tokens: accept the longest prefix where draft == argmax, commit it plus the first disagreeing (or
+bonus) token, and on a rejection bump the epoch so every chunk still in flight is stale.
+Standard library only: no torch, no sockets, no clock; the drafter is injected.
+
+A chunk is a contiguous slice of the speculated sequence ``seq`` (prompt + committed + drafts)
+fed at absolute positions ``[pos, pos + T)``; the tail returns, for each fed position q, the
+target model's argmax for position q + 1. Prefill chunks are the same thing over the prompt.
+
+References: Leviathan et al. 2023 (arXiv 2211.17192), speculative decoding's lossless acceptance
+rule (greedy case: exact match); PipeInfer (arXiv 2407.11798), pipelined speculation with early
+cancellation of stale in-flight work.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from swarm.errors import ConfigError, ProtocolError
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens. ``propose(context, n)`` returns up to ``n`` ids that continue
+    ``context`` (prompt + committed + earlier drafts); it may return fewer, or none."""
+
+    name: str
+
+    def propose(self, context: Sequence[int], n: int) -> list[int]: ...
+
+
+class NoDrafter:
+    """Plain decoding: never proposes anything (one token per round trip)."""
+
+    name = "none"
+
+    def propose(self, context: Sequence[int], n: int) -> list[int]:
+        return []
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One verify (or prefill) chunk: ``tokens`` fed at positions ``[pos, pos + len(tokens))``."""
+
+    epoch: int
+    chunk_id: int
+    pos: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class SpecStats:
+    """Counters of one generation.
+
+    ``rounds`` counts decode chunks whose result committed tokens (one ring round trip each);
+    ``tokens_per_round_trip`` is decode-committed tokens per such round; ``accept_rate`` is
+    accepted / drafted over drafts that got a verdict.
+    """
+
+    chunks_sent: int = 0
+    prefill_chunks: int = 0
+    stale_results: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    decode_committed: int = 0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["accept_rate"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
+        d["tokens_per_round_trip"] = round(self.decode_committed / self.rounds, 4) if self.rounds else 0.0
+        d["mean_accepted_per_round"] = round(self.accepted / self.rounds, 4) if self.rounds else 0.0
+        return d
+
+
+@dataclass
+class SpecLoop:
+    """The state machine of one speculative generation (greedy).
+
+    Args:
+        prompt_ids: the prompt (non-empty).
+        max_new_tokens: stop after this many new tokens (already capped by the context).
+        stop_ids: stop after committing one of these (it is part of the output).
+        drafter: proposes drafts (NoDrafter for plain decoding).
+        k: draft tokens per chunk (0 = plain decoding); chunks carry up to k + 1 tokens.
+        depth: decode chunks in flight at once (>= 1).
+        prefill_chunk: positions per prefill chunk.
+        prefill_depth: prefill chunks in flight at once.
+    Use: send every chunk of ``next_chunks()``; feed each result to ``on_result``; stop when
+    ``done``. ``output`` holds the committed new tokens.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    stop_ids: frozenset = frozenset()
+    drafter: Drafter = field(default_factory=NoDrafter)
+    k: int = 0
+    depth: int = 1
+    prefill_chunk: int = 512
+    prefill_depth: int = 4
+    epoch: int = 0
+    done: bool = False
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ConfigError("the prompt is empty")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k < 0 or self.depth < 1 or self.prefill_chunk < 1 or self.prefill_depth < 1:
+            raise ConfigError(f"bad speculation settings: k={self.k} depth={self.depth} "
+                              f"prefill_chunk={self.prefill_chunk}")
+        self.prompt_len = len(self.prompt_ids)
+        self.seq: list[int] = list(self.prompt_ids)
+        self.committed_len = self.prompt_len  # seq[:committed_len] is final
+        self.sent_len = 0  # positions [0, sent_len) are fed by chunks done or in flight
+        self.inflight: deque[Chunk] = deque()
+        self._next_id = 0
+        # the last output token is never fed: positions to feed end at prompt + max_new - 1
+        self.feed_end = self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def output(self) -> list[int]:
+        return self.seq[self.prompt_len:self.committed_len]
+
+    def next_chunks(self) -> list[Chunk]:
+        """Chunks to send now, in order (possibly none while waiting for results)."""
+        out: list[Chunk] = []
+        while not self.done:
+            start = self.sent_len
+            if start < self.prompt_len:
+                if len(self.inflight) >= self.prefill_depth:
+                    break
+                end = min(self.prompt_len, start + self.prefill_chunk)
+            else:
+                if len(self.inflight) >= self.depth:
+                    break
+                limit = min(self.feed_end, start + self.k + 1)
+                if start >= limit:
+                    break
+                if len(self.seq) < limit:  # draft on top of everything speculated so far
+                    drafts = self.drafter.propose(self.seq, limit - len(self.seq))
+                    self.seq.extend(int(t) for t in drafts[: limit - len(self.seq)])
+                end = min(limit, len(self.seq))
+                if end <= start:
+                    break
+            chunk = Chunk(self.epoch, self._next_id, start, tuple(self.seq[start:end]))
+            self._next_id += 1
+            self.sent_len = end
+            self.inflight.append(chunk)
+            self.stats.chunks_sent += 1
+            self.stats.prefill_chunks += start < self.prompt_len
+            out.append(chunk)
+        return out
+
+    def on_result(self, chunk_id: int, epoch: int, argmax_ids: Sequence[int]) -> list[int]:
+        """Apply the tail's argmax ids for one chunk; return the newly committed tokens.
+
+        Results of an older epoch are ignored (stale speculation). On a rejection the epoch is
+        bumped, in-flight chunks are forgotten, and the next chunk restarts at the correction.
+
+        Raises:
+            ProtocolError: a current-epoch result for a chunk that is not the oldest in flight,
+                or with the wrong number of ids.
+        """
+        if epoch != self.epoch or self.done:
+            self.stats.stale_results += 1
+            return []
+        if not self.inflight or self.inflight[0].chunk_id != chunk_id:
+            raise ProtocolError(f"result for chunk {chunk_id} arrived out of order")
+        chunk = self.inflight.popleft()
+        if len(argmax_ids) != len(chunk.tokens):
+            raise ProtocolError(f"chunk {chunk_id} of {len(chunk.tokens)} tokens got {len(argmax_ids)} ids")
+        new: list[int] = []
+        for i, q in enumerate(range(chunk.pos, chunk.pos + len(chunk.tokens))):
+            if q + 1 < self.committed_len:
+                continue  # prefill: the next token is already known
+            pred = int(argmax_ids[i])
+            rejected = False
+            if q + 1 < len(self.seq):  # a draft sits at q + 1: verify it
+                self.stats.drafted += 1
+                if self.seq[q + 1] == pred:
+                    self.stats.accepted += 1
+                else:
+                    rejected = True
+                    del self.seq[q + 1:]
+                    self.seq.append(pred)
+            else:  # the frontier: a bonus token
+                self.seq.append(pred)
+            self.committed_len = q + 2
+            new.append(pred)
+            if pred in self.stop_ids or self.committed_len - self.prompt_len >= self.max_new_tokens:
+                self.done = True
+                del self.seq[self.committed_len:]
+                break
+            if rejected:
+                self.stats.rejections += 1
+                self.epoch += 1
+                self.inflight.clear()
+                self.sent_len = q + 1  # the correction is fed next, rolling every stage's KV back
+                break
+        if new and chunk.pos >= self.prompt_len:
+            self.stats.rounds += 1
+            self.stats.decode_committed += len(new)
+        return new

@@ -25,7 +25,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import wire  # noqa: E402
-from swarm.coordinator import RingClient, decode_greedy  # noqa: E402
+from swarm.coordinator import RingClient, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
@@ -56,7 +56,7 @@ async def ring_decode(spec, model_dir, prompt_ids, tokens, key) -> tuple[float, 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 120.0, 30.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        out, timing = await decode_greedy(ring, prompt_ids, tokens, set())
+        out, timing = await decode(ring, prompt_ids, tokens, set())
         nursery.cancel_scope.cancel()
     return timing["tokens_per_s"], out
 

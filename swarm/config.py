@@ -120,6 +120,29 @@ def _stage_list(raw: object, key: str, origin: str, required: bool) -> list[Stag
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculation and chunking settings of the coordinator (``--draft``, ``--k``, ``--depth``,
+    ``--prefill-chunk``). ``k=None`` means 4 with a drafter and 0 without. Validated on construction."""
+
+    draft: str = "none"
+    k: int | None = None
+    depth: int = 1
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.k is None:
+            object.__setattr__(self, "k", 0 if self.draft == "none" else 4)
+        if not (self.draft in ("none", "ngram") or (self.draft.startswith("model:") and len(self.draft) > 6)):
+            raise ConfigError(f"--draft {self.draft!r} is not one of none, ngram, model:PATH")
+        if not 0 <= self.k <= 64:
+            raise ConfigError(f"--k must be in 0..64, got {self.k}")
+        if not 1 <= self.depth <= 16:
+            raise ConfigError(f"--depth must be in 1..16, got {self.depth}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """Everything ``swarm coordinate`` needs besides the prompt."""
 
@@ -129,7 +152,7 @@ class CoordinatorConfig:
     key_path: Path | None = None
     hop_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
-    extra: dict = field(default_factory=dict)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

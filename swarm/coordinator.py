@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import trio
 
 from swarm import wire
-from swarm.config import CoordinatorConfig, RingSpec, cache_root
+from swarm.config import CoordinatorConfig, RingSpec, SpecConfig, cache_root
 from swarm.errors import (ConfigError, HopTimeout, ModelError, ProtocolError, RemoteError, StageLost, StreamClosed,
                           SwarmError)
 from swarm.ranges import check_tiling
+from swarm.spec import NoDrafter, SpecLoop
 from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class RingClient:
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.streams: list = []
+        self.streams: list = []  # data: forward frames, session replies, the tail's results
+        self.control: list = []  # one more stream per stage, for cancel frames
         self.infos: list[StageInfo] = []
         self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
 
@@ -71,6 +73,9 @@ class RingClient:
                 raise StageLost(f"stage {i} {spec.layers} is unreachable: {exc}") from exc
             self.streams.append(stream)
             nursery.start_soon(self._pump, i, stream)
+            control = await self.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=self.connect_timeout_s)
+            self.control.append(control)
+            nursery.start_soon(self._pump, i, control)
         for i, spec in enumerate(self.ring.stages):
             # one request in flight at a time: _expect skips frames that answer something else
             await self.streams[i].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
@@ -135,20 +140,35 @@ class RingClient:
             except SwarmError:
                 pass
 
-    async def run_chunk(self, session: str, epoch: int, pos: int, chunk: int, tokens: list[int]) -> list[int]:
-        """Send ``tokens`` at positions ``[pos, pos + T)`` round the ring; return the tail's T argmax ids."""
-        await self.streams[0].send(wire.frame("forward", session=session, epoch=epoch, pos=pos, chunk=chunk,
-                                              tokens=tokens), timeout_s=self.hop_timeout_s)
+    async def send_chunk(self, session: str, chunk) -> None:
+        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
+        await self.streams[0].send(wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos,
+                                              chunk=chunk.chunk_id, tokens=list(chunk.tokens)),
+                                   timeout_s=self.hop_timeout_s)
+
+    async def next_result(self, session: str) -> dict:
+        """The next ``result`` frame of ``session`` from the tail (any epoch), validated.
+
+        Raises:
+            HopTimeout: nothing within the hop timeout. StageLost: a stage closed its stream.
+            RemoteError: a stage answered with an error frame.
+        """
         tail = len(self.streams) - 1
         while True:
             i, msg = await self._next(self.hop_timeout_s)
             self._raise_for(i, msg)
-            if (i == tail and msg.get("type") == "result" and msg.get("session") == session
-                    and msg.get("chunk") == chunk and msg.get("epoch") == epoch):
-                ids = wire.validate(msg)["token_ids"]
-                if len(ids) != len(tokens):
-                    raise ProtocolError(f"tail returned {len(ids)} ids for a chunk of {len(tokens)}")
-                return ids
+            if i == tail and msg.get("type") == "result" and msg.get("session") == session:
+                return wire.validate(msg)
+
+    async def cancel(self, session: str, epoch: int) -> None:
+        """Tell every stage that frames of ``session`` older than ``epoch`` are stale (early
+        cancellation: stages drop them before computing). Sent on the control streams so it
+        overtakes the data frames queued behind the head's data stream."""
+        for stream in self.control:
+            try:
+                await stream.send(wire.frame("cancel", session=session, epoch=epoch), timeout_s=self.hop_timeout_s)
+            except SwarmError as exc:  # the data path will report a lost stage itself
+                log.debug("cancel.failed reason=%s", exc)
 
 
 def eos_ids(model_dir, tokenizer) -> set[int]:
@@ -167,6 +187,14 @@ def eos_ids(model_dir, tokenizer) -> set[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _vocab_size(model_dir) -> int:
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(data.get("vocab_size") or data.get("n_vocab"))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -212,6 +240,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     """
     from transformers import AutoTokenizer
 
+    from swarm.drafters import make_drafter
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.transport import load_or_create_key, open_host
@@ -227,6 +256,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     if not prompt_ids:
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
+    drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path))
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
@@ -234,7 +264,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
         infos = await ring.connect(num_layers, digest, nursery)
         stream = TextStream(tokenizer)
         on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
-        out, timing = await decode_greedy(ring, prompt_ids, config.max_new_tokens, stop, on_ids)
+        out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter)
         if on_text:
             on_text(stream.push(out, final=True))
         nursery.cancel_scope.cancel()
@@ -249,51 +279,63 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     }
 
 
-async def decode_greedy(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                        on_ids=None) -> tuple[list[int], dict]:
-    """Greedy generation over a connected ring: prefill, then one token per round trip.
+async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+                 on_ids=None, spec: SpecConfig | None = None, drafter=None) -> tuple[list[int], dict]:
+    """Generate greedily over a connected ring, speculatively when a drafter and ``spec.k`` are given.
+
+    Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
+    decode sends verify chunks ``[last committed] + K drafts`` with up to ``spec.depth`` in flight
+    (``swarm.spec.SpecLoop``). Output is token-for-token plain greedy.
 
     Args:
         ring: a RingClient after ``connect``.
         prompt_ids: the prompt's token ids (non-empty).
         max_new_tokens: stop after this many new tokens; stop_ids: stop after emitting one of these.
         on_ids: called with the full list of new ids after each commit (for streaming).
+        spec: K, depth, prefill chunk (default: plain decoding, K = 0, depth 1).
+        drafter: a ``swarm.spec.Drafter`` (default: none).
     Returns:
-        (new token ids, timing dict with tokens_per_s (decode), ttft_s, total_s).
+        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, spec stats).
     Raises:
         ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError.
     """
+    spec = spec or SpecConfig()
     max_ctx = min(i.max_ctx for i in ring.infos)
     if len(prompt_ids) >= max_ctx:
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx}")
     budget = min(max_new_tokens, max_ctx - len(prompt_ids))
     if budget < max_new_tokens:
         log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
+    loop = SpecLoop(prompt_ids, budget, frozenset(stop_ids), drafter or NoDrafter(), k=spec.k, depth=spec.depth,
+                    prefill_chunk=spec.prefill_chunk)
     session = uuid.uuid4().hex
     await ring.open_session(session, len(prompt_ids) + budget)
-    out: list[int] = []
+    t_first = None
     try:
         t0 = time.perf_counter()
-        ids = await ring.run_chunk(session, 0, 0, 0, prompt_ids)  # prefill
-        t_first = time.perf_counter()
-        token, chunk = ids[-1], 1
-        while True:
-            out.append(token)
-            if on_ids:
-                on_ids(out)
-            if token in stop_ids or len(out) >= budget:
-                break
-            # decode: the last committed token at its absolute position
-            ids = await ring.run_chunk(session, 0, len(prompt_ids) + len(out) - 1, chunk, [token])
-            token, chunk = ids[-1], chunk + 1
+        while not loop.done:
+            for chunk in loop.next_chunks():
+                await ring.send_chunk(session, chunk)
+            msg = await ring.next_result(session)
+            epoch = loop.epoch
+            new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+            if loop.epoch != epoch and not loop.done:
+                await ring.cancel(session, loop.epoch)
+            if new:
+                t_first = t_first or time.perf_counter()
+                if on_ids:
+                    on_ids(loop.output)
         t_end = time.perf_counter()
     finally:
         with trio.CancelScope(shield=True):
             await ring.close_session(session)
+    out = loop.output
     decode_s = t_end - t_first
     return out, {
         "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
         "ttft_s": t_first - t0,
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,
+        "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
+                 "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
     }

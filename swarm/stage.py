@@ -103,6 +103,11 @@ class StageServer:
             await self._open(stream, msg)
         elif kind == "forward":
             await self._forward(stream, msg)
+        elif kind == "cancel":
+            sess = self.sessions.get(msg["session"])
+            if sess is not None and stream.remote_peer_id == sess.reply.remote_peer_id and msg["epoch"] > sess.epoch:
+                sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
+                log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
         elif kind == "close":
             self.sessions.pop(msg["session"], None)
             log.info("session.close session=%s", msg["session"])
@@ -186,6 +191,8 @@ class StageServer:
             await self._try_send(sess.reply, wire.error_frame(
                 f"stage {block.layer_range}: forward failed: {type(exc).__name__}: {exc}", "internal", sid))
             return
+        if msg["epoch"] < sess.epoch:
+            return  # cancelled while computing: the rows it wrote are rolled back by the next chunk
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
         if block.is_tail:
             await sess.reply.send(wire.frame("result", token_ids=out, **meta))

@@ -44,6 +44,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
     "close": {"session": _STR},
+    "cancel": {"session": _STR, "epoch": _INT},
     "close_ok": {"session": _STR},
     "error": {"reason": _STR, "code": _STR},
 }

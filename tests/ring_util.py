@@ -7,7 +7,7 @@ from pathlib import Path
 import trio
 
 from swarm.config import RingSpec, StageConfig, StageSpec
-from swarm.coordinator import RingClient, decode_greedy
+from swarm.coordinator import RingClient, decode
 from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
@@ -34,21 +34,26 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
 
 
 async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt: list[int], new_tokens: int,
-                        key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0) -> list[int]:
-    """Connect a coordinator to ``spec`` and decode greedily; returns the new ids."""
+                        key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0,
+                        spec_config=None, drafter=None, info: dict | None = None) -> list[int]:
+    """Connect a coordinator to ``spec`` and decode (speculatively with a drafter); returns the new ids.
+    ``info``, if given, receives the timing and speculation record."""
     try:
         async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
                 trio.open_nursery() as nursery:
             ring = RingClient(host, spec, hop_timeout_s, 10.0)
             await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
-            out, _ = await decode_greedy(ring, prompt, new_tokens, set(stop_ids))
+            out, record = await decode(ring, prompt, new_tokens, set(stop_ids), spec=spec_config, drafter=drafter)
+            if info is not None:
+                info.update(record)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise collapse(group) from None
     return out
 
 
-def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dtype="float64", num_layers=None):
+def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dtype="float64", num_layers=None,
+                  stop_ids=frozenset(), spec_config=None, drafter=None, info=None):
     """Start an in-process ring, generate, tear everything down; returns the new ids."""
     num_layers = num_layers or ranges[-1][1]
 
@@ -56,7 +61,8 @@ def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dt
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
                 spec, _ = await start_ring(nursery, model_dir, ranges, key_dir, dtype)
-                out = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir)
+                out = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir, stop_ids,
+                                          spec_config=spec_config, drafter=drafter, info=info)
                 nursery.cancel_scope.cancel()
         return out
 

@@ -1,0 +1,148 @@
+"""Speculative decoding around a real (in-process, libp2p) ring == plain greedy, token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from swarm import wire
+from swarm.config import SpecConfig
+from swarm.drafters import ModelDrafter, NgramDrafter
+from swarm.wire import PROTOCOL_ID
+from tests.conftest import make_synthetic, reference_greedy
+from tests.ring_util import run_inprocess
+
+PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
+RANGES = [(0, 1), (1, 3), (3, 4)]
+
+
+def truncated_copy(model_dir: Path, out_dir: Path, layers: int, dtype=torch.float64) -> Path:
+    """The first ``layers`` decoder layers of a model, with its embedding, norm and head: a
+    cheap draft that agrees with the target often but not always."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_synthetic("llama", tmp_path_factory.mktemp("target"), "float64")
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    return {
+        "same": target,
+        "truncated": truncated_copy(target, tmp_path_factory.mktemp("trunc"), 2),
+        "unrelated": make_synthetic("llama", tmp_path_factory.mktemp("other"), "float64", seed=7),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return reference_greedy(target, PROMPT, 24, "float64")
+
+
+def spec_run(target, tmp_path, drafter, k, depth, n=24, stop=frozenset(), prefill_chunk=512, info=None):
+    return run_inprocess(target, RANGES, PROMPT, n, tmp_path, stop_ids=stop, drafter=drafter, info=info,
+                         spec_config=SpecConfig(draft="ngram", k=k, depth=depth, prefill_chunk=prefill_chunk))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_ngram_speculation_exact(target, reference, tmp_path, k, depth):
+    assert spec_run(target, tmp_path, NgramDrafter(), k, depth) == reference
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_model_draft_speculation_exact(target, drafts, reference, tmp_path, k, depth):
+    drafter = ModelDrafter(drafts["truncated"], target_vocab=97, dtype="float64", device="cpu")
+    info: dict = {}
+    assert spec_run(target, tmp_path, drafter, k, depth, info=info) == reference
+    assert info["spec"]["drafted"] > 0
+
+
+def test_fully_accepted_and_fully_rejected(target, drafts, reference, tmp_path):
+    info: dict = {}
+    same = ModelDrafter(drafts["same"], target_vocab=97, dtype="float64", device="cpu")
+    assert spec_run(target, tmp_path, same, 4, 2, info=info) == reference
+    assert info["spec"]["rejections"] == 0 and info["spec"]["accept_rate"] == 1.0
+    assert info["spec"]["tokens_per_round_trip"] > 4
+    other = ModelDrafter(drafts["unrelated"], target_vocab=97, dtype="float64", device="cpu")
+    info = {}
+    assert spec_run(target, tmp_path, other, 4, 2, info=info) == reference
+    assert info["spec"]["rejections"] > 0 and info["spec"]["accept_rate"] < 0.5
+
+
+@pytest.mark.parametrize("k,depth", [(4, 1), (8, 3)])
+def test_eos_inside_a_chunk(target, drafts, reference, tmp_path, k, depth):
+    stop = reference[7]
+    expected = reference[: reference.index(stop) + 1]
+    same = ModelDrafter(drafts["same"], target_vocab=97, dtype="float64", device="cpu")
+    assert spec_run(target, tmp_path, same, k, depth, stop=frozenset({stop})) == expected
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_limit_inside_a_chunk(target, drafts, reference, tmp_path, n):
+    same = ModelDrafter(drafts["same"], target_vocab=97, dtype="float64", device="cpu")
+    assert spec_run(target, tmp_path, same, 8, 2, n=n) == reference[:n]
+
+
+@pytest.mark.parametrize("prefill_chunk", [1, 5, 12])
+def test_chunked_prefill(target, reference, tmp_path, prefill_chunk):
+    assert spec_run(target, tmp_path, NgramDrafter(), 2, 2, prefill_chunk=prefill_chunk) == reference
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+@pytest.mark.parametrize("k,depth", [(2, 1), (4, 2), (8, 4)])
+def test_stories260k_speculation(stories_dir, tmp_path, draft, k, depth):
+    prompt = [1, 403, 407, 261, 378]
+    ref = reference_greedy(stories_dir, prompt, 40, "float32")
+    drafter = NgramDrafter()
+    if draft == "model":
+        drafter = ModelDrafter(truncated_copy(stories_dir, tmp_path / "d", 2, torch.float32), target_vocab=512,
+                               dtype="float32", device="cpu")
+    out = run_inprocess(stories_dir, [(0, 2), (2, 4), (4, 5)], prompt, 40, tmp_path, dtype="float32",
+                        drafter=drafter, spec_config=SpecConfig(draft="ngram", k=k, depth=depth))
+    assert out == ref
+
+
+def test_stale_epoch_frame_never_touches_the_cache(target, tmp_path):
+    """Inject a frame of an old epoch into a stage: it is dropped before computing."""
+    from swarm.transport import load_or_create_key, open_host
+    from tests.ring_util import LOOPBACK, start_ring
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, target, [(0, 4)], tmp_path)
+                async with open_host(load_or_create_key(tmp_path / "p.key"), [LOOPBACK]) as host:
+                    s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+                    await s.send(wire.frame("open", session="x", next=None, max_len=64))
+                    assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+                    await s.send(wire.frame("forward", session="x", epoch=2, pos=0, chunk=0, tokens=PROMPT))
+                    assert (await s.recv(timeout_s=10))["type"] == "result"
+                    cache = servers[0].sessions["x"].cache
+                    before = (cache.kv_len, {k: v.clone() for k, v in cache._keys.items()})
+                    await s.send(wire.frame("forward", session="x", epoch=1, pos=3, chunk=1, tokens=[50, 51]))
+                    await s.send(wire.frame("info"))  # a marker: answered after the stale frame was handled
+                    assert (await s.recv(timeout_s=10))["type"] == "info_ok"
+                    assert cache.kv_len == before[0] == len(PROMPT)
+                    assert all(torch.equal(cache._keys[k], v) for k, v in before[1].items())
+                    # the cancel frame raises the epoch for frames still queued
+                    ctl = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+                    await ctl.send(wire.frame("cancel", session="x", epoch=5))
+                    await ctl.send(wire.frame("info"))
+                    assert (await ctl.recv(timeout_s=10))["type"] == "info_ok"
+                    assert servers[0].sessions["x"].epoch == 5
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

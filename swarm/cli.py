@@ -32,6 +32,21 @@ def _stage_parser(sub) -> None:
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
 
 
+def _add_spec_flags(p) -> None:
+    g = p.add_argument_group("speculative decoding (output stays token-identical to greedy)")
+    g.add_argument("--draft", default="none", help="drafter: none, ngram (prompt lookup) or model:PATH "
+                                                    "(a small model sharing the tokenizer); default none")
+    g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter, 0 without)")
+    g.add_argument("--depth", type=int, default=1, help="verify chunks in flight at once (default 1)")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill chunk (default 512)")
+
+
+def _spec_config(args):
+    from swarm.config import SpecConfig
+
+    return SpecConfig(draft=args.draft, k=args.k, depth=args.depth, prefill_chunk=args.prefill_chunk)
+
+
 def _coordinate_parser(sub) -> None:
     p = sub.add_parser("coordinate", help="generate text with a running ring",
                        description="Connect to the stages listed in a ring file, check them, and generate greedily.")
@@ -42,6 +57,7 @@ def _coordinate_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
     p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
     p.add_argument("--hop-timeout-s", type=float, default=60.0, help="deadline for each answer from the ring")
+    _add_spec_flags(p)
 
 
 def _demo_parser(sub) -> None:
@@ -57,6 +73,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    _add_spec_flags(p)
 
 
 def _model_parser(sub) -> None:
@@ -128,7 +145,7 @@ def cmd_coordinate(args) -> int:
 
     config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
-                               hop_timeout_s=args.hop_timeout_s)
+                               hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args))
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):
@@ -138,8 +155,8 @@ def cmd_coordinate(args) -> int:
         print(json.dumps(result))
     else:
         print()
-        print(f"[{result['new_tokens']} tokens, {_rate(result)} decode, ttft {result['ttft_s']:.2f} s]",
-              file=sys.stderr)
+        print(f"[{result['new_tokens']} tokens, {_rate(result)} decode, ttft {result['ttft_s']:.2f} s"
+              f"{_spec_summary(result)}]", file=sys.stderr)
     return 0
 
 
@@ -147,6 +164,14 @@ def _rate(result: dict) -> str:
     """tokens/s as text; decode speed needs at least two tokens."""
     rate = result.get("tokens_per_s")
     return f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s (one token)"
+
+
+def _spec_summary(result: dict) -> str:
+    s = result.get("spec") or {}
+    if not s.get("k"):
+        return ""
+    return (f", draft {s['draft']} k={s['k']} depth={s['depth']}: accept rate {s['accept_rate']:.2f}, "
+            f"{s['tokens_per_round_trip']:.2f} tokens per round trip")
 
 
 def cmd_demo(args) -> int:

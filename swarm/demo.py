@@ -28,6 +28,9 @@ def run_demo(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from swarm.cli import _spec_config
+
+    spec_config = _spec_config(args)  # checked before any process starts
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
     num_layers = model_num_layers(resolved.path)
     ranges = even_split(num_layers, args.stages)
@@ -44,7 +47,7 @@ def run_demo(args) -> int:
         for sp in ring.stages:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                                   key_path=cache_root() / "keys" / "coordinator.key")
+                                   key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
         on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -52,8 +55,8 @@ def run_demo(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        from swarm.cli import _rate
+        from swarm.cli import _rate, _spec_summary
 
         print(f"\n\n{result['new_tokens']} tokens, {_rate(result)} decode, "
-              f"time to first token {result['ttft_s']:.2f} s")
+              f"time to first token {result['ttft_s']:.2f} s{_spec_summary(result)}")
     return 0

@@ -146,3 +146,33 @@ def test_stale_epoch_frame_never_touches_the_cache(target, tmp_path):
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_speculation_through_delaying_relays(target, reference, tmp_path):
+    """Every hop through a 5 ms relay (link emulation): still exact, and visibly slower per round."""
+    from contextlib import AsyncExitStack
+
+    from swarm.config import RingSpec, StageSpec
+    from swarm.transport.relay import open_relay, relay_addr, target_of
+    from tests.ring_util import ring_generate, start_ring
+
+    async def main():
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, target, RANGES, tmp_path)
+                async with AsyncExitStack() as stack:
+                    stages = []
+                    for s in spec.stages:
+                        relay = await stack.enter_async_context(open_relay(*target_of(s.addr), delay_ms=5))
+                        stages.append(StageSpec(relay_addr(s.addr, relay.port), s.layers))
+                    relayed = RingSpec(model=spec.model, stages=tuple(stages))
+                    info: dict = {}
+                    out = await ring_generate(relayed, target, 4, PROMPT, 24, tmp_path, drafter=NgramDrafter(),
+                                              spec_config=SpecConfig(draft="ngram", k=4, depth=2), info=info)
+                nursery.cancel_scope.cancel()
+        return out, info
+
+    out, info = trio.run(main)
+    assert out == reference
+    # each committing round crosses 4 delayed hops: a lower bound, not a speed claim
+    assert info["total_s"] >= info["spec"]["rounds"] * 4 * 0.005

@@ -39,12 +39,24 @@ def _add_spec_flags(p) -> None:
     g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter, 0 without)")
     g.add_argument("--depth", type=int, default=1, help="verify chunks in flight at once (default 1)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill chunk (default 512)")
+    s = p.add_argument_group("sampling (default: greedy); replayable: the tail draws position n with noise "
+                             "keyed by (seed, n)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
 def _spec_config(args):
     from swarm.config import SpecConfig
 
     return SpecConfig(draft=args.draft, k=args.k, depth=args.depth, prefill_chunk=args.prefill_chunk)
+
+
+def _sampling(args):
+    from swarm.config import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def _coordinate_parser(sub) -> None:
@@ -145,7 +157,8 @@ def cmd_coordinate(args) -> int:
 
     config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
-                               hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args))
+                               hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args),
+                               sampling=_sampling(args))
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):

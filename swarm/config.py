@@ -12,6 +12,7 @@ and reading a ring file::
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,54 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; ``temperature == 0`` means greedy (argmax, no noise).
+
+    Args:
+        temperature: > 0 divides the logits; 0 = greedy.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1 = off).
+        seed: the key of every draw (with the absolute position).
+    Raises:
+        ConfigError: on out-of-range values.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"--seed must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_wire(self) -> dict:
+        return {"temperature": float(self.temperature), "top_k": int(self.top_k), "top_p": float(self.top_p),
+                "seed": int(self.seed)}
+
+    @classmethod
+    def from_wire(cls, m: object) -> SamplingParams:
+        """Build from an ``open`` frame's ``sampling`` map. Raises ConfigError on bad fields."""
+        if not isinstance(m, dict):
+            raise ConfigError("sampling must be a map")
+        try:
+            return cls(temperature=float(m["temperature"]), top_k=int(m["top_k"]), top_p=float(m["top_p"]),
+                       seed=int(m["seed"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"bad sampling map: {exc}") from exc
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """Everything ``swarm coordinate`` needs besides the prompt."""
 
@@ -153,6 +202,7 @@ class CoordinatorConfig:
     hop_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     spec: SpecConfig = field(default_factory=SpecConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import trio
 
 from swarm import wire
-from swarm.config import CoordinatorConfig, RingSpec, SpecConfig, cache_root
+from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
 from swarm.errors import (ConfigError, HopTimeout, ModelError, ProtocolError, RemoteError, StageLost, StreamClosed,
                           SwarmError)
 from swarm.ranges import check_tiling
@@ -125,12 +125,14 @@ class RingClient:
                 return wire.validate(msg)
             log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
 
-    async def open_session(self, session: str, max_len: int) -> None:
-        """Open ``session`` at every stage, telling each its successor (the tail gets none)."""
+    async def open_session(self, session: str, max_len: int, sampling: dict | None = None) -> None:
+        """Open ``session`` at every stage, telling each its successor (the tail gets none and,
+        when sampling, the sampling settings)."""
         n = len(self.ring.stages)
         for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
             nxt = self.ring.stages[i + 1].addr if i + 1 < n else None
-            await self.streams[i].send(wire.frame("open", session=session, next=nxt, max_len=max_len))
+            extra = {"sampling": sampling} if sampling and nxt is None else {}
+            await self.streams[i].send(wire.frame("open", session=session, next=nxt, max_len=max_len, **extra))
             await self._expect(i, "open_ok", session)
 
     async def close_session(self, session: str) -> None:
@@ -256,7 +258,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     if not prompt_ids:
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
-    drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path))
+    drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path), sampling=config.sampling)
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
@@ -264,7 +266,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
         infos = await ring.connect(num_layers, digest, nursery)
         stream = TextStream(tokenizer)
         on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
-        out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter)
+        out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
+                                   config.sampling)
         if on_text:
             on_text(stream.push(out, final=True))
         nursery.cancel_scope.cancel()
@@ -280,7 +283,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
 
 
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                 on_ids=None, spec: SpecConfig | None = None, drafter=None) -> tuple[list[int], dict]:
+                 on_ids=None, spec: SpecConfig | None = None, drafter=None,
+                 sampling: SamplingParams | None = None) -> tuple[list[int], dict]:
     """Generate greedily over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -294,6 +298,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         on_ids: called with the full list of new ids after each commit (for streaming).
         spec: K, depth, prefill chunk (default: plain decoding, K = 0, depth 1).
         drafter: a ``swarm.spec.Drafter`` (default: none).
+        sampling: temperature / top-k / top-p / seed (default greedy). The tail draws the token of
+            every position with noise keyed by (seed, position) (``swarm.model.sampling``), and
+            drafts are verified by exact match against it: the output is the same for any drafter,
+            K and depth, and is an exact sample of the model.
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, spec stats).
     Raises:
@@ -309,7 +317,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     loop = SpecLoop(prompt_ids, budget, frozenset(stop_ids), drafter or NoDrafter(), k=spec.k, depth=spec.depth,
                     prefill_chunk=spec.prefill_chunk)
     session = uuid.uuid4().hex
-    await ring.open_session(session, len(prompt_ids) + budget)
+    sampling = sampling or SamplingParams()
+    await ring.open_session(session, len(prompt_ids) + budget, None if sampling.greedy else sampling.to_wire())
     t_first = None
     try:
         t0 = time.perf_counter()
@@ -336,6 +345,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "ttft_s": t_first - t0,
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,
+        "sampling": sampling.to_wire(),
         "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
                  "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
     }

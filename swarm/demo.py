@@ -30,7 +30,9 @@ def run_demo(args) -> int:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from swarm.cli import _spec_config
 
-    spec_config = _spec_config(args)  # checked before any process starts
+    from swarm.cli import _sampling
+
+    spec_config, sampling = _spec_config(args), _sampling(args)  # checked before any process starts
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
     num_layers = model_num_layers(resolved.path)
     ranges = even_split(num_layers, args.stages)
@@ -47,7 +49,8 @@ def run_demo(args) -> int:
         for sp in ring.stages:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                                   key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config)
+                                   key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
+                                   sampling=sampling)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
         on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))

@@ -42,7 +42,7 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """Greedy drafts from a small causal LM with its own KV cache.
+    """Drafts from a small causal LM with its own KV cache (greedy, or sampled with the run's keyed noise).
 
     The cache follows the context by common prefix: positions where the context changed (a
     rejection) are rolled back by ``kv_len``, so no separate accept/reject notice is needed.
@@ -51,20 +51,29 @@ class ModelDrafter:
         model_dir: a local HF directory (or anything ``resolve_model`` accepts) of the draft model.
         target_vocab: the target model's vocabulary size; the draft's must match.
         dtype, device: as for stages; float32 on CPU by default.
+        sampling: the run's SamplingParams; drafts use the same keyed noise (greedy by default).
     Raises:
         ConfigError / ModelError: the draft model is missing, unsupported, or its vocabulary differs.
     """
 
     name = "model"
 
-    def __init__(self, model_dir, target_vocab: int, dtype: str = "auto", device: str = "auto") -> None:
+    def __init__(self, model_dir, target_vocab: int, dtype: str = "auto", device: str = "auto",
+                 sampling=None) -> None:
         import torch
+
+        from swarm.config import SamplingParams
+        from swarm.model.sampling import sample
 
         from swarm.model.block import load_block, model_num_layers
         from swarm.model.resolve import resolve_model
         from swarm.ranges import LayerRange
 
         self._torch = torch
+        self._sample = sample
+        # drafts are drawn with the target's keyed noise (coupled sampling): when the two models
+        # agree, the draft equals the tail's sample and is accepted
+        self.sampling = sampling or SamplingParams()
         path = resolve_model(str(model_dir)).path
         self.block = load_block(path, LayerRange(0, model_num_layers(path)), dtype=dtype, device=device)
         if self.block.vocab_size != target_vocab:
@@ -90,14 +99,14 @@ class ModelDrafter:
         for _ in range(n):
             logits = self.block.forward(self.cache, pos, token_ids=self._torch.tensor([feed]))
             pos += len(feed)
-            nxt = int(logits[0, -1].argmax())
+            nxt = self._sample(logits[0, -1], len(ctx) + len(out), self.sampling)
             out.append(nxt)
             feed = [nxt]
         self.cached = ctx + out[:-1]
         return out
 
 
-def make_drafter(spec: str, target_vocab: int | None = None, **kwargs):
+def make_drafter(spec: str, target_vocab: int | None = None, sampling=None, **kwargs):
     """Build a drafter from a ``--draft`` value: ``none``, ``ngram`` or ``model:PATH``.
 
     Raises:
@@ -110,5 +119,5 @@ def make_drafter(spec: str, target_vocab: int | None = None, **kwargs):
     if spec.startswith("model:") and len(spec) > len("model:"):
         if target_vocab is None:
             raise ConfigError("a model drafter needs the target's vocabulary size")
-        return ModelDrafter(spec[len("model:"):], target_vocab, **kwargs)
+        return ModelDrafter(spec[len("model:"):], target_vocab, sampling=sampling, **kwargs)
     raise ConfigError(f"unknown drafter {spec!r}: use none, ngram or model:PATH")

@@ -22,7 +22,7 @@ import trio
 
 from swarm import wire
 from swarm.config import StageConfig
-from swarm.errors import ContextOverflow, ProtocolError, StreamClosed, SwarmError, collapse
+from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError, collapse
 from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class Session:
     next_addr: str | None
     next_stream: object | None = None
     epoch: int = 0
+    sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
     positions: int = 0
     frames_in: int = 0
     frames_out: int = 0
@@ -123,6 +124,14 @@ class StageServer:
             raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
         max_len = min(msg["max_len"] or self.block.max_ctx, self.block.max_ctx)
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr)
+        if msg.get("sampling") is not None:
+            from swarm.config import SamplingParams
+
+            try:
+                params = SamplingParams.from_wire(msg["sampling"])
+            except ConfigError as exc:
+                raise ProtocolError(f"open frame: {exc}") from exc
+            session.sampling = None if params.greedy else params
         if next_addr is not None:
             try:
                 session.next_stream = await self._successor(next_addr)
@@ -210,7 +219,12 @@ class StageServer:
         out = self.block.forward(sess.cache, pos, **inputs)
         sess.positions += out.shape[1]
         if self.block.is_tail:
-            return out[0].argmax(dim=-1).tolist()
+            if sess.sampling is None:
+                return out[0].argmax(dim=-1).tolist()
+            from swarm.model.sampling import sample
+
+            # the token for position pos + i + 1, keyed by (seed, that position)
+            return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
         return wire.encode_tensor(out)
 
     async def _try_send(self, stream, msg: dict) -> None:

@@ -87,6 +87,8 @@ def validate(msg: Any) -> dict:
             raise ProtocolError(f"{kind} frame field {name!r} has type {type(value).__name__}")
         if isinstance(value, int) and not 0 <= value <= MAX_INT:
             raise ProtocolError(f"{kind} frame field {name!r}={value} is out of range")
+    if kind == "open" and msg.get("sampling") is not None and not isinstance(msg["sampling"], dict):
+        raise ProtocolError("open frame field 'sampling' must be a map")
     session = msg.get("session")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")

@@ -11,8 +11,9 @@ import trio
 from swarm import wire
 from swarm.config import SpecConfig
 from swarm.drafters import ModelDrafter, NgramDrafter
+from swarm.spec import NoDrafter
 from swarm.wire import PROTOCOL_ID
-from tests.conftest import make_synthetic, reference_greedy
+from tests.conftest import chi2_critical, make_synthetic, reference_greedy
 from tests.ring_util import run_inprocess
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
@@ -176,3 +177,108 @@ def test_speculation_through_delaying_relays(target, reference, tmp_path):
     assert out == reference
     # each committing round crosses 4 delayed hops: a lower bound, not a speed claim
     assert info["total_s"] >= info["spec"]["rounds"] * 4 * 0.005
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+def reference_sampled(model_dir, prompt, n, params, dtype=torch.float64) -> list[int]:
+    """transformers in one process, one token at a time, drawing with the same keyed sampler."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from swarm.model.sampling import sample
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    seq, out = list(prompt), []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        feed = list(prompt)
+        for _ in range(n):
+            logits = model(torch.tensor([feed]), cache=cache, use_cache=True).logits
+            tok = sample(logits[0, -1], len(seq), params)
+            out.append(tok)
+            seq.append(tok)
+            feed = [tok]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampled_ring_identical_across_k_depth_drafters(target, drafts, tmp_path, seed):
+    from swarm.config import SamplingParams
+
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+    ref = reference_sampled(target, PROMPT, 20, params)
+    runs = {
+        "plain": run_inprocess(target, RANGES, PROMPT, 20, tmp_path, sampling=params),
+        "again": run_inprocess(target, RANGES, PROMPT, 20, tmp_path, sampling=params),
+    }
+    for k, depth in [(2, 1), (4, 2), (8, 4)]:
+        runs[f"ngram-{k}-{depth}"] = run_inprocess(
+            target, RANGES, PROMPT, 20, tmp_path, sampling=params, drafter=NgramDrafter(),
+            spec_config=SpecConfig(draft="ngram", k=k, depth=depth))
+        drafter = ModelDrafter(drafts["truncated"], target_vocab=97, dtype="float64", device="cpu", sampling=params)
+        runs[f"model-{k}-{depth}"] = run_inprocess(
+            target, RANGES, PROMPT, 20, tmp_path, sampling=params, drafter=drafter,
+            spec_config=SpecConfig(draft="ngram", k=k, depth=depth))
+    assert all(out == ref for out in runs.values()), {k: v for k, v in runs.items() if v != ref}
+    assert ref != reference_greedy(target, PROMPT, 20, "float64")  # it really sampled
+
+
+def test_coupled_model_draft_is_accepted_when_models_agree(target, drafts, tmp_path):
+    from swarm.config import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=3)
+    info: dict = {}
+    same = ModelDrafter(drafts["same"], target_vocab=97, dtype="float64", device="cpu", sampling=params)
+    run_inprocess(target, RANGES, PROMPT, 20, tmp_path, sampling=params, drafter=same, info=info,
+                  spec_config=SpecConfig(draft="ngram", k=4, depth=1))
+    assert info["spec"]["accept_rate"] == 1.0  # same model, same keyed noise: every draft is the sample
+
+
+def test_speculative_sampling_distribution_matches_plain(target, drafts):
+    """Over 300 seeds: speculative (n-gram and model drafts) and plain sampling give the same
+    tokens seed by seed, and the first sampled token's frequencies match the model's distribution
+    (chi-square below the p = 0.001 critical value). In-process blocks, no network, for speed."""
+    from swarm.config import SamplingParams
+    from swarm.model.block import load_block
+    from swarm.model.sampling import sample, target_distribution
+    from swarm.ranges import LayerRange
+    from swarm.spec import SpecLoop
+
+    block = load_block(target, LayerRange(0, 4), dtype="float64", device="cpu")
+
+    def generate(params, drafter, k):
+        cache = block.new_cache()
+        loop = SpecLoop(PROMPT, 6, drafter=drafter, k=k, depth=1, prefill_chunk=64)
+        while not loop.done:
+            for chunk in loop.next_chunks():
+                logits = block.forward(cache, chunk.pos, token_ids=torch.tensor([list(chunk.tokens)]))
+                ids = [sample(logits[0, i], chunk.pos + i + 1, params) for i in range(len(chunk.tokens))]
+                loop.on_result(chunk.chunk_id, chunk.epoch, ids)
+                if loop.done:
+                    break
+        return loop.output
+
+    first = []
+    for seed in range(300):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        plain = generate(params, NoDrafter(), 0)
+        assert generate(params, NgramDrafter(), 4) == plain
+        model = ModelDrafter(drafts["truncated"], target_vocab=97, dtype="float64", device="cpu", sampling=params)
+        assert generate(params, model, 3) == plain
+        first.append(plain[0])
+    logits = block.forward(block.new_cache(), 0, token_ids=torch.tensor([PROMPT]))[0, -1]
+    probs = target_distribution(logits, SamplingParams(temperature=1.0))
+    # pool rare tokens so every expected count is >= 5 (chi-square validity)
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    bins, acc = [], []
+    for i in order:
+        acc.append(i)
+        if float(probs[acc].sum()) * 300 >= 5:
+            bins.append(acc)
+            acc = []
+    if acc:
+        bins[-1] += acc
+    observed = [sum(first.count(i) for i in b) for b in bins]
+    expected = [300 * float(probs[b].sum()) for b in bins]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert stat < chi2_critical(len(bins) - 1), (stat, observed, expected)

@@ -29,6 +29,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.exceptions import StreamFailure
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError, ProtocolNotSupportedError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -113,6 +114,15 @@ class SwarmHost:
 
         self.libp2p_host.set_stream_handler(TProtocol(protocol_id), serve)
 
+    async def _dial(self, info, start: float) -> None:
+        # The swarm dials only one TCP addr per peer, possibly a stale one from an earlier dial
+        # or identify: dial exactly the addr we were given.
+        host = self.libp2p_host
+        host.get_peerstore().clear_addrs(info.peer_id)
+        host.get_network().unblock_peer(info.peer_id)
+        await host.connect(info)
+        log.debug("hop.dial peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start)
+
     async def open_stream(
         self,
         addr: str,
@@ -149,16 +159,20 @@ class SwarmHost:
         start = trio.current_time()
         try:
             with trio.fail_after(timeout_s):
-                if not network.get_connections(info.peer_id):
-                    # The swarm dials only one TCP addr per peer, possibly a stale one from an
-                    # earlier dial or identify: dial exactly the addr we were given.
-                    host.get_peerstore().clear_addrs(info.peer_id)
-                    network.unblock_peer(info.peer_id)
-                    await host.connect(info)
-                    log.debug(
-                        "hop.dial peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start
-                    )
-                net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+                had_connection = bool(network.get_connections(info.peer_id))
+                if not had_connection:
+                    await self._dial(info, start)
+                try:
+                    net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+                except (SwarmException, StreamFailure) as e:
+                    if not had_connection or (isinstance(e, StreamFailure) and _is_unsupported_protocol(e)):
+                        raise
+                    # A connection libp2p still lists can be dead (its path went away, e.g. a
+                    # relay or a peer that restarted on a new port): drop it and dial afresh.
+                    log.info("hop.redial peer=%s reason=stale-connection", info.peer_id)
+                    await network.close_peer(info.peer_id)
+                    await self._dial(info, start)
+                    net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
         except trio.TooSlowError:
             log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
             raise HopTimeout(

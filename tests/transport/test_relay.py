@@ -59,3 +59,26 @@ def test_addr_rewrite() -> None:
     a = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc"
     assert relay_addr(a, 5000) == "/ip4/127.0.0.1/tcp/5000/p2p/12D3KooWabc"
     assert target_of(a) == ("127.0.0.1", 4001)
+
+
+@trio_test
+async def test_redial_when_the_old_path_died() -> None:
+    """A connection whose relay went away is replaced by a dial over the new address."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from swarm.transport import open_host
+
+    from .test_host import ECHO, echo
+
+    async with open_host(create_new_key_pair()) as a, open_host(create_new_key_pair()) as b:
+        a.set_handler(ECHO, echo)
+        target = target_of(a.addrs()[0])
+        async with open_relay(*target, delay_ms=1) as first:
+            s = await b.open_stream(relay_addr(a.addrs()[0], first.port), ECHO, timeout_s=5)
+            await s.send({"n": 1})
+            assert (await s.recv(timeout_s=5))["n"] == 1
+        async with open_relay(*target, delay_ms=1) as second:
+            with trio.fail_after(10):
+                s2 = await b.open_stream(relay_addr(a.addrs()[0], second.port), ECHO, timeout_s=5)
+            await s2.send({"n": 2})
+            assert (await s2.recv(timeout_s=5))["n"] == 2

@@ -45,6 +45,9 @@ def _add_spec_flags(p) -> None:
     s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"],
+                   help="dtype of hidden states between stages (default: the stages' own). Narrower is "
+                        "lossy (opt-in; recorded as wire_lossy in --json); float8 carries a scale per position")
 
 
 def _spec_config(args):
@@ -158,7 +161,7 @@ def cmd_coordinate(args) -> int:
     config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args),
-                               sampling=_sampling(args))
+                               sampling=_sampling(args), wire_dtype=args.wire_dtype)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):

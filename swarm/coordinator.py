@@ -37,6 +37,7 @@ class StageInfo:
     model: str
     model_digest: str
     max_ctx: int
+    dtype: str = "float32"
 
 
 class RingClient:
@@ -91,7 +92,7 @@ class RingClient:
             if msg["peer_id"] != spec.peer_id:
                 raise ConfigError(f"stage {i} at {spec.addr} answered as PeerId {msg['peer_id']}")
             self.infos.append(StageInfo(i, spec.addr, msg["peer_id"], got, msg["model"], msg["model_digest"],
-                                        msg["max_ctx"]))
+                                        msg["max_ctx"], msg["dtype"]))
         return self.infos
 
     async def _pump(self, index: int, stream) -> None:
@@ -125,13 +126,16 @@ class RingClient:
                 return wire.validate(msg)
             log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
 
-    async def open_session(self, session: str, max_len: int, sampling: dict | None = None) -> None:
+    async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
+                           wire_dtype: str | None = None) -> None:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings)."""
         n = len(self.ring.stages)
         for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
             nxt = self.ring.stages[i + 1].addr if i + 1 < n else None
             extra = {"sampling": sampling} if sampling and nxt is None else {}
+            if wire_dtype and nxt is not None:
+                extra["wire_dtype"] = wire_dtype
             await self.streams[i].send(wire.frame("open", session=session, next=nxt, max_len=max_len, **extra))
             await self._expect(i, "open_ok", session)
 
@@ -267,7 +271,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
         stream = TextStream(tokenizer)
         on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
-                                   config.sampling)
+                                   config.sampling, config.wire_dtype)
         if on_text:
             on_text(stream.push(out, final=True))
         nursery.cancel_scope.cancel()
@@ -284,7 +288,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
 
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
-                 sampling: SamplingParams | None = None) -> tuple[list[int], dict]:
+                 sampling: SamplingParams | None = None, wire_dtype: str | None = None) -> tuple[list[int], dict]:
     """Generate greedily over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -302,6 +306,9 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             every position with noise keyed by (seed, position) (``swarm.model.sampling``), and
             drafts are verified by exact match against it: the output is the same for any drafter,
             K and depth, and is an exact sample of the model.
+        wire_dtype: dtype of hidden states between stages (None: each stage's own dtype). Narrower
+            dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
+            and recorded as ``wire_lossy`` in the result.
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, spec stats).
     Raises:
@@ -318,7 +325,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                     prefill_chunk=spec.prefill_chunk)
     session = uuid.uuid4().hex
     sampling = sampling or SamplingParams()
-    await ring.open_session(session, len(prompt_ids) + budget, None if sampling.greedy else sampling.to_wire())
+    await ring.open_session(session, len(prompt_ids) + budget, None if sampling.greedy else sampling.to_wire(),
+                            wire_dtype)
     t_first = None
     try:
         t0 = time.perf_counter()
@@ -346,6 +354,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,
         "sampling": sampling.to_wire(),
+        "wire_dtype": wire_dtype or "stage",
+        "wire_lossy": any(wire.is_lossy(wire_dtype, i.dtype) for i in ring.infos),
         "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
                  "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
     }

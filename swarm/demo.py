@@ -50,7 +50,7 @@ def run_demo(args) -> int:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
                                    key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
-                                   sampling=sampling)
+                                   sampling=sampling, wire_dtype=args.wire_dtype)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
         on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))

@@ -39,6 +39,7 @@ class Session:
     next_stream: object | None = None
     epoch: int = 0
     sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
+    wire_dtype: object = None  # torch dtype of hidden states sent on; None = the stage's dtype
     positions: int = 0
     frames_in: int = 0
     frames_out: int = 0
@@ -124,6 +125,8 @@ class StageServer:
             raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
         max_len = min(msg["max_len"] or self.block.max_ctx, self.block.max_ctx)
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr)
+        if msg.get("wire_dtype") is not None:
+            session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("sampling") is not None:
             from swarm.config import SamplingParams
 
@@ -225,7 +228,7 @@ class StageServer:
 
             # the token for position pos + i + 1, keyed by (seed, that position)
             return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
-        return wire.encode_tensor(out)
+        return wire.encode_tensor(out, dtype=sess.wire_dtype)
 
     async def _try_send(self, stream, msg: dict) -> None:
         try:

@@ -25,8 +25,11 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+LOSSLESS = {"float32", "float64"}  # for float32/float64 stages; narrower wire dtypes are opt-in and lossy
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 _INT = (int,)
 _STR = (str,)
@@ -39,7 +42,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "info": {},
     "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
                 "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
-    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},
+    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},  # optional: sampling, wire_dtype
     "open_ok": {"session": _STR},
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
@@ -55,6 +58,14 @@ MAX_INT = 2**31 - 1
 def frame(kind: str, **fields: Any) -> dict:
     """Build a frame map of ``kind`` with the protocol version set."""
     return {"v": VERSION, "type": kind, **fields}
+
+
+def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
+    """True when hidden states of ``stage_dtype`` lose precision as ``wire_dtype`` (None = the stage's own)."""
+    if wire_dtype is None or wire_dtype == stage_dtype:
+        return False
+    exact_into = {"float64": {"float32", "bfloat16", "float16"}, "float32": {"bfloat16", "float16"}}
+    return stage_dtype not in exact_into.get(wire_dtype, set())
 
 
 def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
@@ -89,6 +100,8 @@ def validate(msg: Any) -> dict:
             raise ProtocolError(f"{kind} frame field {name!r}={value} is out of range")
     if kind == "open" and msg.get("sampling") is not None and not isinstance(msg["sampling"], dict):
         raise ProtocolError("open frame field 'sampling' must be a map")
+    if kind == "open" and msg.get("wire_dtype") is not None and msg["wire_dtype"] not in WIRE_DTYPES:
+        raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
     session = msg.get("session")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")
@@ -108,19 +121,34 @@ def validate(msg: Any) -> dict:
 def encode_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
     """Encode a tensor as ``{"dtype": name, "shape": [...], "data": raw bytes}``.
 
+    float8_e4m3fn carries one float32 scale per position (row of the last dimension) in ``scale``:
+    each row is divided by max|row| / 448 before the cast, so every row uses the full fp8 range.
+
     Args:
-        t: any tensor of a wire dtype (float32/64, bfloat16, float16); moved to CPU.
-        dtype: cast to this dtype first (the wire dtype); default keeps ``t.dtype``.
+        t: a float tensor (float32/64, bfloat16, float16); moved to CPU.
+        dtype: the wire dtype to cast to; default keeps ``t.dtype``.
     Raises:
         ProtocolError: if the dtype is not a wire dtype.
     """
-    if dtype is not None:
+    t = t.detach().to("cpu")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ProtocolError(f"dtype {dtype} cannot travel on the wire")
+    extra = {}
+    if dtype == torch.float8_e4m3fn:
+        rows = t.float()
+        scale = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)  # (..., 1)
+        t = (rows / scale).to(torch.float8_e4m3fn)
+        extra["scale"] = _raw(scale.squeeze(-1).contiguous())
+    elif dtype is not None:
         t = t.to(dtype)
     if t.dtype not in DTYPE_NAMES:
         raise ProtocolError(f"dtype {t.dtype} cannot travel on the wire")
-    t = t.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": data}
+    t = t.contiguous()
+    return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data": _raw(t), **extra}
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = None,
@@ -133,7 +161,8 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
         last_dim: required size of the last dimension (e.g. the hidden size D).
         max_elements: refuse larger tensors.
     Returns:
-        A CPU tensor of the declared dtype and shape (a private copy of the bytes).
+        A CPU tensor of the declared dtype and shape (a private copy of the bytes); float8 comes
+        back dequantized to float32 with its per-row scale.
     Raises:
         ProtocolError: unknown dtype, bad shape, or ``len(data) != prod(shape) * itemsize``.
     """
@@ -159,4 +188,14 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
         raise ProtocolError(f"tensor data has {len(data)} bytes, shape {shape} x {itemsize} needs {numel * itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    out = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    if dtype == torch.float8_e4m3fn:
+        scale = m.get("scale")
+        rows = numel // shape[-1] if shape and shape[-1] else 0
+        if not isinstance(scale, (bytes, bytearray)) or len(scale) != rows * 4:
+            raise ProtocolError(f"float8 tensor needs a float32 scale per row ({rows * 4} bytes)")
+        s = torch.frombuffer(bytearray(scale), dtype=torch.float32).reshape(*shape[:-1], 1)
+        if not torch.isfinite(s).all():
+            raise ProtocolError("float8 tensor has a non-finite scale")
+        out = out.float() * s
+    return out

@@ -35,7 +35,7 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
 
 async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt: list[int], new_tokens: int,
                         key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0,
-                        spec_config=None, drafter=None, info: dict | None = None, sampling=None) -> list[int]:
+                        spec_config=None, drafter=None, info: dict | None = None, **decode_kwargs) -> list[int]:
     """Connect a coordinator to ``spec`` and decode (speculatively with a drafter); returns the new ids.
     ``info``, if given, receives the timing and speculation record."""
     try:
@@ -44,7 +44,7 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
             ring = RingClient(host, spec, hop_timeout_s, 10.0)
             await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
             out, record = await decode(ring, prompt, new_tokens, set(stop_ids), spec=spec_config, drafter=drafter,
-                                       sampling=sampling)
+                                       **decode_kwargs)
             if info is not None:
                 info.update(record)
             nursery.cancel_scope.cancel()
@@ -54,7 +54,7 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
 
 
 def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dtype="float64", num_layers=None,
-                  stop_ids=frozenset(), spec_config=None, drafter=None, info=None, sampling=None):
+                  stop_ids=frozenset(), spec_config=None, drafter=None, info=None, **decode_kwargs):
     """Start an in-process ring, generate, tear everything down; returns the new ids."""
     num_layers = num_layers or ranges[-1][1]
 
@@ -63,7 +63,7 @@ def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dt
             async with trio.open_nursery() as nursery:
                 spec, _ = await start_ring(nursery, model_dir, ranges, key_dir, dtype)
                 out = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir, stop_ids,
-                                          spec_config=spec_config, drafter=drafter, info=info, sampling=sampling)
+                                          spec_config=spec_config, drafter=drafter, info=info, **decode_kwargs)
                 nursery.cancel_scope.cancel()
         return out
 

@@ -66,3 +66,37 @@ def test_validate_ok():
 def test_validate_rejects(msg, err):
     with pytest.raises(ProtocolError, match=err):
         wire.validate(msg)
+
+
+def test_float8_roundtrip_with_per_row_scale():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1, 6, 64, generator=g) * torch.tensor([1e-3, 1.0, 10.0, 300.0, 1e4, 0.0]).view(1, 6, 1)
+    m = wire.encode_tensor(t, dtype=torch.float8_e4m3fn)
+    assert m["dtype"] == "float8_e4m3fn" and len(m["data"]) == 6 * 64 and len(m["scale"]) == 6 * 4
+    back = wire.decode_tensor(m, rank=3, last_dim=64)
+    assert back.dtype == torch.float32
+    for row in range(6):
+        peak = float(t[0, row].abs().max())
+        # e4m3 has 3 mantissa bits: relative error <= 2^-4 of the row's peak after scaling
+        assert float((back[0, row] - t[0, row]).abs().max()) <= peak * 2**-4 + 1e-30
+
+
+def test_float8_needs_its_scale():
+    m = wire.encode_tensor(torch.ones(1, 2, 4), dtype=torch.float8_e4m3fn)
+    del m["scale"]
+    with pytest.raises(ProtocolError, match="scale per row"):
+        wire.decode_tensor(m)
+
+
+@pytest.mark.parametrize("wire_dtype,stage,lossy", [
+    (None, "float32", False), ("float32", "float32", False), ("float64", "float32", False),
+    ("float32", "bfloat16", False), ("bfloat16", "float32", True), ("float16", "bfloat16", True),
+    ("float8_e4m3fn", "bfloat16", True), ("bfloat16", "bfloat16", False),
+])
+def test_is_lossy(wire_dtype, stage, lossy):
+    assert wire.is_lossy(wire_dtype, stage) is lossy
+
+
+def test_open_frame_wire_dtype_checked():
+    with pytest.raises(ProtocolError, match="wire_dtype"):
+        wire.validate(wire.frame("open", session="s", next=None, max_len=4, wire_dtype="int8"))

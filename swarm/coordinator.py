@@ -111,17 +111,20 @@ class RingClient:
         except trio.TooSlowError:
             raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s") from None
 
-    def _raise_for(self, index: int, msg: dict) -> None:
+    def _raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
         spec = self.ring.stages[index]
         if msg.get("type") == "_lost":
             raise StageLost(f"stage {index} {spec.layers} at {spec.addr} closed the connection: {msg['reason']}")
+        if msg.get("type") == "error" and msg.get("session") not in (None, session):
+            log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
+            return
         if msg.get("type") == "error":
             raise RemoteError(f"stage {index} {spec.layers} refused: {msg.get('reason')}")
 
     async def _expect(self, index: int, kind: str, session: str | None = None) -> dict:
         while True:
             i, msg = await self._next(self.hop_timeout_s)
-            self._raise_for(i, msg)
+            self._raise_for(i, msg, session)
             if i == index and msg.get("type") == kind and (session is None or msg.get("session") == session):
                 return wire.validate(msg)
             log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
@@ -162,7 +165,7 @@ class RingClient:
         tail = len(self.streams) - 1
         while True:
             i, msg = await self._next(self.hop_timeout_s)
-            self._raise_for(i, msg)
+            self._raise_for(i, msg, session)
             if i == tail and msg.get("type") == "result" and msg.get("session") == session:
                 return wire.validate(msg)
 

@@ -236,3 +236,32 @@ def test_model_import_hub_id_offline_is_clear():
 def test_help(sub):
     res = run_swarm(sub, "--help", timeout=60)
     assert res.returncode == 0 and "usage: swarm" in res.stdout
+
+
+def test_coordinate_speculative_and_sampled(stories_ring, stories_dir, tmp_path):
+    ring = write_ring(tmp_path / "ring.yaml", stories_dir, _stages(stories_ring))
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "30", "--json",
+                    "--draft", "ngram", "--k", "4", "--depth", "2", "--prefill-chunk", "2")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 30, "float32")
+    assert out["spec"]["draft"] == "ngram" and out["spec"]["k"] == 4 and out["spec"]["depth"] == 2
+    assert out["spec"]["prefill_chunks"] == 3  # 5 prompt tokens in chunks of 2
+    sampled = [run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "20", "--json",
+                         "--temperature", "0.8", "--top-p", "0.9", "--seed", "7", *extra)
+               for extra in ([], ["--draft", "ngram", "--depth", "2"])]
+    ids = [json.loads(r.stdout)["output_ids"] for r in sampled]
+    assert ids[0] == ids[1] and json.loads(sampled[0].stdout)["sampling"]["seed"] == 7
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--depth", "0"], "--depth must be in 1..16"),
+    (["--draft", "oracle"], "--draft 'oracle' is not one of"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+])
+def test_bad_spec_flags(tmp_path, flags, expect):
+    ring = tmp_path / "ring.yaml"
+    ring.write_text("model: x\nstages:\n  - {addr: /ip4/127.0.0.1/tcp/1/p2p/X, layers: '0:1'}\n")
+    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", "hi", *flags, timeout=60)
+    assert res.returncode == 1 and expect in res.stderr, res.stderr

@@ -103,7 +103,8 @@ def test_chunked_prefill(target, reference, tmp_path, prefill_chunk):
 
 
 @pytest.mark.parametrize("draft", ["ngram", "model"])
-@pytest.mark.parametrize("k,depth", [(2, 1), (4, 2), (8, 4)])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("depth", [1, 2, 4])
 def test_stories260k_speculation(stories_dir, tmp_path, draft, k, depth):
     prompt = [1, 403, 407, 261, 378]
     ref = reference_greedy(stories_dir, prompt, 40, "float32")

@@ -1,0 +1,205 @@
+"""Recovery decisions when a stage dies or freezes mid-generation. Pure: standard library only.
+
+Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``), and the ordered
+recovery steps (``run_recovery``) over an injected ``SwarmOps``: localize, pick a warm spare that
+holds the same layer range, swap it in, reset the session on the repaired ring, replay the prompt
+and committed output, check that the replay reproduces the known driver token (abort loudly if
+not), resume. No torch, no sockets, no clock: time comes from ``ops.now()``; the coroutines are
+plain ``async def`` so the engine's event loop (trio) runs them, and tests run them with asyncio.
+
+Replay-to-heal follows Petals (Borzunov et al. 2023, "Distributed Inference and Fine-tuning of
+Large Language Models Over The Internet", section 3.2): a replacement server rebuilds the
+attention cache by re-running the past inputs of the session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from swarm.errors import SwarmError
+
+
+class HealError(SwarmError):
+    """Recovery failed: no spare for the lost range, the replay disagreed, or too many failures."""
+
+
+class NoSpare(HealError):
+    """No warm spare holds the layer range of the failed stage."""
+
+
+class ReplayMismatch(HealError):
+    """Replaying the committed prefix did not reproduce the driver token: the output would diverge."""
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What the coordinator learned about one stage of a session.
+
+    Args:
+        index: ring position. reachable: answered a probe before its deadline.
+        received: highest chunk id the stage received for the session (-1: none).
+        sent: highest chunk id it sent on (to its successor; the tail: as a result) (-1: none).
+            Chunks it dropped as stale are received but never sent.
+        busy: it holds a received chunk it has not finished (computing, or stuck).
+    """
+
+    index: int
+    reachable: bool
+    received: int = -1
+    sent: int = -1
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The stage to replace and why ("unreachable" or "stalled")."""
+
+    index: int
+    reason: str
+
+
+def locate_failure(reports: Sequence[StageReport], sent: int, returned: int) -> Failure | None:
+    """The first unreachable stage, else the first break in the chain of chunk progress.
+
+    The chain is coordinator (``sent``) -> stage 0 -> ... -> tail -> coordinator (``returned``):
+    a hop is broken where the upstream side sent a chunk the downstream side never received (the
+    downstream stage is blamed: it stopped reading), or where the tail sent a result the
+    coordinator never got. Failing that, the first stage still busy with a chunk is stalled. Call
+    it after a timeout, so "busy" means stuck rather than computing.
+
+    Args:
+        reports: one per stage, in ring order.
+        sent: highest chunk id the coordinator sent. returned: highest chunk id it got a result for.
+    Returns:
+        The Failure, or None when every stage is reachable and nothing is stuck.
+    """
+    for r in reports:
+        if not r.reachable:
+            return Failure(r.index, "unreachable")
+    upstream = sent
+    for r in reports:
+        if r.received < upstream:
+            return Failure(r.index, f"gap: chunk {upstream} was sent to it, it received only {r.received}")
+        upstream = r.sent
+    if reports and returned < upstream:
+        return Failure(reports[-1].index, f"gap: it sent result {upstream}, the coordinator got only {returned}")
+    for r in reports:
+        if r.busy:
+            return Failure(r.index, f"stalled on chunk {r.received}")
+    return None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What to re-feed after a swap: ``prefix`` (prompt + committed output minus the driver token),
+    and ``driver``, the last committed token, which re-feeding ``prefix`` must reproduce
+    (None when nothing was committed yet: the prefill simply starts again)."""
+
+    prefix: tuple[int, ...]
+    driver: int | None
+
+
+def plan_replay(prompt_ids: Sequence[int], committed_ids: Sequence[int]) -> Replay:
+    """Replay plan for a session that committed ``committed_ids`` after ``prompt_ids``."""
+    if not committed_ids:
+        return Replay(tuple(prompt_ids), None)
+    return Replay(tuple(prompt_ids) + tuple(committed_ids[:-1]), committed_ids[-1])
+
+
+class SwarmOps(Protocol):
+    """What recovery needs from the engine (the coordinator implements it)."""
+
+    def now(self) -> float: ...
+
+    def range_of(self, index: int) -> tuple[int, int]: ...
+
+    async def probe(self) -> tuple[list[StageReport], int, int]:
+        """Reports of every stage, and the coordinator's (sent, returned) chunk ids."""
+
+    async def pick_spare(self, layers: tuple[int, int]) -> object | None:
+        """A reachable warm spare holding exactly ``layers``, or None."""
+
+    async def swap(self, index: int, spare: object) -> None:
+        """Put ``spare`` at ring position ``index`` (the predecessor re-dials it at reset)."""
+
+    async def reset(self) -> None:
+        """Open a fresh session on the repaired ring (every stage, new successors)."""
+
+    async def replay(self, prefix: Sequence[int]) -> int | None:
+        """Re-feed ``prefix`` in prefill chunks; return the token the ring gives after it."""
+
+
+@dataclass
+class HealEvent:
+    """One recovery, for logs and ``--json`` (seconds from ``ops.now()``)."""
+
+    stage: int
+    layers: tuple[int, int]
+    reason: str
+    spare: str = ""
+    detect_s: float = 0.0
+    swap_s: float = 0.0
+    replay_s: float = 0.0
+    replay_tokens: int = 0
+    total_s: float = 0.0
+    attempts: int = 1
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause: str,
+                       max_attempts: int = 3) -> HealEvent:
+    """Recover the ring and rebuild the session's KV caches; return what happened.
+
+    Steps, each attempt: probe and ``locate_failure``; pick a spare for that layer range; swap;
+    reset; replay ``replay.prefix``; check the driver token. A SwarmError during an attempt (a
+    second failure) starts the next attempt from the probe.
+
+    Args:
+        ops: the engine. replay: from ``plan_replay``. detected_at: ``ops.now()`` when the fault
+            surfaced (a timeout or a lost stream). cause: that fault, for the record.
+        max_attempts: give up after this many.
+    Raises:
+        NoSpare: no spare holds the failed range (names it). ReplayMismatch: the replay gave
+        another token than the driver (the output would diverge). HealError: no stage could be
+        blamed, or every attempt failed.
+    """
+    errors: list[str] = [cause]
+    for attempt in range(1, max_attempts + 1):
+        t0 = ops.now()
+        reports, sent, returned = await ops.probe()
+        failure = locate_failure(reports, sent, returned)
+        if failure is None:
+            raise HealError(f"the ring stopped answering ({cause}) but no stage could be blamed: "
+                            f"every stage is reachable and up to date")
+        layers = ops.range_of(failure.index)
+        event = HealEvent(stage=failure.index, layers=layers, reason=failure.reason, attempts=attempt,
+                          errors=list(errors), detect_s=t0 - detected_at)
+        spare = await ops.pick_spare(layers)
+        if spare is None:
+            raise NoSpare(f"stage {failure.index} holding layers [{layers[0]}, {layers[1]}) is lost "
+                          f"({failure.reason}) and no warm spare holds that range")
+        try:
+            t1 = ops.now()
+            event.detect_s = t1 - detected_at
+            await ops.swap(failure.index, spare)
+            await ops.reset()
+            t2 = ops.now()
+            event.swap_s, event.spare = t2 - t1, str(spare)
+            token = await ops.replay(replay.prefix)
+            t3 = ops.now()
+        except ReplayMismatch:
+            raise
+        except SwarmError as exc:  # a second failure during recovery: start over from the probe
+            errors.append(f"attempt {attempt}: {exc}")
+            continue
+        event.replay_s, event.replay_tokens = t3 - t2, len(replay.prefix)
+        if replay.driver is not None and token != replay.driver:
+            raise ReplayMismatch(f"replaying {len(replay.prefix)} tokens through the repaired ring gave token "
+                                 f"{token}, but {replay.driver} was already committed: refusing to continue")
+        event.total_s = t3 - detected_at
+        return event
+    raise HealError(f"recovery failed {max_attempts} times: {'; '.join(errors)}")

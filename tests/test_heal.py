@@ -1,0 +1,177 @@
+"""heal.py: table-driven decisions and recovery paths over a scripted SwarmOps (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from swarm.errors import StageLost
+from swarm.heal import (Failure, HealError, NoSpare, ReplayMismatch, StageReport, locate_failure, plan_replay,
+                        run_recovery)
+
+R = StageReport
+
+
+@pytest.mark.parametrize("reports,sent,returned,expected", [
+    # healthy: every chunk went round
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 5, 5, None),
+    # middle death: unreachable
+    ([R(0, True, 5, 5), R(1, False), R(2, True, 4, 4)], 5, 4, Failure(1, "unreachable")),
+    # head and tail death
+    ([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 5, 4, Failure(0, "unreachable")),
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, False)], 5, 4, Failure(2, "unreachable")),
+    # the first unreachable wins
+    ([R(0, True, 5, 5), R(1, False), R(2, False)], 5, 4, Failure(1, "unreachable")),
+    # a gap: stage 1 forwarded chunk 5, stage 2 never received it (it stopped reading)
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 4, 4)], 5, 4,
+     Failure(2, "gap: chunk 5 was sent to it, it received only 4")),
+    # the coordinator sent chunk 6, the head got only 5
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5, Failure(0, "gap: chunk 6 was sent to it, it received only 5")),
+    # the tail sent result 5, the coordinator never got it
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 5, 4, Failure(2, "gap: it sent result 5, the coordinator got only 4")),
+    # stale chunks dropped at stage 0 are not a gap downstream
+    ([R(0, True, 7, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 7, 5, None),
+    # a stage stuck on chunk 6, which stage 0 forwarded to it
+    ([R(0, True, 6, 6), R(1, True, 6, 5, busy=True), R(2, True, 5, 5)], 6, 5, Failure(1, "stalled on chunk 6")),
+])
+def test_locate_failure(reports, sent, returned, expected):
+    assert locate_failure(reports, sent, returned) == expected
+
+
+@pytest.mark.parametrize("prompt,committed,prefix,driver", [
+    ([1, 2, 3], [7, 8, 9], (1, 2, 3, 7, 8), 9),
+    ([1, 2, 3], [7], (1, 2, 3), 7),
+    ([1, 2, 3], [], (1, 2, 3), None),
+])
+def test_plan_replay(prompt, committed, prefix, driver):
+    r = plan_replay(prompt, committed)
+    assert r.prefix == prefix and r.driver == driver
+
+
+class FakeOps:
+    """A scripted ring of 3 stages, with spares by range and faults on demand."""
+
+    def __init__(self, reports, spares=None, replay_token=9, fail_swaps=0, fail_replays=0):
+        self.reports = reports
+        self.spares = dict(spares or {})
+        self.replay_token = replay_token
+        self.fail_swaps, self.fail_replays = fail_swaps, fail_replays
+        self.clock = 100.0
+        self.log: list = []
+
+    def now(self):
+        self.clock += 0.25
+        return self.clock
+
+    def range_of(self, index):
+        return [(0, 10), (10, 20), (20, 30)][index]
+
+    async def probe(self):
+        self.log.append("probe")
+        reports = self.reports.pop(0) if isinstance(self.reports[0], list) else self.reports
+        return reports, 5, 4
+
+    async def pick_spare(self, layers):
+        self.log.append(("pick", layers))
+        return self.spares.pop(layers, None)
+
+    async def swap(self, index, spare):
+        self.log.append(("swap", index, spare))
+        if self.fail_swaps:
+            self.fail_swaps -= 1
+            raise StageLost("the spare died too")
+
+    async def reset(self):
+        self.log.append("reset")
+
+    async def replay(self, prefix):
+        self.log.append(("replay", len(prefix)))
+        if self.fail_replays:
+            self.fail_replays -= 1
+            raise StageLost("lost during replay")
+        return self.replay_token
+
+
+DEAD_MIDDLE = [R(0, True, 5, 5), R(1, False), R(2, True, 4, 4)]
+REPLAY = plan_replay([1, 2, 3], [7, 8, 9])
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("reports,stage,layers", [
+    (DEAD_MIDDLE, 1, (10, 20)),
+    ([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 0, (0, 10)),
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, False)], 2, (20, 30)),
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 4, 4)], 2, (20, 30)),  # frozen tail: a gap
+])
+def test_recovery_steps_in_order(reports, stage, layers):
+    ops = FakeOps(reports, spares={layers: "spare-A"})
+    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="hop timeout"))
+    assert ops.log == ["probe", ("pick", layers), ("swap", stage, "spare-A"), "reset", ("replay", 5)]
+    assert event.stage == stage and event.layers == layers and event.spare == "spare-A"
+    assert event.replay_tokens == 5 and event.total_s > 0 and event.attempts == 1
+
+
+def test_no_spare_names_the_range():
+    with pytest.raises(NoSpare, match=r"layers \[10, 20\) is lost"):
+        run(run_recovery(FakeOps(DEAD_MIDDLE, spares={(0, 10): "x"}), REPLAY, 100.0, "timeout"))
+
+
+def test_replay_mismatch_aborts_loudly():
+    ops = FakeOps(DEAD_MIDDLE, spares={(10, 20): "s"}, replay_token=4)
+    with pytest.raises(ReplayMismatch, match="gave token 4, but 9 was already committed"):
+        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+
+
+def test_nothing_to_blame():
+    healthy = [R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)]
+    ops = FakeOps(healthy)
+    ops.probe = lambda: _coro((healthy, 5, 5))
+    with pytest.raises(HealError, match="no stage could be blamed"):
+        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+
+
+async def _coro(value):
+    return value
+
+
+@pytest.mark.parametrize("fault", ["swap", "replay"])
+def test_second_failure_during_recovery_retries(fault):
+    # the first spare dies during the swap (or the replay); a second spare of the range is used
+    ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE], spares={(10, 20): "s1"},
+                  fail_swaps=int(fault == "swap"), fail_replays=int(fault == "replay"))
+    orig_pick = ops.pick_spare
+    backups = ["s2"]
+
+    async def pick(layers):
+        got = await orig_pick(layers)
+        return got or (backups.pop() if backups else None)
+
+    ops.pick_spare = pick
+    event = run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+    assert event.attempts == 2 and event.spare == "s2"
+    assert event.errors[0] == "timeout" and ("died" in event.errors[1] or "lost during replay" in event.errors[1])
+
+
+def test_every_attempt_failing_gives_up():
+    ops = FakeOps([DEAD_MIDDLE] * 3, fail_replays=3)
+    ops.pick_spare = lambda layers: _coro("s")
+    with pytest.raises(HealError, match="recovery failed 3 times"):
+        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+
+
+def test_first_failure_during_prefill_replays_the_prompt():
+    ops = FakeOps(DEAD_MIDDLE, spares={(10, 20): "s"}, replay_token=123)
+    event = run(run_recovery(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
+    assert event.replay_tokens == 3  # no driver to check
+
+
+def test_heal_imports_no_torch_trio_or_libp2p():
+    code = "import sys, swarm.heal; bad = [m for m in ('torch', 'trio', 'libp2p') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

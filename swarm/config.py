@@ -204,11 +204,13 @@ class CoordinatorConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     wire_dtype: str | None = None
+    heartbeat_s: float = 1.0
+    heal: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.hop_timeout_s <= 0 or self.connect_timeout_s <= 0:
+        if self.hop_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("timeouts must be positive")
         wire_dtypes = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
         if self.wire_dtype is not None and self.wire_dtype not in wire_dtypes:

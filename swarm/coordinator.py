@@ -1,9 +1,10 @@
-"""The coordinator: tokenize, drive chunks around the ring, stream text, report.
+"""The coordinator: tokenize, drive chunks around the ring, heal, stream text, report.
 
-Owns: connecting to every stage of a ring file, checking the ring (each stage reports the layer
-range and model it claims; the ranges tile ``[0, L)``), opening a session, the greedy decode loop
-(prefill, then one token per round trip), and the result record printed by ``--json``. Holds no
-layers of the target model: only the tokenizer. Glue; nothing imports it but the CLI.
+Owns: the generation loop over a connected ``swarm.ring.RingClient`` (a ``SpecLoop``: prefill
+chunks, then verify chunks), turning a lost or frozen stage into ``swarm.heal.run_recovery`` over
+``RingOps`` (swap in a warm spare, reset the session, replay, check the driver token, continue),
+and the result record printed by ``--json``. Holds no layers of the target model: only the
+tokenizer (and a draft model, if asked). Glue; nothing imports it but the CLI, tests and benches.
 """
 
 from __future__ import annotations
@@ -11,173 +12,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import trio
 
 from swarm import wire
-from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
-from swarm.errors import (ConfigError, HopTimeout, ModelError, ProtocolError, RemoteError, StageLost, StreamClosed,
-                          SwarmError)
-from swarm.ranges import check_tiling
+from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
+from swarm.errors import ConfigError, HopTimeout, ModelError, StageLost
+from swarm.heal import HealEvent, StageReport, plan_replay, run_recovery
+from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
 from swarm.spec import NoDrafter, SpecLoop
-from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """What a stage reported about itself, next to what the ring file claimed."""
-
-    index: int
-    addr: str
-    peer_id: str
-    layers: tuple[int, int]
-    model: str
-    model_digest: str
-    max_ctx: int
-    dtype: str = "float32"
-
-
-class RingClient:
-    """Streams from the coordinator to every stage of a ring, and the frames they send back.
-
-    Every stage may send on its stream (replies, errors); the tail also sends ``result`` frames.
-    One reader task per stream funnels ``(stage_index, frame)`` into a single channel.
-    """
-
-    def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float):
-        self.host = host
-        self.ring = ring
-        self.hop_timeout_s = hop_timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.streams: list = []  # data: forward frames, session replies, the tail's results
-        self.control: list = []  # one more stream per stage, for cancel frames
-        self.infos: list[StageInfo] = []
-        self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
-
-    async def connect(self, num_layers: int, model_digest: str, nursery) -> list[StageInfo]:
-        """Dial every stage, ask for its info, and check the ring.
-
-        Raises:
-            StageLost / HopTimeout: a stage is unreachable (names its addr).
-            ConfigError: a stage serves other layers or another model, or the ranges do not tile.
-        """
-        check_tiling([s.layers for s in self.ring.stages], num_layers)
-        for i, spec in enumerate(self.ring.stages):
-            try:
-                stream = await self.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=self.connect_timeout_s)
-            except ProtocolError as exc:
-                raise StageLost(f"stage {i} {spec.layers} at {spec.addr} is not a swarm stage: {exc}") from exc
-            except SwarmError as exc:
-                raise StageLost(f"stage {i} {spec.layers} is unreachable: {exc}") from exc
-            self.streams.append(stream)
-            nursery.start_soon(self._pump, i, stream)
-            control = await self.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=self.connect_timeout_s)
-            self.control.append(control)
-            nursery.start_soon(self._pump, i, control)
-        for i, spec in enumerate(self.ring.stages):
-            # one request in flight at a time: _expect skips frames that answer something else
-            await self.streams[i].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-            msg = await self._expect(i, "info_ok")
-            got = tuple(msg["layers"])
-            if got != (spec.layers.start, spec.layers.end):
-                raise ConfigError(f"stage {i} at {spec.addr} serves layers [{got[0]}, {got[1]}) but the ring file "
-                                  f"says {spec.layers}")
-            if msg["num_layers"] != num_layers or msg["model_digest"] != model_digest:
-                raise ConfigError(f"stage {i} at {spec.addr} serves model {msg['model']!r} "
-                                  f"({msg['num_layers']} layers, digest {msg['model_digest'][:12]}) but the ring file "
-                                  f"names {self.ring.model!r} ({num_layers} layers, digest {model_digest[:12]})")
-            if msg["peer_id"] != spec.peer_id:
-                raise ConfigError(f"stage {i} at {spec.addr} answered as PeerId {msg['peer_id']}")
-            self.infos.append(StageInfo(i, spec.addr, msg["peer_id"], got, msg["model"], msg["model_digest"],
-                                        msg["max_ctx"], msg["dtype"]))
-        return self.infos
-
-    async def _pump(self, index: int, stream) -> None:
-        while True:
-            try:
-                msg = await stream.recv()
-            except (StreamClosed, ProtocolError) as exc:
-                await self._send_ch.send((index, {"type": "_lost", "reason": str(exc)}))
-                return
-            await self._send_ch.send((index, msg))
-
-    async def _next(self, timeout_s: float) -> tuple[int, dict]:
-        try:
-            with trio.fail_after(timeout_s):
-                return await self._recv_ch.receive()
-        except trio.TooSlowError:
-            raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s") from None
-
-    def _raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
-        spec = self.ring.stages[index]
-        if msg.get("type") == "_lost":
-            raise StageLost(f"stage {index} {spec.layers} at {spec.addr} closed the connection: {msg['reason']}")
-        if msg.get("type") == "error" and msg.get("session") not in (None, session):
-            log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
-            return
-        if msg.get("type") == "error":
-            raise RemoteError(f"stage {index} {spec.layers} refused: {msg.get('reason')}")
-
-    async def _expect(self, index: int, kind: str, session: str | None = None) -> dict:
-        while True:
-            i, msg = await self._next(self.hop_timeout_s)
-            self._raise_for(i, msg, session)
-            if i == index and msg.get("type") == kind and (session is None or msg.get("session") == session):
-                return wire.validate(msg)
-            log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
-
-    async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
-                           wire_dtype: str | None = None) -> None:
-        """Open ``session`` at every stage, telling each its successor (the tail gets none and,
-        when sampling, the sampling settings)."""
-        n = len(self.ring.stages)
-        for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
-            nxt = self.ring.stages[i + 1].addr if i + 1 < n else None
-            extra = {"sampling": sampling} if sampling and nxt is None else {}
-            if wire_dtype and nxt is not None:
-                extra["wire_dtype"] = wire_dtype
-            await self.streams[i].send(wire.frame("open", session=session, next=nxt, max_len=max_len, **extra))
-            await self._expect(i, "open_ok", session)
-
-    async def close_session(self, session: str) -> None:
-        for i, stream in enumerate(self.streams):
-            try:
-                await stream.send(wire.frame("close", session=session), timeout_s=5.0)
-            except SwarmError:
-                pass
-
-    async def send_chunk(self, session: str, chunk) -> None:
-        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
-        await self.streams[0].send(wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos,
-                                              chunk=chunk.chunk_id, tokens=list(chunk.tokens)),
-                                   timeout_s=self.hop_timeout_s)
-
-    async def next_result(self, session: str) -> dict:
-        """The next ``result`` frame of ``session`` from the tail (any epoch), validated.
-
-        Raises:
-            HopTimeout: nothing within the hop timeout. StageLost: a stage closed its stream.
-            RemoteError: a stage answered with an error frame.
-        """
-        tail = len(self.streams) - 1
-        while True:
-            i, msg = await self._next(self.hop_timeout_s)
-            self._raise_for(i, msg, session)
-            if i == tail and msg.get("type") == "result" and msg.get("session") == session:
-                return wire.validate(msg)
-
-    async def cancel(self, session: str, epoch: int) -> None:
-        """Tell every stage that frames of ``session`` older than ``epoch`` are stale (early
-        cancellation: stages drop them before computing). Sent on the control streams so it
-        overtakes the data frames queued behind the head's data stream."""
-        for stream in self.control:
-            try:
-                await stream.send(wire.frame("cancel", session=session, epoch=epoch), timeout_s=self.hop_timeout_s)
-            except SwarmError as exc:  # the data path will report a lost stage itself
-                log.debug("cancel.failed reason=%s", exc)
 
 
 def eos_ids(model_dir, tokenizer) -> set[int]:
@@ -269,14 +114,15 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
-        ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s)
-        infos = await ring.connect(num_layers, digest, nursery)
+        ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
+        await ring.connect(num_layers, digest, nursery)
         stream = TextStream(tokenizer)
         on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
-                                   config.sampling, config.wire_dtype)
+                                   config.sampling, config.wire_dtype, heal=config.heal)
         if on_text:
             on_text(stream.push(out, final=True))
+        infos = ring.infos  # after any heal: the ring that finished the job
         nursery.cancel_scope.cancel()
     return {
         "text": tokenizer.decode(out, skip_special_tokens=True),
@@ -289,14 +135,73 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
     }
 
 
+class RingOps:
+    """``swarm.heal.SwarmOps`` over a RingClient and the generation's SpecLoop."""
+
+    def __init__(self, ring: RingClient, loop: SpecLoop, state: dict):
+        self.ring, self.loop, self.state = ring, loop, state
+        self._spares: dict = {}
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def range_of(self, index: int) -> tuple[int, int]:
+        return self.ring.links[index].info.layers
+
+    async def probe(self) -> tuple[list[StageReport], int, int]:
+        session = self.state["session"]
+        reports = await self.ring.probe(session)
+        return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
+
+    async def pick_spare(self, layers: tuple[int, int]):
+        index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
+        link = await self.ring.prepare_spare(index, layers)
+        if link is None:
+            return None
+        self._spares[link.info.peer_id] = link
+        return link.info.peer_id
+
+    async def swap(self, index: int, spare) -> None:
+        self.ring.swap(index, self._spares.pop(spare))
+
+    async def reset(self) -> None:
+        with trio.move_on_after(2.0):  # survivors drop the broken session; the lost stage cannot
+            await self.ring.close_session(self.state["session"], timeout_s=1.0)
+        self.state["session"] = uuid.uuid4().hex
+        await self.ring.open_session(self.state["session"], self.state["max_len"], self.state["sampling"],
+                                     self.state["wire_dtype"])
+
+    async def replay(self, prefix) -> int | None:
+        loop, session = self.loop, self.state["session"]
+        loop.restart()
+        if len(prefix) != loop.prefill_end or list(prefix) != loop.seq[: len(prefix)]:
+            raise ConfigError("internal: the replay plan and the generation state disagree")
+        if loop.committed_len - 1 < loop.prompt_len:
+            return None  # nothing committed yet: the prefill simply runs again
+        while loop.replay_token is None:
+            for chunk in loop.next_chunks():
+                await self.ring.send_chunk(session, chunk)
+            msg = await self.ring.next_result(session)
+            loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+        return loop.replay_token
+
+
+HEALABLE = (StageLost, HopTimeout)
+
+
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
-                 sampling: SamplingParams | None = None, wire_dtype: str | None = None) -> tuple[list[int], dict]:
-    """Generate greedily over a connected ring, speculatively when a drafter and ``spec.k`` are given.
+                 sampling: SamplingParams | None = None, wire_dtype: str | None = None,
+                 heal: bool = True) -> tuple[list[int], dict]:
+    """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
     decode sends verify chunks ``[last committed] + K drafts`` with up to ``spec.depth`` in flight
-    (``swarm.spec.SpecLoop``). Output is token-for-token plain greedy.
+    (``swarm.spec.SpecLoop``). Output is token-for-token plain greedy (or plain keyed sampling).
+    When a stage is lost (its stream ends) or frozen (it stops answering heartbeats), and the ring
+    file lists a warm spare for its layers, the ring heals (``swarm.heal.run_recovery``): the spare
+    is swapped in, the session reopened, prompt + committed output replayed in prefill chunks, the
+    driver token checked, and generation continues; the output equals an uninterrupted run.
 
     Args:
         ring: a RingClient after ``connect``.
@@ -312,10 +217,13 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         wire_dtype: dtype of hidden states between stages (None: each stage's own dtype). Narrower
             dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
             and recorded as ``wire_lossy`` in the result.
+        heal: recover onto spares (default); False fails on the first lost stage.
     Returns:
-        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, spec stats).
+        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
+        wire_dtype, wire_lossy, spec stats, heal_events).
     Raises:
-        ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError.
+        ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError;
+        swarm.heal.NoSpare / ReplayMismatch / HealError when a heal is impossible.
     """
     spec = spec or SpecConfig()
     max_ctx = min(i.max_ctx for i in ring.infos)
@@ -326,29 +234,43 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
     loop = SpecLoop(prompt_ids, budget, frozenset(stop_ids), drafter or NoDrafter(), k=spec.k, depth=spec.depth,
                     prefill_chunk=spec.prefill_chunk)
-    session = uuid.uuid4().hex
     sampling = sampling or SamplingParams()
-    await ring.open_session(session, len(prompt_ids) + budget, None if sampling.greedy else sampling.to_wire(),
-                            wire_dtype)
+    state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
+             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype}
+    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype)
+    ops = RingOps(ring, loop, state)
+    heal_events: list[HealEvent] = []
     t_first = None
     try:
         t0 = time.perf_counter()
         while not loop.done:
-            for chunk in loop.next_chunks():
-                await ring.send_chunk(session, chunk)
-            msg = await ring.next_result(session)
+            try:
+                for chunk in loop.next_chunks():
+                    await ring.send_chunk(state["session"], chunk)
+                msg = await ring.next_result(state["session"])
+            except HEALABLE as exc:
+                if not heal:
+                    raise
+                detected = time.monotonic()
+                log.warning("heal.start cause=%s", exc)
+                event = await run_recovery(ops, plan_replay(prompt_ids, loop.output), detected, str(exc))
+                log.warning("heal.done stage=%d layers=[%d, %d) spare=%s detect_s=%.2f swap_s=%.2f replay_tokens=%d "
+                            "replay_s=%.2f total_s=%.2f", event.stage, *event.layers, event.spare, event.detect_s,
+                            event.swap_s, event.replay_tokens, event.replay_s, event.total_s)
+                heal_events.append(event)
+                continue
             epoch = loop.epoch
             new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
             if loop.epoch != epoch and not loop.done:
-                await ring.cancel(session, loop.epoch)
+                await ring.cancel(state["session"], loop.epoch)
             if new:
                 t_first = t_first or time.perf_counter()
                 if on_ids:
                     on_ids(loop.output)
         t_end = time.perf_counter()
     finally:
-        with trio.CancelScope(shield=True):
-            await ring.close_session(session)
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await ring.close_session(state["session"])
     out = loop.output
     decode_s = t_end - t_first
     return out, {
@@ -359,6 +281,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "sampling": sampling.to_wire(),
         "wire_dtype": wire_dtype or "stage",
         "wire_lossy": any(wire.is_lossy(wire_dtype, i.dtype) for i in ring.infos),
+        "heal_events": [e.as_dict() for e in heal_events],
         "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
                  "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
     }

@@ -121,6 +121,8 @@ class SpecLoop:
         self.sent_len = 0  # positions [0, sent_len) are fed by chunks done or in flight
         self.inflight: deque[Chunk] = deque()
         self._next_id = 0
+        self.prefill_end = self.prompt_len  # positions [0, prefill_end) go round as prefill chunks
+        self.replay_token: int | None = None  # after restart(): the ring's token at the driver position
         # the last output token is never fed: positions to feed end at prompt + max_new - 1
         self.feed_end = self.prompt_len + self.max_new_tokens - 1
 
@@ -133,10 +135,10 @@ class SpecLoop:
         out: list[Chunk] = []
         while not self.done:
             start = self.sent_len
-            if start < self.prompt_len:
+            if start < self.prefill_end:
                 if len(self.inflight) >= self.prefill_depth:
                     break
-                end = min(self.prompt_len, start + self.prefill_chunk)
+                end = min(self.prefill_end, start + self.prefill_chunk)
             else:
                 if len(self.inflight) >= self.depth:
                     break
@@ -154,7 +156,7 @@ class SpecLoop:
             self.sent_len = end
             self.inflight.append(chunk)
             self.stats.chunks_sent += 1
-            self.stats.prefill_chunks += start < self.prompt_len
+            self.stats.prefill_chunks += start < self.prefill_end
             out.append(chunk)
         return out
 
@@ -179,7 +181,9 @@ class SpecLoop:
         new: list[int] = []
         for i, q in enumerate(range(chunk.pos, chunk.pos + len(chunk.tokens))):
             if q + 1 < self.committed_len:
-                continue  # prefill: the next token is already known
+                if q + 1 == self.committed_len - 1 and q + 1 >= self.prompt_len:
+                    self.replay_token = int(argmax_ids[i])  # a replay reached the driver position
+                continue  # prefill or replay: the next token is already known
             pred = int(argmax_ids[i])
             rejected = False
             if q + 1 < len(self.seq):  # a draft sits at q + 1: verify it
@@ -208,3 +212,21 @@ class SpecLoop:
             self.stats.rounds += 1
             self.stats.decode_committed += len(new)
         return new
+
+    def restart(self) -> None:
+        """Start over on a fresh session (after a heal): forget speculation and in-flight chunks,
+        bump the epoch, and re-feed prompt + committed output except the last committed token
+        (the driver) as prefill chunks. The result at the driver's position lands in
+        ``replay_token``; the driver itself is then fed as the next decode chunk, as usual.
+        """
+        self.epoch += 1
+        self.inflight.clear()
+        del self.seq[self.committed_len:]
+        self.sent_len = 0
+        self.prefill_end = max(self.prompt_len, self.committed_len - 1)
+        self.replay_token = None
+
+    @property
+    def sent_chunk(self) -> int:
+        """Highest chunk id handed out so far (-1: none)."""
+        return self._next_id - 1

@@ -41,6 +41,9 @@ class Session:
     sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
     wire_dtype: object = None  # torch dtype of hidden states sent on; None = the stage's dtype
     positions: int = 0
+    received: int = -1  # highest chunk id received (heal progress reports)
+    sent: int = -1  # highest chunk id sent on (the tail: as a result)
+    busy: bool = False  # computing a received chunk
     frames_in: int = 0
     frames_out: int = 0
     errors: list = field(default_factory=list)
@@ -110,6 +113,11 @@ class StageServer:
             if sess is not None and stream.remote_peer_id == sess.reply.remote_peer_id and msg["epoch"] > sess.epoch:
                 sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
                 log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
+        elif kind == "progress":
+            sess = self.sessions.get(msg["session"])
+            await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
+                                         received=sess.received if sess else -1, sent=sess.sent if sess else -1,
+                                         busy=bool(sess and sess.busy)))
         elif kind == "close":
             self.sessions.pop(msg["session"], None)
             log.info("session.close session=%s", msg["session"])
@@ -173,6 +181,7 @@ class StageServer:
         if sess is None:
             await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
+        sess.received = max(sess.received, msg["chunk"])
         if msg["epoch"] < sess.epoch:
             return  # stale speculation: drop before computing
         sess.epoch = msg["epoch"]
@@ -189,7 +198,14 @@ class StageServer:
                 raise ProtocolError(f"stage {block.layer_range} expects hidden states, got token ids")
             inputs = {"hidden": wire.decode_tensor(msg["hidden"], rank=3, last_dim=block.hidden_size)}
         sess.frames_in += 1
-        pos = msg["pos"]
+        sess.busy = True  # until the output is sent on: a probe during a stuck send sees it
+        try:
+            await self._compute_and_send(sess, msg, inputs)
+        finally:
+            sess.busy = False
+
+    async def _compute_and_send(self, sess: Session, msg: dict, inputs: dict) -> None:
+        sid, pos, block = sess.session_id, msg["pos"], self.block
         try:
             async with self._compute_lock:
                 out = await trio.to_thread.run_sync(self._compute, sess, pos, inputs)
@@ -216,6 +232,7 @@ class StageServer:
                     f"stage {block.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
                 return
         sess.frames_out += 1
+        sess.sent = max(sess.sent, msg["chunk"])
 
     def _compute(self, sess: Session, pos: int, inputs: dict):
         """Worker-thread body: forward, then encode (tail: argmax ids; others: hidden bytes)."""

@@ -36,6 +36,7 @@ _STR = (str,)
 _OPT_STR = (str, type(None))
 _LIST = (list,)
 _DICT = (dict,)
+_SIGNED = ("signed",)  # an int that may be -1 (nothing yet)
 
 # type -> {field: allowed python types}; "v" and "type" are checked for every frame.
 SCHEMA: dict[str, dict[str, tuple]] = {
@@ -48,6 +49,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
     "close": {"session": _STR},
     "cancel": {"session": _STR, "epoch": _INT},
+    "progress": {"session": _STR},
+    "progress_ok": {"session": _STR, "received": _SIGNED, "sent": _SIGNED},
     "close_ok": {"session": _STR},
     "error": {"reason": _STR, "code": _STR},
 }
@@ -94,6 +97,10 @@ def validate(msg: Any) -> dict:
         if name not in msg:
             raise ProtocolError(f"{kind} frame lacks field {name!r}")
         value = msg[name]
+        if types is _SIGNED:
+            if not isinstance(value, int) or isinstance(value, bool) or not -1 <= value <= MAX_INT:
+                raise ProtocolError(f"{kind} frame field {name!r} must be an integer >= -1")
+            continue
         if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"{kind} frame field {name!r} has type {type(value).__name__}")
         if isinstance(value, int) and not 0 <= value <= MAX_INT:

@@ -154,3 +154,30 @@ def test_bad_settings():
 ])
 def test_ngram_drafter(context, n, expected):
     assert NgramDrafter().propose(context, n) == expected
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 3, 7])
+@pytest.mark.parametrize("k,depth", [(0, 1), (4, 1), (4, 3)])
+def test_restart_mid_generation_equals_uninterrupted(fail_after, k, depth):
+    """Drop everything in flight after some results, restart (a heal), and finish: same output,
+    and the replay reproduces the driver token."""
+    loop = SpecLoop(PROMPT, 30, drafter=ScriptedDrafter("mixed"), k=k, depth=depth, prefill_chunk=4)
+    inflight, kv, results = [], [], 0
+    restarted = False
+    while not loop.done:
+        inflight.extend(loop.next_chunks())
+        chunk = inflight.pop(0)
+        del kv[chunk.pos:]
+        kv.extend(chunk.tokens)
+        ids = [toy_next(kv[: q + 1]) for q in range(chunk.pos, chunk.pos + len(chunk.tokens))]
+        loop.on_result(chunk.chunk_id, chunk.epoch, ids)
+        inflight = [c for c in inflight if c.epoch == loop.epoch]
+        results += 1
+        if results == fail_after + 1 and not restarted:
+            committed = list(loop.output)
+            loop.restart()
+            restarted, inflight, kv = True, [], []  # the new ring has empty caches
+            driver_pos = len(PROMPT) + len(committed) - 1
+    assert loop.output == plain_greedy(PROMPT, 30)
+    if committed:
+        assert loop.replay_token == loop.seq[driver_pos]

@@ -1,0 +1,126 @@
+"""Mid-generation healing with real stage processes and libp2p on loopback.
+
+A stage is SIGKILLed (or SIGSTOPped) after some tokens are committed; the coordinator swaps in the
+warm spare listed for that layer range, replays, and the final ids equal the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+
+from swarm.config import RingSpec, SpecConfig, StageSpec
+from swarm.coordinator import decode
+from swarm.drafters import NgramDrafter
+from swarm.errors import collapse
+from swarm.heal import NoSpare
+from swarm.launch import LocalRing
+from swarm.model.resolve import model_manifest_digest
+from swarm.ranges import LayerRange
+from swarm.ring import RingClient
+from swarm.transport import load_or_create_key, open_host
+from tests.conftest import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+PROMPT = [1, 403, 407, 261, 378]
+NEW = 40
+
+
+def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None, kill_at: int = 10):
+    """Run a generation on 3 stages (+1 spare for the victim's range), signal the victim after
+    ``kill_at`` committed tokens; return (ids, record)."""
+    with LocalRing(str(model_dir), RANGES, tmp_path / "keys", threads=1, extra_args=["--dtype", "float32"]) as ring, \
+            LocalRing(str(model_dir), [RANGES[victim]] if spare else [], tmp_path / "spare-keys", threads=1,
+                      extra_args=["--dtype", "float32"]) as spares:
+        spec = RingSpec(model=str(model_dir),
+                        stages=tuple(StageSpec(s.addr, s.layers) for s in ring.stages),
+                        spares=tuple(StageSpec(s.addr, s.layers) for s in spares.stages))
+        pid = ring.stages[victim].proc.pid
+        fired = []
+
+        def on_ids(out):
+            if len(out) >= kill_at and not fired:
+                os.kill(pid, sig)
+                fired.append(len(out))
+
+        async def main():
+            with trio.fail_after(90):
+                async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                        trio.open_nursery() as nursery:
+                    client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
+                    await client.connect(5, model_manifest_digest(model_dir), nursery)
+                    drafter = NgramDrafter() if spec_config else None
+                    out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
+                                            drafter=drafter)
+                    # the healed ring keeps serving: a second request on the same client
+                    again, _ = await decode(client, PROMPT, 8, set())
+                    nursery.cancel_scope.cancel()
+            return out, rec, again
+
+        try:
+            try:
+                out, rec, again = trio.run(main)
+            except BaseExceptionGroup as group:
+                raise collapse(group) from None
+        except NoSpare:
+            # nothing hangs, and the surviving stages are still up and answering
+            survivors = [sp for i, sp in enumerate(ring.stages) if i != victim]
+            assert all(sp.proc.poll() is None for sp in survivors)
+            assert _answers_info(survivors[0].addr, tmp_path)
+            raise
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(pid, signal.SIGCONT)
+        assert fired, "the victim was never signalled"
+        return out, rec, again
+
+
+def _answers_info(addr: str, tmp_path) -> bool:
+    from swarm import wire
+    from swarm.wire import PROTOCOL_ID
+
+    async def ask():
+        with trio.fail_after(20):
+            async with open_host(load_or_create_key(tmp_path / "probe.key"), ["/ip4/127.0.0.1/tcp/0"]) as host:
+                s = await host.open_stream(addr, PROTOCOL_ID, timeout_s=10)
+                await s.send(wire.frame("info"))
+                return (await s.recv(timeout_s=10))["type"] == "info_ok"
+
+    return trio.run(ask)
+
+
+@pytest.fixture(scope="module")
+def reference(stories_dir):
+    return reference_greedy(stories_dir, PROMPT, NEW, "float32")
+
+
+@pytest.mark.parametrize("victim", [1, 0, 2], ids=["middle", "head", "tail"])
+def test_sigkill_heals_token_identical(stories_dir, tmp_path, reference, victim):
+    out, rec, again = heal_run(stories_dir, tmp_path, victim, signal.SIGKILL)
+    assert out == reference
+    assert again == reference[:8]
+    (event,) = rec["heal_events"]
+    assert event["stage"] == victim and tuple(event["layers"]) == (RANGES[victim].start, RANGES[victim].end)
+    assert event["replay_tokens"] >= len(PROMPT) + 9 and event["total_s"] < 15
+
+
+def test_sigkill_heals_with_speculation_depth(stories_dir, tmp_path, reference):
+    out, rec, _ = heal_run(stories_dir, tmp_path, 1, signal.SIGKILL, spec_config=SpecConfig(draft="ngram", k=4, depth=3))
+    assert out == reference and len(rec["heal_events"]) == 1
+
+
+def test_sigstop_frozen_stage_heals(stories_dir, tmp_path, reference):
+    out, rec, _ = heal_run(stories_dir, tmp_path, 1, signal.SIGSTOP)
+    assert out == reference
+    (event,) = rec["heal_events"]
+    assert event["stage"] == 1 and "heartbeat" in event["errors"][0]
+
+
+def test_no_spare_fails_clearly(stories_dir, tmp_path):
+    with pytest.raises(NoSpare, match=r"stage 1 holding layers \[2, 4\) is lost"):
+        heal_run(stories_dir, tmp_path, 1, signal.SIGKILL, spare=False)

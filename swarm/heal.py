@@ -132,12 +132,17 @@ class SwarmOps(Protocol):
 
 @dataclass
 class HealEvent:
-    """One recovery, for logs and ``--json`` (seconds from ``ops.now()``)."""
+    """One recovery, for logs and ``--json`` (seconds, from ``ops.now()``).
+
+    ``detected_at``: when the fault surfaced; ``detect_s``: from then until the failed stage was
+    located; ``swap_s``: spare swapped in and session reset; ``replay_s``: re-feeding
+    ``replay_tokens`` positions; ``total_s``: from detection to a checked, resumable ring."""
 
     stage: int
     layers: tuple[int, int]
     reason: str
     spare: str = ""
+    detected_at: float = 0.0
     detect_s: float = 0.0
     swap_s: float = 0.0
     replay_s: float = 0.0
@@ -177,7 +182,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
                             f"every stage is reachable and up to date")
         layers = ops.range_of(failure.index)
         event = HealEvent(stage=failure.index, layers=layers, reason=failure.reason, attempts=attempt,
-                          errors=list(errors), detect_s=t0 - detected_at)
+                          errors=list(errors), detect_s=t0 - detected_at, detected_at=detected_at)
         spare = await ops.pick_spare(layers)
         if spare is None:
             raise NoSpare(f"stage {failure.index} holding layers [{layers[0]}, {layers[1]}) is lost "

@@ -71,7 +71,12 @@ def _coordinate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
     p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
-    p.add_argument("--hop-timeout-s", type=float, default=60.0, help="deadline for each answer from the ring")
+    p.add_argument("--hop-timeout-s", type=float, default=60.0,
+                   help="longest wait for one result while every stage still answers heartbeats")
+    p.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="after this much silence stages are probed; one that does not answer within it is "
+                        "treated as lost and healed onto a spare from the ring file (default 1.0)")
+    p.add_argument("--no-heal", dest="heal", action="store_false", help="fail instead of healing onto spares")
     _add_spec_flags(p)
 
 
@@ -88,6 +93,11 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    h = p.add_argument_group("healing")
+    h.add_argument("--spares", action="store_true", help="also start one warm spare per stage (same layers)")
+    h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
+                                                  "(needs --spares to recover)")
+    h.add_argument("--kill-after", type=int, default=16, help="new tokens before --kill-stage fires (default 16)")
     _add_spec_flags(p)
 
 
@@ -161,7 +171,8 @@ def cmd_coordinate(args) -> int:
     config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args),
-                               sampling=_sampling(args), wire_dtype=args.wire_dtype)
+                               sampling=_sampling(args), wire_dtype=args.wire_dtype,
+                               heartbeat_s=args.heartbeat_s, heal=args.heal)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):

@@ -79,13 +79,14 @@ class TextStream:
         return new
 
 
-async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict:
+async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=None) -> dict:
     """Run one greedy generation around the ring and return the result record.
 
     Args:
         config: the coordinator config (ring, limits, timeouts).
         prompt: user text; with ``config.chat`` wrapped in the chat template.
         on_text: called with each newly decoded piece of text as tokens are committed.
+        on_ids: called with all new ids after each commit (e.g. the demo's stage killer).
     Returns:
         dict with text, prompt_ids, output_ids, new_tokens, tokens_per_s (decode), ttft_s, total_s,
         ring (index, peer_id, addr, layers), model.
@@ -117,7 +118,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None) -> dict
         ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
         await ring.connect(num_layers, digest, nursery)
         stream = TextStream(tokenizer)
-        on_ids = (lambda ids: on_text(stream.push(ids))) if on_text else None
+        hooks = [h for h in (on_ids, (lambda ids: on_text(stream.push(ids))) if on_text else None) if h]
+        on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
                                    config.sampling, config.wire_dtype, heal=config.heal)
         if on_text:

@@ -6,6 +6,8 @@ Glue over ``swarm.launch.LocalRing`` and ``swarm.coordinator.generate``; nothing
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import trio
 import yaml
 
-from swarm.config import CoordinatorConfig, cache_root
+from swarm.config import CoordinatorConfig, RingSpec, cache_root
 from swarm.errors import ConfigError
 from swarm.launch import LocalRing
 from swarm.ranges import even_split
@@ -28,33 +30,40 @@ def run_demo(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from swarm.cli import _spec_config
-
-    from swarm.cli import _sampling
+    from swarm.cli import _sampling, _spec_config
 
     spec_config, sampling = _spec_config(args), _sampling(args)  # checked before any process starts
+    if args.kill_stage is not None and not 0 <= args.kill_stage < args.stages:
+        raise ConfigError(f"--kill-stage must name a stage 0..{args.stages - 1}, got {args.kill_stage}")
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
     num_layers = model_num_layers(resolved.path)
     ranges = even_split(num_layers, args.stages)
     say(f"swarm demo: {resolved.name} ({num_layers} layers) on {args.stages} stages: "
         + ", ".join(str(r) for r in ranges))
     extra = ["--dtype", args.dtype]
+    procs = len(ranges) * (2 if args.spares else 1)
+    threads = max(1, (os.cpu_count() or 1) // procs)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \
-            LocalRing(args.model, ranges, cache_root() / "keys" / "demo", extra_args=extra,
-                      startup_timeout_s=args.startup_timeout_s) as ring:
-        spec = ring.ring_spec()
+            LocalRing(args.model, ranges, cache_root() / "keys" / "demo", threads=threads, extra_args=extra,
+                      startup_timeout_s=args.startup_timeout_s) as ring, \
+            LocalRing(args.model, ranges if args.spares else [], cache_root() / "keys" / "demo-spares",
+                      threads=threads, extra_args=extra, startup_timeout_s=args.startup_timeout_s) as spares:
+        spec = RingSpec(model=args.model, stages=ring.ring_spec().stages, spares=spares.ring_spec().stages)
         ring_path = args.ring_out or Path(tmp) / "ring.yaml"
         ring_path.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         say(f"ring file: {ring_path}" + ("" if args.ring_out else " (removed on exit; keep one with --ring-out)"))
         for sp in ring.stages:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
+        for sp in spares.stages:
+            say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
                                    key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
                                    sampling=sampling, wire_dtype=args.wire_dtype)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
         on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-        result = trio.run(generate, config, args.prompt, on_text)
+        on_ids = _killer(ring, args) if args.kill_stage is not None else None
+        result = trio.run(generate, config, args.prompt, on_text, on_ids)
     if args.json:
         print(json.dumps(result))
     else:
@@ -62,4 +71,23 @@ def run_demo(args) -> int:
 
         print(f"\n\n{result['new_tokens']} tokens, {_rate(result)} decode, "
               f"time to first token {result['ttft_s']:.2f} s{_spec_summary(result)}")
+        for e in result.get("heal_events", []):
+            print(f"healed: stage {e['stage']} [{e['layers'][0]}, {e['layers'][1]}) lost ({e['reason']}); "
+                  f"spare {e['spare'][:16]}... swapped in {e['swap_s']:.2f} s, {e['replay_tokens']} tokens "
+                  f"replayed in {e['replay_s']:.2f} s, {e['total_s']:.2f} s from detection to resume")
     return 0
+
+
+def _killer(ring: LocalRing, args):
+    """An on_ids hook that SIGKILLs stage ``args.kill_stage`` after ``args.kill_after`` new tokens."""
+    fired = []
+
+    def on_ids(ids: list[int]) -> None:
+        if len(ids) >= args.kill_after and not fired:
+            fired.append(True)
+            sp = ring.stages[args.kill_stage]
+            print(f"\n[swarm demo: killing stage {sp.layers} (pid {sp.proc.pid}) after {len(ids)} tokens]\n",
+                  file=sys.stderr, flush=True)
+            os.kill(sp.proc.pid, signal.SIGKILL)
+
+    return on_ids

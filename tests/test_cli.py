@@ -265,3 +265,22 @@ def test_bad_spec_flags(tmp_path, flags, expect):
     ring.write_text("model: x\nstages:\n  - {addr: /ip4/127.0.0.1/tcp/1/p2p/X, layers: '0:1'}\n")
     res = run_swarm("coordinate", "--ring", str(ring), "--prompt", "hi", *flags, timeout=60)
     assert res.returncode == 1 and expect in res.stderr, res.stderr
+
+
+def test_demo_kill_a_stage_heals_token_identical(stories_dir):
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "30", "--json", "--dtype", "float32", "--spares", "--kill-stage", "1",
+                    "--kill-after", "10")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 30, "float32")
+    (event,) = out["heal_events"]
+    assert event["stage"] == 1 and event["layers"] == [2, 4]
+    assert out["ring"][1]["peer_id"] == event["spare"]  # the spare finished the job
+
+
+def test_demo_kill_without_spares_names_the_lost_range(stories_dir):
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "30", "--dtype", "float32", "--kill-stage", "2", "--kill-after", "5")
+    assert res.returncode == 1
+    assert "layers [4, 5) is lost" in res.stderr and "no warm spare" in res.stderr

@@ -45,8 +45,8 @@ class StageConfig:
             raise ConfigError(f"--listen {self.listen!r} must be a TCP multiaddr (e.g. /ip4/127.0.0.1/tcp/0)")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
-        if self.hop_timeout_s <= 0:
-            raise ConfigError("hop timeout must be positive")
+        if not self.hop_timeout_s > 0:  # also refuses NaN
+            raise ConfigError(f"--hop-timeout-s must be a positive number of seconds, got {self.hop_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < 1e-4:  # logits / T would overflow; that close to 0 is greedy
+            raise ConfigError(f"--temperature {self.temperature} is too small: use 0 for greedy, or >= 1e-4")
         if self.top_k < 0:
             raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -210,8 +212,10 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.hop_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.heartbeat_s <= 0:
-            raise ConfigError("timeouts must be positive")
+        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
         wire_dtypes = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
         if self.wire_dtype is not None and self.wire_dtype not in wire_dtypes:
             raise ConfigError(f"--wire-dtype {self.wire_dtype!r} is not one of {', '.join(wire_dtypes)}")

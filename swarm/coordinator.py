@@ -17,7 +17,7 @@ import trio
 
 from swarm import wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
-from swarm.errors import ConfigError, HopTimeout, ModelError, StageLost
+from swarm.errors import ConfigError, ModelError, StageLost
 from swarm.heal import HealEvent, StageReport, plan_replay, run_recovery
 from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
 from swarm.spec import NoDrafter, SpecLoop
@@ -188,7 +188,10 @@ class RingOps:
         return loop.replay_token
 
 
-HEALABLE = (StageLost, HopTimeout)
+# A lost stream or missed heartbeats is healed; a hop timeout while every stage still answers
+# heartbeats means a stage is computing something long (e.g. a huge prefill chunk): fail with
+# that message rather than replacing a healthy, busy stage.
+HEALABLE = (StageLost,)
 
 
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],

@@ -259,6 +259,8 @@ def test_coordinate_speculative_and_sampled(stories_ring, stories_dir, tmp_path)
     (["--draft", "oracle"], "--draft 'oracle' is not one of"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--hop-timeout-s", "nan"], "--hop-timeout-s must be a positive number of seconds"),
+    (["--temperature", "1e-320"], "use 0 for greedy"),
 ])
 def test_bad_spec_flags(tmp_path, flags, expect):
     ring = tmp_path / "ring.yaml"

@@ -263,16 +263,24 @@ async def open_host(
     log.info("host.stop peer=%s", peer_id_of(key_pair))
 
 
+INBOUND_CAP = 10_000_000
+
+
 def _connection_config(health_check_interval_s: float | None) -> ConnectionConfig:
     # max_connections_per_peer=1: the swarm's dial waits for either that many connections or
     # its 250 ms happy-eyeballs delay, even with a single address; 1 makes connect ~5 ms.
     # Extra connections from a simultaneous dial are within the grace period and kept.
+    # max_connections: libp2p 0.8.1 gives each inbound connection a slot of a limiter sized
+    # max_connections - min_connections (default 250) and returns it only when the whole swarm
+    # stops, so a stage refused every dial after its 250th coordinator. A large cap postpones
+    # that leak far beyond a daemon's life (live connections are still few).
     if health_check_interval_s is None:
-        return ConnectionConfig(max_connections_per_peer=1)
+        return ConnectionConfig(max_connections_per_peer=1, max_connections=INBOUND_CAP)
     if not health_check_interval_s > 0:
         raise ConfigError(f"health_check_interval_s must be > 0, got {health_check_interval_s}")
     return ConnectionConfig(
         max_connections_per_peer=1,
+        max_connections=INBOUND_CAP,
         enable_health_monitoring=True,
         health_initial_delay=health_check_interval_s,
         health_warmup_window=0.0,

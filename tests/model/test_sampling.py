@@ -65,3 +65,8 @@ def test_greedy_is_argmax():
 def test_bad_params(kwargs):
     with pytest.raises(ConfigError):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_refused():
+    with pytest.raises(ConfigError, match="use 0 for greedy"):
+        SamplingParams(temperature=1e-320)

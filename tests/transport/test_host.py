@@ -22,7 +22,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from swarm.errors import ConfigError, FrameTooLarge, HopTimeout, ProtocolError, StageLost, StreamClosed
 from swarm.transport import FramedStream, SwarmHost, open_host
 
-from .util import trio_test
+from .util import run, trio_test
 
 ECHO = "/swarm-test/echo/1"
 SINK = "/swarm-test/sink/1"
@@ -321,3 +321,23 @@ async def test_plaintext_only_peer_is_refused_noise_peer_accepted() -> None:
         s = await noise_client.open_stream(ours.addrs()[0], ECHO, timeout_s=5)
         await s.send({"noise": True})
         assert (await s.recv(timeout_s=5))["noise"] is True
+
+
+@pytest.mark.slow
+def test_more_than_250_sequential_inbound_connections() -> None:
+    """libp2p 0.8.1 never returns an inbound connection's limiter slot; a stage must still accept
+    connection 251 and beyond (it refused every dial after its 250th coordinator)."""
+    run(_many_inbound, timeout_s=90)
+
+
+async def _many_inbound() -> None:
+    async with two_hosts() as (a, b):
+        a.set_handler(ECHO, echo)
+        network = b.libp2p_host.get_network()
+        peer = a.libp2p_host.get_id()
+        for i in range(256):
+            s = await b.open_stream(a.addrs()[0], ECHO, timeout_s=5)
+            await s.send({"i": i})
+            assert (await s.recv(timeout_s=5))["i"] == i
+            await s.aclose()
+            await network.close_peer(peer)

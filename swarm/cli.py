@@ -74,7 +74,7 @@ def _coordinate_parser(sub) -> None:
     p.add_argument("--hop-timeout-s", type=float, default=60.0,
                    help="longest wait for one result while every stage still answers heartbeats")
     p.add_argument("--heartbeat-s", type=float, default=1.0,
-                   help="after this much silence stages are probed; one that does not answer within it is "
+                   help="after this much silence stages are probed; one that does not answer within twice it is "
                         "treated as lost and healed onto a spare from the ring file (default 1.0)")
     p.add_argument("--no-heal", dest="heal", action="store_false", help="fail instead of healing onto spares")
     _add_spec_flags(p)

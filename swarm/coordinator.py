@@ -152,7 +152,7 @@ class RingOps:
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
-        reports = await self.ring.probe(session)
+        reports = await self.ring.probe(session, 2 * self.ring.heartbeat_s)
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
     async def pick_spare(self, layers: tuple[int, int]):

@@ -253,12 +253,13 @@ class RingClient:
                 if time.monotonic() >= deadline:
                     raise HopTimeout(f"no result from the ring within {self.hop_timeout_s:.1f} s, "
                                      "though every stage answers heartbeats") from None
-                reports = await self.probe(session)
+                # a probe gets twice the heartbeat: a loaded machine must not look like a dead stage
+                reports = await self.probe(session, 2 * self.heartbeat_s)
                 lost = [r.index for r in reports if not r.reachable]
                 if lost:
                     link = self.links[lost[0]]
                     raise StageLost(f"stage {lost[0]} {link.spec.layers} at {link.spec.addr} stopped answering "
-                                    f"heartbeats ({self.heartbeat_s:.1f} s)") from None
+                                    f"heartbeats ({2 * self.heartbeat_s:.1f} s)") from None
                 continue
             self._raise_for(i, msg, session)
             if i == tail and msg.get("type") == "result" and msg.get("session") == session:

@@ -208,6 +208,7 @@ class CoordinatorConfig:
     wire_dtype: str | None = None
     heartbeat_s: float = 1.0
     heal: bool = True
+    receipt_dir: Path | None = Path("receipts")  # where job receipts go; None: no receipts, no digests
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

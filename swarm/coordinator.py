@@ -15,7 +15,7 @@ import uuid
 
 import trio
 
-from swarm import wire
+from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError, ModelError, StageLost
 from swarm.heal import HealEvent, StageReport, plan_replay, run_recovery
@@ -113,6 +113,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     stop = eos_ids(resolved.path, tokenizer)
     drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path), sampling=config.sampling)
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
+    job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if config.receipt_dir is not None else None
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
@@ -121,20 +122,60 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.push(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
-                                   config.sampling, config.wire_dtype, heal=config.heal)
+                                   config.sampling, config.wire_dtype, heal=config.heal, job=job)
         if on_text:
             on_text(stream.push(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
         nursery.cancel_scope.cancel()
-    return {
+    ring_entries = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)} for i in infos]
+    parts = timing.pop("receipt_parts", None)
+    result = {
         "text": tokenizer.decode(out, skip_special_tokens=True),
         "prompt_ids": prompt_ids,
         "output_ids": out,
         "new_tokens": len(out),
         **timing,
-        "ring": [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)} for i in infos],
+        "ring": ring_entries,
         "model": resolved.name,
     }
+    if job is not None:
+        result["receipt"] = write_job_receipt(config.receipt_dir, key, job, parts, model=resolved.name,
+                                              model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
+                                              output_ids=out, ring=ring_entries, record=timing)
+    return result
+
+
+def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, model_digest: str, num_layers: int,
+                      prompt_ids: list[int], output_ids: list[int], ring: list[dict], record: dict) -> dict:
+    """Build, sign (coordinator key), save and verify the job receipt.
+
+    Returns:
+        ``{"path", "job_id", "verified", "summary" | "reason"}``; the verification is the same as
+        ``swarm receipts verify``.
+    Raises:
+        ConfigError: the receipt directory cannot be written.
+    """
+    from swarm.errors import ReceiptInvalid
+    from swarm.transport.identity import peer_id_of, sign
+
+    body = receipts.job_body(job_id=job["id"], nonce=job["nonce"], coordinator=peer_id_of(key), model=model,
+                             model_digest=model_digest, num_layers=num_layers, prompt_ids=prompt_ids,
+                             output_ids=output_ids, ring=ring, stage_receipts=parts["stage_receipts"],
+                             sent=parts["sent"], received=parts["received"], record=record)
+    if parts["problems"]:
+        body["receipt_problems"] = parts["problems"]
+    doc = receipts.sign_receipt(body, lambda data: sign(key, data))
+    try:
+        path = receipts.save(doc, receipt_dir)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the receipt to {receipt_dir}: {exc}") from exc
+    out = {"path": path, "job_id": job["id"]}
+    try:
+        out.update(verified=True, summary=receipts.verify_job(doc).summary())
+    except ReceiptInvalid as exc:
+        out.update(verified=False, reason=str(exc))
+        log.warning("receipt.invalid path=%s reason=%s", path, exc)
+    return out
 
 
 class RingOps:
@@ -171,7 +212,7 @@ class RingOps:
             await self.ring.close_session(self.state["session"], timeout_s=1.0)
         self.state["session"] = uuid.uuid4().hex
         await self.ring.open_session(self.state["session"], self.state["max_len"], self.state["sampling"],
-                                     self.state["wire_dtype"])
+                                     self.state["wire_dtype"], job=self.state["job"])
 
     async def replay(self, prefix) -> int | None:
         loop, session = self.loop, self.state["session"]
@@ -197,7 +238,7 @@ HEALABLE = (StageLost,)
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
                  sampling: SamplingParams | None = None, wire_dtype: str | None = None,
-                 heal: bool = True) -> tuple[list[int], dict]:
+                 heal: bool = True, job: dict | None = None) -> tuple[list[int], dict]:
     """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -223,9 +264,12 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
             and recorded as ``wire_lossy`` in the result.
         heal: recover onto spares (default); False fails on the first lost stage.
+        job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
+            the signed stage receipts are collected (``swarm.receipts``). None: no digests.
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
-        wire_dtype, wire_lossy, spec stats, heal_events).
+        wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
+        stage_receipts (ring order, None where missing), problems, sent and received digests).
     Raises:
         ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError;
         swarm.heal.NoSpare / ReplayMismatch / HealError when a heal is impossible.
@@ -241,8 +285,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                     prefill_chunk=spec.prefill_chunk)
     sampling = sampling or SamplingParams()
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
-             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype}
-    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype)
+             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype, "job": job}
+    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job)
     ops = RingOps(ring, loop, state)
     heal_events: list[HealEvent] = []
     t_first = None
@@ -273,6 +317,14 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                 if on_ids:
                     on_ids(loop.output)
         t_end = time.perf_counter()
+        parts = None
+        if job is not None:  # the session that finished the job (after a heal: the replayed one)
+            stage_receipts, problems = await ring.collect_receipts(state["session"])
+            sent, received = ring.ledgers[state["session"]]
+            parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
+                     "received": received.as_dict()}
+            for p in problems:
+                log.warning("receipt.missing %s", p)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             await ring.close_session(state["session"])
@@ -289,4 +341,5 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "heal_events": [e.as_dict() for e in heal_events],
         "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
                  "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
+        **({"receipt_parts": parts} if parts is not None else {}),
     }

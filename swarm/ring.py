@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
-from swarm import wire
+from swarm import receipts, wire
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed, SwarmError
 from swarm.heal import StageReport
@@ -80,6 +80,9 @@ class RingClient:
         self._deferred: deque = deque()
         self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
         self.returned: dict[str, int] = {}  # session -> highest chunk id with a result
+        # session -> (digest of forward frames sent to the head, of result frames from the tail),
+        # for sessions opened with a job (receipts)
+        self.ledgers: dict[str, tuple[receipts.RollingDigest, receipts.RollingDigest]] = {}
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -152,6 +155,13 @@ class RingClient:
             except (StreamClosed, ProtocolError) as exc:
                 await self._send_ch.send((index, gen, {"type": "_lost", "reason": str(exc)}))
                 return
+            if msg.get("type") == "result" and index == len(self.links) - 1 and self._current(index, gen):
+                ledger = self.ledgers.get(msg.get("session"))
+                if ledger is not None:  # every result the tail sent, in order, also stale ones
+                    try:
+                        ledger[1].add(receipts.result_item(msg))
+                    except KeyError:
+                        pass  # malformed: next_result's validation reports it
             await self._send_ch.send((index, gen, msg))
 
     # ---- receiving ---------------------------------------------------------------------------
@@ -204,13 +214,18 @@ class RingClient:
     # ---- sessions and chunks -----------------------------------------------------------------
 
     async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
-                           wire_dtype: str | None = None) -> None:
+                           wire_dtype: str | None = None, job: dict | None = None) -> None:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
-        when sampling, the sampling settings)."""
+        when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
+        receipt digests for the session, and so does this client (``ledgers``)."""
         n = len(self.links)
+        if job is not None:
+            self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
         for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
             nxt = self.links[i + 1].spec.addr if i + 1 < n else None
             extra = {"sampling": sampling} if sampling and nxt is None else {}
+            if job is not None:
+                extra["job"] = job
             if wire_dtype and nxt is not None:
                 extra["wire_dtype"] = wire_dtype
             await self.links[i].data.send(wire.frame("open", session=session, next=nxt, max_len=max_len, **extra),
@@ -226,12 +241,49 @@ class RingClient:
             except SwarmError:
                 pass
         self.returned.pop(session, None)
+        self.ledgers.pop(session, None)
 
     async def send_chunk(self, session: str, chunk) -> None:
         """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
-        await self.links[0].data.send(wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos,
-                                                 chunk=chunk.chunk_id, tokens=list(chunk.tokens)),
-                                      timeout_s=self.hop_timeout_s)
+        msg = wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
+                         tokens=list(chunk.tokens))
+        await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+        ledger = self.ledgers.get(session)
+        if ledger is not None:
+            ledger[0].add(receipts.forward_item(msg))
+
+    async def collect_receipts(self, session: str, timeout_s: float | None = None) -> tuple[list, list[str]]:
+        """Ask every stage for its signed receipt of ``session`` (opened with a job).
+
+        The request goes to the head on the data stream, behind every chunk, and each stage passes
+        it on behind its own frames; results still in flight arrive (and are digested) first.
+
+        Returns:
+            (receipts in ring order, None where a stage sent none in time; reasons for the gaps).
+            Never raises for a stage that fails here: a missing receipt fails verification instead.
+        """
+        timeout_s = timeout_s or self.hop_timeout_s
+        got: dict[int, dict] = {}
+        problems: list[str] = []
+        try:
+            await self.links[0].data.send(wire.frame("receipt", session=session), timeout_s=timeout_s)
+        except SwarmError as exc:
+            return [None] * len(self.links), [f"stage 0: cannot request receipts: {exc}"]
+        deadline = time.monotonic() + timeout_s
+        while len(got) + len(problems) < len(self.links):
+            try:
+                i, msg = await self._next(max(0.0, deadline - time.monotonic()))
+            except HopTimeout:
+                break
+            kind = msg.get("type")
+            if kind == "receipt_ok" and msg.get("session") == session and isinstance(msg.get("receipt"), dict):
+                got[i] = msg["receipt"]
+            elif kind == "_lost" or (kind == "error" and msg.get("session") == session):
+                problems.append(f"stage {i}: {msg.get('reason')}")
+        out = [got.get(i) for i in range(len(self.links))]
+        problems += [f"stage {i}: no receipt within {timeout_s:.1f} s" for i, r in enumerate(out)
+                     if r is None and not any(p.startswith(f"stage {i}:") for p in problems)]
+        return out, problems
 
     async def next_result(self, session: str) -> dict:
         """The next ``result`` frame of ``session`` from the tail (any epoch), validated.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarm import wire
+from swarm import receipts, wire
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError, collapse
 from swarm.wire import PROTOCOL_ID
@@ -47,13 +47,15 @@ class Session:
     frames_in: int = 0
     frames_out: int = 0
     errors: list = field(default_factory=list)
+    ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
 
 
 class StageServer:
     """Serves a loaded LayerBlock on a SwarmHost. Create, then ``await serve(host)``."""
 
-    def __init__(self, config: StageConfig, block, model_name: str, model_digest: str):
+    def __init__(self, config: StageConfig, block, model_name: str, model_digest: str, key=None):
         self.config = config
+        self.key = key  # the node's ed25519 KeyPair: signs receipts (serve() sets it to the host key)
         self.block = block
         self.model_name = model_name
         self.model_digest = model_digest
@@ -118,6 +120,8 @@ class StageServer:
             await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
                                          received=sess.received if sess else -1, sent=sess.sent if sess else -1,
                                          busy=bool(sess and sess.busy)))
+        elif kind == "receipt":
+            await self._receipt(stream, msg)
         elif kind == "close":
             self.sessions.pop(msg["session"], None)
             log.info("session.close session=%s", msg["session"])
@@ -135,6 +139,9 @@ class StageServer:
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr)
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
+        if msg.get("job") is not None:
+            job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
+            session.ledger = receipts.StageLedger(job_id, nonce)
         if msg.get("sampling") is not None:
             from swarm.config import SamplingParams
 
@@ -182,6 +189,8 @@ class StageServer:
             await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         sess.received = max(sess.received, msg["chunk"])
+        if sess.ledger is not None:  # every frame received, also the stale ones dropped below
+            sess.ledger.input.add(receipts.forward_item(msg))
         if msg["epoch"] < sess.epoch:
             return  # stale speculation: drop before computing
         sess.epoch = msg["epoch"]
@@ -223,16 +232,56 @@ class StageServer:
             return  # cancelled while computing: the rows it wrote are rolled back by the next chunk
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
         if block.is_tail:
-            await sess.reply.send(wire.frame("result", token_ids=out, **meta))
+            sent = wire.frame("result", token_ids=out, **meta)
+            await sess.reply.send(sent)
+            item = receipts.result_item(sent)
         else:
+            sent = wire.frame("forward", hidden=out, **meta)
             try:
-                await sess.next_stream.send(wire.frame("forward", hidden=out, **meta), timeout_s=self.config.hop_timeout_s)
+                await sess.next_stream.send(sent, timeout_s=self.config.hop_timeout_s)
             except SwarmError as exc:
                 await self._try_send(sess.reply, wire.error_frame(
                     f"stage {block.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
                 return
+            item = receipts.forward_item(sent)
+        if sess.ledger is not None:
+            sess.ledger.output.add(item)
         sess.frames_out += 1
         sess.sent = max(sess.sent, msg["chunk"])
+
+    async def _receipt(self, stream, msg: dict) -> None:
+        """Sign this stage's receipt for the session, send it to the coordinator, pass the request on.
+
+        The request travels the data path (coordinator -> head -> ... -> tail) behind every frame of
+        the session, and each stage handles a stream's frames in order, so every receipt covers all
+        frames its predecessor sent: the digests of neighbours match.
+        """
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            return
+        if sess.ledger is None:
+            raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
+        b = self.block
+        body = sess.ledger.body(
+            session=sid, peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
+            range_digest=getattr(b, "range_digest", ""), layers=b.layer_range.as_list(), num_layers=b.num_layers,
+            dtype=str(b.dtype).removeprefix("torch."),
+            wire_dtype="token_ids" if b.is_tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
+            positions=sess.positions)
+        from swarm.transport.identity import sign
+
+        signed = receipts.sign_receipt(body, lambda data: sign(self.key, data))
+        log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
+                 sess.ledger.input.frames, sess.ledger.output.frames)
+        await self._try_send(sess.reply, wire.frame("receipt_ok", session=sid, receipt=signed))
+        if not b.is_tail:
+            try:
+                await sess.next_stream.send(wire.frame("receipt", session=sid), timeout_s=self.config.hop_timeout_s)
+            except SwarmError as exc:
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {b.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
 
     def _compute(self, sess: Session, pos: int, inputs: dict):
         """Worker-thread body: forward, then encode (tail: argmax ids; others: hidden bytes)."""
@@ -265,6 +314,7 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
 
     async with open_host(key, [listen]) as host, trio.open_nursery() as nursery:
         server.host, server.nursery = host, nursery
+        server.key = server.key or key
         b = server.block
         # largest legitimate frame: a whole-context prefill of float64 hidden states, with headroom
         max_frame = min(256 << 20, max(16 << 20, 2 * b.max_ctx * b.hidden_size * 8))

@@ -43,7 +43,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "info": {},
     "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
                 "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
-    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},  # optional: sampling, wire_dtype
+    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},  # optional: sampling, wire_dtype, job
     "open_ok": {"session": _STR},
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
@@ -52,6 +52,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "progress": {"session": _STR},
     "progress_ok": {"session": _STR, "received": _SIGNED, "sent": _SIGNED},
     "close_ok": {"session": _STR},
+    "receipt": {"session": _STR},  # flows head -> tail behind the session's frames
+    "receipt_ok": {"session": _STR, "receipt": _DICT},  # each stage's signed receipt, to the coordinator
     "error": {"reason": _STR, "code": _STR},
 }
 MAX_SESSION_CHARS = 128
@@ -109,6 +111,13 @@ def validate(msg: Any) -> dict:
         raise ProtocolError("open frame field 'sampling' must be a map")
     if kind == "open" and msg.get("wire_dtype") is not None and msg["wire_dtype"] not in WIRE_DTYPES:
         raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
+    if kind == "open" and msg.get("job") is not None:
+        from swarm.receipts import check_job_field
+
+        try:
+            check_job_field(msg["job"])
+        except ValueError as exc:
+            raise ProtocolError(f"open frame: {exc}") from None
     session = msg.get("session")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")

@@ -127,7 +127,8 @@ class LayerBlock(torch.nn.Module):
 
     Build with :func:`load_block`. Attributes: ``layer_range``, ``num_layers`` (L of the model),
     ``hidden_size`` (D), ``vocab_size`` (V), ``is_head``, ``is_tail``, ``dtype``, ``device``,
-    ``max_ctx``, ``loaded_tensors`` (names read from disk), ``loaded_bytes``.
+    ``max_ctx``, ``loaded_tensors`` (names read from disk), ``loaded_bytes``,
+    ``range_digest`` (``resolve.weights_digest`` of those tensors' values).
     """
 
     def __init__(self, config, family: Family, layer_range: LayerRange, modules: dict, device, dtype):
@@ -151,6 +152,7 @@ class LayerBlock(torch.nn.Module):
         self.rotary = modules.get("rotary")
         self.loaded_tensors: list[str] = []
         self.loaded_bytes = 0
+        self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A fresh KV cache for one session, ``max_len`` defaulting to the model's maximum context."""
@@ -229,33 +231,18 @@ class LayerBlock(torch.nn.Module):
         return allowed[None, None]  # (1, 1, T, S + T)
 
 
-def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
-               device: str = "auto", progress: bool = False) -> LayerBlock:
-    """Load layers ``[start, end)`` (and embedding / norm + LM head where owned) from ``model_dir``.
+def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
+    """Build the meta skeleton of the owned modules; map each owned parameter to its file tensor.
 
-    Only the tensors of the owned modules are read, through safetensors' mmap.
-
-    Args:
-        model_dir: an HF-layout directory (config.json + safetensors, sharded or not).
-        layer_range: the layers to hold; must lie in ``[0, L)``.
-        dtype: auto|float32|bfloat16|float16|float64. device: auto|cpu|cuda|mps.
-        progress: show a progress bar while reading tensors.
     Returns:
-        A LayerBlock in eval mode.
+        (modules for LayerBlock, {full param name: (module, param name, file tensor name)}, the
+        skeleton's base module).
     Raises:
-        ModelError: missing files or tensors, unsupported family. ConfigError: bad range/dtype/device.
+        ModelError: the checkpoint lacks a tensor the range needs.
     """
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from swarm.model.resolve import tensor_index
-
-    model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    family = FAMILIES[config.model_type]
-    layer_range.check_within(config.num_hidden_layers)
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -287,6 +274,51 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 raise ModelError(f"{model_dir} lacks tensor {src!r} needed by layers {layer_range}")
             wanted[full] = (module, pname, src)
 
+    return modules, wanted, base
+
+
+def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[str]:
+    """The file tensor names a stage holding ``layer_range`` loads (for ``weights_digest``).
+
+    Raises:
+        ModelError / ConfigError: as ``load_block``.
+    """
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    layer_range.check_within(config.num_hidden_layers)
+    _, wanted, _ = _plan(model_dir, config, FAMILIES[config.model_type], layer_range)
+    return {src for _, _, src in wanted.values()}
+
+
+def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
+               device: str = "auto", progress: bool = False) -> LayerBlock:
+    """Load layers ``[start, end)`` (and embedding / norm + LM head where owned) from ``model_dir``.
+
+    Only the tensors of the owned modules are read, through safetensors' mmap.
+
+    Args:
+        model_dir: an HF-layout directory (config.json + safetensors, sharded or not).
+        layer_range: the layers to hold; must lie in ``[0, L)``.
+        dtype: auto|float32|bfloat16|float16|float64. device: auto|cpu|cuda|mps.
+        progress: show a progress bar while reading tensors.
+    Returns:
+        A LayerBlock in eval mode.
+    Raises:
+        ModelError: missing files or tensors, unsupported family. ConfigError: bad range/dtype/device.
+    """
+    from safetensors import safe_open
+
+    from swarm.model.resolve import tensor_index, weights_digest
+
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    family = FAMILIES[config.model_type]
+    layer_range.check_within(config.num_hidden_layers)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+
+    modules, wanted, base = _plan(model_dir, config, family, layer_range)
+    index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
     by_file: dict[Path, list[str]] = {}
     for full, (_, _, src) in wanted.items():
@@ -312,8 +344,9 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
-    log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s", layer_range,
-             len(block.loaded_tensors), block.loaded_bytes, dt, dev)
+    block.range_digest = weights_digest(model_dir, block.loaded_tensors)  # signed in every receipt
+    log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s range_digest=%s", layer_range,
+             len(block.loaded_tensors), block.loaded_bytes, dt, dev, block.range_digest[:16])
     return block
 
 

@@ -240,6 +240,55 @@ def model_manifest_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def weights_digest(path: Path, names) -> str:
+    """Return a BLAKE2b-256 hex digest of the *values* of some tensors of a checkpoint.
+
+    Per tensor (sorted by name, so the shard layout does not matter): its name, safetensors dtype,
+    shape, and the BLAKE2b-256 of its exact bytes in the file (read through mmap). A stage signs
+    the digest of the tensors it loaded (its layer range, plus embedding / norm / LM head where
+    owned), so a verifier with the same checkpoint can recompute it (``swarm receipts verify
+    --model``).
+
+    Args:
+        path: an HF-layout safetensors directory. names: tensor names as stored in the files.
+    Returns:
+        64 lowercase hex characters.
+    Raises:
+        ModelError: a name is not in the checkpoint, or a shard is unreadable or truncated.
+    """
+    import mmap
+
+    path = Path(path)
+    index = tensor_index(path)
+    missing = sorted(set(names) - set(index))
+    if missing:
+        raise ModelError(f"{path} lacks tensor {missing[0]!r}")
+    per: dict[str, str] = {}
+    by_shard: dict[Path, list[str]] = {}
+    for name in set(names):
+        by_shard.setdefault(index[name], []).append(name)
+    for shard, shard_names in by_shard.items():
+        header = _read_header(shard)
+        try:
+            with shard.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                base = 8 + struct.unpack("<Q", mm[:8])[0]
+                for name in shard_names:
+                    entry = header[name]
+                    start, end = entry["data_offsets"]
+                    if not 0 <= start <= end <= len(mm) - base:
+                        raise ModelError(f"{shard}: tensor {name!r} lies outside the file (truncated?)")
+                    th = hashlib.blake2b(mm[base + start: base + end], digest_size=32).hexdigest()
+                    per[name] = json.dumps([name, entry["dtype"], entry["shape"], th], separators=(",", ":"))
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot read {shard}: {e}") from e
+        except (KeyError, TypeError) as e:
+            raise ModelError(f"malformed safetensors header in {shard}: {e!r}") from e
+    h = hashlib.blake2b(digest_size=32, person=b"swarm-weights/1")
+    for name in sorted(per):
+        h.update(per[name].encode() + b"\n")
+    return h.hexdigest()
+
+
 def _plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Group tensors, in order, into shards of at most max_bytes (an oversized tensor alone)."""
     shards: list[list[str]] = [[]]

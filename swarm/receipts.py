@@ -1,0 +1,423 @@
+"""Receipts: who computed what, signed with the node's own identity, and their verification.
+
+Owns: the stage and job receipt schemas, the rolling digests over frame payloads, canonical
+signing bytes, and ``verify_job`` (fail closed). May import: stdlib, msgpack, and
+``swarm.transport.identity`` (PyNaCl + the PeerId parser). No torch: a receipt verifies on a
+machine with no model and no network.
+
+**Stage receipt** (``swarm/stage-receipt/1``): one per stage per job, signed by the stage's
+ed25519 key (the key behind its libp2p PeerId). It binds the job id and the coordinator's fresh
+nonce, the model manifest digest, a digest of the weights of the stage's own layer range, the
+range, the compute and wire dtypes, the positions computed, and two rolling BLAKE2b-256 digests:
+``input`` over the payload of every ``forward`` frame the stage received for the job's session,
+``output`` over every frame it sent on (``forward`` to its successor; at the tail, ``result`` to
+the coordinator). Payload items are msgpack arrays of the frame's exact wire bytes (see
+``forward_item`` / ``result_item``): the hidden-state bytes as sent, not a re-encoding.
+
+**Job receipt** (``swarm/job-receipt/1``): written by the coordinator and signed with its key. It
+holds the prompt digest, the output ids and their digest, the ring (PeerIds, multiaddrs, ranges),
+every stage receipt, the coordinator's own digests of what it sent to the head and received from
+the tail, speculation stats, timings and heal events.
+
+**The chain**: frames travel in order on one stream per hop, so what stage i sent is exactly what
+stage i + 1 received; verification checks ``coordinator.sent == stage 0 input``, ``stage i output
+== stage i + 1 input`` and ``tail output == coordinator.received``. A job that healed holds the
+receipts of the session that finished it (the survivors and the spare replayed prompt + output
+from position 0 into fresh KV caches), so its chain is complete too.
+
+Canonical bytes: a receipt's signature covers ``json.dumps(body, sort_keys=True,
+separators=(",", ":"), ensure_ascii=True, allow_nan=False)`` of every field except ``sig``,
+prefixed by a domain tag (``swarm-receipt/1\\n``). Signatures are raw ed25519 (RFC 8032), hex.
+
+What a receipt proves: that the node holding each PeerId claims, under its own key, to have
+received and sent exactly these bytes for this job, with these weights; and that the claims
+form an unbroken chain from the coordinator's prompt frames to the tokens it committed. It does
+not prove the arithmetic was right: a colluding stage can sign wrong activations. Re-running a
+stage's range on the same inputs is the audit for that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+from swarm.errors import ReceiptInvalid
+
+STAGE_SCHEMA = "swarm/stage-receipt/1"
+JOB_SCHEMA = "swarm/job-receipt/1"
+DIGEST_ALG = "blake2b-256"
+_SIGN_TAG = b"swarm-receipt/1\n"
+_ID_PROOF_TAG = b"swarm-id-proof/1\n"
+MAX_ID_CHARS = 128
+
+# ---- digests ------------------------------------------------------------------------------------
+
+
+class RollingDigest:
+    """BLAKE2b-256 over a sequence of items, each packed as one msgpack array (self-delimiting).
+
+    ``frames`` counts the items. Two parties that add the same items in the same order get the
+    same ``hexdigest()``.
+    """
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=32, person=b"swarm-frames/1")
+        self.frames = 0
+
+    def add(self, item: list) -> None:
+        self._h.update(msgpack.packb(item, use_bin_type=True))
+        self.frames += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    def as_dict(self) -> dict:
+        return {"digest": self.hexdigest(), "frames": self.frames}
+
+
+def forward_item(msg: dict) -> list:
+    """The digest item of a ``forward`` frame: position fields and the payload's exact bytes.
+
+    ``["forward", epoch, pos, chunk, "tokens", [ids...]]`` for the head's input, or
+    ``["forward", epoch, pos, chunk, "hidden", dtype, shape, data, scale]`` (``scale`` is None
+    except for float8) for hidden states. Values are taken as decoded from the wire, not coerced:
+    the receiver's item packs to the same bytes as the sender's.
+    """
+    head = ["forward", msg["epoch"], msg["pos"], msg["chunk"]]
+    if "tokens" in msg:
+        return head + ["tokens", msg["tokens"]]
+    t = msg["hidden"]
+    return head + ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
+
+
+def result_item(msg: dict) -> list:
+    """The digest item of a ``result`` frame: ``["result", epoch, pos, chunk, [token ids...]]``."""
+    return ["result", msg["epoch"], msg["pos"], msg["chunk"], msg["token_ids"]]
+
+
+def ids_digest(ids: list[int]) -> str:
+    """BLAKE2b-256 hex of a token-id list (msgpack array of ints)."""
+    return hashlib.blake2b(msgpack.packb([int(i) for i in ids]), digest_size=32, person=b"swarm-ids/1").hexdigest()
+
+
+def new_nonce() -> str:
+    """A fresh 128-bit nonce, hex (the coordinator picks one per job)."""
+    return secrets.token_hex(16)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# ---- signing ------------------------------------------------------------------------------------
+
+
+def canonical(body: dict) -> bytes:
+    """The bytes a receipt signature covers: the domain tag + canonical JSON of all but ``sig``.
+
+    Raises:
+        ValueError: the body holds NaN/inf or a value JSON cannot encode.
+    """
+    unsigned = {k: v for k, v in body.items() if k != "sig"}
+    return _SIGN_TAG + json.dumps(unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                                  allow_nan=False).encode()
+
+
+def sign_receipt(body: dict, sign: Callable[[bytes], bytes]) -> dict:
+    """Return ``body`` with ``sig`` (hex of ``sign(canonical(body))``) added.
+
+    Args:
+        body: the receipt fields (JSON values only).
+        sign: the node's signing function (``swarm.transport.identity.sign`` bound to its key).
+    """
+    out = {k: v for k, v in body.items() if k != "sig"}
+    out["sig"] = sign(canonical(out)).hex()
+    return out
+
+
+def signature_ok(receipt: dict, peer_id: str) -> bool:
+    """True when ``receipt["sig"]`` is ``peer_id``'s signature of the receipt (fails closed)."""
+    from swarm.transport.identity import verify_peer_signature
+
+    sig = receipt.get("sig")
+    if not isinstance(sig, str) or not isinstance(peer_id, str):
+        return False
+    try:
+        raw = bytes.fromhex(sig)
+        data = canonical(receipt)
+    except (ValueError, TypeError):
+        return False
+    return verify_peer_signature(peer_id, data, raw)
+
+
+def id_proof_message(nonce: str) -> bytes:
+    """The bytes ``swarm id prove`` signs: a domain tag + the nonce (UTF-8)."""
+    return _ID_PROOF_TAG + nonce.encode()
+
+
+# ---- the stage side -----------------------------------------------------------------------------
+
+
+@dataclass
+class StageLedger:
+    """What one stage records for one session of a job (``open`` carried ``job``)."""
+
+    job_id: str
+    nonce: str
+    started_ms: int = field(default_factory=now_ms)
+    input: RollingDigest = field(default_factory=RollingDigest)
+    output: RollingDigest = field(default_factory=RollingDigest)
+
+    def body(self, *, session: str, peer_id: str, model: str, model_digest: str, range_digest: str,
+             layers: list[int], num_layers: int, dtype: str, wire_dtype: str, positions: int) -> dict:
+        """The unsigned stage receipt (see the module docstring for the fields)."""
+        return {
+            "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,
+            "peer_id": peer_id, "model": model, "model_digest": model_digest, "range_digest": range_digest,
+            "layers": list(layers), "num_layers": num_layers, "dtype": dtype, "wire_dtype": wire_dtype,
+            "positions": positions, "digest_alg": DIGEST_ALG, "input": self.input.as_dict(),
+            "output": self.output.as_dict(), "started_ms": self.started_ms, "ended_ms": now_ms(),
+        }
+
+
+def check_job_field(job: Any) -> tuple[str, str]:
+    """Validate the ``job`` map of an ``open`` frame; return (job id, nonce).
+
+    Raises:
+        ValueError: not a map of two non-empty strings of at most 128 characters.
+    """
+    if not isinstance(job, dict):
+        raise ValueError("'job' must be a map with 'id' and 'nonce'")
+    jid, nonce = job.get("id"), job.get("nonce")
+    for name, v in (("id", jid), ("nonce", nonce)):
+        if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_CHARS:
+            raise ValueError(f"job {name} must be a string of 1..{MAX_ID_CHARS} characters")
+    return jid, nonce
+
+
+# ---- the job receipt ----------------------------------------------------------------------------
+
+
+def job_body(*, job_id: str, nonce: str, coordinator: str, model: str, model_digest: str, num_layers: int,
+             prompt_ids: list[int], output_ids: list[int], ring: list[dict], stage_receipts: list[dict],
+             sent: dict, received: dict, record: dict) -> dict:
+    """The unsigned job receipt.
+
+    Args:
+        ring: ``[{index, peer_id, addr, layers}]`` of the ring that finished the job.
+        stage_receipts: signed stage receipts in ring order (a missing one is simply absent).
+        sent / received: the coordinator's ``RollingDigest.as_dict()`` of frames sent to the head
+            and results received from the tail.
+        record: the decode record (tokens_per_s, ttft_s, total_s, spec, sampling, wire_dtype,
+            heal_events, ...); JSON values only.
+    """
+    keep = ("tokens_per_s", "ttft_s", "total_s", "spec", "sampling", "wire_dtype", "wire_lossy", "heal_events",
+            "context_limited")
+    return {
+        "schema": JOB_SCHEMA, "job_id": job_id, "nonce": nonce, "created_ms": now_ms(), "coordinator": coordinator,
+        "model": model, "model_digest": model_digest, "num_layers": num_layers, "digest_alg": DIGEST_ALG,
+        "prompt_tokens": len(prompt_ids), "prompt_digest": ids_digest(prompt_ids),
+        "output_ids": [int(i) for i in output_ids], "output_digest": ids_digest(output_ids),
+        "ring": ring, "stage_receipts": stage_receipts, "coordinator_sent": sent, "coordinator_received": received,
+        **{k: record[k] for k in keep if k in record},
+    }
+
+
+@dataclass
+class Verified:
+    """A passed verification: the facts for a one-line summary."""
+
+    job_id: str
+    model: str
+    stages: int
+    new_tokens: int
+    tokens_per_s: float | None
+    healed: int
+
+    def summary(self) -> str:
+        rate = f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s else "n/a tok/s"
+        heal = f", healed {self.healed}x" if self.healed else ""
+        return (f"OK job {self.job_id[:12]} model {self.model}: {self.stages} stage receipts, signatures and chain "
+                f"valid, {self.new_tokens} tokens, {rate}{heal}")
+
+
+def _fail(check: str, msg: str, stage: int | None = None) -> ReceiptInvalid:
+    where = f"stage {stage}: " if stage is not None else ""
+    exc = ReceiptInvalid(f"{check}: {where}{msg}")
+    exc.check, exc.stage = check, stage  # type: ignore[attr-defined]
+    return exc
+
+
+def _need(obj: Any, name: str, types, where: str, stage: int | None = None):
+    if not isinstance(obj, dict) or name not in obj:
+        raise _fail("schema", f"{where} lacks field {name!r}", stage)
+    v = obj[name]
+    if not isinstance(v, types) or (isinstance(v, bool) and types is int):
+        raise _fail("schema", f"{where} field {name!r} has type {type(v).__name__}", stage)
+    return v
+
+
+def verify_job(job: Any, *, expect_model_digest: str | None = None,
+               expect_range_digests: dict[tuple[int, int], str] | None = None) -> Verified:
+    """Verify a job receipt and every stage receipt in it; fail closed on the first bad check.
+
+    Checks, in order: schema and types; each stage receipt's signature (by the PeerId it names);
+    the coordinator's signature of the job; stage count and PeerIds against the ring; the ring's
+    ranges tile ``[0, num_layers)`` exactly and each receipt covers its ring slot's range; job id,
+    nonce and model digest in every stage receipt; the digest chain coordinator -> stage 0 -> ...
+    -> tail -> coordinator; the output-id digest; heal events name spares that are in the ring.
+    With ``expect_*`` (from a local copy of the model): the manifest and per-range weight digests.
+
+    Args:
+        job: the parsed JSON of ``receipts/<job_id>.json``.
+        expect_model_digest: the model manifest digest the job must name.
+        expect_range_digests: ``{(start, end): range digest}`` every stage must match.
+    Returns:
+        A ``Verified`` summary.
+    Raises:
+        ReceiptInvalid: with ``.check`` (schema, signature, job signature, missing stage, peer id,
+            ranges, layer range, job id, nonce, model digest, chain, output digest, heal,
+            range digest) and ``.stage`` (ring index, or None for job-level checks).
+    """
+    if not isinstance(job, dict) or job.get("schema") != JOB_SCHEMA:
+        raise _fail("schema", f"not a {JOB_SCHEMA} document")
+    for name, types in (("job_id", str), ("nonce", str), ("coordinator", str), ("model", str), ("model_digest", str),
+                        ("num_layers", int), ("output_ids", list), ("output_digest", str), ("ring", list),
+                        ("stage_receipts", list), ("coordinator_sent", dict), ("coordinator_received", dict),
+                        ("sig", str)):
+        _need(job, name, types, "job receipt")
+    ring, receipts = job["ring"], job["stage_receipts"]
+    for i, r in enumerate(receipts):
+        if r is None:
+            who = ring[i].get("peer_id") if i < len(ring) and isinstance(ring[i], dict) else "?"
+            raise _fail("missing stage", f"no receipt from {who}", i)
+        for name, types in (("schema", str), ("peer_id", str), ("layers", list), ("job_id", str), ("nonce", str),
+                            ("model_digest", str), ("input", dict), ("output", dict), ("sig", str)):
+            _need(r, name, types, "stage receipt", i)
+        if r["schema"] != STAGE_SCHEMA:
+            raise _fail("schema", f"receipt schema {r['schema']!r} is not {STAGE_SCHEMA}", i)
+        if not signature_ok(r, r["peer_id"]):
+            raise _fail("signature", f"signature of {r['peer_id']} does not verify", i)
+    if not signature_ok(job, job["coordinator"]):
+        raise _fail("job signature", f"the coordinator {job['coordinator']}'s signature does not verify")
+    for i, s in enumerate(ring):
+        for name, types in (("peer_id", str), ("layers", list)):
+            _need(s, name, types, "ring entry", i)
+    if len(receipts) < len(ring):
+        raise _fail("missing stage", f"no receipt from {ring[len(receipts)]['peer_id']} "
+                                     f"(layers {_fmt(ring[len(receipts)]['layers'])})", len(receipts))
+    if len(receipts) > len(ring):
+        raise _fail("missing stage", f"{len(receipts)} stage receipts for a ring of {len(ring)}", len(ring))
+    for i, (s, r) in enumerate(zip(ring, receipts)):
+        if r["peer_id"] != s["peer_id"]:
+            raise _fail("peer id", f"receipt signed by {r['peer_id']} but the ring names {s['peer_id']}", i)
+    _check_tiling([s["layers"] for s in ring], job["num_layers"])
+    for i, (s, r) in enumerate(zip(ring, receipts)):
+        if list(r["layers"]) != list(s["layers"]):
+            raise _fail("layer range", f"receipt covers layers {_fmt(r['layers'])} but the ring slot is "
+                                       f"{_fmt(s['layers'])}", i)
+        if r["job_id"] != job["job_id"]:
+            raise _fail("job id", f"receipt is for job {r['job_id']}, not {job['job_id']}", i)
+        if r["nonce"] != job["nonce"]:
+            raise _fail("nonce", f"receipt carries nonce {r['nonce'][:16]}..., the job's is {job['nonce'][:16]}... "
+                                 "(a receipt from another job)", i)
+        if r["model_digest"] != job["model_digest"]:
+            raise _fail("model digest", f"stage served model {r['model_digest'][:16]}..., the job names "
+                                        f"{job['model_digest'][:16]}...", i)
+    links = [("the coordinator", job["coordinator_sent"])] + [(f"stage {i}", r["output"]) for i, r in enumerate(receipts)]
+    sinks = [r["input"] for r in receipts] + [job["coordinator_received"]]
+    for i, ((src, sent), got) in enumerate(zip(links, sinks)):
+        if sent.get("digest") != got.get("digest") or sent.get("frames") != got.get("frames"):
+            dst = f"stage {i}" if i < len(receipts) else "the coordinator"
+            raise _fail("chain", f"{dst} received {got.get('frames')} frames (digest {str(got.get('digest'))[:16]}...) "
+                                 f"but {src} sent {sent.get('frames')} (digest {str(sent.get('digest'))[:16]}...)",
+                        i if i < len(receipts) else len(receipts) - 1)
+    if ids_digest(job["output_ids"]) != job["output_digest"] or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in job["output_ids"]):
+        raise _fail("output digest", "the output ids do not match output_digest")
+    slots = [s["peer_id"] for s in ring]
+    for e in job.get("heal_events") or []:
+        idx, spare = e.get("stage"), e.get("spare")
+        later = [x for x in job["heal_events"] if x is not e and x.get("stage") == idx
+                 and job["heal_events"].index(x) > job["heal_events"].index(e)]
+        if not later and (not isinstance(idx, int) or not 0 <= idx < len(slots) or slots[idx] != spare):
+            raise _fail("heal", f"heal event names spare {spare} at stage {idx}, which is not in the final ring")
+    if expect_model_digest is not None and job["model_digest"] != expect_model_digest:
+        raise _fail("model digest", f"job names model digest {job['model_digest'][:16]}..., the local model's is "
+                                    f"{expect_model_digest[:16]}...")
+    for i, r in enumerate(receipts):
+        want = (expect_range_digests or {}).get(tuple(r["layers"]))
+        if want is not None and r.get("range_digest") != want:
+            raise _fail("range digest", f"weights of layers {_fmt(r['layers'])} digest to "
+                                        f"{str(r.get('range_digest'))[:16]}..., the local model's to {want[:16]}...", i)
+    return Verified(job["job_id"], job["model"], len(receipts), len(job["output_ids"]), job.get("tokens_per_s"),
+                    len(job.get("heal_events") or []))
+
+
+def _fmt(layers: Any) -> str:
+    try:
+        return f"[{layers[0]}, {layers[1]})"
+    except (TypeError, IndexError, KeyError):
+        return repr(layers)
+
+
+def _check_tiling(ranges: list, num_layers: int) -> None:
+    from swarm.errors import ConfigError
+    from swarm.ranges import LayerRange, check_tiling
+
+    try:
+        check_tiling([LayerRange.parse(r) for r in ranges], num_layers)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise _fail("ranges", f"the ring's ranges do not tile [0, {num_layers}): {exc}") from None
+
+
+def save(doc: dict, directory) -> str:
+    """Write a job receipt as ``<directory>/<job_id>.json`` (atomically: temp file + rename).
+
+    Returns:
+        The path written. Raises OSError when the directory cannot be created or written.
+    """
+    import os
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{doc['job_id']}.json"
+    tmp = d / f".{doc['job_id']}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return str(path)
+
+
+def verify_files(paths: list, **expect) -> list[tuple[str, Verified | ReceiptInvalid]]:
+    """Verify job receipt files; a nonce seen in two files fails the later one (a replayed job).
+
+    Returns:
+        ``[(path, Verified or ReceiptInvalid)]`` in input order; unreadable or non-JSON files fail
+        with check ``schema``.
+    """
+    seen: dict[str, str] = {}
+    out: list = []
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                job = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            out.append((str(p), _fail("schema", f"cannot read {p}: {exc}")))
+            continue
+        try:
+            v = verify_job(job, **expect)
+            if job["nonce"] in seen:
+                raise _fail("nonce", f"nonce {job['nonce'][:16]}... was already used by {seen[job['nonce']]} "
+                                     "(a replayed job)")
+            seen[job["nonce"]] = str(p)
+            out.append((str(p), v))
+        except ReceiptInvalid as exc:
+            out.append((str(p), exc))
+    return out

@@ -1,6 +1,7 @@
 """The ``swarm`` command: parse arguments, build a config, call the daemon or tool. Thin.
 
-Subcommands: ``stage``, ``coordinate``, ``demo``, ``model import``. Each returns an exit code.
+Subcommands: ``stage``, ``coordinate``, ``demo``, ``model import``, ``keygen``, ``id prove|verify``,
+``receipts verify|watch``. Each returns an exit code.
 """
 
 from __future__ import annotations
@@ -77,7 +78,16 @@ def _coordinate_parser(sub) -> None:
                    help="after this much silence stages are probed; one that does not answer within twice it is "
                         "treated as lost and healed onto a spare from the ring file (default 1.0)")
     p.add_argument("--no-heal", dest="heal", action="store_false", help="fail instead of healing onto spares")
+    _add_receipt_flags(p)
     _add_spec_flags(p)
+
+
+def _add_receipt_flags(p) -> None:
+    g = p.add_argument_group("receipts (who computed what, signed by each node's key)")
+    g.add_argument("--receipt-dir", type=Path, default=Path("receipts"),
+                   help="write the signed job receipt to DIR/<job_id>.json (default: receipts/)")
+    g.add_argument("--no-receipt", dest="receipt", action="store_false",
+                   help="no receipt: stages keep no digests for this job")
 
 
 def _demo_parser(sub) -> None:
@@ -98,6 +108,7 @@ def _demo_parser(sub) -> None:
     h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
                                                   "(needs --spares to recover)")
     h.add_argument("--kill-after", type=int, default=16, help="new tokens before --kill-stage fires (default 16)")
+    _add_receipt_flags(p)
     _add_spec_flags(p)
 
 
@@ -109,6 +120,44 @@ def _model_parser(sub) -> None:
     imp.add_argument("src", help="a .gguf file, a local directory, smollm2-135m, or a hub id")
 
 
+def _identity_parsers(sub) -> None:
+    k = sub.add_parser("keygen", help="create a node identity key and print its PeerId",
+                       description="Create an ed25519 identity key (file mode 0600) and print its libp2p PeerId on "
+                                   "stdout. The same key is the node's libp2p identity and signs its receipts.")
+    k.add_argument("--out", type=Path, help="key file to create (default: $SWARM_CACHE/keys/node.key)")
+    k.add_argument("--force", action="store_true", help="replace an existing key (its PeerId is gone for good)")
+    p = sub.add_parser("id", help="prove or check control of a PeerId")
+    isub = p.add_subparsers(dest="id_cmd", required=True)
+    pr = isub.add_parser("prove", help="sign a challenge nonce with a node key; prints the signature (hex)",
+                         description="Print the hex ed25519 signature of 'swarm-id-proof/1\\n' + NONCE by the key, "
+                                     "proving control of its PeerId (the PeerId is printed on stderr).")
+    pr.add_argument("--key", type=Path, required=True, help="the node's key file (must exist, mode 0600)")
+    pr.add_argument("--nonce", required=True, help="the verifier's challenge (any string)")
+    ve = isub.add_parser("verify", help="check an id proof; exit 0 if valid, 1 if not",
+                         description="Verify SIG against the ed25519 public key inlined in PEER_ID (no network).")
+    ve.add_argument("peer_id")
+    ve.add_argument("nonce")
+    ve.add_argument("sig", help="hex signature printed by `swarm id prove`")
+
+
+def _receipts_parser(sub) -> None:
+    p = sub.add_parser("receipts", help="verify or watch job receipts")
+    rsub = p.add_subparsers(dest="receipts_cmd", required=True)
+    v = rsub.add_parser("verify", help="verify job receipts; exit 0 if all pass, 1 naming the first failed check",
+                        description="Check every signature, that the ring's ranges tile [0, L), that each stage's "
+                                    "input digest equals its predecessor's output digest (from the coordinator's "
+                                    "prompt frames to the tail's results), nonces, PeerIds and the output-id "
+                                    "digest. Prints one line per file.")
+    v.add_argument("files", nargs="+", type=Path, help="receipt files, or directories of them (*.json)")
+    v.add_argument("--model", help="also check the model manifest digest and every stage's weight digest "
+                                   "against this local copy of the model")
+    w = rsub.add_parser("watch", help="live table of jobs as their receipts arrive in a directory")
+    w.add_argument("dir", type=Path, nargs="?", default=Path("receipts"), help="receipt directory (default receipts/)")
+    w.add_argument("--interval-s", type=float, default=1.0, help="rescan period (default 1 s)")
+    w.add_argument("--once", action="store_true", help="print the table once and exit (1 if any receipt fails)")
+    w.add_argument("--limit", type=int, default=50, help="newest jobs shown (default 50)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description="Peer-to-peer pipeline-parallel LLM inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
@@ -117,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinate_parser(sub)
     _demo_parser(sub)
     _model_parser(sub)
+    _identity_parsers(sub)
+    _receipts_parser(sub)
     return parser
 
 
@@ -133,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         try:
-            return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model}[args.cmd](args)
+            return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
+                    "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts}[args.cmd](args)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
     except SwarmError as exc:
@@ -172,7 +224,8 @@ def cmd_coordinate(args) -> int:
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args),
                                sampling=_sampling(args), wire_dtype=args.wire_dtype,
-                               heartbeat_s=args.heartbeat_s, heal=args.heal)
+                               heartbeat_s=args.heartbeat_s, heal=args.heal,
+                               receipt_dir=args.receipt_dir if args.receipt else None)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):
@@ -184,7 +237,16 @@ def cmd_coordinate(args) -> int:
         print()
         print(f"[{result['new_tokens']} tokens, {_rate(result)} decode, ttft {result['ttft_s']:.2f} s"
               f"{_spec_summary(result)}]", file=sys.stderr)
+        if result.get("receipt"):
+            print(receipt_line(result["receipt"]), file=sys.stderr)
     return 0
+
+
+def receipt_line(r: dict) -> str:
+    """One line naming the job receipt and its verification."""
+    if r.get("verified"):
+        return f"receipt: {r['path']} (verified: {r['summary']})"
+    return f"receipt: {r['path']} (VERIFICATION FAILED: {r['reason']})"
 
 
 def _rate(result: dict) -> str:
@@ -205,6 +267,103 @@ def cmd_demo(args) -> int:
     from swarm.demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_keygen(args) -> int:
+    from swarm.config import cache_root
+    from swarm.errors import ConfigError
+    from swarm.transport.identity import load_or_create_key, peer_id_of
+
+    path = args.out or cache_root() / "keys" / "node.key"
+    if path.exists() or path.is_symlink():
+        if not args.force:
+            try:
+                existing = f" (PeerId {peer_id_of(load_or_create_key(path, create=False))})"
+            except SwarmError:
+                existing = ""
+            raise ConfigError(f"{path} already exists{existing}; pass --force to replace it")
+        path.unlink()
+    key = load_or_create_key(path)
+    print(peer_id_of(key))
+    print(f"swarm keygen: wrote {path} (mode 0600)", file=sys.stderr)
+    return 0
+
+
+def cmd_id(args) -> int:
+    from swarm.receipts import id_proof_message
+    from swarm.transport.identity import load_or_create_key, peer_id_of, sign, verify_peer_signature
+
+    if args.id_cmd == "prove":
+        key = load_or_create_key(args.key, create=False)
+        print(sign(key, id_proof_message(args.nonce)).hex())
+        print(f"swarm id prove: signed by {peer_id_of(key)}", file=sys.stderr)
+        return 0
+    try:
+        sig = bytes.fromhex(args.sig)
+    except ValueError:
+        print(f"invalid: the signature is not hex ({len(args.sig)} characters)")
+        return 1
+    if verify_peer_signature(args.peer_id, id_proof_message(args.nonce), sig):
+        print(f"valid: {args.peer_id} signed the nonce")
+        return 0
+    print(f"invalid: not a signature of this nonce by {args.peer_id}")
+    return 1
+
+
+def cmd_receipts(args) -> int:
+    if args.receipts_cmd == "watch":
+        from swarm.watch import watch
+
+        return watch(args.dir, args.interval_s, args.once, args.limit)
+    from swarm.errors import ConfigError
+    from swarm.receipts import verify_files
+
+    paths: list[Path] = []
+    for f in args.files:
+        if f.is_dir():
+            paths += sorted(f.glob("*.json"))
+        elif f.exists():
+            paths.append(f)
+        else:
+            raise ConfigError(f"{f} does not exist")
+    if not paths:
+        raise ConfigError(f"no receipt files in {', '.join(map(str, args.files))}")
+    expect = _local_expectations(args.model, paths) if args.model else {}
+    failed = 0
+    for path, res in verify_files(paths, **expect):
+        if isinstance(res, SwarmError):
+            failed += 1
+            print(f"FAIL {path}: {res}")
+        else:
+            print(f"{res.summary()} ({path})")
+    if len(paths) > 1:
+        print(f"{len(paths) - failed} of {len(paths)} receipts verified", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _local_expectations(model: str, paths: list[Path]) -> dict:
+    """Digests a local copy of ``model`` gives: the manifest, and the weights of every range the
+    receipts' rings name."""
+    from swarm.model.block import block_tensor_names
+    from swarm.model.resolve import model_manifest_digest, resolve_model, weights_digest
+    from swarm.ranges import LayerRange
+
+    resolved = resolve_model(model)
+    ranges: set[tuple[int, int]] = set()
+    for p in paths:
+        try:
+            ring = json.loads(p.read_bytes()).get("ring") or []
+            ranges |= {(int(s["layers"][0]), int(s["layers"][1])) for s in ring}
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            continue  # verification reports the file
+    digests = {}
+    for a, b in sorted(ranges):
+        try:
+            r = LayerRange(a, b)
+            digests[(a, b)] = weights_digest(resolved.path, block_tensor_names(resolved.path, r))
+        except SwarmError:
+            continue  # a range the model does not have: the ring check or the digest check fails
+    return {"expect_model_digest": model_manifest_digest(resolved.path), "expect_range_digests": digests}
 
 
 def cmd_model(args) -> int:

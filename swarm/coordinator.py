@@ -113,7 +113,10 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     stop = eos_ids(resolved.path, tokenizer)
     drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path), sampling=config.sampling)
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
-    job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if config.receipt_dir is not None else None
+    job = None
+    if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt
+        _check_writable(config.receipt_dir)
+        job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()}
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
@@ -145,6 +148,18 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     return result
 
 
+def _check_writable(directory) -> None:
+    import os
+    from pathlib import Path
+
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the receipt directory {directory}: {exc.strerror}") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"the receipt directory {directory} is not writable (use --receipt-dir or --no-receipt)")
+
+
 def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, model_digest: str, num_layers: int,
                       prompt_ids: list[int], output_ids: list[int], ring: list[dict], record: dict) -> dict:
     """Build, sign (coordinator key), save and verify the job receipt.
@@ -155,6 +170,8 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
     Raises:
         ConfigError: the receipt directory cannot be written.
     """
+    import os
+
     from swarm.errors import ReceiptInvalid
     from swarm.transport.identity import peer_id_of, sign
 
@@ -169,7 +186,7 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
         path = receipts.save(doc, receipt_dir)
     except OSError as exc:
         raise ConfigError(f"cannot write the receipt to {receipt_dir}: {exc}") from exc
-    out = {"path": path, "job_id": job["id"]}
+    out = {"path": os.path.abspath(path), "job_id": job["id"]}
     try:
         out.update(verified=True, summary=receipts.verify_job(doc).summary())
     except ReceiptInvalid as exc:

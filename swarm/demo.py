@@ -58,7 +58,8 @@ def run_demo(args) -> int:
             say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
                                    key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
-                                   sampling=sampling, wire_dtype=args.wire_dtype)
+                                   sampling=sampling, wire_dtype=args.wire_dtype,
+                                   receipt_dir=args.receipt_dir if args.receipt else None)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
         on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -75,7 +76,12 @@ def run_demo(args) -> int:
             print(f"healed: stage {e['stage']} [{e['layers'][0]}, {e['layers'][1]}) lost ({e['reason']}); "
                   f"spare {e['spare'][:16]}... swapped in {e['swap_s']:.2f} s, {e['replay_tokens']} tokens "
                   f"replayed in {e['replay_s']:.2f} s, {e['total_s']:.2f} s from detection to resume")
-    return 0
+        if result.get("receipt"):
+            from swarm.cli import receipt_line
+
+            print(receipt_line(result["receipt"]))
+            print(f"  check it yourself: swarm receipts verify {result['receipt']['path']}")
+    return 0 if not result.get("receipt") or result["receipt"]["verified"] else 1
 
 
 def _killer(ring: LocalRing, args):

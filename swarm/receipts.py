@@ -269,8 +269,8 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
 
     Checks, in order: schema and types; each stage receipt's signature (by the PeerId it names);
     the coordinator's signature of the job; stage count and PeerIds against the ring; the ring's
-    ranges tile ``[0, num_layers)`` exactly and each receipt covers its ring slot's range; job id,
-    nonce and model digest in every stage receipt; the digest chain coordinator -> stage 0 -> ...
+    ranges tile ``[0, num_layers)`` exactly and each receipt covers its ring slot's range; nonce,
+    job id and model digest in every stage receipt; the digest chain coordinator -> stage 0 -> ...
     -> tail -> coordinator; the output-id digest; heal events name spares that are in the ring.
     With ``expect_*`` (from a local copy of the model): the manifest and per-range weight digests.
 
@@ -322,11 +322,11 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
         if list(r["layers"]) != list(s["layers"]):
             raise _fail("layer range", f"receipt covers layers {_fmt(r['layers'])} but the ring slot is "
                                        f"{_fmt(s['layers'])}", i)
-        if r["job_id"] != job["job_id"]:
-            raise _fail("job id", f"receipt is for job {r['job_id']}, not {job['job_id']}", i)
         if r["nonce"] != job["nonce"]:
             raise _fail("nonce", f"receipt carries nonce {r['nonce'][:16]}..., the job's is {job['nonce'][:16]}... "
                                  "(a receipt from another job)", i)
+        if r["job_id"] != job["job_id"]:
+            raise _fail("job id", f"receipt is for job {r['job_id']}, not {job['job_id']}", i)
         if r["model_digest"] != job["model_digest"]:
             raise _fail("model digest", f"stage served model {r['model_digest'][:16]}..., the job names "
                                         f"{job['model_digest'][:16]}...", i)

@@ -22,10 +22,15 @@ pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time"
 
 
-def run_swarm(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m swarm ...` in its own process group; kill the whole group if it overruns."""
+def run_swarm(*args: str, timeout: float = 180, env: dict | None = None, cwd: Path | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run `python -m swarm ...` in its own process group; kill the whole group if it overruns.
+
+    Runs in ``cwd`` (default: the test's isolated $SWARM_CACHE), so default ``receipts/`` land there."""
+    cwd = cwd or Path(os.environ["SWARM_CACHE"])
+    cwd.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -152,6 +157,18 @@ def test_demo_json(stories_dir, tmp_path):
     ring = yaml.safe_load((tmp_path / "r.yaml").read_text())
     assert [s["layers"] for s in ring["stages"]] == ["0:2", "2:4", "4:5"]
     assert [s["addr"] for s in ring["stages"]] == [r["addr"] for r in out["ring"]]
+    assert out["receipt"]["verified"], out["receipt"]
+    check = run_swarm("receipts", "verify", out["receipt"]["path"], "--model", str(stories_dir), timeout=60)
+    assert check.returncode == 0 and check.stdout.startswith("OK job"), check.stdout + check.stderr
+
+
+def test_demo_prints_a_verified_receipt(stories_dir, tmp_path):
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "2", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "8", "--dtype", "float32", "--receipt-dir", str(tmp_path / "rc"))
+    assert res.returncode == 0, res.stderr
+    (path,) = (tmp_path / "rc").glob("*.json")
+    assert f"receipt: {path} (verified: OK job" in res.stdout
+    assert f"swarm receipts verify {path}" in res.stdout
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -232,7 +249,7 @@ def test_model_import_hub_id_offline_is_clear():
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("sub", ["stage", "coordinate", "demo", "model"])
+@pytest.mark.parametrize("sub", ["stage", "coordinate", "demo", "model", "keygen", "id", "receipts"])
 def test_help(sub):
     res = run_swarm(sub, "--help", timeout=60)
     assert res.returncode == 0 and "usage: swarm" in res.stdout
@@ -279,6 +296,11 @@ def test_demo_kill_a_stage_heals_token_identical(stories_dir):
     (event,) = out["heal_events"]
     assert event["stage"] == 1 and event["layers"] == [2, 4]
     assert out["ring"][1]["peer_id"] == event["spare"]  # the spare finished the job
+    # the job receipt carries the spare's receipt, and the chain verifies across the heal
+    assert out["receipt"]["verified"], out["receipt"]
+    job = json.loads(Path(out["receipt"]["path"]).read_text())
+    assert job["stage_receipts"][1]["peer_id"] == event["spare"]
+    assert job["heal_events"][0]["spare"] == event["spare"]
 
 
 def test_demo_kill_without_spares_names_the_lost_range(stories_dir):

@@ -6,14 +6,16 @@ warm spare listed for that layer range, replays, and the final ids equal the uni
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import pytest
 import trio
 
+from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator import decode
+from swarm.coordinator import decode, write_job_receipt
 from swarm.drafters import NgramDrafter
 from swarm.errors import collapse
 from swarm.heal import NoSpare
@@ -33,7 +35,8 @@ NEW = 40
 
 def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None, kill_at: int = 10):
     """Run a generation on 3 stages (+1 spare for the victim's range), signal the victim after
-    ``kill_at`` committed tokens; return (ids, record)."""
+    ``kill_at`` committed tokens; return (ids, record, ids of a second request). The generation
+    runs as a job: ``record["job_receipt"]`` is the signed job receipt."""
     with LocalRing(str(model_dir), RANGES, tmp_path / "keys", threads=1, extra_args=["--dtype", "float32"]) as ring, \
             LocalRing(str(model_dir), [RANGES[victim]] if spare else [], tmp_path / "spare-keys", threads=1,
                       extra_args=["--dtype", "float32"]) as spares:
@@ -53,10 +56,18 @@ def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spe
                 async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
                         trio.open_nursery() as nursery:
                     client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
-                    await client.connect(5, model_manifest_digest(model_dir), nursery)
+                    digest = model_manifest_digest(model_dir)
+                    await client.connect(5, digest, nursery)
                     drafter = NgramDrafter() if spec_config else None
+                    job = {"id": "heal-job", "nonce": receipts.new_nonce()}
                     out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                            drafter=drafter)
+                                            drafter=drafter, job=job)
+                    ring = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)}
+                            for i in client.infos]
+                    res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
+                                            rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
+                                            num_layers=5, prompt_ids=PROMPT, output_ids=out, ring=ring, record=rec)
+                    rec["job_receipt"] = json.loads(open(res["path"]).read())
                     # the healed ring keeps serving: a second request on the same client
                     again, _ = await decode(client, PROMPT, 8, set())
                     nursery.cancel_scope.cancel()
@@ -107,6 +118,11 @@ def test_sigkill_heals_token_identical(stories_dir, tmp_path, reference, victim)
     (event,) = rec["heal_events"]
     assert event["stage"] == victim and tuple(event["layers"]) == (RANGES[victim].start, RANGES[victim].end)
     assert event["replay_tokens"] >= len(PROMPT) + 9 and event["total_s"] < 15
+    # the job receipt holds the spare's receipt for the victim's slot, and verifies across the heal
+    job = rec["job_receipt"]
+    receipts.verify_job(job)
+    assert job["stage_receipts"][victim]["peer_id"] == event["spare"] == job["ring"][victim]["peer_id"]
+    assert all(r["positions"] >= len(PROMPT) + NEW - 1 for r in job["stage_receipts"])
 
 
 def test_sigkill_heals_with_speculation_depth(stories_dir, tmp_path, reference):

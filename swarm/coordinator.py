@@ -286,7 +286,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
         wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
-        stage_receipts (ring order, None where missing), problems, sent and received digests).
+        stage_receipts (ring order, None where missing), problems, sent and received digests,
+        collect_s).
     Raises:
         ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError;
         swarm.heal.NoSpare / ReplayMismatch / HealError when a heal is impossible.
@@ -336,10 +337,11 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         t_end = time.perf_counter()
         parts = None
         if job is not None:  # the session that finished the job (after a heal: the replayed one)
+            t_collect = time.perf_counter()
             stage_receipts, problems = await ring.collect_receipts(state["session"])
             sent, received = ring.ledgers[state["session"]]
             parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
-                     "received": received.as_dict()}
+                     "received": received.as_dict(), "collect_s": time.perf_counter() - t_collect}
             for p in problems:
                 log.warning("receipt.missing %s", p)
     finally:

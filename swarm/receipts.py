@@ -342,11 +342,13 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
             isinstance(t, int) and not isinstance(t, bool) for t in job["output_ids"]):
         raise _fail("output digest", "the output ids do not match output_digest")
     slots = [s["peer_id"] for s in ring]
-    for e in job.get("heal_events") or []:
+    events = job.get("heal_events") or []
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise _fail("schema", "heal_events must be a list of maps")
+    for n, e in enumerate(events):
         idx, spare = e.get("stage"), e.get("spare")
-        later = [x for x in job["heal_events"] if x is not e and x.get("stage") == idx
-                 and job["heal_events"].index(x) > job["heal_events"].index(e)]
-        if not later and (not isinstance(idx, int) or not 0 <= idx < len(slots) or slots[idx] != spare):
+        replaced_later = any(x.get("stage") == idx for x in events[n + 1:])
+        if not replaced_later and (not isinstance(idx, int) or not 0 <= idx < len(slots) or slots[idx] != spare):
             raise _fail("heal", f"heal event names spare {spare} at stage {idx}, which is not in the final ring")
     if expect_model_digest is not None and job["model_digest"] != expect_model_digest:
         raise _fail("model digest", f"job names model digest {job['model_digest'][:16]}..., the local model's is "

@@ -402,3 +402,38 @@ def test_receipts_verify_and_watch_cli(jobs, tmp_path, capsys):
     assert main(["receipts", "verify", str(tmp_path / "nothing.json")]) == 1
     assert main(["receipts", "watch", str(tmp_path / "nothing"), "--once"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+def test_random_mutations_fail_closed(jobs):
+    """Any value anywhere replaced by junk: always ReceiptInvalid, never a crash or a pass."""
+    import random
+
+    (doc, _), _, _ = jobs
+    paths = [p for p in _paths(doc) if p]
+    rng = random.Random(0)
+    junk = [None, "x", -1, 0, [], {}, 1.5, True, "00" * 32, [0, 4], {"digest": "x", "frames": 1}]
+    for _ in range(400):
+        d = copy.deepcopy(doc)
+        path = rng.choice(paths)
+        parent = d
+        for k in path[:-1]:
+            parent = parent[k]
+        value = rng.choice(junk)
+        if parent[path[-1]] == value:
+            continue
+        if rng.random() < 0.2 and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value
+        with pytest.raises(ReceiptInvalid):
+            receipts.verify_job(d)

@@ -49,8 +49,7 @@ async def run(spec, model_dir, prompt_ids, tokens, key, with_receipt: bool, rece
         out, rec = await decode(ring, prompt_ids, tokens, set(), job=job)
         end_ms = 0.0
         if job:
-            ring_entries = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)}
-                            for i in ring.infos]
+            ring_entries = [i.entry() for i in ring.infos]
             parts = rec.pop("receipt_parts")
             t1 = time.perf_counter()
             res = write_job_receipt(receipt_dir, key, job, parts, model="bench",

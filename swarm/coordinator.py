@@ -130,7 +130,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
             on_text(stream.push(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
         nursery.cancel_scope.cancel()
-    ring_entries = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)} for i in infos]
+    ring_entries = [i.entry() for i in infos]
     parts = timing.pop("receipt_parts", None)
     result = {
         "text": tokenizer.decode(out, skip_special_tokens=True),

@@ -41,6 +41,10 @@ class StageInfo:
     max_ctx: int
     dtype: str = "float32"
 
+    def entry(self) -> dict:
+        """``{index, peer_id, addr, layers}``: this stage as results and job receipts list it."""
+        return {"index": self.index, "peer_id": self.peer_id, "addr": self.addr, "layers": list(self.layers)}
+
 
 @dataclass
 class _Link:

@@ -47,8 +47,7 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
                                        **decode_kwargs)
             if info is not None:
                 info.update(record)
-                info["ring"] = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)}
-                                for i in ring.infos]
+                info["ring"] = [i.entry() for i in ring.infos]
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise collapse(group) from None

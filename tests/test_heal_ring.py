@@ -62,8 +62,7 @@ def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spe
                     job = {"id": "heal-job", "nonce": receipts.new_nonce()}
                     out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
                                             drafter=drafter, job=job)
-                    ring = [{"index": i.index, "peer_id": i.peer_id, "addr": i.addr, "layers": list(i.layers)}
-                            for i in client.infos]
+                    ring = [i.entry() for i in client.infos]
                     res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
                                             rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
                                             num_layers=5, prompt_ids=PROMPT, output_ids=out, ring=ring, record=rec)

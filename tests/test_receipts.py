@@ -437,3 +437,24 @@ def test_random_mutations_fail_closed(jobs):
             parent[path[-1]] = value
         with pytest.raises(ReceiptInvalid):
             receipts.verify_job(d)
+
+
+def test_watch_scanner_sees_new_changed_and_removed_receipts(jobs, tmp_path):
+    from swarm.watch import Scanner
+
+    (doc, old), _, key_dir = jobs
+    scanner = Scanner(tmp_path)
+    assert scanner.rows() == []
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    (row,) = scanner.rows()
+    assert row.verified and row.tokens == NEW and row.model == "synthetic" and "[1,3)" in row.stages
+    bad = copy.deepcopy(doc)
+    t_swapped_peer(bad, old, key_dir)
+    (tmp_path / "a.json").write_text(json.dumps(bad, indent=2))  # rewritten in place: verified again
+    (row,) = scanner.rows()
+    assert not row.verified and row.reason.startswith("peer id: stage 1")
+    (tmp_path / "b.json").write_text("{not json")
+    rows = scanner.rows()
+    assert len(rows) == 2 and any(r.reason.startswith("unreadable") for r in rows)
+    (tmp_path / "a.json").unlink()
+    assert [r.job_id for r in scanner.rows()] == ["b"]

@@ -195,17 +195,13 @@ class StageServer:
             return  # stale speculation: drop before computing
         sess.epoch = msg["epoch"]
         block = self.block
-        if block.is_head:
-            if "tokens" not in msg:
-                raise ProtocolError(f"stage {block.layer_range} is the head and expects token ids")
-            bad = [t for t in msg["tokens"] if t >= block.vocab_size]
-            if bad:
-                raise ProtocolError(f"token id {bad[0]} is outside the vocabulary of {block.vocab_size}")
-            inputs = {"token_ids": torch.tensor([msg["tokens"]], dtype=torch.long)}
-        else:
-            if "hidden" not in msg:
-                raise ProtocolError(f"stage {block.layer_range} expects hidden states, got token ids")
-            inputs = {"hidden": wire.decode_tensor(msg["hidden"], rank=3, last_dim=block.hidden_size)}
+        try:
+            inputs = wire.forward_inputs(msg, is_head=block.is_head, vocab_size=block.vocab_size,
+                                         hidden_size=block.hidden_size, kv_len=sess.cache.kv_len,
+                                         max_len=sess.cache.max_len)
+        except (ProtocolError, ContextOverflow) as exc:
+            await self._fail_session(sess, exc)
+            return
         sess.frames_in += 1
         sess.busy = True  # until the output is sent on: a probe during a stuck send sees it
         try:
@@ -219,8 +215,7 @@ class StageServer:
             async with self._compute_lock:
                 out = await trio.to_thread.run_sync(self._compute, sess, pos, inputs)
         except (ContextOverflow, ProtocolError) as exc:
-            code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
-            await self._try_send(sess.reply, wire.error_frame(f"stage {block.layer_range}: {exc}", code, sid))
+            await self._fail_session(sess, exc)
             return
         except Exception as exc:  # a torch failure fails this session only; the stage keeps serving
             log.exception("forward.failed session=%s pos=%d", sid, pos)
@@ -295,6 +290,15 @@ class StageServer:
             # the token for position pos + i + 1, keyed by (seed, that position)
             return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
         return wire.encode_tensor(out, dtype=sess.wire_dtype)
+
+    async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
+        """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""
+        code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
+        if self.sessions.get(sess.session_id) is sess:
+            del self.sessions[sess.session_id]
+        log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, exc)
+        await self._try_send(sess.reply, wire.error_frame(f"stage {self.block.layer_range}: {exc}", code,
+                                                          sess.session_id))
 
     async def _try_send(self, stream, msg: dict) -> None:
         try:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swarm.errors import ProtocolError
+from swarm.errors import ContextOverflow, ProtocolError
 
 PROTOCOL_ID = "/swarm/ring/1"
 VERSION = 1
@@ -215,3 +215,47 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
             raise ProtocolError("float8 tensor has a non-finite scale")
         out = out.float() * s
     return out
+
+
+def forward_inputs(msg: dict, *, is_head: bool, vocab_size: int, hidden_size: int, kv_len: int,
+                   max_len: int) -> dict:
+    """Check a validated ``forward`` frame against the stage and session, and decode its input.
+
+    The one place a stage checks a forward's payload: stage 0 takes ``tokens`` (ids in
+    ``[0, V)``), other stages ``hidden`` of shape (1, T, D) with D the model's hidden size; T >= 1;
+    the chunk starts at or before the session's ``kv_len`` (before it: a rollback) and ends within
+    its ``max_len``.
+
+    Returns:
+        ``{"token_ids": (1, T) int64}`` or ``{"hidden": (1, T, D)}`` for ``LayerBlock.forward``.
+    Raises:
+        ProtocolError: wrong input kind for the stage, a token id outside the vocabulary, a tensor
+            of the wrong dtype/rank/shape/byte length, a position gap.
+        ContextOverflow: ``pos + T > max_len``.
+    """
+    pos = msg["pos"]
+    if is_head:
+        if "tokens" not in msg:
+            raise ProtocolError("this stage is the head and expects token ids, got hidden states")
+        tokens = msg["tokens"]
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ProtocolError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
+        t = len(tokens)
+    else:
+        if "hidden" not in msg:
+            raise ProtocolError("this stage expects hidden states, got token ids")
+        shape = msg["hidden"].get("shape") if isinstance(msg["hidden"], dict) else None
+        if isinstance(shape, list) and len(shape) == 3 and shape[0] != 1:
+            raise ProtocolError(f"hidden states have batch size {shape[0]}, expected 1")
+        t = shape[1] if isinstance(shape, list) and len(shape) == 3 and isinstance(shape[1], int) else None
+        if t is not None and t < 1:
+            raise ProtocolError("hidden states hold no positions (T = 0)")
+    if pos > kv_len:
+        raise ProtocolError(f"chunk at pos {pos} is not contiguous with the session's kv_len {kv_len}")
+    if t is not None and pos + t > max_len:
+        raise ContextOverflow(f"positions [{pos}, {pos + t}) exceed the session's maximum context of {max_len}")
+    if is_head:
+        return {"token_ids": torch.tensor([tokens], dtype=torch.long)}
+    return {"hidden": decode_tensor(msg["hidden"], rank=3, last_dim=hidden_size,
+                                    max_elements=max(1, max_len) * hidden_size)}

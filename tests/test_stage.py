@@ -63,24 +63,31 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
         # the same stream still answers
         await s.send(wire.frame("info"))
         assert (await s.recv(timeout_s=10))["type"] == "info_ok"
-        # a session opened by this probe, then fed bad data, fails with a reason; others are unaffected
-        await s.send(wire.frame("open", session="p", next=spec.stages[1].addr, max_len=16))
-        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
-        await s.send(wire.frame("forward", session="p", epoch=0, pos=0, chunk=0, tokens=[10_000]))
-        await _expect_error(s, "outside the vocabulary")
-        await s.send(wire.frame("forward", session="p", epoch=0, pos=5, chunk=0, tokens=[1]))
-        await _expect_error(s, "not contiguous")
-        await s.send(wire.frame("forward", session="p", epoch=0, pos=0, chunk=0, tokens=[1] * 17))
-        await _expect_error(s, "maximum context of 16")
-        # stage 1 expects hidden states of the model's width
+        # a session fed bad data fails with a reason and is dropped (its KV freed); others are unaffected
+        bad_head = [([10_000], 0, "outside the vocabulary"), ([1], 5, "not contiguous"),
+                    ([1] * 17, 0, "maximum context of 16")]
+        for n, (tokens, pos, reason) in enumerate(bad_head):
+            await s.send(wire.frame("open", session=f"p{n}", next=spec.stages[1].addr, max_len=16))
+            assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+            await s.send(wire.frame("forward", session=f"p{n}", epoch=0, pos=pos, chunk=0, tokens=tokens))
+            err = await _expect_error(s, reason)
+            assert err["session"] == f"p{n}" and f"p{n}" not in servers[0].sessions
+            await s.send(wire.frame("forward", session=f"p{n}", epoch=0, pos=0, chunk=1, tokens=[1]))
+            await _expect_error(s, "no session")
+        # stage 1 expects hidden states of the model's width, batch 1
         s1 = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
-        await s1.send(wire.frame("open", session="q", next=None, max_len=16))
-        assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
-        await s1.send(wire.frame("forward", session="q", epoch=0, pos=0, chunk=0,
-                                 hidden=wire.encode_tensor(torch.zeros(1, 2, 7, dtype=torch.float64))))
-        await _expect_error(s1, "expected 32")
-        await s1.send(wire.frame("forward", session="q", epoch=0, pos=0, chunk=0, tokens=[1]))
-        await _expect_error(s1, "expects hidden states")
+        bad_hidden = [(dict(hidden=wire.encode_tensor(torch.zeros(1, 2, 7, dtype=torch.float64))), "expected 32"),
+                      (dict(hidden=wire.encode_tensor(torch.zeros(2, 2, 32, dtype=torch.float64))), "batch size 2"),
+                      (dict(hidden=wire.encode_tensor(torch.zeros(1, 0, 32, dtype=torch.float64))), "T = 0"),
+                      (dict(hidden={"dtype": "int8", "shape": [1, 1, 32], "data": b"0" * 32}), "not allowed"),
+                      (dict(hidden={"dtype": "float64", "shape": [1, 1, 32], "data": b"0" * 8}), "needs 256"),
+                      (dict(tokens=[1]), "expects hidden states")]
+        for n, (payload, reason) in enumerate(bad_hidden):
+            await s1.send(wire.frame("open", session=f"q{n}", next=None, max_len=16))
+            assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
+            await s1.send(wire.frame("forward", session=f"q{n}", epoch=0, pos=0, chunk=0, **payload))
+            await _expect_error(s1, reason)
+            assert f"q{n}" not in servers[1].sessions
         return await ring_generate(spec, model, 4, PROMPT, 8, tmp_path)
 
     assert run_with_ring(model, [(0, 2), (2, 4)], tmp_path, body) == ref

@@ -34,7 +34,7 @@ async def probe(addr: str, tokens: int, key) -> dict:
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
         data = await host.open_stream(addr, PROTOCOL_ID, timeout_s=30)
         ctl = await host.open_stream(addr, PROTOCOL_ID, timeout_s=30)
-        await data.send(wire.frame("open", session="bench", next=None, max_len=tokens))
+        await data.send(wire.open_frame(host.key_pair, "bench", None, tokens))
         assert (await data.recv(timeout_s=30))["type"] == "open_ok"
         latencies: list[float] = []
         done = trio.Event()

@@ -31,6 +31,9 @@ def _stage_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
+    p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
+                   help="only this coordinator PeerId may open sessions (repeatable; default: any). Whatever the "
+                        "list, a session takes frames only from the peers its signed open assigns")
 
 
 def _add_spec_flags(p) -> None:
@@ -208,7 +211,8 @@ def cmd_stage(args) -> int:
     layers = LayerRange.parse(args.layers)
     key = args.key or cache_root() / "keys" / f"stage-{layers.start}-{layers.end}.key"
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
-                         dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s)
+                         dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
+                         allow_coordinators=tuple(args.allow_coordinator))
     from swarm.stage import run_stage
 
     return run_stage(config)

@@ -35,6 +35,7 @@ class StageConfig:
     dtype: str = "auto"
     device: str = "auto"
     hop_timeout_s: float = 30.0
+    allow_coordinators: tuple[str, ...] = ()  # PeerIds that may open sessions; empty: anyone
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -47,6 +48,9 @@ class StageConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.hop_timeout_s > 0:  # also refuses NaN
             raise ConfigError(f"--hop-timeout-s must be a positive number of seconds, got {self.hop_timeout_s}")
+        for peer in self.allow_coordinators:
+            if not (isinstance(peer, str) and peer.startswith(("12D3KooW", "Qm")) and 40 <= len(peer) <= 64):
+                raise ConfigError(f"--allow-coordinator {peer!r} is not a PeerId (12D3KooW...)")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ JOB_SCHEMA = "swarm/job-receipt/1"
 DIGEST_ALG = "blake2b-256"
 _SIGN_TAG = b"swarm-receipt/1\n"
 _ID_PROOF_TAG = b"swarm-id-proof/1\n"
+_OPEN_TAG = b"swarm-open/1\n"
 MAX_ID_CHARS = 128
 
 # ---- digests ------------------------------------------------------------------------------------
@@ -118,15 +119,34 @@ def now_ms() -> int:
 # ---- signing ------------------------------------------------------------------------------------
 
 
-def canonical(body: dict) -> bytes:
+def canonical(body: dict, tag: bytes = _SIGN_TAG) -> bytes:
     """The bytes a receipt signature covers: the domain tag + canonical JSON of all but ``sig``.
 
     Raises:
         ValueError: the body holds NaN/inf or a value JSON cannot encode.
+        TypeError: the body holds bytes or another non-JSON value.
     """
     unsigned = {k: v for k, v in body.items() if k != "sig"}
-    return _SIGN_TAG + json.dumps(unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                                  allow_nan=False).encode()
+    return tag + json.dumps(unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                            allow_nan=False).encode()
+
+
+def assignment_bytes(open_frame: dict, coordinator: str) -> bytes:
+    """What a coordinator signs in an ``open`` frame: every field but ``sig``, plus its own PeerId,
+    under the tag ``swarm-open/1\\n`` (so an open can never pass for a receipt, or the reverse)."""
+    return canonical({**open_frame, "coordinator": coordinator}, _OPEN_TAG)
+
+
+def assignment_ok(open_frame: dict, coordinator: str) -> bool:
+    """True when ``open_frame["sig"]`` is ``coordinator``'s signature of the assignment (fails closed)."""
+    from swarm.transport.identity import verify_peer_signature
+
+    sig = open_frame.get("sig")
+    try:
+        return isinstance(sig, str) and verify_peer_signature(
+            coordinator, assignment_bytes(open_frame, coordinator), bytes.fromhex(sig))
+    except (ValueError, TypeError):
+        return False
 
 
 def sign_receipt(body: dict, sign: Callable[[bytes], bytes]) -> dict:

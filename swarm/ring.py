@@ -232,8 +232,9 @@ class RingClient:
                 extra["job"] = job
             if wire_dtype and nxt is not None:
                 extra["wire_dtype"] = wire_dtype
-            await self.links[i].data.send(wire.frame("open", session=session, next=nxt, max_len=max_len, **extra),
-                                          timeout_s=self.hop_timeout_s)
+            prev = self.links[i - 1].info.peer_id if i > 0 else None
+            msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
+            await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
             await self._expect(i, "open_ok", session)
         self.returned[session] = -1
 

@@ -36,6 +36,8 @@ class Session:
     cache: object
     reply: object  # FramedStream back to the coordinator that opened the session
     next_addr: str | None
+    coordinator: str = ""  # PeerId that opened (and alone may steer) the session
+    source: str = ""  # PeerId whose forward frames the session accepts: the predecessor, or the coordinator
     next_stream: object | None = None
     epoch: int = 0
     sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
@@ -110,33 +112,56 @@ class StageServer:
             await self._open(stream, msg)
         elif kind == "forward":
             await self._forward(stream, msg)
-        elif kind == "cancel":
-            sess = self.sessions.get(msg["session"])
-            if sess is not None and stream.remote_peer_id == sess.reply.remote_peer_id and msg["epoch"] > sess.epoch:
-                sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
-                log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
-        elif kind == "progress":
-            sess = self.sessions.get(msg["session"])
-            await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
-                                         received=sess.received if sess else -1, sent=sess.sent if sess else -1,
-                                         busy=bool(sess and sess.busy)))
         elif kind == "receipt":
             await self._receipt(stream, msg)
-        elif kind == "close":
-            self.sessions.pop(msg["session"], None)
-            log.info("session.close session=%s", msg["session"])
-            await stream.send(wire.frame("close_ok", session=msg["session"]))
+        elif kind in ("cancel", "progress", "close"):
+            sess = self.sessions.get(msg["session"])
+            if sess is not None and stream.remote_peer_id != sess.coordinator:
+                await self._refuse(stream, sess, kind)
+            elif kind == "cancel":
+                if sess is not None and msg["epoch"] > sess.epoch:
+                    sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
+                    log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
+            elif kind == "progress":
+                await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
+                                             received=sess.received if sess else -1,
+                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy)))
+            else:
+                self.sessions.pop(msg["session"], None)
+                log.info("session.close session=%s", msg["session"])
+                await stream.send(wire.frame("close_ok", session=msg["session"]))
         else:
             raise ProtocolError(f"a stage does not accept {kind!r} frames")
 
     async def _open(self, stream, msg: dict) -> None:
         sid, next_addr = msg["session"], msg["next"]
+        coordinator = stream.remote_peer_id
+        allowed = self.config.allow_coordinators
+        if allowed and coordinator not in allowed:
+            log.warning("session.refused session=%s peer=%s reason=not-an-allowed-coordinator", sid, coordinator)
+            await stream.send(wire.error_frame(f"PeerId {coordinator} may not open sessions on this stage "
+                                               "(not in --allow-coordinator)", "forbidden", sid))
+            return
+        if not receipts.assignment_ok(msg, coordinator):
+            raise ProtocolError(f"open frame is not signed by the peer that sent it ({coordinator})")
+        prev = msg.get("prev")
+        if self.block.is_head and prev is not None:
+            raise ProtocolError(f"stage {self.block.layer_range} is the head: its input comes from the coordinator, "
+                                "not from a 'prev' stage")
+        if not self.block.is_head and prev is None:
+            raise ProtocolError(f"stage {self.block.layer_range} is not the head and needs 'prev' (the PeerId of "
+                                "its predecessor)")
+        existing = self.sessions.get(sid)
+        if existing is not None and existing.coordinator != coordinator:
+            await self._refuse(stream, existing, "open")
+            return
         if self.block.is_tail and next_addr is not None:
             raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
         if not self.block.is_tail and next_addr is None:
             raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
         max_len = min(msg["max_len"] or self.block.max_ctx, self.block.max_ctx)
-        session = Session(sid, self.block.new_cache(max_len), stream, next_addr)
+        session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
+                          source=prev or coordinator)
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
@@ -187,6 +212,9 @@ class StageServer:
         sess = self.sessions.get(sid)
         if sess is None:
             await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            return
+        if stream.remote_peer_id != sess.source:
+            await self._refuse(stream, sess, "forward")
             return
         sess.received = max(sess.received, msg["chunk"])
         if sess.ledger is not None:  # every frame received, also the stale ones dropped below
@@ -256,6 +284,9 @@ class StageServer:
         if sess is None:
             await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
+        if stream.remote_peer_id != sess.source:
+            await self._refuse(stream, sess, "receipt")
+            return
         if sess.ledger is None:
             raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
         b = self.block
@@ -290,6 +321,15 @@ class StageServer:
             # the token for position pos + i + 1, keyed by (seed, that position)
             return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
         return wire.encode_tensor(out, dtype=sess.wire_dtype)
+
+    async def _refuse(self, stream, sess: Session, kind: str) -> None:
+        """Refuse a frame from a peer the session was not assigned to; the session is untouched."""
+        peer = stream.remote_peer_id
+        log.warning("frame.refused type=%s session=%s peer=%s expected=%s", kind, sess.session_id, peer,
+                    sess.source if kind in ("forward", "receipt") else sess.coordinator)
+        await self._try_send(stream, wire.error_frame(
+            f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from {peer}: "
+            "the session was not assigned to that peer", "forbidden", sess.session_id))
 
     async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
         """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""

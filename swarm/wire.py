@@ -43,7 +43,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "info": {},
     "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
                 "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
-    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT},  # optional: sampling, wire_dtype, job
+    # optional: prev (PeerId of the predecessor; required at every stage but the head), sampling,
+    # wire_dtype, job. sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
+    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
     "open_ok": {"session": _STR},
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
@@ -65,6 +67,26 @@ def frame(kind: str, **fields: Any) -> dict:
     return {"v": VERSION, "type": kind, **fields}
 
 
+def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, prev: str | None = None,
+               **extra: Any) -> dict:
+    """A signed ``open`` frame: the coordinator (``key_pair``) assigns ``session`` at one stage.
+
+    Args:
+        key_pair: the coordinator's node key (its PeerId is what the stage sees on the stream).
+        next_addr: the successor's multiaddr (with /p2p/PeerId), None at the tail.
+        prev: the predecessor stage's PeerId, None at the head (whose input is the coordinator).
+        extra: sampling, wire_dtype, job.
+    """
+    from swarm.receipts import assignment_bytes
+    from swarm.transport.identity import peer_id_of, sign
+
+    msg = frame("open", session=session, next=next_addr, max_len=max_len, **extra)
+    if prev is not None:
+        msg["prev"] = prev
+    msg["sig"] = sign(key_pair, assignment_bytes(msg, peer_id_of(key_pair))).hex()
+    return msg
+
+
 def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
     """True when hidden states of ``stage_dtype`` lose precision as ``wire_dtype`` (None = the stage's own)."""
     if wire_dtype is None or wire_dtype == stage_dtype:
@@ -74,7 +96,8 @@ def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
 
 
 def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
-    """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable."""
+    """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable,
+    forbidden (the sender is not the peer this session or stage accepts that frame from)."""
     out = frame("error", reason=reason, code=code)
     if session is not None:
         out["session"] = session
@@ -111,6 +134,9 @@ def validate(msg: Any) -> dict:
         raise ProtocolError("open frame field 'sampling' must be a map")
     if kind == "open" and msg.get("wire_dtype") is not None and msg["wire_dtype"] not in WIRE_DTYPES:
         raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
+    if kind == "open" and msg.get("prev") is not None and not (
+            isinstance(msg["prev"], str) and 0 < len(msg["prev"]) <= MAX_SESSION_CHARS):
+        raise ProtocolError("open frame field 'prev' must be a PeerId string")
     if kind == "open" and msg.get("job") is not None:
         from swarm.receipts import check_job_field
 

@@ -19,14 +19,15 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], key_dir: Path,
-                     dtype: str = "float64") -> tuple[RingSpec, list[StageServer]]:
-    """Start one StageServer per range in ``nursery``; return the ring spec and the servers."""
+                     dtype: str = "float64", **stage_kwargs) -> tuple[RingSpec, list[StageServer]]:
+    """Start one StageServer per range in ``nursery``; return the ring spec and the servers.
+    ``stage_kwargs`` go to every stage's StageConfig (e.g. allow_coordinators)."""
     digest = model_manifest_digest(model_dir)
     specs, servers = [], []
     for a, b in ranges:
         r = LayerRange(a, b)
         block = load_block(model_dir, r, dtype=dtype, device="cpu")
-        server = StageServer(StageConfig(model=str(model_dir), layers=r), block, Path(model_dir).name, digest)
+        server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, Path(model_dir).name, digest)
         ready = await nursery.start(serve, server, load_or_create_key(key_dir / f"s{a}-{b}.key"), LOOPBACK)
         specs.append(StageSpec(addr=ready["addrs"][0], layers=r))
         servers.append(server)

@@ -90,7 +90,7 @@ def test_receipts_module_does_not_load_torch():
 ])
 def test_open_frame_with_a_bad_job_is_refused(job, expect):
     with pytest.raises(Exception, match=expect):
-        wire.validate(wire.frame("open", session="s", next=None, max_len=8, job=job))
+        wire.validate(wire.frame("open", session="s", next=None, max_len=8, sig="00", job=job))
 
 
 # ---- a real ring ----------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_stage_refuses_a_receipt_for_a_session_without_a_job(model_dir, tmp_path
                 spec, _ = await start_ring(nursery, model_dir, [(0, 4)], tmp_path)
                 async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host:
                     s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
-                    await s.send(wire.frame("open", session="s1", next=None, max_len=16))
+                    await s.send(wire.open_frame(host.key_pair, "s1", None, 16))
                     assert (await s.recv(timeout_s=10))["type"] == "open_ok"
                     await s.send(wire.frame("receipt", session="s1"))
                     err = await s.recv(timeout_s=10)

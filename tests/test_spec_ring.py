@@ -128,7 +128,7 @@ def test_stale_epoch_frame_never_touches_the_cache(target, tmp_path):
                 spec, servers = await start_ring(nursery, target, [(0, 4)], tmp_path)
                 async with open_host(load_or_create_key(tmp_path / "p.key"), [LOOPBACK]) as host:
                     s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
-                    await s.send(wire.frame("open", session="x", next=None, max_len=64))
+                    await s.send(wire.open_frame(host.key_pair, "x", None, 64))
                     assert (await s.recv(timeout_s=10))["type"] == "open_ok"
                     await s.send(wire.frame("forward", session="x", epoch=2, pos=0, chunk=0, tokens=PROMPT))
                     assert (await s.recv(timeout_s=10))["type"] == "result"

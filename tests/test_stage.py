@@ -54,7 +54,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
             ({"v": 9, "type": "info"}, "unsupported protocol version"),
             ({"v": 1, "type": "bogus"}, "unknown frame type"),
             (wire.frame("forward", session="nope", epoch=0, pos=0, chunk=0, tokens=[1]), "no session"),
-            (wire.frame("open", session="s1", next=None, max_len=64), "not the tail and needs a successor"),
+            (wire.open_frame(host.key_pair, "s1", None, 64), "not the tail and needs a successor"),
             (wire.frame("result", session="s1", epoch=0, pos=0, chunk=0, token_ids=[1]), "does not accept"),
         ]
         for msg, reason in cases:
@@ -67,7 +67,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
         bad_head = [([10_000], 0, "outside the vocabulary"), ([1], 5, "not contiguous"),
                     ([1] * 17, 0, "maximum context of 16")]
         for n, (tokens, pos, reason) in enumerate(bad_head):
-            await s.send(wire.frame("open", session=f"p{n}", next=spec.stages[1].addr, max_len=16))
+            await s.send(wire.open_frame(host.key_pair, f"p{n}", spec.stages[1].addr, 16))
             assert (await s.recv(timeout_s=10))["type"] == "open_ok"
             await s.send(wire.frame("forward", session=f"p{n}", epoch=0, pos=pos, chunk=0, tokens=tokens))
             err = await _expect_error(s, reason)
@@ -83,7 +83,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
                       (dict(hidden={"dtype": "float64", "shape": [1, 1, 32], "data": b"0" * 8}), "needs 256"),
                       (dict(tokens=[1]), "expects hidden states")]
         for n, (payload, reason) in enumerate(bad_hidden):
-            await s1.send(wire.frame("open", session=f"q{n}", next=None, max_len=16))
+            await s1.send(wire.open_frame(host.key_pair, f"q{n}", None, 16, prev=host.peer_id))
             assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
             await s1.send(wire.frame("forward", session=f"q{n}", epoch=0, pos=0, chunk=0, **payload))
             await _expect_error(s1, reason)
@@ -137,3 +137,79 @@ def test_prompt_longer_than_context(synthetic, tmp_path):
         return await ring_generate(spec, d, 4, [1, 2, 3], 5, tmp_path)  # stops at the context limit
 
     assert run_with_ring(d, [(0, 2), (2, 4)], tmp_path, body) == reference_greedy(d, [1, 2, 3], 5, "float64")
+
+
+def test_only_assigned_peers_steer_a_session(model, tmp_path):
+    """Frames for a session from a peer it was not assigned to are refused ("forbidden") and leave
+    the session untouched; an open must be signed by the peer that sends it; a non-head stage
+    needs its predecessor's PeerId."""
+    ref = reference_greedy(model, PROMPT, 1, "float64")
+
+    async def body(spec, servers, host):
+        s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+        await s.send(wire.open_frame(host.key_pair, "x", spec.stages[1].addr, 32))
+        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+        async with open_host(load_or_create_key(tmp_path / "mallory.key"), [LOOPBACK]) as mallory:
+            m = await mallory.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+            for msg in (wire.frame("close", session="x"), wire.frame("cancel", session="x", epoch=9),
+                        wire.frame("progress", session="x"), wire.frame("receipt", session="x"),
+                        wire.frame("forward", session="x", epoch=0, pos=0, chunk=0, tokens=[3, 3])):
+                await m.send(msg)
+                err = await _expect_error(m, "the session was not assigned to that peer")
+                assert err["code"] == "forbidden" and mallory.peer_id in err["reason"]
+            # a re-open of someone else's session id, an unsigned open, an open signed by another key
+            await m.send(wire.open_frame(mallory.key_pair, "x", spec.stages[1].addr, 32))
+            await _expect_error(m, "not assigned to that peer")
+            unsigned = wire.frame("open", session="y", next=spec.stages[1].addr, max_len=8, sig="00" * 64)
+            forged = {**wire.open_frame(host.key_pair, "y", spec.stages[1].addr, 8)}
+            for msg in (unsigned, forged):
+                await m.send(msg)
+                await _expect_error(m, f"not signed by the peer that sent it ({mallory.peer_id})")
+            # a tampered field breaks the coordinator's own signature too
+            await s.send({**wire.open_frame(host.key_pair, "z", spec.stages[1].addr, 8), "max_len": 64})
+            await _expect_error(s, "not signed")
+        sess = servers[0].sessions["x"]
+        assert sess.epoch == 0 and sess.cache.kv_len == 0  # mallory changed nothing
+        # stage 1 takes hidden states only from the predecessor named in its open
+        s1 = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
+        await s1.send(wire.open_frame(host.key_pair, "w", None, 8))
+        await _expect_error(s1, "needs 'prev'")
+        await s1.send(wire.open_frame(host.key_pair, "x", None, 32, prev=servers[0].host.peer_id))
+        assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
+        await s1.send(wire.frame("forward", session="x", epoch=0, pos=0, chunk=0,
+                                 hidden=wire.encode_tensor(torch.zeros(1, 1, 32, dtype=torch.float64))))
+        await _expect_error(s1, "refuses 'forward'")
+        # the real session still works end to end
+        await s.send(wire.frame("forward", session="x", epoch=0, pos=0, chunk=0, tokens=PROMPT))
+        while True:
+            msg = await s1.recv(timeout_s=10)
+            if msg["type"] == "result":
+                return msg["token_ids"][-1:]
+
+    assert run_with_ring(model, [(0, 2), (2, 4)], tmp_path, body) == ref
+
+
+def test_allow_coordinator(model, tmp_path):
+    from swarm.errors import RemoteError
+    from swarm.transport.identity import peer_id_of
+
+    me = peer_id_of(load_or_create_key(tmp_path / "coord.key"))  # ring_generate's coordinator key
+    ref = reference_greedy(model, PROMPT, 4, "float64")
+
+    async def main(allowed):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path, allow_coordinators=allowed)
+                out = await ring_generate(spec, model, 4, PROMPT, 4, tmp_path)
+                nursery.cancel_scope.cancel()
+        return out
+
+    assert trio.run(main, (me,)) == ref
+    other = peer_id_of(load_or_create_key(tmp_path / "someone-else.key"))
+    with pytest.raises(RemoteError, match=f"PeerId {me} may not open sessions on this stage"):
+        try:
+            trio.run(main, (other,))
+        except BaseExceptionGroup as group:
+            from swarm.errors import collapse
+
+            raise collapse(group) from None

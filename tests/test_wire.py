@@ -99,4 +99,4 @@ def test_is_lossy(wire_dtype, stage, lossy):
 
 def test_open_frame_wire_dtype_checked():
     with pytest.raises(ProtocolError, match="wire_dtype"):
-        wire.validate(wire.frame("open", session="s", next=None, max_len=4, wire_dtype="int8"))
+        wire.validate(wire.frame("open", session="s", next=None, max_len=4, sig="00", wire_dtype="int8"))

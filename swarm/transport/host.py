@@ -51,9 +51,10 @@ StreamHandler = Callable[[FramedStream], Awaitable[None]]
 class SwarmHost:
     """A running libp2p host; obtain one from ``open_host``."""
 
-    def __init__(self, host: IHost, nursery: trio.Nursery) -> None:
+    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None) -> None:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
+        self.key_pair = key_pair  # the node key: signs session assignments and receipts
         self._peer_id = host.get_id().to_base58()
 
     @property
@@ -257,7 +258,7 @@ async def open_host(
         log.info("host.start peer=%s addrs=%s", peer_id_of(key_pair), [str(a) for a in host.get_addrs()])
         async with trio.open_nursery() as nursery:
             try:
-                yield SwarmHost(host, nursery)
+                yield SwarmHost(host, nursery, key_pair)
             finally:
                 nursery.cancel_scope.cancel()
     log.info("host.stop peer=%s", peer_id_of(key_pair))

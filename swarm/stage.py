@@ -90,11 +90,7 @@ class StageServer:
                     log.warning("frame.invalid peer=%s reason=%s", peer, exc)
                     await self._try_send(stream, wire.error_frame(str(exc)))
                     break
-                try:
-                    await self.dispatch(stream, wire.validate(msg))
-                except ProtocolError as exc:
-                    log.warning("frame.rejected peer=%s reason=%s", peer, exc)
-                    await self._try_send(stream, wire.error_frame(str(exc), session=_session_of(msg)))
+                await self.handle_frame(stream, msg)
         except StreamClosed as exc:  # we answered a peer that had already gone
             log.info("stream.gone peer=%s reason=%s", peer, exc)
         except Exception:  # root of a connection task: log, never take the daemon down
@@ -103,6 +99,15 @@ class StageServer:
             self._drop_sessions_of(stream)
             with trio.move_on_after(1):
                 await stream.aclose()
+
+    async def handle_frame(self, stream, msg) -> None:
+        """Validate and serve one decoded frame from ``stream``; an invalid one gets an error reply
+        naming the problem (and fails its session where it belongs to one), nothing else."""
+        try:
+            await self.dispatch(stream, wire.validate(msg))
+        except ProtocolError as exc:
+            log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
+            await self._try_send(stream, wire.error_frame(str(exc), session=_session_of(msg)))
 
     async def dispatch(self, stream, msg: dict) -> None:
         kind = msg["type"]

@@ -132,7 +132,8 @@ def validate(msg: Any) -> dict:
             raise ProtocolError(f"{kind} frame field {name!r}={value} is out of range")
     if kind == "open" and msg.get("sampling") is not None and not isinstance(msg["sampling"], dict):
         raise ProtocolError("open frame field 'sampling' must be a map")
-    if kind == "open" and msg.get("wire_dtype") is not None and msg["wire_dtype"] not in WIRE_DTYPES:
+    if kind == "open" and msg.get("wire_dtype") is not None and (
+            not isinstance(msg["wire_dtype"], str) or msg["wire_dtype"] not in WIRE_DTYPES):
         raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
     if kind == "open" and msg.get("prev") is not None and not (
             isinstance(msg["prev"], str) and 0 < len(msg["prev"]) <= MAX_SESSION_CHARS):

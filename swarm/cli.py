@@ -138,8 +138,8 @@ def _identity_parsers(sub) -> None:
     pr.add_argument("--nonce", required=True, help="the verifier's challenge (any string)")
     ve = isub.add_parser("verify", help="check an id proof; exit 0 if valid, 1 if not",
                          description="Verify SIG against the ed25519 public key inlined in PEER_ID (no network).")
-    ve.add_argument("peer_id")
-    ve.add_argument("nonce")
+    ve.add_argument("peer_id", help="the PeerId that claims to have signed (12D3KooW...)")
+    ve.add_argument("nonce", help="the challenge given to `swarm id prove --nonce`")
     ve.add_argument("sig", help="hex signature printed by `swarm id prove`")
 
 
@@ -279,6 +279,8 @@ def cmd_keygen(args) -> int:
     from swarm.transport.identity import load_or_create_key, peer_id_of
 
     path = args.out or cache_root() / "keys" / "node.key"
+    if path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} is a directory; name the key file to create")
     if path.exists() or path.is_symlink():
         if not args.force:
             try:
@@ -302,6 +304,13 @@ def cmd_id(args) -> int:
         print(sign(key, id_proof_message(args.nonce)).hex())
         print(f"swarm id prove: signed by {peer_id_of(key)}", file=sys.stderr)
         return 0
+    from swarm.transport.identity import public_key_of_peer
+
+    try:
+        public_key_of_peer(args.peer_id)
+    except SwarmError:
+        print(f"invalid: {args.peer_id!r} is not an ed25519 PeerId (12D3KooW...)")
+        return 1
     try:
         sig = bytes.fromhex(args.sig)
     except ValueError:
@@ -339,7 +348,8 @@ def cmd_receipts(args) -> int:
             failed += 1
             print(f"FAIL {path}: {res}")
         else:
-            print(f"{res.summary()} ({path})")
+            checked = ", weights match the local model" if args.model else ""
+            print(f"{res.summary()}{checked} ({path})")
     if len(paths) > 1:
         print(f"{len(paths) - failed} of {len(paths)} receipts verified", file=sys.stderr)
     return 1 if failed else 0

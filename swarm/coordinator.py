@@ -152,6 +152,8 @@ def _check_writable(directory) -> None:
     import os
     from pathlib import Path
 
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ConfigError(f"--receipt-dir {directory} is not a directory")
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -194,11 +194,13 @@ class StageLedger:
     input: RollingDigest = field(default_factory=RollingDigest)
     output: RollingDigest = field(default_factory=RollingDigest)
 
-    def body(self, *, session: str, peer_id: str, model: str, model_digest: str, range_digest: str,
-             layers: list[int], num_layers: int, dtype: str, wire_dtype: str, positions: int) -> dict:
+    def body(self, *, session: str, coordinator: str, peer_id: str, model: str, model_digest: str,
+             range_digest: str, layers: list[int], num_layers: int, dtype: str, wire_dtype: str,
+             positions: int) -> dict:
         """The unsigned stage receipt (see the module docstring for the fields)."""
         return {
             "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,
+            "coordinator": coordinator,
             "peer_id": peer_id, "model": model, "model_digest": model_digest, "range_digest": range_digest,
             "layers": list(layers), "num_layers": num_layers, "dtype": dtype, "wire_dtype": wire_dtype,
             "positions": positions, "digest_alg": DIGEST_ALG, "input": self.input.as_dict(),
@@ -261,7 +263,8 @@ class Verified:
     healed: int
 
     def summary(self) -> str:
-        rate = f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s else "n/a tok/s"
+        ok = isinstance(self.tokens_per_s, (int, float)) and 0 < self.tokens_per_s < 1e9
+        rate = f"{self.tokens_per_s:.1f} tok/s" if ok else "n/a tok/s"
         heal = f", healed {self.healed}x" if self.healed else ""
         return (f"OK job {self.job_id[:12]} model {self.model}: {self.stages} stage receipts, signatures and chain "
                 f"valid, {self.new_tokens} tokens, {rate}{heal}")
@@ -305,6 +308,16 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
             ranges, layer range, job id, nonce, model digest, chain, output digest, heal,
             range digest) and ``.stage`` (ring index, or None for job-level checks).
     """
+    try:
+        return _verify_job(job, expect_model_digest, expect_range_digests)
+    except ReceiptInvalid:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as exc:
+        # a malformed value the checks above did not anticipate: still a failure, never a crash
+        raise _fail("schema", f"malformed receipt ({type(exc).__name__}: {exc})") from None
+
+
+def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests: dict | None) -> Verified:
     if not isinstance(job, dict) or job.get("schema") != JOB_SCHEMA:
         raise _fail("schema", f"not a {JOB_SCHEMA} document")
     for name, types in (("job_id", str), ("nonce", str), ("coordinator", str), ("model", str), ("model_digest", str),
@@ -318,7 +331,8 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
             who = ring[i].get("peer_id") if i < len(ring) and isinstance(ring[i], dict) else "?"
             raise _fail("missing stage", f"no receipt from {who}", i)
         for name, types in (("schema", str), ("peer_id", str), ("layers", list), ("job_id", str), ("nonce", str),
-                            ("model_digest", str), ("input", dict), ("output", dict), ("sig", str)):
+                            ("coordinator", str), ("model_digest", str), ("input", dict), ("output", dict),
+                            ("sig", str)):
             _need(r, name, types, "stage receipt", i)
         if r["schema"] != STAGE_SCHEMA:
             raise _fail("schema", f"receipt schema {r['schema']!r} is not {STAGE_SCHEMA}", i)
@@ -330,8 +344,9 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
         for name, types in (("peer_id", str), ("layers", list)):
             _need(s, name, types, "ring entry", i)
     if len(receipts) < len(ring):
-        raise _fail("missing stage", f"no receipt from {ring[len(receipts)]['peer_id']} "
-                                     f"(layers {_fmt(ring[len(receipts)]['layers'])})", len(receipts))
+        gap = next((i for i, r in enumerate(receipts) if r["peer_id"] != ring[i]["peer_id"]), len(receipts))
+        raise _fail("missing stage", f"no receipt from {ring[gap]['peer_id']} (layers {_fmt(ring[gap]['layers'])})",
+                    gap)
     if len(receipts) > len(ring):
         raise _fail("missing stage", f"{len(receipts)} stage receipts for a ring of {len(ring)}", len(ring))
     for i, (s, r) in enumerate(zip(ring, receipts)):
@@ -347,6 +362,9 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
                                  "(a receipt from another job)", i)
         if r["job_id"] != job["job_id"]:
             raise _fail("job id", f"receipt is for job {r['job_id']}, not {job['job_id']}", i)
+        if r["coordinator"] != job["coordinator"]:
+            raise _fail("coordinator", f"the stage served coordinator {r['coordinator']}, but the job receipt is "
+                                       f"signed by {job['coordinator']}", i)
         if r["model_digest"] != job["model_digest"]:
             raise _fail("model digest", f"stage served model {r['model_digest'][:16]}..., the job names "
                                         f"{job['model_digest'][:16]}...", i)
@@ -358,8 +376,9 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
             raise _fail("chain", f"{dst} received {got.get('frames')} frames (digest {str(got.get('digest'))[:16]}...) "
                                  f"but {src} sent {sent.get('frames')} (digest {str(sent.get('digest'))[:16]}...)",
                         i if i < len(receipts) else len(receipts) - 1)
-    if ids_digest(job["output_ids"]) != job["output_digest"] or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in job["output_ids"]):
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in job["output_ids"]):
+        raise _fail("schema", "output_ids must be token ids (integers in [0, 2^31))")
+    if ids_digest(job["output_ids"]) != job["output_digest"]:
         raise _fail("output digest", "the output ids do not match output_digest")
     slots = [s["peer_id"] for s in ring]
     events = job.get("heal_events") or []
@@ -394,7 +413,9 @@ def _check_tiling(ranges: list, num_layers: int) -> None:
     from swarm.ranges import LayerRange, check_tiling
 
     try:
-        check_tiling([LayerRange.parse(r) for r in ranges], num_layers)
+        if not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges):
+            raise ValueError(f"layer ranges must be [start, end] integer pairs, got {ranges!r}"[:200])
+        check_tiling([LayerRange(*r) for r in ranges], num_layers)
     except (ConfigError, ValueError, TypeError) as exc:
         raise _fail("ranges", f"the ring's ranges do not tile [0, {num_layers}): {exc}") from None
 
@@ -417,6 +438,22 @@ def save(doc: dict, directory) -> str:
     return str(path)
 
 
+def load(path) -> Any:
+    """Read a receipt file as JSON.
+
+    Raises:
+        ReceiptInvalid (check ``schema``): unreadable, empty, not JSON, or nested too deeply.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data.strip():
+            raise _fail("schema", f"{path} is empty")
+        return json.loads(data)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _fail("schema", f"cannot read {path}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 def verify_files(paths: list, **expect) -> list[tuple[str, Verified | ReceiptInvalid]]:
     """Verify job receipt files; a nonce seen in two files fails the later one (a replayed job).
 
@@ -424,14 +461,20 @@ def verify_files(paths: list, **expect) -> list[tuple[str, Verified | ReceiptInv
         ``[(path, Verified or ReceiptInvalid)]`` in input order; unreadable or non-JSON files fail
         with check ``schema``.
     """
+    import os
+
     seen: dict[str, str] = {}
     out: list = []
+    done: set[str] = set()
     for p in paths:
+        real = os.path.realpath(p)
+        if real in done:  # the same file named twice is one receipt, not a replay
+            continue
+        done.add(real)
         try:
-            with open(p, "rb") as f:
-                job = json.loads(f.read())
-        except (OSError, ValueError) as exc:
-            out.append((str(p), _fail("schema", f"cannot read {p}: {exc}")))
+            job = load(p)
+        except ReceiptInvalid as exc:
+            out.append((str(p), exc))
             continue
         try:
             v = verify_job(job, **expect)

@@ -6,14 +6,13 @@ of the table, and the ``rich`` live display. Glue over ``swarm.receipts``; no to
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.errors import ConfigError, ReceiptInvalid
-from swarm.receipts import verify_job
+from swarm.receipts import load, verify_job
 
 
 @dataclass
@@ -29,6 +28,7 @@ class Row:
     stages: str
     verified: bool
     reason: str
+    nonce: str = ""
 
 
 def short_peer(peer_id: str) -> str:
@@ -45,8 +45,10 @@ class Scanner:
 
     def rows(self) -> list[Row]:
         """All receipts, newest first. Raises ConfigError if the directory does not exist."""
-        if not self.directory.is_dir():
+        if not self.directory.exists():
             raise ConfigError(f"receipt directory {self.directory} does not exist")
+        if not self.directory.is_dir():
+            raise ConfigError(f"{self.directory} is not a directory (watch takes the directory of the receipts)")
         out = []
         for p in self.directory.glob("*.json"):
             try:
@@ -61,13 +63,23 @@ class Scanner:
             out.append(cached[1])
         for gone in set(self._cache) - {Path(r.path) for r in out}:
             del self._cache[gone]
-        return sorted(out, key=lambda r: r.created, reverse=True)
+        rows = sorted(out, key=lambda r: (r.created, r.path))
+        first: dict[str, str] = {}
+        shown = []
+        for r in rows:  # a nonce already used by an older receipt: a replayed job
+            if r.verified and r.nonce in first:
+                r = Row(**{**r.__dict__, "verified": False,
+                           "reason": f"nonce: already used by {first[r.nonce]} (a replayed job)"})
+            elif r.verified:
+                first[r.nonce] = r.path
+            shown.append(r)
+        return shown[::-1]
 
     @staticmethod
     def _row(p: Path, mtime: float) -> Row:
         try:
-            job = json.loads(p.read_bytes())
-        except (OSError, ValueError) as exc:
+            job = load(p)
+        except ReceiptInvalid as exc:
             return Row(str(p), mtime, p.stem, "?", None, None, "", False, f"unreadable: {exc}")
         if not isinstance(job, dict):
             return Row(str(p), mtime, p.stem, "?", None, None, "", False, "not a job receipt")
@@ -82,9 +94,11 @@ class Scanner:
         created = job.get("created_ms")
         ids = job.get("output_ids")
         rate = job.get("tokens_per_s")
-        return Row(str(p), created / 1000 if isinstance(created, (int, float)) else mtime, str(job.get("job_id", p.stem)),
-                   str(job.get("model", "?")), len(ids) if isinstance(ids, list) else None,
-                   rate if isinstance(rate, (int, float)) else None, stages, ok, reason)
+        sane = isinstance(created, (int, float)) and not isinstance(created, bool) and 0 < created < 4e12
+        return Row(str(p), created / 1000 if sane else mtime, str(job.get("job_id", p.stem))[:64],
+                   str(job.get("model", "?"))[:64], len(ids) if isinstance(ids, list) else None,
+                   rate if isinstance(rate, (int, float)) and 0 <= rate < 1e9 else None, stages, ok, reason,
+                   str(job.get("nonce", "")))
 
 
 def _fmt(layers) -> str:
@@ -125,12 +139,27 @@ def watch(directory: Path, interval_s: float = 1.0, once: bool = False, limit: i
 
     if not interval_s > 0:
         raise ConfigError(f"--interval-s must be a positive number of seconds, got {interval_s}")
+    if limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
     scanner = Scanner(directory)
     console = Console(width=None if sys.stdout.isatty() else 200)  # piped: do not wrap at 80 columns
     if once:
         rows = scanner.rows()
         console.print(table(rows, directory, limit))
         return 0 if all(r.verified for r in rows) else 1
+    if not sys.stdout.isatty():  # piped: print the table again whenever a receipt arrives or changes
+        last = None
+        try:
+            while True:
+                rows = scanner.rows()
+                key = [(r.path, r.verified, r.reason) for r in rows]
+                if key != last:
+                    console.print(table(rows, directory, limit))
+                    sys.stdout.flush()
+                    last = key
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            return 0
     with Live(table(scanner.rows(), directory, limit), console=console, refresh_per_second=4) as live:
         try:
             while True:

@@ -12,6 +12,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import msgpack
 import nacl.signing
@@ -267,6 +268,32 @@ def t_coordinator_swapped(doc, old, kd):  # another key claims to be the coordin
     doc["coordinator"] = doc["ring"][0]["peer_id"]
 
 
+def t_claimed_by_another_coordinator(doc, old, kd):  # someone re-signs another's job as theirs
+    key = load_or_create_key(kd / "mallory.key")
+    doc["coordinator"] = peer_id_of(key)
+    doc.update(receipts.sign_receipt(doc, lambda d: sign(key, d)))
+
+
+def t_drop_middle(doc, old, kd):
+    doc["stage_receipts"].pop(1)
+    _resign_job(doc, kd)
+
+
+def t_output_id_not_int(doc, old, kd):
+    doc["output_ids"][0] = "abc"
+    _resign_job(doc, kd)
+
+
+def t_output_id_huge(doc, old, kd):
+    doc["output_ids"][0] = 10**30
+    _resign_job(doc, kd)
+
+
+def t_float_layers(doc, old, kd):
+    doc["ring"][0]["layers"] = [0.0, 1.0]
+    _resign_job(doc, kd)
+
+
 @pytest.mark.parametrize("tamper,check,stage", [
     (t_stage_sig, "signature", 1),
     (t_job_sig, "job signature", None),
@@ -286,6 +313,11 @@ def t_coordinator_swapped(doc, old, kd):  # another key claims to be the coordin
     (t_model_digest, "model digest", 0),
     (t_heal_spare, "heal", None),
     (t_coordinator_swapped, "job signature", None),
+    (t_claimed_by_another_coordinator, "coordinator", 0),
+    (t_drop_middle, "missing stage", 1),
+    (t_output_id_not_int, "schema", None),
+    (t_output_id_huge, "schema", None),
+    (t_float_layers, "ranges", None),
 ], ids=lambda x: x.__name__[2:] if callable(x) else None)
 def test_tampering_fails_with_the_right_reason(jobs, tamper, check, stage):
     (doc, old), _, key_dir = jobs
@@ -306,8 +338,16 @@ def test_a_replayed_job_fails_in_a_batch(jobs, tmp_path):
     assert isinstance(res[2][1], ReceiptInvalid) and res[2][1].check == "nonce"
 
 
+def test_the_same_file_twice_is_not_a_replay(jobs, tmp_path):
+    (doc, _), _, _ = jobs
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    res = receipts.verify_files([tmp_path / "a.json", tmp_path / "." / "a.json"])
+    assert len(res) == 1 and isinstance(res[0][1], receipts.Verified)
+
+
 def test_garbage_is_refused_not_crashed_on(tmp_path):
-    for bad in (b"", b"[1, 2]", b'{"schema": "swarm/job-receipt/1"}', b"\xff\xfe", msgpack.packb({"a": 1})):
+    for bad in (b"", b"  \n", b"[1, 2]", b'{"schema": "swarm/job-receipt/1"}', b"\xff\xfe",
+                msgpack.packb({"a": 1}), b"[" * 100_000 + b"]" * 100_000):
         p = tmp_path / "x.json"
         p.write_bytes(bad)
         ((_, res),) = receipts.verify_files([p])
@@ -458,3 +498,14 @@ def test_watch_scanner_sees_new_changed_and_removed_receipts(jobs, tmp_path):
     assert len(rows) == 2 and any(r.reason.startswith("unreadable") for r in rows)
     (tmp_path / "a.json").unlink()
     assert [r.job_id for r in scanner.rows()] == ["b"]
+    # a silly time does not crash the table (an unsigned edit: the row fails)
+    (tmp_path / "silly.json").write_text(json.dumps({**doc, "created_ms": 10**20}))
+    rows = {Path(r.path).name: r for r in Scanner(tmp_path).rows()}
+    assert not rows["silly.json"].verified
+    (tmp_path / "silly.json").unlink()
+    # copies of one job under two names: one verifies, the other is a replay
+    (tmp_path / "copy.json").write_text(json.dumps(doc))
+    (tmp_path / "dup.json").write_text(json.dumps(doc, indent=3))
+    rows = {Path(r.path).name: r for r in Scanner(tmp_path).rows()}
+    replayed = [r for r in (rows["copy.json"], rows["dup.json"]) if not r.verified]
+    assert len(replayed) == 1 and replayed[0].reason.startswith("nonce: already used by")

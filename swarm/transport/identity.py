@@ -55,7 +55,7 @@ def load_or_create_key(path: str | os.PathLike[str], create: bool = True) -> Key
         st = path.stat()
     except FileNotFoundError:
         if not create:
-            raise IdentityError(f"key file {path} does not exist (and create=False)") from None
+            raise IdentityError(f"key file {path} does not exist") from None
         return _create_key_file(path)
     except OSError as e:
         raise IdentityError(f"key file {path} cannot be read: {e.strerror}") from e

@@ -34,6 +34,17 @@ def _stage_parser(sub) -> None:
     p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
                    help="only this coordinator PeerId may open sessions (repeatable; default: any). Whatever the "
                         "list, a session takes frames only from the peers its signed open assigns")
+    p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
+                   help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-ctx", type=int, help="maximum positions per session (default: the model's maximum)")
+    lim.add_argument("--kv-budget-mb", type=float,
+                     help="KV cache memory all sessions together may reserve; a session reserves max_len positions "
+                          "on open and is refused with a 'busy' error when the budget is full (default: no limit)")
+    lim.add_argument("--session-ttl-s", type=float, default=600.0, help="drop a session idle this long (default 600)")
+    lim.add_argument("--drain-timeout-s", type=float, default=30.0,
+                     help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
+                          "fail the rest, print SWARM_STAGE_DRAINED and exit 0 (default 30)")
 
 
 def _add_spec_flags(p) -> None:
@@ -212,7 +223,9 @@ def cmd_stage(args) -> int:
     key = args.key or cache_root() / "keys" / f"stage-{layers.start}-{layers.end}.key"
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
-                         allow_coordinators=tuple(args.allow_coordinator))
+                         allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
+                         max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
+                         drain_timeout_s=args.drain_timeout_s)
     from swarm.stage import run_stage
 
     return run_stage(config)

@@ -36,6 +36,11 @@ class StageConfig:
     device: str = "auto"
     hop_timeout_s: float = 30.0
     allow_coordinators: tuple[str, ...] = ()  # PeerIds that may open sessions; empty: anyone
+    admins: tuple[str, ...] = ()  # PeerIds that may send a drain request
+    max_ctx: int | None = None  # positions per session; None: the model's maximum
+    kv_budget_mb: float | None = None  # KV memory all sessions may reserve; None: no limit
+    session_ttl_s: float = 600.0  # an idle session is dropped after this long
+    drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -48,9 +53,18 @@ class StageConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.hop_timeout_s > 0:  # also refuses NaN
             raise ConfigError(f"--hop-timeout-s must be a positive number of seconds, got {self.hop_timeout_s}")
-        for peer in self.allow_coordinators:
-            if not (isinstance(peer, str) and peer.startswith(("12D3KooW", "Qm")) and 40 <= len(peer) <= 64):
-                raise ConfigError(f"--allow-coordinator {peer!r} is not a PeerId (12D3KooW...)")
+        for flag, peers in (("--allow-coordinator", self.allow_coordinators), ("--admin", self.admins)):
+            for peer in peers:
+                if not (isinstance(peer, str) and peer.startswith(("12D3KooW", "Qm")) and 40 <= len(peer) <= 64):
+                    raise ConfigError(f"{flag} {peer!r} is not a PeerId (12D3KooW...)")
+        if self.max_ctx is not None and self.max_ctx < 1:
+            raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
+        if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
+            raise ConfigError(f"--kv-budget-mb must be a positive number of MiB, got {self.kv_budget_mb}")
+        for name in ("session_ttl_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class Session:
     frames_out: int = 0
     errors: list = field(default_factory=list)
     ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
+    reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
+    last_active: float = 0.0  # trio clock of the last frame for this session
 
 
 class StageServer:
@@ -67,6 +69,12 @@ class StageServer:
         self._compute_lock = trio.Lock()
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
+        self.draining = False  # no new sessions; set by drain()
+        self.drain_requested = trio.Event()  # a drain frame from an --admin peer
+        if config.max_ctx is not None:
+            if config.max_ctx > block.max_ctx:
+                raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
+            block.max_ctx = config.max_ctx
 
     def info(self) -> dict:
         b = self.block
@@ -105,14 +113,27 @@ class StageServer:
         naming the problem (and fails its session where it belongs to one), nothing else."""
         try:
             await self.dispatch(stream, wire.validate(msg))
-        except ProtocolError as exc:
+        except (ProtocolError, ContextOverflow) as exc:
             log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
-            await self._try_send(stream, wire.error_frame(str(exc), session=_session_of(msg)))
+            code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
+            await self._try_send(stream, wire.error_frame(str(exc), code, session=_session_of(msg)))
 
     async def dispatch(self, stream, msg: dict) -> None:
         kind = msg["type"]
+        sess = self.sessions.get(msg.get("session", ""))
+        if sess is not None and stream.remote_peer_id in (sess.coordinator, sess.source):
+            sess.last_active = trio.current_time()
         if kind == "info":
             await stream.send(self.info())
+        elif kind == "drain":
+            if stream.remote_peer_id not in self.config.admins:
+                log.warning("drain.refused peer=%s", stream.remote_peer_id)
+                await stream.send(wire.error_frame(f"PeerId {stream.remote_peer_id} may not drain this stage "
+                                                   "(not in --admin)", "forbidden"))
+                return
+            log.warning("drain.requested peer=%s", stream.remote_peer_id)
+            self.drain_requested.set()
+            await stream.send(wire.frame("drain_ok", sessions=len(self.sessions)))
         elif kind == "open":
             await self._open(stream, msg)
         elif kind == "forward":
@@ -141,6 +162,10 @@ class StageServer:
     async def _open(self, stream, msg: dict) -> None:
         sid, next_addr = msg["session"], msg["next"]
         coordinator = stream.remote_peer_id
+        if self.draining:
+            await stream.send(wire.error_frame(f"stage {self.block.layer_range} is draining (shutting down) and "
+                                               "admits no new sessions", "unavailable", sid))
+            return
         allowed = self.config.allow_coordinators
         if allowed and coordinator not in allowed:
             log.warning("session.refused session=%s peer=%s reason=not-an-allowed-coordinator", sid, coordinator)
@@ -164,9 +189,24 @@ class StageServer:
             raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
         if not self.block.is_tail and next_addr is None:
             raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
-        max_len = min(msg["max_len"] or self.block.max_ctx, self.block.max_ctx)
+        max_len = msg["max_len"] or self.block.max_ctx
+        if max_len > self.block.max_ctx:
+            raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
+                                  f"{self.block.max_ctx}")
+        need = max_len * self.block.kv_bytes_per_position()
+        if self.config.kv_budget_mb is not None:
+            budget = int(self.config.kv_budget_mb * 2**20)
+            others = [s for s in self.sessions.values() if s.session_id != sid]
+            held = sum(s.reserved for s in others)
+            if held + need > budget:
+                log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
+                await stream.send(wire.error_frame(
+                    f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
+                    f"(--kv-budget-mb) is full: {len(others)} sessions hold {held / 2**20:.1f} MiB and this one "
+                    f"needs {need / 2**20:.1f} MiB for {max_len} positions", "busy", sid))
+                return
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
-                          source=prev or coordinator)
+                          source=prev or coordinator, reserved=need, last_active=trio.current_time())
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
@@ -327,6 +367,38 @@ class StageServer:
             return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
         return wire.encode_tensor(out, dtype=sess.wire_dtype)
 
+    async def expire_idle(self) -> None:
+        """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
+        ttl = self.config.session_ttl_s
+        while True:
+            await trio.sleep(min(5.0, ttl / 4))
+            now = trio.current_time()
+            for sess in [s for s in self.sessions.values() if not s.busy and now - s.last_active > ttl]:
+                del self.sessions[sess.session_id]
+                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.last_active)
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {self.block.layer_range}: session {sess.session_id!r} expired after {ttl:g} s idle "
+                    "(--session-ttl-s)", "no_session", sess.session_id))
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stop admitting sessions, let the open ones finish for up to ``timeout_s``, fail the rest
+        with the reason "draining". Returns the DRAINED payload."""
+        self.draining = True
+        t0 = trio.current_time()
+        before = len(self.sessions)
+        log.warning("stage.draining sessions=%d timeout_s=%g", before, timeout_s)
+        with trio.move_on_after(timeout_s):
+            while self.sessions:
+                await trio.sleep(0.05)
+        failed = list(self.sessions.values())
+        for sess in failed:
+            self.sessions.pop(sess.session_id, None)
+            await self._try_send(sess.reply, wire.error_frame(
+                f"stage {self.block.layer_range} is draining (shutting down): the session did not finish within "
+                f"{timeout_s:g} s", "unavailable", sess.session_id))
+        return {"layers": self.block.layer_range.as_list(), "sessions_finished": before - len(failed),
+                "sessions_failed": len(failed), "waited_s": round(trio.current_time() - t0, 3)}
+
     async def _refuse(self, stream, sess: Session, kind: str) -> None:
         """Refuse a frame from a peer the session was not assigned to; the session is untouched."""
         peer = stream.remote_peer_id
@@ -368,13 +440,26 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         # largest legitimate frame: a whole-context prefill of float64 hidden states, with headroom
         max_frame = min(256 << 20, max(16 << 20, 2 * b.max_ctx * b.hidden_size * 8))
         host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
+        nursery.start_soon(server.expire_idle)
         task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
-                             "model": server.model_name, "model_digest": server.model_digest})
+                             "model": server.model_name, "model_digest": server.model_digest,
+                             "max_ctx": b.max_ctx})
         await trio.sleep_forever()
 
 
 def _session_of(msg) -> str | None:
     return msg.get("session") if isinstance(msg, dict) and isinstance(msg.get("session"), str) else None
+
+
+async def _drain_on_sigterm(server: StageServer) -> None:
+    """SIGTERM (a supervisor stopping the daemon) asks for a drain, like a drain frame."""
+    import signal
+
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            log.warning("drain.sigterm")
+            server.drain_requested.set()
+            return
 
 
 def emit(line_kind: str, payload: dict) -> None:
@@ -384,9 +469,12 @@ def emit(line_kind: str, payload: dict) -> None:
 
 
 def run_stage(config: StageConfig) -> int:
-    """Load the block, listen, print READY, serve until interrupted. Returns the exit code.
+    """Load the block, listen, print READY, serve until interrupted or drained. Returns the exit code.
 
-    Every start-up failure prints ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 1.
+    Every start-up failure prints ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 1. SIGTERM or a
+    drain frame from an ``--admin`` peer drains (no new sessions; open ones may finish for
+    ``--drain-timeout-s``, then fail with "draining"), prints ``SWARM_STAGE_DRAINED {...}`` and
+    returns 0. Ctrl-C (SIGINT) stops at once and returns 0.
     """
     from swarm.model.block import load_block
     from swarm.model.resolve import model_manifest_digest, resolve_model
@@ -403,12 +491,20 @@ def run_stage(config: StageConfig) -> int:
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return 1
-    server = StageServer(config, block, resolved.name, digest)
+    try:
+        server = StageServer(config, block, resolved.name, digest)
+    except SwarmError as exc:
+        emit("FATAL", {"reason": str(exc)})
+        return 1
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(serve, server, key, config.listen)
             emit("READY", ready)
+            nursery.start_soon(_drain_on_sigterm, server)
+            await server.drain_requested.wait()
+            emit("DRAINED", await server.drain(config.drain_timeout_s))
+            nursery.cancel_scope.cancel()
 
     try:
         try:

@@ -57,6 +57,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "receipt": {"session": _STR},  # flows head -> tail behind the session's frames
     "receipt_ok": {"session": _STR, "receipt": _DICT},  # each stage's signed receipt, to the coordinator
     "error": {"reason": _STR, "code": _STR},
+    "drain": {},  # from an --admin peer: drain and exit
+    "drain_ok": {"sessions": _INT},
 }
 MAX_SESSION_CHARS = 128
 MAX_INT = 2**31 - 1
@@ -97,7 +99,8 @@ def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
 
 def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
     """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable,
-    forbidden (the sender is not the peer this session or stage accepts that frame from)."""
+    forbidden (the sender is not the peer this session or stage accepts that frame from), busy (the
+    KV budget is full)."""
     out = frame("error", reason=reason, code=code)
     if session is not None:
         out["session"] = session

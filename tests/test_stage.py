@@ -213,3 +213,94 @@ def test_allow_coordinator(model, tmp_path):
             from swarm.errors import collapse
 
             raise collapse(group) from None
+
+
+def test_max_ctx_is_reported_and_enforced(model, tmp_path):
+    from swarm.config import StageConfig
+    from swarm.errors import ConfigError, ContextOverflow, RemoteError
+    from swarm.model.block import load_block
+    from swarm.ranges import LayerRange
+    from swarm.stage import StageServer
+
+    with pytest.raises(ConfigError, match="--max-ctx 500 exceeds the model's maximum context of 128"):
+        StageServer(StageConfig(model=str(model), layers=LayerRange(0, 4), max_ctx=500),
+                    load_block(model, LayerRange(0, 4), dtype="float64"), "m", "d")
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path, max_ctx=12)
+                info: dict = {}
+                out = await ring_generate(spec, model, 4, PROMPT, 10, tmp_path, info=info)  # 7 + 10 > 12
+                assert info["context_limited"] and len(out) == 12 - len(PROMPT)
+                with pytest.raises(ConfigError, match="maximum context is 12"):
+                    await ring_generate(spec, model, 4, list(range(1, 13)), 2, tmp_path)  # refused before work
+                async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
+                    s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
+                    await s.send(wire.open_frame(host.key_pair, "big", None, 13, prev=host.peer_id))
+                    err = await _expect_error(s, "asks for 13 positions; this stage's maximum context is 12")
+                    assert err["code"] == "overflow" and "big" not in servers[1].sessions
+                nursery.cancel_scope.cancel()
+        return out
+
+    assert trio.run(main) == reference_greedy(model, PROMPT, 5, "float64")
+    assert ContextOverflow and RemoteError  # names used in the matches above
+
+
+def test_kv_budget_admits_then_refuses_busy(model, tmp_path):
+    from swarm.errors import RemoteError
+
+    per_pos = 2 * 2 * 2 * 8 * 8  # K and V x 2 layers x 2 KV heads x head dim 8 x float64
+    budget_mb = 1.5 * 64 * per_pos / 2**20  # room for one session of 64 positions, not two
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path, kv_budget_mb=budget_mb)
+                assert servers[0].block.kv_bytes_per_position() == per_pos
+                async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
+                    s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
+                    await s.send(wire.open_frame(host.key_pair, "a", None, 64, prev=host.peer_id))
+                    assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+                    assert servers[1].sessions["a"].reserved == 64 * per_pos
+                    await s.send(wire.open_frame(host.key_pair, "b", None, 64, prev=host.peer_id))
+                    err = await _expect_error(s, f"KV budget of {budget_mb:g} MiB (--kv-budget-mb) is full: "
+                                                 "1 sessions hold 0.0 MiB")
+                    assert err["code"] == "busy" and "b" not in servers[1].sessions
+                    with pytest.raises(RemoteError, match="is busy: its KV budget"):  # a whole job is refused
+                        await ring_generate(spec, model, 4, PROMPT, 57, tmp_path)
+                    await s.send(wire.frame("close", session="a"))
+                    assert (await s.recv(timeout_s=10))["type"] == "close_ok"
+                out = await ring_generate(spec, model, 4, PROMPT, 8, tmp_path)  # room again
+                nursery.cancel_scope.cancel()
+        return out
+
+    assert trio.run(main) == reference_greedy(model, PROMPT, 8, "float64")
+
+
+def test_idle_sessions_expire(model, tmp_path):
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 4)], tmp_path, session_ttl_s=0.4)
+                async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
+                    s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+                    for sid in ("idle", "busy"):
+                        await s.send(wire.open_frame(host.key_pair, sid, None, 32))
+                        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+                    t0 = trio.current_time()
+                    while trio.current_time() - t0 < 1.2:  # keep "busy" alive with heartbeats
+                        await s.send(wire.frame("progress", session="busy"))
+                        await trio.sleep(0.1)
+                    alive = set(servers[0].sessions)
+                    got = []
+                    with trio.move_on_after(0.2):  # the idle one's error is already queued
+                        while True:
+                            got.append(await s.recv())
+                nursery.cancel_scope.cancel()
+        return got, alive
+
+    got, alive = trio.run(main)
+    expired = [m for m in got if m["type"] == "error"]
+    assert len(expired) == 1 and expired[0]["session"] == "idle" and "expired after 0.4 s idle" in expired[0]["reason"]
+    assert alive == {"busy"}

@@ -154,6 +154,16 @@ class LayerBlock(torch.nn.Module):
         self.loaded_bytes = 0
         self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
 
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of K and V one position takes in this block's KV cache (all its layers), B = 1:
+        ``2 * layers * Hkv * Dh * itemsize`` (the cache grows lazily up to ``max_len`` of these)."""
+        c = self.config
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * kv_heads * head_dim * itemsize
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A fresh KV cache for one session, ``max_len`` defaulting to the model's maximum context."""
         return KVCache(list(range(self.layer_range.start, self.layer_range.end)), max_len or self.max_ctx)

@@ -34,6 +34,9 @@ def _stage_parser(sub) -> None:
     p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
                    help="only this coordinator PeerId may open sessions (repeatable; default: any). Whatever the "
                         "list, a session takes frames only from the peers its signed open assigns")
+    p.add_argument("--check", action="store_true",
+                   help="preflight only, no networking: model, tensors of the range, dtype, device, key file, "
+                        "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
     p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
                    help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
     lim = p.add_argument_group("limits")
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             from swarm.stage import emit
 
             emit("FATAL", {"reason": str(exc)})
+            return 2 if getattr(args, "check", False) else 1
         else:
             print(f"swarm {args.cmd}: error: {exc}", file=sys.stderr)
         return 1
@@ -226,9 +230,9 @@ def cmd_stage(args) -> int:
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s)
-    from swarm.stage import run_stage
+    from swarm.stage import run_check, run_stage
 
-    return run_stage(config)
+    return run_check(config) if args.check else run_stage(config)
 
 
 def cmd_coordinate(args) -> int:

@@ -132,8 +132,8 @@ class StageServer:
                                                    "(not in --admin)", "forbidden"))
                 return
             log.warning("drain.requested peer=%s", stream.remote_peer_id)
+            await stream.send(wire.frame("drain_ok", sessions=len(self.sessions)))  # before the host may stop
             self.drain_requested.set()
-            await stream.send(wire.frame("drain_ok", sessions=len(self.sessions)))
         elif kind == "open":
             await self._open(stream, msg)
         elif kind == "forward":
@@ -466,6 +466,20 @@ def emit(line_kind: str, payload: dict) -> None:
     """Print one lifecycle line (``SWARM_STAGE_<KIND> {json}``) to stdout and flush."""
     sys.stdout.write(f"SWARM_STAGE_{line_kind} {json.dumps(payload, sort_keys=True)}\n")
     sys.stdout.flush()
+
+
+def run_check(config: StageConfig) -> int:
+    """``swarm stage --check``: preflight without networking. Prints ``SWARM_STAGE_OK {...}`` and
+    returns 0, or ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 2."""
+    from swarm.preflight import preflight
+
+    try:
+        payload = preflight(config)
+    except SwarmError as exc:
+        emit("FATAL", {"reason": str(exc)})
+        return 2
+    emit("OK", payload)
+    return 0
 
 
 def run_stage(config: StageConfig) -> int:

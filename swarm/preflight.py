@@ -1,0 +1,121 @@
+"""``swarm stage --check``: everything a stage needs, checked without listening or dialing.
+
+Owns: the preflight of a StageConfig: the engine imports, the model resolves locally (the hub is
+put offline), its family is supported, the layer range is in bounds and every tensor it needs is
+in the checkpoint with a dtype we can load, the device exists and takes the dtype, the key file
+is usable (0600, or creatable), and the memory the stage will need fits in what is available.
+Glue over ``swarm.model`` and ``swarm.transport.identity``; imported only by ``swarm.stage``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from swarm.config import StageConfig
+from swarm.errors import ConfigError, IdentityError, ModelError
+
+# safetensors dtypes a stage can load (converted to the stage dtype on load)
+LOADABLE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+BASELINE_BYTES = 350 * 2**20  # Python + torch + transformers + libp2p in a stage process (measured ~300 MiB)
+
+
+def available_memory(device) -> int | None:
+    """Bytes of memory available on ``device`` now (CUDA: free device memory; CPU: MemAvailable),
+    or None where this platform does not say."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_key(path: Path | None) -> dict:
+    from swarm.transport.identity import load_or_create_key, peer_id_of
+
+    if path is None:
+        raise ConfigError("no key file given (--key)")
+    if path.exists() or path.is_symlink():
+        return {"key": str(path), "key_exists": True, "peer_id": peer_id_of(load_or_create_key(path, create=False))}
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise IdentityError(f"key file {path} does not exist and cannot be created ({parent} is not writable)")
+    return {"key": str(path), "key_exists": False, "peer_id": None}
+
+
+def preflight(config: StageConfig) -> dict:
+    """Check that ``config`` can serve, touching no network. Returns the SWARM_STAGE_OK payload.
+
+    Raises:
+        SwarmError (ModelError, ConfigError, IdentityError): the first problem, in one line.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a hub id must already be in the local cache
+    import torch  # noqa: F401  (the engine imports)
+
+    from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.model.resolve import _read_header, model_manifest_digest, resolve_model, tensor_index
+
+    resolved = resolve_model(config.model, progress=False)
+    model_config = load_config(resolved.path)
+    num_layers = model_config.num_hidden_layers
+    config.layers.check_within(num_layers)
+    names = block_tensor_names(resolved.path, config.layers)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    if device.type == "mps" and dtype == torch.float64:
+        raise ConfigError("float64 is not supported on MPS: use --dtype float32")
+    index = tensor_index(resolved.path)
+    headers: dict = {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = 0
+    for name in sorted(names):
+        shard = index[name]
+        header = headers.setdefault(shard, _read_header(shard))
+        entry = header.get(name)
+        if not isinstance(entry, dict) or entry.get("dtype") not in LOADABLE:
+            got = entry.get("dtype") if isinstance(entry, dict) else "nothing"
+            raise ModelError(f"tensor {name!r} in {shard.name} has dtype {got}; a stage loads "
+                             f"{', '.join(LOADABLE)}")
+        numel = 1
+        for d in entry.get("shape", []):
+            numel *= int(d)
+        weights += numel * itemsize
+    max_ctx = int(getattr(model_config, "max_position_embeddings", 0) or getattr(model_config, "n_positions", 0)
+                  or 4096)
+    if config.max_ctx is not None and config.max_ctx > max_ctx:
+        raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {max_ctx}")
+    max_ctx = config.max_ctx or max_ctx
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_per_position = 2 * len(config.layers) * kv_heads * head_dim * itemsize
+    kv = int(config.kv_budget_mb * 2**20) if config.kv_budget_mb is not None else kv_per_position * max_ctx
+    needed = weights + kv + (BASELINE_BYTES if device.type == "cpu" else 0)
+    available = available_memory(device)
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"not enough memory on {device.type}: the stage needs about {needed / 2**20:.0f} MiB (weights "
+            f"{weights / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')}, KV {kv / 2**20:.0f} MiB"
+            f"{'' if config.kv_budget_mb is not None else ' for one full-context session'}) but "
+            f"{available / 2**20:.0f} MiB are available; use fewer layers, --kv-budget-mb or --max-ctx")
+    return {
+        "model": resolved.name, "model_path": str(resolved.path), "family": model_config.model_type,
+        "model_digest": model_manifest_digest(resolved.path), "num_layers": num_layers,
+        "layers": config.layers.as_list(), "tensors": len(names), "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."), "max_ctx": max_ctx, "weights_bytes": weights,
+        "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
+        "memory_available_bytes": available, **_check_key(config.key_path),
+    }

@@ -196,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
     if not args.verbose:
-        import os
-
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         try:

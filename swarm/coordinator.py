@@ -17,7 +17,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
-from swarm.errors import ConfigError, ModelError, StageLost
+from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
 from swarm.heal import HealEvent, StageReport, plan_replay, run_recovery
 from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
 from swarm.spec import NoDrafter, SpecLoop
@@ -291,13 +291,16 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         stage_receipts (ring order, None where missing), problems, sent and received digests,
         collect_s).
     Raises:
-        ConfigError: the prompt does not fit the ring's context. StageLost, HopTimeout, RemoteError;
+        ContextOverflow: the prompt does not fit the ring's context (checked before anything is sent;
+            a generation that would outgrow it is capped instead, ``context_limited``). StageLost,
+            HopTimeout, RemoteError;
         swarm.heal.NoSpare / ReplayMismatch / HealError when a heal is impossible.
     """
     spec = spec or SpecConfig()
     max_ctx = min(i.max_ctx for i in ring.infos)
     if len(prompt_ids) >= max_ctx:
-        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx}")
+        raise ContextOverflow(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx} "
+                              "(nothing was sent)")
     budget = min(max_new_tokens, max_ctx - len(prompt_ids))
     if budget < max_new_tokens:
         log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)

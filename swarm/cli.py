@@ -129,6 +129,25 @@ def _demo_parser(sub) -> None:
     _add_spec_flags(p)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API over a running ring",
+                       description="Check the ring, then serve POST /v1/chat/completions and /v1/completions "
+                                   "(stream or not), GET /v1/models and GET /health on HOST:PORT. Each request "
+                                   "gets its own session at every stage.")
+    p.add_argument("--ring", required=True, type=Path, help="ring YAML file (model, stages, spares)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
+    p.add_argument("--hop-timeout-s", type=float, default=60.0)
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    g = p.add_argument_group("speculative decoding (output stays token-identical)")
+    g.add_argument("--draft", default="none", choices=["none", "ngram"], help="drafter (default none)")
+    g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter)")
+    g.add_argument("--depth", type=int, default=1, help="verify chunks in flight (default 1)")
+    g.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"])
+
+
 def _model_parser(sub) -> None:
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_cmd", required=True)
@@ -183,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinate_parser(sub)
     _demo_parser(sub)
     _model_parser(sub)
+    _serve_parser(sub)
     _identity_parsers(sub)
     _receipts_parser(sub)
     return parser
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
-                    "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts}[args.cmd](args)
+                    "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve}[args.cmd](args)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
     except SwarmError as exc:
@@ -286,6 +306,31 @@ def cmd_demo(args) -> int:
     from swarm.demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_serve(args) -> int:
+    import trio
+
+    from swarm.config import RingSpec
+    from swarm.serve import serve_api
+
+    ring = RingSpec.load(args.ring)
+    spec = _spec_config(args)
+    if not 0 <= args.port <= 65535:
+        from swarm.errors import ConfigError
+
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(lambda task_status: serve_api(
+                ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
+                hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, task_status=task_status))
+            print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
+                  flush=True)
+
+    trio.run(main)
+    return 0
 
 
 def cmd_keygen(args) -> int:

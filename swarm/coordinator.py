@@ -257,7 +257,7 @@ HEALABLE = (StageLost,)
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
                  sampling: SamplingParams | None = None, wire_dtype: str | None = None,
-                 heal: bool = True, job: dict | None = None) -> tuple[list[int], dict]:
+                 heal: bool = True, job: dict | None = None, should_stop=None) -> tuple[list[int], dict]:
     """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -285,6 +285,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         heal: recover onto spares (default); False fails on the first lost stage.
         job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
             the signed stage receipts are collected (``swarm.receipts``). None: no digests.
+        should_stop: called with the new ids after each commit; True ends the generation there
+            (e.g. a stop string appeared). ``stopped`` in the record says so.
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
         wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
@@ -313,6 +315,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     ops = RingOps(ring, loop, state)
     heal_events: list[HealEvent] = []
     t_first = None
+    stopped = False
     try:
         t0 = time.perf_counter()
         while not loop.done:
@@ -339,6 +342,9 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                 t_first = t_first or time.perf_counter()
                 if on_ids:
                     on_ids(loop.output)
+                if should_stop is not None and not loop.done and should_stop(loop.output):
+                    stopped = True
+                    break
         t_end = time.perf_counter()
         parts = None
         if job is not None:  # the session that finished the job (after a heal: the replayed one)
@@ -359,6 +365,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "ttft_s": t_first - t0,
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,
+        "stopped": stopped,
         "sampling": sampling.to_wire(),
         "wire_dtype": wire_dtype or "stage",
         "wire_lossy": any(wire.is_lossy(wire_dtype, i.dtype) for i in ring.infos),

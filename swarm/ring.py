@@ -108,8 +108,9 @@ class RingClient:
 
     # ---- connecting --------------------------------------------------------------------------
 
-    async def connect(self, num_layers: int, model_digest: str, nursery) -> list[StageInfo]:
-        """Dial every stage, ask for its info, and check the ring.
+    async def connect(self, num_layers: int, model_digest: str, nursery, use_spares: bool = False) -> list[StageInfo]:
+        """Dial every stage, ask for its info, and check the ring. With ``use_spares``, a stage that
+        cannot be reached is replaced by a spare of the ring file holding its layers, if any.
 
         Raises:
             StageLost / HopTimeout: a stage is unreachable (names its addr).
@@ -118,8 +119,30 @@ class RingClient:
         check_tiling([s.layers for s in self.ring.stages], num_layers)
         self._num_layers, self._model_digest, self._nursery = num_layers, model_digest, nursery
         for i, spec in enumerate(self.ring.stages):
-            self.links.append(await self._link(i, spec))
+            try:
+                self.links.append(await self._link(i, spec))
+            except StageLost:
+                if not use_spares:
+                    raise
+                spare = await self.prepare_spare(i, (spec.layers.start, spec.layers.end))
+                if spare is None:
+                    raise
+                log.warning("ring.connect_spare index=%d layers=%s unreachable=%s spare=%s", i, spec.layers,
+                            spec.addr, spare.info.peer_id)
+                self.links.append(spare)
         return self.infos
+
+    async def aclose(self) -> None:
+        """Close every stream to the ring (a stage drops the sessions they opened). Never raises."""
+        with trio.CancelScope(shield=True):
+            for link in self.links:
+                for stream in (link.data, link.control):
+                    with trio.move_on_after(1.0):
+                        await stream.aclose()
+
+    def healed_ring(self) -> RingSpec:
+        """The ring as it stands now (after any heal) and the spares not used yet."""
+        return RingSpec(model=self.ring.model, stages=tuple(self.stage_specs), spares=tuple(self.spares))
 
     async def _link(self, index: int, spec: StageSpec) -> _Link:
         """Dial ``spec`` (data + control streams), check its info, start its readers."""

@@ -82,6 +82,8 @@ class StageServer:
             "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
+            sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
+            kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
         )
 
     async def handle_stream(self, stream) -> None:

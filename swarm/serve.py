@@ -1,0 +1,478 @@
+"""``swarm serve``: an OpenAI-compatible HTTP API over a ring.
+
+Owns: the Starlette app (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/health``), request validation into OpenAI-shaped errors, stop strings, server-sent events, and
+one ring session per request. Runs in one trio event loop with Hypercorn (its trio worker), so the
+libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``swarm.ring``.
+
+Each request gets its own ``RingClient`` (its own streams to every stage, over the host's one
+connection per stage) and its own session with its own KV cache at every stage, so concurrent
+requests are isolated: a failed, cancelled or disconnected request closes its streams and every
+stage drops its session. Stages compute one forward at a time (sessions interleave chunk by
+chunk); batching rows of several sessions into one forward is not built yet.
+
+API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import trio
+
+from swarm.config import RingSpec, SamplingParams, SpecConfig
+from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
+                          SwarmError)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """A validated completion request."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+@dataclass
+class ServeState:
+    """What every request shares: the ring, the host, the tokenizer."""
+
+    ring: RingSpec
+    host: object
+    nursery: object
+    tokenizer: object
+    model_id: str
+    model_dir: object
+    num_layers: int
+    model_digest: str
+    stop_ids: set
+    max_ctx: int
+    vocab_size: int = 0
+    hop_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    wire_dtype: str | None = None
+    active: int = 0
+    served: int = 0
+
+
+# ---- request parsing ----------------------------------------------------------------------------
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or (not integer and not math.isfinite(value)) or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(400, f"'{name}' must be {kind} in [{lo:g}, {hi:g}], got {value!r}", name)
+    return value
+
+
+def parse_request(body, state: ServeState, chat: bool) -> Request:
+    """Validate an OpenAI request body; raise ApiError(400/404) naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != state.model_id:
+        raise ApiError(404, f"the model {model!r} does not exist here; this server serves {state.model_id!r}",
+                       "model", "model_not_found")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise ApiError(400, f"'{name}' is not supported", name)
+    if body.get("logprobs") not in (None, False, 0) or body.get("echo") or body.get("best_of") not in (None, 1):
+        raise ApiError(400, "logprobs, echo and best_of are not supported", "logprobs")
+    if chat:
+        prompt_ids = _chat_ids(body.get("messages"), state.tokenizer)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (or a list of one string)", "prompt")
+        prompt_ids = list(state.tokenizer(prompt)["input_ids"])
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty after tokenization", "prompt")
+    if len(prompt_ids) >= state.max_ctx:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {state.max_ctx}",
+                       "messages" if chat else "prompt", "context_length_exceeded")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, DEFAULT_MAX_TOKENS, 1, 2**31 - 1, integer=True)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise ApiError(400, "'top_p' must be > 0", "top_p")
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    if seed is None:
+        seed = secrets.randbits(31)  # like OpenAI: unseeded requests differ
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    try:
+        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), seed=int(seed))
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), "temperature") from None
+    return Request(prompt_ids, max_tokens, sampling, stop, stream, bool(opts.get("include_usage")), chat)
+
+
+def _chat_ids(messages, tokenizer) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or developer", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+# ---- one generation -----------------------------------------------------------------------------
+
+
+class Detok:
+    """Text of the committed ids, with stop strings: ``update(ids)`` returns the text that is safe
+    to emit now (held back where a stop string might still be forming)."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.emitted = 0
+        self.text = ""
+        self.hit = False
+
+    def update(self, ids: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.hit, final = text[:cut], True, True
+        self.text = text
+        safe = len(text)
+        if not final:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            safe = max(self.emitted, safe - hold)
+        new, self.emitted = text[self.emitted:safe], max(self.emitted, safe)
+        return new
+
+
+def map_error(exc: BaseException) -> ApiError:
+    """A SwarmError from the ring, as the HTTP error a client should see."""
+    from swarm.heal import HealError, NoSpare
+
+    text = str(exc)
+    if isinstance(exc, ContextOverflow):
+        return ApiError(400, text, None, "context_length_exceeded")
+    if isinstance(exc, RemoteError) and ("busy" in text or "draining" in text):
+        return ApiError(503, f"the ring cannot take this request now: {text}", None, "ring_busy", "server_error")
+    if isinstance(exc, (StageLost, HopTimeout, NoSpare, HealError)):
+        return ApiError(503, f"the ring is unavailable: {text}", None, "ring_unavailable", "server_error")
+    if isinstance(exc, (ConfigError, ModelError)):
+        return ApiError(400, text)
+    return ApiError(502, f"a stage failed the request: {text}", None, "stage_error", "server_error")
+
+
+async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[list[int], dict, Detok]:
+    """Run one request on its own ring client; ``on_text(piece)`` gets text as it becomes final.
+
+    Raises:
+        SwarmError: from the ring (see ``map_error``).
+    """
+    from swarm.coordinator import decode
+    from swarm.drafters import make_drafter
+    from swarm.ring import RingClient
+
+    detok = Detok(state.tokenizer, req.stop)
+
+    def on_ids(ids):
+        piece = detok.update(ids)
+        if piece and on_text:
+            on_text(piece)
+
+    drafter = make_drafter(state.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
+        if state.spec.draft != "none" else None
+    client = RingClient(state.host, state.ring, state.hop_timeout_s, state.connect_timeout_s, state.heartbeat_s)
+    state.active += 1
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                await client.connect(state.num_layers, state.model_digest, nursery, use_spares=True)
+                out, record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
+                                           state.spec, drafter, req.sampling, state.wire_dtype,
+                                           should_stop=lambda ids: detok.hit)
+                if record.get("heal_events") or client.healed_ring() != state.ring:
+                    state.ring = client.healed_ring()  # later requests start from the healed ring
+            finally:
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        state.active -= 1
+        state.served += 1
+    tail = detok.update(out, final=True)
+    if tail and on_text:
+        on_text(tail)
+    return out, record, detok
+
+
+def finish_reason(out: list[int], req: Request, state: ServeState, detok: Detok, record: dict) -> str:
+    if detok.hit or (out and out[-1] in state.stop_ids):
+        return "stop"
+    return "length"
+
+
+def usage(req: Request, out: list[int]) -> dict:
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(out),
+            "total_tokens": len(req.prompt_ids) + len(out)}
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+def build_app(state: ServeState):
+    """The Starlette app over ``state``."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def completion(request, chat: bool):
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError(400, "the request body is not valid JSON") from None
+            req = parse_request(body, state, chat)
+        except ApiError as err:
+            return error_response(err)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(_events(state, req, rid, created), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            out, record, detok = await generate_ids(state, req)
+        except SwarmError as exc:
+            log.warning("request.failed id=%s reason=%s", rid, exc)
+            return error_response(map_error(exc))
+        reason = finish_reason(out, req, state, detok, record)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": detok.text}, "finish_reason": reason,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": detok.text, "finish_reason": reason, "logprobs": None}
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": state.model_id, "choices": [choice],
+                             "usage": usage(req, out), "system_fingerprint": None})
+
+    async def chat_completions(request):
+        return await completion(request, chat=True)
+
+    async def completions(request):
+        return await completion(request, chat=False)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_id, "object": "model", "created": 0, "owned_by": "swarm"}]})
+
+    async def health(request):
+        stages = await ring_health(state)
+        ok = all(s["ok"] for s in stages)
+        return JSONResponse({"status": "ok" if ok else "degraded", "model": state.model_id, "stages": stages,
+                             "active_requests": state.active, "served_requests": state.served},
+                            status_code=200 if ok else 503)
+
+    async def not_found(request, exc):
+        return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    async def not_allowed(request, exc):
+        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_allowed})
+
+
+async def _events(state: ServeState, req: Request, rid: str, created: int):
+    """Server-sent events of one streaming request. The generation runs in the server's nursery
+    under its own cancel scope; if the client goes away, this generator is closed and the scope
+    cancelled, and the request's streams close so every stage drops the session."""
+    send, recv = trio.open_memory_channel(math.inf)
+    scope = trio.CancelScope()
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+
+    def chunk(text: str | None = None, reason: str | None = None, role: bool = False) -> str:
+        if req.chat:
+            delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_id,
+                                      "choices": [choice]}) + "\n\n"
+
+    async def work():
+        with scope:
+            try:
+                out, record, detok = await generate_ids(state, req, lambda t: send.send_nowait(("text", t)))
+                send.send_nowait(("done", (out, record, detok)))
+            except SwarmError as exc:
+                log.warning("request.failed id=%s reason=%s", rid, exc)
+                send.send_nowait(("error", map_error(exc)))
+
+    state.nursery.start_soon(work)
+    try:
+        if req.chat:
+            yield chunk(role=True)
+        async for kind, value in recv:
+            if kind == "text":
+                yield chunk(value)
+            elif kind == "error":
+                yield "data: " + json.dumps(value.body()) + "\n\n"
+                break
+            else:
+                out, record, detok = value
+                yield chunk(reason=finish_reason(out, req, state, detok, record))
+                if req.include_usage:
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_id,
+                                                 "choices": [], "usage": usage(req, out)}) + "\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        scope.cancel()  # a client that left: stop generating, free the session at every stage
+
+
+async def ring_health(state: ServeState) -> list[dict]:
+    """Ask every stage of the current ring for its info (in parallel, with a short deadline)."""
+    from swarm import wire
+    from swarm.wire import PROTOCOL_ID
+
+    results: list[dict] = [{} for _ in state.ring.stages]
+
+    async def one(i, spec):
+        entry = {"index": i, "layers": [spec.layers.start, spec.layers.end], "addr": spec.addr,
+                 "peer_id": spec.peer_id, "ok": False}
+        t0 = time.perf_counter()
+        try:
+            with trio.fail_after(min(5.0, state.connect_timeout_s)):
+                s = await state.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=state.connect_timeout_s)
+                try:
+                    await s.send(wire.frame("info"))
+                    msg = await s.recv()
+                finally:
+                    await s.aclose()
+            entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
+                         and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
+                         **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
+                                                    "draining")})
+        except (SwarmError, trio.TooSlowError) as exc:
+            entry["error"] = str(exc) or "no answer within 5 s"
+        results[i] = entry
+
+    async with trio.open_nursery() as nursery:
+        for i, spec in enumerate(state.ring.stages):
+            nursery.start_soon(one, i, spec)
+    return results
+
+
+async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
+                    spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
+                    heartbeat_s: float = 1.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Check the ring, then serve the API on ``host:port`` until cancelled.
+
+    ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening.
+
+    Raises:
+        ConfigError / ModelError / StageLost: the model or the ring is not usable (checked first).
+    """
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve as hyper_serve
+    from transformers import AutoTokenizer
+
+    from swarm.config import cache_root
+    from swarm.coordinator import _vocab_size, eos_ids
+    from swarm.model.block import model_num_layers
+    from swarm.model.resolve import model_manifest_digest, resolve_model
+    from swarm.ring import RingClient
+    from swarm.transport import load_or_create_key, open_host
+
+    resolved = resolve_model(ring.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    num_layers = model_num_layers(resolved.path)
+    digest = model_manifest_digest(resolved.path)
+    key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
+    async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
+        probe = RingClient(p2p, ring, hop_timeout_s, 10.0, heartbeat_s)
+        async with trio.open_nursery() as probe_nursery:  # the ring must be whole before we listen
+            try:
+                infos = await probe.connect(num_layers, digest, probe_nursery, use_spares=True)
+                ring = probe.healed_ring()
+            finally:
+                await probe.aclose()
+                probe_nursery.cancel_scope.cancel()
+        state = ServeState(ring=ring, host=p2p, nursery=nursery, tokenizer=tokenizer, model_id=resolved.name,
+                           model_dir=resolved.path, num_layers=num_layers, model_digest=digest,
+                           stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
+                           hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
+                           wire_dtype=wire_dtype, vocab_size=_vocab_size(resolved.path))
+        config = HyperConfig()
+        config.bind = [f"{host}:{port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        binds = await nursery.start(hyper_serve, build_app(state), config)
+        url = binds[0] if binds else f"http://{host}:{port}"
+        task_status.started({"url": url, "model": resolved.name, "ring": [i.entry() for i in infos]})
+        await trio.sleep_forever()

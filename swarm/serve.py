@@ -5,10 +5,11 @@ Owns: the Starlette app (``/v1/chat/completions``, ``/v1/completions``, ``/v1/mo
 one ring session per request. Runs in one trio event loop with Hypercorn (its trio worker), so the
 libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``swarm.ring``.
 
-Each request gets its own ``RingClient`` (its own streams to every stage, over the host's one
-connection per stage) and its own session with its own KV cache at every stage, so concurrent
-requests are isolated: a failed, cancelled or disconnected request closes its streams and every
-stage drops its session. Stages compute one forward at a time (sessions interleave chunk by
+Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
+the host's one connection per stage) and opens its own session with its own KV cache at every
+stage, so concurrent requests are isolated: a request that ends closes its session everywhere,
+and one that fails or is cancelled (a client that disconnects) also closes its streams, so every
+stage drops the session. Stages compute one forward at a time (sessions interleave chunk by
 chunk); batching rows of several sessions into one forward is not built yet.
 
 API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
@@ -28,7 +29,7 @@ import trio
 
 from swarm.config import RingSpec, SamplingParams, SpecConfig
 from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
-                          SwarmError)
+                          SwarmError, collapse)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ServeState:
     wire_dtype: str | None = None
     active: int = 0
     served: int = 0
+    pool: object = None  # ClientPool, set by serve_api
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -189,6 +191,8 @@ class Detok:
         self.emitted = 0
         self.text = ""
         self.hit = False
+        self.ids: list[int] = []
+        self.record: dict = {}
 
     def update(self, ids: list[int], final: bool = False) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -230,7 +234,6 @@ async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[l
     """
     from swarm.coordinator import decode
     from swarm.drafters import make_drafter
-    from swarm.ring import RingClient
 
     detok = Detok(state.tokenizer, req.stop)
 
@@ -241,27 +244,73 @@ async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[l
 
     drafter = make_drafter(state.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
         if state.spec.draft != "none" else None
-    client = RingClient(state.host, state.ring, state.hop_timeout_s, state.connect_timeout_s, state.heartbeat_s)
     state.active += 1
+    client = await state.pool.acquire()
+    healthy = False
     try:
-        async with trio.open_nursery() as nursery:
-            try:
-                await client.connect(state.num_layers, state.model_digest, nursery, use_spares=True)
-                out, record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
-                                           state.spec, drafter, req.sampling, state.wire_dtype,
-                                           should_stop=lambda ids: detok.hit)
-                if record.get("heal_events") or client.healed_ring() != state.ring:
-                    state.ring = client.healed_ring()  # later requests start from the healed ring
-            finally:
-                await client.aclose()
-                nursery.cancel_scope.cancel()
+        detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
+                                               state.spec, drafter, req.sampling, state.wire_dtype,
+                                               should_stop=lambda ids: detok.hit)
+        healthy = True
+        if client.healed_ring() != state.ring:
+            state.ring = client.healed_ring()  # new ring clients start from the healed ring
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
     finally:
+        await state.pool.release(client, healthy)
         state.active -= 1
         state.served += 1
+    out, record = detok.ids, detok.record
     tail = detok.update(out, final=True)
     if tail and on_text:
         on_text(tail)
     return out, record, detok
+
+
+class ClientPool:
+    """Ring clients with open streams to every stage, one per request in flight (at most ``size``).
+
+    Streams are opened once and reused: py-libp2p 0.8.1 loses a shared connection when many streams
+    are opened and closed on it while others are busy, so requests must not churn streams. A client
+    whose request failed or was cancelled (its streams may hold half a frame) is closed, not reused.
+    """
+
+    def __init__(self, state: ServeState, size: int):
+        self.state, self.size = state, size
+        self.free: list = []
+        self.slots = trio.Semaphore(size)
+        self.opened = 0
+
+    async def acquire(self):
+        from swarm.ring import RingClient
+
+        await self.slots.acquire()
+        try:
+            if self.free:
+                return self.free.pop()
+            st = self.state
+            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s)
+            try:
+                await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
+            except BaseException:
+                await client.aclose()
+                raise
+            self.opened += 1
+            return client
+        except BaseException:
+            self.slots.release()
+            raise
+
+    async def release(self, client, healthy: bool) -> None:
+        if healthy:
+            self.free.append(client)
+        else:
+            await client.aclose()
+        self.slots.release()
+
+    async def aclose(self) -> None:
+        while self.free:
+            await self.free.pop().aclose()
 
 
 def finish_reason(out: list[int], req: Request, state: ServeState, detok: Detok, record: dict) -> str:
@@ -430,10 +479,12 @@ async def ring_health(state: ServeState) -> list[dict]:
 
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
-                    heartbeat_s: float = 1.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    heartbeat_s: float = 1.0, max_concurrency: int = 16,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Check the ring, then serve the API on ``host:port`` until cancelled.
 
-    ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening.
+    ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening. At most
+    ``max_concurrency`` requests run on the ring at once; more wait for a free slot.
 
     Raises:
         ConfigError / ModelError / StageLost: the model or the ring is not usable (checked first).
@@ -468,6 +519,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
                            wire_dtype=wire_dtype, vocab_size=_vocab_size(resolved.path))
+        state.pool = ClientPool(state, max_concurrency)
         config = HyperConfig()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None

@@ -55,6 +55,9 @@ class SwarmHost:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
         self.key_pair = key_pair  # the node key: signs session assignments and receipts
+        # py-libp2p 0.8.1 loses the shared connection when several streams are negotiated on it
+        # at once (seen with concurrent API requests): open streams one at a time
+        self._open_lock = trio.Lock()
         self._peer_id = host.get_id().to_base58()
 
     @property
@@ -124,6 +127,25 @@ class SwarmHost:
         await host.connect(info)
         log.debug("hop.dial peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start)
 
+    async def _new_stream(self, info, protocol_id: str, start: float):
+        """Negotiate one stream to ``info.peer_id``, dialing first if there is no connection.
+        A connection libp2p still lists can be dead (its path went away, e.g. a relay or a peer that
+        restarted on a new port): then drop it and dial afresh, once."""
+        host = self.libp2p_host
+        network = host.get_network()
+        had_connection = bool(network.get_connections(info.peer_id))
+        if not had_connection:
+            await self._dial(info, start)
+        try:
+            return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+        except (SwarmException, StreamFailure) as e:
+            if not had_connection or (isinstance(e, StreamFailure) and _is_unsupported_protocol(e)):
+                raise
+            log.info("hop.redial peer=%s reason=stale-connection error=%r", info.peer_id, e)
+            await network.close_peer(info.peer_id)
+            await self._dial(info, start)
+            return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+
     async def open_stream(
         self,
         addr: str,
@@ -155,25 +177,11 @@ class SwarmHost:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         except (ValueError, multiaddr.exceptions.Error) as e:
             raise ConfigError(f"not a dialable multiaddr with /p2p/<peer_id>: {addr!r} ({e})") from e
-        host = self.libp2p_host
-        network = host.get_network()
         start = trio.current_time()
         try:
             with trio.fail_after(timeout_s):
-                had_connection = bool(network.get_connections(info.peer_id))
-                if not had_connection:
-                    await self._dial(info, start)
-                try:
-                    net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
-                except (SwarmException, StreamFailure) as e:
-                    if not had_connection or (isinstance(e, StreamFailure) and _is_unsupported_protocol(e)):
-                        raise
-                    # A connection libp2p still lists can be dead (its path went away, e.g. a
-                    # relay or a peer that restarted on a new port): drop it and dial afresh.
-                    log.info("hop.redial peer=%s reason=stale-connection", info.peer_id)
-                    await network.close_peer(info.peer_id)
-                    await self._dial(info, start)
-                    net_stream = await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+                async with self._open_lock:
+                    net_stream = await self._new_stream(info, protocol_id, start)
         except trio.TooSlowError:
             log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
             raise HopTimeout(

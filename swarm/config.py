@@ -55,16 +55,31 @@ class StageConfig:
             raise ConfigError(f"--hop-timeout-s must be a positive number of seconds, got {self.hop_timeout_s}")
         for flag, peers in (("--allow-coordinator", self.allow_coordinators), ("--admin", self.admins)):
             for peer in peers:
-                if not (isinstance(peer, str) and peer.startswith(("12D3KooW", "Qm")) and 40 <= len(peer) <= 64):
-                    raise ConfigError(f"{flag} {peer!r} is not a PeerId (12D3KooW...)")
+                _check_peer_id(flag, peer)
         if self.max_ctx is not None and self.max_ctx < 1:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
-        if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:
-            raise ConfigError(f"--kv-budget-mb must be a positive number of MiB, got {self.kv_budget_mb}")
-        for name in ("session_ttl_s", "drain_timeout_s"):
+        if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
+            raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
+        for name, low in (("session_ttl_s", 0.1), ("drain_timeout_s", 0.0)):
             value = getattr(self, name)
-            if not value > 0 or value == float("inf"):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+            if not low < value < 1e9 and not (low == 0.0 and value == 0.0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds in ({low:g}, 1e9), "
+                                  f"got {value}")
+        port = self.listen.split("/tcp/", 1)[1].split("/", 1)[0]
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"--listen {self.listen!r}: the TCP port must be 0..65535")
+
+
+def _check_peer_id(flag: str, peer) -> None:
+    """A well-formed ed25519 PeerId (base58, the public key inlined), or ConfigError naming ``flag``."""
+    from swarm.errors import IdentityError
+    from swarm.transport.identity import public_key_of_peer
+
+    try:
+        public_key_of_peer(peer if isinstance(peer, str) else "")
+    except IdentityError:
+        raise ConfigError(f"{flag} {peer!r} is not an ed25519 PeerId (12D3KooW..., as `swarm keygen` prints)") \
+            from None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,13 @@ def preflight(config: StageConfig) -> dict:
     from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
     from swarm.model.resolve import _read_header, model_manifest_digest, resolve_model, tensor_index
 
-    resolved = resolve_model(config.model, progress=False)
+    try:
+        resolved = resolve_model(config.model, progress=False)
+    except ModelError as exc:
+        if "HF_HUB_OFFLINE" in str(exc):
+            raise ModelError(f"{config.model!r} is not in the local Hugging Face cache, and --check does not "
+                             "download; start the stage once without --check to fetch it") from None
+        raise
     model_config = load_config(resolved.path)
     num_layers = model_config.num_hidden_layers
     config.layers.check_within(num_layers)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ class StageServer:
         self.model_digest = model_digest
         self.sessions: dict[str, Session] = {}
         self.successors: dict[str, object] = {}  # addr -> FramedStream, one persistent stream per hop
-        self._dial_lock = trio.Lock()
+        self._dial_locks: dict[str, trio.Lock] = {}  # successor addr -> lock held while dialing it
         self._compute_lock = trio.Lock()
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
@@ -119,10 +120,16 @@ class StageServer:
             log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
             code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
             await self._try_send(stream, wire.error_frame(str(exc), code, session=_session_of(msg)))
+        except (StreamClosed, trio.Cancelled):
+            raise
+        except Exception as exc:  # a bug reached by some frame: answer it, keep the stream and its sessions
+            log.exception("frame.crashed peer=%s", getattr(stream, "remote_peer_id", "?"))
+            await self._try_send(stream, wire.error_frame(f"internal error: {type(exc).__name__}: {exc}"[:300],
+                                                          "internal", session=_session_of(msg)))
 
     async def dispatch(self, stream, msg: dict) -> None:
         kind = msg["type"]
-        sess = self.sessions.get(msg.get("session", ""))
+        sess = self.sessions.get(_session_of(msg) or "")
         if sess is not None and stream.remote_peer_id in (sess.coordinator, sess.source):
             sess.last_active = trio.current_time()
         if kind == "info":
@@ -189,6 +196,8 @@ class StageServer:
             return
         if self.block.is_tail and next_addr is not None:
             raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
+        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+            raise ProtocolError("the successor named in 'next' is this stage itself")
         if not self.block.is_tail and next_addr is None:
             raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
         max_len = msg["max_len"] or self.block.max_ctx
@@ -200,12 +209,16 @@ class StageServer:
             budget = int(self.config.kv_budget_mb * 2**20)
             others = [s for s in self.sessions.values() if s.session_id != sid]
             held = sum(s.reserved for s in others)
+            if need > budget:
+                raise ContextOverflow(
+                    f"the session needs {_mib(need)} of KV cache for {max_len} positions, more than this stage's "
+                    f"whole KV budget of {self.config.kv_budget_mb:g} MiB (--kv-budget-mb); ask for fewer positions")
             if held + need > budget:
                 log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
                 await stream.send(wire.error_frame(
                     f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
-                    f"(--kv-budget-mb) is full: {len(others)} sessions hold {held / 2**20:.1f} MiB and this one "
-                    f"needs {need / 2**20:.1f} MiB for {max_len} positions", "busy", sid))
+                    f"(--kv-budget-mb) is taken: {len(others)} sessions hold {_mib(held)} and this one needs "
+                    f"{_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
                 return
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
                           source=prev or coordinator, reserved=need, last_active=trio.current_time())
@@ -233,7 +246,13 @@ class StageServer:
         await stream.send(wire.frame("open_ok", session=sid))
 
     async def _successor(self, addr: str):
-        async with self._dial_lock:
+        """The persistent stream to ``addr``, dialed once. One lock per address: a peer that names a
+        slow or dead successor delays only the opens that name the same one."""
+        s = self.successors.get(addr)
+        if s is not None and not s.closed:
+            return s
+        lock = self._dial_locks.setdefault(addr, trio.Lock())
+        async with lock:
             s = self.successors.get(addr)
             if s is None or s.closed:
                 s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
@@ -373,7 +392,7 @@ class StageServer:
         """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
         ttl = self.config.session_ttl_s
         while True:
-            await trio.sleep(min(5.0, ttl / 4))
+            await trio.sleep(max(0.05, min(5.0, ttl / 4)))
             now = trio.current_time()
             for sess in [s for s in self.sessions.values() if not s.busy and now - s.last_active > ttl]:
                 del self.sessions[sess.session_id]
@@ -449,19 +468,26 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         await trio.sleep_forever()
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
 def _session_of(msg) -> str | None:
     return msg.get("session") if isinstance(msg, dict) and isinstance(msg.get("session"), str) else None
 
 
 async def _drain_on_sigterm(server: StageServer) -> None:
-    """SIGTERM (a supervisor stopping the daemon) asks for a drain, like a drain frame."""
+    """SIGTERM (a supervisor stopping the daemon) asks for a drain, like a drain frame. Later
+    SIGTERMs during the drain are logged and ignored (the drain has its own deadline)."""
     import signal
 
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async for _ in signals:
-            log.warning("drain.sigterm")
-            server.drain_requested.set()
-            return
+            if server.drain_requested.is_set():
+                log.warning("drain.sigterm_again: already draining (--drain-timeout-s bounds it)")
+            else:
+                log.warning("drain.sigterm")
+                server.drain_requested.set()
 
 
 def emit(line_kind: str, payload: dict) -> None:
@@ -479,6 +505,10 @@ def run_check(config: StageConfig) -> int:
         payload = preflight(config)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
+        return 2
+    except Exception as exc:  # a model file no check above anticipated: still one line
+        log.debug("preflight.crashed", exc_info=True)
+        emit("FATAL", {"reason": f"unexpected error while checking: {type(exc).__name__}: {exc}"[:500]})
         return 2
     emit("OK", payload)
     return 0
@@ -507,6 +537,10 @@ def run_stage(config: StageConfig) -> int:
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return 1
+    except Exception as exc:  # e.g. torch refusing a config no check anticipated: still one line
+        log.debug("start.crashed", exc_info=True)
+        emit("FATAL", {"reason": f"cannot load layers {config.layers}: {type(exc).__name__}: {exc}"[:500]})
+        return 1
     try:
         server = StageServer(config, block, resolved.name, digest)
     except SwarmError as exc:
@@ -520,7 +554,10 @@ def run_stage(config: StageConfig) -> int:
             nursery.start_soon(_drain_on_sigterm, server)
             await server.drain_requested.wait()
             emit("DRAINED", await server.drain(config.drain_timeout_s))
-            nursery.cancel_scope.cancel()
+            # every session is finished or failed with a reason: nothing is left to save, and a
+            # graceful libp2p shutdown takes seconds, so leave now (a supervisor sees exit 0 at once)
+            sys.stderr.flush()
+            os._exit(0)
 
     try:
         try:

@@ -61,6 +61,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "drain_ok": {"sessions": _INT},
 }
 MAX_SESSION_CHARS = 128
+MAX_TOKENS_PER_FRAME = 1 << 18  # a prefill chunk longer than any context we serve
 MAX_INT = 2**31 - 1
 
 
@@ -116,11 +117,11 @@ def validate(msg: Any) -> dict:
     """
     if not isinstance(msg, dict):
         raise ProtocolError(f"frame is a {type(msg).__name__}, not a map")
-    if msg.get("v") != VERSION:
+    if type(msg.get("v")) is not int or msg.get("v") != VERSION:
         raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this node speaks {VERSION})")
     kind = msg.get("type")
-    if kind not in SCHEMA:
-        raise ProtocolError(f"unknown frame type {kind!r}")
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise ProtocolError(f"unknown frame type {kind!r}"[:200])
     for name, types in SCHEMA[kind].items():
         if name not in msg:
             raise ProtocolError(f"{kind} frame lacks field {name!r}")
@@ -149,6 +150,8 @@ def validate(msg: Any) -> dict:
         except ValueError as exc:
             raise ProtocolError(f"open frame: {exc}") from None
     session = msg.get("session")
+    if "session" in msg and not isinstance(session, str):
+        raise ProtocolError(f"{kind} frame field 'session' must be a string")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")
     if kind == "forward":
@@ -157,7 +160,9 @@ def validate(msg: Any) -> dict:
             raise ProtocolError("forward frame must carry exactly one of 'tokens' or 'hidden'")
         if has_tokens:
             toks = msg["tokens"]
-            if not isinstance(toks, list) or not toks or not all(isinstance(x, int) and not isinstance(x, bool) for x in toks):
+            if isinstance(toks, list) and len(toks) > MAX_TOKENS_PER_FRAME:
+                raise ProtocolError(f"forward frame carries {len(toks)} token ids; at most {MAX_TOKENS_PER_FRAME}")
+            if not isinstance(toks, list) or not toks or not all(type(x) is int for x in toks):
                 raise ProtocolError("forward frame 'tokens' must be a non-empty list of integers")
         elif not isinstance(msg["hidden"], dict):
             raise ProtocolError("forward frame 'hidden' must be a tensor map")
@@ -215,7 +220,7 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
     if not isinstance(m, dict):
         raise ProtocolError("tensor field is not a map")
     name, shape, data = m.get("dtype"), m.get("shape"), m.get("data")
-    if name not in WIRE_DTYPES:
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
         raise ProtocolError(f"tensor dtype {name!r} is not allowed (allowed: {', '.join(WIRE_DTYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"tensor shape {shape!r} is not a list of non-negative integers")

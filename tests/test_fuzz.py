@@ -77,7 +77,8 @@ def frames(draw, sessions=SESSIONS):
     possibly wrong (reaching the stage's deeper checks)."""
     kind = draw(st.sampled_from([*wire.SCHEMA, "bogus", *["forward"] * 6, "open", "receipt", "cancel"]))
     if draw(st.integers(0, 3)) == 0:  # free-form
-        msg = {"v": draw(st.sampled_from([1, 2, "1", None])), "type": kind}
+        msg = {"v": draw(st.sampled_from([1, 2, "1", None, True, 1.0, [1]])),
+               "type": draw(st.one_of(st.just(kind), JUNK))}
         for name in draw(st.lists(st.sampled_from(FIELDS), max_size=8, unique=True)):
             msg[name] = draw(JUNK)
         return msg
@@ -93,7 +94,7 @@ def frames(draw, sessions=SESSIONS):
                    sig=draw(st.text(max_size=8)))
     elif kind in ("cancel",):
         msg["epoch"] = draw(POS)
-    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=1)):  # maybe one wrong field
+    for name in draw(st.lists(st.sampled_from([*FIELDS, "type", "v"]), max_size=1)):  # maybe one wrong field
         msg[name] = draw(JUNK)
     return msg
 

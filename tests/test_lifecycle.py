@@ -53,6 +53,12 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text("{}")
+    import shutil
+
+    bad_values = tmp_path / "bad-values"
+    shutil.copytree(model, bad_values)
+    cfg = json.loads((bad_values / "config.json").read_text())
+    (bad_values / "config.json").write_text(json.dumps({**cfg, "hidden_size": -64}))
     for args, reason in [
         (["--key", str(tmp_path / "k" / "s.key")], "unsafe mode 0644"),
         (["--layers", "2:9"], "out of bounds: the model has 4 layers"),
@@ -61,6 +67,7 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
         (["--device", "cuda"], "CUDA is not available"),
         (["--max-ctx", "100000"], "exceeds the model's maximum context of 128"),
         (["--kv-budget-mb", "10000000"], "not enough memory on cpu"),
+        (["--model", str(bad_values)], "hidden_size must be a positive integer"),
     ]:
         base = {"--model": str(model), "--layers": "0:2", "--key": str(tmp_path / "ok.key")}
         for flag, value in zip(args[::2], args[1::2]):
@@ -68,6 +75,15 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
         res = swarm("stage", "--check", *[x for kv in base.items() for x in kv])
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert reason in line(res, "FATAL")["reason"], (args, res.stdout)
+
+
+def test_usage_errors_still_print_a_fatal_line(synthetic, tmp_path):
+    for args, code in ((["--threads", "abc"], 1), (["--threads", "abc", "--check"], 2), (["--layers", "-1:2"], 1)):
+        res = swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", *args)
+        assert res.returncode == code and line(res, "FATAL")["reason"].startswith("argument "), res.stdout
+    res = swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--max-ctx", "9999",
+                "--key", str(tmp_path / "k.key"))
+    assert res.returncode == 1 and "exceeds the model's maximum context" in line(res, "FATAL")["reason"]
 
 
 def test_secrets_stay_out_of_argv_and_logs(synthetic, tmp_path):
@@ -166,6 +182,8 @@ def test_drain_timeout_fails_the_rest_with_a_reason(synthetic, tmp_path):
                     assert ok["type"] == "open_ok"
                     t0 = trio.current_time()
                     os.kill(sp.proc.pid, signal.SIGTERM)
+                    await trio.sleep(0.3)
+                    os.kill(sp.proc.pid, signal.SIGTERM)  # impatient supervisor: still one orderly drain
                     err = await s.recv(timeout_s=10)
                     return err, trio.current_time() - t0
 
@@ -173,7 +191,9 @@ def test_drain_timeout_fails_the_rest_with_a_reason(synthetic, tmp_path):
         assert err["type"] == "error" and err["session"] == "stuck" and err["code"] == "unavailable"
         assert "draining" in err["reason"] and 0.9 < waited < 5
         drained = _wait_line(sp, "DRAINED")
+        t_drained = time.monotonic()
         assert drained["sessions_failed"] == 1 and sp.proc.wait(timeout=10) == 0
+        assert time.monotonic() - t_drained < 2  # exits right after DRAINED
 
 
 def test_drain_request_only_from_an_admin(synthetic, tmp_path):

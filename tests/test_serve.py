@@ -204,3 +204,39 @@ def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path):
         ref = trio.run(generate, config, question)
     assert r.choices[0].message.content == ref["text"] == streamed
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == ref["new_tokens"]
+
+
+def test_swarm_serve_command(stories_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    with LocalRing(str(stories_dir), [LayerRange(0, 3), LayerRange(3, 5)], tmp_path / "keys", threads=1,
+                   extra_args=["--dtype", "float32"]) as ring:
+        ring_file = tmp_path / "ring.yaml"
+        ring_file.write_text(yaml.safe_dump(ring.ring_spec().to_dict()))
+        proc = subprocess.Popen([sys.executable, "-m", "swarm", "serve", "--ring", str(ring_file), "--port", "0",
+                                 "--key", str(tmp_path / "c.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("swarm serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+            url = line.split()[2].removesuffix("/v1")
+            assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "stories260k"
+            health = httpx.get(url + "/health", timeout=30).json()
+            assert health["status"] == "ok" and [s["layers"] for s in health["stages"]] == [[0, 3], [3, 5]]
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": str(stories_dir), "stages": [
+        {"addr": "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDN1mGKneWMDiSWM6drbS2A2zuNs4ERiovfWWdnV3XKCg", "layers": "0:5"}]}))
+    res = subprocess.run([sys.executable, "-m", "swarm", "serve", "--ring", str(bad), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "unreachable" in res.stderr and "Traceback" not in res.stderr

@@ -263,11 +263,14 @@ def test_kv_budget_admits_then_refuses_busy(model, tmp_path):
                     assert (await s.recv(timeout_s=10))["type"] == "open_ok"
                     assert servers[1].sessions["a"].reserved == 64 * per_pos
                     await s.send(wire.open_frame(host.key_pair, "b", None, 64, prev=host.peer_id))
-                    err = await _expect_error(s, f"KV budget of {budget_mb:g} MiB (--kv-budget-mb) is full: "
-                                                 "1 sessions hold 0.0 MiB")
+                    err = await _expect_error(s, f"KV budget of {budget_mb:g} MiB (--kv-budget-mb) is taken: "
+                                                 "1 sessions hold 32.0 KiB and this one needs 32.0 KiB")
                     assert err["code"] == "busy" and "b" not in servers[1].sessions
                     with pytest.raises(RemoteError, match="is busy: its KV budget"):  # a whole job is refused
                         await ring_generate(spec, model, 4, PROMPT, 57, tmp_path)
+                    await s.send(wire.open_frame(host.key_pair, "huge", None, 128, prev=host.peer_id))
+                    err = await _expect_error(s, "more than this stage's whole KV budget")  # never fits: not busy
+                    assert err["code"] == "overflow"
                     await s.send(wire.frame("close", session="a"))
                     assert (await s.recv(timeout_s=10))["type"] == "close_ok"
                 out = await ring_generate(spec, model, 4, PROMPT, 8, tmp_path)  # room again
@@ -303,3 +306,75 @@ def test_idle_sessions_expire(model, tmp_path):
     expired = [m for m in got if m["type"] == "error"]
     assert len(expired) == 1 and expired[0]["session"] == "idle" and "expired after 0.4 s idle" in expired[0]["reason"]
     assert alive == {"busy"}
+
+
+def test_unhashable_values_get_an_error_and_the_stream_lives(model, tmp_path):
+    async def body(spec, servers, host):
+        s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
+        await s.send(wire.open_frame(host.key_pair, "keep", None, 16, prev=host.peer_id))
+        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+        for msg in ({"v": 1, "type": ["info"]}, {"v": 1, "type": "info", "session": ["x"]}, {"type": {"a": 1}},
+                    {"v": True, "type": "info"}, {"v": 1.0, "type": "info"},
+                    wire.frame("forward", session="keep2", epoch=0, pos=0, chunk=0,
+                               hidden={"dtype": ["float32"], "shape": [1, 1, 32], "data": b""})):
+            await s.send(msg)
+            assert (await s.recv(timeout_s=10))["type"] == "error"
+        assert "keep" in servers[1].sessions  # the stream and its session survived
+        await s.send(wire.frame("forward", session="keep", epoch=0, pos=0, chunk=0,
+                                hidden={"dtype": ["float32"], "shape": [1, 1, 32], "data": b""}))
+        await _expect_error(s, "not allowed")
+        return True
+
+    assert run_with_ring(model, [(0, 2), (2, 4)], tmp_path, body)
+
+
+def test_a_dead_successor_does_not_hold_up_other_opens(model, tmp_path):
+    """One peer naming a successor that never answers must not delay opens that name another."""
+    import socket
+
+    from swarm.transport.identity import peer_id_of
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # accepts TCP, never speaks: a dial to it hangs until the hop timeout
+    fake = peer_id_of(load_or_create_key(tmp_path / "fake.key"))
+    dead = f"/ip4/127.0.0.1/tcp/{hole.getsockname()[1]}/p2p/{fake}"
+
+    async def body(spec, servers, host):
+        async with open_host(load_or_create_key(tmp_path / "mallory.key"), [LOOPBACK]) as mallory, \
+                trio.open_nursery() as nursery:
+            async def stall(i):
+                m = await mallory.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+                await m.send(wire.open_frame(mallory.key_pair, f"stall{i}", dead, 8))
+                await m.recv(timeout_s=60)
+
+            for i in range(3):
+                nursery.start_soon(stall, i)
+            await trio.sleep(0.5)
+            t0 = trio.current_time()
+            out = await ring_generate(spec, model, 4, PROMPT, 4, tmp_path)
+            took = trio.current_time() - t0
+            nursery.cancel_scope.cancel()
+        return out, took
+
+    try:
+        out, took = run_with_ring(model, [(0, 2), (2, 4)], tmp_path, body, timeout_s=90)
+    finally:
+        hole.close()
+    assert out == reference_greedy(model, PROMPT, 4, "float64") and took < 10
+
+
+@pytest.mark.parametrize("kwargs,expect", [
+    ({"kv_budget_mb": float("inf")}, "positive, finite"), ({"kv_budget_mb": float("nan")}, "positive, finite"),
+    ({"session_ttl_s": 1e-9}, "--session-ttl-s must be"), ({"drain_timeout_s": -1}, "--drain-timeout-s must be"),
+    ({"allow_coordinators": ("12D3KooW" + "1" * 44,)}, "is not an ed25519 PeerId"),
+    ({"admins": ("Qmfoo",)}, "--admin 'Qmfoo' is not"), ({"listen": "/ip4/127.0.0.1/tcp/99999"}, "0..65535"),
+    ({"max_ctx": 0}, "--max-ctx must be >= 1"),
+])
+def test_stage_config_refuses(kwargs, expect):
+    from swarm.config import StageConfig
+    from swarm.errors import ConfigError
+    from swarm.ranges import LayerRange
+
+    with pytest.raises(ConfigError, match=expect):
+        StageConfig(model="m", layers=LayerRange(0, 1), **kwargs)

@@ -112,6 +112,14 @@ def load_config(model_dir: Path):
         raise ModelError(
             f"model family {config.model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
         )
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelError(f"{cfg_path}: {name} must be a positive integer, got {value!r}")
+    for name in ("num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ModelError(f"{cfg_path}: {name} must be a positive integer, got {value!r}")
     config._attn_implementation = "sdpa"
     return config
 

@@ -55,9 +55,9 @@ class SwarmHost:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
         self.key_pair = key_pair  # the node key: signs session assignments and receipts
-        # py-libp2p 0.8.1 loses the shared connection when several streams are negotiated on it
-        # at once (seen with concurrent API requests): open streams one at a time
-        self._open_lock = trio.Lock()
+        # streams to one peer are negotiated one at a time (they share its connection); one lock
+        # per peer, so a peer that does not answer delays only dials to itself
+        self._open_locks: dict[str, trio.Lock] = {}
         self._peer_id = host.get_id().to_base58()
 
     @property
@@ -180,7 +180,7 @@ class SwarmHost:
         start = trio.current_time()
         try:
             with trio.fail_after(timeout_s):
-                async with self._open_lock:
+                async with self._open_locks.setdefault(str(info.peer_id), trio.Lock()):
                     net_stream = await self._new_stream(info, protocol_id, start)
         except trio.TooSlowError:
             log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)

@@ -144,12 +144,13 @@ def test_errors_use_the_openai_shape(stories):
     assert server.health()["status"] == "ok"  # nothing above hurt the ring
 
 
-def test_concurrent_requests_each_equal_their_solo_run(stories):
+def test_16_concurrent_requests_each_equal_their_solo_run(stories):
     server, _ = stories
     prompts = ["Once upon a time", "The cat", "Lily and Ben went to the park", "One day", "Tom had a red ball",
-               "The sun was", "A little bird", "Mom said"]
-    jobs = [dict(prompt=p, max_tokens=6 + 3 * (i % 4), temperature=0 if i % 2 else 0.8, seed=i)
-            for i, p in enumerate(prompts)]
+               "The sun was", "A little bird", "Mom said", "The big dog", "Sara found a", "In the garden",
+               "Tim and his dad", "There was a frog", "The little car", "Anna liked to", "A boy named Max"]
+    jobs = [dict(prompt=p, max_tokens=6 + 3 * (i % 4), temperature=0 if i % 2 else 0.8, seed=i, stream=False)
+            for i, p in enumerate(prompts)]  # different prompts and lengths, greedy and seeded sampling
 
     def run(job):
         return server.client.completions.create(model="stories260k", **job).choices[0].text

@@ -244,15 +244,15 @@ async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[l
 
     drafter = make_drafter(state.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
         if state.spec.draft != "none" else None
-    state.active += 1
     client = await state.pool.acquire()
+    state.active += 1
     healthy = False
     try:
         detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
                                                state.spec, drafter, req.sampling, state.wire_dtype,
                                                should_stop=lambda ids: detok.hit)
         healthy = True
-        if client.healed_ring() != state.ring:
+        if detok.record.get("heal_events"):
             state.ring = client.healed_ring()  # new ring clients start from the healed ring
     except BaseExceptionGroup as group:
         raise collapse(group) from None

@@ -357,8 +357,8 @@ class StageServer:
             raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
         b = self.block
         body = sess.ledger.body(
-            session=sid, coordinator=sess.coordinator, peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
-            range_digest=getattr(b, "range_digest", ""), layers=b.layer_range.as_list(), num_layers=b.num_layers,
+            session=sid, coordinator=sess.coordinator, peer_id=self.host.peer_id, model=self.model_name,
+            model_digest=self.model_digest, range_digest=getattr(b, "range_digest", ""), layers=b.layer_range.as_list(), num_layers=b.num_layers,
             dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if b.is_tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions)

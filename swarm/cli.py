@@ -50,6 +50,17 @@ def _stage_parser(sub) -> None:
     lim.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
                           "fail the rest, print SWARM_STAGE_DRAINED and exit 0 (default 30)")
+    bat = p.add_argument_group("batching (sessions that are ready together share one forward)")
+    bat.add_argument("--max-batch-rows", type=int, default=64,
+                     help="most decode/verify rows of different sessions one forward takes (default 64; 1: one "
+                          "session per forward)")
+    bat.add_argument("--batch-tile", type=int, default=4,
+                     help="rows per fixed-shape GEMM in a batched forward, so each session's result is bit-identical "
+                          "to its solo run (default 4; 0: plain GEMMs, faster alone but a session's last bits then "
+                          "depend on what shares its forward)")
+    bat.add_argument("--prefill-slice", type=int, default=128,
+                     help="positions of a long prompt chunk computed per step, between other sessions' decode rows "
+                          "(default 128)")
 
 
 def _stage_usage_error(parser, message: str):
@@ -263,7 +274,8 @@ def cmd_stage(args) -> int:
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
-                         drain_timeout_s=args.drain_timeout_s)
+                         drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
+                         batch_tile=args.batch_tile, prefill_slice=args.prefill_slice)
     from swarm.stage import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)

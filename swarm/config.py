@@ -41,6 +41,9 @@ class StageConfig:
     kv_budget_mb: float | None = None  # KV memory all sessions may reserve; None: no limit
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
+    max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
+    batch_tile: int = 4  # rows per fixed-shape GEMM in a batched forward (0: plain GEMMs, not batch-invariant)
+    prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -60,6 +63,10 @@ class StageConfig:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
         if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
+        for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 0),
+                                 ("--prefill-slice", self.prefill_slice, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
+                raise ConfigError(f"{flag} must be an integer in [{low}, 4096], got {value!r}")
         for name, low in (("session_ttl_s", 0.1), ("drain_timeout_s", 0.0)):
             value = getattr(self, name)
             if not low < value < 1e9 and not (low == 0.0 and value == 0.0):

@@ -466,7 +466,7 @@ async def ring_health(state: ServeState) -> list[dict]:
             entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
                          and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
                          **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
-                                                    "draining")})
+                                                    "draining", "batching")})
         except (SwarmError, trio.TooSlowError) as exc:
             entry["error"] = str(exc) or "no answer within 5 s"
         results[i] = entry

@@ -8,14 +8,24 @@ Data path per frame: the head receives token ids from the coordinator, every sta
 layers in a worker thread (so trio and the libp2p host stay responsive), forwards hidden states to
 its successor over one persistent stream, and the tail returns argmax token ids straight to the
 coordinator on the stream that opened the session.
+
+Scheduling (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's chunked
+prefill, Agrawal et al. OSDI 2024): arriving chunks queue per session; one scheduler task takes,
+each step, the next chunk of every ready session that is short (decode/verify rows, at most
+``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in all) into one packed forward, plus one
+``--prefill-slice`` of a long (prefill) chunk, so a long prompt never stalls other sessions. Short
+chunks run in fixed ``--batch-tile``-row GEMMs, so what a session computes does not depend on what
+shares its step (batch-invariant). Outputs leave through one ordered outbox per stream.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +37,19 @@ from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClos
 from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
+
+BATCH_CHUNK_MAX = 16  # chunks of at most this many positions are decode/verify rows: batched across sessions
+MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator keeps a few in flight)
+
+
+@dataclass
+class Job:
+    """A queued chunk (or receipt request) of one session at this stage."""
+
+    msg: dict
+    x: torch.Tensor | None = None  # (1, T) token ids at the head, else (1, T, D); None: a receipt request
+    done: int = 0  # positions computed so far (a long chunk is computed a slice per step)
+    parts: list = field(default_factory=list)  # outputs of the slices computed so far
 
 
 @dataclass
@@ -53,6 +76,8 @@ class Session:
     ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
+    queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
+    queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
 
 
 class StageServer:
@@ -67,7 +92,18 @@ class StageServer:
         self.sessions: dict[str, Session] = {}
         self.successors: dict[str, object] = {}  # addr -> FramedStream, one persistent stream per hop
         self._dial_locks: dict[str, trio.Lock] = {}  # successor addr -> lock held while dialing it
-        self._compute_lock = trio.Lock()
+        self._runq: dict[int, Session] = {}  # id -> session with queued jobs, in scheduling (round-robin) order
+        self._work = trio.Event()  # set when a job is queued
+        self._outboxes: dict[object, object] = {}  # stream -> send channel of its ordered outbox
+        self._in_flight = 0  # chunks being computed or frames waiting in an outbox (see idle())
+        self.tile = config.batch_tile or None
+        self.max_batch_rows = config.max_batch_rows
+        self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
+        if self.tile and not _gemm_rows_invariant(block, self.tile):
+            log.warning("batch.not_invariant tile=%d: this BLAS gives a row different bits depending on its place "
+                        "in a GEMM; each forward takes one session so results stay identical to solo runs",
+                        self.tile)
+            self.max_batch_rows = 1
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
         self.draining = False  # no new sessions; set by drain()
@@ -85,6 +121,8 @@ class StageServer:
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
             kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
+            batching={"max_batch_rows": self.max_batch_rows, "batch_tile": self.tile or 0,
+                      "prefill_slice": self.config.prefill_slice, **self.stats},
         )
 
     async def handle_stream(self, stream) -> None:
@@ -108,6 +146,7 @@ class StageServer:
             log.exception("stream.crashed peer=%s", peer)
         finally:
             self._drop_sessions_of(stream)
+            self._close_outbox(stream)
             with trio.move_on_after(1):
                 await stream.aclose()
 
@@ -268,12 +307,14 @@ class StageServer:
             except (StreamClosed, ProtocolError):
                 if self.successors.get(addr) is s:
                     del self.successors[addr]
+                self._close_outbox(s)
                 return
             sess = self.sessions.get(_session_of(msg) or "")
             if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
                 await self._try_send(sess.reply, msg)
 
     async def _forward(self, stream, msg: dict) -> None:
+        """Check a forward frame and queue it for the scheduler (:meth:`scheduler`)."""
         sid = msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
@@ -290,61 +331,23 @@ class StageServer:
         sess.epoch = msg["epoch"]
         block = self.block
         try:
+            if len(sess.queue) >= MAX_QUEUED:
+                raise ProtocolError(f"more than {MAX_QUEUED} chunks of the session are waiting at this stage")
+            # the chunk may start anywhere up to where the chunks queued before it will have left the cache
             inputs = wire.forward_inputs(msg, is_head=block.is_head, vocab_size=block.vocab_size,
-                                         hidden_size=block.hidden_size, kv_len=sess.cache.kv_len,
+                                         hidden_size=block.hidden_size,
+                                         kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
                                          max_len=sess.cache.max_len)
         except (ProtocolError, ContextOverflow) as exc:
             await self._fail_session(sess, exc)
             return
         sess.frames_in += 1
-        sess.busy = True  # until the output is sent on: a probe during a stuck send sees it
-        try:
-            await self._compute_and_send(sess, msg, inputs)
-        finally:
-            sess.busy = False
-
-    async def _compute_and_send(self, sess: Session, msg: dict, inputs: dict) -> None:
-        sid, pos, block = sess.session_id, msg["pos"], self.block
-        try:
-            async with self._compute_lock:
-                out = await trio.to_thread.run_sync(self._compute, sess, pos, inputs)
-        except (ContextOverflow, ProtocolError) as exc:
-            await self._fail_session(sess, exc)
-            return
-        except Exception as exc:  # a torch failure fails this session only; the stage keeps serving
-            log.exception("forward.failed session=%s pos=%d", sid, pos)
-            self.sessions.pop(sid, None)
-            await self._try_send(sess.reply, wire.error_frame(
-                f"stage {block.layer_range}: forward failed: {type(exc).__name__}: {exc}", "internal", sid))
-            return
-        if msg["epoch"] < sess.epoch:
-            return  # cancelled while computing: the rows it wrote are rolled back by the next chunk
-        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
-        if block.is_tail:
-            sent = wire.frame("result", token_ids=out, **meta)
-            await sess.reply.send(sent)
-            item = receipts.result_item(sent)
-        else:
-            sent = wire.frame("forward", hidden=out, **meta)
-            try:
-                await sess.next_stream.send(sent, timeout_s=self.config.hop_timeout_s)
-            except SwarmError as exc:
-                await self._try_send(sess.reply, wire.error_frame(
-                    f"stage {block.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
-                return
-            item = receipts.forward_item(sent)
-        if sess.ledger is not None:
-            sess.ledger.output.add(item)
-        sess.frames_out += 1
-        sess.sent = max(sess.sent, msg["chunk"])
+        x = inputs["token_ids"] if block.is_head else inputs["hidden"]
+        sess.queued_end = msg["pos"] + x.shape[1]
+        self._enqueue(sess, Job(msg, x))
 
     async def _receipt(self, stream, msg: dict) -> None:
-        """Sign this stage's receipt for the session, send it to the coordinator, pass the request on.
-
-        The request travels the data path (coordinator -> head -> ... -> tail) behind every frame of
-        the session, and each stage handles a stream's frames in order, so every receipt covers all
-        frames its predecessor sent: the digests of neighbours match.
-        """
+        """Check a receipt request and queue it behind the session's chunks (see :meth:`_sign_receipt`)."""
         sid = msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
@@ -355,7 +358,154 @@ class StageServer:
             return
         if sess.ledger is None:
             raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
-        b = self.block
+        self._enqueue(sess, Job(msg))
+
+    def _enqueue(self, sess: Session, job: Job) -> None:
+        sess.queue.append(job)
+        sess.busy = True  # until its queue is empty: a probe during a long step sees it
+        self._runq.setdefault(id(sess), sess)
+        self._work.set()
+
+    async def scheduler(self) -> None:
+        """Run scheduling steps while work is queued (forever; started by :func:`serve`)."""
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            while await self._step():
+                pass
+
+    async def _step(self) -> bool:
+        """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
+        when nothing was ready."""
+        small, rows, piece = [], 0, None
+        for sess in list(self._runq.values()):
+            job = await self._next_job(sess)
+            if job is None:
+                continue
+            t = job.x.shape[1]
+            pos = job.msg["pos"] + job.done
+            if pos > sess.cache.kv_len:  # a chunk queued before it was dropped or failed
+                await self._fail_session(sess, ProtocolError(
+                    f"chunk at pos {pos} is not contiguous with the session's kv_len {sess.cache.kv_len}"))
+                continue
+            if t <= BATCH_CHUNK_MAX:
+                if small and rows + t > self.max_batch_rows:
+                    continue
+                small.append((sess, job))
+                rows += t
+            elif piece is None:
+                piece = (sess, job)
+        if not small and piece is None:
+            return False  # a chunk queued meanwhile has set self._work again
+        self._in_flight += 1
+        try:
+            results = await trio.to_thread.run_sync(self._compute_step, small, piece)
+        except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
+            failed = small + ([piece] if piece else [])
+            log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
+            for sess, _ in failed:
+                self._forget(sess)
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {self.block.layer_range}: forward failed: {type(exc).__name__}: {exc}", "internal",
+                    sess.session_id))
+            return True
+        finally:
+            self._in_flight -= 1
+        self.stats["steps"] += 1
+        self.stats["batched_steps"] += len(small) > 1
+        self.stats["rows"] += rows
+        self.stats["max_sessions"] = max(self.stats["max_sessions"], len(small))
+        self.stats["prefill_slices"] += piece is not None
+        for sess, job, n, payload in results:
+            job.done += n
+            sess.positions += n
+            if self._runq.pop(id(sess), None) is not None:  # round robin: to the back of the line
+                self._runq[id(sess)] = sess
+            if payload is None:
+                continue  # more slices of this chunk to come
+            if sess.queue and sess.queue[0] is job:
+                sess.queue.popleft()
+            self._emit(sess, job.msg, payload)
+        return True
+
+    async def _next_job(self, sess: Session) -> Job | None:
+        """The session's next chunk to compute, after serving receipt requests and dropping stale
+        chunks at the front of its queue; None (and out of the run queue) when it has none."""
+        while sess.queue and self.sessions.get(sess.session_id) is sess:
+            job = sess.queue[0]
+            if job.x is None:
+                sess.queue.popleft()
+                self._sign_receipt(sess)
+            elif job.msg["epoch"] < sess.epoch:
+                sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
+            else:
+                return job
+        sess.queue.clear()
+        sess.busy = False
+        self._runq.pop(id(sess), None)
+        return None
+
+    def _compute_step(self, small: list, piece) -> list:
+        """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
+        output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
+        out = []
+        if small:
+            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in small], tile=self.tile)
+            out += [(s, j, j.msg["pos"], y) for (s, j), y in zip(small, ys)]
+        if piece is not None:
+            s, j = piece
+            n = min(self.config.prefill_slice, j.x.shape[1] - j.done)
+            pos = j.msg["pos"] + j.done
+            y = self.block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])])[0]
+            out.append((s, j, pos, y))
+        results = []
+        for s, j, pos, y in out:
+            n = y.shape[1]
+            part = self._decide(s, pos, y) if self.block.is_tail else y
+            complete = j.done + n == j.x.shape[1]
+            if complete and j.parts:
+                part = (sum(j.parts, []) + part) if self.block.is_tail else torch.cat([*j.parts, part], dim=1)
+            elif not complete:
+                j.parts.append(part)
+            payload = None
+            if complete:
+                payload = part if self.block.is_tail else wire.encode_tensor(part, dtype=s.wire_dtype)
+            results.append((s, j, n, payload))
+        return results
+
+    def _decide(self, sess: Session, pos: int, logits: torch.Tensor) -> list[int]:
+        """Tail: the token after each of the rows at ``[pos, pos + T)``: argmax, or sampled keyed by
+        (seed, that position)."""
+        if sess.sampling is None:
+            return logits[0].argmax(dim=-1).tolist()
+        from swarm.model.sampling import sample
+
+        return [sample(logits[0, i], pos + i + 1, sess.sampling) for i in range(logits.shape[1])]
+
+    def _emit(self, sess: Session, msg: dict, payload) -> None:
+        """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
+        if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
+            return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
+        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
+        if self.block.is_tail:
+            sent = wire.frame("result", token_ids=payload, **meta)
+            self._post(sess.reply, sess, sent, msg["chunk"])
+            item = receipts.result_item(sent)
+        else:
+            sent = wire.frame("forward", hidden=payload, **meta)
+            self._post(sess.next_stream, sess, sent, msg["chunk"])
+            item = receipts.forward_item(sent)
+        if sess.ledger is not None:  # in posting order = the order the stream carries them
+            sess.ledger.output.add(item)
+
+    def _sign_receipt(self, sess: Session) -> None:
+        """Sign this stage's receipt for the session, post it to the coordinator, pass the request on.
+
+        The request travels the data path (coordinator -> head -> ... -> tail) behind every frame of
+        the session; it is queued behind the session's chunks and each outbox keeps posting order,
+        so every receipt covers all frames its predecessor sent: the digests of neighbours match.
+        """
+        b, sid = self.block, sess.session_id
         body = sess.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=self.host.peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=getattr(b, "range_digest", ""), layers=b.layer_range.as_list(), num_layers=b.num_layers,
@@ -367,26 +517,54 @@ class StageServer:
         signed = receipts.sign_receipt(body, lambda data: sign(self.key, data))
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
-        await self._try_send(sess.reply, wire.frame("receipt_ok", session=sid, receipt=signed))
+        self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))
         if not b.is_tail:
-            try:
-                await sess.next_stream.send(wire.frame("receipt", session=sid), timeout_s=self.config.hop_timeout_s)
-            except SwarmError as exc:
-                await self._try_send(sess.reply, wire.error_frame(
-                    f"stage {b.layer_range} lost its successor {sess.next_addr}: {exc}", "unavailable", sid))
+            self._post(sess.next_stream, sess, wire.frame("receipt", session=sid))
 
-    def _compute(self, sess: Session, pos: int, inputs: dict):
-        """Worker-thread body: forward, then encode (tail: argmax ids; others: hidden bytes)."""
-        out = self.block.forward(sess.cache, pos, **inputs)
-        sess.positions += out.shape[1]
-        if self.block.is_tail:
-            if sess.sampling is None:
-                return out[0].argmax(dim=-1).tolist()
-            from swarm.model.sampling import sample
+    def _post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
+        """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow
+        peer delays only the sessions that send to it."""
+        box = self._outboxes.get(stream)
+        if box is None:
+            box, inbox = trio.open_memory_channel(math.inf)
+            self._outboxes[stream] = box
+            self.nursery.start_soon(self._outbox, stream, inbox)
+        box.send_nowait((sess, msg, chunk))
+        self._in_flight += 1
 
-            # the token for position pos + i + 1, keyed by (seed, that position)
-            return [sample(out[0, i], pos + i + 1, sess.sampling) for i in range(out.shape[1])]
-        return wire.encode_tensor(out, dtype=sess.wire_dtype)
+    async def _outbox(self, stream, inbox) -> None:
+        async with inbox:
+            async for sess, msg, chunk in inbox:
+                try:
+                    await stream.send(msg, timeout_s=self.config.hop_timeout_s)
+                except SwarmError as exc:
+                    if stream is not sess.reply:
+                        await self._try_send(sess.reply, wire.error_frame(
+                            f"stage {self.block.layer_range} lost its successor {sess.next_addr}: {exc}",
+                            "unavailable", sess.session_id))
+                    continue
+                else:
+                    if chunk is not None:
+                        sess.frames_out += 1
+                        sess.sent = max(sess.sent, chunk)
+                finally:
+                    self._in_flight -= 1
+
+    async def idle(self) -> None:
+        """Return once nothing is queued, being computed or waiting to be sent."""
+        while self._in_flight or any(s.queue for s in self._runq.values()):
+            await trio.sleep(0.001)
+
+    def _close_outbox(self, stream) -> None:
+        box = self._outboxes.pop(stream, None)
+        if box is not None:
+            box.close()
+
+    def _forget(self, sess: Session) -> None:
+        """Drop a session (its KV cache goes with it) and whatever it has queued."""
+        if self.sessions.get(sess.session_id) is sess:
+            del self.sessions[sess.session_id]
+        sess.queue.clear()
 
     async def expire_idle(self) -> None:
         """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
@@ -432,8 +610,7 @@ class StageServer:
     async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
         """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""
         code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
-        if self.sessions.get(sess.session_id) is sess:
-            del self.sessions[sess.session_id]
+        self._forget(sess)
         log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, exc)
         await self._try_send(sess.reply, wire.error_frame(f"stage {self.block.layer_range}: {exc}", code,
                                                           sess.session_id))
@@ -462,10 +639,17 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         max_frame = min(256 << 20, max(16 << 20, 2 * b.max_ctx * b.hidden_size * 8))
         host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
         nursery.start_soon(server.expire_idle)
+        nursery.start_soon(server.scheduler)
         task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                              "model": server.model_name, "model_digest": server.model_digest,
                              "max_ctx": b.max_ctx})
         await trio.sleep_forever()
+
+
+def _gemm_rows_invariant(block, tile: int) -> bool:
+    from swarm.model.block import gemm_rows_invariant
+
+    return gemm_rows_invariant(block, tile) if hasattr(block, "_tiled_modules") else True
 
 
 def _mib(n: int) -> str:

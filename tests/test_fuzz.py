@@ -194,27 +194,36 @@ def test_stage_survives_hostile_frames_and_keeps_the_good_session_exact(stage, j
 
     async def run():
         with trio.fail_after(30):
-            await server.handle_frame(c, wire.open_frame(coord, "good", None, 64))
-            assert c.sent[-1]["type"] == "open_ok"
-            out, pos, feed = [], 0, list(PROMPT)
-            hostile = extra + junk
-            for step in range(NEW):
-                for from_coordinator, msg in hostile[step::NEW]:
-                    if from_coordinator:
-                        if msg.get("session") == "good":
-                            continue  # the owner steering its own session is not an attack
-                        await server.handle_frame(c, msg)
-                    else:
-                        await server.handle_frame(m, msg)
-                await server.handle_frame(c, wire.frame("forward", session="good", epoch=0, pos=pos, chunk=step,
-                                                        tokens=feed))
-                results = [x for x in c.sent if x.get("type") == "result" and x.get("session") == "good"]
-                assert results and results[-1]["chunk"] == step, c.sent[-3:]
-                tok = results[-1]["token_ids"][-1]
-                out.append(tok)
-                pos += len(feed)
-                feed = [tok]
+            async with trio.open_nursery() as nursery:
+                server.nursery = nursery
+                nursery.start_soon(server.scheduler)
+                out = await session()
+                nursery.cancel_scope.cancel()
             return out
+
+    async def session():
+        await server.handle_frame(c, wire.open_frame(coord, "good", None, 64))
+        assert c.sent[-1]["type"] == "open_ok"
+        out, pos, feed = [], 0, list(PROMPT)
+        hostile = extra + junk
+        for step in range(NEW):
+            for from_coordinator, msg in hostile[step::NEW]:
+                if from_coordinator:
+                    if msg.get("session") == "good":
+                        continue  # the owner steering its own session is not an attack
+                    await server.handle_frame(c, msg)
+                else:
+                    await server.handle_frame(m, msg)
+            await server.handle_frame(c, wire.frame("forward", session="good", epoch=0, pos=pos, chunk=step,
+                                                    tokens=feed))
+            await server.idle()  # the scheduler has computed and sent everything queued
+            results = [x for x in c.sent if x.get("type") == "result" and x.get("session") == "good"]
+            assert results and results[-1]["chunk"] == step, c.sent[-3:]
+            tok = results[-1]["token_ids"][-1]
+            out.append(tok)
+            pos += len(feed)
+            feed = [tok]
+        return out
 
     assert trio.run(run) == reference
     assert all(isinstance(x, dict) and x.get("type") in wire.SCHEMA for x in c.sent + m.sent)

@@ -120,8 +120,17 @@ def load_config(model_dir: Path):
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelError(f"{cfg_path}: {name} must be a positive integer, got {value!r}")
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = RAGGED_ATTENTION
     return config
+
+
+RAGGED_ATTENTION = "swarm_ragged"
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
 
 
 def _get(module, path: str):
@@ -161,6 +170,11 @@ class LayerBlock(torch.nn.Module):
         self.loaded_tensors: list[str] = []
         self.loaded_bytes = 0
         self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
+        self._tile: int | None = None  # rows per GEMM while forward_batch(tile=...) runs
+        self._tiled_modules: list[torch.nn.Module] = []
+        for mod in [*self.layers.modules(), *([self.lm_head] if self.lm_head is not None else [])]:
+            if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
+                _tiled(mod, self)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers), B = 1:
@@ -187,54 +201,102 @@ class LayerBlock(torch.nn.Module):
         Args:
             cache: the session's KVCache; ``pos <= cache.kv_len`` (smaller rolls back).
             pos: absolute position of the first new token.
-            token_ids: (B, T) int64, required on the head stage.
-            hidden: (B, T, D) activations entering layer ``start`` in the block dtype, on other stages.
+            token_ids: (1, T) int64, required on the head stage.
+            hidden: (1, T, D) activations entering layer ``start`` in the block dtype, on other stages.
         Returns:
-            (B, T, D) activations leaving layer ``end - 1``, or on the tail (B, T, V) float32 logits.
+            (1, T, D) activations leaving layer ``end - 1``, or on the tail (1, T, V) float32 logits.
         Raises:
             ProtocolError: on a position gap; ContextOverflow: past the maximum context;
             ValueError: if the wrong input kind is given for this stage.
         """
-        if self.is_head:
-            if token_ids is None:
-                raise ValueError(f"stage {self.layer_range} is the head and needs token ids")
-            token_ids = token_ids.to(self.device)
-            h = self.embed(token_ids)
-        else:
-            if hidden is None:
-                raise ValueError(f"stage {self.layer_range} needs hidden states")
-            h = hidden.to(self.device, self.dtype)
-        b, t = h.shape[:2]
-        cache.begin(pos, t)
+        x = token_ids if self.is_head else hidden
+        if x is None:
+            kind = "token ids" if self.is_head else "hidden states"
+            raise ValueError(f"stage {self.layer_range} needs {kind}")
+        return self.forward_batch([(cache, pos, x)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: list, tile: int | None = None) -> list[torch.Tensor]:
+        """One forward over several sessions' new positions (continuous batching, ragged, no padding).
+
+        The sessions' rows are packed into one (1, sum T_i, D) sequence, so every linear layer runs
+        once over all of them; attention runs per session over that session's own KV cache, with
+        exactly the shapes and mask a solo forward uses.
+
+        Args:
+            rows: ``[(cache, pos, x), ...]``, one entry per session (each cache at most once), with
+                ``x`` (1, T_i) int64 token ids on the head, else (1, T_i, D) hidden states.
+            tile: None runs each linear layer as one GEMM over all packed rows. An int runs it in
+                fixed GEMMs of ``tile`` rows (zero-padded), so a row's result does not depend on
+                how many other rows share the step: batch-invariant arithmetic (He et al., "Defeating
+                Nondeterminism in LLM Inference", Thinking Machines 2025). :func:`gemm_rows_invariant`
+                checks that the BLAS keeps a row's result independent of its place in a tile.
+        Returns:
+            one tensor per entry, (1, T_i, D) or on the tail (1, T_i, V) float32 logits.
+        Raises:
+            ProtocolError / ContextOverflow: a session's chunk does not fit its cache (nothing is
+            written to any cache then); ValueError: a row of the wrong kind or shape.
+        """
+        if not rows:
+            return []
+        segs, xs, off = [], [], 0
+        for cache, pos, x in rows:
+            if self.is_head:
+                if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.long:
+                    raise ValueError(f"stage {self.layer_range} is the head and needs (1, T) int64 token ids")
+            elif x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
+                raise ValueError(f"stage {self.layer_range} needs (1, T, {self.hidden_size}) hidden states")
+            t = x.shape[1]
+            segs.append(_Segment(cache, pos, t, off))
+            xs.append(x)
+            off += t
+        begun = []
         try:
-            position_ids = torch.arange(pos, pos + t, device=self.device).unsqueeze(0).expand(b, -1)
+            for seg in segs:
+                seg.cache.begin(seg.pos, seg.t)
+                begun.append(seg.cache)
+            if self.is_head:
+                h = self.embed(torch.cat(xs, dim=1).to(self.device))
+            else:
+                h = torch.cat([x.to(self.device, self.dtype) for x in xs], dim=1)
+            ids = [torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]
+            pad = -off % tile if tile else 0
+            if pad:  # zero rows that fill the last GEMM tile; they belong to no session
+                h = torch.cat([h, h.new_zeros((1, pad, h.shape[2]))], dim=1)
+                ids.append(torch.zeros(pad, dtype=torch.long, device=self.device))
+            position_ids = torch.cat(ids).unsqueeze(0)
+            self._tile = tile
             if self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
             rope = self.rotary(h, position_ids) if self.rotary is not None else None
+            plan = _Plan(self, segs, pad)
             for layer in self.layers:
-                mask = self._mask(layer, pos, t)
                 if self.family.call == "rotary":
-                    h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, cache=cache)
+                    h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
+                              cache=plan, swarm_plan=plan)
                 else:
-                    h = layer(h, cache=cache, attention_mask=mask)
+                    h = layer(h, cache=plan, attention_mask=None, swarm_plan=plan)
                 if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
                     h = h[0]
+            if self.is_tail:
+                h = self.lm_head(self.norm(h)).float()
         except BaseException:
-            cache.abort()
+            for cache in begun:
+                cache.abort()
             raise
-        cache.commit()
-        if self.is_tail:
-            h = self.norm(h)
-            return self.lm_head(h).float()
-        return h
+        finally:
+            self._tile = None
+        for cache in begun:
+            cache.commit()
+        return [h[:, s.off:s.off + s.t] for s in segs]
 
-    def _mask(self, layer, pos: int, t: int) -> torch.Tensor | None:
-        """Boolean (1, 1, T, S + T) mask, True = attend; None where SDPA's own causal path is exact.
+    def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
+        """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where
+        SDPA's own causal path is exact.
 
         Matches transformers' choice: no mask for a single new token or a cache-less prompt, unless
         a sliding window (Mistral/Qwen2 ``sliding_window``) cuts into the keys.
         """
-        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
         # Qwen2/Qwen3 set the window per layer on the module; Mistral only in the config.
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
         total = pos + t
@@ -247,6 +309,109 @@ class LayerBlock(torch.nn.Module):
         if windowed:
             allowed &= (q - k) < window
         return allowed[None, None]  # (1, 1, T, S + T)
+
+
+@dataclass
+class _Segment:
+    """One session's rows in a packed forward: positions ``[pos, pos + t)`` at offset ``off``."""
+
+    cache: KVCache
+    pos: int
+    t: int
+    off: int
+    keys: torch.Tensor | None = None  # this layer's K/V for the session (set by _Plan.update)
+    values: torch.Tensor | None = None
+
+
+class _Plan:
+    """The packed step's layout; passed to decoder layers as their cache (``update`` splits the new
+    K/V rows into each session's KVCache) and to :func:`_ragged_attention` (``swarm_plan``)."""
+
+    def __init__(self, block: LayerBlock, segs: list[_Segment], pad: int):
+        self.block = block
+        self.segs = segs
+        self.pad = pad  # filler rows after the sessions' rows
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        for s in self.segs:
+            s.keys, s.values = s.cache.update(key_states[:, :, s.off:s.off + s.t],
+                                              value_states[:, :, s.off:s.off + s.t], layer_idx)
+        return key_states, value_states
+
+
+def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention for a packed step: each session's queries against its own cached keys and values,
+    through transformers' SDPA path with the mask a solo forward would use. Output (1, T, H, Dh)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan = kwargs.pop("swarm_plan", None)
+    if plan is None:  # not called from LayerBlock.forward_batch
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    for s in plan.segs:
+        mask = plan.block._mask(module, s.pos, s.t)
+        out, _ = sdpa_attention_forward(module, query[:, :, s.off:s.off + s.t], s.keys, s.values, mask, **kwargs)
+        outs.append(out)
+    if plan.pad:  # the tile's filler rows attend to nothing
+        outs.append(outs[0].new_zeros((1, plan.pad, *outs[0].shape[2:])))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
+    """Route ``module``'s forward (a Linear or GPT-2 Conv1D) through fixed ``block._tile``-row GEMMs
+    while ``block._tile`` is set (``LayerBlock.forward_batch`` pads the rows to a multiple of it)."""
+    plain = module.forward
+    block._tiled_modules.append(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        tile = block._tile
+        if tile is None:
+            return plain(x)
+        lead = x.shape[:-1]
+        out = _tile_gemm(module, x.reshape(-1, x.shape[-1]), tile)
+        return out.reshape(*lead, out.shape[-1])
+
+    module.forward = forward
+
+
+def _tile_gemm(module: torch.nn.Module, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``module``'s affine map of (M, K) rows, M a multiple of ``tile``, as M / tile GEMMs of the
+    same shape: (M, N)."""
+    w, bias = module.weight, module.bias
+    wt = w.t() if isinstance(module, torch.nn.Linear) else w  # Conv1D keeps weight as (K, N)
+    out = x.new_empty((x.shape[0], wt.shape[1]))
+    for i in range(0, x.shape[0], tile):
+        if bias is None:
+            torch.mm(x[i:i + tile], wt, out=out[i:i + tile])
+        else:
+            torch.addmm(bias, x[i:i + tile], wt, out=out[i:i + tile])
+    return out
+
+
+def gemm_rows_invariant(block: LayerBlock, tile: int) -> bool:
+    """True if, on this device and BLAS, a row's result in a ``tile``-row GEMM does not depend on
+    its place in the tile or on the other rows: the premise of ``forward_batch(tile=...)``.
+
+    Checks every tiled weight of the block: one random row at the first, middle and last place of a
+    tile of other random rows (and of zeros), in the block dtype. Takes a few ms per layer.
+    """
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for mod in block._tiled_modules:
+            w = mod.weight
+            k = w.shape[1] if isinstance(mod, torch.nn.Linear) else w.shape[0]
+            row = torch.randn(k, generator=gen).to(w.device, w.dtype)
+            ref = None
+            for place, fill in ((0, "zeros"), (tile // 2, "randn"), (tile - 1, "randn")):
+                x = torch.zeros(tile, k) if fill == "zeros" else torch.randn(tile, k, generator=gen)
+                x = x.to(w.device, w.dtype)
+                x[place] = row
+                out = _tile_gemm(mod, x, tile)[place]
+                if ref is None:
+                    ref = out
+                elif not torch.equal(out, ref):
+                    return False
+    return True
 
 
 def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
@@ -394,3 +559,6 @@ def model_num_layers(model_dir: Path | str) -> int:
         if key in data:
             return int(data[key])
     raise ModelError(f"{model_dir}/config.json does not state the number of layers")
+
+
+_register_attention()

@@ -1,0 +1,259 @@
+"""Continuous batching at a stage: several sessions' rows in one packed forward, each session's
+result bit-identical to its solo run (exactness contract 4), long prompts sliced between decode rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+
+from swarm import wire
+from swarm.config import ConfigError, SamplingParams, StageConfig
+from swarm.model.block import gemm_rows_invariant, load_block
+from swarm.ranges import LayerRange
+from swarm.stage import StageServer
+from swarm.transport import load_or_create_key
+from swarm.transport.identity import peer_id_of
+from tests.conftest import FAMILY_CONFIGS
+from tests.ring_util import ring_generate, start_ring
+from tests.test_fuzz import MemStream, NoNetwork
+
+TILE = 4
+PROMPTS = [5, 9, 1, 13]  # prompt lengths of four sessions
+# each step: session -> (rows, rollback): which sessions are ready together, with how many rows
+# (1: decode, 3: a verify chunk) and how many earlier positions they roll back (rejected drafts)
+STEPS = [{0: (1, 0), 1: (1, 0)}, {0: (3, 0), 1: (1, 0), 2: (1, 0), 3: (1, 0)}, {1: (1, 0), 3: (2, 0)},
+         {0: (1, 2), 2: (3, 0), 3: (1, 0)}, {0: (2, 0), 1: (1, 0), 2: (1, 1), 3: (1, 0)}]
+
+
+def _input(block, t: int, gen: torch.Generator) -> torch.Tensor:
+    if block.is_head:
+        return torch.randint(0, block.vocab_size, (1, t), generator=gen)
+    return torch.randn(1, t, block.hidden_size, generator=gen, dtype=torch.float64).to(block.dtype)
+
+
+def _plan(block, seed: int = 0):
+    """Inputs per session: the prompt, then one chunk per step it takes part in, with positions."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = {i: [(0, _input(block, n, gen))] for i, n in enumerate(PROMPTS)}
+    end = dict(enumerate(PROMPTS))
+    steps = []
+    for step in STEPS:
+        rows = {}
+        for i, (t, back) in step.items():
+            pos = end[i] - back
+            rows[i] = (pos, _input(block, t, gen))
+            end[i] = pos + t
+        steps.append(rows)
+    return plan, steps
+
+
+def _run_solo(block, plan, steps, i):
+    cache = block.new_cache()
+    outs = [block.forward_batch([(cache, 0, plan[i][0][1])])[0]]
+    for rows in steps:
+        if i in rows:
+            pos, x = rows[i]
+            outs.append(block.forward_batch([(cache, pos, x)], tile=TILE)[0])
+    return outs
+
+
+def _run_batched(block, plan, steps, seed: int):
+    rng = random.Random(seed)
+    caches = {i: block.new_cache() for i in plan}
+    outs = {i: [block.forward_batch([(caches[i], 0, plan[i][0][1])])[0]] for i in plan}
+    for rows in steps:
+        order = list(rows)
+        rng.shuffle(order)  # a session's place in the packed step must not matter either
+        ys = block.forward_batch([(caches[i], *rows[i]) for i in order], tile=TILE)
+        for i, y in zip(order, ys):
+            outs[i].append(y)
+    return outs
+
+
+def _assert_bitwise(block, plan, steps):
+    batched = _run_batched(block, plan, steps, seed=1)
+    for i in plan:
+        solo = _run_solo(block, plan, steps, i)
+        assert len(solo) == len(batched[i])
+        for k, (a, b) in enumerate(zip(solo, batched[i])):
+            assert a.shape == b.shape and torch.equal(a, b), f"session {i} output {k} differs by " \
+                                                             f"{(a.double() - b.double()).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("part", [(0, 2), (2, 4)])
+def test_packed_forward_is_bit_identical_to_solo(synthetic, family, part):
+    block = load_block(synthetic(family, "float32"), LayerRange(*part), dtype="float32", device="cpu")
+    plan, steps = _plan(block)
+    _assert_bitwise(block, plan, steps)
+
+
+def test_packed_forward_is_bit_identical_to_solo_at_a_realistic_width(synthetic):
+    """576-wide rows (SmolLM2's width): plain GEMMs here give a row different bits depending on how
+    many rows share them; the fixed tiles must not."""
+    model = synthetic("llama", "float32", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                      num_key_value_heads=3, num_hidden_layers=2, vocab_size=2048)
+    for part in ((0, 1), (1, 2)):
+        block = load_block(model, LayerRange(*part), dtype="float32", device="cpu")
+        assert gemm_rows_invariant(block, TILE)
+        plan, steps = _plan(block, seed=part[0])
+        _assert_bitwise(block, plan, steps)
+
+
+def test_real_model_packed_forward_is_bit_identical(stories_dir):
+    block = load_block(stories_dir, LayerRange(0, 5), dtype="float32", device="cpu")
+    plan, steps = _plan(block)
+    _assert_bitwise(block, plan, steps)
+
+
+def test_a_bad_chunk_in_a_packed_step_writes_no_cache(synthetic):
+    block = load_block(synthetic("llama", "float32"), LayerRange(0, 4), dtype="float32", device="cpu")
+    a, b = block.new_cache(), block.new_cache()
+    block.forward_batch([(a, 0, torch.tensor([[1, 2, 3]])), (b, 0, torch.tensor([[4]]))], tile=TILE)
+    with pytest.raises(Exception, match="not contiguous"):
+        block.forward_batch([(a, 3, torch.tensor([[5]])), (b, 7, torch.tensor([[6]]))], tile=TILE)
+    assert (a.kv_len, b.kv_len) == (3, 1)
+
+
+def test_batching_flags_are_checked(tmp_path):
+    for bad in (dict(max_batch_rows=0), dict(batch_tile=-1), dict(prefill_slice=0), dict(batch_tile=True)):
+        with pytest.raises(ConfigError):
+            StageConfig(model="m", layers=LayerRange(0, 1), **bad)
+
+
+# ---- the scheduler ------------------------------------------------------------------------------
+
+
+def _server(model, layers, keys, **kwargs):
+    block = load_block(model, layers, dtype="float32", device="cpu")
+    server = StageServer(StageConfig(model=str(model), layers=layers, **kwargs), block, "synthetic", "d" * 64,
+                         key=load_or_create_key(keys / "stage.key"))
+    server.host = NoNetwork(peer_id_of(server.key))
+    return server
+
+
+def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=None):
+    """Feed each session's prompt, then decode its tokens one at a time, all sessions at once, through
+    the stage's real frame handler and scheduler. ``sessions``: sid -> (prompt ids, new tokens)."""
+    c = MemStream(peer_id_of(coord))
+    if steps_log is not None:
+        compute = server._compute_step
+
+        def logged(small, piece):
+            steps_log.append(([(s.session_id, j.msg["pos"], j.x.shape[1]) for s, j in small],
+                              None if piece is None else (piece[0].session_id, piece[1].done)))
+            return compute(small, piece)
+
+        server._compute_step = logged
+
+    async def one(sid, prompt, new):
+        extra = {"sampling": SamplingParams(temperature=0.9, seed=7).to_wire()} if sid in sampled else {}
+        await server.handle_frame(c, wire.open_frame(coord, sid, None, 128, **extra))
+        out, pos, feed = [], 0, list(prompt)
+        for step in range(new):
+            await server.handle_frame(c, wire.frame("forward", session=sid, epoch=0, pos=pos, chunk=step, tokens=feed))
+            while True:
+                got = [x for x in c.sent if x.get("session") == sid and x.get("type") in ("result", "error")]
+                if len(got) > step:
+                    break
+                await trio.sleep(0)
+            assert got[-1]["type"] == "result", got[-1]
+            out.append(got[-1]["token_ids"][-1])
+            pos, feed = pos + len(feed), [out[-1]]
+        await server.handle_frame(c, wire.frame("close", session=sid))
+        return out
+
+    async def main():
+        results = {}
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                server.nursery = nursery
+                nursery.start_soon(server.scheduler)
+                async with trio.open_nursery() as clients:
+                    for sid, (prompt, new) in sessions.items():
+                        async def run(sid=sid, prompt=prompt, new=new):
+                            results[sid] = await one(sid, prompt, new)
+                        clients.start_soon(run)
+                nursery.cancel_scope.cancel()
+        return results
+
+    return trio.run(main)
+
+
+def test_scheduler_batches_sessions_and_slices_a_long_prompt(synthetic, tmp_path):
+    """Sessions that are ready together share a forward; a long prompt goes a slice per step, with
+    the other sessions' decode rows in between; every session gets exactly its solo tokens."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    rng = random.Random(3)
+    sessions = {f"s{i}": ([rng.randrange(97) for _ in range(n)], 6) for i, n in enumerate([3, 5, 2, 7, 4])}
+    sessions["long"] = ([rng.randrange(97) for _ in range(100)], 3)
+    sampled = {"s1", "s3"}
+    log: list = []
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=16)
+    together = _drive(server, coord, sessions, sampled, steps_log=log)
+    for sid, job in sessions.items():
+        alone = _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=16), coord, {sid: job}, sampled)
+        assert together[sid] == alone[sid], sid
+    stats = server.stats
+    assert stats["max_sessions"] >= 3 and stats["batched_steps"] >= 3, stats
+    slices = [i for i, (_, piece) in enumerate(log) if piece and piece[0] == "long"]
+    assert len(slices) == 7  # 100 positions, 16 per slice
+    between = [small for small, _ in log[slices[0]:slices[-1] + 1] if any(pos > 0 for _, pos, _ in small)]
+    assert between, "no decode row ran while the long prompt was being computed"
+    assert server.sessions == {} and not server._runq
+
+
+def test_stage_without_invariant_gemms_runs_one_session_per_forward(synthetic, tmp_path, monkeypatch):
+    import swarm.stage
+
+    monkeypatch.setattr(swarm.stage, "_gemm_rows_invariant", lambda block, tile: False)
+    server = _server(synthetic("llama", "float32"), LayerRange(0, 4), tmp_path)
+    assert server.max_batch_rows == 1
+    _drive(server, load_or_create_key(tmp_path / "coord.key"), {"a": ([1, 2, 3], 3), "b": ([4, 5], 3)})
+    assert server.stats["max_sessions"] == 1
+
+
+# ---- a real ring --------------------------------------------------------------------------------
+
+
+def test_concurrent_sessions_over_a_ring_equal_their_solo_runs(stories_dir, tmp_path):
+    """Eight coordinators at once over one in-process three-stage ring (real libp2p streams): every
+    output equals its solo run, the stages did batch, and every KV cache is freed."""
+    rng = random.Random(5)
+    jobs = [([1] + [rng.randrange(3, 512) for _ in range(n)], 8 + i % 3) for i, n in enumerate(
+        [4, 9, 2, 40, 6, 3, 12, 7])]
+    sampling = [None if i % 2 else SamplingParams(temperature=0.8, seed=i) for i in range(len(jobs))]
+
+    async def main():
+        with trio.fail_after(180):
+            return await ring_main()
+
+    async def ring_main():
+        async with trio.open_nursery() as nursery:
+            spec, servers = await start_ring(nursery, stories_dir, [(0, 2), (2, 4), (4, 5)], tmp_path,
+                                             dtype="float32", prefill_slice=8)
+
+            async def gen(i, key_dir):
+                prompt, new = jobs[i]
+                return await ring_generate(spec, stories_dir, 5, prompt, new, key_dir, sampling=sampling[i])
+
+            solo = [await gen(i, tmp_path / f"solo{i}") for i in range(len(jobs))]
+            together = [None] * len(jobs)
+            async with trio.open_nursery() as clients:
+                for i in range(len(jobs)):
+                    async def run(i=i):
+                        together[i] = await gen(i, tmp_path / f"c{i}")
+                    clients.start_soon(run)
+            with trio.fail_after(10):
+                while any(s.sessions for s in servers):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return solo, together, [s.stats for s in servers]
+
+    solo, together, stats = trio.run(main)
+    assert together == solo
+    assert max(s["max_sessions"] for s in stats) >= 2, stats

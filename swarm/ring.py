@@ -69,8 +69,9 @@ class RingClient:
     """
 
     def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float,
-                 heartbeat_s: float = 1.0):
+                 heartbeat_s: float = 1.0, batch: bool = False):
         self.host = host
+        self.batch = batch  # open sessions that stages may pack with other sessions (swarm serve)
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -255,6 +256,8 @@ class RingClient:
                 extra["job"] = job
             if wire_dtype and nxt is not None:
                 extra["wire_dtype"] = wire_dtype
+            if self.batch:
+                extra["batch"] = True
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)

@@ -289,7 +289,7 @@ class ClientPool:
             if self.free:
                 return self.free.pop()
             st = self.state
-            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s)
+            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True)
             try:
                 await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
             except BaseException:

@@ -15,7 +15,9 @@ each step, the next chunk of every ready session that is short (decode/verify ro
 ``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in all) into one packed forward, plus one
 ``--prefill-slice`` of a long (prefill) chunk, so a long prompt never stalls other sessions. Short
 chunks run in fixed ``--batch-tile``-row GEMMs, so what a session computes does not depend on what
-shares its step (batch-invariant). Outputs leave through one ordered outbox per stream.
+shares its step (batch-invariant). Only sessions opened with ``batch: true`` (``swarm serve``)
+are packed; the others (a single ``swarm coordinate`` stream) run alone with plain GEMMs, which is
+faster for one row. Outputs leave through one ordered outbox per stream.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Session:
     last_active: float = 0.0  # trio clock of the last frame for this session
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
+    batch: bool = False  # may share packed (tiled) forwards; else its chunks run alone with plain GEMMs
 
 
 class StageServer:
@@ -261,6 +264,7 @@ class StageServer:
                 return
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
                           source=prev or coordinator, reserved=need, last_active=trio.current_time())
+        session.batch = bool(msg.get("batch"))
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
@@ -412,9 +416,10 @@ class StageServer:
         finally:
             self._in_flight -= 1
         self.stats["steps"] += 1
-        self.stats["batched_steps"] += len(small) > 1
+        packed = sum(s.batch for s, _ in small)
+        self.stats["batched_steps"] += packed > 1
         self.stats["rows"] += rows
-        self.stats["max_sessions"] = max(self.stats["max_sessions"], len(small))
+        self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
         self.stats["prefill_slices"] += piece is not None
         for sess, job, n, payload in results:
             job.done += n
@@ -449,9 +454,13 @@ class StageServer:
         """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
         output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
         out = []
-        if small:
-            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in small], tile=self.tile)
-            out += [(s, j, j.msg["pos"], y) for (s, j), y in zip(small, ys)]
+        packed = [(s, j) for s, j in small if s.batch]
+        if packed:
+            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self.tile)
+            out += [(s, j, j.msg["pos"], y) for (s, j), y in zip(packed, ys)]
+        for s, j in small:  # sessions that did not ask to batch: each alone, plain GEMMs, as ever
+            if not s.batch:
+                out.append((s, j, j.msg["pos"], self.block.forward_batch([(s.cache, j.msg["pos"], j.x)])[0]))
         if piece is not None:
             s, j = piece
             n = min(self.config.prefill_slice, j.x.shape[1] - j.done)

@@ -44,7 +44,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
                 "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
     # optional: prev (PeerId of the predecessor; required at every stage but the head), sampling,
-    # wire_dtype, job. sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
+    # wire_dtype, job, batch (bool: the session may share packed forwards with others). sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
     "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
     "open_ok": {"session": _STR},
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
@@ -78,7 +78,7 @@ def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, p
         key_pair: the coordinator's node key (its PeerId is what the stage sees on the stream).
         next_addr: the successor's multiaddr (with /p2p/PeerId), None at the tail.
         prev: the predecessor stage's PeerId, None at the head (whose input is the coordinator).
-        extra: sampling, wire_dtype, job.
+        extra: sampling, wire_dtype, job, batch.
     """
     from swarm.receipts import assignment_bytes
     from swarm.transport.identity import peer_id_of, sign
@@ -139,6 +139,8 @@ def validate(msg: Any) -> dict:
     if kind == "open" and msg.get("wire_dtype") is not None and (
             not isinstance(msg["wire_dtype"], str) or msg["wire_dtype"] not in WIRE_DTYPES):
         raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
+    if kind == "open" and msg.get("batch") is not None and not isinstance(msg["batch"], bool):
+        raise ProtocolError("open frame field 'batch' must be true or false")
     if kind == "open" and msg.get("prev") is not None and not (
             isinstance(msg["prev"], str) and 0 < len(msg["prev"]) <= MAX_SESSION_CHARS):
         raise ProtocolError("open frame field 'prev' must be a PeerId string")

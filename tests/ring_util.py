@@ -36,13 +36,14 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
 
 async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt: list[int], new_tokens: int,
                         key_dir: Path, stop_ids: frozenset = frozenset(), hop_timeout_s: float = 30.0,
-                        spec_config=None, drafter=None, info: dict | None = None, **decode_kwargs) -> list[int]:
+                        spec_config=None, drafter=None, info: dict | None = None, batch: bool = False,
+                        **decode_kwargs) -> list[int]:
     """Connect a coordinator to ``spec`` and decode (speculatively with a drafter); returns the new ids.
     ``info``, if given, receives the timing and speculation record."""
     try:
         async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
                 trio.open_nursery() as nursery:
-            ring = RingClient(host, spec, hop_timeout_s, 10.0)
+            ring = RingClient(host, spec, hop_timeout_s, 10.0, batch=batch)
             await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
             out, record = await decode(ring, prompt, new_tokens, set(stop_ids), spec=spec_config, drafter=drafter,
                                        **decode_kwargs)

@@ -135,7 +135,7 @@ def _server(model, layers, keys, **kwargs):
     return server
 
 
-def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=None):
+def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=None, batch: bool = True):
     """Feed each session's prompt, then decode its tokens one at a time, all sessions at once, through
     the stage's real frame handler and scheduler. ``sessions``: sid -> (prompt ids, new tokens)."""
     c = MemStream(peer_id_of(coord))
@@ -151,6 +151,8 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
 
     async def one(sid, prompt, new):
         extra = {"sampling": SamplingParams(temperature=0.9, seed=7).to_wire()} if sid in sampled else {}
+        if batch:
+            extra["batch"] = True
         await server.handle_frame(c, wire.open_frame(coord, sid, None, 128, **extra))
         out, pos, feed = [], 0, list(prompt)
         for step in range(new):
@@ -159,7 +161,7 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
                 got = [x for x in c.sent if x.get("session") == sid and x.get("type") in ("result", "error")]
                 if len(got) > step:
                     break
-                await trio.sleep(0)
+                await trio.sleep(0.002)  # (a busy loop would starve the worker thread of the GIL)
             assert got[-1]["type"] == "result", got[-1]
             out.append(got[-1]["token_ids"][-1])
             pos, feed = pos + len(feed), [out[-1]]
@@ -207,6 +209,28 @@ def test_scheduler_batches_sessions_and_slices_a_long_prompt(synthetic, tmp_path
     assert server.sessions == {} and not server._runq
 
 
+def test_sessions_that_do_not_ask_to_batch_run_alone_with_plain_gemms(synthetic, tmp_path):
+    model = synthetic("llama", "float32", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                      num_key_value_heads=3, num_hidden_layers=2, vocab_size=2048)
+    coord = load_or_create_key(tmp_path / "coord.key")
+    sessions = {"a": ([1, 2, 3], 4), "b": ([4, 5], 4), "c": ([6], 4)}
+    log: list = []
+    server = _server(model, LayerRange(0, 2), tmp_path)
+    together = _drive(server, coord, sessions, steps_log=log, batch=False)
+    assert server.stats["max_sessions"] == 0 and server.stats["batched_steps"] == 0
+    assert max(len(small) for small, _ in log) >= 2  # they were ready together, and still ran alone
+    for sid, job in sessions.items():
+        assert _drive(_server(model, LayerRange(0, 2), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}
+    # and a plain solo run equals the block's plain forward (no tiles): what swarm coordinate computes
+    block = load_block(model, LayerRange(0, 2), dtype="float32", device="cpu")
+    cache = block.new_cache()
+    ids, feed, pos = [], [1, 2, 3], 0
+    for _ in range(4):
+        ids.append(int(block.forward(cache, pos, token_ids=torch.tensor([feed]))[0, -1].argmax()))
+        pos, feed = pos + len(feed), [ids[-1]]
+    assert together["a"] == ids
+
+
 def test_stage_without_invariant_gemms_runs_one_session_per_forward(synthetic, tmp_path, monkeypatch):
     import swarm.stage
 
@@ -239,7 +263,8 @@ def test_concurrent_sessions_over_a_ring_equal_their_solo_runs(stories_dir, tmp_
 
             async def gen(i, key_dir):
                 prompt, new = jobs[i]
-                return await ring_generate(spec, stories_dir, 5, prompt, new, key_dir, sampling=sampling[i])
+                return await ring_generate(spec, stories_dir, 5, prompt, new, key_dir, sampling=sampling[i],
+                                           batch=True)
 
             solo = [await gen(i, tmp_path / f"solo{i}") for i in range(len(jobs))]
             together = [None] * len(jobs)

@@ -6,9 +6,11 @@ completion tokens over the level's wall time), p50/p95 time to first token and p
 inter-token latency, and the ratio of aggregate tokens/s at 16 clients to 1 client (the issue's
 target is >= 4x).
 
-Two stage set-ups run side by side in one invocation (this machine is shared and noisy):
-"batched" (the defaults: continuous batching in fixed 4-row GEMM tiles, exact) and "unbatched"
-(``--max-batch-rows 1 --batch-tile 0``: one session per forward, plain GEMMs, as before batching).
+Three stage set-ups run side by side in one invocation (this machine is shared and noisy):
+"batched" (the defaults: continuous batching in fixed 2-row GEMM tiles, exact, a step waits up to
+10 ms for other batching sessions' rows), "nowait" (the same with ``--batch-wait-ms 0``) and
+"unbatched" (``--max-batch-rows 1 --batch-tile 0 --batch-wait-ms 0``: one session per forward,
+plain GEMMs, as before batching).
 Each reports the stages' batching counters from ``/health`` after its levels.
 
 Prints one JSON object. Usage: python bench/serve_load.py [--model smollm2-135m] [--tokens 32]
@@ -90,12 +92,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--per-client", type=int, default=2, help="requests each client sends in a level")
     ap.add_argument("--levels", default="1,4,16")
-    ap.add_argument("--setups", default="batched,unbatched", help="comma list of: batched, unbatched")
+    ap.add_argument("--setups", default="batched,nowait,unbatched", help="comma list of: batched, nowait, unbatched")
     args = ap.parse_args()
 
     resolved = resolve_model(args.model)
     ranges = even_split(model_num_layers(resolved.path), args.stages)
-    setups = {"batched": [], "unbatched": ["--max-batch-rows", "1", "--batch-tile", "0"]}
+    setups = {"batched": [], "nowait": ["--batch-wait-ms", "0"],
+              "unbatched": ["--max-batch-rows", "1", "--batch-tile", "0", "--batch-wait-ms", "0"]}
     report = {"model": resolved.name, "stages": args.stages, "tokens_per_request": args.tokens,
               "per_client": args.per_client, "target_16_clients": 4.0}
     for name in args.setups.split(","):

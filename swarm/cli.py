@@ -54,13 +54,17 @@ def _stage_parser(sub) -> None:
     bat.add_argument("--max-batch-rows", type=int, default=64,
                      help="most decode/verify rows of different sessions one forward takes (default 64; 1: one "
                           "session per forward)")
-    bat.add_argument("--batch-tile", type=int, default=4,
+    bat.add_argument("--batch-tile", type=int, default=2,
                      help="rows per fixed-shape GEMM in a batched forward, so each session's result is bit-identical "
-                          "to its solo run (default 4; 0: plain GEMMs, faster alone but a session's last bits then "
+                          "to its solo run (default 2; 0: plain GEMMs, faster alone but a session's last bits then "
                           "depend on what shares its forward)")
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step, between other sessions' decode rows "
                           "(default 128)")
+    bat.add_argument("--batch-wait-ms", type=float, default=10.0,
+                     help="while other batching sessions are open but not all ready, wait this long for their rows "
+                          "before a step, so steps pack more rows (default 10; 0: start at once). A lone session, "
+                          "or one that did not ask to batch, never waits")
 
 
 def _stage_usage_error(parser, message: str):
@@ -275,7 +279,8 @@ def cmd_stage(args) -> int:
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
-                         batch_tile=args.batch_tile, prefill_slice=args.prefill_slice)
+                         batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
+                         batch_wait_ms=args.batch_wait_ms)
     from swarm.stage import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)

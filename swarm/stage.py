@@ -381,6 +381,12 @@ class StageServer:
     async def _step(self) -> bool:
         """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
         when nothing was ready."""
+        wait = self.config.batch_wait_ms
+        if wait and any(s.batch for s in self._runq.values()):
+            batching = sum(s.batch for s in self.sessions.values())
+            ready = sum(s.batch for s in self._runq.values() if s.queue)
+            if ready < batching:
+                await trio.sleep(wait / 1000)
         small, rows, piece = [], 0, None
         for sess in list(self._runq.values()):
             job = await self._next_job(sess)
@@ -430,6 +436,9 @@ class StageServer:
                 continue  # more slices of this chunk to come
             if sess.queue and sess.queue[0] is job:
                 sess.queue.popleft()
+            if not sess.queue:
+                self._runq.pop(id(sess), None)
+                sess.busy = False
             self._emit(sess, job.msg, payload)
         return True
 

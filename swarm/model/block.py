@@ -175,6 +175,8 @@ class LayerBlock(torch.nn.Module):
         for mod in [*self.layers.modules(), *([self.lm_head] if self.lm_head is not None else [])]:
             if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
                 _tiled(mod, self)
+            elif type(mod).__module__ in ("transformers.activations", "torch.nn.modules.activation"):
+                _rowwise(mod, self)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers), B = 1:
@@ -268,7 +270,7 @@ class LayerBlock(torch.nn.Module):
             self._tile = tile
             if self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
-            rope = self.rotary(h, position_ids) if self.rotary is not None else None
+            rope = self._rope(h, segs, ids, pad) if self.rotary is not None else None
             plan = _Plan(self, segs, pad)
             for layer in self.layers:
                 if self.family.call == "rotary":
@@ -289,6 +291,19 @@ class LayerBlock(torch.nn.Module):
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
+
+    def _rope(self, h, segs, ids, pad):
+        """Rotary cos/sin, (1, N, Dh) each, computed per session over that session's positions only,
+        as its solo forward computes them, so no session's values come from a vectorized cos/sin
+        run over other sessions' positions; filler rows get zeros."""
+        if len(segs) == 1 and not pad:
+            return self.rotary(h, ids[0].unsqueeze(0))
+        parts = [self.rotary(h[:, s.off:s.off + s.t], i.unsqueeze(0)) for s, i in zip(segs, ids)]
+        cos, sin = (torch.cat([p[k] for p in parts], dim=1) for k in (0, 1))
+        if pad:
+            cos = torch.cat([cos, cos.new_zeros((1, pad, cos.shape[2]))], dim=1)
+            sin = torch.cat([sin, sin.new_zeros((1, pad, sin.shape[2]))], dim=1)
+        return cos, sin
 
     def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
         """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where
@@ -370,6 +385,21 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
         lead = x.shape[:-1]
         out = _tile_gemm(module, x.reshape(-1, x.shape[-1]), tile)
         return out.reshape(*lead, out.shape[-1])
+
+    module.forward = forward
+
+
+def _rowwise(module: torch.nn.Module, block: LayerBlock) -> None:
+    """Route an activation module (SiLU, GELU, ...) through one call per row while ``block._tile``
+    is set: vectorized exp/tanh give an element different bits than the scalar loop that finishes a
+    tensor, so where a row sits in the packed tensor must not decide which one computes it."""
+    plain = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if block._tile is None:
+            return plain(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        return torch.cat([plain(x2[i:i + 1]) for i in range(x2.shape[0])]).reshape(x.shape)
 
     module.forward = forward
 

@@ -50,7 +50,7 @@ def _stage_parser(sub) -> None:
     lim.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
                           "fail the rest, print SWARM_STAGE_DRAINED and exit 0 (default 30)")
-    bat = p.add_argument_group("batching (sessions that are ready together share one forward)")
+    bat = p.add_argument_group("batching (sessions opened to batch, as swarm serve does, share forwards when ready together)")
     bat.add_argument("--max-batch-rows", type=int, default=64,
                      help="most decode/verify rows of different sessions one forward takes (default 64; 1: one "
                           "session per forward)")

@@ -156,11 +156,14 @@ def test_16_concurrent_requests_each_equal_their_solo_run(stories):
         return server.client.completions.create(model="stories260k", **job).choices[0].text
 
     solo = [run(j) for j in jobs]
+    before = [s["batching"]["batched_steps"] for s in server.health()["stages"]]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(run, jobs))
     assert together == solo
     stages = server.health()["stages"]
     assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stages), stages  # every KV cache freed
+    # the stages did pack different requests' rows into shared forwards meanwhile
+    assert sum(s["batching"]["batched_steps"] for s in stages) > sum(before), stages
 
 
 def test_a_client_that_disconnects_frees_its_session(stories):

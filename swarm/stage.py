@@ -375,8 +375,18 @@ class StageServer:
         while True:
             await self._work.wait()
             self._work = trio.Event()
-            while await self._step():
-                pass
+            while True:
+                try:
+                    if not await self._step():
+                        break
+                except Exception as exc:  # a bug: fail the sessions waiting, never stop scheduling
+                    log.exception("scheduler.step_crashed")
+                    for sess in list(self._runq.values()):
+                        self._forget(sess)
+                        self._runq.pop(id(sess), None)
+                        await self._try_send(sess.reply, wire.error_frame(
+                            f"stage {self.block.layer_range}: internal error: {type(exc).__name__}: {exc}"[:300],
+                            "internal", sess.session_id))
 
     async def _step(self) -> bool:
         """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
@@ -439,7 +449,15 @@ class StageServer:
             if not sess.queue:
                 self._runq.pop(id(sess), None)
                 sess.busy = False
-            self._emit(sess, job.msg, payload)
+            try:
+                self._emit(sess, job.msg, payload)
+            except Exception as exc:  # a bug reached by this session's output: fail it alone
+                log.exception("emit.failed session=%s", sess.session_id)
+                self._forget(sess)
+                self._runq.pop(id(sess), None)
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {self.block.layer_range}: internal error: {type(exc).__name__}: {exc}"[:300],
+                    "internal", sess.session_id))
         return True
 
     async def _next_job(self, sess: Session) -> Job | None:
@@ -449,7 +467,11 @@ class StageServer:
             job = sess.queue[0]
             if job.x is None:
                 sess.queue.popleft()
-                self._sign_receipt(sess)
+                try:
+                    self._sign_receipt(sess)
+                except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
+                    log.exception("receipt.failed session=%s", sess.session_id)
+                    await self._fail_session(sess, ProtocolError(f"cannot sign the receipt: {exc}"))
             elif job.msg["epoch"] < sess.epoch:
                 sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:

@@ -296,3 +296,38 @@ def test_concurrent_sessions_over_a_ring_equal_their_solo_runs(stories_dir, tmp_
     solo, together, stats = trio.run(main)
     assert together == solo
     assert max(s["max_sessions"] for s in stats) >= 2, stats
+
+
+def test_a_crashing_step_fails_its_sessions_and_the_scheduler_keeps_serving(synthetic, tmp_path):
+    model = synthetic("llama", "float32")
+    server = _server(model, LayerRange(0, 4), tmp_path)
+    coord = load_or_create_key(tmp_path / "coord.key")
+    emit = server._emit
+
+    def boom(sess, msg, payload):
+        if sess.session_id == "bad":
+            raise RuntimeError("boom")
+        emit(sess, msg, payload)
+
+    server._emit = boom
+    c = MemStream(peer_id_of(coord))
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                server.nursery = nursery
+                nursery.start_soon(server.scheduler)
+                for sid in ("bad", "good"):
+                    await server.handle_frame(c, wire.open_frame(coord, sid, None, 64, batch=True))
+                    await server.handle_frame(c, wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0,
+                                                            tokens=[1, 2, 3]))
+                    await server.idle()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    bad = [x for x in c.sent if x.get("session") == "bad" and x["type"] in ("error", "result")]
+    assert [x["type"] for x in bad] == ["error"] and bad[0]["code"] == "internal" and "boom" in bad[0]["reason"]
+    assert "bad" not in server.sessions
+    good = [x for x in c.sent if x.get("session") == "good" and x["type"] == "result"]
+    alone = _drive(_server(model, LayerRange(0, 4), tmp_path), coord, {"good": ([1, 2, 3], 1)})
+    assert [g["token_ids"][-1] for g in good] == alone["good"]

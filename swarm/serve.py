@@ -7,10 +7,11 @@ libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``sw
 
 Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
 the host's one connection per stage) and opens its own session with its own KV cache at every
-stage, so concurrent requests are isolated: a request that ends closes its session everywhere,
-and one that fails or is cancelled (a client that disconnects) also closes its streams, so every
-stage drops the session. Stages compute one forward at a time (sessions interleave chunk by
-chunk); batching rows of several sessions into one forward is not built yet.
+stage, so concurrent requests are isolated: a request that ends closes its session everywhere. A
+client that disconnects stops its generation at the next token, which closes the session the
+normal way (cancelled after 10 s if it is stuck); a request that fails closes its client's
+streams, so every stage drops the session. Sessions open with ``batch: true``: stages pack the
+rows of requests that are ready together into one forward (see ``swarm.stage``).
 
 API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
 """
@@ -226,8 +227,10 @@ def map_error(exc: BaseException) -> ApiError:
     return ApiError(502, f"a stage failed the request: {text}", None, "stage_error", "server_error")
 
 
-async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[list[int], dict, Detok]:
+async def generate_ids(state: ServeState, req: Request, on_text=None,
+                       stop: trio.Event | None = None) -> tuple[list[int], dict, Detok]:
     """Run one request on its own ring client; ``on_text(piece)`` gets text as it becomes final.
+    Once ``stop`` is set, generation ends at the next token and the session closes normally.
 
     Raises:
         SwarmError: from the ring (see ``map_error``).
@@ -250,7 +253,8 @@ async def generate_ids(state: ServeState, req: Request, on_text=None) -> tuple[l
     try:
         detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
                                                state.spec, drafter, req.sampling, state.wire_dtype,
-                                               should_stop=lambda ids: detok.hit)
+                                               should_stop=lambda ids: detok.hit or (stop is not None and
+                                                                                     stop.is_set()))
         healthy = True
         if detok.record.get("heal_events"):
             state.ring = client.healed_ring()  # new ring clients start from the healed ring
@@ -402,6 +406,7 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
     cancelled, and the request's streams close so every stage drops the session."""
     send, recv = trio.open_memory_channel(math.inf)
     scope = trio.CancelScope()
+    gone = trio.Event()  # the client left
     obj = "chat.completion.chunk" if req.chat else "text_completion"
 
     def chunk(text: str | None = None, reason: str | None = None, role: bool = False) -> str:
@@ -416,7 +421,7 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
     async def work():
         with scope:
             try:
-                out, record, detok = await generate_ids(state, req, lambda t: send.send_nowait(("text", t)))
+                out, record, detok = await generate_ids(state, req, lambda t: send.send_nowait(("text", t)), gone)
                 send.send_nowait(("done", (out, record, detok)))
             except SwarmError as exc:
                 log.warning("request.failed id=%s reason=%s", rid, exc)
@@ -441,7 +446,17 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
                 break
         yield "data: [DONE]\n\n"
     finally:
-        scope.cancel()  # a client that left: stop generating, free the session at every stage
+        # a client that left: generation stops at its next token and closes the session at every
+        # stage, keeping the ring client's streams (closing streams under load is what py-libp2p
+        # 0.8.1 handles worst: it can drop the connection other requests share); cancel only if
+        # that takes too long
+        gone.set()
+        state.nursery.start_soon(_cancel_after, scope, 10.0)
+
+
+async def _cancel_after(scope: trio.CancelScope, seconds: float) -> None:
+    await trio.sleep(seconds)
+    scope.cancel()
 
 
 async def ring_health(state: ServeState) -> list[dict]:

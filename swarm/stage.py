@@ -45,6 +45,16 @@ MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator
 
 
 @dataclass
+class _Outbox:
+    """The frames waiting to be sent on one stream, and the task sending them."""
+
+    send: object  # trio MemorySendChannel of (session, frame, chunk id or None)
+    recv: object
+    dead: bool = False  # the stream is closed or lost: drop what is queued
+    done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
+
+
+@dataclass
 class Job:
     """A queued chunk (or receipt request) of one session at this stage."""
 
@@ -136,7 +146,8 @@ class StageServer:
             while True:
                 try:
                     msg = await stream.recv()
-                except StreamClosed:
+                except StreamClosed as exc:
+                    log.info("stream.ended peer=%s reason=%s", peer, exc)
                     break
                 except ProtocolError as exc:  # the byte stream is broken: say why, then drop it
                     log.warning("frame.invalid peer=%s reason=%s", peer, exc)
@@ -149,8 +160,10 @@ class StageServer:
             log.exception("stream.crashed peer=%s", peer)
         finally:
             self._drop_sessions_of(stream)
-            self._close_outbox(stream)
+            box = self._close_outbox(stream)
             with trio.move_on_after(1):
+                if box is not None:  # never close a stream under a send in progress
+                    await box.done.wait()
                 await stream.aclose()
 
     async def handle_frame(self, stream, msg) -> None:
@@ -382,11 +395,8 @@ class StageServer:
                 except Exception as exc:  # a bug: fail the sessions waiting, never stop scheduling
                     log.exception("scheduler.step_crashed")
                     for sess in list(self._runq.values()):
-                        self._forget(sess)
                         self._runq.pop(id(sess), None)
-                        await self._try_send(sess.reply, wire.error_frame(
-                            f"stage {self.block.layer_range}: internal error: {type(exc).__name__}: {exc}"[:300],
-                            "internal", sess.session_id))
+                        self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _step(self) -> bool:
         """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
@@ -405,8 +415,8 @@ class StageServer:
             t = job.x.shape[1]
             pos = job.msg["pos"] + job.done
             if pos > sess.cache.kv_len:  # a chunk queued before it was dropped or failed
-                await self._fail_session(sess, ProtocolError(
-                    f"chunk at pos {pos} is not contiguous with the session's kv_len {sess.cache.kv_len}"))
+                self._fail_later(sess, f"chunk at pos {pos} is not contiguous with the session's kv_len "
+                                       f"{sess.cache.kv_len}", "bad_request")
                 continue
             if t <= BATCH_CHUNK_MAX:
                 if small and rows + t > self.max_batch_rows:
@@ -424,10 +434,7 @@ class StageServer:
             failed = small + ([piece] if piece else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
-                self._forget(sess)
-                await self._try_send(sess.reply, wire.error_frame(
-                    f"stage {self.block.layer_range}: forward failed: {type(exc).__name__}: {exc}", "internal",
-                    sess.session_id))
+                self._fail_later(sess, f"forward failed: {type(exc).__name__}: {exc}")
             return True
         finally:
             self._in_flight -= 1
@@ -453,11 +460,8 @@ class StageServer:
                 self._emit(sess, job.msg, payload)
             except Exception as exc:  # a bug reached by this session's output: fail it alone
                 log.exception("emit.failed session=%s", sess.session_id)
-                self._forget(sess)
                 self._runq.pop(id(sess), None)
-                await self._try_send(sess.reply, wire.error_frame(
-                    f"stage {self.block.layer_range}: internal error: {type(exc).__name__}: {exc}"[:300],
-                    "internal", sess.session_id))
+                self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
         return True
 
     async def _next_job(self, sess: Session) -> Job | None:
@@ -471,7 +475,7 @@ class StageServer:
                     self._sign_receipt(sess)
                 except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
                     log.exception("receipt.failed session=%s", sess.session_id)
-                    await self._fail_session(sess, ProtocolError(f"cannot sign the receipt: {exc}"))
+                    self._fail_later(sess, f"cannot sign the receipt: {exc}")
             elif job.msg["epoch"] < sess.epoch:
                 sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:
@@ -563,42 +567,66 @@ class StageServer:
 
     def _post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
         """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow
-        peer delays only the sessions that send to it."""
+        peer delays only the sessions that send to it. Nothing is queued on a closed stream."""
+        if stream is None or stream.closed:
+            return
         box = self._outboxes.get(stream)
         if box is None:
-            box, inbox = trio.open_memory_channel(math.inf)
+            box = _Outbox(*trio.open_memory_channel(math.inf))
             self._outboxes[stream] = box
-            self.nursery.start_soon(self._outbox, stream, inbox)
-        box.send_nowait((sess, msg, chunk))
+            self.nursery.start_soon(self._outbox, stream, box)
+        box.send.send_nowait((sess, msg, chunk))
         self._in_flight += 1
 
-    async def _outbox(self, stream, inbox) -> None:
-        async with inbox:
-            async for sess, msg, chunk in inbox:
-                try:
-                    await stream.send(msg, timeout_s=self.config.hop_timeout_s)
-                except SwarmError as exc:
-                    if stream is not sess.reply:
-                        await self._try_send(sess.reply, wire.error_frame(
-                            f"stage {self.block.layer_range} lost its successor {sess.next_addr}: {exc}",
-                            "unavailable", sess.session_id))
-                    continue
-                else:
-                    if chunk is not None:
-                        sess.frames_out += 1
-                        sess.sent = max(sess.sent, chunk)
-                finally:
-                    self._in_flight -= 1
+    async def _outbox(self, stream, box: _Outbox) -> None:
+        """Send one stream's queued frames in order. Data frames of a session that is gone are
+        dropped; nothing is written once the stream is closed (py-libp2p 0.8.1 can drop the whole
+        connection when a stream the peer reset is written to). A failed send to a successor fails
+        the session, and a successor that timed out is closed for every session using it."""
+        try:
+            async with box.recv:
+                async for sess, msg, chunk in box.recv:
+                    try:
+                        gone = msg.get("type") != "error" and self.sessions.get(sess.session_id) is not sess
+                        if box.dead or stream.closed or gone:
+                            continue
+                        await stream.send(msg, timeout_s=self.config.hop_timeout_s)
+                    except SwarmError as exc:
+                        if stream is not sess.reply:
+                            box.dead = True  # a successor that does not take frames takes none of them
+                            if self.successors.get(sess.next_addr) is stream:
+                                del self.successors[sess.next_addr]
+                            self._fail_later(sess, f"lost its successor {sess.next_addr}: {exc}", "unavailable")
+                            for other in [s for s in self.sessions.values() if s.next_stream is stream]:
+                                self._fail_later(other, f"lost its successor {other.next_addr}: {exc}", "unavailable")
+                    else:
+                        if chunk is not None:
+                            sess.frames_out += 1
+                            sess.sent = max(sess.sent, chunk)
+                    finally:
+                        self._in_flight -= 1
+        finally:
+            box.done.set()
 
     async def idle(self) -> None:
         """Return once nothing is queued, being computed or waiting to be sent."""
         while self._in_flight or any(s.queue for s in self._runq.values()):
             await trio.sleep(0.001)
 
-    def _close_outbox(self, stream) -> None:
+    def _close_outbox(self, stream) -> _Outbox | None:
+        """Stop ``stream``'s outbox: frames still queued are dropped, not sent."""
         box = self._outboxes.pop(stream, None)
         if box is not None:
-            box.close()
+            box.dead = True
+            box.send.close()
+        return box
+
+    def _fail_later(self, sess: Session, reason: str, code: str = "internal") -> None:
+        """Fail a session without waiting on its coordinator: the error goes through the outbox."""
+        self._forget(sess)
+        log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, reason)
+        self._post(sess.reply, sess, wire.error_frame(f"stage {self.block.layer_range}: {reason}"[:300], code,
+                                                      sess.session_id))
 
     def _forget(self, sess: Session) -> None:
         """Drop a session (its KV cache goes with it) and whatever it has queued."""

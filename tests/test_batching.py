@@ -331,3 +331,63 @@ def test_a_crashing_step_fails_its_sessions_and_the_scheduler_keeps_serving(synt
     good = [x for x in c.sent if x.get("session") == "good" and x["type"] == "result"]
     alone = _drive(_server(model, LayerRange(0, 4), tmp_path), coord, {"good": ([1, 2, 3], 1)})
     assert [g["token_ids"][-1] for g in good] == alone["good"]
+
+
+class StuckStream(MemStream):
+    """A peer that stops reading: every send blocks until its deadline, then fails."""
+
+    stuck = False
+
+    async def send(self, msg, timeout_s=None):
+        if not self.stuck:
+            return await super().send(msg, timeout_s)
+        await trio.sleep(timeout_s or 30)
+        from swarm.errors import StreamClosed
+
+        raise StreamClosed("send timed out")
+
+
+def test_a_stuck_coordinator_or_successor_delays_only_its_own_session(synthetic, tmp_path):
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    head = _server(model, LayerRange(0, 2), tmp_path, hop_timeout_s=1.0)
+    stuck_reply, stuck_next = StuckStream(peer_id_of(coord)), StuckStream("successor")
+    c, good_next = MemStream(peer_id_of(coord)), MemStream("successor")
+    gaps = []
+
+    async def main():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                head.nursery = nursery
+                nursery.start_soon(head.scheduler)
+                from swarm.stage import Session
+
+                for sid, reply, nxt in (("a", stuck_reply, good_next), ("b", c, good_next), ("s", c, stuck_next)):
+                    head.sessions[sid] = Session(sid, head.block.new_cache(64), reply, "/succ", coordinator=reply.remote_peer_id,
+                                                 source=reply.remote_peer_id, next_stream=nxt, batch=True)
+                stuck_reply.stuck = stuck_next.stuck = True
+                # a: its chunk is dropped by a cancel and the next one leaves a gap: failed, told through a peer that never reads
+                await head.handle_frame(stuck_reply, wire.frame("forward", session="a", epoch=0, pos=0, chunk=0, tokens=[1, 2]))
+                await head.handle_frame(stuck_reply, wire.frame("cancel", session="a", epoch=1))
+                await head.handle_frame(stuck_reply, wire.frame("forward", session="a", epoch=1, pos=2, chunk=1, tokens=[3]))
+                # s: its successor never reads
+                await head.handle_frame(c, wire.frame("forward", session="s", epoch=0, pos=0, chunk=0, tokens=[1, 2]))
+                pos = 0
+                for step in range(6):  # b decodes on
+                    t0 = trio.current_time()
+                    await head.handle_frame(c, wire.frame("forward", session="b", epoch=0, pos=pos, chunk=step,
+                                                          tokens=[1 + step]))
+                    while sum(1 for x in good_next.sent if x.get("session") == "b") <= step:
+                        await trio.sleep(0.002)
+                    gaps.append(trio.current_time() - t0)
+                    pos += 1
+                with trio.fail_after(5):
+                    while "s" in head.sessions:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert max(gaps) < 0.5, gaps  # neither stuck peer held up b
+    assert "a" not in head.sessions and "s" not in head.sessions and "b" in head.sessions
+    lost = [x for x in c.sent if x.get("session") == "s" and x.get("type") == "error"]
+    assert len(lost) == 1 and "lost its successor" in lost[0]["reason"], lost

@@ -147,7 +147,7 @@ class StageServer:
                 try:
                     msg = await stream.recv()
                 except StreamClosed as exc:
-                    log.info("stream.ended peer=%s reason=%s", peer, exc)
+                    log.debug("stream.ended peer=%s reason=%s", peer, exc)
                     break
                 except ProtocolError as exc:  # the byte stream is broken: say why, then drop it
                     log.warning("frame.invalid peer=%s reason=%s", peer, exc)

@@ -582,7 +582,8 @@ class StageServer:
         """Send one stream's queued frames in order. Data frames of a session that is gone are
         dropped; nothing is written once the stream is closed (py-libp2p 0.8.1 can drop the whole
         connection when a stream the peer reset is written to). A failed send to a successor fails
-        the session, and a successor that timed out is closed for every session using it."""
+        every session sending on that stream, and the stream is no longer used (a new session that
+        names the successor dials it afresh)."""
         try:
             async with box.recv:
                 async for sess, msg, chunk in box.recv:

@@ -55,9 +55,10 @@ def _stage_parser(sub) -> None:
                      help="most decode/verify rows of different sessions one forward takes (default 64; 1: one "
                           "session per forward)")
     bat.add_argument("--batch-tile", type=int, default=2,
-                     help="rows per fixed-shape GEMM in a batched forward, so each session's result is bit-identical "
-                          "to its solo run (default 2; 0: plain GEMMs, faster alone but a session's last bits then "
-                          "depend on what shares its forward)")
+                     help="rows per fixed-shape GEMM of packed sessions: more rows share each read of the weights; "
+                          "a session's bits never depend on what shares its forward. Proven at start-up; a BLAS "
+                          "that fails the proof makes the stage fall back to 1 and log why (default 2; 1: one GEMV "
+                          "per row, as unbatched sessions always run)")
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step, between other sessions' decode rows "
                           "(default 128)")

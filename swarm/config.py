@@ -42,7 +42,7 @@ class StageConfig:
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
-    batch_tile: int = 2  # rows per fixed-shape GEMM in a batched forward (0: plain GEMMs, not batch-invariant)
+    batch_tile: int = 2  # rows per fixed-shape GEMM of packed sessions (1: one GEMV per row; proven at start-up)
     prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
     batch_wait_ms: float = 10.0  # how long a step may wait for more batching sessions' rows
 
@@ -64,12 +64,10 @@ class StageConfig:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
         if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
-        for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 0),
+        for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 1),
                                  ("--prefill-slice", self.prefill_slice, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
                 raise ConfigError(f"{flag} must be an integer in [{low}, 4096], got {value!r}")
-        if self.batch_tile == 1:  # one-row GEMMs and reductions take other kernels than any multi-row step
-            raise ConfigError("--batch-tile must be 0 (off) or at least 2, got 1")
         if not 0 <= self.batch_wait_ms <= 1000:  # also refuses NaN
             raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}")
         for name, low in (("session_ttl_s", 0.1), ("drain_timeout_s", 0.0)):

@@ -13,11 +13,13 @@ Scheduling (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-S
 prefill, Agrawal et al. OSDI 2024): arriving chunks queue per session; one scheduler task takes,
 each step, the next chunk of every ready session that is short (decode/verify rows, at most
 ``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in all) into one packed forward, plus one
-``--prefill-slice`` of a long (prefill) chunk, so a long prompt never stalls other sessions. Short
-chunks run in fixed ``--batch-tile``-row GEMMs, so what a session computes does not depend on what
-shares its step (batch-invariant). Only sessions opened with ``batch: true`` (``swarm serve``)
-are packed; the others (a single ``swarm coordinate`` stream) run alone with plain GEMMs, which is
-faster for one row. Outputs leave through one ordered outbox per stream.
+``--prefill-slice`` of a long (prefill) chunk, so a long prompt never stalls other sessions. Only
+sessions opened with ``batch: true`` (``swarm serve``) are packed; their rows run in fixed
+``--batch-tile``-row GEMMs. The others (a single ``swarm coordinate`` stream) run alone, one GEMV
+per row, as fast as plain decode. Either way every forward is row-invariant
+(:mod:`swarm.kernels.invariant`): a position's bits do not depend on the chunk or the step it
+shares, which the stage proves at start-up (:func:`swarm.kernels.check.check_block`) before it
+serves a mode. Outputs leave through one ordered outbox per stream.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class Session:
     last_active: float = 0.0  # trio clock of the last frame for this session
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
-    batch: bool = False  # may share packed (tiled) forwards; else its chunks run alone with plain GEMMs
+    batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
 
 
 class StageServer:
@@ -109,14 +111,12 @@ class StageServer:
         self._work = trio.Event()  # set when a job is queued
         self._outboxes: dict[object, object] = {}  # stream -> send channel of its ordered outbox
         self._in_flight = 0  # chunks being computed or frames waiting in an outbox (see idle())
-        self.tile = config.batch_tile or None
+        self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
         self.max_batch_rows = config.max_batch_rows
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
-        if self.tile and not _gemm_rows_invariant(block, self.tile):
-            log.warning("batch.not_invariant tile=%d: this BLAS gives a row different bits depending on its place "
-                        "in a GEMM; each forward takes one session so results stay identical to solo runs",
-                        self.tile)
-            self.max_batch_rows = 1
+        self.kernels = _prove_kernels(block, self.tile)
+        if self.tile and not self.kernels["batch_ok"]:
+            self.tile = 1  # packed sessions then take one GEMV per row: invariant by construction
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
         self.draining = False  # no new sessions; set by drain()
@@ -136,6 +136,7 @@ class StageServer:
             kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
             batching={"max_batch_rows": self.max_batch_rows, "batch_tile": self.tile or 0,
                       "prefill_slice": self.config.prefill_slice, **self.stats},
+            kernels=self.kernels,
         )
 
     async def handle_stream(self, stream) -> None:
@@ -491,16 +492,16 @@ class StageServer:
         out = []
         packed = [(s, j) for s, j in small if s.batch]
         if packed:
-            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self.tile)
+            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]))
             out += [(s, j, j.msg["pos"], y) for (s, j), y in zip(packed, ys)]
-        for s, j in small:  # sessions that did not ask to batch: each alone, plain GEMMs, as ever
+        for s, j in small:  # sessions that did not ask to batch: each alone, one GEMV per row
             if not s.batch:
                 out.append((s, j, j.msg["pos"], self.block.forward_batch([(s.cache, j.msg["pos"], j.x)])[0]))
         if piece is not None:
             s, j = piece
             n = min(self.config.prefill_slice, j.x.shape[1] - j.done)
             pos = j.msg["pos"] + j.done
-            y = self.block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])])[0]
+            y = self.block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s))[0]
             out.append((s, j, pos, y))
         results = []
         for s, j, pos, y in out:
@@ -516,6 +517,10 @@ class StageServer:
                 payload = part if self.block.is_tail else wire.encode_tensor(part, dtype=s.wire_dtype)
             results.append((s, j, n, payload))
         return results
+
+    def _tile_of(self, sess: Session) -> int:
+        """Rows per GEMM for every forward of ``sess``, fixed for its life (its bits depend on it)."""
+        return (self.tile or 1) if sess.batch else 1
 
     def _decide(self, sess: Session, pos: int, logits: torch.Tensor) -> list[int]:
         """Tail: the token after each of the rows at ``[pos, pos + T)``: argmax, or sampled keyed by
@@ -715,10 +720,35 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         await trio.sleep_forever()
 
 
-def _gemm_rows_invariant(block, tile: int) -> bool:
-    from swarm.model.block import gemm_rows_invariant
+def _prove_kernels(block, tile: int | None) -> dict:
+    """Run the start-up invariance check (:func:`swarm.kernels.check.check_block`) for the solo mode
+    (one GEMV per row) and, when batching is on, for ``tile``-row GEMMs; log what was proven.
 
-    return gemm_rows_invariant(block, tile) if hasattr(block, "_tiled_modules") else True
+    Returns:
+        ``{"rows_ok", "batch_ok", "batch_tile", "reason", "check_s"}`` for ``info_ok``: rows_ok False
+        means this stage cannot promise that a verify chunk or a replay gives decode's bits.
+    """
+    if not hasattr(block, "_tiled_modules"):  # a test double without torch modules
+        return {"rows_ok": True, "batch_ok": True, "batch_tile": tile or 0, "reason": "", "check_s": 0.0}
+    from swarm.kernels.check import check_block
+
+    rows = check_block(block, 1)
+    if rows.ok:
+        log.info("kernels.proven mode=rows layers=%s seconds=%.2f", block.layer_range, rows.seconds)
+    else:
+        log.error("kernels.not_invariant mode=rows %s: speculative, healed and batched output of this stage may "
+                  "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
+    batch = rows
+    if tile and tile > 1 and rows.ok:
+        batch = check_block(block, tile)
+        if batch.ok:
+            log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, batch.seconds)
+        else:
+            log.warning("batch.not_invariant %s: batch sessions run alone, one GEMV per row, so results stay "
+                        "identical to solo runs", batch.reason)
+    return {"rows_ok": rows.ok, "batch_ok": batch.ok, "batch_tile": tile or 0,
+            "reason": rows.reason or (batch.reason if not batch.ok else ""),
+            "check_s": round(rows.seconds + (batch.seconds if batch is not rows else 0.0), 3)}
 
 
 def _mib(n: int) -> str:

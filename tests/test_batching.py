@@ -11,7 +11,9 @@ import trio
 
 from swarm import wire
 from swarm.config import ConfigError, SamplingParams, StageConfig
-from swarm.model.block import gemm_rows_invariant, load_block
+from swarm.kernels import invariant
+from swarm.kernels.check import check_block
+from swarm.model.block import load_block
 from swarm.ranges import LayerRange
 from swarm.stage import StageServer
 from swarm.transport import load_or_create_key
@@ -52,7 +54,7 @@ def _plan(block, seed: int = 0):
 
 def _run_solo(block, plan, steps, i):
     cache = block.new_cache()
-    outs = [block.forward_batch([(cache, 0, plan[i][0][1])])[0]]
+    outs = [block.forward_batch([(cache, 0, plan[i][0][1])], tile=TILE)[0]]
     for rows in steps:
         if i in rows:
             pos, x = rows[i]
@@ -63,7 +65,7 @@ def _run_solo(block, plan, steps, i):
 def _run_batched(block, plan, steps, seed: int):
     rng = random.Random(seed)
     caches = {i: block.new_cache() for i in plan}
-    outs = {i: [block.forward_batch([(caches[i], 0, plan[i][0][1])])[0]] for i in plan}
+    outs = {i: [block.forward_batch([(caches[i], 0, plan[i][0][1])], tile=TILE)[0]] for i in plan}
     for rows in steps:
         order = list(rows)
         rng.shuffle(order)  # a session's place in the packed step must not matter either
@@ -108,7 +110,7 @@ def test_packed_forward_is_bit_identical_to_solo_at_a_realistic_width(synthetic,
                       num_key_value_heads=3, num_hidden_layers=2, vocab_size=2048)
     for part in ((0, 1), (1, 2)):
         block = load_block(model, LayerRange(*part), dtype="float32", device="cpu")
-        assert gemm_rows_invariant(block, TILE)
+        assert check_block(block, TILE).ok
         plan, steps = _plan(block, seed=part[0])
         _assert_bitwise(block, plan, steps)
 
@@ -132,7 +134,7 @@ def test_a_bad_chunk_in_a_packed_step_writes_no_cache(synthetic):
 
 
 def test_batching_flags_are_checked(tmp_path):
-    for bad in (dict(max_batch_rows=0), dict(batch_tile=-1), dict(batch_tile=1), dict(prefill_slice=0),
+    for bad in (dict(max_batch_rows=0), dict(batch_tile=-1), dict(batch_tile=0), dict(prefill_slice=0),
                 dict(batch_tile=True), dict(batch_wait_ms=-1.0), dict(batch_wait_ms=float("nan"))):
         with pytest.raises(ConfigError):
             StageConfig(model="m", layers=LayerRange(0, 1), **bad)
@@ -235,7 +237,7 @@ def test_sessions_that_do_not_ask_to_batch_run_alone_with_plain_gemms(synthetic,
     assert max(len(small) for small, _ in log) >= 2  # they were ready together, and still ran alone
     for sid, job in sessions.items():
         assert _drive(_server(model, LayerRange(0, 2), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}
-    # and a plain solo run equals the block's plain forward (no tiles): what swarm coordinate computes
+    # and a solo run equals the block's own forward (one GEMV per row): what swarm coordinate computes
     block = load_block(model, LayerRange(0, 2), dtype="float32", device="cpu")
     cache = block.new_cache()
     ids, feed, pos = [], [1, 2, 3], 0
@@ -245,14 +247,32 @@ def test_sessions_that_do_not_ask_to_batch_run_alone_with_plain_gemms(synthetic,
     assert together["a"] == ids
 
 
-def test_stage_without_invariant_gemms_runs_one_session_per_forward(synthetic, tmp_path, monkeypatch):
-    import swarm.stage
+def test_stage_whose_tile_fails_its_proof_falls_back_to_one_gemv_per_row(synthetic, tmp_path, monkeypatch):
+    """A BLAS that gives a row other bits by its place in a tile: the start-up proof of the tile
+    fails (the same check_block the tests run), the stage logs it and packs sessions with tile 1,
+    and batched results still equal solo ones."""
+    real = invariant.linear_rows
 
-    monkeypatch.setattr(swarm.stage, "_gemm_rows_invariant", lambda block, tile: False)
-    server = _server(synthetic("llama", "float32"), LayerRange(0, 4), tmp_path)
-    assert server.max_batch_rows == 1
-    _drive(server, load_or_create_key(tmp_path / "coord.key"), {"a": ([1, 2, 3], 3), "b": ([4, 5], 3)})
-    assert server.stats["max_sessions"] == 1
+    def place_dependent(x, weight_t, bias, tile):
+        out = real(x, weight_t, bias, tile)
+        if tile > 1:  # perturb every row but the first of each tile, as a misbehaving kernel would
+            out = out.clone()
+            for i in range(0, out.shape[0], tile):
+                out[i + 1:i + tile] = torch.nextafter(out[i + 1:i + tile], torch.full_like(out[i + 1:i + tile], 1e9))
+        return out
+
+    monkeypatch.setattr(invariant, "linear_rows", place_dependent)
+    model = synthetic("llama", "float32")
+    server = _server(model, LayerRange(0, 4), tmp_path)
+    assert server.kernels["rows_ok"] and not server.kernels["batch_ok"]
+    assert "packed" in server.kernels["reason"] or "chunked" in server.kernels["reason"]
+    assert server.tile == 1
+    coord = load_or_create_key(tmp_path / "coord.key")
+    jobs = {"a": ([1, 2, 3], 3), "b": ([4, 5], 3)}
+    together = _drive(server, coord, jobs)
+    assert server.stats["max_sessions"] == 2  # still packed, now one GEMV per row
+    for sid, job in jobs.items():
+        assert _drive(_server(model, LayerRange(0, 4), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}
 
 
 # ---- a real ring --------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from swarm.errors import ConfigError, ModelError
+from swarm.kernels import invariant
+from swarm.kernels.invariant import RotaryTable
 from swarm.model.cache import KVCache
 from swarm.ranges import LayerRange
 
@@ -170,13 +172,15 @@ class LayerBlock(torch.nn.Module):
         self.loaded_tensors: list[str] = []
         self.loaded_bytes = 0
         self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
-        self._tile: int | None = None  # rows per GEMM while forward_batch(tile=...) runs
+        self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
         self._tiled_modules: list[torch.nn.Module] = []
-        for mod in [*self.layers.modules(), *([self.lm_head] if self.lm_head is not None else [])]:
-            if isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "Conv1D":
+        self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
+        owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
+        for mod in owned:
+            if invariant.is_gemm(mod):
                 _tiled(mod, self)
-            elif type(mod).__module__ in ("transformers.activations", "torch.nn.modules.activation"):
-                _rowwise(mod, self)
+            elif invariant.is_activation(mod) or invariant.is_norm(mod):
+                _per_token(mod, self)
 
     def kv_bytes_per_position(self) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers), B = 1:
@@ -218,29 +222,32 @@ class LayerBlock(torch.nn.Module):
         return self.forward_batch([(cache, pos, x)])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, rows: list, tile: int | None = None) -> list[torch.Tensor]:
-        """One forward over several sessions' new positions (continuous batching, ragged, no padding).
+    def forward_batch(self, rows: list, tile: int = 1) -> list[torch.Tensor]:
+        """One forward over several sessions' new positions (continuous batching, ragged, no padding
+        between sessions), in row-invariant arithmetic (:mod:`swarm.kernels.invariant`).
 
-        The sessions' rows are packed into one (1, sum T_i, D) sequence, so every linear layer runs
-        once over all of them; attention runs per session over that session's own KV cache, with
-        exactly the shapes and mask a solo forward uses.
+        The sessions' rows are packed into one (1, sum T_i, D) sequence. Every linear layer runs in
+        fixed GEMMs of ``tile`` rows; norms and activations run per token; attention runs per query
+        row over that row's session's own KV cache. So a row's bits depend only on its own input and
+        its session's cache: not on T (decode, verify chunk, prefill slice), not on other sessions.
 
         Args:
             rows: ``[(cache, pos, x), ...]``, one entry per session (each cache at most once), with
                 ``x`` (1, T_i) int64 token ids on the head, else (1, T_i, D) hidden states.
-            tile: None runs each linear layer as one GEMM over all packed rows. An int runs it in
-                fixed GEMMs of ``tile`` rows (zero-padded), so a row's result does not depend on
-                how many other rows share the step: batch-invariant arithmetic (He et al., "Defeating
-                Nondeterminism in LLM Inference", Thinking Machines 2025). :func:`gemm_rows_invariant`
-                checks that the BLAS keeps a row's result independent of its place in a tile.
+            tile: rows per GEMM, >= 1. 1 runs one GEMV per row, the very call a decode step makes
+                (invariant by construction). More rows per GEMM amortize weight reads over packed
+                sessions, and need the BLAS to give a row the same bits wherever it sits in the
+                tile: :func:`swarm.kernels.check.check_block` proves that at stage start-up.
         Returns:
             one tensor per entry, (1, T_i, D) or on the tail (1, T_i, V) float32 logits.
         Raises:
             ProtocolError / ContextOverflow: a session's chunk does not fit its cache (nothing is
-            written to any cache then); ValueError: a row of the wrong kind or shape.
+            written to any cache then); ValueError: a row of the wrong kind or shape, or tile < 1.
         """
         if not rows:
             return []
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            raise ValueError(f"tile must be a positive int, got {tile!r}")
         segs, xs, off = [], [], 0
         for cache, pos, x in rows:
             if self.is_head:
@@ -261,17 +268,12 @@ class LayerBlock(torch.nn.Module):
                 h = self.embed(torch.cat(xs, dim=1).to(self.device))
             else:
                 h = torch.cat([x.to(self.device, self.dtype) for x in xs], dim=1)
-            ids = [torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]
-            pad = -off % tile if tile else 0
-            if pad:  # zero rows that fill the last GEMM tile; they belong to no session
-                h = torch.cat([h, h.new_zeros((1, pad, h.shape[2]))], dim=1)
-                ids.append(torch.zeros(pad, dtype=torch.long, device=self.device))
-            position_ids = torch.cat(ids).unsqueeze(0)
+            position_ids = torch.cat([torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]).unsqueeze(0)
             self._tile = tile
             if self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
-            rope = self._rope(h, segs, ids, pad) if self.rotary is not None else None
-            plan = _Plan(self, segs, pad)
+            rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
+            plan = _Plan(self, segs)
             for layer in self.layers:
                 if self.family.call == "rotary":
                     h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
@@ -291,19 +293,6 @@ class LayerBlock(torch.nn.Module):
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
-
-    def _rope(self, h, segs, ids, pad):
-        """Rotary cos/sin, (1, N, Dh) each, computed per session over that session's positions only,
-        as its solo forward computes them, so no session's values come from a vectorized cos/sin
-        run over other sessions' positions; filler rows get zeros."""
-        if len(segs) == 1 and not pad:
-            return self.rotary(h, ids[0].unsqueeze(0))
-        parts = [self.rotary(h[:, s.off:s.off + s.t], i.unsqueeze(0)) for s, i in zip(segs, ids)]
-        cos, sin = (torch.cat([p[k] for p in parts], dim=1) for k in (0, 1))
-        if pad:
-            cos = torch.cat([cos, cos.new_zeros((1, pad, cos.shape[2]))], dim=1)
-            sin = torch.cat([sin, sin.new_zeros((1, pad, sin.shape[2]))], dim=1)
-        return cos, sin
 
     def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
         """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where
@@ -342,10 +331,9 @@ class _Plan:
     """The packed step's layout; passed to decoder layers as their cache (``update`` splits the new
     K/V rows into each session's KVCache) and to :func:`_ragged_attention` (``swarm_plan``)."""
 
-    def __init__(self, block: LayerBlock, segs: list[_Segment], pad: int):
+    def __init__(self, block: LayerBlock, segs: list[_Segment]):
         self.block = block
         self.segs = segs
-        self.pad = pad  # filler rows after the sessions' rows
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         for s in self.segs:
@@ -355,26 +343,22 @@ class _Plan:
 
 
 def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention for a packed step: each session's queries against its own cached keys and values,
-    through transformers' SDPA path with the mask a solo forward would use. Output (1, T, H, Dh)."""
+    """Attention for a packed step: each query row against its own session's cached keys and values
+    up to its own position, through transformers' SDPA path, as a one-token decode step would run
+    it (:func:`swarm.kernels.invariant.attention_rows`). Output (1, N, H, Dh)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plan = kwargs.pop("swarm_plan", None)
     if plan is None:  # not called from LayerBlock.forward_batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = []
-    for s in plan.segs:
-        mask = plan.block._mask(module, s.pos, s.t)
-        out, _ = sdpa_attention_forward(module, query[:, :, s.off:s.off + s.t], s.keys, s.values, mask, **kwargs)
-        outs.append(out)
-    if plan.pad:  # the tile's filler rows attend to nothing
-        outs.append(outs[0].new_zeros((1, plan.pad, *outs[0].shape[2:])))
+    outs = [invariant.attention_rows(sdpa_attention_forward, module, query[:, :, s.off:s.off + s.t], s.keys,
+                                     s.values, s.pos, plan.block._mask, **kwargs) for s in plan.segs]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     """Route ``module``'s forward (a Linear or GPT-2 Conv1D) through fixed ``block._tile``-row GEMMs
-    while ``block._tile`` is set (``LayerBlock.forward_batch`` pads the rows to a multiple of it)."""
+    on fresh aligned copies while ``block._tile`` is set (:func:`swarm.kernels.invariant.linear_rows`)."""
     plain = module.forward
     block._tiled_modules.append(module)
 
@@ -383,65 +367,24 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
         if tile is None:
             return plain(x)
         lead = x.shape[:-1]
-        out = _tile_gemm(module, x.reshape(-1, x.shape[-1]), tile)
+        out = invariant.linear_rows(x.reshape(-1, x.shape[-1]), invariant.weight_t(module), module.bias, tile)
         return out.reshape(*lead, out.shape[-1])
 
     module.forward = forward
 
 
-def _rowwise(module: torch.nn.Module, block: LayerBlock) -> None:
-    """Route an activation module (SiLU, GELU, ...) through one call per row while ``block._tile``
-    is set: vectorized exp/tanh give an element different bits than the scalar loop that finishes a
-    tensor, so where a row sits in the packed tensor must not decide which one computes it."""
+def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
+    """Route a norm or activation module through one call per token while ``block._tile`` is set:
+    vectorized kernels give a tensor's tail elements (scalar loop) other bits, and a reduction may
+    split by shape, so where a row sits in the packed tensor must not decide how it is computed."""
     plain = module.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if block._tile is None:
             return plain(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        return torch.cat([plain(x2[i:i + 1]) for i in range(x2.shape[0])]).reshape(x.shape)
+        return invariant.per_token(plain, x)
 
     module.forward = forward
-
-
-def _tile_gemm(module: torch.nn.Module, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``module``'s affine map of (M, K) rows, M a multiple of ``tile``, as M / tile GEMMs of the
-    same shape: (M, N)."""
-    w, bias = module.weight, module.bias
-    wt = w.t() if isinstance(module, torch.nn.Linear) else w  # Conv1D keeps weight as (K, N)
-    out = x.new_empty((x.shape[0], wt.shape[1]))
-    for i in range(0, x.shape[0], tile):
-        if bias is None:
-            torch.mm(x[i:i + tile], wt, out=out[i:i + tile])
-        else:
-            torch.addmm(bias, x[i:i + tile], wt, out=out[i:i + tile])
-    return out
-
-
-def gemm_rows_invariant(block: LayerBlock, tile: int) -> bool:
-    """True if, on this device and BLAS, a row's result in a ``tile``-row GEMM does not depend on
-    its place in the tile or on the other rows: the premise of ``forward_batch(tile=...)``.
-
-    Checks every tiled weight of the block: one random row at the first, middle and last place of a
-    tile of other random rows (and of zeros), in the block dtype. Takes a few ms per layer.
-    """
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for mod in block._tiled_modules:
-            w = mod.weight
-            k = w.shape[1] if isinstance(mod, torch.nn.Linear) else w.shape[0]
-            row = torch.randn(k, generator=gen).to(w.device, w.dtype)
-            ref = None
-            for place, fill in ((0, "zeros"), (tile // 2, "randn"), (tile - 1, "randn")):
-                x = torch.zeros(tile, k) if fill == "zeros" else torch.randn(tile, k, generator=gen)
-                x = x.to(w.device, w.dtype)
-                x[place] = row
-                out = _tile_gemm(mod, x, tile)[place]
-                if ref is None:
-                    ref = out
-                elif not torch.equal(out, ref):
-                    return False
-    return True
 
 
 def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
@@ -553,6 +496,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         rot_cls = type(_get(base, family.rotary))
         with torch.device(dev):
             block.rotary = rot_cls(config=config)
+        block._rope_table = RotaryTable(block.rotary)
     leftover = [n for n, t in block.named_parameters() if t.is_meta] + [n for n, t in block.named_buffers() if t.is_meta]
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")

@@ -16,7 +16,11 @@ from swarm.errors import ContextOverflow, ProtocolError
 
 
 class KVCache:
-    """Growable per-layer K/V buffers of shape (B, Hkv, capacity, Dh).
+    """Growable per-layer K/V buffers, position-major: (B, capacity, Hkv, Dh).
+
+    Position-major so that the view of the first S positions handed to attention has the same
+    strides whatever the buffer's capacity: how far a session's cache has grown (a speculative
+    chunk grows it earlier than decode steps would) must not change a row's arithmetic.
 
     Usage per forward: ``begin(pos, T)``; every layer calls ``update``; then ``commit()``.
 
@@ -56,29 +60,31 @@ class KVCache:
             key_states, value_states: (B, Hkv, T, Dh) in the stage dtype, after rotary.
             layer_idx: the layer's absolute index.
         Returns:
-            (keys, values), each (B, Hkv, kv_len + T, Dh): views into the buffers.
+            (keys, values), each (B, Hkv, kv_len + T, Dh): views into the buffers (strides set by
+            kv_len + T alone).
         """
         t = key_states.shape[2]
         end = self.kv_len + t
         keys = self._keys.get(layer_idx)
-        if keys is None or keys.shape[2] < end or keys.shape[:2] != key_states.shape[:2]:
+        b, h = key_states.shape[:2]
+        if keys is None or keys.shape[1] < end or (keys.shape[0], keys.shape[2]) != (b, h):
             keys, values = self._grow(layer_idx, key_states, value_states, end)
         else:
             values = self._values[layer_idx]
-        keys[:, :, self.kv_len:end] = key_states
-        values[:, :, self.kv_len:end] = value_states
-        return keys[:, :, :end], values[:, :, :end]
+        keys[:, self.kv_len:end] = key_states.transpose(1, 2)
+        values[:, self.kv_len:end] = value_states.transpose(1, 2)
+        return keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
 
     def _grow(self, layer_idx, key_states, value_states, needed):
         capacity = min(self.max_len, max(256, 1 << (needed - 1).bit_length()))
         capacity = max(capacity, needed)
         b, h, _, dh = key_states.shape
-        new_k = key_states.new_zeros((b, h, capacity, dh))
-        new_v = value_states.new_zeros((b, h, capacity, value_states.shape[-1]))
+        new_k = key_states.new_zeros((b, capacity, h, dh))
+        new_v = value_states.new_zeros((b, capacity, h, value_states.shape[-1]))
         old_k = self._keys.get(layer_idx)
-        if old_k is not None and old_k.shape[:2] == (b, h):
-            new_k[:, :, : self.kv_len] = old_k[:, :, : self.kv_len]
-            new_v[:, :, : self.kv_len] = self._values[layer_idx][:, :, : self.kv_len]
+        if old_k is not None and (old_k.shape[0], old_k.shape[2]) == (b, h):
+            new_k[:, : self.kv_len] = old_k[:, : self.kv_len]
+            new_v[:, : self.kv_len] = self._values[layer_idx][:, : self.kv_len]
         self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
         return new_k, new_v
 

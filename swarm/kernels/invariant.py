@@ -1,0 +1,155 @@
+"""Row-invariant arithmetic for a layer block: a row's result never depends on its neighbours.
+
+Owns: the GEMM, norm, activation and attention paths a stage runs, chosen so that the bits of one
+position's output depend only on that position's input and its session's KV cache, never on how
+many rows share the forward (a decode row, a verify chunk of K+1, a prefill slice, other sessions'
+rows in a packed step), on where the row sits among them, or on the memory address a slice of the
+packed tensor happens to start at. This is what makes speculative == greedy, concurrent == solo,
+healed == uninterrupted and resumed == fresh hold bit for bit by construction (DESIGN.md,
+"Exactness contract"), after Thinking Machines' batch-invariant ops (He et al., "Defeating
+Nondeterminism in LLM Inference", 2025).
+
+How, with stock torch ops only (no kernel of our own on the CPU):
+
+- **GEMMs** run in fixed shapes: ``tile`` rows per call, each tile a fresh, contiguous (so
+  allocator-aligned) copy, zero-padded. ``tile=1`` is one GEMV per row: every row takes exactly the
+  call a one-token decode step takes, so it needs no premise about the BLAS. ``tile>1`` (packed
+  sessions of ``swarm serve``) needs the BLAS to give a row the same bits wherever it sits in the
+  tile; :func:`swarm.kernels.check.check_block` proves that per block at stage start-up.
+- **Norms and activations** (vectorized kernels leave a tensor's last elements to a scalar tail
+  loop, and reductions may split differently by shape) run once per token, on a fresh copy.
+- **Attention** runs once per query row, with that row's own keys ``[0, pos]`` as a decode step of
+  that position would: same shapes, same strides (the cache is position-major, so a prefix view
+  does not depend on the buffer's capacity), same mask.
+
+Measured on an AMD EPYC (Zen 3, AVX2, MKL 2024.2) on 2026-12-01: MKL's sgemm gives a 2- or 3-row
+GEMM different bits when its input is not 16-byte aligned, and SDPA gives a strided query slice
+other bits than a contiguous copy; both broke packed == solo for Phi-3 there (not on Intel).
+
+May import torch and transformers; no networking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous copy of ``x`` (new allocation: the allocator's alignment, no shared storage)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def linear_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``x @ weight_t + bias`` for (M, K) rows as fixed (tile, K) GEMMs, each on a fresh aligned copy.
+
+    Args:
+        x: (M, K) rows, any M >= 0; the block dtype and device.
+        weight_t: (K, N), possibly a transposed view of a Linear's (N, K) weight.
+        bias: (N,) or None.
+        tile: rows per GEMM, >= 1; the last tile is zero-padded.
+    Returns:
+        (M, N), a new tensor.
+    """
+    m = x.shape[0]
+    out = x.new_empty((m, weight_t.shape[1]))
+    for i in range(0, m, tile):
+        part = x[i:i + tile]
+        n = part.shape[0]
+        if n < tile:
+            a = x.new_zeros((tile, x.shape[1]))
+            a[:n] = part
+        else:
+            a = fresh(part)
+        y = torch.mm(a, weight_t) if bias is None else torch.addmm(bias, a, weight_t)
+        out[i:i + n] = y[:n]
+    return out
+
+
+def per_token(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``fn`` to each token of ``x`` separately, each a fresh (1, 1, ...) copy.
+
+    Args:
+        fn: a shape-preserving function of one token (a norm, an activation).
+        x: (1, N, ...) in the packed token-major layout.
+    Returns:
+        (1, N, ...), ``fn`` of every token, concatenated.
+    """
+    if x.dim() < 2 or x.shape[0] != 1:
+        raise ValueError(f"per_token wants (1, N, ...) tensors, got {tuple(x.shape)}")
+    outs = [fn(fresh(x[:, i:i + 1])) for i in range(x.shape[1])]
+    return torch.cat(outs, dim=1) if outs else fn(x)
+
+
+def attention_rows(sdpa, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int,
+                   mask_of, **kwargs) -> torch.Tensor:
+    """One session's attention, one query row at a time, each exactly as a decode step would run it.
+
+    Args:
+        sdpa: transformers' ``sdpa_attention_forward`` (or a function with its signature).
+        module: the attention module (scaling, GQA groups, sliding window).
+        query: (1, H, T, Dh) this session's queries for positions ``[pos, pos + T)``, after rotary.
+        keys, values: (1, Hkv, pos + T, Dh) the session's cache up to its last new position.
+        pos: absolute position of the first query row.
+        mask_of: ``mask_of(module, position, 1)`` -> boolean mask or None for a one-row query.
+        kwargs: passed on to ``sdpa`` (dropout, scaling, sliding_window, ...).
+    Returns:
+        (1, T, H, Dh) attention output, token-major as transformers' attention functions return it.
+    """
+    outs = []
+    for i in range(query.shape[2]):
+        end = pos + i + 1  # a decode step at position pos + i sees keys [0, pos + i]
+        out, _ = sdpa(module, fresh(query[:, :, i:i + 1]), keys[:, :, :end], values[:, :, :end],
+                      mask_of(module, pos + i, 1), **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    """True for the per-token normalizations of the supported families (RMSNorm kinds, LayerNorm)."""
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def is_activation(module: torch.nn.Module) -> bool:
+    """True for activation modules (transformers.activations, torch.nn activations)."""
+    return type(module).__module__ in ("transformers.activations", "torch.nn.modules.activation")
+
+
+def is_gemm(module: torch.nn.Module) -> bool:
+    """True for affine maps run as GEMMs: ``nn.Linear`` and GPT-2's ``Conv1D`` (weight kept (K, N))."""
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def weight_t(module: torch.nn.Module) -> torch.Tensor:
+    """The (K, N) matrix of a GEMM module (a view; Linear keeps (N, K), Conv1D keeps (K, N))."""
+    return module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight
+
+
+class RotaryTable:
+    """Rotary cos/sin per absolute position, each computed once by a one-position call of the
+    model's own rotary module and then looked up, so a position's values never depend on which
+    other positions shared the call (vectorized cos/sin give a tensor's tail other bits).
+
+    Args:
+        rotary: the family's rotary embedding module (``rotary(x, position_ids) -> (cos, sin)``).
+    """
+
+    def __init__(self, rotary: torch.nn.Module):
+        self.rotary = rotary
+        self.cos: torch.Tensor | None = None  # (P, Dh) for positions [0, P)
+        self.sin: torch.Tensor | None = None
+
+    def lookup(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (1, N, Dh) in ``like``'s dtype for (1, N) or (N,) int64 positions."""
+        flat = position_ids.reshape(-1)
+        need = int(flat.max().item()) + 1 if flat.numel() else 0
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if need > have or self.cos.dtype != like.dtype:
+            if self.cos is not None and self.cos.dtype != like.dtype:
+                self.cos = self.sin = None
+                have = 0
+            parts = [self.rotary(like[:, :1], torch.tensor([[p]], device=like.device)) for p in range(have, need)]
+            new_cos = torch.cat([c[0] for c, _ in parts]) if parts else None
+            new_sin = torch.cat([s[0] for _, s in parts]) if parts else None
+            self.cos = new_cos if self.cos is None else torch.cat([self.cos, new_cos])
+            self.sin = new_sin if self.sin is None else torch.cat([self.sin, new_sin])
+        return self.cos[flat].unsqueeze(0), self.sin[flat].unsqueeze(0)

@@ -306,6 +306,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     budget = min(max_new_tokens, max_ctx - len(prompt_ids))
     if budget < max_new_tokens:
         log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
+    unproven = [i.index for i in ring.infos if not i.rows_proven]
+    if unproven:
+        log.warning("kernels.unproven stages=%s: their start-up check failed, so speculative or healed output may "
+                    "differ from plain greedy in the last bits (see those stages' logs)", unproven)
     loop = SpecLoop(prompt_ids, budget, frozenset(stop_ids), drafter or NoDrafter(), k=spec.k, depth=spec.depth,
                     prefill_chunk=spec.prefill_chunk)
     sampling = sampling or SamplingParams()
@@ -369,6 +373,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         "sampling": sampling.to_wire(),
         "wire_dtype": wire_dtype or "stage",
         "wire_lossy": any(wire.is_lossy(wire_dtype, i.dtype) for i in ring.infos),
+        "kernels_proven": all(i.rows_proven for i in ring.infos),
         "heal_events": [e.as_dict() for e in heal_events],
         "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
                  "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},

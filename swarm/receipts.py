@@ -91,6 +91,8 @@ def forward_item(msg: dict) -> list:
     the receiver's item packs to the same bytes as the sender's.
     """
     head = ["forward", msg["epoch"], msg["pos"], msg["chunk"]]
+    if "logits_from" in msg:  # which rows the tail answers for: part of what was asked
+        head.append(["logits_from", msg["logits_from"]])
     if "tokens" in msg:
         return head + ["tokens", msg["tokens"]]
     t = msg["hidden"]
@@ -98,8 +100,12 @@ def forward_item(msg: dict) -> list:
 
 
 def result_item(msg: dict) -> list:
-    """The digest item of a ``result`` frame: ``["result", epoch, pos, chunk, [token ids...]]``."""
-    return ["result", msg["epoch"], msg["pos"], msg["chunk"], msg["token_ids"]]
+    """The digest item of a ``result`` frame: ``["result", epoch, pos, chunk, [token ids...]]``, with
+    ``["logits_from", n]`` after ``chunk`` when the frame answers only rows from ``n`` on."""
+    head = ["result", msg["epoch"], msg["pos"], msg["chunk"]]
+    if "logits_from" in msg:
+        head.append(["logits_from", msg["logits_from"]])
+    return head + [msg["token_ids"]]
 
 
 def ids_digest(ids: list[int]) -> str:

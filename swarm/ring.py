@@ -40,6 +40,7 @@ class StageInfo:
     model_digest: str
     max_ctx: int
     dtype: str = "float32"
+    rows_proven: bool = True  # the stage's start-up check proved row-invariant kernels (info kernels.rows_ok)
 
     def entry(self) -> dict:
         """``{index, peer_id, addr, layers}``: this stage as results and job receipts list it."""
@@ -172,8 +173,9 @@ class RingClient:
                               f"names {self.ring.model!r} ({self._num_layers} layers, digest {self._model_digest[:12]})")
         if msg["peer_id"] != spec.peer_id:
             raise ConfigError(f"stage {index} at {spec.addr} answered as PeerId {msg['peer_id']}")
+        kernels = msg.get("kernels")
         info = StageInfo(index, spec.addr, msg["peer_id"], got, msg["model"], msg["model_digest"], msg["max_ctx"],
-                         msg["dtype"])
+                         msg["dtype"], rows_proven=not isinstance(kernels, dict) or kernels.get("rows_ok") is not False)
         return _Link(spec, streams[0], streams[1], info, gen)
 
     async def _pump(self, index: int, gen: int, stream) -> None:
@@ -278,6 +280,8 @@ class RingClient:
         """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
         msg = wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
                          tokens=list(chunk.tokens))
+        if getattr(chunk, "logits_from", None) is not None:
+            msg["logits_from"] = chunk.logits_from
         await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
         ledger = self.ledgers.get(session)
         if ledger is not None:

@@ -44,12 +44,23 @@ class NoDrafter:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One verify (or prefill) chunk: ``tokens`` fed at positions ``[pos, pos + len(tokens))``."""
+    """One verify (or prefill) chunk: ``tokens`` fed at positions ``[pos, pos + len(tokens))``.
+
+    ``logits_from``: the tail computes the LM head and returns a token only for the rows at
+    ``[logits_from, pos + len(tokens))``: every row of a verify chunk, the last prompt (or replay)
+    position of a prefill chunk, none (``pos + len(tokens)``) of an earlier prefill chunk.
+    """
 
     epoch: int
     chunk_id: int
     pos: int
     tokens: tuple[int, ...]
+    logits_from: int | None = None  # None: pos (every row)
+
+    @property
+    def first_result(self) -> int:
+        """Absolute position of the first row the tail answers for."""
+        return self.pos if self.logits_from is None else self.logits_from
 
 
 @dataclass
@@ -151,7 +162,9 @@ class SpecLoop:
                 end = min(limit, len(self.seq))
                 if end <= start:
                     break
-            chunk = Chunk(self.epoch, self._next_id, start, tuple(self.seq[start:end]))
+            # a prefill row's token is known already, except after the prompt's (or replay's) last row
+            logits_from = None if start >= self.prefill_end else (end - 1 if end == self.prefill_end else end)
+            chunk = Chunk(self.epoch, self._next_id, start, tuple(self.seq[start:end]), logits_from)
             self._next_id += 1
             self.sent_len = end
             self.inflight.append(chunk)
@@ -176,10 +189,12 @@ class SpecLoop:
         if not self.inflight or self.inflight[0].chunk_id != chunk_id:
             raise ProtocolError(f"result for chunk {chunk_id} arrived out of order")
         chunk = self.inflight.popleft()
-        if len(argmax_ids) != len(chunk.tokens):
-            raise ProtocolError(f"chunk {chunk_id} of {len(chunk.tokens)} tokens got {len(argmax_ids)} ids")
+        first = chunk.first_result
+        if len(argmax_ids) != chunk.pos + len(chunk.tokens) - first:
+            raise ProtocolError(f"chunk {chunk_id} asked for {chunk.pos + len(chunk.tokens) - first} ids of "
+                                f"{len(chunk.tokens)} rows and got {len(argmax_ids)}")
         new: list[int] = []
-        for i, q in enumerate(range(chunk.pos, chunk.pos + len(chunk.tokens))):
+        for i, q in enumerate(range(first, chunk.pos + len(chunk.tokens))):
             if q + 1 < self.committed_len:
                 if q + 1 == self.committed_len - 1 and q + 1 >= self.prompt_len:
                     self.replay_token = int(argmax_ids[i])  # a replay reached the driver position

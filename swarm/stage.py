@@ -361,6 +361,10 @@ class StageServer:
             return
         sess.frames_in += 1
         x = inputs["token_ids"] if block.is_head else inputs["hidden"]
+        if msg.get("logits_from", msg["pos"]) > msg["pos"] + x.shape[1]:
+            await self._fail_session(sess, ProtocolError(f"forward frame 'logits_from' {msg['logits_from']} lies past "
+                                                         f"its last row {msg['pos'] + x.shape[1] - 1}"))
+            return
         sess.queued_end = msg["pos"] + x.shape[1]
         self._enqueue(sess, Job(msg, x))
 
@@ -490,26 +494,30 @@ class StageServer:
         """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
         output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
         out = []
+        block = self.block
         packed = [(s, j) for s, j in small if s.batch]
         if packed:
-            ys = self.block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]))
-            out += [(s, j, j.msg["pos"], y) for (s, j), y in zip(packed, ys)]
+            ys = block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]),
+                                     logits_rows=[_logits_rows(j.msg, j.msg["pos"], j.x.shape[1]) for _, j in packed])
+            out += [(s, j, j.msg["pos"], j.x.shape[1], y) for (s, j), y in zip(packed, ys)]
         for s, j in small:  # sessions that did not ask to batch: each alone, one GEMV per row
             if not s.batch:
-                out.append((s, j, j.msg["pos"], self.block.forward_batch([(s.cache, j.msg["pos"], j.x)])[0]))
+                n = j.x.shape[1]
+                y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)])
+                out.append((s, j, j.msg["pos"], n, y[0]))
         if piece is not None:
             s, j = piece
             n = min(self.config.prefill_slice, j.x.shape[1] - j.done)
             pos = j.msg["pos"] + j.done
-            y = self.block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s))[0]
-            out.append((s, j, pos, y))
+            y = block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s),
+                                    logits_rows=[_logits_rows(j.msg, pos, n)])[0]
+            out.append((s, j, pos, n, y))
         results = []
-        for s, j, pos, y in out:
-            n = y.shape[1]
-            part = self._decide(s, pos, y) if self.block.is_tail else y
+        for s, j, pos, n, y in out:
+            part = self._decide(s, pos + n - y.shape[1], y) if block.is_tail else y
             complete = j.done + n == j.x.shape[1]
             if complete and j.parts:
-                part = (sum(j.parts, []) + part) if self.block.is_tail else torch.cat([*j.parts, part], dim=1)
+                part = (sum(j.parts, []) + part) if block.is_tail else torch.cat([*j.parts, part], dim=1)
             elif not complete:
                 j.parts.append(part)
             payload = None
@@ -535,7 +543,7 @@ class StageServer:
         """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
         if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
-        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk")}
+        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
         if self.block.is_tail:
             sent = wire.frame("result", token_ids=payload, **meta)
             self._post(sess.reply, sess, sent, msg["chunk"])
@@ -718,6 +726,13 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
                              "model": server.model_name, "model_digest": server.model_digest,
                              "max_ctx": b.max_ctx})
         await trio.sleep_forever()
+
+
+def _logits_rows(msg: dict, pos: int, n: int) -> int:
+    """How many of the last rows of ``[pos, pos + n)`` (a chunk or a slice of it) the tail must run
+    the LM head on: those at or after the frame's ``logits_from`` (every row when absent)."""
+    start = max(pos, msg.get("logits_from", pos))
+    return max(0, pos + n - start)
 
 
 def _prove_kernels(block, tile: int | None) -> dict:

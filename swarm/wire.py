@@ -47,6 +47,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # wire_dtype, job, batch (bool: the session may share packed forwards with others). sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
     "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
     "open_ok": {"session": _STR},
+    # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the
+    # LM head and answers only for rows [n, pos + T); absent: every row
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
     "close": {"session": _STR},
@@ -168,6 +170,12 @@ def validate(msg: Any) -> dict:
                 raise ProtocolError("forward frame 'tokens' must be a non-empty list of integers")
         elif not isinstance(msg["hidden"], dict):
             raise ProtocolError("forward frame 'hidden' must be a tensor map")
+    if kind in ("forward", "result") and "logits_from" in msg:
+        lf = msg["logits_from"]
+        if type(lf) is not int or not msg["pos"] <= lf <= MAX_INT:
+            raise ProtocolError(f"{kind} frame field 'logits_from' must be an integer position >= pos, got {lf!r}")
+        if kind == "forward" and "tokens" in msg and lf > msg["pos"] + len(msg["tokens"]):
+            raise ProtocolError(f"forward frame 'logits_from' {lf} lies past its last row")
     return msg
 
 

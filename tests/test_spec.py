@@ -61,7 +61,7 @@ def run_loop(loop: SpecLoop, shuffle_stale: bool = False) -> list[int]:
         del kv[chunk.pos:]  # the stage rolls back to pos
         assert len(kv) == chunk.pos, "chunk positions must be contiguous with kv_len"
         kv.extend(chunk.tokens)
-        ids = [toy_next(kv[: q + 1]) for q in range(chunk.pos, chunk.pos + len(chunk.tokens))]
+        ids = [toy_next(kv[: q + 1]) for q in range(chunk.first_result, chunk.pos + len(chunk.tokens))]
         loop.on_result(chunk.chunk_id, chunk.epoch, ids)
         if chunk.epoch != loop.epoch:
             inflight = [c for c in inflight if c.epoch == loop.epoch]  # stages drop stale frames
@@ -120,14 +120,19 @@ def test_depth_keeps_chunks_in_flight():
     # the prefill, and already the first decode chunks, drafted as if everything before accepts
     assert first[0].tokens == tuple(PROMPT) and [c.pos for c in first] == [0, 10, 13, 16]
     assert all(len(c.tokens) == 3 for c in first[1:])
-    loop.on_result(first[0].chunk_id, 0, [toy_next(PROMPT[: i + 1]) for i in range(len(PROMPT))])
+    assert first[0].first_result == len(PROMPT) - 1  # a prefill chunk asks for its last row's token only
+    assert all(c.first_result == c.pos for c in first[1:])  # a verify chunk for every row's
+    loop.on_result(first[0].chunk_id, 0, [toy_next(PROMPT)])
     assert [c.pos for c in loop.next_chunks()] == [19]
 
 
 def test_stale_results_are_ignored_and_out_of_order_refused():
     loop = SpecLoop(PROMPT, 10, drafter=ScriptedDrafter("wrong"), k=2, depth=3, prefill_chunk=100)
     pre, a, b = loop.next_chunks()
-    loop.on_result(pre.chunk_id, 0, [a.tokens[0]] * len(PROMPT))  # the drafted first token is right
+    with pytest.raises(ProtocolError, match="asked for 1 ids of 10 rows and got 10"):
+        loop.on_result(pre.chunk_id, 0, [a.tokens[0]] * len(PROMPT))
+    loop.inflight.appendleft(pre)
+    loop.on_result(pre.chunk_id, 0, [a.tokens[0]])  # the drafted first token is right
     with pytest.raises(ProtocolError, match="out of order"):
         loop.on_result(b.chunk_id, b.epoch, [0] * len(b.tokens))
     loop.on_result(a.chunk_id, a.epoch, [(t + 5) % V for t in a.tokens])  # first draft rejected
@@ -169,7 +174,7 @@ def test_restart_mid_generation_equals_uninterrupted(fail_after, k, depth):
         chunk = inflight.pop(0)
         del kv[chunk.pos:]
         kv.extend(chunk.tokens)
-        ids = [toy_next(kv[: q + 1]) for q in range(chunk.pos, chunk.pos + len(chunk.tokens))]
+        ids = [toy_next(kv[: q + 1]) for q in range(chunk.first_result, chunk.pos + len(chunk.tokens))]
         loop.on_result(chunk.chunk_id, chunk.epoch, ids)
         inflight = [c for c in inflight if c.epoch == loop.epoch]
         results += 1

@@ -254,6 +254,7 @@ def test_speculative_sampling_distribution_matches_plain(target, drafts):
             for chunk in loop.next_chunks():
                 logits = block.forward(cache, chunk.pos, token_ids=torch.tensor([list(chunk.tokens)]))
                 ids = [sample(logits[0, i], chunk.pos + i + 1, params) for i in range(len(chunk.tokens))]
+                ids = ids[chunk.first_result - chunk.pos:]
                 loop.on_result(chunk.chunk_id, chunk.epoch, ids)
                 if loop.done:
                     break

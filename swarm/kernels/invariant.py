@@ -34,13 +34,35 @@ from __future__ import annotations
 import torch
 
 
+ALIGN_BYTES = 64  # what torch's CPU allocator (c10 gAlignment) and CUDA's caching allocator give
+
+
 def fresh(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous copy of ``x`` (new allocation: the allocator's alignment, no shared storage)."""
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if it is contiguous and starts on an allocator-aligned address, else a fresh copy:
+    either way the kernel sees what it would see for a freshly allocated tensor of this shape."""
+    if x.is_contiguous() and x.data_ptr() % ALIGN_BYTES == 0:
+        return x
+    return fresh(x)
+
+
+# Output columns per GEMV when a weight is too big for the caches (an LM head: V x D): every row's
+# GEMVs then reuse one cached column block instead of streaming the whole matrix per row. A fixed
+# constant, not a cache size: a row's bits may depend on the block width, so every machine uses this.
+COLUMN_BLOCK = 2048
+COLUMN_BLOCK_MIN_BYTES = 16 << 20
+
+
 def linear_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """``x @ weight_t + bias`` for (M, K) rows as fixed (tile, K) GEMMs, each on a fresh aligned copy.
+    """``x @ weight_t + bias`` for (M, K) rows as fixed (tile, K) GEMMs, each on an aligned tile.
+
+    With ``tile == 1`` and a weight of at least ``COLUMN_BLOCK_MIN_BYTES``, each row's GEMV runs in
+    fixed blocks of ``COLUMN_BLOCK`` output columns, all rows per block (same calls for a decode
+    row, just cache-friendly for a chunk).
 
     Args:
         x: (M, K) rows, any M >= 0; the block dtype and device.
@@ -51,7 +73,17 @@ def linear_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
         (M, N), a new tensor.
     """
     m = x.shape[0]
-    out = x.new_empty((m, weight_t.shape[1]))
+    n_out = weight_t.shape[1]
+    if tile == 1 and n_out > COLUMN_BLOCK and weight_t.numel() * weight_t.element_size() >= COLUMN_BLOCK_MIN_BYTES:
+        rows = [canonical(x[i:i + 1]) for i in range(m)]
+        out = x.new_empty((m, n_out))
+        for c in range(0, n_out, COLUMN_BLOCK):
+            w = weight_t[:, c:c + COLUMN_BLOCK]
+            b = None if bias is None else bias[c:c + COLUMN_BLOCK]
+            for i, a in enumerate(rows):
+                out[i, c:c + COLUMN_BLOCK] = (torch.mm(a, w) if b is None else torch.addmm(b, a, w))[0]
+        return out
+    outs = []
     for i in range(0, m, tile):
         part = x[i:i + tile]
         n = part.shape[0]
@@ -59,10 +91,12 @@ def linear_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
             a = x.new_zeros((tile, x.shape[1]))
             a[:n] = part
         else:
-            a = fresh(part)
+            a = canonical(part)
         y = torch.mm(a, weight_t) if bias is None else torch.addmm(bias, a, weight_t)
-        out[i:i + n] = y[:n]
-    return out
+        outs.append(y if n == tile else y[:n])
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs) if outs else x.new_empty((0, weight_t.shape[1]))
 
 
 def per_token(fn, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +110,9 @@ def per_token(fn, x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() < 2 or x.shape[0] != 1:
         raise ValueError(f"per_token wants (1, N, ...) tensors, got {tuple(x.shape)}")
-    outs = [fn(fresh(x[:, i:i + 1])) for i in range(x.shape[1])]
+    outs = [fn(canonical(x[:, i:i + 1])) for i in range(x.shape[1])]
+    if len(outs) == 1:
+        return outs[0]
     return torch.cat(outs, dim=1) if outs else fn(x)
 
 
@@ -101,7 +137,7 @@ def attention_rows(sdpa, module, query: torch.Tensor, keys: torch.Tensor, values
         out, _ = sdpa(module, fresh(query[:, :, i:i + 1]), keys[:, :, :end], values[:, :, :end],
                       mask_of(module, pos + i, 1), **kwargs)
         outs.append(out)
-    return torch.cat(outs, dim=1)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def is_norm(module: torch.nn.Module) -> bool:

@@ -222,7 +222,7 @@ class LayerBlock(torch.nn.Module):
         return self.forward_batch([(cache, pos, x)])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, rows: list, tile: int = 1) -> list[torch.Tensor]:
+    def forward_batch(self, rows: list, tile: int = 1, logits_rows: list[int] | None = None) -> list[torch.Tensor]:
         """One forward over several sessions' new positions (continuous batching, ragged, no padding
         between sessions), in row-invariant arithmetic (:mod:`swarm.kernels.invariant`).
 
@@ -238,8 +238,11 @@ class LayerBlock(torch.nn.Module):
                 (invariant by construction). More rows per GEMM amortize weight reads over packed
                 sessions, and need the BLAS to give a row the same bits wherever it sits in the
                 tile: :func:`swarm.kernels.check.check_block` proves that at stage start-up.
+            logits_rows: tail only: per entry, how many of its last rows get the final norm and LM
+                head (the rows whose next token is wanted); None: all of them.
         Returns:
-            one tensor per entry, (1, T_i, D) or on the tail (1, T_i, V) float32 logits.
+            one tensor per entry, (1, T_i, D), or on the tail (1, n_i, V) float32 logits of the last
+            n_i = ``logits_rows[i]`` (default T_i) rows.
         Raises:
             ProtocolError / ContextOverflow: a session's chunk does not fit its cache (nothing is
             written to any cache then); ValueError: a row of the wrong kind or shape, or tile < 1.
@@ -283,6 +286,13 @@ class LayerBlock(torch.nn.Module):
                 if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
                     h = h[0]
             if self.is_tail:
+                if logits_rows is not None:
+                    if len(logits_rows) != len(segs) or any(not 0 <= n <= s.t for n, s in zip(logits_rows, segs)):
+                        raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
+                    keep = [(s.off + s.t - n, n) for s, n in zip(segs, logits_rows)]
+                    h = torch.cat([h[:, a:a + n] for a, n in keep], dim=1)
+                    segs = [_Segment(s.cache, s.pos, n, sum(m for _, m in keep[:i])) for i, (s, (_, n)) in
+                            enumerate(zip(segs, keep))]
                 h = self.lm_head(self.norm(h)).float()
         except BaseException:
             for cache in begun:

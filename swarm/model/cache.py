@@ -73,7 +73,7 @@ class KVCache:
             values = self._values[layer_idx]
         keys[:, self.kv_len:end] = key_states.transpose(1, 2)
         values[:, self.kv_len:end] = value_states.transpose(1, 2)
-        return keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
+        return _prefix(keys, end), _prefix(values, end)
 
     def _grow(self, layer_idx, key_states, value_states, needed):
         capacity = min(self.max_len, max(256, 1 << (needed - 1).bit_length()))
@@ -100,3 +100,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the buffers (capacity, not just ``kv_len``)."""
         return sum(t.numel() * t.element_size() for t in (*self._keys.values(), *self._values.values()))
+
+
+def _prefix(buf: torch.Tensor, end: int) -> torch.Tensor:
+    """(B, Hkv, end, Dh) view of the first ``end`` positions of a (B, capacity, Hkv, Dh) buffer, with
+    strides that depend on ``end`` only (the batch stride too), never on the capacity."""
+    b, _, h, dh = buf.shape
+    batch_stride = end * h * dh if b == 1 else buf.stride(0)  # B is 1 in swarm; a size-1 dim's stride is free
+    return buf.as_strided((b, h, end, dh), (batch_stride, dh, h * dh, 1))

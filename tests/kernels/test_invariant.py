@@ -1,0 +1,149 @@
+"""Row-invariant kernels: a position's bits never depend on what shares its forward, on every family,
+in float32 and bfloat16, on whichever x86-64 CPU runs the suite; and the start-up proof
+(check_block) is the same property, failing where plain GEMMs would break it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarm.kernels import invariant
+from swarm.kernels.check import check_block
+from swarm.model.block import load_block
+from swarm.model.cache import KVCache
+from swarm.ranges import LayerRange
+from tests.conftest import FAMILY_CONFIGS
+
+# widths that are not multiples of any vector length, so tails and alignment show
+ODD = {"gpt2": dict(n_embd=40, n_inner=172)}
+WIDE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+            num_hidden_layers=2, vocab_size=2048)  # SmolLM2's widths
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tile", [1, 2])
+def test_every_family_proves_row_invariance(synthetic, family, dtype, tile):
+    model = synthetic(family, "float32", **ODD.get(family, dict(hidden_size=40, intermediate_size=172)))
+    for part in ((0, 2), (2, 4)):
+        report = check_block(load_block(model, LayerRange(*part), dtype=dtype, device="cpu"), tile)
+        assert report.ok, report.reason
+        assert report.tile == tile and report.seconds > 0
+
+
+def _one_gemm(x, weight_t, bias, tile):
+    """What a stage ran before: one GEMM over all rows, whatever their number."""
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_proof_fails_where_plain_gemms_break_speculation(synthetic, dtype, monkeypatch):
+    """At SmolLM2's widths a 5-row GEMM (a verify chunk) gives a row other bits than the 1-row GEMM
+    of a decode step. The proof catches that kernel; the row-invariant one passes."""
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576).to(getattr(torch, dtype))
+    x = torch.randn(5, 576).to(w.dtype)
+    if all(torch.equal((x @ w.t())[i], (x[i:i + 1] @ w.t())[0]) for i in range(5)):
+        pytest.skip("this BLAS happens to give 1-row and 5-row GEMMs the same bits here")
+    model = synthetic("llama", "float32", **WIDE)
+    block = load_block(model, LayerRange(0, 2), dtype=dtype, device="cpu")
+    assert check_block(block, 1).ok
+    monkeypatch.setattr(invariant, "linear_rows", _one_gemm)
+    report = check_block(block, 1)
+    assert not report.ok and "differs when chunked" in report.reason
+
+
+def test_linear_rows_ignores_where_the_rows_sit_in_memory():
+    """MKL on AMD gives a 2- or 3-row GEMM other bits when its input is not 16-byte aligned: a
+    tile sliced out of a packed tensor must not inherit the slice's address."""
+    torch.manual_seed(1)
+    w = torch.randn(172, 40)
+    rows = torch.randn(3, 40)
+    ref = invariant.linear_rows(rows, w.t(), None, 2)
+    for offset in range(8):
+        buf = torch.empty(3 * 40 + 8)
+        x = buf[offset:offset + 120].view(3, 40)
+        x.copy_(rows)
+        assert torch.equal(invariant.linear_rows(x, w.t(), None, 2), ref)
+        for tile in (1, 2, 4):  # and a row's result does not depend on the rows beside it
+            alone = invariant.linear_rows(x[1:2], w.t(), None, tile)
+            assert torch.equal(invariant.linear_rows(x, w.t(), None, tile)[1], alone[0])
+
+
+def test_linear_rows_pads_and_handles_bias_and_no_rows():
+    torch.manual_seed(2)
+    w, b = torch.randn(8, 6), torch.randn(8)
+    x = torch.randn(5, 6)
+    out = invariant.linear_rows(x, w.t(), b, 4)
+    assert out.shape == (5, 8)
+    torch.testing.assert_close(out, F.linear(x, w, b))
+    assert invariant.linear_rows(x[:0], w.t(), b, 4).shape == (0, 8)
+
+
+def test_per_token_applies_to_each_token_alone():
+    torch.manual_seed(3)
+    x = torch.randn(1, 7, 13)
+    got = invariant.per_token(F.silu, x)
+    for i in range(7):
+        assert torch.equal(got[:, i:i + 1], F.silu(x[:, i:i + 1].clone()))
+    with pytest.raises(ValueError, match=r"\(1, N, \.\.\.\)"):
+        invariant.per_token(F.silu, torch.randn(2, 3, 4))
+
+
+def test_attention_rows_is_the_decode_step_of_each_position():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2
+
+    torch.manual_seed(4)
+    h, hkv, dh, pos, t = 4, 2, 10, 6, 3
+    cache = KVCache([0], 64)
+    cache.begin(0, pos + t)
+    keys, values = cache.update(torch.randn(1, hkv, pos + t, dh), torch.randn(1, hkv, pos + t, dh), 0)
+    query = torch.randn(1, h, t, dh)
+    got = invariant.attention_rows(sdpa_attention_forward, Attn(), query, keys, values, pos, lambda m, p, n: None)
+    assert got.shape == (1, t, h, dh)
+    for i in range(t):
+        one, _ = sdpa_attention_forward(Attn(), query[:, :, i:i + 1].clone(), keys[:, :, :pos + i + 1],
+                                        values[:, :, :pos + i + 1], None)
+        assert torch.equal(got[:, i:i + 1], one)
+
+
+def test_cache_views_have_the_same_strides_at_any_capacity():
+    """A speculative chunk grows a session's cache earlier than decode steps would; the keys a row
+    attends to must look the same to the kernel either way."""
+    small, large = KVCache([0], 4096), KVCache([0], 4096)
+    k = torch.randn(1, 2, 300, 8)
+    small.begin(0, 10)
+    ks, _ = small.update(k[:, :, :10], k[:, :, :10], 0)
+    large.begin(0, 300)
+    large.update(k, k, 0)  # grows to capacity 512
+    large.commit()
+    large.begin(0, 10)  # roll back, as a rejected chunk does, and write the same 10 positions
+    kl, _ = large.update(k[:, :, :10], k[:, :, :10], 0)
+    assert small._keys[0].shape[1] == 256 and large._keys[0].shape[1] == 512
+    assert ks.stride() == kl.stride()
+    assert torch.equal(ks, kl)
+
+
+def test_rotary_table_gives_each_position_the_same_values_in_any_grouping(synthetic):
+    block = load_block(synthetic("llama", "float32", head_dim=10), LayerRange(0, 1), dtype="float32", device="cpu")
+    like = torch.zeros(1, 1, block.hidden_size)
+    fresh = invariant.RotaryTable(block.rotary)
+    many = fresh.lookup(like, torch.arange(0, 37).unsqueeze(0))
+    other = invariant.RotaryTable(block.rotary)
+    for p in (36, 3, 17):
+        one = other.lookup(like, torch.tensor([[p]]))
+        ref = block.rotary(like, torch.tensor([[p]]))
+        for k in (0, 1):
+            assert torch.equal(one[k][0, 0], many[k][0, p]) and torch.equal(one[k], ref[k])
+
+
+def test_forward_rejects_a_bad_tile(synthetic):
+    block = load_block(synthetic("llama", "float32"), LayerRange(0, 1), dtype="float32", device="cpu")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="tile"):
+            block.forward_batch([(block.new_cache(), 0, torch.tensor([[1]]))], tile=bad)

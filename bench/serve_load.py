@@ -9,7 +9,7 @@ target is >= 4x).
 Three stage set-ups run side by side in one invocation (this machine is shared and noisy):
 "batched" (the defaults: continuous batching in fixed 2-row GEMM tiles, exact, a step waits up to
 10 ms for other batching sessions' rows), "nowait" (the same with ``--batch-wait-ms 0``) and
-"unbatched" (``--max-batch-rows 1 --batch-tile 0 --batch-wait-ms 0``: one session per forward,
+"unbatched" (``--max-batch-rows 1 --batch-tile 1 --batch-wait-ms 0``: one session per forward,
 plain GEMMs, as before batching).
 Each reports the stages' batching counters from ``/health`` after its levels.
 
@@ -98,7 +98,7 @@ def main() -> None:
     resolved = resolve_model(args.model)
     ranges = even_split(model_num_layers(resolved.path), args.stages)
     setups = {"batched": [], "nowait": ["--batch-wait-ms", "0"],
-              "unbatched": ["--max-batch-rows", "1", "--batch-tile", "0", "--batch-wait-ms", "0"]}
+              "unbatched": ["--max-batch-rows", "1", "--batch-tile", "1", "--batch-wait-ms", "0"]}
     report = {"model": resolved.name, "stages": args.stages, "tokens_per_request": args.tokens,
               "per_client": args.per_client, "target_16_clients": 4.0}
     for name in args.setups.split(","):

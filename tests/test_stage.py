@@ -378,3 +378,36 @@ def test_stage_config_refuses(kwargs, expect):
 
     with pytest.raises(ConfigError, match=expect):
         StageConfig(model="m", layers=LayerRange(0, 1), **kwargs)
+
+
+def test_tail_answers_only_the_rows_logits_from_asks_for(model, tmp_path):
+    """A prefill chunk needs only its last row's token: the tail runs the LM head on the rows at
+    ``[logits_from, pos + T)`` and answers for them alone (the same tokens as a full answer);
+    a logits_from past the chunk fails the session with a reason."""
+    ref = reference_greedy(model, PROMPT, 2, "float64")
+
+    async def body(spec, servers, host):
+        s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+        answers = {}
+        for sid, lf in (("all", None), ("last", len(PROMPT) - 1), ("none", len(PROMPT))):
+            await s.send(wire.open_frame(host.key_pair, sid, None, 16))
+            assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+            extra = {} if lf is None else {"logits_from": lf}
+            await s.send(wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0, tokens=PROMPT, **extra))
+            msg = await s.recv(timeout_s=10)
+            assert msg["type"] == "result" and msg.get("logits_from") == lf, msg
+            answers[sid] = msg["token_ids"]
+            # the next decode row is answered in full and agrees with the reference either way
+            await s.send(wire.frame("forward", session=sid, epoch=0, pos=len(PROMPT), chunk=1, tokens=[ref[0]]))
+            assert (await s.recv(timeout_s=10))["token_ids"] == [ref[1]]
+        assert len(answers["all"]) == len(PROMPT) and answers["last"] == answers["all"][-1:] == [ref[0]]
+        assert answers["none"] == []
+        await s.send(wire.open_frame(host.key_pair, "past", None, 16))
+        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+        await s.send(wire.frame("forward", session="past", epoch=0, pos=0, chunk=0, tokens=[1, 2], logits_from=3))
+        await _expect_error(s, "lies past its last row")
+        await s.send(wire.frame("forward", session="past", epoch=0, pos=4, chunk=0, tokens=[1], logits_from=2))
+        await _expect_error(s, "must be an integer position >= pos")
+        return True
+
+    assert run_with_ring(model, [(0, 4)], tmp_path, body)

@@ -262,6 +262,9 @@ class LayerBlock(torch.nn.Module):
             segs.append(_Segment(cache, pos, t, off))
             xs.append(x)
             off += t
+        if logits_rows is not None and (len(logits_rows) != len(segs)
+                                        or any(not 0 <= n <= s.t for n, s in zip(logits_rows, segs))):
+            raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
         begun = []
         try:
             for seg in segs:
@@ -277,18 +280,10 @@ class LayerBlock(torch.nn.Module):
                 h = h + self.pos_embed(position_ids)
             rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
             plan = _Plan(self, segs)
-            for layer in self.layers:
-                if self.family.call == "rotary":
-                    h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
-                              cache=plan, swarm_plan=plan)
-                else:
-                    h = layer(h, cache=plan, attention_mask=None, swarm_plan=plan)
-                if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
-                    h = h[0]
+            with invariant.attention_backends(self.device):
+                h = self._layers(h, rope, position_ids, plan)
             if self.is_tail:
                 if logits_rows is not None:
-                    if len(logits_rows) != len(segs) or any(not 0 <= n <= s.t for n, s in zip(logits_rows, segs)):
-                        raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
                     keep = [(s.off + s.t - n, n) for s, n in zip(segs, logits_rows)]
                     h = torch.cat([h[:, a:a + n] for a, n in keep], dim=1)
                     segs = [_Segment(s.cache, s.pos, n, sum(m for _, m in keep[:i])) for i, (s, (_, n)) in
@@ -303,6 +298,18 @@ class LayerBlock(torch.nn.Module):
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
+
+    def _layers(self, h, rope, position_ids, plan) -> torch.Tensor:
+        """The decoder layers over the packed (1, N, D) rows."""
+        for layer in self.layers:
+            if self.family.call == "rotary":
+                h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
+                          cache=plan, swarm_plan=plan)
+            else:
+                h = layer(h, cache=plan, attention_mask=None, swarm_plan=plan)
+            if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
+                h = h[0]
+        return h
 
     def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
         """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where

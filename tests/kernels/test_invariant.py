@@ -147,3 +147,17 @@ def test_forward_rejects_a_bad_tile(synthetic):
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="tile"):
             block.forward_batch([(block.new_cache(), 0, torch.tensor([[1]]))], tile=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("tile", [1, 2])
+def test_cuda_bf16_proves_row_invariance(synthetic, family, tile):
+    """On a GPU in bf16: chunked and packed rows give a position decode's bits, every family (the
+    start-up proof a CUDA stage runs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    model = synthetic(family, "float32", **ODD.get(family, dict(hidden_size=40, intermediate_size=172)))
+    for part in ((0, 2), (2, 4)):
+        report = check_block(load_block(model, LayerRange(*part), dtype="bfloat16", device="cuda"), tile)
+        assert report.ok, report.reason

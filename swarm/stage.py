@@ -745,9 +745,9 @@ def _prove_kernels(block, tile: int | None) -> dict:
     """
     if not hasattr(block, "_tiled_modules"):  # a test double without torch modules
         return {"rows_ok": True, "batch_ok": True, "batch_tile": tile or 0, "reason": "", "check_s": 0.0}
-    from swarm.kernels.check import check_block
+    from swarm.kernels.check import check_block_once
 
-    rows = check_block(block, 1)
+    rows = check_block_once(block, 1)
     if rows.ok:
         log.info("kernels.proven mode=rows layers=%s seconds=%.2f", block.layer_range, rows.seconds)
     else:
@@ -755,7 +755,7 @@ def _prove_kernels(block, tile: int | None) -> dict:
                   "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
     batch = rows
     if tile and tile > 1 and rows.ok:
-        batch = check_block(block, tile)
+        batch = check_block_once(block, tile)
         if batch.ok:
             log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, batch.seconds)
         else:

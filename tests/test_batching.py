@@ -261,7 +261,10 @@ def test_stage_whose_tile_fails_its_proof_falls_back_to_one_gemv_per_row(synthet
                 out[i + 1:i + tile] = torch.nextafter(out[i + 1:i + tile], torch.full_like(out[i + 1:i + tile], 1e9))
         return out
 
+    import swarm.kernels.check
+
     monkeypatch.setattr(invariant, "linear_rows", place_dependent)
+    monkeypatch.setattr(swarm.kernels.check, "_REPORTS", {})  # prove again with the faulty kernel
     model = synthetic("llama", "float32")
     server = _server(model, LayerRange(0, 4), tmp_path)
     assert server.kernels["rows_ok"] and not server.kernels["batch_ok"]
@@ -273,6 +276,20 @@ def test_stage_whose_tile_fails_its_proof_falls_back_to_one_gemv_per_row(synthet
     assert server.stats["max_sessions"] == 2  # still packed, now one GEMV per row
     for sid, job in jobs.items():
         assert _drive(_server(model, LayerRange(0, 4), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}
+
+
+def test_a_stage_proves_each_block_once_per_process(synthetic, tmp_path, monkeypatch):
+    import swarm.kernels.check
+
+    monkeypatch.setattr(swarm.kernels.check, "_REPORTS", {})
+    calls = []
+    real = swarm.kernels.check.check_block
+    monkeypatch.setattr(swarm.kernels.check, "check_block", lambda block, tile: calls.append(tile) or real(block, tile))
+    model = synthetic("llama", "float32")
+    first = _server(model, LayerRange(0, 4), tmp_path)
+    again = _server(model, LayerRange(0, 4), tmp_path)
+    other = _server(model, LayerRange(0, 2), tmp_path)
+    assert calls == [1, 2, 1, 2] and first.kernels == again.kernels and other.kernels["rows_ok"]
 
 
 # ---- a real ring --------------------------------------------------------------------------------

@@ -130,3 +130,17 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
         if reason:
             break
     return InvarianceReport(tile, not reason, reason, time.perf_counter() - start)
+
+
+_REPORTS: dict[tuple, InvarianceReport] = {}
+
+
+def check_block_once(block, tile: int = 1) -> InvarianceReport:
+    """:func:`check_block`, run once per process for the same weights (``block.range_digest``),
+    layer range, dtype, device, tile and torch thread count: what the proof depends on. Several
+    stages of one model in one process (tests, benchmarks) then prove each block once."""
+    key = (getattr(block, "range_digest", "") or id(block), str(block.layer_range), str(block.dtype),
+           str(block.device), tile, torch.get_num_threads())
+    if key not in _REPORTS:
+        _REPORTS[key] = check_block(block, tile)
+    return _REPORTS[key]

@@ -240,10 +240,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class TextOut:
+    """Generated text streamed to stdout, tracking whether the terminal's cursor is mid-line, so
+    that a log line (a heal, on stderr) starts on a line of its own instead of mid-word."""
+
+    midline = False
+
+    @classmethod
+    def write(cls, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            cls.midline = not text.endswith("\n")
+
+    @classmethod
+    def break_line(cls, record=None) -> bool:
+        """A logging filter: end the streamed line first (always lets the record through)."""
+        if cls.midline:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            cls.midline = False
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TextOut.break_line)
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
@@ -299,7 +324,7 @@ def cmd_coordinate(args) -> int:
                                sampling=_sampling(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal,
                                receipt_dir=args.receipt_dir if args.receipt else None)
-    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    on_text = None if args.json else TextOut.write
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):
         print(f"swarm coordinate: note: the model's context limit capped the answer at {result['new_tokens']} "

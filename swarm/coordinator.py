@@ -52,15 +52,17 @@ def _vocab_size(model_dir) -> int:
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template and a generation prompt."""
+    """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template and a generation prompt
+    (the prompt is then literal text: control tokens typed into it stay text, see ``swarm.chat``)."""
     if chat:
+        from swarm.chat import ChatTemplateError, encode_chat
+
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--chat was given but this model's tokenizer has no chat template")
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        try:
+            return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        except ChatTemplateError as exc:
+            raise ConfigError(str(exc)) from None
     return list(tokenizer(prompt)["input_ids"])
 
 
@@ -305,7 +307,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                               "(nothing was sent)")
     budget = min(max_new_tokens, max_ctx - len(prompt_ids))
     if budget < max_new_tokens:
-        log.warning("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
+        # said once: the caller reports context_limited (swarm coordinate prints a note)
+        log.info("context.limit prompt_tokens=%d max_ctx=%d new_tokens_capped_at=%d", len(prompt_ids), max_ctx, budget)
     unproven = [i.index for i in ring.infos if not i.rows_proven]
     if unproven:
         log.warning("kernels.unproven stages=%s: their start-up check failed, so speculative or healed output may "

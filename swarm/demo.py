@@ -64,7 +64,9 @@ def run_demo(args) -> int:
                                    receipt_dir=args.receipt_dir if args.receipt else None)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
-        on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        from swarm.cli import TextOut
+
+        on_text = None if args.json else TextOut.write
         on_ids = _killer(ring, args) if args.kill_stage is not None else None
         result = trio.run(generate, config, args.prompt, on_text, on_ids)
     if args.json:
@@ -116,7 +118,10 @@ def _killer(ring: LocalRing, args):
         if len(ids) >= args.kill_after and not fired:
             fired.append(True)
             sp = ring.stages[args.kill_stage]
-            print(f"\n[swarm demo: killing stage {sp.layers} (pid {sp.proc.pid}) after {len(ids)} tokens]\n",
+            from swarm.cli import TextOut
+
+            TextOut.break_line()
+            print(f"[swarm demo: killing stage {sp.layers} (pid {sp.proc.pid}) after {len(ids)} tokens]",
                   file=sys.stderr, flush=True)
             os.kill(sp.proc.pid, signal.SIGKILL)
 

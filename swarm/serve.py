@@ -103,19 +103,20 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 
 def parse_request(body, state: ServeState, chat: bool) -> Request:
     """Validate an OpenAI request body; raise ApiError(400/404) naming the first bad parameter."""
+    from swarm.api_params import ParamRefused, check_fields
+
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:
+        body = check_fields(body, chat)  # null = default; unknown or unsupported fields are refused by name
+    except ParamRefused as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     model = body.get("model")
     if model is not None and model != state.model_id:
         raise ApiError(404, f"the model {model!r} does not exist here; this server serves {state.model_id!r}",
                        "model", "model_not_found")
-    if body.get("n", 1) != 1:
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
         raise ApiError(400, "only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise ApiError(400, f"'{name}' is not supported", name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo") or body.get("best_of") not in (None, 1):
-        raise ApiError(400, "logprobs, echo and best_of are not supported", "logprobs")
     if chat:
         prompt_ids = _chat_ids(body.get("messages"), state.tokenizer)
     else:
@@ -172,12 +173,14 @@ def _chat_ids(messages, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    from swarm.chat import ChatTemplateError, encode_chat
+
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    out = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return list(out)
+    try:
+        return encode_chat(tokenizer, clean)  # content is literal text: a typed <|im_end|> ends no turn
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), "messages") from None
 
 
 # ---- one generation -----------------------------------------------------------------------------
@@ -334,7 +337,7 @@ def usage(req: Request, out: list[int]) -> dict:
 def build_app(state: ServeState):
     """The Starlette app over ``state``."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     def error_response(err: ApiError):
@@ -355,10 +358,14 @@ def build_app(state: ServeState):
             return StreamingResponse(_events(state, req, rid, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            out, record, detok = await generate_ids(state, req)
+            got = await _until_hang_up(request, lambda gone: generate_ids(state, req, stop=gone))
         except SwarmError as exc:
             log.warning("request.failed id=%s reason=%s", rid, exc)
             return error_response(map_error(exc))
+        if got is None:  # the client hung up: generation stopped at the next token, sessions closed
+            log.info("request.abandoned id=%s", rid)
+            return Response(status_code=499)
+        out, record, detok = got
         reason = finish_reason(out, req, state, detok, record)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": detok.text}, "finish_reason": reason,
@@ -452,6 +459,46 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
         # that takes too long
         gone.set()
         state.nursery.start_soon(_cancel_after, scope, 10.0)
+
+
+async def _until_hang_up(request, work, grace_s: float = 10.0):
+    """Run ``work(gone)`` (a request's generation) while watching the client's connection: when the
+    client hangs up, ``gone`` is set, so the generation stops at its next token and closes its
+    sessions the normal way; it is cancelled if it has not ended ``grace_s`` later.
+
+    Returns:
+        what ``work`` returned, or None if the client hung up.
+    Raises:
+        what ``work`` raised (not wrapped in an exception group).
+    """
+    gone = trio.Event()
+    box: dict = {}
+
+    async def watch(scope):
+        while True:
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                gone.set()
+                await trio.sleep(grace_s)
+                scope.cancel()
+                return
+
+    async def run(scope):
+        try:
+            box["result"] = await work(gone)
+        except Exception as exc:  # handed to the caller below, outside the nursery
+            box["error"] = exc
+        finally:
+            scope.cancel()  # stop watching
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch, nursery.cancel_scope)
+        nursery.start_soon(run, nursery.cancel_scope)
+    if gone.is_set():
+        return None
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 async def _cancel_after(scope: trio.CancelScope, seconds: float) -> None:

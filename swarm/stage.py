@@ -114,9 +114,10 @@ class StageServer:
         self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
         self.max_batch_rows = config.max_batch_rows
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
-        self.kernels = _prove_kernels(block, self.tile)
-        if self.tile and not self.kernels["batch_ok"]:
-            self.tile = 1  # packed sessions then take one GEMV per row: invariant by construction
+        self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
+        self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
+        self._compute = trio.CapacityLimiter(1)  # one thread computes on the block at a time
+        self._batch_proof = trio.Lock()
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
         self.draining = False  # no new sessions; set by drain()
@@ -276,6 +277,8 @@ class StageServer:
                     f"(--kv-budget-mb) is taken: {len(others)} sessions hold {_mib(held)} and this one needs "
                     f"{_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
                 return
+        if msg.get("batch") and self.kernels["batch_ok"] is None:
+            await self._prove_batch_tile()
         session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
                           source=prev or coordinator, reserved=need, last_active=trio.current_time())
         session.batch = bool(msg.get("batch"))
@@ -434,7 +437,7 @@ class StageServer:
             return False  # a chunk queued meanwhile has set self._work again
         self._in_flight += 1
         try:
-            results = await trio.to_thread.run_sync(self._compute_step, small, piece)
+            results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
             failed = small + ([piece] if piece else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
@@ -525,6 +528,20 @@ class StageServer:
                 payload = part if self.block.is_tail else wire.encode_tensor(part, dtype=s.wire_dtype)
             results.append((s, j, n, payload))
         return results
+
+    async def _prove_batch_tile(self) -> None:
+        """Prove ``--batch-tile`` on this block before the first session that may be packed is opened
+        (a few seconds on a real model, once; sessions that do not batch never wait for it). A tile
+        that fails its proof is replaced by 1 for every packed session, with a log line saying why."""
+        async with self._batch_proof:
+            if self.kernels["batch_ok"] is not None:
+                return
+            tile = self.tile or 1
+            report = await trio.to_thread.run_sync(_prove_tile, self.block, tile, limiter=self._compute)
+            self.kernels.update(batch_ok=report.ok, check_s=round(self.kernels["check_s"] + report.seconds, 3))
+            if not report.ok:
+                self.kernels["reason"] = report.reason
+                self.tile = 1  # packed sessions then take one GEMV per row: invariant by construction
 
     def _tile_of(self, sess: Session) -> int:
         """Rows per GEMM for every forward of ``sess``, fixed for its life (its bits depend on it)."""
@@ -735,16 +752,16 @@ def _logits_rows(msg: dict, pos: int, n: int) -> int:
     return max(0, pos + n - start)
 
 
-def _prove_kernels(block, tile: int | None) -> dict:
-    """Run the start-up invariance check (:func:`swarm.kernels.check.check_block`) for the solo mode
-    (one GEMV per row) and, when batching is on, for ``tile``-row GEMMs; log what was proven.
+def _prove_kernels(block) -> dict:
+    """Run the start-up invariance check (:func:`swarm.kernels.check.check_block`) for the mode every
+    session may use (one GEMV per row) and log what was proven.
 
     Returns:
-        ``{"rows_ok", "batch_ok", "batch_tile", "reason", "check_s"}`` for ``info_ok``: rows_ok False
-        means this stage cannot promise that a verify chunk or a replay gives decode's bits.
+        ``{"rows_ok", "reason", "check_s"}`` for ``info_ok`` (``kernels``): rows_ok False means this
+        stage cannot promise that a verify chunk or a replay gives decode's bits.
     """
     if not hasattr(block, "_tiled_modules"):  # a test double without torch modules
-        return {"rows_ok": True, "batch_ok": True, "batch_tile": tile or 0, "reason": "", "check_s": 0.0}
+        return {"rows_ok": True, "reason": "", "check_s": 0.0}
     from swarm.kernels.check import check_block_once
 
     rows = check_block_once(block, 1)
@@ -753,17 +770,20 @@ def _prove_kernels(block, tile: int | None) -> dict:
     else:
         log.error("kernels.not_invariant mode=rows %s: speculative, healed and batched output of this stage may "
                   "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
-    batch = rows
-    if tile and tile > 1 and rows.ok:
-        batch = check_block_once(block, tile)
-        if batch.ok:
-            log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, batch.seconds)
-        else:
-            log.warning("batch.not_invariant %s: batch sessions run alone, one GEMV per row, so results stay "
-                        "identical to solo runs", batch.reason)
-    return {"rows_ok": rows.ok, "batch_ok": batch.ok, "batch_tile": tile or 0,
-            "reason": rows.reason or (batch.reason if not batch.ok else ""),
-            "check_s": round(rows.seconds + (batch.seconds if batch is not rows else 0.0), 3)}
+    return {"rows_ok": rows.ok, "reason": rows.reason, "check_s": round(rows.seconds, 3)}
+
+
+def _prove_tile(block, tile: int):
+    """The proof of ``tile``-row GEMMs for packed sessions (worker thread), logged either way."""
+    from swarm.kernels.check import check_block_once
+
+    report = check_block_once(block, tile)
+    if report.ok:
+        log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, report.seconds)
+    else:
+        log.warning("batch.not_invariant %s: packed sessions run one GEMV per row instead, so results stay "
+                    "identical to solo runs", report.reason)
+    return report
 
 
 def _mib(n: int) -> str:

@@ -308,3 +308,27 @@ def test_demo_kill_without_spares_names_the_lost_range(stories_dir):
                     "--max-new-tokens", "30", "--dtype", "float32", "--kill-stage", "2", "--kill-after", "5")
     assert res.returncode == 1
     assert "layers [4, 5) is lost" in res.stderr and "no warm spare" in res.stderr
+
+
+def test_a_log_line_never_lands_inside_streamed_text(capsys):
+    """swarm demo --spares --kill-stage: a heal's log line must start on its own line, not mid-word."""
+    import logging
+
+    from swarm.cli import TextOut
+
+    handler = logging.StreamHandler()
+    handler.addFilter(TextOut.break_line)
+    log = logging.getLogger("swarm.test_textout")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        TextOut.write("The sky is bl")
+        log.warning("heal.start cause=stage 1 lost")
+        TextOut.write("ue.\n")
+        log.warning("heal.done")
+    finally:
+        log.removeHandler(handler)
+        TextOut.midline = False
+    out = capsys.readouterr()
+    assert out.out == "The sky is bl\nue.\n"  # the line was ended once, before the first record only
+    assert out.err.splitlines() == ["heal.start cause=stage 1 lost", "heal.done"]

@@ -185,6 +185,39 @@ def test_a_client_that_disconnects_frees_its_session(stories):
     assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in stages), stages
 
 
+def test_a_non_streaming_client_that_hangs_up_frees_its_session(stories):
+    """A client that gives up on a long non-streaming request (curl -m 2): generation stops at the
+    next token and every stage frees the session, instead of running until max_tokens."""
+    server, _ = stories
+    t0 = time.monotonic()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=1.5,
+                   json={"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0})
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        health = server.health()
+        if health["active_requests"] == 0 and all(s["sessions"] == 0 for s in health["stages"]):
+            break
+        time.sleep(0.1)
+    freed_s = time.monotonic() - t0
+    assert health["active_requests"] == 0, health
+    assert all(s["sessions"] == 0 and s["kv_bytes"] == 0 for s in health["stages"]), health
+    assert freed_s < 8, f"freed only after {freed_s:.1f} s"  # 2000 tokens would take far longer
+
+
+def test_null_means_the_default_and_unsupported_fields_are_refused_by_name(stories):
+    server, _ = stories
+    ok = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 4, "n": None, "stream": None, "logprobs": None, "echo": None,
+        "best_of": None, "suffix": None, "user": "u1", "temperature": 0})
+    assert ok.status_code == 200, ok.text
+    for body, param in (({"prompt": "x", "max_tokens": 2, "tools": []}, "tools"),
+                        ({"prompt": "x", "max_tokens": 2, "suffix": "end"}, "suffix"),
+                        ({"prompt": "x", "max_tokens": 2, "logprobs": 1}, "logprobs")):
+        res = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+
+
 def test_a_client_hanging_up_does_not_hurt_a_request_running_beside_it(stories):
     """A hang-up used to close the request's streams, and py-libp2p 0.8.1 then sometimes dropped
     the connection every request shares with a stage (2 runs in 8 failed the other request)."""
@@ -217,6 +250,26 @@ def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path):
             streamed = "".join((c.choices[0].delta.content or "") for c in server.client.chat.completions.create(
                 model="smollm2-135m", max_tokens=12, temperature=0, stream=True,
                 messages=[{"role": "user", "content": question}]) if c.choices)
+            # a typed control token is text: as many prompt tokens as its literal characters make
+            typed = server.client.chat.completions.create(model="smollm2-135m", max_tokens=1, temperature=0,
+                                                          messages=[{"role": "user", "content": "<|im_end|>"}])
+            from transformers import AutoTokenizer
+
+            from swarm.chat import encode_chat
+
+            tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+            literal = encode_chat(tok, [{"role": "user", "content": "<|im_end|>"}])
+            assert typed.usage.prompt_tokens == len(literal) > len(tok.apply_chat_template(
+                [{"role": "user", "content": "<|im_end|>"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+            with pytest.raises(openai.BadRequestError, match="tool calling is not supported") as err:
+                server.client.chat.completions.create(
+                    model="smollm2-135m", max_tokens=4, messages=[{"role": "user", "content": "weather?"}],
+                    tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+                    tool_choice="required")
+            assert err.value.param == "tools"
+            none_n = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": None, "tools": None})
+            assert none_n.status_code == 200, none_n.text
         finally:
             server.stop()
         from swarm.coordinator import generate

@@ -1,0 +1,121 @@
+"""Which fields of an OpenAI request swarm honours, accepts as a no-op, or refuses by name.
+
+Owns: the decision for every field of the chat-completions and completions request bodies
+(https://platform.openai.com/docs/api-reference/chat/create, .../completions/create, as of 2026),
+so that no parameter is silently ignored when it would change the answer. Pure: standard library
+only; ``swarm.serve`` turns :class:`ParamRefused` into a 400 in OpenAI's error shape.
+
+- ``null`` means "the default" for every optional field (the field is dropped before any check).
+- Honoured fields are checked and used by ``swarm.serve.parse_request``.
+- A no-op field is accepted and ignored: it cannot change the generated text (bookkeeping such as
+  ``user`` or ``metadata``, or a hint such as ``prediction``, which OpenAI defines as not changing
+  the output).
+- A refused field gets a 400 naming it unless it carries its neutral value (``tools: []``,
+  ``logprobs: false``, ``response_format: {"type": "text"}``, ...), which changes nothing.
+- An unknown field gets a 400 naming it, as OpenAI answers "Unrecognized request argument".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COMMON_HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                             "stream_options", "n"})
+CHAT_HONOURED = COMMON_HONOURED | {"messages", "max_completion_tokens"}
+COMPLETION_HONOURED = COMMON_HONOURED | {"prompt"}
+
+CHAT_NOOP = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                       "prompt_cache_retention", "parallel_tool_calls", "prediction", "verbosity"})
+COMPLETION_NOOP = frozenset({"user"})
+
+
+def _neutral_tool_choice(value: Any) -> bool:
+    return value in ("none", "auto")
+
+
+# field -> (is this value neutral?, why it is refused otherwise)
+_REFUSED: dict[str, tuple] = {
+    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "penalties are not supported"),
+    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "penalties are not supported"),
+    "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
+    "logprobs": (lambda v: v is False, "log probabilities are not returned"),
+    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool), "log probabilities are not returned"),
+    "tools": (lambda v: v == [], "tool calling is not supported"),
+    "tool_choice": (_neutral_tool_choice, "tool calling is not supported"),
+    "functions": (lambda v: v == [], "function calling is not supported"),
+    "function_call": (_neutral_tool_choice, "function calling is not supported"),
+    "response_format": (lambda v: v == {"type": "text"}, "only plain text responses are supported"),
+    "modalities": (lambda v: v == ["text"], "only text output is supported"),
+    "audio": (lambda v: False, "audio output is not supported"),
+    "reasoning_effort": (lambda v: False, "reasoning_effort is not supported"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of is not supported"),
+    "echo": (lambda v: v is False, "echo is not supported"),
+    "suffix": (lambda v: v == "", "suffix (insertion) is not supported"),
+}
+CHAT_REFUSED = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
+                          "tool_choice", "functions", "function_call", "response_format", "modalities", "audio",
+                          "reasoning_effort", "web_search_options"})
+COMPLETION_REFUSED = frozenset({"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "best_of", "echo",
+                                "suffix"})
+
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})  # name: a participant label, not sent to the model
+
+
+class ParamRefused(ValueError):
+    """A request field swarm cannot honour (or does not know). ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_fields(body: dict, chat: bool) -> dict:
+    """Drop ``null`` fields, then refuse every field that swarm would otherwise ignore.
+
+    Args:
+        body: the parsed JSON object of a request.
+        chat: True for ``/v1/chat/completions``, False for ``/v1/completions``.
+    Returns:
+        A copy of ``body`` without its ``null`` fields (and without a ``null`` inside
+        ``stream_options``), for ``parse_request`` to read the honoured fields from.
+    Raises:
+        ParamRefused: the first field (in body order) that is unknown or carries a value swarm
+            cannot honour; ``param`` names it.
+    """
+    honoured, noop, refused = ((CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED) if chat else
+                               (COMPLETION_HONOURED, COMPLETION_NOOP, COMPLETION_REFUSED))
+    out = {}
+    for name, value in body.items():
+        if value is None:
+            continue  # null: the default
+        if name in honoured:
+            out[name] = value
+        elif name in noop:
+            continue
+        elif name in refused:
+            neutral, why = _REFUSED[name]
+            try:
+                ok = neutral(value)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ParamRefused(name, f"'{name}' is not supported by swarm ({why}); got {_short(value)}")
+        else:
+            endpoint = "chat completions" if chat else "completions"
+            raise ParamRefused(name, f"unrecognized request argument supplied to {endpoint}: '{name}'")
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = {k: v for k, v in out["stream_options"].items() if v is not None}
+    if chat and isinstance(out.get("messages"), list):
+        for i, m in enumerate(out["messages"]):
+            if isinstance(m, dict):
+                extra = [k for k, v in m.items() if k not in MESSAGE_FIELDS and v is not None]
+                if extra:
+                    raise ParamRefused("messages", f"messages[{i}].{extra[0]} is not supported by swarm "
+                                                   "(only role, content and name)")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

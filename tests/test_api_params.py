@@ -1,0 +1,93 @@
+"""The OpenAI request fields: null is the default everywhere, nothing that would change the answer
+is silently ignored (table tests of the pure policy in swarm.api_params)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.api_params import (CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_NOOP,
+                              COMPLETION_REFUSED, ParamRefused, check_fields)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "Once upon a time"}
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_null_is_the_default_for_every_optional_field(chat):
+    base = CHAT if chat else COMPLETION
+    fields = (CHAT_HONOURED | CHAT_NOOP | CHAT_REFUSED) if chat else \
+        (COMPLETION_HONOURED | COMPLETION_NOOP | COMPLETION_REFUSED)
+    optional = sorted(fields - {"messages", "prompt", "model"})
+    assert "n" in optional and "tools" in optional if chat else "best_of" in optional
+    out = check_fields({**base, **{name: None for name in optional}, "stream_options": {"include_usage": None}}, chat)
+    assert out == {**base, "stream_options": {}}
+
+
+@pytest.mark.parametrize("chat, field, value", [
+    (True, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (True, "tool_choice", "required"),
+    (True, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    (True, "functions", [{"name": "f"}]),
+    (True, "function_call", {"name": "f"}),
+    (True, "response_format", {"type": "json_object"}),
+    (True, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (True, "logprobs", True),
+    (True, "top_logprobs", 3),
+    (True, "logit_bias", {"50256": -100}),
+    (True, "presence_penalty", 0.5),
+    (True, "frequency_penalty", -1),
+    (True, "modalities", ["text", "audio"]),
+    (True, "audio", {"voice": "alloy", "format": "wav"}),
+    (True, "reasoning_effort", "low"),
+    (True, "web_search_options", {}),
+    (False, "logprobs", 0),
+    (False, "logprobs", 2),
+    (False, "echo", True),
+    (False, "best_of", 3),
+    (False, "suffix", " the end"),
+    (False, "logit_bias", {"1": 5}),
+    (False, "tools", []),  # not a completions field at all
+    (True, "suffix", ""),
+    (True, "bogus_field", 1),
+    (False, "messages", []),
+])
+def test_a_field_that_would_change_the_answer_is_refused_by_name(chat, field, value):
+    with pytest.raises(ParamRefused) as err:
+        check_fields({**(CHAT if chat else COMPLETION), field: value}, chat)
+    assert err.value.param == field and f"'{field}'" in str(err.value)
+
+
+@pytest.mark.parametrize("chat, field, value", [
+    (True, "tools", []), (True, "tool_choice", "none"), (True, "tool_choice", "auto"),
+    (True, "response_format", {"type": "text"}), (True, "modalities", ["text"]), (True, "logprobs", False),
+    (True, "top_logprobs", 0), (True, "presence_penalty", 0), (True, "frequency_penalty", 0.0),
+    (True, "logit_bias", {}), (True, "user", "u-1"), (True, "metadata", {"a": "b"}), (True, "store", True),
+    (True, "parallel_tool_calls", True), (True, "service_tier", "auto"), (True, "prediction", {"type": "content"}),
+    (False, "echo", False), (False, "best_of", 1), (False, "suffix", ""), (False, "user", "u-1"),
+])
+def test_neutral_values_and_no_ops_are_accepted_and_dropped(chat, field, value):
+    base = CHAT if chat else COMPLETION
+    assert check_fields({**base, field: value}, chat) == base
+
+
+def test_honoured_fields_pass_through():
+    body = {**CHAT, "max_tokens": 4, "temperature": 0, "top_p": 0.9, "seed": 1, "stop": ["x"], "stream": True,
+            "stream_options": {"include_usage": True}, "n": 1, "max_completion_tokens": 3}
+    assert check_fields(body, True) == body
+
+
+def test_message_fields_other_than_role_content_name_are_refused():
+    ok = {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "ann", "tool_calls": None}]}
+    assert check_fields(ok, True)["messages"] == ok["messages"]
+    bad = {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}
+    with pytest.raises(ParamRefused, match=r"messages\[0\]\.tool_calls"):
+        check_fields(bad, True)
+
+
+def test_every_refused_field_has_a_rule():
+    from swarm.api_params import _REFUSED
+
+    assert CHAT_REFUSED | COMPLETION_REFUSED <= set(_REFUSED)
+    for honoured, noop, refused in ((CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED),
+                                    (COMPLETION_HONOURED, COMPLETION_NOOP, COMPLETION_REFUSED)):
+        assert not (honoured & noop) and not (honoured & refused) and not (noop & refused)

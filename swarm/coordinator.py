@@ -217,6 +217,9 @@ class RingOps:
         reports = await self.ring.probe(session, 2 * self.ring.heartbeat_s)
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
+    async def settle(self) -> None:
+        await trio.sleep(self.ring.heartbeat_s)
+
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         link = await self.ring.prepare_spare(index, layers)
@@ -336,6 +339,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                 detected = time.monotonic()
                 log.warning("heal.start cause=%s", exc)
                 event = await run_recovery(ops, plan_replay(prompt_ids, loop.output), detected, str(exc))
+                if event is None:  # re-checked: every stage answers and moves again (a pause)
+                    log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
+                                "replaced, generation goes on", exc)
+                    continue
                 log.warning("heal.done stage=%d layers=[%d, %d) spare=%s detect_s=%.2f swap_s=%.2f replay_tokens=%d "
                             "replay_s=%.2f total_s=%.2f", event.stage, *event.layers, event.spare, event.detect_s,
                             event.swap_s, event.replay_tokens, event.replay_s, event.total_s)

@@ -42,6 +42,8 @@ class StageReport:
         sent: highest chunk id it sent on (to its successor; the tail: as a result) (-1: none).
             Chunks it dropped as stale are received but never sent.
         busy: it holds a received chunk it has not finished (computing, or stuck).
+        gone: unreachable because its connection closed (it cannot answer on it again), not
+            merely silent; a silent stage may be paused and is re-checked before it is blamed.
     """
 
     index: int
@@ -49,6 +51,17 @@ class StageReport:
     received: int = -1
     sent: int = -1
     busy: bool = False
+    gone: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe of the ring: every stage's report, and the coordinator's highest chunk id sent
+    and highest chunk id it got a result for."""
+
+    reports: tuple[StageReport, ...]
+    sent: int
+    returned: int
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,8 @@ class Failure:
     reason: str
 
 
-def locate_failure(reports: Sequence[StageReport], sent: int, returned: int) -> Failure | None:
+def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
+                   earlier: Probe | None = None) -> Failure | None:
     """The first unreachable stage, else the first break in the chain of chunk progress.
 
     The chain is coordinator (``sent``) -> stage 0 -> ... -> tail -> coordinator (``returned``):
@@ -68,24 +82,43 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int) -> 
     coordinator never got. Failing that, the first stage still busy with a chunk is stalled. Call
     it after a timeout, so "busy" means stuck rather than computing.
 
+    With ``earlier`` (a probe taken a settling interval before this one), only what persisted is
+    a fault, since one snapshot cannot tell a frame in flight from a lost one: a hop is broken only
+    if the downstream side has still not received a chunk the upstream side had already sent at
+    the earlier probe (a stage that just resumed from a pause and forwarded its backlog does not
+    get its healthy successor blamed); a stage is stalled only if it was busy on the same chunk,
+    with the same progress, in both probes. A stage that was silent earlier and answers now is not
+    blamed for the silence.
+
     Args:
         reports: one per stage, in ring order.
         sent: highest chunk id the coordinator sent. returned: highest chunk id it got a result for.
+        earlier: the previous probe of the same session, if the caller re-checked.
     Returns:
         The Failure, or None when every stage is reachable and nothing is stuck.
     """
     for r in reports:
         if not r.reachable:
             return Failure(r.index, "unreachable")
+    if earlier is None:
+        before_sent = [sent] + [r.sent for r in reports]
+    else:  # what each hop's upstream side had already sent at the earlier probe (-1: unknown)
+        before_sent = [earlier.sent] + [r.sent if r.reachable else -1 for r in earlier.reports]
     upstream = sent
-    for r in reports:
-        if r.received < upstream:
-            return Failure(r.index, f"gap: chunk {upstream} was sent to it, it received only {r.received}")
+    for r, was_sent in zip(reports, before_sent):
+        if r.received < min(upstream, was_sent):
+            return Failure(r.index, f"gap: chunk {min(upstream, was_sent)} was sent to it, it received only "
+                                    f"{r.received}")
         upstream = r.sent
-    if reports and returned < upstream:
-        return Failure(reports[-1].index, f"gap: it sent result {upstream}, the coordinator got only {returned}")
-    for r in reports:
+    if reports and returned < min(upstream, before_sent[-1]):
+        return Failure(reports[-1].index, f"gap: it sent result {min(upstream, before_sent[-1])}, the coordinator "
+                                          f"got only {returned}")
+    for i, r in enumerate(reports):
         if r.busy:
+            if earlier is not None:
+                e = earlier.reports[i]
+                if not (e.reachable and e.busy and (e.received, e.sent) == (r.received, r.sent)):
+                    continue  # it moved (or was not busy) since the earlier probe: computing, not stuck
             return Failure(r.index, f"stalled on chunk {r.received}")
     return None
 
@@ -116,6 +149,9 @@ class SwarmOps(Protocol):
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         """Reports of every stage, and the coordinator's (sent, returned) chunk ids."""
+
+    async def settle(self) -> None:
+        """Wait long enough for frames in flight to land (about one heartbeat) before a re-check."""
 
     async def pick_spare(self, layers: tuple[int, int]) -> object | None:
         """A reachable warm spare holding exactly ``layers``, or None."""
@@ -156,30 +192,40 @@ class HealEvent:
 
 
 async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause: str,
-                       max_attempts: int = 3) -> HealEvent:
+                       max_attempts: int = 3) -> HealEvent | None:
     """Recover the ring and rebuild the session's KV caches; return what happened.
 
-    Steps, each attempt: probe and ``locate_failure``; pick a spare for that layer range; swap;
-    reset; replay ``replay.prefix``; check the driver token. A SwarmError during an attempt (a
-    second failure) starts the next attempt from the probe.
+    Steps, each attempt: probe and ``locate_failure``; unless the blamed stage's connection is
+    gone, settle and probe again and blame only what persisted (``locate_failure(earlier=...)``);
+    pick a spare for that layer range; swap; reset; replay ``replay.prefix``; check the driver
+    token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe.
 
     Args:
         ops: the engine. replay: from ``plan_replay``. detected_at: ``ops.now()`` when the fault
             surfaced (a timeout or a lost stream). cause: that fault, for the record.
         max_attempts: give up after this many.
+    Returns:
+        The HealEvent, or None when the re-check finds every stage answering and nothing stuck (a
+        stage paused and resumed): nothing was replaced and the session goes on as it was.
     Raises:
         NoSpare: no spare holds the failed range (names it). ReplayMismatch: the replay gave
-        another token than the driver (the output would diverge). HealError: no stage could be
-        blamed, or every attempt failed.
+        another token than the driver (the output would diverge). HealError: every attempt failed.
     """
     errors: list[str] = [cause]
     for attempt in range(1, max_attempts + 1):
         t0 = ops.now()
         reports, sent, returned = await ops.probe()
         failure = locate_failure(reports, sent, returned)
+        if failure is None or not reports[failure.index].gone:
+            # a silent stage may be paused, and frames may be in flight: only what persists counts
+            earlier = Probe(tuple(reports), sent, returned)
+            await ops.settle()
+            reports, sent, returned = await ops.probe()
+            failure = locate_failure(reports, sent, returned, earlier)
         if failure is None:
-            raise HealError(f"the ring stopped answering ({cause}) but no stage could be blamed: "
-                            f"every stage is reachable and up to date")
+            if attempt == 1:
+                return None  # every stage answers and nothing is stuck: a pause, not a loss
+            raise HealError(f"recovery failed ({'; '.join(errors)}) and then no stage could be blamed")
         layers = ops.range_of(failure.index)
         event = HealEvent(stage=failure.index, layers=layers, reason=failure.reason, attempts=attempt,
                           errors=list(errors), detect_s=t0 - detected_at, detected_at=detected_at)

@@ -400,8 +400,8 @@ class RingClient:
         reports = []
         for i in range(len(self.links)):
             m = replies.get(i)
-            if i in lost or m is None:
-                reports.append(StageReport(i, False))
+            if i in lost or m is None:  # gone: its stream failed; else silent (maybe paused)
+                reports.append(StageReport(i, False, gone=i in lost))
             else:
                 reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy"))))
         return reports

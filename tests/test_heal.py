@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from swarm.errors import StageLost
-from swarm.heal import (Failure, HealError, NoSpare, ReplayMismatch, StageReport, locate_failure, plan_replay,
-                        run_recovery)
+from swarm.heal import (Failure, HealError, NoSpare, Probe, ReplayMismatch, StageReport, locate_failure,
+                        plan_replay, run_recovery)
 
 R = StageReport
 
@@ -39,6 +39,43 @@ R = StageReport
 ])
 def test_locate_failure(reports, sent, returned, expected):
     assert locate_failure(reports, sent, returned) == expected
+
+
+def P(reports, sent, returned):
+    return Probe(tuple(reports), sent, returned)
+
+
+# What a pause of one stage (SIGSTOP, then SIGCONT) looks like to two probes a heartbeat apart.
+@pytest.mark.parametrize("earlier,later,expected", [
+    # stage 0 paused through both probes: it is the one blamed
+    (P([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 6, 4),
+     P([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 6, 4), Failure(0, "unreachable")),
+    # stage 0 resumed between the probes and forwarded its backlog: chunks 5 and 6 are in flight to
+    # stage 1, which has not read them yet. Nobody is blamed (stage 1 used to be swapped out here)
+    (P([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 6, 4),
+     P([R(0, True, 6, 6), R(1, True, 4, 4), R(2, True, 4, 4)], 6, 4), None),
+    # stage 0 resumed, stage 1 is computing chunk 5 (busy, but it moved since the earlier probe)
+    (P([R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], 6, 4),
+     P([R(0, True, 6, 6), R(1, True, 5, 4, busy=True), R(2, True, 4, 4)], 6, 4), None),
+    # stage 0 answered both probes, one frame from it to stage 1 in flight at the later one only
+    (P([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5),
+     P([R(0, True, 6, 6), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5), None),
+    # a result in flight from the tail at the later probe
+    (P([R(0, True, 6, 6), R(1, True, 6, 6), R(2, True, 6, 5, busy=True)], 6, 5),
+     P([R(0, True, 6, 6), R(1, True, 6, 6), R(2, True, 6, 6)], 6, 5), None),
+    # stage 1 really stopped reading: chunk 6 was sent to it before the earlier probe, still not received
+    (P([R(0, True, 6, 6), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5),
+     P([R(0, True, 6, 6), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5),
+     Failure(1, "gap: chunk 6 was sent to it, it received only 5")),
+    # stage 1 stuck on the same chunk in both probes
+    (P([R(0, True, 6, 6), R(1, True, 6, 5, busy=True), R(2, True, 5, 5)], 6, 5),
+     P([R(0, True, 6, 6), R(1, True, 6, 5, busy=True), R(2, True, 5, 5)], 6, 5), Failure(1, "stalled on chunk 6")),
+    # a stage that answered the earlier probe and not the later one is blamed
+    (P([R(0, True, 6, 6), R(1, True, 6, 6), R(2, True, 6, 6)], 6, 6),
+     P([R(0, True, 6, 6), R(1, False), R(2, True, 6, 6)], 6, 6), Failure(1, "unreachable")),
+])
+def test_a_pause_blames_the_stage_that_stopped_answering_or_nobody(earlier, later, expected):
+    assert locate_failure(later.reports, later.sent, later.returned, earlier) == expected
 
 
 @pytest.mark.parametrize("prompt,committed,prefix,driver", [
@@ -71,8 +108,12 @@ class FakeOps:
 
     async def probe(self):
         self.log.append("probe")
-        reports = self.reports.pop(0) if isinstance(self.reports[0], list) else self.reports
-        return reports, 5, 4
+        if not isinstance(self.reports[0], list):
+            return self.reports, 5, 4
+        return (self.reports.pop(0) if len(self.reports) > 1 else self.reports[0]), 5, 4  # the last one stays
+
+    async def settle(self):
+        self.log.append("settle")
 
     async def pick_spare(self, layers):
         self.log.append(("pick", layers))
@@ -112,7 +153,7 @@ def run(coro):
 def test_recovery_steps_in_order(reports, stage, layers):
     ops = FakeOps(reports, spares={layers: "spare-A"})
     event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="hop timeout"))
-    assert ops.log == ["probe", ("pick", layers), ("swap", stage, "spare-A"), "reset", ("replay", 5)]
+    assert ops.log == ["probe", "settle", "probe", ("pick", layers), ("swap", stage, "spare-A"), "reset", ("replay", 5)]
     assert event.stage == stage and event.layers == layers and event.spare == "spare-A"
     assert event.replay_tokens == 5 and event.total_s > 0 and event.attempts == 1
 
@@ -128,12 +169,21 @@ def test_replay_mismatch_aborts_loudly():
         run(run_recovery(ops, REPLAY, 100.0, "timeout"))
 
 
-def test_nothing_to_blame():
-    healthy = [R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)]
-    ops = FakeOps(healthy)
-    ops.probe = lambda: _coro((healthy, 5, 5))
-    with pytest.raises(HealError, match="no stage could be blamed"):
-        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+def test_nothing_to_blame_replaces_nothing():
+    """The ring stopped answering for a moment (a paused stage) and answers again: no swap, no
+    replay, the session goes on (run_recovery returns None)."""
+    paused = [R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)]
+    resumed = [R(0, True, 5, 5), R(1, True, 4, 4), R(2, True, 4, 4)]
+    ops = FakeOps([paused, resumed], spares={(0, 10): "s", (10, 20): "t"})
+    assert run(run_recovery(ops, REPLAY, 100.0, "stage 0 stopped answering heartbeats")) is None
+    assert ops.log == ["probe", "settle", "probe"]
+
+
+def test_a_closed_connection_is_blamed_without_waiting():
+    dead = [R(0, True, 5, 5), R(1, False, gone=True), R(2, True, 4, 4)]
+    ops = FakeOps(dead, spares={(10, 20): "s"})
+    event = run(run_recovery(ops, REPLAY, 100.0, "stream closed"))
+    assert event.stage == 1 and ops.log[:2] == ["probe", ("pick", (10, 20))]
 
 
 async def _coro(value):

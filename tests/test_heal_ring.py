@@ -33,12 +33,17 @@ PROMPT = [1, 403, 407, 261, 378]
 NEW = 40
 
 
-def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None, kill_at: int = 10):
-    """Run a generation on 3 stages (+1 spare for the victim's range), signal the victim after
-    ``kill_at`` committed tokens; return (ids, record, ids of a second request). The generation
-    runs as a job: ``record["job_receipt"]`` is the signed job receipt."""
+def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None, kill_at: int = 10,
+             resume_after_s: float | None = None, spare_every_range: bool = False):
+    """Run a generation on 3 stages (+1 spare for the victim's range, or for every range), signal
+    the victim after ``kill_at`` committed tokens (and SIGCONT it ``resume_after_s`` later); return
+    (ids, record, ids of a second request). The generation runs as a job: ``record["job_receipt"]``
+    is the signed job receipt."""
+    import threading
+
+    spare_ranges = RANGES if spare_every_range else [RANGES[victim]] if spare else []
     with LocalRing(str(model_dir), RANGES, tmp_path / "keys", threads=1, extra_args=["--dtype", "float32"]) as ring, \
-            LocalRing(str(model_dir), [RANGES[victim]] if spare else [], tmp_path / "spare-keys", threads=1,
+            LocalRing(str(model_dir), spare_ranges, tmp_path / "spare-keys", threads=1,
                       extra_args=["--dtype", "float32"]) as spares:
         spec = RingSpec(model=str(model_dir),
                         stages=tuple(StageSpec(s.addr, s.layers) for s in ring.stages),
@@ -50,6 +55,8 @@ def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spe
             if len(out) >= kill_at and not fired:
                 os.kill(pid, sig)
                 fired.append(len(out))
+                if resume_after_s is not None:
+                    threading.Timer(resume_after_s, os.kill, (pid, signal.SIGCONT)).start()
 
         async def main():
             with trio.fail_after(90):
@@ -134,6 +141,17 @@ def test_sigstop_frozen_stage_heals(stories_dir, tmp_path, reference):
     assert out == reference
     (event,) = rec["heal_events"]
     assert event["stage"] == 1 and "heartbeat" in event["errors"][0]
+
+
+@pytest.mark.parametrize("pause_s", [2.0, 3.0])
+def test_a_short_pause_never_swaps_out_a_healthy_stage(stories_dir, tmp_path, reference, pause_s):
+    """SIGSTOP the head for a few seconds, then SIGCONT it, with a spare for every range: either the
+    paused head is replaced (it was still silent when re-checked) or nothing is; a healthy stage
+    never is, and the answer is the uninterrupted one."""
+    out, rec, again = heal_run(stories_dir, tmp_path, 0, signal.SIGSTOP, kill_at=5, resume_after_s=pause_s,
+                               spare_every_range=True)
+    assert out == reference and again == reference[:8]
+    assert all(e["stage"] == 0 for e in rec["heal_events"]), rec["heal_events"]
 
 
 def test_no_spare_fails_clearly(stories_dir, tmp_path):

@@ -59,9 +59,13 @@ def _stage_parser(sub) -> None:
                           "a session's bits never depend on what shares its forward. Proven at start-up; a BLAS "
                           "that fails the proof makes the stage fall back to 1 and log why (default 2; 1: one GEMV "
                           "per row, as unbatched sessions always run)")
+    bat.add_argument("--prefill-slice-shared", type=int, default=2,
+                     help="positions of a long prompt computed per step while other sessions have work waiting "
+                          "(default 2): a row costs about what a decode step costs, so a short request beside a "
+                          "long prompt keeps most of its speed while the long prompt goes on more slowly")
     bat.add_argument("--prefill-slice", type=int, default=128,
-                     help="positions of a long prompt chunk computed per step, between other sessions' decode rows "
-                          "(default 128)")
+                     help="positions of a long prompt chunk computed per step while no other session has work "
+                          "waiting (default 128)")
     bat.add_argument("--batch-wait-ms", type=float, default=10.0,
                      help="while other batching sessions are open but not all ready, wait this long for their rows "
                           "before a step, so steps pack more rows (default 10; 0: start at once). A lone session, "
@@ -306,6 +310,7 @@ def cmd_stage(args) -> int:
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
+                         prefill_slice_shared=args.prefill_slice_shared,
                          batch_wait_ms=args.batch_wait_ms)
     from swarm.stage import run_check, run_stage
 

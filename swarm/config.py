@@ -44,6 +44,7 @@ class StageConfig:
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
     batch_tile: int = 2  # rows per fixed-shape GEMM of packed sessions (1: one GEMV per row; proven at start-up)
     prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
+    prefill_slice_shared: int = 2  # ... in a step that other sessions' rows share, or while others wait
     batch_wait_ms: float = 10.0  # how long a step may wait for more batching sessions' rows
 
     def __post_init__(self) -> None:
@@ -65,7 +66,8 @@ class StageConfig:
         if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
         for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 1),
-                                 ("--prefill-slice", self.prefill_slice, 1)):
+                                 ("--prefill-slice", self.prefill_slice, 1),
+                                 ("--prefill-slice-shared", self.prefill_slice_shared, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
                 raise ConfigError(f"{flag} must be an integer in [{low}, 4096], got {value!r}")
         if not 0 <= self.batch_wait_ms <= 1000:  # also refuses NaN

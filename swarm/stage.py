@@ -13,7 +13,8 @@ Scheduling (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-S
 prefill, Agrawal et al. OSDI 2024): arriving chunks queue per session; one scheduler task takes,
 each step, the next chunk of every ready session that is short (decode/verify rows, at most
 ``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in all) into one packed forward, plus one
-``--prefill-slice`` of a long (prefill) chunk, so a long prompt never stalls other sessions. Only
+``--prefill-slice`` of a long (prefill) chunk, only ``--prefill-slice-shared`` while other sessions
+have work waiting, so a long prompt never stalls other sessions. Only
 sessions opened with ``batch: true`` (``swarm serve``) are packed; their rows run in fixed
 ``--batch-tile``-row GEMMs. The others (a single ``swarm coordinate`` stream) run alone, one GEMV
 per row, as fast as plain decode. Either way every forward is row-invariant
@@ -136,7 +137,8 @@ class StageServer:
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
             kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
             batching={"max_batch_rows": self.max_batch_rows, "batch_tile": self.tile or 0,
-                      "prefill_slice": self.config.prefill_slice, **self.stats},
+                      "prefill_slice": self.config.prefill_slice,
+                      "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
             kernels=self.kernels,
         )
 
@@ -415,7 +417,7 @@ class StageServer:
             ready = sum(s.batch for s in self._runq.values() if s.queue)
             if ready < batching:
                 await trio.sleep(wait / 1000)
-        small, rows, piece = [], 0, None
+        small, rows, piece, longs = [], 0, None, 0
         for sess in list(self._runq.values()):
             job = await self._next_job(sess)
             if job is None:
@@ -431,15 +433,22 @@ class StageServer:
                     continue
                 small.append((sess, job))
                 rows += t
-            elif piece is None:
-                piece = (sess, job)
+            else:
+                longs += 1
+                if piece is None:
+                    piece = (sess, job)
         if not small and piece is None:
             return False  # a chunk queued meanwhile has set self._work again
+        if piece is not None:
+            # a long prompt yields to others: a row costs about a decode step (row-invariant GEMVs),
+            # so while other sessions wait, it advances a few rows per step (Sarathi-Serve's budget)
+            shared = bool(small) or longs > 1
+            piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
         self._in_flight += 1
         try:
             results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
-            failed = small + ([piece] if piece else [])
+            failed = small + ([piece[:2]] if piece else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
                 self._fail_later(sess, f"forward failed: {type(exc).__name__}: {exc}")
@@ -509,8 +518,8 @@ class StageServer:
                 y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)])
                 out.append((s, j, j.msg["pos"], n, y[0]))
         if piece is not None:
-            s, j = piece
-            n = min(self.config.prefill_slice, j.x.shape[1] - j.done)
+            s, j, slice_rows = piece
+            n = min(slice_rows, j.x.shape[1] - j.done)
             pos = j.msg["pos"] + j.done
             y = block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s),
                                     logits_rows=[_logits_rows(j.msg, pos, n)])[0]

@@ -211,10 +211,11 @@ def test_scheduler_batches_sessions_and_slices_a_long_prompt(synthetic, tmp_path
     sessions["long"] = ([rng.randrange(97) for _ in range(100)], 3)
     sampled = {"s1", "s3"}
     log: list = []
-    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=16)
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=16, prefill_slice_shared=16)
     together = _drive(server, coord, sessions, sampled, steps_log=log)
     for sid, job in sessions.items():
-        alone = _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=16), coord, {sid: job}, sampled)
+        alone = _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=16, prefill_slice_shared=16), coord,
+                       {sid: job}, sampled)
         assert together[sid] == alone[sid], sid
     stats = server.stats
     assert stats["max_sessions"] >= 3 and stats["batched_steps"] >= 3, stats
@@ -225,7 +226,28 @@ def test_scheduler_batches_sessions_and_slices_a_long_prompt(synthetic, tmp_path
     assert server.sessions == {} and not server._runq
 
 
-def test_sessions_that_do_not_ask_to_batch_run_alone_with_plain_gemms(synthetic, tmp_path):
+def test_a_long_prompt_yields_to_sessions_with_work_waiting(synthetic, tmp_path):
+    """While other sessions have rows waiting, a long prompt advances --prefill-slice-shared rows
+    per step; alone, --prefill-slice rows; and every session still gets its solo tokens."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    rng = random.Random(4)
+    sessions = {"short": ([rng.randrange(97) for _ in range(3)], 8),
+                "long": ([rng.randrange(97) for _ in range(60)], 2)}
+    log: list = []
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=32, prefill_slice_shared=2)
+    together = _drive(server, coord, sessions, steps_log=log)
+    for sid, job in sessions.items():
+        alone = _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=32), coord, {sid: job})
+        assert together[sid] == alone[sid], sid
+    done = [p[1] for _, p in log if p and p[0] == "long"]  # positions done before each slice of it
+    widths = [b - a for a, b in zip(done, done[1:])]
+    shared = [w for (small, _), w in zip([e for e in log if e[1] and e[1][0] == "long"], widths) if small]
+    assert shared and set(shared) == {2}, log  # beside the short session's rows: 2 rows a step
+    assert 32 in widths or done[-1] + 32 >= 60, widths  # and full slices once it is alone
+
+
+def test_sessions_that_do_not_ask_to_batch_run_alone_one_gemv_per_row(synthetic, tmp_path):
     model = synthetic("llama", "float32", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                       num_key_value_heads=3, num_hidden_layers=2, vocab_size=2048)
     coord = load_or_create_key(tmp_path / "coord.key")

@@ -143,7 +143,7 @@ def test_sigstop_frozen_stage_heals(stories_dir, tmp_path, reference):
     assert event["stage"] == 1 and "heartbeat" in event["errors"][0]
 
 
-@pytest.mark.parametrize("pause_s", [2.0, 3.0])
+@pytest.mark.parametrize("pause_s", [3.0])  # the reported case; tests/test_heal.py tables the sequences
 def test_a_short_pause_never_swaps_out_a_healthy_stage(stories_dir, tmp_path, reference, pause_s):
     """SIGSTOP the head for a few seconds, then SIGCONT it, with a spare for every range: either the
     paused head is replaced (it was still silent when re-checked) or nothing is; a healthy stage

@@ -59,7 +59,7 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     shutil.copytree(model, bad_values)
     cfg = json.loads((bad_values / "config.json").read_text())
     (bad_values / "config.json").write_text(json.dumps({**cfg, "hidden_size": -64}))
-    for args, reason in [
+    cases = [
         (["--key", str(tmp_path / "k" / "s.key")], "unsafe mode 0644"),
         (["--layers", "2:9"], "out of bounds: the model has 4 layers"),
         (["--model", str(tmp_path / "nothing")], "no such model path"),
@@ -68,11 +68,19 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
         (["--max-ctx", "100000"], "exceeds the model's maximum context of 128"),
         (["--kv-budget-mb", "10000000"], "not enough memory on cpu"),
         (["--model", str(bad_values)], "hidden_size must be a positive integer"),
-    ]:
+    ]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(case):
+        args, _ = case
         base = {"--model": str(model), "--layers": "0:2", "--key": str(tmp_path / "ok.key")}
         for flag, value in zip(args[::2], args[1::2]):
             base[flag] = value
-        res = swarm("stage", "--check", *[x for kv in base.items() for x in kv])
+        return swarm("stage", "--check", *[x for kv in base.items() for x in kv])
+
+    with ThreadPoolExecutor(4) as pool:  # independent processes: most of each is importing torch
+        results = list(pool.map(check, cases))
+    for (args, reason), res in zip(cases, results):
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert reason in line(res, "FATAL")["reason"], (args, res.stdout)
 

@@ -331,7 +331,7 @@ def test_smollm2_bfloat16_speculation_is_greedy_bit_for_bit(smollm2_dir, tmp_pat
                                                  dtype="bfloat16")
                 assert all(s.kernels["rows_ok"] for s in servers)
                 outs = {}
-                for k, depth in ((0, 1), (4, 2), (8, 1), (2, 2)):
+                for k, depth in ((0, 1), (4, 2), (8, 1)):
                     info: dict = {}
                     outs[k, depth] = await ring_generate(
                         spec, smollm2_dir, 30, prompt, 32, tmp_path, stop_ids=stop, info=info,

@@ -1,0 +1,118 @@
+"""A short chat request beside a long prompt on `swarm serve`: how much slower the short one gets.
+
+SmolLM2 on a 3-stage loopback ring (one torch thread per stage), `swarm serve` in this process.
+First the short request alone ("Hi", 16 new tokens, greedy, streamed) a few times; then a long
+prompt (default 4032 tokens, streamed, 16 new tokens) and, once its prefill is under way, the same
+short request beside it. Prints one JSON object: short_alone_s (median wall time from request to
+the last event), short_beside_long_s, ratio, long_prompt_tokens, long_ttft_s, long_total_s, and the
+stages' scheduler counters. Usage: python bench/long_prompt.py [--long-tokens 4032] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarm.config import RingSpec  # noqa: E402
+from swarm.launch import LocalRing  # noqa: E402
+from swarm.ranges import LayerRange  # noqa: E402
+from swarm.serve import serve_api  # noqa: E402
+
+PARAGRAPH = ("The river ran past the old mill, where the miller's daughter kept a ledger of every sack of grain "
+             "and every traveller who crossed the bridge. ")
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, content: str, max_tokens: int) -> dict:
+    """One streamed chat request; returns wall time to the first content event and to [DONE]."""
+    t0 = time.perf_counter()
+    first = None
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as res:
+        res.raise_for_status()
+        async for line in res.aiter_lines():
+            if line.startswith("data: {") and first is None and '"content"' in line:
+                first = time.perf_counter() - t0
+            if line == "data: [DONE]":
+                break
+    return {"ttft_s": first, "total_s": time.perf_counter() - t0}
+
+
+def long_text(tokenizer, tokens: int) -> str:
+    text = PARAGRAPH * (tokens // 20 + 10)
+    ids = tokenizer(text)["input_ids"][: max(1, tokens - 40)]  # the chat template adds about 40 tokens
+    return tokenizer.decode(ids)
+
+
+async def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from swarm.model.resolve import resolve_model
+
+    resolved = resolve_model("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    long_content = long_text(tokenizer, args.long_tokens)
+    ranges = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalRing("smollm2-135m", ranges, Path(tmp) / "keys", threads=1,
+                      extra_args=["--dtype", "float32", *args.stage_args]) as ring:
+        spec = RingSpec(model="smollm2-135m", stages=ring.ring_spec().stages)
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(lambda task_status: serve_api(
+                spec, "127.0.0.1", 0, key_path=Path(tmp) / "coord.key", task_status=task_status))
+            url = info["url"]
+            async with httpx.AsyncClient() as client:
+                await stream_chat(client, url, "Hi", args.short_tokens)  # warm-up (and the batch tile proof)
+                alone = [(await stream_chat(client, url, "Hi", args.short_tokens))["total_s"]
+                         for _ in range(args.rounds)]
+                beside, long_result = [], {}
+
+                async def long_request():
+                    long_result.update(await stream_chat(client, url, long_content, args.short_tokens))
+
+                async with trio.open_nursery() as inner:
+                    t_long = time.perf_counter()
+                    inner.start_soon(long_request)
+                    await trio.sleep(args.start_after_s)  # the long prefill is under way
+                    for _ in range(args.rounds):
+                        if long_result:
+                            break  # the long prompt finished: nothing to stand beside any more
+                        beside.append((await stream_chat(client, url, "Hi", args.short_tokens))["total_s"])
+                long_total = time.perf_counter() - t_long
+                health = (await client.get(url + "/health", timeout=60)).json()
+            nursery.cancel_scope.cancel()
+    a, b = statistics.median(alone), statistics.median(beside) if beside else None
+    return {
+        "model": "smollm2-135m", "stages": 3, "threads_per_stage": 1, "stage_args": args.stage_args,
+        "short_new_tokens": args.short_tokens, "long_prompt_tokens": args.long_tokens,
+        "short_alone_s": round(a, 3), "short_beside_long_s": round(b, 3) if b else None,
+        "ratio": round(b / a, 2) if b else None, "target_ratio": 3.0,
+        "alone_runs": [round(x, 3) for x in alone], "beside_runs": [round(x, 3) for x in beside],
+        "long_ttft_s": round(long_result.get("ttft_s") or 0, 2), "long_total_s": round(long_total, 2),
+        "stage_batching": [s.get("batching") for s in health["stages"]],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--long-tokens", type=int, default=4032)
+    ap.add_argument("--short-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--start-after-s", type=float, default=2.0)
+    ap.add_argument("--stage-arg", dest="stage_args", action="append", default=[],
+                    help="extra `swarm stage` flag (repeat), e.g. --stage-arg=--prefill-slice-shared --stage-arg=8")
+    print(json.dumps(trio.run(run, ap.parse_args())))
+
+
+if __name__ == "__main__":
+    main()

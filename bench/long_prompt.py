@@ -41,8 +41,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, content: str, max_tok
     async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as res:
         res.raise_for_status()
         async for line in res.aiter_lines():
-            if line.startswith("data: {") and first is None and '"content"' in line:
-                first = time.perf_counter() - t0
+            if line.startswith("data: {") and first is None:
+                delta = json.loads(line[6:])["choices"][0].get("delta", {}) if '"choices"' in line else {}
+                if delta.get("content"):
+                    first = time.perf_counter() - t0
             if line == "data: [DONE]":
                 break
     return {"ttft_s": first, "total_s": time.perf_counter() - t0}

@@ -57,6 +57,9 @@ class _Outbox:
     done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
 
 
+ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
+
+
 @dataclass
 class Job:
     """A queued chunk (or receipt request) of one session at this stage."""
@@ -433,16 +436,20 @@ class StageServer:
                     continue
                 small.append((sess, job))
                 rows += t
-            else:
+            else:  # the long chunk with the least left goes first (shortest remaining first, then round robin)
                 longs += 1
-                if piece is None:
+                if piece is None or t - job.done < piece[1].x.shape[1] - piece[1].done:
                     piece = (sess, job)
         if not small and piece is None:
             return False  # a chunk queued meanwhile has set self._work again
         if piece is not None:
             # a long prompt yields to others: a row costs about a decode step (row-invariant GEMVs),
-            # so while other sessions wait, it advances a few rows per step (Sarathi-Serve's budget)
-            shared = bool(small) or longs > 1
+            # so while other sessions are generating it advances a few rows per step (Sarathi-Serve's
+            # budget). "Generating" means a frame within ACTIVE_S, not work queued right now: in a
+            # ring a session's next row is usually at another stage when this step starts.
+            now = trio.current_time()
+            shared = bool(small) or longs > 1 or any(
+                s is not piece[0] and now - s.last_active < ACTIVE_S for s in self.sessions.values())
             piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
         self._in_flight += 1
         try:

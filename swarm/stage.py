@@ -778,9 +778,10 @@ def _prove_kernels(block) -> dict:
     """
     if not hasattr(block, "_tiled_modules"):  # a test double without torch modules
         return {"rows_ok": True, "reason": "", "check_s": 0.0}
+    from swarm.config import cache_root
     from swarm.kernels.check import check_block_once
 
-    rows = check_block_once(block, 1)
+    rows = check_block_once(block, 1, cache_root() / "proofs")
     if rows.ok:
         log.info("kernels.proven mode=rows layers=%s seconds=%.2f", block.layer_range, rows.seconds)
     else:
@@ -791,9 +792,10 @@ def _prove_kernels(block) -> dict:
 
 def _prove_tile(block, tile: int):
     """The proof of ``tile``-row GEMMs for packed sessions (worker thread), logged either way."""
+    from swarm.config import cache_root
     from swarm.kernels.check import check_block_once
 
-    report = check_block_once(block, tile)
+    report = check_block_once(block, tile, cache_root() / "proofs")
     if report.ok:
         log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, report.seconds)
     else:

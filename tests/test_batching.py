@@ -287,6 +287,7 @@ def test_stage_whose_tile_fails_its_proof_falls_back_to_one_gemv_per_row(synthet
 
     monkeypatch.setattr(invariant, "linear_rows", place_dependent)
     monkeypatch.setattr(swarm.kernels.check, "_REPORTS", {})  # prove again with the faulty kernel
+    monkeypatch.setenv("SWARM_CACHE", str(tmp_path / "cache"))
     model = synthetic("llama", "float32")
     server = _server(model, LayerRange(0, 4), tmp_path)
     assert server.kernels["rows_ok"] and server.kernels["batch_ok"] is None  # proven at the first batch open
@@ -304,6 +305,7 @@ def test_a_stage_proves_each_block_once_per_process(synthetic, tmp_path, monkeyp
     import swarm.kernels.check
 
     monkeypatch.setattr(swarm.kernels.check, "_REPORTS", {})
+    monkeypatch.setenv("SWARM_CACHE", str(tmp_path / "cache"))
     calls = []
     real = swarm.kernels.check.check_block
     monkeypatch.setattr(swarm.kernels.check, "check_block", lambda block, tile: calls.append(tile) or real(block, tile))
@@ -318,3 +320,9 @@ def test_a_stage_proves_each_block_once_per_process(synthetic, tmp_path, monkeyp
     _drive(first, coord, {"b": ([1, 2], 2)})
     _drive(again, coord, {"c": ([1, 2], 2)})
     assert calls == [1, 1, 2] and first.kernels["batch_ok"] and again.kernels["batch_ok"]
+    # and a later process on this machine reuses the proofs from the cache instead of proving again
+    monkeypatch.setattr(swarm.kernels.check, "_REPORTS", {})
+    later = _server(model, LayerRange(0, 4), tmp_path)
+    _drive(later, coord, {"d": ([1, 2], 2)})
+    assert calls == [1, 1, 2] and later.kernels["rows_ok"] and later.kernels["batch_ok"]
+    assert len(list((tmp_path / "cache" / "proofs").glob("*.json"))) == 3

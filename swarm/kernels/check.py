@@ -135,12 +135,61 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
 _REPORTS: dict[tuple, InvarianceReport] = {}
 
 
-def check_block_once(block, tile: int = 1) -> InvarianceReport:
-    """:func:`check_block`, run once per process for the same weights (``block.range_digest``),
-    layer range, dtype, device, tile and torch thread count: what the proof depends on. Several
-    stages of one model in one process (tests, benchmarks) then prove each block once."""
-    key = (getattr(block, "range_digest", "") or id(block), str(block.layer_range), str(block.dtype),
+def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
+    """:func:`check_block`, run once for the same weights (``block.range_digest``), layer range, dtype,
+    device, tile and torch thread count on the same machine and software: what the proof depends on.
+
+    Within a process the report is kept in memory. With ``cache_dir`` it is also kept on disk under a
+    key that adds the CPU (model name and feature flags), the GPU name, torch's version and build
+    configuration, and the source of this package's kernels, so a stage restarted on the same machine
+    reuses the proof it ran, and any change of hardware, library or kernel code proves again.
+    """
+    import hashlib
+    import json
+
+    key = (getattr(block, "range_digest", "") or str(id(block)), str(block.layer_range), str(block.dtype),
            str(block.device), tile, torch.get_num_threads())
-    if key not in _REPORTS:
-        _REPORTS[key] = check_block(block, tile)
-    return _REPORTS[key]
+    if key in _REPORTS:
+        return _REPORTS[key]
+    path = None
+    if cache_dir is not None and getattr(block, "range_digest", ""):
+        digest = hashlib.sha256(json.dumps([list(map(str, key)), _machine()]).encode()).hexdigest()
+        path = cache_dir / f"{digest}.json"
+        try:
+            data = json.loads(path.read_text())
+            _REPORTS[key] = InvarianceReport(int(data["tile"]), bool(data["ok"]), str(data["reason"]), 0.0)
+            return _REPORTS[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not proven here yet (or an unreadable file): prove now
+    report = _REPORTS[key] = check_block(block, tile)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"tile": report.tile, "ok": report.ok, "reason": report.reason,
+                                       "seconds": report.seconds}))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache only costs the next start another proof
+    return report
+
+
+def _machine() -> list[str]:
+    """What a proof's result may depend on besides the block: CPU, GPU, torch build, kernel source."""
+    import hashlib
+    import platform
+    from pathlib import Path
+
+    cpu = platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+                  for line in info.splitlines() if ":" in line}
+        cpu = f"{fields.get('vendor_id', '')} {fields.get('model name', '')} {fields.get('flags', '')}"
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    here = Path(__file__).resolve().parent
+    files = [*sorted(here.glob("*.py")), here.parent / "model" / "block.py", here.parent / "model" / "cache.py"]
+    source = hashlib.sha256(b"".join(p.read_bytes() for p in files if p.exists())).hexdigest()
+    return [platform.machine(), cpu, gpu, torch.__version__, torch.__config__.show(), source]

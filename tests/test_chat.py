@@ -88,3 +88,16 @@ def test_a_template_that_repeats_content_is_refused(base_tokenizer):
     tok.chat_template = None
     with pytest.raises(ChatTemplateError, match="no chat template"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_serve_encodes_chat_content_literally(base_tokenizer):
+    """swarm serve's request parsing: a user's typed <|im_end|> gives the literal encoding's ids."""
+    from types import SimpleNamespace
+
+    from swarm.serve import parse_request
+
+    state = SimpleNamespace(model_id="smollm2-135m", tokenizer=base_tokenizer, max_ctx=8192)
+    req = parse_request({"messages": [{"role": "user", "content": "<|im_end|>"}], "max_tokens": 1, "n": None},
+                        state, chat=True)
+    assert req.prompt_ids == encode_chat(base_tokenizer, [{"role": "user", "content": "<|im_end|>"}])
+    assert req.prompt_ids.count(base_tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2

@@ -776,8 +776,6 @@ def _prove_kernels(block) -> dict:
         ``{"rows_ok", "reason", "check_s"}`` for ``info_ok`` (``kernels``): rows_ok False means this
         stage cannot promise that a verify chunk or a replay gives decode's bits.
     """
-    if not hasattr(block, "_tiled_modules"):  # a test double without torch modules
-        return {"rows_ok": True, "reason": "", "check_s": 0.0}
     from swarm.config import cache_root
     from swarm.kernels.check import check_block_once
 

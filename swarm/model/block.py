@@ -173,7 +173,6 @@ class LayerBlock(torch.nn.Module):
         self.loaded_bytes = 0
         self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
         self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
-        self._tiled_modules: list[torch.nn.Module] = []
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
         for mod in owned:
@@ -377,7 +376,6 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     """Route ``module``'s forward (a Linear or GPT-2 Conv1D) through fixed ``block._tile``-row GEMMs
     on fresh aligned copies while ``block._tile`` is set (:func:`swarm.kernels.invariant.linear_rows`)."""
     plain = module.forward
-    block._tiled_modules.append(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile

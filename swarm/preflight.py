@@ -66,7 +66,8 @@ def preflight(config: StageConfig) -> dict:
     import torch  # noqa: F401  (the engine imports)
 
     from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
-    from swarm.model.resolve import _read_header, model_manifest_digest, resolve_model, tensor_index
+    from swarm.model.resolve import model_manifest_digest, resolve_model, tensor_index
+    from swarm.weights.manifest import read_header
 
     try:
         resolved = resolve_model(config.model, progress=False)
@@ -89,7 +90,7 @@ def preflight(config: StageConfig) -> dict:
     weights = 0
     for name in sorted(names):
         shard = index[name]
-        header = headers.setdefault(shard, _read_header(shard))
+        header = headers.setdefault(shard, read_header(shard))
         entry = header.get(name)
         if not isinstance(entry, dict) or entry.get("dtype") not in LOADABLE:
             got = entry.get("dtype") if isinstance(entry, dict) else "nothing"

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from swarm.config import cache_root
 from swarm.errors import ModelError
+from swarm.weights.manifest import read_header as _read_header
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ MAX_SHARD_BYTES = 100 * 2**20  # a single tensor larger than this gets a shard o
 HUB_TIMEOUT_S = 5.0
 CONVERTER_VERSION = 1  # bump when the converted layout changes, so old cache entries are ignored
 _KEY_SAMPLE_BYTES = 2**20
-_MAX_HEADER_BYTES = 100 * 2**20
 _STALE_TMP_S = 3600.0
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", INDEX_NAME,
@@ -457,24 +457,6 @@ def _check_hf_dir(path: Path) -> None:
     tensor_index(path)  # checks the index and that every shard it names exists
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         log.warning("model.no_tokenizer path=%s; a coordinator will need tokenizer files", path)
-
-
-def _read_header(shard: Path) -> dict:
-    """Read a safetensors header: a little-endian u64 length, then that many bytes of JSON."""
-    try:
-        with shard.open("rb") as f:
-            raw = f.read(8)
-            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 <= n <= min(_MAX_HEADER_BYTES, shard.stat().st_size - 8):
-                raise ValueError(f"bad header length {n}")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except OSError as e:
-        raise ModelError(f"cannot read {shard}: {e}") from e
-    except ValueError as e:
-        raise ModelError(f"{shard} is not a valid safetensors file: {e}") from e
-    return header
 
 
 def _slug(text: str) -> str:

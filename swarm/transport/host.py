@@ -139,12 +139,42 @@ class SwarmHost:
         try:
             return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
         except (SwarmException, StreamFailure) as e:
-            if not had_connection or (isinstance(e, StreamFailure) and _is_unsupported_protocol(e)):
+            if not had_connection or (isinstance(e, StreamFailure) and is_unsupported_protocol(e)):
                 raise
             log.info("hop.redial peer=%s reason=stale-connection error=%r", info.peer_id, e)
             await network.close_peer(info.peer_id)
             await self._dial(info, start)
             return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
+
+    async def _open_net_stream(self, addr: str, protocol_id: str, timeout_s: float):
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except (ValueError, multiaddr.exceptions.Error) as e:
+            raise ConfigError(f"not a dialable multiaddr with /p2p/<peer_id>: {addr!r} ({e})") from e
+        start = trio.current_time()
+        try:
+            with trio.fail_after(timeout_s):
+                async with self._open_locks.setdefault(str(info.peer_id), trio.Lock()):
+                    net_stream = await self._new_stream(info, protocol_id, start)
+        except trio.TooSlowError:
+            log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
+            raise HopTimeout(
+                f"opening {protocol_id} to {addr} timed out after {timeout_s}s"
+            ) from None
+        except StreamFailure as e:
+            if is_unsupported_protocol(e):
+                raise ProtocolError(f"peer at {addr} does not speak {protocol_id}") from e
+            raise StageLost(f"cannot open {protocol_id} to {addr}: {e}") from e
+        except (BaseLibp2pError, OSError) as e:
+            log.info("hop.unreachable addr=%s error=%s", addr, e)
+            raise StageLost(f"peer at {addr} is unreachable: {type(e).__name__}: {e}") from e
+        log.debug("hop.open peer=%s protocol=%s waited_s=%.3f", info.peer_id, protocol_id, trio.current_time() - start)
+        return net_stream
+
+    async def open_raw_stream(self, addr: str, protocol_id: str, timeout_s: float = 10.0):
+        """Like ``open_stream`` but return libp2p's own net stream, unframed (for libp2p protocols
+        such as ping). Same dialing rules, deadline and errors as ``open_stream``."""
+        return await self._open_net_stream(addr, protocol_id, timeout_s)
 
     async def open_stream(
         self,
@@ -173,27 +203,7 @@ class SwarmHost:
             StageLost: the peer is unreachable, refused, or failed the Noise handshake.
             ProtocolError: the peer does not speak ``protocol_id``.
         """
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except (ValueError, multiaddr.exceptions.Error) as e:
-            raise ConfigError(f"not a dialable multiaddr with /p2p/<peer_id>: {addr!r} ({e})") from e
-        start = trio.current_time()
-        try:
-            with trio.fail_after(timeout_s):
-                async with self._open_locks.setdefault(str(info.peer_id), trio.Lock()):
-                    net_stream = await self._new_stream(info, protocol_id, start)
-        except trio.TooSlowError:
-            log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
-            raise HopTimeout(
-                f"opening {protocol_id} to {addr} timed out after {timeout_s}s"
-            ) from None
-        except StreamFailure as e:
-            if _is_unsupported_protocol(e):
-                raise ProtocolError(f"peer at {addr} does not speak {protocol_id}") from e
-            raise StageLost(f"cannot open {protocol_id} to {addr}: {e}") from e
-        except (BaseLibp2pError, OSError) as e:
-            log.info("hop.unreachable addr=%s error=%s", addr, e)
-            raise StageLost(f"peer at {addr} is unreachable: {type(e).__name__}: {e}") from e
+        net_stream = await self._open_net_stream(addr, protocol_id, timeout_s)
         stream = FramedStream(
             net_stream,
             remote_peer_id=_remote_peer_id(net_stream),
@@ -201,10 +211,6 @@ class SwarmHost:
             max_frame_bytes=max_frame_bytes,
         )
         stream.start(self._nursery)
-        log.debug(
-            "hop.open peer=%s protocol=%s waited_s=%.3f",
-            stream.remote_peer_id, protocol_id, trio.current_time() - start,
-        )
         return stream
 
 
@@ -215,6 +221,7 @@ async def open_host(
     *,
     dial_retries: int = 1,
     health_check_interval_s: float | None = None,
+    announce_addrs: Sequence[str] = (),
 ) -> AsyncIterator[SwarmHost]:
     """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
 
@@ -227,6 +234,8 @@ async def open_host(
             connection this often and close it when a ping fails, so a frozen peer surfaces
             as StreamClosed instead of a silent hang. Off by default (hops carry their own
             deadlines and heartbeats).
+        announce_addrs: TCP multiaddrs to advertise instead of the bound ones (identify, DHT,
+            ``SwarmHost.addrs()``), e.g. a port forward or relay in front of this node.
     Yields:
         The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
     Raises:
@@ -239,6 +248,7 @@ async def open_host(
         raise ConfigError("open_host needs at least one listen address")
     for maddr in maddrs:
         _probe_bindable(maddr)
+    announce = [_parse_announce_addr(a) for a in announce_addrs]
     _route_libp2p_logs()
     host = new_host(
         key_pair=key_pair,
@@ -251,6 +261,7 @@ async def open_host(
         listen_addrs=maddrs,
         transports=[TCP()],
         connection_config=_connection_config(health_check_interval_s),
+        announce_addrs=announce or None,
     )
     # new_host takes no retry option; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
@@ -310,6 +321,18 @@ def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:
     return maddr
 
 
+def _parse_announce_addr(addr: str) -> multiaddr.Multiaddr:
+    text = addr.split("/p2p/")[0]
+    try:
+        maddr = multiaddr.Multiaddr(text)
+    except (ValueError, multiaddr.exceptions.Error) as e:
+        raise ConfigError(f"announce address {addr!r} is not a multiaddr: {e}") from e
+    protocols = [p.name for p in maddr.protocols()]
+    if len(protocols) != 2 or protocols[0] not in ("ip4", "ip6", "dns4", "dns6") or protocols[1] != "tcp":
+        raise ConfigError(f"announce address {addr!r} must be /ip4/H/tcp/P (or ip6/dns4/dns6)")
+    return maddr
+
+
 def _probe_bindable(maddr: multiaddr.Multiaddr) -> None:
     """Fail fast if a fixed TCP port is taken.
 
@@ -346,7 +369,7 @@ def _remote_peer_id(net_stream: INetStream) -> str:
     return net_stream.muxed_conn.peer_id.to_base58()
 
 
-def _is_unsupported_protocol(error: StreamFailure) -> bool:
+def is_unsupported_protocol(error: StreamFailure) -> bool:
     cause = error.__cause__
     if isinstance(cause, ProtocolNotSupportedError):
         return True

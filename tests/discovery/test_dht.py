@@ -1,0 +1,130 @@
+"""discovery/dht.py on loopback: the pinned protocol id, joining, announcing, fresh validated reads."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from swarm.discovery import dht as dht_mod
+from swarm.discovery.dht import ALL_STAGES_KEY, DiscoveryError, open_dht, pin_protocol
+from swarm.discovery.records import StageRecord, record_key, sign_record
+from swarm.errors import ConfigError
+from swarm.transport.host import open_host
+from swarm.transport.identity import peer_id_of
+from tests.transport.util import run
+
+MODEL = "ab" * 32
+OTHER = "cd" * 32
+
+
+def _value(key, model=MODEL, layers=(0, 3), seq=1, ttl=120.0, **over):
+    pid = peer_id_of(key)
+    rec = StageRecord(peer_id=pid, model_id=model, model_name="m", num_layers=5, layers=layers,
+                      addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), seq=seq, expires_at=time.time() + ttl, **over)
+    return sign_record(key, rec)
+
+
+def test_protocol_is_pinned_in_every_kad_module():
+    import libp2p.kad_dht.common as common
+    import libp2p.kad_dht.kad_dht as kad
+    import libp2p.kad_dht.peer_routing as routing
+    import libp2p.kad_dht.provider_store as providers
+    import libp2p.kad_dht.value_store as values
+
+    assert pin_protocol() == "/swarm/kad/1.0.0"
+    for module in (common, kad, routing, providers, values):
+        assert module.PROTOCOL_ID == "/swarm/kad/1.0.0", module.__name__
+
+
+def test_other_libp2p_version_is_refused(monkeypatch):
+    monkeypatch.setattr(dht_mod, "_dist_version", lambda name: "0.9.0")
+    with pytest.raises(ConfigError, match="pinned to libp2p 0.8.1"):
+        pin_protocol()
+
+
+async def _swarm(stack: AsyncExitStack, n_servers: int, client_clock=time.time):
+    """A bootstrap node, n server nodes and one client node, all joined through the bootstrap."""
+    keys = [create_new_key_pair() for _ in range(n_servers + 2)]
+    hosts = [await stack.enter_async_context(open_host(k)) for k in keys]
+    boot = await stack.enter_async_context(open_dht(hosts[0], server=True))
+    addr = hosts[0].addrs()[0]
+    servers = [await stack.enter_async_context(open_dht(h, server=True, bootstrap=[addr])) for h in hosts[1:-1]]
+    client = await stack.enter_async_context(open_dht(hosts[-1], server=False, bootstrap=[addr], clock=client_clock))
+    return keys, boot, servers, client
+
+
+def test_announce_and_find_fresh_records():
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys, boot, servers, client = await _swarm(stack, 3)
+            await servers[0].announce(_value(keys[1], layers=(0, 3)), MODEL)
+            await servers[1].announce(_value(keys[2], layers=(2, 5)), MODEL)
+            await servers[2].announce(_value(keys[3], model=OTHER), OTHER)
+            found = await client.find_records(MODEL)
+            assert [(r.peer_id, r.layers) for r in found] == sorted(
+                [(peer_id_of(keys[1]), (0, 3)), (peer_id_of(keys[2]), (2, 5))])
+            assert [r.peer_id for r in await client.find_records(OTHER)] == [peer_id_of(keys[3])]
+            assert len(await client.find_records(None)) == 3  # the all-stages key
+            # a republish with a higher seq is what the next read returns (no stale local copy)
+            await servers[0].announce(_value(keys[1], layers=(0, 3), seq=2, state="draining"), MODEL)
+            again = {r.peer_id: r for r in await client.find_records(MODEL)}
+            assert again[peer_id_of(keys[1])].seq == 2 and again[peer_id_of(keys[1])].state == "draining"
+    run(main, timeout_s=30)
+
+
+def test_forged_and_expired_records_are_never_returned():
+    async def main():
+        async with AsyncExitStack() as stack:
+            skew = [0.0]  # the client's clock runs ahead to see records expire without sleeping
+            keys, boot, servers, client = await _swarm(stack, 3, client_clock=lambda: time.time() + skew[0])
+            honest, forger = keys[1], keys[2]
+            await servers[0].announce(_value(honest), MODEL)
+            # the forger announces a record naming the honest stage's PeerId but signed by itself:
+            # the validator refuses it on put, at every node, and on read
+            with pytest.raises(Exception):
+                await servers[1].dht.put_value(record_key(peer_id_of(honest)), _value(forger))
+            # a record for another model provided under MODEL's key is dropped by the reader
+            await servers[1].dht.put_value(record_key(peer_id_of(forger)), _value(forger, model=OTHER))
+            await servers[1].dht.provide(MODEL)
+            found = await client.find_records(MODEL)
+            assert [r.peer_id for r in found] == [peer_id_of(honest)]
+            # a record that expires is gone for readers even though remote nodes still hold it
+            short = keys[3]
+            await servers[2].announce(_value(short, ttl=60), MODEL)
+            assert peer_id_of(short) in [r.peer_id for r in await client.find_records(MODEL)]
+            skew[0] = 61.0
+            assert [r.peer_id for r in await client.find_records(MODEL)] == [peer_id_of(honest)]
+    run(main, timeout_s=30)
+
+
+def test_bootstrap_errors_are_one_clear_line():
+    async def main():
+        async with AsyncExitStack() as stack:
+            host = await stack.enter_async_context(open_host(create_new_key_pair()))
+            with pytest.raises(ConfigError, match="not a multiaddr"):
+                async with open_dht(host, server=False, bootstrap=["/ip4/127.0.0.1/tcp/1"]):
+                    pass
+            dead = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}"
+            with pytest.raises(DiscoveryError, match="no bootstrap node answered.*unreachable"):
+                async with open_dht(host, server=False, bootstrap=[dead], timeout_s=3):
+                    pass
+            # a live libp2p node that serves no swarm DHT (e.g. a plain stage or an IPFS peer)
+            plain = await stack.enter_async_context(open_host(create_new_key_pair()))
+            with pytest.raises(DiscoveryError, match="does not serve the swarm DHT"):
+                async with open_dht(host, server=False, bootstrap=[plain.addrs()[0]], timeout_s=3):
+                    pass
+    run(main, timeout_s=30)
+
+
+def test_rtt_to_a_peer():
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys, boot, servers, client = await _swarm(stack, 1)
+            rtt = await client.rtt_ms(servers[0].host.addrs()[0])
+            assert rtt is not None and 0 < rtt < 200
+            assert await client.rtt_ms(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}", timeout_s=1) is None
+    run(main, timeout_s=30)

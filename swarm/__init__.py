@@ -10,6 +10,8 @@ Layer map (each module's docstring says what it owns and may import):
 - ``swarm.kernels``     attention backends and wire kernels
 - ``swarm.receipts``    receipt schema, signing, verification
 - ``swarm.stage``, ``swarm.coordinator``  the daemons (glue; nothing imports them)
+- ``swarm.ring``        the coordinator's streams to a ring: sessions, chunks, probes, swaps
+- ``swarm.output``      what commands print for a person (stdlib only)
 - ``swarm.cli``         the ``swarm`` command
 
 Importing this package has no side effects and loads neither torch nor libp2p.

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from swarm.errors import SwarmError, collapse
+from swarm.output import TextOut, rate_text, receipt_line, spec_summary
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -99,18 +100,6 @@ def _add_spec_flags(p) -> None:
     p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"],
                    help="dtype of hidden states between stages (default: the stages' own). Narrower is "
                         "lossy (opt-in; recorded as wire_lossy in --json); float8 carries a scale per position")
-
-
-def _spec_config(args):
-    from swarm.config import SpecConfig
-
-    return SpecConfig(draft=args.draft, k=args.k, depth=args.depth, prefill_chunk=args.prefill_chunk)
-
-
-def _sampling(args):
-    from swarm.config import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def _coordinate_parser(sub) -> None:
@@ -246,29 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class TextOut:
-    """Generated text streamed to stdout, tracking whether the terminal's cursor is mid-line, so
-    that a log line (a heal, on stderr) starts on a line of its own instead of mid-word."""
-
-    midline = False
-
-    @classmethod
-    def write(cls, text: str) -> None:
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            cls.midline = not text.endswith("\n")
-
-    @classmethod
-    def break_line(cls, record=None) -> bool:
-        """A logging filter: end the streamed line first (always lets the record through)."""
-        if cls.midline:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            cls.midline = False
-        return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
@@ -322,13 +288,13 @@ def cmd_stage(args) -> int:
 def cmd_coordinate(args) -> int:
     import trio
 
-    from swarm.config import CoordinatorConfig, RingSpec, cache_root
+    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
     from swarm.coordinator import generate
 
     config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
-                               hop_timeout_s=args.hop_timeout_s, spec=_spec_config(args),
-                               sampling=_sampling(args), wire_dtype=args.wire_dtype,
+                               hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
+                               sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal,
                                receipt_dir=args.receipt_dir if args.receipt else None)
     on_text = None if args.json else TextOut.write
@@ -340,32 +306,11 @@ def cmd_coordinate(args) -> int:
         print(json.dumps(result))
     else:
         print()
-        print(f"[{result['new_tokens']} tokens, {_rate(result)} decode, ttft {result['ttft_s']:.2f} s"
-              f"{_spec_summary(result)}]", file=sys.stderr)
+        print(f"[{result['new_tokens']} tokens, {rate_text(result)} decode, ttft {result['ttft_s']:.2f} s"
+              f"{spec_summary(result)}]", file=sys.stderr)
         if result.get("receipt"):
             print(receipt_line(result["receipt"]), file=sys.stderr)
     return 0
-
-
-def receipt_line(r: dict) -> str:
-    """One line naming the job receipt and its verification."""
-    if r.get("verified"):
-        return f"receipt: {r['path']} (verified: {r['summary']})"
-    return f"receipt: {r['path']} (VERIFICATION FAILED: {r['reason']})"
-
-
-def _rate(result: dict) -> str:
-    """tokens/s as text; decode speed needs at least two tokens."""
-    rate = result.get("tokens_per_s")
-    return f"{rate:.1f} tokens/s" if rate is not None else "n/a tokens/s (one token)"
-
-
-def _spec_summary(result: dict) -> str:
-    s = result.get("spec") or {}
-    if not s.get("k"):
-        return ""
-    return (f", draft {s['draft']} k={s['k']} depth={s['depth']}: accept rate {s['accept_rate']:.2f}, "
-            f"{s['tokens_per_round_trip']:.2f} tokens per round trip")
 
 
 def cmd_demo(args) -> int:
@@ -377,11 +322,11 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     import trio
 
-    from swarm.config import RingSpec
+    from swarm.config import RingSpec, SpecConfig
     from swarm.serve import serve_api
 
     ring = RingSpec.load(args.ring)
-    spec = _spec_config(args)
+    spec = SpecConfig.from_args(args)
     from swarm.errors import ConfigError
 
     if not 0 <= args.port <= 65535:

@@ -1,7 +1,8 @@
 """Role configurations and the ring file. Standard library + PyYAML only.
 
-Owns: ``StageConfig``, ``CoordinatorConfig`` and ``RingSpec`` (frozen, validated on construction),
-and reading a ring file::
+Owns: ``StageConfig``, ``CoordinatorConfig``, ``SpecConfig``, ``SamplingParams`` and ``RingSpec``
+(frozen, validated on construction; ``from_args`` builds the coordinator's settings from parsed
+flags), and reading a ring file::
 
     model: smollm2-135m            # as for --model
     stages:                        # in ring order; ranges must tile [0, L)
@@ -187,6 +188,12 @@ class SpecConfig:
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
 
+    @classmethod
+    def from_args(cls, args) -> SpecConfig:
+        """Build from parsed ``--draft``, ``--k``, ``--depth`` and ``--prefill-chunk`` flags (an
+        ``argparse.Namespace``). Raises ConfigError on bad values."""
+        return cls(draft=args.draft, k=args.k, depth=args.depth, prefill_chunk=args.prefill_chunk)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -236,6 +243,12 @@ class SamplingParams:
                        seed=int(m["seed"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"bad sampling map: {exc}") from exc
+
+    @classmethod
+    def from_args(cls, args) -> SamplingParams:
+        """Build from parsed ``--temperature``, ``--top-k``, ``--top-p`` and ``--seed`` flags (an
+        ``argparse.Namespace``). Raises ConfigError on bad values."""
+        return cls(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ def eos_ids(model_dir, tokenizer) -> set[int]:
     return ids
 
 
-def _vocab_size(model_dir) -> int:
+def vocab_size(model_dir) -> int:
+    """The target model's vocabulary size V, from ``model_dir``'s config.json (``vocab_size`` or ``n_vocab``)."""
     import json
     from pathlib import Path
 
@@ -113,7 +114,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     if not prompt_ids:
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
-    drafter = make_drafter(config.spec.draft, target_vocab=_vocab_size(resolved.path), sampling=config.sampling)
+    drafter = make_drafter(config.spec.draft, target_vocab=vocab_size(resolved.path), sampling=config.sampling)
     key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
     job = None
     if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt

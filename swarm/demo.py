@@ -1,6 +1,7 @@
 """``swarm demo``: a local ring on loopback, one generation, a clean shutdown.
 
-Glue over ``swarm.launch.LocalRing`` and ``swarm.coordinator.generate``; nothing imports it but the CLI.
+Glue over ``swarm.launch.LocalRing`` and ``swarm.coordinator.generate``, printing through ``swarm.output``;
+nothing imports it but the CLI.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from pathlib import Path
 import trio
 import yaml
 
-from swarm.config import CoordinatorConfig, RingSpec, cache_root
+from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError
 from swarm.launch import LocalRing
+from swarm.output import TextOut, rate_text, receipt_line, spec_summary
 from swarm.ranges import even_split
 
 
@@ -30,9 +32,8 @@ def run_demo(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from swarm.cli import _sampling, _spec_config
-
-    spec_config, sampling = _spec_config(args), _sampling(args)  # checked before any process starts
+    # checked before any process starts
+    spec_config, sampling = SpecConfig.from_args(args), SamplingParams.from_args(args)
     if args.kill_stage is not None and not 0 <= args.kill_stage < args.stages:
         raise ConfigError(f"--kill-stage must name a stage 0..{args.stages - 1}, got {args.kill_stage}")
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
@@ -64,25 +65,19 @@ def run_demo(args) -> int:
                                    receipt_dir=args.receipt_dir if args.receipt else None)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
-        from swarm.cli import TextOut
-
         on_text = None if args.json else TextOut.write
         on_ids = _killer(ring, args) if args.kill_stage is not None else None
         result = trio.run(generate, config, args.prompt, on_text, on_ids)
     if args.json:
         print(json.dumps(result))
     else:
-        from swarm.cli import _rate, _spec_summary
-
-        print(f"\n\n{result['new_tokens']} tokens, {_rate(result)} decode, "
-              f"time to first token {result['ttft_s']:.2f} s{_spec_summary(result)}")
+        print(f"\n\n{result['new_tokens']} tokens, {rate_text(result)} decode, "
+              f"time to first token {result['ttft_s']:.2f} s{spec_summary(result)}")
         for e in result.get("heal_events", []):
             print(f"healed: stage {e['stage']} [{e['layers'][0]}, {e['layers'][1]}) lost ({e['reason']}); "
                   f"spare {e['spare'][:16]}... swapped in {e['swap_s']:.2f} s, {e['replay_tokens']} tokens "
                   f"replayed in {e['replay_s']:.2f} s, {e['total_s']:.2f} s from detection to resume")
         if result.get("receipt"):
-            from swarm.cli import receipt_line
-
             print(receipt_line(result["receipt"]))
             print(f"  check it yourself: swarm receipts verify {result['receipt']['path']}")
     return 0 if not result.get("receipt") or result["receipt"]["verified"] else 1
@@ -118,8 +113,6 @@ def _killer(ring: LocalRing, args):
         if len(ids) >= args.kill_after and not fired:
             fired.append(True)
             sp = ring.stages[args.kill_stage]
-            from swarm.cli import TextOut
-
             TextOut.break_line()
             print(f"[swarm demo: killing stage {sp.layers} (pid {sp.proc.pid}) after {len(ids)} tokens]",
                   file=sys.stderr, flush=True)

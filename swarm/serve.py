@@ -11,7 +11,7 @@ stage, so concurrent requests are isolated: a request that ends closes its sessi
 client that disconnects stops its generation at the next token, which closes the session the
 normal way (cancelled after 10 s if it is stuck); a request that fails closes its client's
 streams, so every stage drops the session. Sessions open with ``batch: true``: stages pack the
-rows of requests that are ready together into one forward (see ``swarm.stage``).
+rows of requests that are ready together into one forward (see ``swarm.stage.scheduler``).
 
 API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
 """
@@ -556,7 +556,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     from transformers import AutoTokenizer
 
     from swarm.config import cache_root
-    from swarm.coordinator import _vocab_size, eos_ids
+    from swarm.coordinator import eos_ids, vocab_size
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.ring import RingClient
@@ -580,7 +580,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            model_dir=resolved.path, num_layers=num_layers, model_digest=digest,
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
-                           wire_dtype=wire_dtype, vocab_size=_vocab_size(resolved.path))
+                           wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path))
         state.pool = ClientPool(state, max_concurrency)
         config = HyperConfig()
         config.bind = [f"{host}:{port}"]

@@ -1,0 +1,186 @@
+"""The coordinator's client of a ring: sessions, chunks, results, cancels and receipts.
+
+Owns: ``RingClient``, the one object the coordinator and ``swarm serve`` drive: it opens a session
+at every stage (tail first, each told its successor and signed for), sends chunks to the head,
+waits for the tail's results (probing every stage after ``heartbeat_s`` of silence, so a frozen
+stage is detected in about two heartbeats, not at the hop timeout), cancels stale epochs on the
+control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
+keeping its own digests of what it sent to the head and received from the tail (``ledgers``).
+
+Its links (dialing, the ring check, the reader tasks) come from :mod:`swarm.ring.links`, probes,
+spares and swaps from :mod:`swarm.ring.probe`. May import: trio, ``swarm.wire``,
+``swarm.receipts``, ``swarm.config``, ``swarm.errors``, this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import trio
+
+from swarm import receipts, wire
+from swarm.config import RingSpec, StageSpec
+from swarm.errors import HopTimeout, StageLost, SwarmError
+from swarm.ring.links import LinksMixin, _Link
+from swarm.ring.probe import ProbeMixin
+
+log = logging.getLogger(__name__)
+
+
+class RingClient(LinksMixin, ProbeMixin):
+    """Streams from the coordinator to every stage of a ring, and the frames they send back.
+
+    Args:
+        host: a running SwarmHost. ring: the ring file (stages in order, spares).
+        hop_timeout_s: longest wait for one result while every stage still answers heartbeats.
+        connect_timeout_s: deadline for dialing a stage.
+        heartbeat_s: silence after which stages are probed; a probe unanswered this long marks
+            the stage unreachable.
+    """
+
+    def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float,
+                 heartbeat_s: float = 1.0, batch: bool = False):
+        self.host = host
+        self.batch = batch  # open sessions that stages may pack with other sessions (swarm serve)
+        self.ring = ring
+        self.hop_timeout_s = hop_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.links: list[_Link] = []
+        self.spares: list[StageSpec] = list(ring.spares)
+        self._num_layers = 0
+        self._model_digest = ""
+        self._nursery = None
+        self._generation = 0
+        self._deferred: deque = deque()
+        self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
+        self.returned: dict[str, int] = {}  # session -> highest chunk id with a result
+        # session -> (digest of forward frames sent to the head, of result frames from the tail),
+        # for sessions opened with a job (receipts)
+        self.ledgers: dict[str, tuple[receipts.RollingDigest, receipts.RollingDigest]] = {}
+
+    # ---- sessions and chunks --------------------------------------------------------------------
+
+    async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
+                           wire_dtype: str | None = None, job: dict | None = None) -> None:
+        """Open ``session`` at every stage, telling each its successor (the tail gets none and,
+        when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
+        receipt digests for the session, and so does this client (``ledgers``)."""
+        n = len(self.links)
+        if job is not None:
+            self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
+        for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
+            nxt = self.links[i + 1].spec.addr if i + 1 < n else None
+            extra = {"sampling": sampling} if sampling and nxt is None else {}
+            if job is not None:
+                extra["job"] = job
+            if wire_dtype and nxt is not None:
+                extra["wire_dtype"] = wire_dtype
+            if self.batch:
+                extra["batch"] = True
+            prev = self.links[i - 1].info.peer_id if i > 0 else None
+            msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
+            await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
+            await self._expect(i, "open_ok", session)
+        self.returned[session] = -1
+
+    async def close_session(self, session: str, timeout_s: float = 5.0) -> None:
+        """Ask every stage to drop ``session`` (best effort)."""
+        for link in self.links:
+            try:
+                await link.data.send(wire.frame("close", session=session), timeout_s=timeout_s)
+            except SwarmError:
+                pass
+        self.returned.pop(session, None)
+        self.ledgers.pop(session, None)
+
+    async def send_chunk(self, session: str, chunk) -> None:
+        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
+        msg = wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
+                         tokens=list(chunk.tokens))
+        if getattr(chunk, "logits_from", None) is not None:
+            msg["logits_from"] = chunk.logits_from
+        await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+        ledger = self.ledgers.get(session)
+        if ledger is not None:
+            ledger[0].add(receipts.forward_item(msg))
+
+    async def collect_receipts(self, session: str, timeout_s: float | None = None) -> tuple[list, list[str]]:
+        """Ask every stage for its signed receipt of ``session`` (opened with a job).
+
+        The request goes to the head on the data stream, behind every chunk, and each stage passes
+        it on behind its own frames; results still in flight arrive (and are digested) first.
+
+        Returns:
+            (receipts in ring order, None where a stage sent none in time; reasons for the gaps).
+            Never raises for a stage that fails here: a missing receipt fails verification instead.
+        """
+        timeout_s = timeout_s or self.hop_timeout_s
+        got: dict[int, dict] = {}
+        problems: list[str] = []
+        try:
+            await self.links[0].data.send(wire.frame("receipt", session=session), timeout_s=timeout_s)
+        except SwarmError as exc:
+            return [None] * len(self.links), [f"stage 0: cannot request receipts: {exc}"]
+        deadline = time.monotonic() + timeout_s
+        while len(got) + len(problems) < len(self.links):
+            try:
+                i, msg = await self._next(max(0.0, deadline - time.monotonic()))
+            except HopTimeout:
+                break
+            kind = msg.get("type")
+            if kind == "receipt_ok" and msg.get("session") == session and isinstance(msg.get("receipt"), dict):
+                got[i] = msg["receipt"]
+            elif kind == "_lost" or (kind == "error" and msg.get("session") == session):
+                problems.append(f"stage {i}: {msg.get('reason')}")
+        out = [got.get(i) for i in range(len(self.links))]
+        problems += [f"stage {i}: no receipt within {timeout_s:.1f} s" for i, r in enumerate(out)
+                     if r is None and not any(p.startswith(f"stage {i}:") for p in problems)]
+        return out, problems
+
+    async def next_result(self, session: str) -> dict:
+        """The next ``result`` frame of ``session`` from the tail (any epoch), validated.
+
+        While waiting, every ``heartbeat_s`` of silence probes all stages; one that does not answer
+        is reported lost at once, so a frozen stage is found in seconds.
+
+        Raises:
+            StageLost: a stage closed its stream, stopped answering probes, or lost its successor.
+            HopTimeout: no result within ``hop_timeout_s`` although every stage answers.
+            RemoteError: a stage answered with an error frame.
+        """
+        tail = len(self.links) - 1
+        deadline = time.monotonic() + self.hop_timeout_s
+        while True:
+            try:
+                i, msg = await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
+            except HopTimeout:
+                if time.monotonic() >= deadline:
+                    raise HopTimeout(f"no result from the ring within {self.hop_timeout_s:.1f} s, "
+                                     "though every stage answers heartbeats") from None
+                # a probe gets twice the heartbeat: a loaded machine must not look like a dead stage
+                reports = await self.probe(session, 2 * self.heartbeat_s)
+                lost = [r.index for r in reports if not r.reachable]
+                if lost:
+                    link = self.links[lost[0]]
+                    raise StageLost(f"stage {lost[0]} {link.spec.layers} at {link.spec.addr} stopped answering "
+                                    f"heartbeats ({2 * self.heartbeat_s:.1f} s)") from None
+                continue
+            self._raise_for(i, msg, session)
+            if i == tail and msg.get("type") == "result" and msg.get("session") == session:
+                msg = wire.validate(msg)
+                self.returned[session] = max(self.returned.get(session, -1), msg["chunk"])
+                return msg
+
+    async def cancel(self, session: str, epoch: int) -> None:
+        """Tell every stage that frames of ``session`` older than ``epoch`` are stale (early
+        cancellation: stages drop them before computing). Sent on the control streams so it
+        overtakes the data frames queued behind the head's data stream."""
+        for link in self.links:
+            try:
+                await link.control.send(wire.frame("cancel", session=session, epoch=epoch),
+                                        timeout_s=self.hop_timeout_s)
+            except SwarmError as exc:  # the data path will report a lost stage itself
+                log.debug("cancel.failed reason=%s", exc)

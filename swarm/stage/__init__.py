@@ -1,0 +1,39 @@
+"""The stage daemon: serve one block of layers to the ring over libp2p.
+
+Data path per frame: the head receives token ids from the coordinator, every stage runs its
+layers in a worker thread (so trio and the libp2p host stay responsive), forwards hidden states to
+its successor over one persistent stream, and the tail returns argmax token ids straight to the
+coordinator on the stream that opened the session.
+
+Scheduling (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's chunked
+prefill, Agrawal et al. OSDI 2024): arriving chunks queue per session; one scheduler task takes,
+each step, the next chunk of every ready session that is short (decode/verify rows, at most
+``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in all) into one packed forward, plus one
+``--prefill-slice`` of a long (prefill) chunk, only ``--prefill-slice-shared`` while other sessions
+have work waiting, so a long prompt never stalls other sessions. Only
+sessions opened with ``batch: true`` (``swarm serve``) are packed; their rows run in fixed
+``--batch-tile``-row GEMMs. The others (a single ``swarm coordinate`` stream) run alone, one GEMV
+per row, as fast as plain decode. Either way every forward is row-invariant
+(:mod:`swarm.kernels.invariant`): a position's bits do not depend on the chunk or the step it
+shares, which the stage proves at start-up (:func:`swarm.kernels.check.check_block`) before it
+serves a mode. Outputs leave through one ordered outbox per stream.
+
+Layout (each module's docstring says what it owns and may import):
+
+- ``server``     ``StageServer``: info, inbound streams, dispatch of frames, sessions' lifecycle
+- ``session``    ``Session`` and ``Job``: per-session state and queued work (data only)
+- ``scheduler``  steps: which rows run together, the compute in a worker thread, kernel proofs
+- ``outbox``     ordered per-stream outboxes, posting outputs, successor streams
+- ``signing``    the stage receipt: signing the session's rolling digests
+- ``daemon``     the process: ``serve``, ``run_stage``, ``run_check``, lifecycle lines, SIGTERM drain
+
+Glue: imports the transport, wire, model and kernel modules; nothing imports it but the CLI.
+"""
+
+from swarm.stage.daemon import emit, run_check, run_stage, serve
+from swarm.stage.scheduler import ACTIVE_S, BATCH_CHUNK_MAX, MAX_QUEUED
+from swarm.stage.server import StageServer
+from swarm.stage.session import Job, Session
+
+__all__ = ["ACTIVE_S", "BATCH_CHUNK_MAX", "MAX_QUEUED", "Job", "Session", "StageServer", "emit", "run_check",
+           "run_stage", "serve"]

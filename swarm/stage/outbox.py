@@ -1,0 +1,142 @@
+"""The stage's way out: ordered per-stream outboxes and the persistent streams to successors.
+
+Owns: one outbox per stream (a channel, and one task that sends its frames in posting order, so a
+slow successor or coordinator delays only the sessions that send to it; frames of a session that is
+gone are dropped, nothing is written to a closed stream, and a successor that fails a send fails
+every session sending to it); posting a computed chunk's output (the tail's ``result`` to the
+coordinator, else ``forward`` hidden states to the successor, each digested into the session's
+receipt ledger in posting order); and the successor streams (one persistent stream per successor
+address, dialed once under a lock per address, read for the errors a successor sends back).
+
+``OutboxMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
+``block``, ``host``, ``nursery``, ``sessions``, ``_in_flight``, ``_fail_later`` and ``_try_send``.
+May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this package's ``session``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import trio
+
+from swarm import receipts, wire
+from swarm.errors import ProtocolError, StreamClosed, SwarmError
+from swarm.stage.session import Session, session_of
+from swarm.wire import PROTOCOL_ID
+
+
+@dataclass
+class _Outbox:
+    """The frames waiting to be sent on one stream, and the task sending them."""
+
+    send: object  # trio MemorySendChannel of (session, frame, chunk id or None)
+    recv: object
+    dead: bool = False  # the stream is closed or lost: drop what is queued
+    done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
+
+
+class OutboxMixin:
+    """Outboxes, output posting and successor streams (see the module docstring)."""
+
+    def _init_outboxes(self) -> None:
+        self.successors: dict[str, object] = {}  # addr -> FramedStream, one persistent stream per hop
+        self._dial_locks: dict[str, trio.Lock] = {}  # successor addr -> lock held while dialing it
+        self._outboxes: dict[object, object] = {}  # stream -> send channel of its ordered outbox
+
+    async def _successor(self, addr: str):
+        """The persistent stream to ``addr``, dialed once. One lock per address: a peer that names a
+        slow or dead successor delays only the opens that name the same one."""
+        s = self.successors.get(addr)
+        if s is not None and not s.closed:
+            return s
+        lock = self._dial_locks.setdefault(addr, trio.Lock())
+        async with lock:
+            s = self.successors.get(addr)
+            if s is None or s.closed:
+                s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
+                self.successors[addr] = s
+                self.nursery.start_soon(self._drain_successor, addr, s)
+            return s
+
+    async def _drain_successor(self, addr: str, s) -> None:
+        """Read what a successor says on our outbound stream (only errors) and relay them."""
+        while True:
+            try:
+                msg = await s.recv()
+            except (StreamClosed, ProtocolError):
+                if self.successors.get(addr) is s:
+                    del self.successors[addr]
+                self._close_outbox(s)
+                return
+            sess = self.sessions.get(session_of(msg) or "")
+            if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
+                await self._try_send(sess.reply, msg)
+
+    def _emit(self, sess: Session, msg: dict, payload) -> None:
+        """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
+        if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
+            return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
+        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
+        if self.block.is_tail:
+            sent = wire.frame("result", token_ids=payload, **meta)
+            self._post(sess.reply, sess, sent, msg["chunk"])
+            item = receipts.result_item(sent)
+        else:
+            sent = wire.frame("forward", hidden=payload, **meta)
+            self._post(sess.next_stream, sess, sent, msg["chunk"])
+            item = receipts.forward_item(sent)
+        if sess.ledger is not None:  # in posting order = the order the stream carries them
+            sess.ledger.output.add(item)
+
+    def _post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
+        """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow
+        peer delays only the sessions that send to it. Nothing is queued on a closed stream."""
+        if stream is None or stream.closed:
+            return
+        box = self._outboxes.get(stream)
+        if box is None:
+            box = _Outbox(*trio.open_memory_channel(math.inf))
+            self._outboxes[stream] = box
+            self.nursery.start_soon(self._outbox, stream, box)
+        box.send.send_nowait((sess, msg, chunk))
+        self._in_flight += 1
+
+    async def _outbox(self, stream, box: _Outbox) -> None:
+        """Send one stream's queued frames in order. Data frames of a session that is gone are
+        dropped; nothing is written once the stream is closed (py-libp2p 0.8.1 can drop the whole
+        connection when a stream the peer reset is written to). A failed send to a successor fails
+        every session sending on that stream, and the stream is no longer used (a new session that
+        names the successor dials it afresh)."""
+        try:
+            async with box.recv:
+                async for sess, msg, chunk in box.recv:
+                    try:
+                        gone = msg.get("type") != "error" and self.sessions.get(sess.session_id) is not sess
+                        if box.dead or stream.closed or gone:
+                            continue
+                        await stream.send(msg, timeout_s=self.config.hop_timeout_s)
+                    except SwarmError as exc:
+                        if stream is not sess.reply:
+                            box.dead = True  # a successor that does not take frames takes none of them
+                            if self.successors.get(sess.next_addr) is stream:
+                                del self.successors[sess.next_addr]
+                            self._fail_later(sess, f"lost its successor {sess.next_addr}: {exc}", "unavailable")
+                            for other in [s for s in self.sessions.values() if s.next_stream is stream]:
+                                self._fail_later(other, f"lost its successor {other.next_addr}: {exc}", "unavailable")
+                    else:
+                        if chunk is not None:
+                            sess.frames_out += 1
+                            sess.sent = max(sess.sent, chunk)
+                    finally:
+                        self._in_flight -= 1
+        finally:
+            box.done.set()
+
+    def _close_outbox(self, stream) -> _Outbox | None:
+        """Stop ``stream``'s outbox: frames still queued are dropped, not sent."""
+        box = self._outboxes.pop(stream, None)
+        if box is not None:
+            box.dead = True
+            box.send.close()
+        return box

@@ -1,0 +1,281 @@
+"""The stage's scheduler: which queued rows run in each step, and the step itself.
+
+Owns (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's chunked prefill,
+Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs; the step selection (the next
+chunk of every ready session that is short, decode/verify rows of at most ``BATCH_CHUNK_MAX``
+positions, up to ``--max-batch-rows`` in all, into one packed forward, plus one slice of the long
+chunk with the least left: ``--prefill-slice`` rows, only ``--prefill-slice-shared`` while other
+sessions are generating, so a long prompt never stalls them); the compute of a step in a worker
+thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive);
+the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
+(:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
+session that may be packed. Only sessions opened with ``batch: true`` are packed (``--batch-tile``-
+row GEMMs); the others run alone, one GEMV per row. Either way every forward is row-invariant
+(:mod:`swarm.kernels.invariant`).
+
+``SchedulerMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
+``block``, ``sessions``, ``_in_flight`` and ``_fail_later``; ``_emit`` comes from the outbox,
+``_sign_receipt`` from signing. May import: torch, trio, ``swarm.wire``, ``swarm.config``,
+``swarm.kernels`` and ``swarm.model.sampling`` (lazily), this package's ``session``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import trio
+
+from swarm import wire
+from swarm.stage.session import Job, Session
+
+log = logging.getLogger(__name__)
+
+BATCH_CHUNK_MAX = 16  # chunks of at most this many positions are decode/verify rows: batched across sessions
+MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator keeps a few in flight)
+ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
+
+
+class SchedulerMixin:
+    """Run queue, scheduling steps, the compute of a step, kernel proofs (see the module docstring)."""
+
+    def _init_scheduler(self) -> None:
+        """Scheduler state; proves the kernels for every session's mode before anything is served."""
+        config, block = self.config, self.block
+        self._runq: dict[int, Session] = {}  # id -> session with queued jobs, in scheduling (round-robin) order
+        self._work = trio.Event()  # set when a job is queued
+        self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
+        self.max_batch_rows = config.max_batch_rows
+        self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
+        self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
+        self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
+        self._compute = trio.CapacityLimiter(1)  # one thread computes on the block at a time
+        self._batch_proof = trio.Lock()
+
+    def _enqueue(self, sess: Session, job: Job) -> None:
+        sess.queue.append(job)
+        sess.busy = True  # until its queue is empty: a probe during a long step sees it
+        self._runq.setdefault(id(sess), sess)
+        self._work.set()
+
+    async def scheduler(self) -> None:
+        """Run scheduling steps while work is queued (forever; started by :func:`swarm.stage.daemon.serve`)."""
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            while True:
+                try:
+                    if not await self._step():
+                        break
+                except Exception as exc:  # a bug: fail the sessions waiting, never stop scheduling
+                    log.exception("scheduler.step_crashed")
+                    for sess in list(self._runq.values()):
+                        self._runq.pop(id(sess), None)
+                        self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _step(self) -> bool:
+        """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
+        when nothing was ready."""
+        wait = self.config.batch_wait_ms
+        if wait and any(s.batch for s in self._runq.values()):
+            batching = sum(s.batch for s in self.sessions.values())
+            ready = sum(s.batch for s in self._runq.values() if s.queue)
+            if ready < batching:
+                await trio.sleep(wait / 1000)
+        small, rows, piece, longs = [], 0, None, 0
+        for sess in list(self._runq.values()):
+            job = await self._next_job(sess)
+            if job is None:
+                continue
+            t = job.x.shape[1]
+            pos = job.msg["pos"] + job.done
+            if pos > sess.cache.kv_len:  # a chunk queued before it was dropped or failed
+                self._fail_later(sess, f"chunk at pos {pos} is not contiguous with the session's kv_len "
+                                       f"{sess.cache.kv_len}", "bad_request")
+                continue
+            if t <= BATCH_CHUNK_MAX:
+                if small and rows + t > self.max_batch_rows:
+                    continue
+                small.append((sess, job))
+                rows += t
+            else:  # the long chunk with the least left goes first (shortest remaining first, then round robin)
+                longs += 1
+                if piece is None or t - job.done < piece[1].x.shape[1] - piece[1].done:
+                    piece = (sess, job)
+        if not small and piece is None:
+            return False  # a chunk queued meanwhile has set self._work again
+        if piece is not None:
+            # a long prompt yields to others: a row costs about a decode step (row-invariant GEMVs),
+            # so while other sessions are generating it advances a few rows per step (Sarathi-Serve's
+            # budget). "Generating" means a frame within ACTIVE_S, not work queued right now: in a
+            # ring a session's next row is usually at another stage when this step starts.
+            now = trio.current_time()
+            shared = bool(small) or longs > 1 or any(
+                s is not piece[0] and now - s.last_active < ACTIVE_S for s in self.sessions.values())
+            piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
+        self._in_flight += 1
+        try:
+            results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
+        except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
+            failed = small + ([piece[:2]] if piece else [])
+            log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
+            for sess, _ in failed:
+                self._fail_later(sess, f"forward failed: {type(exc).__name__}: {exc}")
+            return True
+        finally:
+            self._in_flight -= 1
+        self.stats["steps"] += 1
+        packed = sum(s.batch for s, _ in small)
+        self.stats["batched_steps"] += packed > 1
+        self.stats["rows"] += rows
+        self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
+        self.stats["prefill_slices"] += piece is not None
+        for sess, job, n, payload in results:
+            job.done += n
+            sess.positions += n
+            if self._runq.pop(id(sess), None) is not None:  # round robin: to the back of the line
+                self._runq[id(sess)] = sess
+            if payload is None:
+                continue  # more slices of this chunk to come
+            if sess.queue and sess.queue[0] is job:
+                sess.queue.popleft()
+            if not sess.queue:
+                self._runq.pop(id(sess), None)
+                sess.busy = False
+            try:
+                self._emit(sess, job.msg, payload)
+            except Exception as exc:  # a bug reached by this session's output: fail it alone
+                log.exception("emit.failed session=%s", sess.session_id)
+                self._runq.pop(id(sess), None)
+                self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
+        return True
+
+    async def _next_job(self, sess: Session) -> Job | None:
+        """The session's next chunk to compute, after serving receipt requests and dropping stale
+        chunks at the front of its queue; None (and out of the run queue) when it has none."""
+        while sess.queue and self.sessions.get(sess.session_id) is sess:
+            job = sess.queue[0]
+            if job.x is None:
+                sess.queue.popleft()
+                try:
+                    self._sign_receipt(sess)
+                except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
+                    log.exception("receipt.failed session=%s", sess.session_id)
+                    self._fail_later(sess, f"cannot sign the receipt: {exc}")
+            elif job.msg["epoch"] < sess.epoch:
+                sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
+            else:
+                return job
+        sess.queue.clear()
+        sess.busy = False
+        self._runq.pop(id(sess), None)
+        return None
+
+    def _compute_step(self, small: list, piece) -> list:
+        """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
+        output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
+        out = []
+        block = self.block
+        packed = [(s, j) for s, j in small if s.batch]
+        if packed:
+            ys = block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]),
+                                     logits_rows=[_logits_rows(j.msg, j.msg["pos"], j.x.shape[1]) for _, j in packed])
+            out += [(s, j, j.msg["pos"], j.x.shape[1], y) for (s, j), y in zip(packed, ys)]
+        for s, j in small:  # sessions that did not ask to batch: each alone, one GEMV per row
+            if not s.batch:
+                n = j.x.shape[1]
+                y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)])
+                out.append((s, j, j.msg["pos"], n, y[0]))
+        if piece is not None:
+            s, j, slice_rows = piece
+            n = min(slice_rows, j.x.shape[1] - j.done)
+            pos = j.msg["pos"] + j.done
+            y = block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s),
+                                    logits_rows=[_logits_rows(j.msg, pos, n)])[0]
+            out.append((s, j, pos, n, y))
+        results = []
+        for s, j, pos, n, y in out:
+            part = self._decide(s, pos + n - y.shape[1], y) if block.is_tail else y
+            complete = j.done + n == j.x.shape[1]
+            if complete and j.parts:
+                part = (sum(j.parts, []) + part) if block.is_tail else torch.cat([*j.parts, part], dim=1)
+            elif not complete:
+                j.parts.append(part)
+            payload = None
+            if complete:
+                payload = part if self.block.is_tail else wire.encode_tensor(part, dtype=s.wire_dtype)
+            results.append((s, j, n, payload))
+        return results
+
+    async def _prove_batch_tile(self) -> None:
+        """Prove ``--batch-tile`` on this block before the first session that may be packed is opened
+        (a few seconds on a real model, once; sessions that do not batch never wait for it). A tile
+        that fails its proof is replaced by 1 for every packed session, with a log line saying why."""
+        async with self._batch_proof:
+            if self.kernels["batch_ok"] is not None:
+                return
+            tile = self.tile or 1
+            report = await trio.to_thread.run_sync(_prove_tile, self.block, tile, limiter=self._compute)
+            self.kernels.update(batch_ok=report.ok, check_s=round(self.kernels["check_s"] + report.seconds, 3))
+            if not report.ok:
+                self.kernels["reason"] = report.reason
+                self.tile = 1  # packed sessions then take one GEMV per row: invariant by construction
+
+    def _tile_of(self, sess: Session) -> int:
+        """Rows per GEMM for every forward of ``sess``, fixed for its life (its bits depend on it)."""
+        return (self.tile or 1) if sess.batch else 1
+
+    def _decide(self, sess: Session, pos: int, logits: torch.Tensor) -> list[int]:
+        """Tail: the token after each of the rows at ``[pos, pos + T)``: argmax, or sampled keyed by
+        (seed, that position)."""
+        if sess.sampling is None:
+            return logits[0].argmax(dim=-1).tolist()
+        from swarm.model.sampling import sample
+
+        return [sample(logits[0, i], pos + i + 1, sess.sampling) for i in range(logits.shape[1])]
+
+    async def idle(self) -> None:
+        """Return once nothing is queued, being computed or waiting to be sent."""
+        while self._in_flight or any(s.queue for s in self._runq.values()):
+            await trio.sleep(0.001)
+
+
+def _logits_rows(msg: dict, pos: int, n: int) -> int:
+    """How many of the last rows of ``[pos, pos + n)`` (a chunk or a slice of it) the tail must run
+    the LM head on: those at or after the frame's ``logits_from`` (every row when absent)."""
+    start = max(pos, msg.get("logits_from", pos))
+    return max(0, pos + n - start)
+
+
+def _prove_kernels(block) -> dict:
+    """Run the start-up invariance check (:func:`swarm.kernels.check.check_block`) for the mode every
+    session may use (one GEMV per row) and log what was proven.
+
+    Returns:
+        ``{"rows_ok", "reason", "check_s"}`` for ``info_ok`` (``kernels``): rows_ok False means this
+        stage cannot promise that a verify chunk or a replay gives decode's bits.
+    """
+    from swarm.config import cache_root
+    from swarm.kernels.check import check_block_once
+
+    rows = check_block_once(block, 1, cache_root() / "proofs")
+    if rows.ok:
+        log.info("kernels.proven mode=rows layers=%s seconds=%.2f", block.layer_range, rows.seconds)
+    else:
+        log.error("kernels.not_invariant mode=rows %s: speculative, healed and batched output of this stage may "
+                  "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
+    return {"rows_ok": rows.ok, "reason": rows.reason, "check_s": round(rows.seconds, 3)}
+
+
+def _prove_tile(block, tile: int):
+    """The proof of ``tile``-row GEMMs for packed sessions (worker thread), logged either way."""
+    from swarm.config import cache_root
+    from swarm.kernels.check import check_block_once
+
+    report = check_block_once(block, tile, cache_root() / "proofs")
+    if report.ok:
+        log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, report.seconds)
+    else:
+        log.warning("batch.not_invariant %s: packed sessions run one GEMV per row instead, so results stay "
+                    "identical to solo runs", report.reason)
+    return report

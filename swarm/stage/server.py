@@ -1,0 +1,361 @@
+"""The stage server: one block of layers served on ``/swarm/ring/1``, frame by frame.
+
+Owns: ``StageServer``: its ``info``, the task per inbound stream (frames read in order, each
+validated, an invalid one answered with an error naming the problem), the dispatch of ``info``,
+``drain``, ``open``, ``forward``, ``receipt``, ``cancel``, ``progress`` and ``close`` frames, and
+the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
+``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
+``--session-ttl-s``; the drain). A checked ``forward`` or ``receipt`` is queued for the scheduler.
+
+The rest of the class comes from the mixins of this package, one concern each: ``scheduler``
+(steps, the compute, kernel proofs), ``outbox`` (ordered sending, successor streams) and
+``signing`` (the stage receipt); ``session`` holds the per-session state, ``daemon`` the process
+around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.config``,
+``swarm.errors``, the modules of this package.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from swarm import receipts, wire
+from swarm.config import StageConfig
+from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
+from swarm.stage.outbox import OutboxMixin
+from swarm.stage.scheduler import MAX_QUEUED, SchedulerMixin
+from swarm.stage.session import Job, Session, session_of
+from swarm.stage.signing import SigningMixin
+
+log = logging.getLogger(__name__)
+
+
+class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
+    """Serves a loaded LayerBlock on a SwarmHost. Create, then ``await serve(host)``."""
+
+    def __init__(self, config: StageConfig, block, model_name: str, model_digest: str, key=None):
+        self.config = config
+        self.key = key  # the node's ed25519 KeyPair: signs receipts (serve() sets it to the host key)
+        self.block = block
+        self.model_name = model_name
+        self.model_digest = model_digest
+        self.sessions: dict[str, Session] = {}
+        self._in_flight = 0  # chunks being computed or frames waiting in an outbox (see idle())
+        self._init_outboxes()
+        self._init_scheduler()  # proves the kernels
+        self.host = None
+        self.nursery = None  # background tasks (successor drains), set by serve()
+        self.draining = False  # no new sessions; set by drain()
+        self.drain_requested = trio.Event()  # a drain frame from an --admin peer
+        if config.max_ctx is not None:
+            if config.max_ctx > block.max_ctx:
+                raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
+            block.max_ctx = config.max_ctx
+
+    def info(self) -> dict:
+        b = self.block
+        return wire.frame(
+            "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
+            layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
+            vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
+            sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
+            kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
+            batching={"max_batch_rows": self.max_batch_rows, "batch_tile": self.tile or 0,
+                      "prefill_slice": self.config.prefill_slice,
+                      "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
+            kernels=self.kernels,
+        )
+
+    async def handle_stream(self, stream) -> None:
+        """Serve every frame arriving on one inbound stream until the peer closes it."""
+        peer = getattr(stream, "remote_peer_id", "?")
+        log.debug("stream.open peer=%s", peer)
+        try:
+            while True:
+                try:
+                    msg = await stream.recv()
+                except StreamClosed as exc:
+                    log.debug("stream.ended peer=%s reason=%s", peer, exc)
+                    break
+                except ProtocolError as exc:  # the byte stream is broken: say why, then drop it
+                    log.warning("frame.invalid peer=%s reason=%s", peer, exc)
+                    await self._try_send(stream, wire.error_frame(str(exc)))
+                    break
+                await self.handle_frame(stream, msg)
+        except StreamClosed as exc:  # we answered a peer that had already gone
+            log.info("stream.gone peer=%s reason=%s", peer, exc)
+        except Exception:  # root of a connection task: log, never take the daemon down
+            log.exception("stream.crashed peer=%s", peer)
+        finally:
+            self._drop_sessions_of(stream)
+            box = self._close_outbox(stream)
+            with trio.move_on_after(1):
+                if box is not None:  # never close a stream under a send in progress
+                    await box.done.wait()
+                await stream.aclose()
+
+    async def handle_frame(self, stream, msg) -> None:
+        """Validate and serve one decoded frame from ``stream``; an invalid one gets an error reply
+        naming the problem (and fails its session where it belongs to one), nothing else."""
+        try:
+            await self.dispatch(stream, wire.validate(msg))
+        except (ProtocolError, ContextOverflow) as exc:
+            log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
+            code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
+            await self._try_send(stream, wire.error_frame(str(exc), code, session=session_of(msg)))
+        except (StreamClosed, trio.Cancelled):
+            raise
+        except Exception as exc:  # a bug reached by some frame: answer it, keep the stream and its sessions
+            log.exception("frame.crashed peer=%s", getattr(stream, "remote_peer_id", "?"))
+            await self._try_send(stream, wire.error_frame(f"internal error: {type(exc).__name__}: {exc}"[:300],
+                                                          "internal", session=session_of(msg)))
+
+    async def dispatch(self, stream, msg: dict) -> None:
+        kind = msg["type"]
+        sess = self.sessions.get(session_of(msg) or "")
+        if sess is not None and stream.remote_peer_id in (sess.coordinator, sess.source):
+            sess.last_active = trio.current_time()
+        if kind == "info":
+            await stream.send(self.info())
+        elif kind == "drain":
+            if stream.remote_peer_id not in self.config.admins:
+                log.warning("drain.refused peer=%s", stream.remote_peer_id)
+                await stream.send(wire.error_frame(f"PeerId {stream.remote_peer_id} may not drain this stage "
+                                                   "(not in --admin)", "forbidden"))
+                return
+            log.warning("drain.requested peer=%s", stream.remote_peer_id)
+            await stream.send(wire.frame("drain_ok", sessions=len(self.sessions)))  # before the host may stop
+            self.drain_requested.set()
+        elif kind == "open":
+            await self._open(stream, msg)
+        elif kind == "forward":
+            await self._forward(stream, msg)
+        elif kind == "receipt":
+            await self._receipt(stream, msg)
+        elif kind in ("cancel", "progress", "close"):
+            sess = self.sessions.get(msg["session"])
+            if sess is not None and stream.remote_peer_id != sess.coordinator:
+                await self._refuse(stream, sess, kind)
+            elif kind == "cancel":
+                if sess is not None and msg["epoch"] > sess.epoch:
+                    sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
+                    log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
+            elif kind == "progress":
+                await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
+                                             received=sess.received if sess else -1,
+                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy)))
+            else:
+                self.sessions.pop(msg["session"], None)
+                log.info("session.close session=%s", msg["session"])
+                await stream.send(wire.frame("close_ok", session=msg["session"]))
+        else:
+            raise ProtocolError(f"a stage does not accept {kind!r} frames")
+
+    async def _open(self, stream, msg: dict) -> None:
+        sid, next_addr = msg["session"], msg["next"]
+        coordinator = stream.remote_peer_id
+        if self.draining:
+            await stream.send(wire.error_frame(f"stage {self.block.layer_range} is draining (shutting down) and "
+                                               "admits no new sessions", "unavailable", sid))
+            return
+        allowed = self.config.allow_coordinators
+        if allowed and coordinator not in allowed:
+            log.warning("session.refused session=%s peer=%s reason=not-an-allowed-coordinator", sid, coordinator)
+            await stream.send(wire.error_frame(f"PeerId {coordinator} may not open sessions on this stage "
+                                               "(not in --allow-coordinator)", "forbidden", sid))
+            return
+        if not receipts.assignment_ok(msg, coordinator):
+            raise ProtocolError(f"open frame is not signed by the peer that sent it ({coordinator})")
+        prev = msg.get("prev")
+        if self.block.is_head and prev is not None:
+            raise ProtocolError(f"stage {self.block.layer_range} is the head: its input comes from the coordinator, "
+                                "not from a 'prev' stage")
+        if not self.block.is_head and prev is None:
+            raise ProtocolError(f"stage {self.block.layer_range} is not the head and needs 'prev' (the PeerId of "
+                                "its predecessor)")
+        existing = self.sessions.get(sid)
+        if existing is not None and existing.coordinator != coordinator:
+            await self._refuse(stream, existing, "open")
+            return
+        if self.block.is_tail and next_addr is not None:
+            raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
+        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+            raise ProtocolError("the successor named in 'next' is this stage itself")
+        if not self.block.is_tail and next_addr is None:
+            raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
+        max_len = msg["max_len"] or self.block.max_ctx
+        if max_len > self.block.max_ctx:
+            raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
+                                  f"{self.block.max_ctx}")
+        need = max_len * self.block.kv_bytes_per_position()
+        if self.config.kv_budget_mb is not None:
+            budget = int(self.config.kv_budget_mb * 2**20)
+            others = [s for s in self.sessions.values() if s.session_id != sid]
+            held = sum(s.reserved for s in others)
+            if need > budget:
+                raise ContextOverflow(
+                    f"the session needs {_mib(need)} of KV cache for {max_len} positions, more than this stage's "
+                    f"whole KV budget of {self.config.kv_budget_mb:g} MiB (--kv-budget-mb); ask for fewer positions")
+            if held + need > budget:
+                log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
+                await stream.send(wire.error_frame(
+                    f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
+                    f"(--kv-budget-mb) is taken: {len(others)} sessions hold {_mib(held)} and this one needs "
+                    f"{_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
+                return
+        if msg.get("batch") and self.kernels["batch_ok"] is None:
+            await self._prove_batch_tile()
+        session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
+                          source=prev or coordinator, reserved=need, last_active=trio.current_time())
+        session.batch = bool(msg.get("batch"))
+        if msg.get("wire_dtype") is not None:
+            session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
+        if msg.get("job") is not None:
+            job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
+            session.ledger = receipts.StageLedger(job_id, nonce)
+        if msg.get("sampling") is not None:
+            from swarm.config import SamplingParams
+
+            try:
+                params = SamplingParams.from_wire(msg["sampling"])
+            except ConfigError as exc:
+                raise ProtocolError(f"open frame: {exc}") from exc
+            session.sampling = None if params.greedy else params
+        if next_addr is not None:
+            try:
+                session.next_stream = await self._successor(next_addr)
+            except SwarmError as exc:
+                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+                return
+        self.sessions[sid] = session
+        log.info("session.open session=%s next=%s max_len=%d", sid, next_addr, max_len)
+        await stream.send(wire.frame("open_ok", session=sid))
+
+    async def _forward(self, stream, msg: dict) -> None:
+        """Check a forward frame and queue it for the scheduler (:meth:`scheduler`)."""
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            return
+        if stream.remote_peer_id != sess.source:
+            await self._refuse(stream, sess, "forward")
+            return
+        sess.received = max(sess.received, msg["chunk"])
+        if sess.ledger is not None:  # every frame received, also the stale ones dropped below
+            sess.ledger.input.add(receipts.forward_item(msg))
+        if msg["epoch"] < sess.epoch:
+            return  # stale speculation: drop before computing
+        sess.epoch = msg["epoch"]
+        block = self.block
+        try:
+            if len(sess.queue) >= MAX_QUEUED:
+                raise ProtocolError(f"more than {MAX_QUEUED} chunks of the session are waiting at this stage")
+            # the chunk may start anywhere up to where the chunks queued before it will have left the cache
+            inputs = wire.forward_inputs(msg, is_head=block.is_head, vocab_size=block.vocab_size,
+                                         hidden_size=block.hidden_size,
+                                         kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
+                                         max_len=sess.cache.max_len)
+        except (ProtocolError, ContextOverflow) as exc:
+            await self._fail_session(sess, exc)
+            return
+        sess.frames_in += 1
+        x = inputs["token_ids"] if block.is_head else inputs["hidden"]
+        if msg.get("logits_from", msg["pos"]) > msg["pos"] + x.shape[1]:
+            await self._fail_session(sess, ProtocolError(f"forward frame 'logits_from' {msg['logits_from']} lies past "
+                                                         f"its last row {msg['pos'] + x.shape[1] - 1}"))
+            return
+        sess.queued_end = msg["pos"] + x.shape[1]
+        self._enqueue(sess, Job(msg, x))
+
+    async def _receipt(self, stream, msg: dict) -> None:
+        """Check a receipt request and queue it behind the session's chunks (see :meth:`_sign_receipt`)."""
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            return
+        if stream.remote_peer_id != sess.source:
+            await self._refuse(stream, sess, "receipt")
+            return
+        if sess.ledger is None:
+            raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
+        self._enqueue(sess, Job(msg))
+
+    def _fail_later(self, sess: Session, reason: str, code: str = "internal") -> None:
+        """Fail a session without waiting on its coordinator: the error goes through the outbox."""
+        self._forget(sess)
+        log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, reason)
+        self._post(sess.reply, sess, wire.error_frame(f"stage {self.block.layer_range}: {reason}"[:300], code,
+                                                      sess.session_id))
+
+    def _forget(self, sess: Session) -> None:
+        """Drop a session (its KV cache goes with it) and whatever it has queued."""
+        if self.sessions.get(sess.session_id) is sess:
+            del self.sessions[sess.session_id]
+        sess.queue.clear()
+
+    async def expire_idle(self) -> None:
+        """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
+        ttl = self.config.session_ttl_s
+        while True:
+            await trio.sleep(max(0.05, min(5.0, ttl / 4)))
+            now = trio.current_time()
+            for sess in [s for s in self.sessions.values() if not s.busy and now - s.last_active > ttl]:
+                del self.sessions[sess.session_id]
+                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.last_active)
+                await self._try_send(sess.reply, wire.error_frame(
+                    f"stage {self.block.layer_range}: session {sess.session_id!r} expired after {ttl:g} s idle "
+                    "(--session-ttl-s)", "no_session", sess.session_id))
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stop admitting sessions, let the open ones finish for up to ``timeout_s``, fail the rest
+        with the reason "draining". Returns the DRAINED payload."""
+        self.draining = True
+        t0 = trio.current_time()
+        before = len(self.sessions)
+        log.warning("stage.draining sessions=%d timeout_s=%g", before, timeout_s)
+        with trio.move_on_after(timeout_s):
+            while self.sessions:
+                await trio.sleep(0.05)
+        failed = list(self.sessions.values())
+        for sess in failed:
+            self.sessions.pop(sess.session_id, None)
+            await self._try_send(sess.reply, wire.error_frame(
+                f"stage {self.block.layer_range} is draining (shutting down): the session did not finish within "
+                f"{timeout_s:g} s", "unavailable", sess.session_id))
+        return {"layers": self.block.layer_range.as_list(), "sessions_finished": before - len(failed),
+                "sessions_failed": len(failed), "waited_s": round(trio.current_time() - t0, 3)}
+
+    async def _refuse(self, stream, sess: Session, kind: str) -> None:
+        """Refuse a frame from a peer the session was not assigned to; the session is untouched."""
+        peer = stream.remote_peer_id
+        log.warning("frame.refused type=%s session=%s peer=%s expected=%s", kind, sess.session_id, peer,
+                    sess.source if kind in ("forward", "receipt") else sess.coordinator)
+        await self._try_send(stream, wire.error_frame(
+            f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from {peer}: "
+            "the session was not assigned to that peer", "forbidden", sess.session_id))
+
+    async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
+        """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""
+        code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
+        self._forget(sess)
+        log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, exc)
+        await self._try_send(sess.reply, wire.error_frame(f"stage {self.block.layer_range}: {exc}", code,
+                                                          sess.session_id))
+
+    async def _try_send(self, stream, msg: dict) -> None:
+        try:
+            await stream.send(msg, timeout_s=5.0)
+        except SwarmError as exc:
+            log.info("send.failed reason=%s", exc)
+
+    def _drop_sessions_of(self, stream) -> None:
+        for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
+            del self.sessions[sid]
+            log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"

@@ -1,7 +1,7 @@
 """The ``swarm`` command: parse arguments, build a config, call the daemon or tool. Thin.
 
-Subcommands: ``stage``, ``coordinate``, ``demo``, ``model import``, ``keygen``, ``id prove|verify``,
-``receipts verify|watch``. Each returns an exit code.
+Subcommands: ``stage``, ``coordinate``, ``demo``, ``serve``, ``bootstrap``, ``peers``, ``model import``,
+``keygen``, ``id prove|verify``, ``receipts verify|watch``. Each returns an exit code.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ def _stage_parser(sub) -> None:
                                    "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits 1.")
     p.error = lambda message: _stage_usage_error(p, message)  # a supervisor still gets one FATAL line
     p.add_argument("--model", required=True, help="local HF directory, a .gguf file, smollm2-135m, or a hub id")
-    p.add_argument("--layers", required=True, help="half-open layer range start:end, e.g. 12:24 "
-                                                   "(write --layers=-1:2 for a value that starts with '-')")
+    p.add_argument("--layers", help="half-open layer range start:end, e.g. 12:24 (write --layers=-1:2 for a value "
+                                    "that starts with '-'); omit it with --bootstrap to let the stage pick the "
+                                    "block the swarm needs most")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default: loopback, any port)")
     p.add_argument("--key", type=Path, help="ed25519 identity key file, created 0600 if absent "
-                                            "(default: $SWARM_CACHE/keys/stage-START-END.key)")
+                                            "(default: $SWARM_CACHE/keys/stage-START-END.key, or stage-auto.key "
+                                            "without --layers: give each stage on one machine its own)")
     p.add_argument("--threads", type=int, help="torch CPU threads for this process")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
@@ -42,6 +44,24 @@ def _stage_parser(sub) -> None:
                         "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
     p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
                    help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
+    sw = p.add_argument_group("swarm membership (a self-organizing swarm instead of a hand-written ring file)")
+    sw.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                    help="join the swarm's DHT through this bootstrap node (repeatable; e.g. the addr "
+                         "`swarm bootstrap` prints) and announce this stage in a signed record")
+    sw.add_argument("--announce-addr", action="append", default=[], metavar="MULTIADDR",
+                    help="advertise this /ip4/H/tcp/P instead of the bound address (a port forward; repeatable)")
+    sw.add_argument("--dht-client", action="store_true",
+                    help="this stage cannot be dialed from outside: read the DHT but do not serve it")
+    sw.add_argument("--num-layers", type=int, dest="fit_layers",
+                    help="without --layers: take this many layers (default: what --mem-budget-mb allows)")
+    sw.add_argument("--mem-budget-mb", type=float,
+                    help="without --layers: memory for weights + one full-context KV cache (default: half of the "
+                         "free memory)")
+    sw.add_argument("--announce-interval-s", type=float, default=60.0, help="republish the record this often (60)")
+    sw.add_argument("--record-ttl-s", type=float, default=120.0, help="each published record is valid this long (120)")
+    sw.add_argument("--rebalance-s", type=float, default=300.0,
+                    help="without --layers: re-check every this many seconds whether another block helps the swarm "
+                         "clearly more, and move there after draining (default 300; 0: never)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-ctx", type=int, help="maximum positions per session (default: the model's maximum)")
     lim.add_argument("--kv-budget-mb", type=float,
@@ -103,9 +123,15 @@ def _add_spec_flags(p) -> None:
 
 
 def _coordinate_parser(sub) -> None:
-    p = sub.add_parser("coordinate", help="generate text with a running ring",
-                       description="Connect to the stages listed in a ring file, check them, and generate greedily.")
-    p.add_argument("--ring", required=True, type=Path, help="ring YAML file (model, stages, spares)")
+    p = sub.add_parser("coordinate", help="generate text with a running ring or swarm",
+                       description="Connect to the stages listed in a ring file (--ring), or route through the "
+                                   "swarm (--model and --bootstrap: stages found on the DHT, chain chosen by "
+                                   "measured latency), check them, and generate.")
+    p.add_argument("--ring", type=Path, help="ring YAML file (model, stages, spares)")
+    p.add_argument("--model", help="with --bootstrap: the model (local directory, .gguf, smollm2-135m); its "
+                                   "weights' id selects the stages")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="route through the swarm joined at this bootstrap node (repeatable); no ring file needed")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -127,6 +153,34 @@ def _add_receipt_flags(p) -> None:
                    help="write the signed job receipt to DIR/<job_id>.json (default: receipts/)")
     g.add_argument("--no-receipt", dest="receipt", action="store_false",
                    help="no receipt: stages keep no digests for this job")
+
+
+def _bootstrap_parser(sub) -> None:
+    p = sub.add_parser("bootstrap", help="run a node that only serves the swarm's DHT (where members join)",
+                       description="Serve the swarm's Kademlia DHT (protocol /swarm/kad/1.0.0) and nothing else. "
+                                   "Prints SWARM_BOOTSTRAP_READY {json} with its peer_id and addrs: give one of "
+                                   "those addrs to stages and clients as --bootstrap. Stops on SIGTERM or Ctrl-C.")
+    p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                   help="TCP multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
+                        "/ip4/0.0.0.0/tcp/4001 to be reachable from other machines)")
+    p.add_argument("--key", type=Path, help="identity key (default: $SWARM_CACHE/keys/bootstrap.key): a stable "
+                                            "PeerId keeps the address you handed out valid")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="another bootstrap node to join (repeatable)")
+    p.add_argument("--announce-addr", action="append", default=[], metavar="MULTIADDR",
+                   help="advertise this /ip4/H/tcp/P instead of the bound address (repeatable)")
+
+
+def _peers_parser(sub) -> None:
+    p = sub.add_parser("peers", help="show the swarm: layer coverage per model and every stage's record",
+                       description="Join the DHT as a client, read every stage's signed record (of one model with "
+                                   "--model), measure the round trip to each, and print a coverage map and a table.")
+    p.add_argument("--bootstrap", action="append", default=[], required=True, metavar="MULTIADDR",
+                   help="bootstrap node to join through (repeatable)")
+    p.add_argument("--model", help="only this model (local directory, .gguf, smollm2-135m)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--key", type=Path, help="identity key (default: $SWARM_CACHE/keys/client.key)")
+    p.add_argument("--timeout-s", type=float, default=5.0, help="deadline for reading records (default 5)")
 
 
 def _demo_parser(sub) -> None:
@@ -230,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _model_parser(sub)
     _serve_parser(sub)
+    _bootstrap_parser(sub)
+    _peers_parser(sub)
     _identity_parsers(sub)
     _receipts_parser(sub)
     return parser
@@ -244,12 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
+    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "peers", "demo"):
+        import swarm.transport.host as transport_host  # importing libp2p resets its level: re-applied per host
+
+        transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
-                    "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve}[args.cmd](args)
+                    "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
+                    "bootstrap": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
     except SwarmError as exc:
@@ -270,8 +331,12 @@ def cmd_stage(args) -> int:
     from swarm.config import StageConfig, cache_root
     from swarm.ranges import LayerRange
 
-    layers = LayerRange.parse(args.layers)
-    key = args.key or cache_root() / "keys" / f"stage-{layers.start}-{layers.end}.key"
+    layers = LayerRange.parse(args.layers) if args.layers is not None else None
+    if layers is None and args.check:
+        from swarm.errors import ConfigError
+
+        raise ConfigError("--check needs --layers (the block to check)")
+    key = args.key or cache_root() / "keys" / (f"stage-{layers.start}-{layers.end}.key" if layers else "stage-auto.key")
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
@@ -279,7 +344,11 @@ def cmd_stage(args) -> int:
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
                          prefill_slice_shared=args.prefill_slice_shared,
-                         batch_wait_ms=args.batch_wait_ms)
+                         batch_wait_ms=args.batch_wait_ms, bootstrap=tuple(args.bootstrap),
+                         announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
+                         fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,
+                         announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
+                         rebalance_s=args.rebalance_s)
     from swarm.stage import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)
@@ -291,12 +360,13 @@ def cmd_coordinate(args) -> int:
     from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
     from swarm.coordinator import generate
 
-    config = CoordinatorConfig(ring=RingSpec.load(args.ring), max_new_tokens=args.max_new_tokens, chat=args.chat,
+    config = CoordinatorConfig(ring=_ring_or_swarm(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
                                sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal,
-                               receipt_dir=args.receipt_dir if args.receipt else None)
+                               receipt_dir=args.receipt_dir if args.receipt else None,
+                               bootstrap=tuple(args.bootstrap))
     on_text = None if args.json else TextOut.write
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):
@@ -310,6 +380,63 @@ def cmd_coordinate(args) -> int:
               f"{spec_summary(result)}]", file=sys.stderr)
         if result.get("receipt"):
             print(receipt_line(result["receipt"]), file=sys.stderr)
+    return 0
+
+
+def _ring_or_swarm(args):
+    """The ring file's RingSpec, or (``--model`` with ``--bootstrap``) an empty one the DHT fills."""
+    from swarm.config import RingSpec
+    from swarm.errors import ConfigError
+
+    if args.ring is not None:
+        if args.bootstrap:
+            raise ConfigError("give either --ring FILE or --bootstrap ADDR (with --model), not both")
+        return RingSpec.load(args.ring)
+    if not args.bootstrap or not args.model:
+        raise ConfigError("name the stages with --ring FILE, or route through a swarm with --model M --bootstrap ADDR")
+    return RingSpec(model=args.model, stages=())
+
+
+def cmd_bootstrap(args) -> int:
+    from swarm.bootstrap import run_bootstrap
+    from swarm.config import cache_root
+
+    return run_bootstrap(args.key or cache_root() / "keys" / "bootstrap.key", args.listen or ["/ip4/127.0.0.1/tcp/0"],
+                         bootstrap=args.bootstrap, announce=args.announce_addr)
+
+
+def cmd_peers(args) -> int:
+    import trio
+
+    from swarm.config import cache_root
+    from swarm.discovery.client import probe_rtts
+    from swarm.discovery.dht import open_dht
+    from swarm.discovery.peers import render, summarize
+    from swarm.transport import load_or_create_key, open_host
+
+    model_id = None
+    if args.model:
+        from swarm.model.resolve import resolve_model
+        from swarm.weights.manifest import model_id as weights_model_id
+
+        model_id = weights_model_id(resolve_model(args.model).path, cache_root() / "manifests")
+    key = load_or_create_key(args.key or cache_root() / "keys" / "client.key")
+
+    async def main():
+        async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
+            async with open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
+                records = await dht.find_records(model_id, timeout_s=args.timeout_s)
+                return records, await probe_rtts(dht, records)
+
+    records, rtts = trio.run(main)
+    summary = summarize(records, rtts)
+    if args.json:
+        print(json.dumps(summary))
+    elif not records:
+        what = f"model {args.model}" if args.model else "any model"
+        print(f"swarm peers: the swarm has no stage of {what} (joined through {', '.join(args.bootstrap)})")
+    else:
+        print(render(summary))
     return 0
 
 

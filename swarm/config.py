@@ -29,7 +29,7 @@ class StageConfig:
     """Everything ``swarm stage`` needs. Validated on construction (raises ConfigError)."""
 
     model: str
-    layers: LayerRange
+    layers: LayerRange | None  # None: pick a block from the swarm (needs bootstrap)
     listen: str = DEFAULT_LISTEN
     key_path: Path | None = None
     threads: int | None = None
@@ -47,10 +47,29 @@ class StageConfig:
     prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
     prefill_slice_shared: int = 2  # ... in a step that other sessions' rows share, or while others wait
     batch_wait_ms: float = 10.0  # how long a step may wait for more batching sessions' rows
+    bootstrap: tuple[str, ...] = ()  # multiaddrs of bootstrap nodes: join the swarm's DHT and announce
+    announce_addrs: tuple[str, ...] = ()  # addresses to advertise instead of the bound one
+    dht_client: bool = False  # not dialable from outside: read the DHT, do not serve it
+    fit_layers: int | None = None  # with layers None: how many layers to take (None: what memory allows)
+    mem_budget_mb: float | None = None  # with layers None: memory for weights (None: half of what is free)
+    announce_interval_s: float = 60.0  # republish the record this often
+    record_ttl_s: float = 120.0  # each record stays valid this long
+    rebalance_s: float = 300.0  # with a picked block: re-check placement this often (0: never)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model is required")
+        if self.layers is None and not self.bootstrap:
+            raise ConfigError("--layers is required unless --bootstrap lets the stage pick its block from the swarm")
+        if self.fit_layers is not None and not 1 <= self.fit_layers <= 100_000:
+            raise ConfigError(f"--num-layers must be >= 1, got {self.fit_layers}")
+        if self.mem_budget_mb is not None and not 0 < self.mem_budget_mb < 2**40:
+            raise ConfigError(f"--mem-budget-mb must be a positive number of MiB, got {self.mem_budget_mb}")
+        if not 0 < self.announce_interval_s < self.record_ttl_s <= 600:
+            raise ConfigError(f"need 0 < --announce-interval-s ({self.announce_interval_s}) < --record-ttl-s "
+                              f"({self.record_ttl_s}) <= 600")
+        if not 0 <= self.rebalance_s < 1e9:
+            raise ConfigError(f"--rebalance-s must be >= 0 seconds, got {self.rebalance_s}")
         if not self.listen.startswith("/ip4/") and not self.listen.startswith("/ip6/"):
             raise ConfigError(f"--listen {self.listen!r} is not an /ip4/ or /ip6/ TCP multiaddr")
         if "/tcp/" not in self.listen:
@@ -267,8 +286,12 @@ class CoordinatorConfig:
     heartbeat_s: float = 1.0
     heal: bool = True
     receipt_dir: Path | None = Path("receipts")  # where job receipts go; None: no receipts, no digests
+    bootstrap: tuple[str, ...] = ()  # route through the swarm's DHT instead of the ring file's stages
 
     def __post_init__(self) -> None:
+        if not self.ring.stages and not self.bootstrap:
+            raise ConfigError("name the stages with --ring FILE, or --model and --bootstrap ADDR to route through "
+                              "the swarm")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s"):

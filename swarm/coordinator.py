@@ -121,8 +121,24 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         _check_writable(config.receipt_dir)
         job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()}
 
+    route_s = None
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
-        ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
+        if config.bootstrap:  # no ring file: read the swarm's records and route
+            from swarm.config import cache_root as _cache_root
+            from swarm.discovery.client import discover_ring
+            from swarm.discovery.dht import open_dht
+            from swarm.weights.manifest import model_id as weights_model_id
+
+            model_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, _cache_root() / "manifests")
+            dht = await nursery.start(_run_dht, host, config.bootstrap)
+            found = await discover_ring(dht, config.ring.model, model_id, num_layers,
+                                        context_tokens=len(prompt_ids) + config.max_new_tokens)
+            route_s = found.seconds
+            ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
+                              model_id=model_id)
+            ring.discovery = (dht, model_id)
+        else:
+            ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
         await ring.connect(num_layers, digest, nursery)
         stream = TextStream(tokenizer)
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.push(ids))) if on_text else None) if h]
@@ -144,11 +160,22 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         "ring": ring_entries,
         "model": resolved.name,
     }
+    if route_s is not None:
+        result["route_s"] = round(route_s, 3)
     if job is not None:
         result["receipt"] = write_job_receipt(config.receipt_dir, key, job, parts, model=resolved.name,
                                               model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
                                               output_ids=out, ring=ring_entries, record=timing)
     return result
+
+
+async def _run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Join the swarm's DHT in client mode and hand the SwarmDHT to ``task_status`` until cancelled."""
+    from swarm.discovery.dht import open_dht
+
+    async with open_dht(host, server=False, bootstrap=bootstrap) as dht:
+        task_status.started(dht)
+        await trio.sleep_forever()
 
 
 def _check_writable(directory) -> None:
@@ -224,10 +251,37 @@ class RingOps:
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         link = await self.ring.prepare_spare(index, layers)
+        if link is None and self.ring.discovery is not None:
+            link = await self._spare_from_swarm(index, tuple(layers))
         if link is None:
             return None
         self._spares[link.info.peer_id] = link
         return link.info.peer_id
+
+    async def _spare_from_swarm(self, index: int, layers: tuple[int, int]):
+        """A stage from the DHT that can take over ``layers`` (any holder whose block contains them;
+        every stage of the ring is excluded, so none runs two positions of one session)."""
+        from swarm.config import StageSpec
+        from swarm.discovery.client import find_replacement
+        from swarm.ranges import LayerRange
+        from swarm.routing import NoRoute
+
+        dht, model_id = self.ring.discovery
+        infos = self.ring.infos
+        try:
+            hops = await find_replacement(
+                dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
+                next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
+                exclude=frozenset(i.peer_id for i in infos), context_tokens=self.state["max_len"])
+        except NoRoute as exc:
+            log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
+            return None
+        if len(hops) != 1:  # a chain of stages replacing one position is not supported yet
+            log.warning("heal.no_replacement layers=[%d, %d) reason=only a chain of %d stages covers them",
+                        *layers, len(hops))
+            return None
+        hop = hops[0]
+        return await self.ring.prepare_spare(index, layers, spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
 
     async def swap(self, index: int, spare) -> None:
         self.ring.swap(index, self._spares.pop(spare))

@@ -42,9 +42,12 @@ class StageProcess:
         return self.ready["addrs"][0]
 
 
-def stage_command(model: str, layers: LayerRange, key: Path, threads: int, extra: list[str] | None = None) -> list[str]:
-    """The argv that starts one stage daemon with the current interpreter."""
-    return [sys.executable, "-m", "swarm", "stage", "--model", model, "--layers", f"{layers.start}:{layers.end}",
+def stage_command(model: str, layers: LayerRange | None, key: Path, threads: int,
+                  extra: list[str] | None = None) -> list[str]:
+    """The argv that starts one stage daemon with the current interpreter (``layers`` None: no
+    ``--layers``, the stage picks its block from the swarm; needs ``--bootstrap`` in ``extra``)."""
+    span = [] if layers is None else ["--layers", f"{layers.start}:{layers.end}"]
+    return [sys.executable, "-m", "swarm", "stage", "--model", model, *span,
             "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(key), "--threads", str(threads), *(extra or [])]
 
 
@@ -53,17 +56,21 @@ class LocalRing:
 
     Args:
         model: the model spec passed to every stage.
-        ranges: layer ranges in ring order (see ``swarm.ranges.even_split``).
+        ranges: layer ranges in ring order (see ``swarm.ranges.even_split``); None for a stage
+            that picks its block from the swarm (``extra_args`` must hold ``--bootstrap``).
         key_dir: where the stages' identity keys live (stable PeerIds across runs).
         threads: torch threads per stage; default divides the cores among the stages.
         extra_args: more ``swarm stage`` flags (e.g. ``["--dtype", "float32"]``).
+        per_stage_args: flags for single stages, by position in ``ranges``.
         startup_timeout_s: how long to wait for every READY line.
     Raises:
         StageLost: a stage printed FATAL or exited or did not become ready in time (with its reason).
     """
 
-    def __init__(self, model: str, ranges: list[LayerRange], key_dir: Path, threads: int | None = None,
-                 extra_args: list[str] | None = None, startup_timeout_s: float = 180.0, env: dict | None = None):
+    def __init__(self, model: str, ranges: list[LayerRange | None], key_dir: Path, threads: int | None = None,
+                 extra_args: list[str] | None = None, startup_timeout_s: float = 180.0, env: dict | None = None,
+                 per_stage_args: dict[int, list[str]] | None = None):
+        self.per_stage_args = per_stage_args or {}
         self.model = model
         self.ranges = ranges
         self.key_dir = Path(key_dir)
@@ -87,9 +94,12 @@ class LocalRing:
     def start(self) -> None:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        for r in self.ranges:
-            key = self.key_dir / f"stage-{r.start}-{r.end}.key"
-            argv = stage_command(self.model, r, key, self.threads, self.extra_args)
+        for i, r in enumerate(self.ranges):
+            # one key per stage: two stages of one range must not share a PeerId
+            name = (f"stage-auto-{i}" if r is None else f"stage-{r.start}-{r.end}" if self.ranges.count(r) == 1
+                    else f"stage-{i}-{r.start}-{r.end}")
+            key = self.key_dir / f"{name}.key"
+            argv = stage_command(self.model, r, key, self.threads, self.extra_args + self.per_stage_args.get(i, []))
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             sp = StageProcess(r, proc)
@@ -113,7 +123,9 @@ class LocalRing:
             if line is None:
                 raise StageLost(f"stage {sp.layers} exited with code {sp.proc.wait()} before it was ready{_tail(sp)}")
             if line.startswith("SWARM_STAGE_READY "):
-                return json.loads(line.split(" ", 1)[1])
+                ready = json.loads(line.split(" ", 1)[1])
+                sp.layers = LayerRange(*ready["layers"])  # a stage that picked its block says which here
+                return ready
             if line.startswith("SWARM_STAGE_FATAL "):
                 reason = json.loads(line.split(" ", 1)[1]).get("reason")
                 raise StageLost(f"stage {sp.layers} failed to start: {reason}")
@@ -169,4 +181,65 @@ def _tail(sp: StageProcess) -> str:
     return ("; stderr: " + " | ".join(sp.stderr_tail[-5:])) if sp.stderr_tail else ""
 
 
-__all__ = ["LocalRing", "StageProcess", "stage_command", "SwarmError"]
+class BootstrapNode:
+    """Context manager: run ``swarm bootstrap`` as a child, wait for its READY line, reap it on exit.
+
+    Args:
+        key_path: its identity key. startup_timeout_s: how long to wait for READY.
+    Attributes:
+        addr: its first multiaddr (with /p2p/PeerId), to pass as ``--bootstrap``.
+    Raises:
+        StageLost: it printed FATAL, exited, or was not ready in time.
+    """
+
+    def __init__(self, key_path: Path, startup_timeout_s: float = 60.0, env: dict | None = None):
+        self.key_path, self.startup_timeout_s, self.env = Path(key_path), startup_timeout_s, env
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+
+    @property
+    def addr(self) -> str:
+        return self.ready["addrs"][0]
+
+    def __enter__(self) -> BootstrapNode:
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        argv = [sys.executable, "-m", "swarm", "bootstrap", "--key", str(self.key_path),
+                "--listen", "/ip4/127.0.0.1/tcp/0"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        sp = StageProcess(LayerRange(0, 1), self.proc)
+        threading.Thread(target=_pump, args=(self.proc.stdout, sp.lines, None), daemon=True).start()
+        threading.Thread(target=_pump, args=(self.proc.stderr, None, sp.stderr_tail), daemon=True).start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                try:
+                    line = sp.lines.get(timeout=max(0.05, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise StageLost(f"bootstrap node not ready within {self.startup_timeout_s:.0f} s{_tail(sp)}") \
+                        from None
+                if line is None:
+                    raise StageLost(f"bootstrap node exited with code {self.proc.wait()}{_tail(sp)}")
+                if line.startswith("SWARM_BOOTSTRAP_READY "):
+                    self.ready = json.loads(line.split(" ", 1)[1])
+                    return self
+                if line.startswith("SWARM_BOOTSTRAP_FATAL "):
+                    raise StageLost(f"bootstrap node failed: {line.split(' ', 1)[1]}")
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+
+
+__all__ = ["BootstrapNode", "LocalRing", "StageProcess", "stage_command", "SwarmError"]

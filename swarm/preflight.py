@@ -126,3 +126,55 @@ def preflight(config: StageConfig) -> dict:
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
         "memory_available_bytes": available, **_check_key(config.key_path),
     }
+
+
+def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", budget_mb: float | None = None,
+                    max_ctx: int | None = None) -> int:
+    """How many decoder layers of a model fit a memory budget (automatic placement, ``swarm stage``
+    without ``--layers``).
+
+    Per layer: its weights in the stage dtype (from the safetensors headers of one middle layer) plus
+    the KV cache of one full-context session. The embedding and LM head are not counted (they are
+    small next to the layers of the models this targets; the first and last stage pay them).
+
+    Args:
+        model_dir: the resolved checkpoint directory.
+        dtype, device: as ``swarm stage`` takes them.
+        budget_mb: memory for the stage's layers in MiB; None: half of what the device has free now
+            (after the process baseline on CPU).
+        max_ctx: positions of the one full-context session budgeted per layer (None: the model's).
+    Returns:
+        1 .. L layers.
+    """
+    import torch
+
+    from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.model.resolve import tensor_index
+    from swarm.ranges import LayerRange
+    from swarm.weights.manifest import read_header
+
+    model_config = load_config(model_dir)
+    num_layers = model_config.num_hidden_layers
+    dev = pick_device(device)
+    itemsize = torch.empty((), dtype=pick_dtype(dtype, dev)).element_size()
+    probe = LayerRange(num_layers // 2, num_layers // 2 + 1)
+    names = block_tensor_names(model_dir, probe) - block_tensor_names(model_dir, LayerRange(0, 1)) \
+        if 0 < probe.start < num_layers - 1 else block_tensor_names(model_dir, probe)
+    index, headers, weights = tensor_index(model_dir), {}, 0
+    for name in names:
+        entry = headers.setdefault(index[name], read_header(index[name])).get(name, {})
+        numel = 1
+        for d in entry.get("shape", []):
+            numel *= int(d)
+        weights += numel * itemsize
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    ctx = max_ctx or int(getattr(model_config, "max_position_embeddings", 0) or 4096)
+    per_layer = weights + 2 * kv_heads * head_dim * itemsize * ctx
+    if budget_mb is not None:
+        budget = int(budget_mb * 2**20)
+    else:
+        available = available_memory(dev)
+        budget = (available - (BASELINE_BYTES if dev.type == "cpu" else 0)) // 2 if available else 2**30
+    return max(1, min(num_layers, budget // max(1, per_layer)))

@@ -80,7 +80,8 @@ def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, p
         key_pair: the coordinator's node key (its PeerId is what the stage sees on the stream).
         next_addr: the successor's multiaddr (with /p2p/PeerId), None at the tail.
         prev: the predecessor stage's PeerId, None at the head (whose input is the coordinator).
-        extra: sampling, wire_dtype, job, batch.
+        extra: sampling, wire_dtype, job, batch, layers (``[start, end)``: the sub-range of the
+            stage's block this session runs; absent = the whole block).
     """
     from swarm.receipts import assignment_bytes
     from swarm.transport.identity import peer_id_of, sign
@@ -146,6 +147,11 @@ def validate(msg: Any) -> dict:
     if kind == "open" and msg.get("prev") is not None and not (
             isinstance(msg["prev"], str) and 0 < len(msg["prev"]) <= MAX_SESSION_CHARS):
         raise ProtocolError("open frame field 'prev' must be a PeerId string")
+    if kind == "open" and msg.get("layers") is not None and not (
+            isinstance(msg["layers"], list) and len(msg["layers"]) == 2
+            and all(type(x) is int and 0 <= x <= MAX_INT for x in msg["layers"])
+            and msg["layers"][0] < msg["layers"][1]):
+        raise ProtocolError("open frame field 'layers' must be [start, end) with 0 <= start < end")
     if kind == "open" and msg.get("job") is not None:
         from swarm.receipts import check_job_field
 

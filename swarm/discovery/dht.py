@@ -71,7 +71,8 @@ def pin_protocol() -> str:
         if not hasattr(module, "PROTOCOL_ID"):
             raise ConfigError(f"libp2p.kad_dht.{name} has no PROTOCOL_ID: the pinned layout changed")
         module.PROTOCOL_ID = PROTOCOL_ID
-    logging.getLogger("libp2p.kad_dht").setLevel(logging.ERROR)  # routine closes log as warnings
+    # routine stream closes log as warnings; never louder than the caller set libp2p
+    logging.getLogger("libp2p.kad_dht").setLevel(max(logging.ERROR, logging.getLogger("libp2p").getEffectiveLevel()))
     return PROTOCOL_ID
 
 

@@ -172,6 +172,8 @@ class LayerBlock(torch.nn.Module):
         self.loaded_tensors: list[str] = []
         self.loaded_bytes = 0
         self.range_digest = ""  # resolve.weights_digest of loaded_tensors, set by load_block
+        self.model_dir: Path | None = None  # set by load_block (sub-range digests read it)
+        self._span_digests: dict[LayerRange, str] = {}
         self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
@@ -181,19 +183,48 @@ class LayerBlock(torch.nn.Module):
             elif invariant.is_activation(mod) or invariant.is_norm(mod):
                 _per_token(mod, self)
 
-    def kv_bytes_per_position(self) -> int:
-        """Bytes of K and V one position takes in this block's KV cache (all its layers), B = 1:
-        ``2 * layers * Hkv * Dh * itemsize`` (the cache grows lazily up to ``max_len`` of these)."""
+    def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
+        """Bytes of K and V one position takes in this block's KV cache (all its layers, or those of
+        ``span``), B = 1: ``2 * layers * Hkv * Dh * itemsize`` (the cache grows lazily up to
+        ``max_len`` of these)."""
         c = self.config
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * kv_heads * head_dim * itemsize
+        n_layers = len(self.layers) if span is None else span.end - span.start
+        return 2 * n_layers * kv_heads * head_dim * itemsize
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        """A fresh KV cache for one session, ``max_len`` defaulting to the model's maximum context."""
-        return KVCache(list(range(self.layer_range.start, self.layer_range.end)), max_len or self.max_ctx)
+    def check_span(self, span: LayerRange | None) -> LayerRange:
+        """The layers a session runs: ``span`` (any sub-range of this block), or the whole block.
+
+        Raises:
+            ConfigError: ``span`` is not inside the block's range.
+        """
+        if span is None:
+            return self.layer_range
+        if not self.layer_range.start <= span.start < span.end <= self.layer_range.end:
+            raise ConfigError(f"layers {span} are not inside this stage's block {self.layer_range}")
+        return span
+
+    def new_cache(self, max_len: int | None = None, span: LayerRange | None = None) -> KVCache:
+        """A fresh KV cache for one session over ``span`` (default: the whole block), ``max_len``
+        defaulting to the model's maximum context."""
+        span = self.check_span(span)
+        return KVCache(list(range(span.start, span.end)), max_len or self.max_ctx)
+
+    def digest_of(self, span: LayerRange | None = None) -> str:
+        """``resolve.weights_digest`` of the tensors a session over ``span`` uses (its layers, plus the
+        embedding when it starts at 0 and the final norm / LM head when it ends at L): what a stage
+        signs in the receipt of such a session. The whole block's digest is ``range_digest``."""
+        span = self.check_span(span)
+        if span == self.layer_range or self.model_dir is None:
+            return self.range_digest
+        if span not in self._span_digests:
+            from swarm.model.resolve import weights_digest
+
+            self._span_digests[span] = weights_digest(self.model_dir, sorted(block_tensor_names(self.model_dir, span)))
+        return self._span_digests[span]
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -221,7 +252,8 @@ class LayerBlock(torch.nn.Module):
         return self.forward_batch([(cache, pos, x)])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, rows: list, tile: int = 1, logits_rows: list[int] | None = None) -> list[torch.Tensor]:
+    def forward_batch(self, rows: list, tile: int = 1, logits_rows: list[int] | None = None,
+                      span: LayerRange | None = None) -> list[torch.Tensor]:
         """One forward over several sessions' new positions (continuous batching, ragged, no padding
         between sessions), in row-invariant arithmetic (:mod:`swarm.kernels.invariant`).
 
@@ -239,9 +271,12 @@ class LayerBlock(torch.nn.Module):
                 tile: :func:`swarm.kernels.check.check_block` proves that at stage start-up.
             logits_rows: tail only: per entry, how many of its last rows get the final norm and LM
                 head (the rows whose next token is wanted); None: all of them.
+            span: the layers to run, any sub-range of the block (every entry's cache must be made
+                for it: ``new_cache(span=...)``); None: the whole block. A span starting at 0 takes
+                token ids and embeds them; one ending at L returns logits.
         Returns:
-            one tensor per entry, (1, T_i, D), or on the tail (1, n_i, V) float32 logits of the last
-            n_i = ``logits_rows[i]`` (default T_i) rows.
+            one tensor per entry, (1, T_i, D), or when the span ends at L (1, n_i, V) float32
+            logits of the last n_i = ``logits_rows[i]`` (default T_i) rows.
         Raises:
             ProtocolError / ContextOverflow: a session's chunk does not fit its cache (nothing is
             written to any cache then); ValueError: a row of the wrong kind or shape, or tile < 1.
@@ -250,13 +285,16 @@ class LayerBlock(torch.nn.Module):
             return []
         if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
             raise ValueError(f"tile must be a positive int, got {tile!r}")
+        span = self.check_span(span)
+        head, tail = span.start == 0, span.end == self.num_layers
+        layers = self.layers[span.start - self.layer_range.start: span.end - self.layer_range.start]
         segs, xs, off = [], [], 0
         for cache, pos, x in rows:
-            if self.is_head:
+            if head:
                 if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.long:
-                    raise ValueError(f"stage {self.layer_range} is the head and needs (1, T) int64 token ids")
+                    raise ValueError(f"layers {span} start the model and need (1, T) int64 token ids")
             elif x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
-                raise ValueError(f"stage {self.layer_range} needs (1, T, {self.hidden_size}) hidden states")
+                raise ValueError(f"layers {span} need (1, T, {self.hidden_size}) hidden states")
             t = x.shape[1]
             segs.append(_Segment(cache, pos, t, off))
             xs.append(x)
@@ -269,19 +307,19 @@ class LayerBlock(torch.nn.Module):
             for seg in segs:
                 seg.cache.begin(seg.pos, seg.t)
                 begun.append(seg.cache)
-            if self.is_head:
+            if head:
                 h = self.embed(torch.cat(xs, dim=1).to(self.device))
             else:
                 h = torch.cat([x.to(self.device, self.dtype) for x in xs], dim=1)
             position_ids = torch.cat([torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]).unsqueeze(0)
             self._tile = tile
-            if self.pos_embed is not None:
+            if head and self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
             rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
             plan = _Plan(self, segs)
             with invariant.attention_backends(self.device):
-                h = self._layers(h, rope, position_ids, plan)
-            if self.is_tail:
+                h = self._layers(h, rope, position_ids, plan, layers)
+            if tail:
                 if logits_rows is not None:
                     keep = [(s.off + s.t - n, n) for s, n in zip(segs, logits_rows)]
                     h = torch.cat([h[:, a:a + n] for a, n in keep], dim=1)
@@ -298,9 +336,9 @@ class LayerBlock(torch.nn.Module):
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
 
-    def _layers(self, h, rope, position_ids, plan) -> torch.Tensor:
-        """The decoder layers over the packed (1, N, D) rows."""
-        for layer in self.layers:
+    def _layers(self, h, rope, position_ids, plan, layers) -> torch.Tensor:
+        """The decoder layers ``layers`` over the packed (1, N, D) rows."""
+        for layer in layers:
             if self.family.call == "rotary":
                 h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
                           cache=plan, swarm_plan=plan)
@@ -517,6 +555,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
     block.range_digest = weights_digest(model_dir, block.loaded_tensors)  # signed in every receipt
+    block.model_dir = model_dir
     log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s range_digest=%s", layer_range,
              len(block.loaded_tensors), block.loaded_bytes, dt, dev, block.range_digest[:16])
     return block

@@ -41,8 +41,10 @@ class RingClient(LinksMixin, ProbeMixin):
     """
 
     def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float,
-                 heartbeat_s: float = 1.0, batch: bool = False):
+                 heartbeat_s: float = 1.0, batch: bool = False, model_id: str | None = None):
         self.host = host
+        self.model_id = model_id  # when set (routes from the DHT), every stage must report this weights id
+        self.discovery = None  # (SwarmDHT, model id) when the ring came from the DHT: heals look there for spares
         self.batch = batch  # open sessions that stages may pack with other sessions (swarm serve)
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s
@@ -80,6 +82,7 @@ class RingClient(LinksMixin, ProbeMixin):
                 extra["wire_dtype"] = wire_dtype
             if self.batch:
                 extra["batch"] = True
+            extra["layers"] = list(self.links[i].info.layers)
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)

@@ -44,6 +44,7 @@ class StageInfo:
     max_ctx: int
     dtype: str = "float32"
     rows_proven: bool = True  # the stage's start-up check proved row-invariant kernels (info kernels.rows_ok)
+    block: tuple[int, int] | None = None  # the stage's whole block; ``layers`` is the part this ring runs
 
     def entry(self) -> dict:
         """``{index, peer_id, addr, layers}``: this stage as results and job receipts list it."""
@@ -138,7 +139,7 @@ class LinksMixin:
         await streams[0].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
         msg = await self._expect(index, "info_ok", gen=gen)
         got = tuple(msg["layers"])
-        if got != (spec.layers.start, spec.layers.end):
+        if not got[0] <= spec.layers.start < spec.layers.end <= got[1]:  # a stage serves any sub-range of its block
             raise ConfigError(f"stage {index} at {spec.addr} serves layers [{got[0]}, {got[1]}) but the ring file "
                               f"says {spec.layers}")
         if msg["num_layers"] != self._num_layers or msg["model_digest"] != self._model_digest:
@@ -147,9 +148,13 @@ class LinksMixin:
                               f"names {self.ring.model!r} ({self._num_layers} layers, digest {self._model_digest[:12]})")
         if msg["peer_id"] != spec.peer_id:
             raise ConfigError(f"stage {index} at {spec.addr} answered as PeerId {msg['peer_id']}")
+        if self.model_id is not None and msg.get("model_id") != self.model_id:
+            raise ConfigError(f"stage {index} at {spec.addr} runs other weights (model id "
+                              f"{str(msg.get('model_id'))[:16]}, expected {self.model_id[:16]})")
         kernels = msg.get("kernels")
-        info = StageInfo(index, spec.addr, msg["peer_id"], got, msg["model"], msg["model_digest"], msg["max_ctx"],
-                         msg["dtype"], rows_proven=not isinstance(kernels, dict) or kernels.get("rows_ok") is not False)
+        info = StageInfo(index, spec.addr, msg["peer_id"], (spec.layers.start, spec.layers.end), msg["model"],
+                         msg["model_digest"], msg["max_ctx"], msg["dtype"],
+                         rows_proven=not isinstance(kernels, dict) or kernels.get("rows_ok") is not False, block=got)
         return _Link(spec, streams[0], streams[1], info, gen)
 
     async def _pump(self, index: int, gen: int, stream) -> None:

@@ -68,9 +68,16 @@ class ProbeMixin:
                 reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy"))))
         return reports
 
-    async def prepare_spare(self, index: int, layers: tuple[int, int]) -> _Link | None:
+    async def prepare_spare(self, index: int, layers: tuple[int, int], spec=None) -> _Link | None:
         """Dial the first unused spare holding ``layers`` and check it; None if there is none.
-        Spares that fail the dial or the check are dropped from the list."""
+        Spares that fail the dial or the check are dropped from the list. With ``spec`` (a
+        StageSpec found elsewhere, e.g. on the DHT) dial exactly that stage instead."""
+        if spec is not None:
+            try:
+                return await self._link(index, spec)
+            except SwarmError as exc:
+                log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
+                return None
         while True:
             spec = next((s for s in self.spares if (s.layers.start, s.layers.end) == tuple(layers)), None)
             if spec is None:

@@ -27,11 +27,18 @@ from swarm.wire import PROTOCOL_ID
 log = logging.getLogger(__name__)
 
 
-async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload."""
+async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STATUS_IGNORED, *,
+                announce_addrs: tuple[str, ...] = (), membership=None) -> None:
+    """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload.
+
+    Args:
+        announce_addrs: addresses the host advertises instead of the bound ones.
+        membership: ``async (server, task_status)`` joining the swarm's DHT and announcing this stage
+            (``swarm.stage.membership.announce``); READY waits for its first published record.
+    """
     from swarm.transport import open_host
 
-    async with open_host(key, [listen]) as host, trio.open_nursery() as nursery:
+    async with open_host(key, [listen], announce_addrs=announce_addrs) as host, trio.open_nursery() as nursery:
         server.host, server.nursery = host, nursery
         server.key = server.key or key
         b = server.block
@@ -40,9 +47,12 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
         nursery.start_soon(server.expire_idle)
         nursery.start_soon(server.scheduler)
-        task_status.started({"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
-                             "model": server.model_name, "model_digest": server.model_digest,
-                             "max_ctx": b.max_ctx})
+        ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
+                 "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx}
+        if membership is not None:
+            record = await nursery.start(membership, server)
+            ready.update(model_id=server.model_id, announced=record is not None)
+        task_status.started(ready)
         await trio.sleep_forever()
 
 
@@ -92,15 +102,29 @@ def run_stage(config: StageConfig) -> int:
     ``--drain-timeout-s``, then fail with "draining"), prints ``SWARM_STAGE_DRAINED {...}`` and
     returns 0. Ctrl-C (SIGINT) stops at once and returns 0.
     """
-    from swarm.model.block import load_block
-    from swarm.model.resolve import model_manifest_digest, resolve_model
-    from swarm.transport import load_or_create_key
+    import dataclasses
+    from functools import partial
 
+    from swarm.config import cache_root
+    from swarm.model.block import load_block, model_num_layers
+    from swarm.model.resolve import model_manifest_digest, resolve_model
+    from swarm.ranges import LayerRange
+    from swarm.stage.membership import announce, measure_decode_tps, place
+    from swarm.transport import load_or_create_key
+    from swarm.weights.manifest import model_id as weights_model_id
+
+    placed = config.layers is None
     try:
         if config.threads:
             torch.set_num_threads(config.threads)
         key = load_or_create_key(config.key_path)
         resolved = resolve_model(config.model)
+        model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.bootstrap else None
+        if placed:
+            moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
+            layers = LayerRange.parse(moved) if moved else _run_trio(
+                place, config, resolved.path, model_id, model_num_layers(resolved.path), key)
+            config = dataclasses.replace(config, layers=layers)
         block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
                            progress=sys.stderr.isatty())
         digest = model_manifest_digest(resolved.path)
@@ -113,30 +137,49 @@ def run_stage(config: StageConfig) -> int:
         return 1
     try:
         server = StageServer(config, block, resolved.name, digest)
+        server.model_id = model_id
+        membership = None
+        if config.bootstrap:
+            tps = measure_decode_tps(block)
+            log.info("stage.throughput layers=%s decode_steps_per_s=%.1f", block.layer_range, tps)
+            membership = partial(announce, config=config, model_id=model_id, throughput_tps=tps, placed=placed)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return 1
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ready = await nursery.start(serve, server, key, config.listen)
+            ready = await nursery.start(partial(serve, server, key, config.listen,
+                                                announce_addrs=config.announce_addrs, membership=membership))
             emit("READY", ready)
             nursery.start_soon(_drain_on_sigterm, server)
             await server.drain_requested.wait()
             emit("DRAINED", await server.drain(config.drain_timeout_s))
+            sys.stderr.flush()
+            if server.move_to is not None:  # rebalancing: start again on the new block, same key and flags
+                emit("MOVING", {"from": block.layer_range.as_list(), "to": server.move_to.as_list()})
+                os.environ[MOVED_ENV] = f"{server.move_to.start}:{server.move_to.end}"
+                os.execv(sys.executable, [sys.executable, "-m", "swarm", *sys.argv[1:]])
             # every session is finished or failed with a reason: nothing is left to save, and a
             # graceful libp2p shutdown takes seconds, so leave now (a supervisor sees exit 0 at once)
-            sys.stderr.flush()
             os._exit(0)
 
     try:
-        try:
-            trio.run(main)
-        except BaseExceptionGroup as group:
-            raise collapse(group) from None
+        _run_trio(main)
     except KeyboardInterrupt:
         return 0
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return 1
     return 0
+
+
+MOVED_ENV = "SWARM_STAGE_MOVED_TO"
+
+
+def _run_trio(fn, *args):
+    """trio.run, with the one SwarmError inside an exception group raised bare."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None

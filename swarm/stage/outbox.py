@@ -78,7 +78,7 @@ class OutboxMixin:
         if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
-        if self.block.is_tail:
+        if sess.is_tail(self.block.num_layers):
             sent = wire.frame("result", token_ids=payload, **meta)
             self._post(sess.reply, sess, sent, msg["chunk"])
             item = receipts.result_item(sent)

@@ -176,34 +176,40 @@ class SchedulerMixin:
         output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
         out = []
         block = self.block
-        packed = [(s, j) for s, j in small if s.batch]
-        if packed:
+        groups: dict = {}  # packed sessions share a forward only with sessions over the same layers
+        for s, j in small:
+            if s.batch:
+                groups.setdefault(s.span, []).append((s, j))
+        for span, packed in groups.items():
             ys = block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]),
-                                     logits_rows=[_logits_rows(j.msg, j.msg["pos"], j.x.shape[1]) for _, j in packed])
+                                     logits_rows=[_logits_rows(j.msg, j.msg["pos"], j.x.shape[1]) for _, j in packed],
+                                     span=span)
             out += [(s, j, j.msg["pos"], j.x.shape[1], y) for (s, j), y in zip(packed, ys)]
         for s, j in small:  # sessions that did not ask to batch: each alone, one GEMV per row
             if not s.batch:
                 n = j.x.shape[1]
-                y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)])
+                y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)],
+                                        span=s.span)
                 out.append((s, j, j.msg["pos"], n, y[0]))
         if piece is not None:
             s, j, slice_rows = piece
             n = min(slice_rows, j.x.shape[1] - j.done)
             pos = j.msg["pos"] + j.done
             y = block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s),
-                                    logits_rows=[_logits_rows(j.msg, pos, n)])[0]
+                                    logits_rows=[_logits_rows(j.msg, pos, n)], span=s.span)[0]
             out.append((s, j, pos, n, y))
         results = []
         for s, j, pos, n, y in out:
-            part = self._decide(s, pos + n - y.shape[1], y) if block.is_tail else y
+            tail = s.is_tail(block.num_layers)
+            part = self._decide(s, pos + n - y.shape[1], y) if tail else y
             complete = j.done + n == j.x.shape[1]
             if complete and j.parts:
-                part = (sum(j.parts, []) + part) if block.is_tail else torch.cat([*j.parts, part], dim=1)
+                part = (sum(j.parts, []) + part) if tail else torch.cat([*j.parts, part], dim=1)
             elif not complete:
                 j.parts.append(part)
             payload = None
             if complete:
-                payload = part if self.block.is_tail else wire.encode_tensor(part, dtype=s.wire_dtype)
+                payload = part if tail else wire.encode_tensor(part, dtype=s.wire_dtype)
             results.append((s, j, n, payload))
         return results
 

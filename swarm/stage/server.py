@@ -23,6 +23,7 @@ import trio
 from swarm import receipts, wire
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
+from swarm.ranges import LayerRange
 from swarm.stage.outbox import OutboxMixin
 from swarm.stage.scheduler import MAX_QUEUED, SchedulerMixin
 from swarm.stage.session import Job, Session, session_of
@@ -48,6 +49,9 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self.nursery = None  # background tasks (successor drains), set by serve()
         self.draining = False  # no new sessions; set by drain()
         self.drain_requested = trio.Event()  # a drain frame from an --admin peer
+        self.model_id: str | None = None  # weights id (swarm.weights.manifest), set when the stage joins a swarm
+        self.move_to: LayerRange | None = None  # set by a rebalance: restart on this block after the drain
+        self.announcer = None  # swarm.discovery.announce.Announcer while the stage announces
         if config.max_ctx is not None:
             if config.max_ctx > block.max_ctx:
                 raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
@@ -57,6 +61,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         b = self.block
         return wire.frame(
             "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
+            model_id=self.model_id,
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
@@ -167,28 +172,33 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             return
         if not receipts.assignment_ok(msg, coordinator):
             raise ProtocolError(f"open frame is not signed by the peer that sent it ({coordinator})")
+        try:
+            span = self.block.check_span(None if msg.get("layers") is None else LayerRange(*msg["layers"]))
+        except ConfigError as exc:
+            raise ProtocolError(f"open frame: {exc}") from None
+        head, tail = span.start == 0, span.end == self.block.num_layers
         prev = msg.get("prev")
-        if self.block.is_head and prev is not None:
-            raise ProtocolError(f"stage {self.block.layer_range} is the head: its input comes from the coordinator, "
+        if head and prev is not None:
+            raise ProtocolError(f"layers {span} start the model: their input comes from the coordinator, "
                                 "not from a 'prev' stage")
-        if not self.block.is_head and prev is None:
-            raise ProtocolError(f"stage {self.block.layer_range} is not the head and needs 'prev' (the PeerId of "
+        if not head and prev is None:
+            raise ProtocolError(f"layers {span} do not start the model and need 'prev' (the PeerId of "
                                 "its predecessor)")
         existing = self.sessions.get(sid)
         if existing is not None and existing.coordinator != coordinator:
             await self._refuse(stream, existing, "open")
             return
-        if self.block.is_tail and next_addr is not None:
-            raise ProtocolError(f"stage {self.block.layer_range} is the tail and takes no successor")
+        if tail and next_addr is not None:
+            raise ProtocolError(f"layers {span} end the model and take no successor")
         if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
-        if not self.block.is_tail and next_addr is None:
-            raise ProtocolError(f"stage {self.block.layer_range} is not the tail and needs a successor")
+        if not tail and next_addr is None:
+            raise ProtocolError(f"layers {span} do not end the model and need a successor")
         max_len = msg["max_len"] or self.block.max_ctx
         if max_len > self.block.max_ctx:
             raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
                                   f"{self.block.max_ctx}")
-        need = max_len * self.block.kv_bytes_per_position()
+        need = max_len * self.block.kv_bytes_per_position(span)
         if self.config.kv_budget_mb is not None:
             budget = int(self.config.kv_budget_mb * 2**20)
             others = [s for s in self.sessions.values() if s.session_id != sid]
@@ -206,8 +216,10 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 return
         if msg.get("batch") and self.kernels["batch_ok"] is None:
             await self._prove_batch_tile()
-        session = Session(sid, self.block.new_cache(max_len), stream, next_addr, coordinator=coordinator,
-                          source=prev or coordinator, reserved=need, last_active=trio.current_time())
+        if span != self.block.layer_range:  # the receipt signs the digest of the tensors it runs: hash once, off-loop
+            await trio.to_thread.run_sync(self.block.digest_of, span)
+        session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
+                          source=prev or coordinator, reserved=need, last_active=trio.current_time(), span=span)
         session.batch = bool(msg.get("batch"))
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
@@ -229,7 +241,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
                 return
         self.sessions[sid] = session
-        log.info("session.open session=%s next=%s max_len=%d", sid, next_addr, max_len)
+        log.info("session.open session=%s layers=%s next=%s max_len=%d", sid, span, next_addr, max_len)
         await stream.send(wire.frame("open_ok", session=sid))
 
     async def _forward(self, stream, msg: dict) -> None:
@@ -253,7 +265,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             if len(sess.queue) >= MAX_QUEUED:
                 raise ProtocolError(f"more than {MAX_QUEUED} chunks of the session are waiting at this stage")
             # the chunk may start anywhere up to where the chunks queued before it will have left the cache
-            inputs = wire.forward_inputs(msg, is_head=block.is_head, vocab_size=block.vocab_size,
+            inputs = wire.forward_inputs(msg, is_head=sess.is_head, vocab_size=block.vocab_size,
                                          hidden_size=block.hidden_size,
                                          kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
                                          max_len=sess.cache.max_len)
@@ -261,7 +273,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             await self._fail_session(sess, exc)
             return
         sess.frames_in += 1
-        x = inputs["token_ids"] if block.is_head else inputs["hidden"]
+        x = inputs["token_ids"] if sess.is_head else inputs["hidden"]
         if msg.get("logits_from", msg["pos"]) > msg["pos"] + x.shape[1]:
             await self._fail_session(sess, ProtocolError(f"forward frame 'logits_from' {msg['logits_from']} lies past "
                                                          f"its last row {msg['pos'] + x.shape[1] - 1}"))

@@ -53,6 +53,16 @@ class Session:
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
     batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
+    span: object = None  # LayerRange this session runs: the block or a sub-range the open frame named
+
+    @property
+    def is_head(self) -> bool:
+        """Its layers start the model: the input is token ids from the coordinator."""
+        return self.span.start == 0
+
+    def is_tail(self, num_layers: int) -> bool:
+        """Its layers end the model: the output is token ids for the coordinator."""
+        return self.span.end == num_layers
 
 
 def session_of(msg) -> str | None:

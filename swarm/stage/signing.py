@@ -32,11 +32,12 @@ class SigningMixin:
         so every receipt covers all frames its predecessor sent: the digests of neighbours match.
         """
         b, sid = self.block, sess.session_id
+        tail = sess.is_tail(b.num_layers)
         body = sess.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=self.host.peer_id, model=self.model_name,
-            model_digest=self.model_digest, range_digest=getattr(b, "range_digest", ""), layers=b.layer_range.as_list(), num_layers=b.num_layers,
-            dtype=str(b.dtype).removeprefix("torch."),
-            wire_dtype="token_ids" if b.is_tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
+            model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),
+            num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
+            wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions)
         from swarm.transport.identity import sign
 
@@ -44,5 +45,5 @@ class SigningMixin:
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
         self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))
-        if not b.is_tail:
+        if not tail:
             self._post(sess.next_stream, sess, wire.frame("receipt", session=sid))

@@ -355,12 +355,17 @@ def _probe_bindable(maddr: multiaddr.Multiaddr) -> None:
             raise ConfigError(f"listen address {maddr} {why}") from e
 
 
+LIBP2P_LOG_LEVEL: int | None = None  # set by the CLI: libp2p's own level (its import resets it to WARNING)
+
+
 def _route_libp2p_logs() -> None:
     # `import libp2p` detaches its logger tree (propagate=False, no handlers) unless
     # LIBP2P_DEBUG is set, so its warnings bypass the daemon's logging config and land on
     # stderr via logging.lastResort. Route them through the standard tree instead.
     if not os.environ.get("LIBP2P_DEBUG"):
         logging.getLogger("libp2p").propagate = True
+        if LIBP2P_LOG_LEVEL is not None:
+            logging.getLogger("libp2p").setLevel(LIBP2P_LOG_LEVEL)
         # It pins itself to INFO and logs every cycle; we stop it (see open_host) anyway.
         logging.getLogger("libp2p.network.auto_connector").setLevel(logging.WARNING)
 

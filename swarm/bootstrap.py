@@ -1,0 +1,66 @@
+"""``swarm bootstrap``: a node that only serves the swarm DHT, the address new members join through.
+
+Owns: the bootstrap daemon's life: key, host, a server-mode DHT (``swarm.discovery.dht``), the
+``SWARM_BOOTSTRAP_READY {"peer_id", "addrs", "protocol"}`` line on stdout (or
+``SWARM_BOOTSTRAP_FATAL {"reason"}``), and a clean stop on SIGTERM or Ctrl-C. It holds no model
+and no torch; several bootstrap nodes may join each other (``--bootstrap``) for redundancy.
+Glue: nothing imports it but the CLI and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from swarm.errors import SwarmError, collapse
+
+log = logging.getLogger(__name__)
+
+
+def emit(kind: str, payload: dict) -> None:
+    """Print one lifecycle line (``SWARM_BOOTSTRAP_<KIND> {json}``) to stdout and flush."""
+    sys.stdout.write(f"SWARM_BOOTSTRAP_{kind} {json.dumps(payload, sort_keys=True)}\n")
+    sys.stdout.flush()
+
+
+def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None = None,
+                  announce: list[str] | None = None) -> int:
+    """Serve the DHT until SIGTERM/SIGINT. Returns 0 on a clean stop, 1 after printing FATAL.
+
+    Args:
+        key_path: the node key file (created 0600 if missing): a stable PeerId across restarts,
+            so the address members were given stays valid.
+        listen: TCP multiaddrs to listen on (e.g. ``/ip4/0.0.0.0/tcp/4001``).
+        bootstrap: other bootstrap nodes to join (optional).
+        announce: addresses to advertise instead of the bound ones (port forwards).
+    """
+    from swarm.discovery.dht import PROTOCOL_ID, open_dht
+    from swarm.transport import load_or_create_key
+    from swarm.transport.host import open_host
+
+    async def main() -> None:
+        key = load_or_create_key(key_path)
+        async with open_host(key, listen, announce_addrs=announce or ()) as host:
+            async with open_dht(host, server=True, bootstrap=bootstrap or ()):
+                emit("READY", {"peer_id": host.peer_id, "addrs": host.addrs(), "protocol": PROTOCOL_ID})
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        log.info("bootstrap.stop reason=SIGTERM")
+                        return
+
+    try:
+        try:
+            trio.run(main)
+        except BaseExceptionGroup as group:
+            raise collapse(group) from None
+    except KeyboardInterrupt:
+        return 0
+    except SwarmError as exc:
+        emit("FATAL", {"reason": str(exc)})
+        return 1
+    return 0

@@ -1,0 +1,135 @@
+"""A client's view of the swarm: records -> holders, RTT probes, a route as a ring, replacements.
+
+Owns: turning validated ``StageRecord``s of one model into ``swarm.routing.Holder``s, probing the
+client's own round trips to them, and asking ``swarm.routing`` for a route (``discover_ring``,
+returned as a ``RingSpec`` so everything after it works as with a ring file) or for a replacement
+of a lost layer range (``find_replacement``, used by healing). The decisions are in
+``swarm.routing``; this module only gathers their inputs.
+May import: stdlib, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.config``, ``swarm.ranges``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from swarm.config import RingSpec, StageSpec
+from swarm.discovery.dht import SwarmDHT
+from swarm.discovery.records import StageRecord
+from swarm.errors import ConfigError
+from swarm.ranges import LayerRange
+from swarm.routing import Holder, Hop, NoRoute, Route, plan_replacement, plan_route
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What ``discover_ring`` found and chose.
+
+    Args:
+        ring: the route as a RingSpec (stages = hops with their sub-ranges; no spares).
+        route: the routing decision (hops, expected per-token ms).
+        records: every valid record of the model that was read.
+        client_rtt_ms: this client's measured round trips, PeerId -> ms.
+        seconds: time spent (read + probes + planning).
+    """
+
+    ring: RingSpec
+    route: Route
+    records: tuple[StageRecord, ...]
+    client_rtt_ms: dict
+    seconds: float
+
+
+def holders_of(records: Sequence[StageRecord]) -> list[Holder]:
+    """One Holder per record (its first direct addr, else its first relayed addr)."""
+    out = []
+    for r in records:
+        addr = (r.addrs or r.relay_addrs)[0]
+        out.append(Holder(peer_id=r.peer_id, addr=addr, layers=tuple(r.layers), state=r.state,
+                          throughput_tps=float(r.throughput_tps), sessions=r.sessions,
+                          free_kv_bytes=r.free_kv_bytes or None, kv_bytes_per_token_layer=r.kv_bytes_per_token_layer,
+                          rtt_ms=dict(r.rtt_ms)))
+    return out
+
+
+async def probe_rtts(dht: SwarmDHT, records: Sequence[StageRecord], timeout_s: float = 2.0) -> dict[str, float]:
+    """Measure this client's round trip to every record's stage concurrently; unreachable ones are left out."""
+    out: dict[str, float] = {}
+
+    async def one(r: StageRecord) -> None:
+        for addr in (*r.addrs, *r.relay_addrs):
+            ms = await dht.rtt_ms(addr, timeout_s=timeout_s)
+            if ms is not None:
+                out[r.peer_id] = ms
+                return
+
+    with trio.move_on_after(timeout_s + 1):
+        async with trio.open_nursery() as nursery:
+            for r in records:
+                nursery.start_soon(one, r)
+    return out
+
+
+def ring_of(model: str, hops: Sequence[Hop]) -> RingSpec:
+    """A RingSpec whose stages are the hops (addr, sub-range)."""
+    return RingSpec(model=model, stages=tuple(StageSpec(addr=h.addr, layers=LayerRange(*h.layers)) for h in hops))
+
+
+async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: int, *, context_tokens: int = 0,
+                        exclude: frozenset[str] = frozenset(), timeout_s: float = 5.0) -> Discovered:
+    """Read the swarm's records of a model and choose a route over them.
+
+    Args:
+        dht: a joined SwarmDHT (client mode is enough).
+        model: the model as the user named it (kept in the RingSpec for messages).
+        model_id: its 64-hex id (``swarm.weights.manifest.model_id``): only records naming it count.
+        num_layers: L of the model.
+        context_tokens: prompt + new tokens the session may reach (stages without KV room for it
+            are skipped).
+        exclude: PeerIds not to use.
+    Returns:
+        Discovered (the ring to connect to, and what the choice rested on).
+    Raises:
+        ConfigError: no stage of this model announces on the swarm, or the announced stages
+            leave layers uncovered (the message names the layer ranges and what holds what).
+    """
+    start = time.monotonic()
+    records = await dht.find_records(model_id, timeout_s=timeout_s)
+    if not records:
+        raise ConfigError(f"no stage of model {model} (id {model_id[:16]}) announces on the swarm; "
+                          "start stages with --bootstrap, or check that they run the same weights")
+    rtts = await probe_rtts(dht, records)
+    holders = [h for h in holders_of(records) if h.peer_id in rtts]
+    try:
+        route = plan_route(holders, num_layers, client_rtt_ms=rtts, context_tokens=context_tokens, exclude=exclude)
+    except NoRoute as e:
+        held = ", ".join(f"{r.peer_id[-8:]} [{r.layers[0]}, {r.layers[1]}) {r.state}"
+                         f"{'' if r.peer_id in rtts else ' unreachable'}" for r in records)
+        raise ConfigError(f"cannot route model {model}: {e} (stages: {held})") from None
+    seconds = time.monotonic() - start
+    log.info("route.chosen model=%s hops=%d cost_ms=%.1f found=%d took_s=%.2f route=%s", model, len(route.hops),
+             route.cost_ms, len(records), seconds, route)
+    return Discovered(ring_of(model, route.hops), route, tuple(records), rtts, seconds)
+
+
+async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], *, prev_peer: str | None,
+                           next_peer: str | None, exclude: frozenset[str], context_tokens: int = 0,
+                           timeout_s: float = 5.0) -> tuple[Hop, ...]:
+    """The cheapest reachable chain of stages that can take over layers ``lost`` of a route.
+
+    Raises:
+        NoRoute: no reachable, online stage outside ``exclude`` covers the lost range.
+    """
+    records = [r for r in await dht.find_records(model_id, timeout_s=timeout_s) if r.peer_id not in exclude]
+    rtts = await probe_rtts(dht, records)
+    holders = [h for h in holders_of(records) if h.peer_id in rtts]
+    hops = plan_replacement(holders, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,
+                            client_rtt_ms=rtts, context_tokens=context_tokens)
+    log.info("route.replacement lost=[%d, %d) hops=%s", *lost, [(h.peer_id[-8:], h.layers) for h in hops])
+    return hops

@@ -1,0 +1,75 @@
+"""``swarm peers``: the swarm as a table: per model a layer-coverage map, per stage its record.
+
+Owns: grouping records by model, the coverage count per layer, and rendering (text table or a
+JSON document). Reading the records is ``SwarmDHT.find_records``; RTTs are ``probe_rtts``.
+May import: stdlib, ``swarm.discovery.records``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from swarm.discovery.records import StageRecord
+
+
+def coverage(records: Sequence[StageRecord], num_layers: int, states: tuple[str, ...] = ("online",)) -> list[int]:
+    """How many stages in ``states`` hold each layer ``0 .. L-1``."""
+    counts = [0] * num_layers
+    for r in records:
+        if r.state in states:
+            for layer in range(r.layers[0], min(r.layers[1], num_layers)):
+                counts[layer] += 1
+    return counts
+
+
+def _coverage_bar(counts: list[int]) -> str:
+    # one character per layer: '.' uncovered, then the holder count (9+ shown as '+')
+    return "".join("." if c == 0 else (str(c) if c < 10 else "+") for c in counts)
+
+
+def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float]) -> dict:
+    """The JSON document of ``swarm peers --json``: ``{"models": [{model_id, name, num_layers,
+    coverage, uncovered, stages: [...]}]}``, models sorted by id, stages by layer range."""
+    models: dict[str, list[StageRecord]] = {}
+    for r in records:
+        models.setdefault(r.model_id, []).append(r)
+    out = []
+    for model_id, recs in sorted(models.items()):
+        num_layers = max(r.num_layers for r in recs)
+        counts = coverage(recs, num_layers)
+        uncovered, start = [], None
+        for i, c in enumerate([*counts, 1]):
+            if c == 0 and start is None:
+                start = i
+            elif c != 0 and start is not None:
+                uncovered.append([start, i])
+                start = None
+        stages = [{"peer_id": r.peer_id, "layers": list(r.layers), "state": r.state, "addrs": list(r.addrs),
+                   "throughput_tps": round(r.throughput_tps, 2), "sessions": r.sessions,
+                   "free_kv_mib": round(r.free_kv_bytes / 2**20, 1), "dtype": r.dtype, "device": r.device,
+                   "version": r.version, "rtt_ms": None if r.peer_id not in rtt_ms else round(rtt_ms[r.peer_id], 2)}
+                  for r in sorted(recs, key=lambda r: (r.layers, r.peer_id))]
+        names = sorted({r.model_name for r in recs})
+        out.append({"model_id": model_id, "name": names[0] if len(names) == 1 else names, "num_layers": num_layers,
+                    "coverage": counts, "uncovered": uncovered, "stages": stages})
+    return {"models": out}
+
+
+def render(summary: dict) -> str:
+    """Plain-text tables of a ``summarize`` document."""
+    lines = []
+    for m in summary["models"]:
+        name = m["name"] if isinstance(m["name"], str) else "/".join(m["name"])
+        lines.append(f"model {name} (id {m['model_id'][:16]}), {m['num_layers']} layers, "
+                     f"{len(m['stages'])} stage(s)")
+        lines.append(f"  coverage  {_coverage_bar(m['coverage'])}   ('.' = no online stage)")
+        if m["uncovered"]:
+            lines.append("  uncovered " + ", ".join(f"[{a}, {b})" for a, b in m["uncovered"]))
+        lines.append(f"  {'peer':<14} {'layers':<10} {'state':<9} {'tok/s':>8} {'sess':>5} {'free KV MiB':>12} "
+                     f"{'rtt ms':>8}  device")
+        for s in m["stages"]:
+            rtt = "-" if s["rtt_ms"] is None else f"{s['rtt_ms']:.1f}"
+            lines.append(f"  ..{s['peer_id'][-12:]:<12} [{s['layers'][0]}, {s['layers'][1]}){'':<{max(0, 6 - len(str(s['layers'][0])) - len(str(s['layers'][1])))}}"
+                         f" {s['state']:<9} {s['throughput_tps']:>8.1f} {s['sessions']:>5} {s['free_kv_mib']:>12.1f} "
+                         f"{rtt:>8}  {s['device']}/{s['dtype']}")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""A stage's membership in a self-organizing swarm: placement, its record, announcing, moving.
+
+Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read the swarm's records
+of the model and take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
+then the lowest throughput), the decode throughput a stage measures on its own block at start
+(``measure_decode_tps``), the fields of its signed record read from the live server
+(``record_fields``), and the task that joins the DHT and keeps the record fresh (``announce``),
+republishing ``draining`` at once when a drain starts and checking every ``--rebalance-s`` whether
+its block should move (``swarm.routing.should_move``; a move drains the stage's sessions first and
+then restarts it on the new block, so no session ever sees a half-moved stage).
+May import: torch, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.stage.server``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import trio
+
+from swarm import __version__
+from swarm.config import StageConfig
+from swarm.errors import SwarmError
+from swarm.ranges import LayerRange
+
+log = logging.getLogger(__name__)
+
+
+def measure_decode_tps(block, steps: int = 8) -> float:
+    """Decode steps per second of ``block`` over its whole range (one new position per step), in
+    the block's dtype and device, on a scratch KV cache: what a client's routing divides work by.
+
+    Returns:
+        steps / second (after one warm-up step).
+    """
+    cache = block.new_cache(steps + 2)
+    gen = torch.Generator().manual_seed(0)
+    if block.is_head:
+        xs = [torch.randint(0, block.vocab_size, (1, 1), generator=gen) for _ in range(steps + 1)]
+    else:
+        xs = [torch.randn(1, 1, block.hidden_size, generator=gen).to(block.dtype) for _ in range(steps + 1)]
+    block.forward_batch([(cache, 0, xs[0])])
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        block.forward_batch([(cache, i, xs[i])])
+    return steps / max(1e-9, time.perf_counter() - start)
+
+
+async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, key) -> LayerRange:
+    """Pick this stage's block from the swarm: ``fit`` layers (``--num-layers``, else what memory
+    allows) at the window ``swarm.routing.plan_placement`` chooses from the current records.
+
+    Raises:
+        DiscoveryError: no bootstrap node answered.
+    """
+    from swarm.discovery.client import holders_of
+    from swarm.discovery.dht import open_dht
+    from swarm.preflight import layers_that_fit
+    from swarm.routing import plan_placement
+    from swarm.transport import open_host
+
+    fit = config.fit_layers or await trio.to_thread.run_sync(
+        lambda: layers_that_fit(model_dir, dtype=config.dtype, device=config.device, budget_mb=config.mem_budget_mb,
+                                max_ctx=config.max_ctx))
+    async with open_host(key, [config.listen]) as host:
+        async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
+            records = await dht.find_records(model_id)
+    window = plan_placement(holders_of(records), num_layers, min(fit, num_layers))
+    log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d", *window, fit, len(records))
+    return LayerRange(*window)
+
+
+def record_fields(server, model_id: str, throughput_tps: float) -> dict:
+    """The record fields read from the live server (all but peer_id, rtt_ms, seq and expiry)."""
+    b, config = server.block, server.config
+    reserved = sum(s.reserved for s in server.sessions.values())
+    budget = int(config.kv_budget_mb * 2**20) if config.kv_budget_mb is not None else 0
+    per_pos = b.kv_bytes_per_position()
+    return {
+        "model_id": model_id, "model_name": server.model_name, "num_layers": b.num_layers,
+        "layers": (b.layer_range.start, b.layer_range.end), "addrs": tuple(server.host.addrs()),
+        "dtype": str(b.dtype).removeprefix("torch."), "device": b.device.type, "max_ctx": b.max_ctx,
+        # no --kv-budget-mb: report room for one full-context session (0 would read as "full")
+        "free_kv_bytes": max(0, budget - reserved) if budget else per_pos * b.max_ctx,
+        "kv_bytes_per_token_layer": per_pos // max(1, len(b.layers)), "sessions": len(server.sessions),
+        "state": "draining" if server.draining or server.drain_requested.is_set() else "online",
+        "version": __version__, "throughput_tps": round(float(throughput_tps), 3),
+    }
+
+
+async def announce(server, config: StageConfig, model_id: str, throughput_tps: float, *, placed: bool,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Join the DHT on the server's host, publish the record (before reporting started), keep it
+    fresh, republish ``draining`` as soon as a drain is requested, and (for a placed block) check
+    every ``--rebalance-s`` whether to move; a move requests a drain and sets ``server.move_to``.
+
+    Raises:
+        DiscoveryError: no bootstrap node answered (before started).
+    """
+    from swarm.discovery.announce import Announcer
+    from swarm.discovery.client import holders_of
+    from swarm.discovery.dht import open_dht
+    from swarm.routing import should_move
+
+    async with open_dht(server.host, server=not config.dht_client, bootstrap=config.bootstrap,
+                        accept_models=None) as dht:
+        announcer = Announcer(dht, server.host.key_pair, lambda: record_fields(server, model_id, throughput_tps),
+                              interval_s=config.announce_interval_s, ttl_s=config.record_ttl_s)
+        server.announcer = announcer
+        async with trio.open_nursery() as nursery:
+            await nursery.start(announcer.run)
+            task_status.started(announcer.published)
+
+            async def on_drain() -> None:
+                await server.drain_requested.wait()
+                announcer.poke()
+
+            nursery.start_soon(on_drain)
+            if placed and config.rebalance_s > 0:
+                b = server.block
+                while not server.drain_requested.is_set():
+                    await trio.sleep(config.rebalance_s)
+                    try:
+                        records = await dht.find_records(model_id)
+                        target = should_move(holders_of(records), server.host.peer_id, b.num_layers, len(b.layers))
+                    except SwarmError as exc:  # e.g. our own record not readable right now: next time
+                        log.info("placement.recheck_failed error=%s", exc)
+                        continue
+                    if target is not None and tuple(target) != (b.layer_range.start, b.layer_range.end):
+                        log.warning("placement.move from=%s to=[%d, %d)", b.layer_range, *target)
+                        server.move_to = LayerRange(*target)
+                        server.drain_requested.set()

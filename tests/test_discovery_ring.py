@@ -1,0 +1,202 @@
+"""A self-organizing swarm with real processes on loopback: a bootstrap node, stages announcing
+signed records on the DHT, clients that name only the model (issue 14's acceptance).
+
+One swarm serves the module: stories260k stages A, A2 holding [0, 3), C and R holding [2, 5) (R
+only through a relay adding 50 ms each way), E holding [1, 4), and a lure: a stage holding all of
+[0, 5) of a copy of stories260k with one weight changed, under the same directory name. The heal
+test kills a stage, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+
+import pytest
+import trio
+
+from swarm.config import SpecConfig
+from swarm.coordinator import decode
+from swarm.discovery.client import discover_ring
+from swarm.discovery.dht import open_dht
+from swarm.launch import BootstrapNode, LocalRing
+from swarm.model.block import model_num_layers
+from swarm.model.resolve import model_manifest_digest
+from swarm.ranges import LayerRange
+from swarm.ring import RingClient
+from swarm.transport import load_or_create_key, open_host
+from swarm.transport.relay import DelayRelay
+from swarm.weights.manifest import model_id
+from tests.conftest import make_synthetic, reference_greedy
+from tests.test_cli import run_swarm
+
+pytestmark = pytest.mark.slow
+
+PROMPT_IDS = [1, 403, 407, 261, 378]
+RANGES = [LayerRange(0, 3), LayerRange(0, 3), LayerRange(2, 5), LayerRange(2, 5), LayerRange(1, 4)]
+RELAYED = 3  # index in RANGES of the stage reachable only through the delaying relay
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _RelayThread:
+    """A DelayRelay (+50 ms each way) to 127.0.0.1:target_port, run on its own trio loop in a thread."""
+
+    def __init__(self, target_port: int, delay_ms: float = 50.0):
+        self.relay = DelayRelay("127.0.0.1", target_port, delay_ms)
+        self._ready = threading.Event()
+        self._stop = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+
+    async def _main(self):
+        from functools import partial
+
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, self.relay._handle, 0, host="127.0.0.1"))
+            self.relay.port = listeners[0].socket.getsockname()[1]
+            self._stop = trio.lowlevel.current_trio_token()
+            self._ready.set()
+            self._cancel = nursery.cancel_scope
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10), "the relay did not start"
+        return self.relay
+
+    def __exit__(self, *exc):
+        trio.from_thread.run_sync(self._cancel.cancel, trio_token=self._stop)
+        self._thread.join(5)
+
+
+def _other_weights(stories_dir, root):
+    """A copy of stories260k under the same directory name with one weight changed."""
+    from safetensors.torch import load_file, save_file
+
+    out = root / "stories260k"
+    shutil.copytree(stories_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def swarm_net(stories_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("swarm-net")
+    lure_dir = _other_weights(stories_dir, root / "other")
+    relayed_port = _free_port()
+    with BootstrapNode(root / "keys" / "boot.key") as boot, _RelayThread(relayed_port) as relay:
+        common = ["--dtype", "float32", "--bootstrap", boot.addr]
+        per_stage = {RELAYED: ["--listen", f"/ip4/127.0.0.1/tcp/{relayed_port}",
+                               "--announce-addr", f"/ip4/127.0.0.1/tcp/{relay.port}"]}
+        with LocalRing(str(stories_dir), RANGES, root / "keys", threads=1, extra_args=common,
+                       per_stage_args=per_stage, startup_timeout_s=180) as ring, \
+                LocalRing(str(lure_dir), [LayerRange(0, 5)], root / "lure-keys", threads=1, extra_args=common,
+                          startup_timeout_s=180) as lure:
+            yield {"boot": boot, "ring": ring, "lure": lure, "root": root}
+
+
+def _peer(stage) -> str:
+    return stage.ready["peer_id"]
+
+
+def test_coordinate_names_only_the_model_and_routes_around_the_relay_and_the_lure(swarm_net, stories_dir):
+    ring = swarm_net["ring"]
+    proc = run_swarm("coordinate", "--model", str(stories_dir), "--bootstrap", swarm_net["boot"].addr,
+                     "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["output_ids"] == reference_greedy(stories_dir, result["prompt_ids"], 24, "float32")
+    route = result["ring"]
+    assert [e["index"] for e in route] == list(range(len(route)))
+    assert route[0]["layers"][0] == 0 and route[-1]["layers"][1] == 5
+    assert all(a["layers"][1] == b["layers"][0] for a, b in zip(route, route[1:]))
+    used = {e["peer_id"] for e in route}
+    assert _peer(swarm_net["lure"].stages[0]) not in used  # other weights under the same name: never used
+    assert _peer(ring.stages[RELAYED]) not in used  # +50 ms behind the relay: its twin C wins
+    assert _peer(ring.stages[2]) in used
+    assert all(e["addr"].endswith("/p2p/" + e["peer_id"]) for e in route)
+    assert result["route_s"] < 30
+    assert result["receipt"]["verified"] is True, result["receipt"]  # sub-range hops sign their sub-range digests
+
+
+def test_peers_shows_coverage_and_errors_are_one_line(swarm_net, stories_dir):
+    boot = swarm_net["boot"].addr
+    proc = run_swarm("peers", "--bootstrap", boot, "--model", str(stories_dir), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert len(doc["models"]) == 1
+    m = doc["models"][0]
+    assert m["model_id"] == model_id(stories_dir) and m["num_layers"] == 5
+    assert m["coverage"] == [2, 3, 5, 3, 2] and m["uncovered"] == []
+    assert sorted(tuple(s["layers"]) for s in m["stages"]) == sorted((r.start, r.end) for r in RANGES)
+    table = run_swarm("peers", "--bootstrap", boot)  # every model: stories260k and the lure
+    assert table.returncode == 0 and table.stdout.count("model stories260k") == 2 and "coverage" in table.stdout
+    # an unreachable bootstrap address and a malformed one: one line each, exit 1
+    dead = boot.rsplit("/tcp/", 1)[0] + "/tcp/9/p2p/" + boot.rsplit("/p2p/", 1)[1]
+    for bad, says in ((dead, "no bootstrap node answered"), ("/ip4/127.0.0.1/tcp/9", "not a multiaddr")):
+        proc = run_swarm("peers", "--bootstrap", bad)
+        assert proc.returncode == 1 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+
+
+def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
+    model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=3, num_hidden_layers=6)
+    boot = swarm_net["boot"].addr
+    empty = run_swarm("peers", "--bootstrap", boot, "--model", str(model))
+    assert empty.returncode == 0 and "has no stage of model" in empty.stdout
+    common = ["--dtype", "float32", "--bootstrap", boot]
+    with LocalRing(str(model), [LayerRange(0, 2), LayerRange(4, 6)], tmp_path / "keys", threads=1,
+                   extra_args=common) as holders:
+        with LocalRing(str(model), [None], tmp_path / "auto-keys", threads=1,
+                       extra_args=common + ["--num-layers", "2"]) as auto:
+            assert auto.stages[0].ready["layers"] == [2, 4]  # the gap, not a covered window
+            doc = json.loads(run_swarm("peers", "--bootstrap", boot, "--model", str(model), "--json").stdout)
+            assert doc["models"][0]["coverage"] == [1] * 6
+    assert holders.stages[0].ready["announced"] is True
+
+
+def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, stories_dir, tmp_path):
+    """No spares anywhere: the replacement comes from the DHT; ids equal the uninterrupted run."""
+    ring_procs = swarm_net["ring"]
+    pid_of = {_peer(s): s.proc.pid for s in ring_procs.stages}
+    new = 32
+    expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
+    mid = model_id(stories_dir)
+    num_layers = model_num_layers(stories_dir)
+
+    async def main():
+        key = load_or_create_key(tmp_path / "coord.key")
+        async with open_host(key) as host, trio.open_nursery() as nursery:
+            async with open_dht(host, server=False, bootstrap=[swarm_net["boot"].addr]) as dht:
+                found = await discover_ring(dht, str(stories_dir), mid, num_layers, context_tokens=64)
+                victim = found.route.hops[0].peer_id
+                ring = RingClient(host, found.ring, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
+                ring.discovery = (dht, mid)
+                await ring.connect(num_layers, model_manifest_digest(stories_dir), nursery)
+                killed = []
+
+                def on_ids(out):
+                    if len(out) >= 8 and not killed:
+                        os.kill(pid_of[victim], signal.SIGKILL)
+                        killed.append(len(out))
+
+                out, timing = await decode(ring, PROMPT_IDS, new, set(), on_ids, SpecConfig(), None, heal=True)
+                infos = ring.infos
+                nursery.cancel_scope.cancel()
+        return victim, out, timing, infos
+
+    victim, out, timing, infos = trio.run(main)
+    assert out == expected
+    assert len(timing["heal_events"]) == 1 and timing["heal_events"][0]["stage"] == 0
+    assert victim not in {i.peer_id for i in infos}
+    assert infos[0].layers[0] == 0 and infos[-1].layers[1] == 5

@@ -199,6 +199,9 @@ def _demo_parser(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="instead of one generation, serve the OpenAI-compatible API over the local ring until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="with --serve: the port (default 8000; 0 picks one)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="the demo's stages also join this swarm (repeatable) and announce themselves there; "
+                        "`swarm peers --bootstrap ADDR` then shows them")
     h = p.add_argument_group("healing")
     h.add_argument("--spares", action="store_true", help="also start one warm spare per stage (same layers)")
     h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
@@ -209,11 +212,15 @@ def _demo_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible API over a running ring",
-                       description="Check the ring, then serve POST /v1/chat/completions and /v1/completions "
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API over a running ring or swarm",
+                       description="Check the ring (a ring file, or a route through the swarm with --model and "
+                                   "--bootstrap), then serve POST /v1/chat/completions and /v1/completions "
                                    "(stream or not), GET /v1/models and GET /health on HOST:PORT. Each request "
                                    "gets its own session at every stage.")
-    p.add_argument("--ring", required=True, type=Path, help="ring YAML file (model, stages, spares)")
+    p.add_argument("--ring", type=Path, help="ring YAML file (model, stages, spares)")
+    p.add_argument("--model", help="with --bootstrap: the model; its weights' id selects the stages")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="route through the swarm joined at this bootstrap node (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
@@ -452,7 +459,7 @@ def cmd_serve(args) -> int:
     from swarm.config import RingSpec, SpecConfig
     from swarm.serve import serve_api
 
-    ring = RingSpec.load(args.ring)
+    ring = _ring_or_swarm(args)
     spec = SpecConfig.from_args(args)
     from swarm.errors import ConfigError
 
@@ -466,7 +473,7 @@ def cmd_serve(args) -> int:
             info = await nursery.start(lambda task_status: serve_api(
                 ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
                 hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
-                max_concurrency=args.max_concurrency, task_status=task_status))
+                max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap), task_status=task_status))
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
                   flush=True)
 

@@ -130,7 +130,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
             from swarm.weights.manifest import model_id as weights_model_id
 
             model_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, _cache_root() / "manifests")
-            dht = await nursery.start(_run_dht, host, config.bootstrap)
+            dht = await nursery.start(run_dht, host, config.bootstrap)
             found = await discover_ring(dht, config.ring.model, model_id, num_layers,
                                         context_tokens=len(prompt_ids) + config.max_new_tokens)
             route_s = found.seconds
@@ -169,7 +169,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     return result
 
 
-async def _run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Join the swarm's DHT in client mode and hand the SwarmDHT to ``task_status`` until cancelled."""
     from swarm.discovery.dht import open_dht
 

@@ -42,6 +42,8 @@ def run_demo(args) -> int:
     say(f"swarm demo: {resolved.name} ({num_layers} layers) on {args.stages} stages: "
         + ", ".join(str(r) for r in ranges))
     extra = ["--dtype", args.dtype]
+    for addr in args.bootstrap:  # the demo's stages also join that swarm and announce themselves
+        extra += ["--bootstrap", addr]
     procs = len(ranges) * (2 if args.spares else 1)
     threads = max(1, (os.cpu_count() or 1) // procs)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \

@@ -85,6 +85,7 @@ class ServeState:
     active: int = 0
     served: int = 0
     pool: object = None  # ClientPool, set by serve_api
+    discovery: tuple | None = None  # (SwarmDHT, weights id) when the ring was routed from the swarm's DHT
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -296,7 +297,9 @@ class ClientPool:
             if self.free:
                 return self.free.pop()
             st = self.state
-            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True)
+            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True,
+                                model_id=st.discovery[1] if st.discovery else None)
+            client.discovery = st.discovery  # heals may take a replacement from the DHT
             try:
                 await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
             except BaseException:
@@ -541,9 +544,12 @@ async def ring_health(state: ServeState) -> list[dict]:
 
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
-                    heartbeat_s: float = 1.0, max_concurrency: int = 16,
+                    heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Check the ring, then serve the API on ``host:port`` until cancelled.
+
+    With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
+    DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
 
     ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening. At most
     ``max_concurrency`` requests run on the ring at once; more wait for a free slot.
@@ -568,7 +574,17 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     digest = model_manifest_digest(resolved.path)
     key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
-        probe = RingClient(p2p, ring, hop_timeout_s, 10.0, heartbeat_s)
+        discovery = None
+        if bootstrap:
+            from swarm.coordinator import run_dht
+            from swarm.discovery.client import discover_ring
+            from swarm.weights.manifest import model_id as weights_model_id
+
+            weights_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, cache_root() / "manifests")
+            dht = await nursery.start(run_dht, p2p, bootstrap)
+            ring = (await discover_ring(dht, ring.model, weights_id, num_layers)).ring
+            discovery = (dht, weights_id)
+        probe = RingClient(p2p, ring, hop_timeout_s, 10.0, heartbeat_s, model_id=discovery[1] if discovery else None)
         async with trio.open_nursery() as probe_nursery:  # the ring must be whole before we listen
             try:
                 infos = await probe.connect(num_layers, digest, probe_nursery, use_spares=True)
@@ -580,7 +596,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            model_dir=resolved.path, num_layers=num_layers, model_digest=digest,
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
-                           wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path))
+                           wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery)
         state.pool = ClientPool(state, max_concurrency)
         config = HyperConfig()
         config.bind = [f"{host}:{port}"]

@@ -411,3 +411,37 @@ def test_tail_answers_only_the_rows_logits_from_asks_for(model, tmp_path):
         return True
 
     assert run_with_ring(model, [(0, 4)], tmp_path, body)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sessions_run_sub_ranges_of_overlapping_blocks(synthetic, tmp_path, family):
+    """Stages holding [0, 3) and [1, 4) chained as [0, 1) -> [1, 4) and as [0, 3) -> [3, 4): the
+    same ids as transformers, every session on its own sub-range (a stage serves any sub-range of
+    its block); a sub-range outside the block, or one that starts the model on a stage without
+    the embedding, is refused with a reason."""
+    from swarm.config import RingSpec, StageSpec
+    from swarm.ranges import LayerRange
+
+    model = synthetic(family)
+    ref = reference_greedy(model, PROMPT, 6, "float64")
+
+    async def body(spec, servers, host):
+        a, b = spec.stages
+        outs, infos = [], []
+        for cut in (1, 3):
+            chain = RingSpec(model=str(model), stages=(StageSpec(a.addr, LayerRange(0, cut)),
+                                                       StageSpec(b.addr, LayerRange(cut, 4))))
+            info: dict = {}
+            outs.append(await ring_generate(chain, model, 4, PROMPT, 6, tmp_path, info=info, job={"id": "j", "nonce": "00" * 16}))
+            infos.append(info)
+        s = await host.open_stream(b.addr, PROTOCOL_ID, timeout_s=10)
+        await s.send(wire.open_frame(host.key_pair, "x1", None, 64, prev="12D3KooWx", layers=[2, 6]))
+        await _expect_error(s, "not inside this stage's block [1, 4)")
+        await s.send(wire.open_frame(host.key_pair, "x2", a.addr, 64, layers=[0, 2]))
+        await _expect_error(s, "not inside this stage's block [1, 4)")
+        return outs, infos
+
+    outs, infos = run_with_ring(model, [(0, 3), (1, 4)], tmp_path, body)
+    assert outs == [ref, ref]
+    assert [e["layers"] for e in infos[0]["ring"]] == [[0, 1], [1, 4]]
+    assert [e["layers"] for e in infos[1]["ring"]] == [[0, 3], [3, 4]]

@@ -100,3 +100,18 @@ def test_is_lossy(wire_dtype, stage, lossy):
 def test_open_frame_wire_dtype_checked():
     with pytest.raises(ProtocolError, match="wire_dtype"):
         wire.validate(wire.frame("open", session="s", next=None, max_len=4, sig="00", wire_dtype="int8"))
+
+
+@pytest.mark.parametrize("layers,ok", [
+    ([0, 3], True), ([2, 5], True), (None, True),
+    ([3, 3], False), ([4, 2], False), ([-1, 2], False), ([0], False), ("0:3", False), ([0.0, 3], False),
+    ([True, 3], False),
+])
+def test_open_frame_layers_checked(layers, ok):
+    extra = {} if layers is None else {"layers": layers}
+    msg = wire.frame("open", session="s", next=None, max_len=4, sig="00", **extra)
+    if ok:
+        assert wire.validate(msg) is msg
+    else:
+        with pytest.raises(ProtocolError, match="layers"):
+            wire.validate(msg)

@@ -179,21 +179,21 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         head, tail = span.start == 0, span.end == self.block.num_layers
         prev = msg.get("prev")
         if head and prev is not None:
-            raise ProtocolError(f"layers {span} start the model: their input comes from the coordinator, "
+            raise ProtocolError(f"stage {span} is the head: its input comes from the coordinator, "
                                 "not from a 'prev' stage")
         if not head and prev is None:
-            raise ProtocolError(f"layers {span} do not start the model and need 'prev' (the PeerId of "
+            raise ProtocolError(f"stage {span} is not the head and needs 'prev' (the PeerId of "
                                 "its predecessor)")
         existing = self.sessions.get(sid)
         if existing is not None and existing.coordinator != coordinator:
             await self._refuse(stream, existing, "open")
             return
         if tail and next_addr is not None:
-            raise ProtocolError(f"layers {span} end the model and take no successor")
+            raise ProtocolError(f"stage {span} is the tail and takes no successor")
         if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
         if not tail and next_addr is None:
-            raise ProtocolError(f"layers {span} do not end the model and need a successor")
+            raise ProtocolError(f"stage {span} is not the tail and needs a successor")
         max_len = msg["max_len"] or self.block.max_ctx
         if max_len > self.block.max_ctx:
             raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "

@@ -128,3 +128,34 @@ def test_rtt_to_a_peer():
             assert rtt is not None and 0 < rtt < 200
             assert await client.rtt_ms(f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}", timeout_s=1) is None
     run(main, timeout_s=30)
+
+
+def test_announcer_republishes_draining_at_once_with_a_higher_seq():
+    from swarm.discovery.announce import Announcer
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys, boot, servers, client = await _swarm(stack, 1)
+            state = {"state": "online", "sessions": 0}
+            pid = peer_id_of(keys[1])
+
+            def snapshot():
+                return dict(model_id=MODEL, model_name="m", num_layers=5, layers=(0, 3),
+                            addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), **state)
+
+            announcer = Announcer(servers[0], keys[1], snapshot, interval_s=30, ttl_s=60)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(announcer.run)
+                (first,) = await client.find_records(MODEL)
+                assert first.state == "online" and first.expires_at > time.time() + 50
+                state.update(state="draining", sessions=2)
+                announcer.poke()  # no waiting for the 30 s tick
+                with trio.fail_after(5):
+                    while True:
+                        (rec,) = await client.find_records(MODEL)
+                        if rec.state == "draining":
+                            break
+                        await trio.sleep(0.05)
+                assert rec.seq > first.seq and rec.sessions == 2
+                nursery.cancel_scope.cancel()
+    run(main, timeout_s=30)

@@ -178,7 +178,11 @@ class SwarmDHT:
         records: dict[str, StageRecord] = {}
 
         async def one(peer_id: str) -> None:
-            value = await self._fresh_value(record_key(peer_id))
+            # the stage itself holds its latest record: one request to it, the network only if it
+            # does not answer the DHT protocol (a --dht-client stage)
+            value = await self._value_from_owner(peer_id)
+            if value is None:
+                value = await self._fresh_value(record_key(peer_id))
             if value is None:
                 return
             try:
@@ -197,6 +201,21 @@ class SwarmDHT:
                     nursery.start_soon(one, peer_id)
         return [records[p] for p in sorted(records)]
 
+    async def _value_from_owner(self, peer_id: str, timeout_s: float = 2.0) -> bytes | None:
+        """GET_VALUE of a stage's record from the stage itself (libp2p 0.8.1's
+        ``ValueStore._get_from_peer``; the version is pinned by ``pin_protocol``)."""
+        from libp2p.peer.id import ID
+
+        if peer_id == self.host.peer_id:
+            got = self.dht.value_store.get(record_key(peer_id).encode())
+            return got.value if got is not None else None
+        try:
+            with trio.move_on_after(timeout_s):
+                return await self.dht.value_store._get_from_peer(ID.from_base58(peer_id), record_key(peer_id).encode())
+        except Exception as e:  # unreachable, or it does not serve the DHT: the caller asks the network
+            log.debug("dht.owner_get_failed peer=%s error=%r", peer_id, e)
+        return None
+
     async def _fresh_providers(self, key: str) -> list[str]:
         from libp2p.kad_dht.kad_dht import _encode_key
 
@@ -210,6 +229,10 @@ class SwarmDHT:
                 merged = store.providers.setdefault(kb, {})
                 for pid, rec in saved.items():
                     merged.setdefault(pid, rec)
+        peerstore = self.host.libp2p_host.get_peerstore()
+        for info in found:  # so the owners can be asked directly
+            if info.addrs and info.peer_id != self.host.libp2p_host.get_id():
+                peerstore.add_addrs(info.peer_id, info.addrs, 600)
         ids = {str(p.peer_id) for p in found}
         if saved:
             ids |= set(saved)
@@ -264,6 +287,32 @@ class SwarmDHT:
             return None
 
 
+def _skip_client_peers(dht) -> None:
+    """Keep client-mode peers out of the routing table.
+
+    libp2p 0.8.1 adds every peer that opens a DHT stream to us (``add_peer(...,
+    skip_server_mode_check=True)`` in the inbound handler), so coordinators and ``swarm peers``
+    runs, which only query, end up in server nodes' tables and are handed out as "closer peers"
+    long after they left: every later lookup then dials them in vain. The inbound path now adds a
+    peer only when identify says it serves ``PROTOCOL_ID``. Pinned with the protocol id (same
+    library version) and tested.
+    """
+    original = dht.add_peer
+    peerstore = dht.host.get_peerstore()
+
+    async def add_peer(peer_id, *, skip_server_mode_check: bool = False) -> bool:
+        if skip_server_mode_check:
+            try:
+                protocols = peerstore.get_protocols(peer_id) or []
+            except Exception:  # not in the peerstore yet: identify has not run, do not trust it
+                protocols = []
+            if PROTOCOL_ID not in [str(p) for p in protocols]:
+                return False
+        return await original(peer_id, skip_server_mode_check=skip_server_mode_check)
+
+    dht.add_peer = add_peer
+
+
 async def _join_one(host, dht, info, timeout_s: float) -> None:
     from libp2p.custom_types import TProtocol
 
@@ -274,7 +323,8 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
             await lh.connect(info)
             stream = await lh.new_stream(info.peer_id, [TProtocol(PROTOCOL_ID)])
             await stream.close()
-            await dht.add_peer(info.peer_id, skip_server_mode_check=True)
+            # it just negotiated the DHT protocol with us: a server, whatever identify says yet
+            await dht.routing_table.add_peer(info.peer_id, skip_server_mode_check=True)
     except trio.TooSlowError:
         raise DiscoveryError(f"bootstrap {info.peer_id} did not answer within {timeout_s} s") from None
     except Exception as e:  # libp2p's dial and negotiation errors share no base class
@@ -316,6 +366,7 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     infos = [parse_bootstrap(a) for a in bootstrap]
     dht = KadDHT(host.libp2p_host, DHTMode.SERVER if server else DHTMode.CLIENT,
                  validator=_validator(clock, accept_models), validator_changed=True, strict_validation=True)
+    _skip_client_peers(dht)
     error: DiscoveryError | None = None
     async with background_trio_service(dht):
         failures = []

@@ -159,3 +159,18 @@ def test_announcer_republishes_draining_at_once_with_a_higher_seq():
                 assert rec.seq > first.seq and rec.sessions == 2
                 nursery.cancel_scope.cancel()
     run(main, timeout_s=30)
+
+
+def test_clients_stay_out_of_routing_tables():
+    """A client-mode node that queried the swarm is never handed out as a DHT peer (libp2p 0.8.1
+    adds every peer opening a DHT stream; swarm keeps only those that serve the protocol)."""
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys, boot, servers, client = await _swarm(stack, 2)
+            await servers[0].announce(_value(keys[1]), MODEL)
+            assert await client.find_records(MODEL)
+            client_id = client.host.libp2p_host.get_id()
+            for node in (boot, *servers):
+                assert not node.dht.routing_table.peer_in_table(client_id)
+            assert boot.dht.routing_table.peer_in_table(servers[0].host.libp2p_host.get_id())
+    run(main, timeout_s=30)

@@ -165,6 +165,42 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     assert holders.stages[0].ready["announced"] is True
 
 
+def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
+    """P fills the gap [2, 4); R joins at [2, 4) too; then the only holder of [0, 2) dies. P's
+    re-check finds that leaving [2, 4) opens no gap and that [0, 2) is empty: it drains, prints
+    MOVING and comes back on [0, 2) under the same PeerId."""
+    import queue
+    import time
+
+    model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=5, num_hidden_layers=4)
+    boot = swarm_net["boot"].addr
+    fast = ["--dtype", "float32", "--bootstrap", boot, "--announce-interval-s", "1", "--record-ttl-s", "3"]
+    with LocalRing(str(model), [LayerRange(0, 2)], tmp_path / "h", threads=1, extra_args=fast) as h1, \
+            LocalRing(str(model), [None], tmp_path / "p", threads=1,
+                      extra_args=fast + ["--num-layers", "2", "--rebalance-s", "1"]) as placed:
+        p = placed.stages[0]
+        assert p.ready["layers"] == [2, 4]
+        with LocalRing(str(model), [LayerRange(2, 4)], tmp_path / "r", threads=1, extra_args=fast):
+            os.kill(h1.stages[0].proc.pid, signal.SIGKILL)
+            seen, deadline = [], time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    line = p.lines.get(timeout=1)
+                except queue.Empty:
+                    continue
+                if line is None:
+                    break
+                seen.append(line)
+                if line.startswith("SWARM_STAGE_READY "):
+                    break
+            kinds = [line.split(" ", 1)[0] for line in seen]
+            assert kinds == ["SWARM_STAGE_DRAINED", "SWARM_STAGE_MOVING", "SWARM_STAGE_READY"], seen
+            moved = json.loads(seen[1].split(" ", 1)[1])
+            again = json.loads(seen[2].split(" ", 1)[1])
+            assert moved == {"from": [2, 4], "to": [0, 2]}
+            assert again["layers"] == [0, 2] and again["peer_id"] == p.ready["peer_id"]
+
+
 def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, stories_dir, tmp_path):
     """No spares anywhere: the replacement comes from the DHT; ids equal the uninterrupted run."""
     ring_procs = swarm_net["ring"]

@@ -100,7 +100,7 @@ async def _heal(boot: str, tmp: Path, model_dir: Path, mid: str, n: int, pids: d
         async with open_dht(host, server=False, bootstrap=[boot]) as dht:
             found = await discover_ring(dht, str(model_dir), mid, n, context_tokens=len(PROMPT) + new)
             ring = RingClient(host, found.ring, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-            ring.discovery = (dht, mid)
+            ring.discovery = (dht, mid, found.records)
             await ring.connect(n, model_manifest_digest(model_dir), nursery)
             victim = found.route.hops[0].peer_id
 

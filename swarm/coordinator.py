@@ -136,7 +136,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
             route_s = found.seconds
             ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                               model_id=model_id)
-            ring.discovery = (dht, model_id)
+            ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
         else:
             ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
         await ring.connect(num_layers, digest, nursery)
@@ -266,13 +266,14 @@ class RingOps:
         from swarm.ranges import LayerRange
         from swarm.routing import NoRoute
 
-        dht, model_id = self.ring.discovery
+        dht, model_id, *known = self.ring.discovery
         infos = self.ring.infos
         try:
             hops = await find_replacement(
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
-                exclude=frozenset(i.peer_id for i in infos), context_tokens=self.state["max_len"])
+                exclude=frozenset(i.peer_id for i in infos), context_tokens=self.state["max_len"],
+                known=known[0] if known else None)
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
             return None

@@ -582,8 +582,8 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
 
             weights_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, cache_root() / "manifests")
             dht = await nursery.start(run_dht, p2p, bootstrap)
-            ring = (await discover_ring(dht, ring.model, weights_id, num_layers)).ring
-            discovery = (dht, weights_id)
+            found = await discover_ring(dht, ring.model, weights_id, num_layers)
+            ring, discovery = found.ring, (dht, weights_id, found.records)
         probe = RingClient(p2p, ring, hop_timeout_s, 10.0, heartbeat_s, model_id=discovery[1] if discovery else None)
         async with trio.open_nursery() as probe_nursery:  # the ring must be whole before we listen
             try:

@@ -217,7 +217,7 @@ def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, sto
                 found = await discover_ring(dht, str(stories_dir), mid, num_layers, context_tokens=64)
                 victim = found.route.hops[0].peer_id
                 ring = RingClient(host, found.ring, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-                ring.discovery = (dht, mid)
+                ring.discovery = (dht, mid, found.records)
                 await ring.connect(num_layers, model_manifest_digest(stories_dir), nursery)
                 killed = []
 

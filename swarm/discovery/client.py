@@ -76,6 +76,10 @@ async def probe_rtts(dht: SwarmDHT, records: Sequence[StageRecord], timeout_s: f
     return out
 
 
+def _could_cover(r: StageRecord, lost: tuple[int, int]) -> bool:
+    return r.state == "online" and r.layers[0] < lost[1] and r.layers[1] > lost[0]
+
+
 def ring_of(model: str, hops: Sequence[Hop]) -> RingSpec:
     """A RingSpec whose stages are the hops (addr, sub-range)."""
     return RingSpec(model=model, stages=tuple(StageSpec(addr=h.addr, layers=LayerRange(*h.layers)) for h in hops))
@@ -120,14 +124,26 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
 
 async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], *, prev_peer: str | None,
                            next_peer: str | None, exclude: frozenset[str], context_tokens: int = 0,
-                           timeout_s: float = 5.0) -> tuple[Hop, ...]:
+                           timeout_s: float = 5.0, known: Sequence[StageRecord] | None = None,
+                           _records: Sequence[StageRecord] | None = None) -> tuple[Hop, ...]:
     """The cheapest reachable chain of stages that can take over layers ``lost`` of a route.
 
+    Args:
+        known: records read earlier (at routing time): tried first, so a heal costs a few RTT
+            probes instead of a DHT read; None or no usable one reads the DHT afresh.
     Raises:
         NoRoute: no reachable, online stage outside ``exclude`` covers the lost range.
     """
-    records = [r for r in await dht.find_records(model_id, timeout_s=timeout_s) if r.peer_id not in exclude]
-    rtts = await probe_rtts(dht, records)
+    if known:
+        try:
+            return await find_replacement(dht, model_id, lost, prev_peer=prev_peer, next_peer=next_peer,
+                                          exclude=exclude, context_tokens=context_tokens, timeout_s=timeout_s,
+                                          known=None, _records=[r for r in known if r.peer_id not in exclude])
+        except NoRoute as e:
+            log.info("route.replacement_not_in_known lost=[%d, %d) reason=%s; reading the DHT", *lost, e)
+    records = list(_records) if _records is not None else [
+        r for r in await dht.find_records(model_id, timeout_s=timeout_s) if r.peer_id not in exclude]
+    rtts = await probe_rtts(dht, [r for r in records if _could_cover(r, lost)])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     hops = plan_replacement(holders, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,
                             client_rtt_ms=rtts, context_tokens=context_tokens)

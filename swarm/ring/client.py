@@ -44,7 +44,7 @@ class RingClient(LinksMixin, ProbeMixin):
                  heartbeat_s: float = 1.0, batch: bool = False, model_id: str | None = None):
         self.host = host
         self.model_id = model_id  # when set (routes from the DHT), every stage must report this weights id
-        self.discovery = None  # (SwarmDHT, model id) when the ring came from the DHT: heals look there for spares
+        self.discovery = None  # (SwarmDHT, model id, records read when routing) for a routed ring: heals look there
         self.batch = batch  # open sessions that stages may pack with other sessions (swarm serve)
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s

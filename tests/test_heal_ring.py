@@ -33,68 +33,149 @@ PROMPT = [1, 403, 407, 261, 378]
 NEW = 40
 
 
-def heal_run(model_dir, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None, kill_at: int = 10,
-             resume_after_s: float | None = None, spare_every_range: bool = False):
+class StagePool:
+    """Stage processes kept across this module's tests, since starting one costs ~10 s of CPU
+    (importing torch and transformers). A test takes a ring and its spares from the idle live
+    stages (the pool starts only what is missing, side by side); afterwards the victim is
+    retired (killed and reaped) and the rest go back idle: a spare that healed in serves as a
+    plain stage later. A test that failed retires every stage it used. Every process is reaped
+    when the module ends (``LocalRing.stop``)."""
+
+    def __init__(self, model_dir, key_root):
+        self.model_dir, self.key_root = model_dir, key_root
+        self.rings: list[LocalRing] = []  # every LocalRing started, stopped at the end
+        self.idle: list = []  # live StageProcesses no test holds
+
+    def take(self, ranges: list[LayerRange]) -> list:
+        """A distinct live stage for each of ``ranges``, in order."""
+        self.idle = [sp for sp in self.idle if sp.proc.poll() is None]
+        taken = []
+        for r in ranges:
+            sp = next((sp for sp in self.idle if sp.layers == r), None)
+            if sp is not None:
+                self.idle.remove(sp)
+            taken.append(sp)
+        missing = [r for r, sp in zip(ranges, taken) if sp is None]
+        started = []
+        while missing:  # a LocalRing names its key files by range: one of each range per ring
+            batch = list(dict.fromkeys(missing))
+            for r in batch:
+                missing.remove(r)
+            ring = LocalRing(str(self.model_dir), batch, self.key_root / f"ring-{len(self.rings)}", threads=1,
+                             extra_args=["--dtype", "float32"])
+            self.rings.append(ring)
+            ring.start()  # from this thread: a stage gets SIGTERM when the thread that started it ends
+            started += ring.stages
+        for i, r in enumerate(ranges):
+            if taken[i] is None:
+                taken[i] = next(sp for sp in started if sp.layers == r)
+                started.remove(taken[i])
+        return taken
+
+    def give_back(self, stages) -> None:
+        self.idle += [sp for sp in stages if sp.proc.poll() is None]
+
+    @staticmethod
+    def retire(stages) -> None:
+        for sp in stages:
+            if sp.proc.poll() is None:
+                os.killpg(sp.proc.pid, signal.SIGKILL)
+            sp.proc.wait()
+
+    def close(self) -> None:
+        for ring in self.rings:
+            ring.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(stories_dir, tmp_path_factory):
+    stages = StagePool(stories_dir, tmp_path_factory.mktemp("stage-keys"))
+    try:
+        yield stages
+    finally:
+        stages.close()
+
+
+def heal_run(pool: StagePool, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None,
+             kill_at: int = 10, resume_after_s: float | None = None, spare_every_range: bool = False):
     """Run a generation on 3 stages (+1 spare for the victim's range, or for every range), signal
     the victim after ``kill_at`` committed tokens (and SIGCONT it ``resume_after_s`` later); return
     (ids, record, ids of a second request). The generation runs as a job: ``record["job_receipt"]``
-    is the signed job receipt."""
+    is the signed job receipt. The victim is retired afterwards."""
+    spare_ranges = RANGES if spare_every_range else [RANGES[victim]] if spare else []
+    stages = pool.take(RANGES + spare_ranges)
+    healthy = False
+    try:
+        result = _heal_run(pool.model_dir, tmp_path, stages[:len(RANGES)], stages[len(RANGES):], victim, sig,
+                           spec_config, kill_at, resume_after_s)
+        healthy = True
+        return result
+    except NoSpare:
+        healthy = True  # the expected failure: the survivors were checked to still answer
+        raise
+    finally:
+        pool.retire([stages[victim]] if healthy else stages)
+        if healthy:
+            pool.give_back(stages[:victim] + stages[victim + 1:])
+
+
+def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_config, kill_at, resume_after_s):
     import threading
 
-    spare_ranges = RANGES if spare_every_range else [RANGES[victim]] if spare else []
-    with LocalRing(str(model_dir), RANGES, tmp_path / "keys", threads=1, extra_args=["--dtype", "float32"]) as ring, \
-            LocalRing(str(model_dir), spare_ranges, tmp_path / "spare-keys", threads=1,
-                      extra_args=["--dtype", "float32"]) as spares:
-        spec = RingSpec(model=str(model_dir),
-                        stages=tuple(StageSpec(s.addr, s.layers) for s in ring.stages),
-                        spares=tuple(StageSpec(s.addr, s.layers) for s in spares.stages))
-        pid = ring.stages[victim].proc.pid
-        fired = []
+    spec = RingSpec(model=str(model_dir),
+                    stages=tuple(StageSpec(s.addr, s.layers) for s in ring_stages),
+                    spares=tuple(StageSpec(s.addr, s.layers) for s in spare_stages))
+    pid = ring_stages[victim].proc.pid
+    fired, timers = [], []
 
-        def on_ids(out):
-            if len(out) >= kill_at and not fired:
-                os.kill(pid, sig)
-                fired.append(len(out))
-                if resume_after_s is not None:
-                    threading.Timer(resume_after_s, os.kill, (pid, signal.SIGCONT)).start()
+    def on_ids(out):
+        if len(out) >= kill_at and not fired:
+            os.kill(pid, sig)
+            fired.append(len(out))
+            if resume_after_s is not None:
+                timers.append(threading.Timer(resume_after_s, os.kill, (pid, signal.SIGCONT)))
+                timers[-1].start()
 
-        async def main():
-            with trio.fail_after(90):
-                async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-                        trio.open_nursery() as nursery:
-                    client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
-                    digest = model_manifest_digest(model_dir)
-                    await client.connect(5, digest, nursery)
-                    drafter = NgramDrafter() if spec_config else None
-                    job = {"id": "heal-job", "nonce": receipts.new_nonce()}
-                    out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                            drafter=drafter, job=job)
-                    ring = [i.entry() for i in client.infos]
-                    res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
-                                            rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
-                                            num_layers=5, prompt_ids=PROMPT, output_ids=out, ring=ring, record=rec)
-                    rec["job_receipt"] = json.loads(open(res["path"]).read())
-                    # the healed ring keeps serving: a second request on the same client
-                    again, _ = await decode(client, PROMPT, 8, set())
-                    nursery.cancel_scope.cancel()
-            return out, rec, again
-
-        try:
-            try:
-                out, rec, again = trio.run(main)
-            except BaseExceptionGroup as group:
-                raise collapse(group) from None
-        except NoSpare:
-            # nothing hangs, and the surviving stages are still up and answering
-            survivors = [sp for i, sp in enumerate(ring.stages) if i != victim]
-            assert all(sp.proc.poll() is None for sp in survivors)
-            assert _answers_info(survivors[0].addr, tmp_path)
-            raise
-        finally:
-            if sig == signal.SIGSTOP:
-                os.kill(pid, signal.SIGCONT)
-        assert fired, "the victim was never signalled"
+    async def main():
+        with trio.fail_after(90):
+            async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                    trio.open_nursery() as nursery:
+                client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
+                digest = model_manifest_digest(model_dir)
+                await client.connect(5, digest, nursery)
+                drafter = NgramDrafter() if spec_config else None
+                job = {"id": "heal-job", "nonce": receipts.new_nonce()}
+                out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
+                                        drafter=drafter, job=job)
+                ring = [i.entry() for i in client.infos]
+                res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
+                                        rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
+                                        num_layers=5, prompt_ids=PROMPT, output_ids=out, ring=ring, record=rec)
+                rec["job_receipt"] = json.loads(open(res["path"]).read())
+                # the healed ring keeps serving: a second request on the same client
+                again, _ = await decode(client, PROMPT, 8, set())
+                nursery.cancel_scope.cancel()
         return out, rec, again
+
+    try:
+        try:
+            out, rec, again = trio.run(main)
+        except BaseExceptionGroup as group:
+            raise collapse(group) from None
+    except NoSpare:
+        # nothing hangs, and the surviving stages are still up and answering
+        survivors = [sp for i, sp in enumerate(ring_stages) if i != victim]
+        assert all(sp.proc.poll() is None for sp in survivors)
+        assert _answers_info(survivors[0].addr, tmp_path)
+        raise
+    finally:
+        for timer in timers:  # the victim is killed next: no SIGCONT may come after that
+            timer.cancel()
+            timer.join()
+        if sig == signal.SIGSTOP:
+            os.kill(pid, signal.SIGCONT)
+    assert fired, "the victim was never signalled"
+    return out, rec, again
 
 
 def _answers_info(addr: str, tmp_path) -> bool:
@@ -117,8 +198,8 @@ def reference(stories_dir):
 
 
 @pytest.mark.parametrize("victim", [1, 0, 2], ids=["middle", "head", "tail"])
-def test_sigkill_heals_token_identical(stories_dir, tmp_path, reference, victim):
-    out, rec, again = heal_run(stories_dir, tmp_path, victim, signal.SIGKILL)
+def test_sigkill_heals_token_identical(pool, tmp_path, reference, victim):
+    out, rec, again = heal_run(pool, tmp_path, victim, signal.SIGKILL)
     assert out == reference
     assert again == reference[:8]
     (event,) = rec["heal_events"]
@@ -131,29 +212,29 @@ def test_sigkill_heals_token_identical(stories_dir, tmp_path, reference, victim)
     assert all(r["positions"] >= len(PROMPT) + NEW - 1 for r in job["stage_receipts"])
 
 
-def test_sigkill_heals_with_speculation_depth(stories_dir, tmp_path, reference):
-    out, rec, _ = heal_run(stories_dir, tmp_path, 1, signal.SIGKILL, spec_config=SpecConfig(draft="ngram", k=4, depth=3))
+def test_sigkill_heals_with_speculation_depth(pool, tmp_path, reference):
+    out, rec, _ = heal_run(pool, tmp_path, 1, signal.SIGKILL, spec_config=SpecConfig(draft="ngram", k=4, depth=3))
     assert out == reference and len(rec["heal_events"]) == 1
 
 
-def test_sigstop_frozen_stage_heals(stories_dir, tmp_path, reference):
-    out, rec, _ = heal_run(stories_dir, tmp_path, 1, signal.SIGSTOP)
+def test_sigstop_frozen_stage_heals(pool, tmp_path, reference):
+    out, rec, _ = heal_run(pool, tmp_path, 1, signal.SIGSTOP)
     assert out == reference
     (event,) = rec["heal_events"]
     assert event["stage"] == 1 and "heartbeat" in event["errors"][0]
 
 
 @pytest.mark.parametrize("pause_s", [3.0])  # the reported case; tests/test_heal.py tables the sequences
-def test_a_short_pause_never_swaps_out_a_healthy_stage(stories_dir, tmp_path, reference, pause_s):
+def test_a_short_pause_never_swaps_out_a_healthy_stage(pool, tmp_path, reference, pause_s):
     """SIGSTOP the head for a few seconds, then SIGCONT it, with a spare for every range: either the
     paused head is replaced (it was still silent when re-checked) or nothing is; a healthy stage
     never is, and the answer is the uninterrupted one."""
-    out, rec, again = heal_run(stories_dir, tmp_path, 0, signal.SIGSTOP, kill_at=5, resume_after_s=pause_s,
+    out, rec, again = heal_run(pool, tmp_path, 0, signal.SIGSTOP, kill_at=5, resume_after_s=pause_s,
                                spare_every_range=True)
     assert out == reference and again == reference[:8]
     assert all(e["stage"] == 0 for e in rec["heal_events"]), rec["heal_events"]
 
 
-def test_no_spare_fails_clearly(stories_dir, tmp_path):
+def test_no_spare_fails_clearly(pool, tmp_path):
     with pytest.raises(NoSpare, match=r"stage 1 holding layers \[2, 4\) is lost"):
-        heal_run(stories_dir, tmp_path, 1, signal.SIGKILL, spare=False)
+        heal_run(pool, tmp_path, 1, signal.SIGKILL, spare=False)

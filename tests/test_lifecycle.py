@@ -20,6 +20,7 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.identity import peer_id_of
 from swarm.wire import PROTOCOL_ID
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +38,28 @@ def line(res, kind):
 
 
 def test_check_ok_and_fatal(synthetic, tmp_path):
+    """Real processes for the OK line (exit 0) and one FATAL line (exit 2), side by side; the other
+    checks in this process (``run_cli``): most of a ``--check`` process is importing torch."""
+    from concurrent.futures import ThreadPoolExecutor
+
     model = synthetic("llama")
-    res = swarm("stage", "--model", str(model), "--layers", "1:3", "--check", "--key", str(tmp_path / "k" / "s.key"))
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(swarm, "stage", "--model", str(model), "--layers", "1:3", "--check", "--key",
+                            str(tmp_path / "k" / "s.key"))
+        fatal = pool.submit(swarm, "stage", "--model", str(model), "--layers", "2:9", "--check", "--key",
+                            str(tmp_path / "ok.key"))
+        res, fatal = first.result(), fatal.result()
     assert res.returncode == 0, res.stderr
     ok = line(res, "OK")
     assert ok["layers"] == [1, 3] and ok["num_layers"] == 4 and ok["family"] == "llama" and ok["tensors"] == 18
     assert ok["kv_bytes_per_position"] == 2 * 2 * 2 * 8 * 4 and ok["device"] == "cpu"
     assert ok["memory_needed_bytes"] < ok["memory_available_bytes"] and not ok["key_exists"]
     assert not (tmp_path / "k").exists()  # a check creates nothing
+    assert fatal.returncode == 2, (fatal.stdout, fatal.stderr)
+    assert "out of bounds: the model has 4 layers" in line(fatal, "FATAL")["reason"], fatal.stdout
     load_or_create_key(tmp_path / "k" / "s.key")
-    again = line(swarm("stage", "--model", str(model), "--layers", "1:3", "--check", "--key",
-                       str(tmp_path / "k" / "s.key")), "OK")
+    again = line(run_cli("stage", "--model", str(model), "--layers", "1:3", "--check", "--key",
+                         str(tmp_path / "k" / "s.key")), "OK")
     assert again["key_exists"] and again["peer_id"].startswith("12D3KooW")
     (tmp_path / "k" / "s.key").chmod(0o644)
     bad = tmp_path / "bad-model"
@@ -61,7 +73,6 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     (bad_values / "config.json").write_text(json.dumps({**cfg, "hidden_size": -64}))
     cases = [
         (["--key", str(tmp_path / "k" / "s.key")], "unsafe mode 0644"),
-        (["--layers", "2:9"], "out of bounds: the model has 4 layers"),
         (["--model", str(tmp_path / "nothing")], "no such model path"),
         (["--model", str(bad)], "missing"),
         (["--device", "cuda"], "CUDA is not available"),
@@ -69,18 +80,11 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
         (["--kv-budget-mb", "10000000"], "not enough memory on cpu"),
         (["--model", str(bad_values)], "hidden_size must be a positive integer"),
     ]
-    from concurrent.futures import ThreadPoolExecutor
-
-    def check(case):
-        args, _ = case
+    for args, reason in cases:
         base = {"--model": str(model), "--layers": "0:2", "--key": str(tmp_path / "ok.key")}
         for flag, value in zip(args[::2], args[1::2]):
             base[flag] = value
-        return swarm("stage", "--check", *[x for kv in base.items() for x in kv])
-
-    with ThreadPoolExecutor(4) as pool:  # independent processes: most of each is importing torch
-        results = list(pool.map(check, cases))
-    for (args, reason), res in zip(cases, results):
+        res = run_cli("stage", "--check", *[x for kv in base.items() for x in kv])
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert reason in line(res, "FATAL")["reason"], (args, res.stdout)
 
@@ -89,8 +93,9 @@ def test_usage_errors_still_print_a_fatal_line(synthetic, tmp_path):
     for args, code in ((["--threads", "abc"], 1), (["--threads", "abc", "--check"], 2), (["--layers", "-1:2"], 1)):
         res = swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", *args)
         assert res.returncode == code and line(res, "FATAL")["reason"].startswith("argument "), res.stdout
-    res = swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--max-ctx", "9999",
-                "--key", str(tmp_path / "k.key"))
+    # a limit the stage refuses once it has the model: in this process (fails before listening)
+    res = run_cli("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--max-ctx", "9999",
+                  "--key", str(tmp_path / "k.key"))
     assert res.returncode == 1 and "exceeds the model's maximum context" in line(res, "FATAL")["reason"]
 
 
@@ -111,9 +116,16 @@ def test_secrets_stay_out_of_argv_and_logs(synthetic, tmp_path):
     flags = set(options(build_parser()))
     assert "--max-new-tokens" in flags  # the walk reaches the subcommands
     assert not [f for f in flags if re.search(r"(?<!new-)token|secret|password|api-key", f)]  # no secret flags
-    for args in (["--check"], ["--layers", "0:9"]):
-        res = swarm("-vv", "stage", "--model", str(synthetic("llama")), "--layers", "0:2", *args,
-                    "--key", str(tmp_path / "s.key"), env={"HF_TOKEN": canary})
+    from concurrent.futures import ThreadPoolExecutor
+
+    def verbose_stage(args, key):
+        return swarm("-vv", "stage", "--model", str(synthetic("llama")), "--layers", "0:2", *args,
+                     "--key", str(tmp_path / key), env={"HF_TOKEN": canary})
+
+    with ThreadPoolExecutor(2) as pool:  # independent processes (a key file each)
+        results = list(pool.map(verbose_stage, (["--check"], ["--layers", "0:9"]), ("s.key", "s2.key")))
+    for res in results:
+        assert "DEBUG" in res.stderr, res.stderr[-2000:]  # -vv logged
         assert canary not in res.stdout + res.stderr
 
 

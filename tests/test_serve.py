@@ -66,16 +66,24 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def stories(stories_dir, tmp_path_factory):
+def stories_ring(stories_dir, tmp_path_factory):
+    """Three real stage processes serving stories260k, shared by the module's tests."""
     keys = tmp_path_factory.mktemp("serve-keys")
     with LocalRing(str(stories_dir), RANGES, keys, threads=1, extra_args=["--dtype", "float32"]) as ring:
-        server = Server(ring.ring_spec(), keys)
         try:
-            yield server, stories_dir
+            yield ring
         finally:
-            server.stop()
             for sp in ring.stages:  # shown when a test failed
                 print(f"stage {sp.layers} stderr:", *sp.stderr_tail[-8:], sep="\n  ")
+
+
+@pytest.fixture(scope="module")
+def stories(stories_ring, stories_dir):
+    server = Server(stories_ring.ring_spec(), stories_ring.key_dir)
+    try:
+        yield server, stories_dir
+    finally:
+        server.stop()
 
 
 def _ids(stories_dir, text):
@@ -240,9 +248,13 @@ def test_a_client_hanging_up_does_not_hurt_a_request_running_beside_it(stories):
             assert other.result(timeout=120) == alone
 
 
-def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path):
+def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path, monkeypatch):
     from swarm.config import CoordinatorConfig, RingSpec
 
+    # the stages (they inherit the environment), the server and the coordinator resolve
+    # "smollm2-135m" through the cache holding the converted model, not the test's empty one
+    # (which each of them would fill with a conversion of its own)
+    monkeypatch.setenv("SWARM_CACHE", str(smollm2_dir.parent.parent))  # <cache>/models/<name>
     keys = tmp_path / "keys"
     with LocalRing("smollm2-135m", [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)], keys, threads=1,
                    extra_args=["--dtype", "float32"]) as ring:
@@ -265,7 +277,8 @@ def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path):
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == ref["new_tokens"]
 
 
-def test_swarm_serve_command(stories_dir, tmp_path):
+def test_swarm_serve_command(stories_ring, stories_dir, tmp_path):
+    """The command itself, on the module's ring (beside the in-thread server's sessions)."""
     import os
     import signal
     import subprocess
@@ -273,29 +286,28 @@ def test_swarm_serve_command(stories_dir, tmp_path):
 
     import yaml
 
-    with LocalRing(str(stories_dir), [LayerRange(0, 3), LayerRange(3, 5)], tmp_path / "keys", threads=1,
-                   extra_args=["--dtype", "float32"]) as ring:
-        ring_file = tmp_path / "ring.yaml"
-        ring_file.write_text(yaml.safe_dump(ring.ring_spec().to_dict()))
-        proc = subprocess.Popen([sys.executable, "-m", "swarm", "serve", "--ring", str(ring_file), "--port", "0",
-                                 "--key", str(tmp_path / "c.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            line = proc.stdout.readline()
-            assert line.startswith("swarm serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
-            url = line.split()[2].removesuffix("/v1")
-            assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "stories260k"
-            health = httpx.get(url + "/health", timeout=30).json()
-            assert health["status"] == "ok" and [s["layers"] for s in health["stages"]] == [[0, 3], [3, 5]]
-            os.kill(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=20) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    from tests.conftest import run_cli
+
+    ring_file = tmp_path / "ring.yaml"
+    ring_file.write_text(yaml.safe_dump(stories_ring.ring_spec().to_dict()))
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "serve", "--ring", str(ring_file), "--port", "0",
+                             "--key", str(tmp_path / "c.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("swarm serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        url = line.split()[2].removesuffix("/v1")
+        assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "stories260k"
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert health["status"] == "ok" and [s["layers"] for s in health["stages"]] == [[0, 2], [2, 4], [4, 5]]
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"model": str(stories_dir), "stages": [
         {"addr": "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDN1mGKneWMDiSWM6drbS2A2zuNs4ERiovfWWdnV3XKCg", "layers": "0:5"}]}))
-    res = subprocess.run([sys.executable, "-m", "swarm", "serve", "--ring", str(bad), "--port", "0"],
-                         capture_output=True, text=True, timeout=120)
+    res = run_cli("serve", "--ring", str(bad), "--port", "0", "--key", str(tmp_path / "c2.key"))  # fails dialing
     assert res.returncode == 1 and "unreachable" in res.stderr and "Traceback" not in res.stderr

@@ -102,19 +102,29 @@ def test_chunked_prefill(target, reference, tmp_path, prefill_chunk):
     assert spec_run(target, tmp_path, NgramDrafter(), 2, 2, prefill_chunk=prefill_chunk) == reference
 
 
+STORIES_PROMPT = [1, 403, 407, 261, 378]
+
+
+@pytest.fixture(scope="module")
+def stories_reference(stories_dir):
+    return reference_greedy(stories_dir, STORIES_PROMPT, 40, "float32")
+
+
+@pytest.fixture(scope="module")
+def stories_draft(stories_dir, tmp_path_factory):
+    return truncated_copy(stories_dir, tmp_path_factory.mktemp("stories-draft"), 2, torch.float32)
+
+
 @pytest.mark.parametrize("draft", ["ngram", "model"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("depth", [1, 2, 4])
-def test_stories260k_speculation(stories_dir, tmp_path, draft, k, depth):
-    prompt = [1, 403, 407, 261, 378]
-    ref = reference_greedy(stories_dir, prompt, 40, "float32")
+def test_stories260k_speculation(stories_dir, stories_reference, stories_draft, tmp_path, draft, k, depth):
     drafter = NgramDrafter()
     if draft == "model":
-        drafter = ModelDrafter(truncated_copy(stories_dir, tmp_path / "d", 2, torch.float32), target_vocab=512,
-                               dtype="float32", device="cpu")
-    out = run_inprocess(stories_dir, [(0, 2), (2, 4), (4, 5)], prompt, 40, tmp_path, dtype="float32",
+        drafter = ModelDrafter(stories_draft, target_vocab=512, dtype="float32", device="cpu")
+    out = run_inprocess(stories_dir, [(0, 2), (2, 4), (4, 5)], STORIES_PROMPT, 40, tmp_path, dtype="float32",
                         drafter=drafter, spec_config=SpecConfig(draft="ngram", k=k, depth=depth))
-    assert out == ref
+    assert out == stories_reference
 
 
 def test_stale_epoch_frame_never_touches_the_cache(target, tmp_path):
@@ -264,11 +274,14 @@ def test_speculative_sampling_distribution_matches_plain(target, drafts):
         return loop.output
 
     first = []
+    model = ModelDrafter(drafts["truncated"], target_vocab=97, dtype="float64", device="cpu")
     for seed in range(SEEDS):
         params = SamplingParams(temperature=1.0, seed=seed)
         plain = generate(params, NoDrafter(), 0)
         assert generate(params, NgramDrafter(), 4) == plain
-        model = ModelDrafter(drafts["truncated"], target_vocab=97, dtype="float64", device="cpu", sampling=params)
+        # one draft model for every seed (loading it took a fifth of the test): its drafts take
+        # this seed's keyed noise, and its cache follows each context by common prefix
+        model.sampling = params
         assert generate(params, model, 3) == plain
         first.append(plain[0])
     logits = block.forward(block.new_cache(), 0, token_ids=torch.tensor([PROMPT]))[0, -1]

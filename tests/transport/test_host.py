@@ -6,7 +6,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgpack
 import multiaddr
@@ -326,18 +326,36 @@ async def test_plaintext_only_peer_is_refused_noise_peer_accepted() -> None:
 @pytest.mark.slow
 def test_more_than_250_sequential_inbound_connections() -> None:
     """libp2p 0.8.1 never returns an inbound connection's limiter slot; a stage must still accept
-    connection 251 and beyond (it refused every dial after its 250th coordinator)."""
+    connection 251 and beyond (it refused every dial after its 250th coordinator).
+
+    256 connections, each a fresh one (the dialer closes it before the next): 8 dialers at once,
+    32 in turn each, since closing one costs libp2p ~0.2 s of sleeps (sequential: ~60 s)."""
     run(_many_inbound, timeout_s=90)
 
 
+INBOUND = 256
+DIALERS = 8
+
+
 async def _many_inbound() -> None:
-    async with two_hosts() as (a, b):
+    done: list[int] = []
+    async with open_host(create_new_key_pair()) as a, AsyncExitStack() as stack:
         a.set_handler(ECHO, echo)
-        network = b.libp2p_host.get_network()
         peer = a.libp2p_host.get_id()
-        for i in range(256):
-            s = await b.open_stream(a.addrs()[0], ECHO, timeout_s=5)
-            await s.send({"i": i})
-            assert (await s.recv(timeout_s=5))["i"] == i
-            await s.aclose()
-            await network.close_peer(peer)
+        dialers = [await stack.enter_async_context(open_host(create_new_key_pair())) for _ in range(DIALERS)]
+
+        async def dial_in_turn(b: SwarmHost, first: int) -> None:
+            network = b.libp2p_host.get_network()
+            for i in range(first, INBOUND, DIALERS):
+                s = await b.open_stream(a.addrs()[0], ECHO, timeout_s=5)
+                await s.send({"i": i})
+                assert (await s.recv(timeout_s=5))["i"] == i
+                await s.aclose()
+                await network.close_peer(peer)
+                assert not network.get_connections(peer)  # the next dial is a new inbound connection
+                done.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for first, b in enumerate(dialers):
+                nursery.start_soon(dial_in_turn, b, first)
+    assert sorted(done) == list(range(INBOUND))

@@ -174,7 +174,9 @@ def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
 
     model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=5, num_hidden_layers=4)
     boot = swarm_net["boot"].addr
-    fast = ["--dtype", "float32", "--bootstrap", boot, "--announce-interval-s", "1", "--record-ttl-s", "3"]
+    # short-lived records so the killed holder's expires soon; a TTL of several republish periods so
+    # a republish delayed on a loaded machine never lets a live stage's record lapse
+    fast = ["--dtype", "float32", "--bootstrap", boot, "--announce-interval-s", "1", "--record-ttl-s", "8"]
     with LocalRing(str(model), [LayerRange(0, 2)], tmp_path / "h", threads=1, extra_args=fast) as h1, \
             LocalRing(str(model), [None], tmp_path / "p", threads=1,
                       extra_args=fast + ["--num-layers", "2", "--rebalance-s", "1"]) as placed:

@@ -56,12 +56,15 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         await trio.sleep_forever()
 
 
-async def _drain_on_sigterm(server: StageServer) -> None:
+async def _drain_on_sigterm(server: StageServer, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """SIGTERM (a supervisor stopping the daemon) asks for a drain, like a drain frame. Later
-    SIGTERMs during the drain are logged and ignored (the drain has its own deadline)."""
+    SIGTERMs during the drain are logged and ignored (the drain has its own deadline). Reports
+    started once the handler is installed: READY is printed only after that, so a supervisor's
+    SIGTERM right after READY drains instead of killing."""
     import signal
 
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
         async for _ in signals:
             if server.drain_requested.is_set():
                 log.warning("drain.sigterm_again: already draining (--drain-timeout-s bounds it)")
@@ -151,8 +154,8 @@ def run_stage(config: StageConfig) -> int:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(partial(serve, server, key, config.listen,
                                                 announce_addrs=config.announce_addrs, membership=membership))
+            await nursery.start(_drain_on_sigterm, server)
             emit("READY", ready)
-            nursery.start_soon(_drain_on_sigterm, server)
             await server.drain_requested.wait()
             emit("DRAINED", await server.drain(config.drain_timeout_s))
             sys.stderr.flush()

@@ -251,16 +251,20 @@ class RingOps:
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         link = await self.ring.prepare_spare(index, layers)
-        if link is None and self.ring.discovery is not None:
-            link = await self._spare_from_swarm(index, tuple(layers))
-        if link is None:
+        chain = [link] if link is not None else None
+        if chain is None and self.ring.discovery is not None:
+            chain = await self._spare_from_swarm(index, tuple(layers))
+        if not chain:
             return None
-        self._spares[link.info.peer_id] = link
-        return link.info.peer_id
+        name = "+".join(link.info.peer_id for link in chain)
+        self._spares[name] = chain
+        return name
 
     async def _spare_from_swarm(self, index: int, layers: tuple[int, int]):
-        """A stage from the DHT that can take over ``layers`` (any holder whose block contains them;
-        every stage of the ring is excluded, so none runs two positions of one session)."""
+        """Links to the stages from the DHT that take over ``layers``: usually one holder whose block
+        contains them, else a chain of holders tiling them (``swarm.routing.plan_replacement``).
+        Every stage of the ring is excluded, so none runs two positions of one session; a chain
+        with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
@@ -277,15 +281,21 @@ class RingOps:
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
             return None
-        if len(hops) != 1:  # a chain of stages replacing one position is not supported yet
-            log.warning("heal.no_replacement layers=[%d, %d) reason=only a chain of %d stages covers them",
-                        *layers, len(hops))
-            return None
-        hop = hops[0]
-        return await self.ring.prepare_spare(index, layers, spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
+        chain = []
+        for hop in hops:
+            link = await self.ring.prepare_spare(index + len(chain), hop.layers,
+                                                 spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
+            if link is None:
+                await self.ring.drop_links(chain)
+                return None
+            chain.append(link)
+        if len(chain) > 1:
+            log.info("heal.chain layers=[%d, %d) hops=%s", *layers,
+                     [(link.info.peer_id[-8:], link.info.layers) for link in chain])
+        return chain
 
-    async def swap(self, index: int, spare) -> None:
-        self.ring.swap(index, self._spares.pop(spare))
+    async def swap(self, index: int, spare) -> list[str]:
+        return self.ring.swap(index, self._spares.pop(spare))
 
     async def reset(self) -> None:
         with trio.move_on_after(2.0):  # survivors drop the broken session; the lost stage cannot

@@ -1,8 +1,8 @@
 """Recovery decisions when a stage dies or freezes mid-generation. Pure: standard library only.
 
 Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``), and the ordered
-recovery steps (``run_recovery``) over an injected ``SwarmOps``: localize, pick a warm spare that
-holds the same layer range, swap it in, reset the session on the repaired ring, replay the prompt
+recovery steps (``run_recovery``) over an injected ``SwarmOps``: localize, pick a warm replacement
+for the lost layer range (a spare, or a chain of stages tiling it), swap it in, reset the session on the repaired ring, replay the prompt
 and committed output, check that the replay reproduces the known driver token (abort loudly if
 not), resume. No torch, no sockets, no clock: time comes from ``ops.now()``; the coroutines are
 plain ``async def`` so the engine's event loop (trio) runs them, and tests run them with asyncio.
@@ -154,10 +154,13 @@ class SwarmOps(Protocol):
         """Wait long enough for frames in flight to land (about one heartbeat) before a re-check."""
 
     async def pick_spare(self, layers: tuple[int, int]) -> object | None:
-        """A reachable warm spare holding exactly ``layers``, or None."""
+        """A reachable warm replacement serving exactly ``layers`` (one stage, or a chain of stages
+        tiling them), or None. Its ``str`` names it."""
 
-    async def swap(self, index: int, spare: object) -> None:
-        """Put ``spare`` at ring position ``index`` (the predecessor re-dials it at reset)."""
+    async def swap(self, index: int, spare: object) -> Sequence[str] | None:
+        """Put ``spare`` at ring position ``index`` (the predecessor re-dials it at reset); a chain
+        moves the later positions down. Returns the PeerIds now at the position, in order (None:
+        just ``str(spare)``)."""
 
     async def reset(self) -> None:
         """Open a fresh session on the repaired ring (every stage, new successors)."""
@@ -171,13 +174,15 @@ class HealEvent:
     """One recovery, for logs and ``--json`` (seconds, from ``ops.now()``).
 
     ``detected_at``: when the fault surfaced; ``detect_s``: from then until the failed stage was
-    located; ``swap_s``: spare swapped in and session reset; ``replay_s``: re-feeding
+    located; ``spare``: what took the position (``spares``: its PeerIds, in ring order, more than
+    one when a chain of stages replaced one); ``swap_s``: spare swapped in and session reset; ``replay_s``: re-feeding
     ``replay_tokens`` positions; ``total_s``: from detection to a checked, resumable ring."""
 
     stage: int
     layers: tuple[int, int]
     reason: str
     spare: str = ""
+    spares: list[str] = field(default_factory=list)
     detected_at: float = 0.0
     detect_s: float = 0.0
     swap_s: float = 0.0
@@ -197,7 +202,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
 
     Steps, each attempt: probe and ``locate_failure``; unless the blamed stage's connection is
     gone, settle and probe again and blame only what persisted (``locate_failure(earlier=...)``);
-    pick a spare for that layer range; swap; reset; replay ``replay.prefix``; check the driver
+    pick a spare for that layer range (one stage or a chain); swap; reset; replay ``replay.prefix``; check the driver
     token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe.
 
     Args:
@@ -236,10 +241,11 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         try:
             t1 = ops.now()
             event.detect_s = t1 - detected_at
-            await ops.swap(failure.index, spare)
+            ids = await ops.swap(failure.index, spare)
+            event.spare, event.spares = str(spare), list(ids) if ids else [str(spare)]
             await ops.reset()
             t2 = ops.now()
-            event.swap_s, event.spare = t2 - t1, str(spare)
+            event.swap_s = t2 - t1
             token = await ops.replay(replay.prefix)
             t3 = ops.now()
         except ReplayMismatch:

@@ -386,15 +386,7 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
         raise _fail("schema", "output_ids must be token ids (integers in [0, 2^31))")
     if ids_digest(job["output_ids"]) != job["output_digest"]:
         raise _fail("output digest", "the output ids do not match output_digest")
-    slots = [s["peer_id"] for s in ring]
-    events = job.get("heal_events") or []
-    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
-        raise _fail("schema", "heal_events must be a list of maps")
-    for n, e in enumerate(events):
-        idx, spare = e.get("stage"), e.get("spare")
-        replaced_later = any(x.get("stage") == idx for x in events[n + 1:])
-        if not replaced_later and (not isinstance(idx, int) or not 0 <= idx < len(slots) or slots[idx] != spare):
-            raise _fail("heal", f"heal event names spare {spare} at stage {idx}, which is not in the final ring")
+    _check_heal_events(job.get("heal_events") or [], [s["peer_id"] for s in ring])
     if expect_model_digest is not None and job["model_digest"] != expect_model_digest:
         raise _fail("model digest", f"job names model digest {job['model_digest'][:16]}..., the local model's is "
                                     f"{expect_model_digest[:16]}...")
@@ -405,6 +397,26 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
                                         f"{str(r.get('range_digest'))[:16]}..., the local model's to {want[:16]}...", i)
     return Verified(job["job_id"], job["model"], len(receipts), len(job["output_ids"]), job.get("tokens_per_s"),
                     len(job.get("heal_events") or []))
+
+
+def _check_heal_events(events: Any, slots: list[str]) -> None:
+    """Each heal event's replacement (``spares``: its PeerIds in ring order, or the one ``spare``)
+    must sit at its ``stage`` position of the ring as that heal left it. Walked back from the final
+    ring: undoing an event puts an unknown stage (None) where its replacement sat, so an earlier
+    event whose stage was replaced again later is not held to the final ring there."""
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise _fail("schema", "heal_events must be a list of maps")
+    slots = list(slots)
+    for e in reversed(events):
+        idx = e.get("stage")
+        new = e.get("spares") or [e.get("spare")]
+        if not isinstance(new, list) or not isinstance(idx, int) or isinstance(idx, bool) or not (
+                0 <= idx and idx + len(new) <= len(slots)):
+            raise _fail("heal", f"heal event at stage {idx!r} names {new!r}, which does not fit the final ring")
+        if any(have is not None and have != want for have, want in zip(slots[idx:idx + len(new)], new)):
+            raise _fail("heal", f"heal event names spare {','.join(map(str, new))} at stage {idx}, which is not "
+                                "in the final ring")
+        slots[idx:idx + len(new)] = [None]
 
 
 def _fmt(layers: Any) -> str:

@@ -4,7 +4,7 @@ signed records on the DHT, clients that name only the model (issue 14's acceptan
 One swarm serves the module: stories260k stages A, A2 holding [0, 3), C and R holding [2, 5) (R
 only through a relay adding 50 ms each way), E holding [1, 4), and a lure: a stage holding all of
 [0, 5) of a copy of stories260k with one weight changed, under the same directory name. The heal
-test kills a stage, so it runs last.
+tests kill stages (E, then a holder of [0, 3)), so they run last, in that order.
 """
 
 from __future__ import annotations
@@ -201,6 +201,61 @@ def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
             again = json.loads(seen[2].split(" ", 1)[1])
             assert moved == {"from": [2, 4], "to": [0, 2]}
             assert again["layers"] == [0, 2] and again["peer_id"] == p.ready["peer_id"]
+
+
+def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stories_dir, tmp_path):
+    """Ring A [0, 1) -> E [1, 4) -> C [4, 5) by hand, no spares. SIGKILL E: no live stage outside the
+    ring holds all of [1, 4), so the heal splices a chain from the DHT (A2 for the front, the relayed
+    R for the back) into E's place; the ids equal the uninterrupted run, the ring grows to 4 stages
+    and the job receipt verifies across the splice."""
+    from swarm import receipts
+    from swarm.config import RingSpec, StageSpec
+    from swarm.coordinator import write_job_receipt
+
+    st = swarm_net["ring"].stages
+    a, a2, c, r, e = st  # RANGES order
+    new = 24
+    expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
+    mid = model_id(stories_dir)
+    spec = RingSpec(model=str(stories_dir), stages=(StageSpec(a.addr, LayerRange(0, 1)),
+                                                     StageSpec(e.addr, LayerRange(1, 4)),
+                                                     StageSpec(c.addr, LayerRange(4, 5))))
+
+    async def main():
+        key = load_or_create_key(tmp_path / "coord.key")
+        async with open_host(key) as host, trio.open_nursery() as nursery:
+            async with open_dht(host, server=False, bootstrap=[swarm_net["boot"].addr]) as dht:
+                ring = RingClient(host, spec, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
+                ring.discovery = (dht, mid, await dht.find_records(mid))
+                digest = model_manifest_digest(stories_dir)
+                await ring.connect(5, digest, nursery)
+                killed = []
+
+                def on_ids(out):
+                    if len(out) >= 6 and not killed:
+                        os.kill(e.proc.pid, signal.SIGKILL)
+                        killed.append(len(out))
+
+                job = {"id": "chain-heal", "nonce": receipts.new_nonce()}
+                out, timing = await decode(ring, PROMPT_IDS, new, set(), on_ids, SpecConfig(), None, heal=True,
+                                           job=job)
+                entries = [i.entry() for i in ring.infos]
+                res = write_job_receipt(tmp_path / "receipts", key, job, timing.pop("receipt_parts"),
+                                        model="stories260k", model_digest=digest, num_layers=5,
+                                        prompt_ids=PROMPT_IDS, output_ids=out, ring=entries, record=timing)
+                nursery.cancel_scope.cancel()
+        return out, timing, entries, res
+
+    out, timing, entries, res = trio.run(main)
+    assert out == expected
+    (event,) = timing["heal_events"]
+    assert event["stage"] == 1 and event["layers"] == [1, 4] and len(event["spares"]) == 2
+    assert [x["peer_id"] for x in entries] == [_peer(a), *event["spares"], _peer(c)]
+    assert set(event["spares"]) == {_peer(a2), _peer(r)}
+    assert [x["layers"] for x in entries][0] == [0, 1] and entries[-1]["layers"] == [4, 5]
+    assert all(x["layers"][1] == y["layers"][0] for x, y in zip(entries, entries[1:]))
+    assert [x["index"] for x in entries] == [0, 1, 2, 3]
+    assert res["verified"], res
 
 
 def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, stories_dir, tmp_path):

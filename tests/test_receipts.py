@@ -329,6 +329,36 @@ def test_tampering_fails_with_the_right_reason(jobs, tamper, check, stage):
     assert (err.value.check, err.value.stage) == (check, stage), str(err.value)
 
 
+@pytest.mark.parametrize("events, ok", [
+    ([{"stage": 1, "spares": [1, 2]}], True),  # a chain of two stages took position 1
+    ([{"stage": 0, "spares": [0, 1]}, {"stage": 2, "spare": 2}], True),
+    ([{"stage": 0, "spares": ["x", 1]}, {"stage": 0, "spare": 0}], True),  # x was replaced again later
+    ([{"stage": 1, "spares": [2, 1]}], False),  # the chain in the wrong order
+    ([{"stage": 0, "spares": ["x", "y"]}, {"stage": 0, "spare": 0}], False),  # y is not in the final ring
+    ([{"stage": 2, "spares": [2, 0]}], False),  # runs past the end of the ring
+    ([{"stage": True, "spare": 1}], False),
+], ids=["chain", "chain-then-single", "chain-replaced-later", "wrong-order", "lost-member", "past-end", "bool"])
+def test_heal_events_with_chains_match_the_final_ring(jobs, events, ok):
+    """A heal event's replacement (one spare or a chain) must sit where the heal put it, walking back
+    from the final ring; a number below stands for the PeerId at that position of the ring."""
+    (doc, _), _, key_dir = jobs
+    doc = copy.deepcopy(doc)
+    peer = [s["peer_id"] for s in doc["ring"]]
+
+    def named(x):
+        return peer[x] if isinstance(x, int) and not isinstance(x, bool) else x
+
+    doc["heal_events"] = [{**e, **({"spares": [named(x) for x in e["spares"]]} if "spares" in e else {}),
+                           **({"spare": named(e["spare"])} if "spare" in e else {})} for e in events]
+    _resign_job(doc, key_dir)
+    if ok:
+        assert receipts.verify_job(doc).healed == len(events)
+    else:
+        with pytest.raises(ReceiptInvalid) as err:
+            receipts.verify_job(doc)
+        assert err.value.check == "heal"
+
+
 def test_a_replayed_job_fails_in_a_batch(jobs, tmp_path):
     (doc, old), _, _ = jobs
     for name, d in (("a", doc), ("b", old), ("c", doc)):

@@ -4,9 +4,9 @@ Owns: ``StageInfo`` (what a stage reported about itself), ``_Link`` (the two str
 data for forward frames, session replies and the tail's results; control for cancel and progress
 probes, so they overtake queued data), dialing a stage and checking its ``info`` against the ring
 file (range, model, PeerId; the ranges tile ``[0, L)``), one reader task per stream funnelling
-``(stage, generation, frame)`` into one channel, and receiving from it: frames of replaced
-connections are dropped, a closed stream or an error frame is raised as ``StageLost`` or
-``RemoteError`` naming the stage.
+``(stage, generation, frame)`` into one channel, and receiving from it (a frame's stage is where
+its connection sits in the ring now): frames of replaced connections are dropped, a closed stream
+or an error frame is raised as ``StageLost`` or ``RemoteError`` naming the stage.
 
 ``LinksMixin`` is mixed into :class:`swarm.ring.client.RingClient`, which sets up the state it uses
 (``host``, ``ring``, timeouts, ``links``, the channel, generations, ``ledgers``); ``connect``
@@ -111,11 +111,7 @@ class LinksMixin:
 
     async def aclose(self) -> None:
         """Close every stream to the ring (a stage drops the sessions they opened). Never raises."""
-        with trio.CancelScope(shield=True):
-            for link in self.links:
-                for stream in (link.data, link.control):
-                    with trio.move_on_after(1.0):
-                        await stream.aclose()
+        await self.drop_links(self.links)
 
     def healed_ring(self) -> RingSpec:
         """The ring as it stands now (after any heal) and the spares not used yet."""
@@ -164,7 +160,7 @@ class LinksMixin:
             except (StreamClosed, ProtocolError) as exc:
                 await self._send_ch.send((index, gen, {"type": "_lost", "reason": str(exc)}))
                 return
-            if msg.get("type") == "result" and index == len(self.links) - 1 and self._current(index, gen):
+            if msg.get("type") == "result" and self._where(gen) == len(self.links) - 1:
                 ledger = self.ledgers.get(msg.get("session"))
                 if ledger is not None:  # every result the tail sent, in order, also stale ones
                     try:
@@ -175,8 +171,10 @@ class LinksMixin:
 
     # ---- receiving ------------------------------------------------------------------------------
 
-    def _current(self, index: int, gen: int) -> bool:
-        return index < len(self.links) and self.links[index].generation == gen
+    def _where(self, gen: int) -> int | None:
+        """The ring position of the connection ``gen`` now (positions move when a chain of stages
+        replaces one), or None when it is not part of the ring (replaced, or still being set up)."""
+        return next((i for i, link in enumerate(self.links) if link.generation == gen), None)
 
     async def _next(self, timeout_s: float, gen: int | None = None) -> tuple[int, dict]:
         """The next frame of a current connection; with ``gen``, only of that connection (one being
@@ -190,13 +188,14 @@ class LinksMixin:
                     else:
                         item = await self._recv_ch.receive()
                     index, g, msg = item
+                    where = self._where(g)
                     if gen is not None:
                         if g == gen:
-                            return index, msg
-                        if self._current(index, g):
+                            return index if where is None else where, msg
+                        if where is not None:
                             kept.append(item)
-                    elif self._current(index, g):
-                        return index, msg
+                    elif where is not None:
+                        return where, msg
         finally:
             self._deferred.extendleft(reversed(kept))
         raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s")

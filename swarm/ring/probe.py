@@ -2,25 +2,28 @@
 
 Owns: ``probe`` (every stage asked for its progress on a session over the control streams, in
 parallel; a stage whose stream is gone or that stays silent is reported unreachable, as the
-``swarm.heal.StageReport`` the pure heal logic reads), ``prepare_spare`` (dial and check the first
-unused spare of the ring file holding a range) and ``swap`` (put it at a ring position; frames of
-the replaced connection are ignored from then on). The heartbeats that call ``probe`` while waiting
-for a result live in :meth:`swarm.ring.client.RingClient.next_result`.
+``swarm.heal.StageReport`` the pure heal logic reads), ``prepare_spare`` (dial and check an unused
+spare of the ring file holding a range) and ``swap`` (put it, or a chain of stages tiling the same
+layers, at a ring position; frames of the replaced connection are ignored from then on). The
+heartbeats that call ``probe`` while waiting for a result live in
+:meth:`swarm.ring.client.RingClient.next_result`.
 
 ``ProbeMixin`` is mixed into :class:`swarm.ring.client.RingClient`; it uses ``links``, ``spares``,
-``heartbeat_s``, the channel and ``_link`` / ``_current`` (:mod:`swarm.ring.links`). May import:
-trio, ``swarm.wire``, ``swarm.heal``, ``swarm.errors``.
+``heartbeat_s``, the channel and ``_link`` / ``_where`` (:mod:`swarm.ring.links`). May import:
+trio, ``swarm.wire``, ``swarm.heal``, ``swarm.ranges``, ``swarm.errors``.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import trio
 
 from swarm import wire
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 from swarm.heal import StageReport
+from swarm.ranges import LayerRange
 from swarm.ring.links import _Link
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,8 @@ class ProbeMixin:
                     index, g, msg = self._deferred.popleft()
                 else:
                     index, g, msg = await self._recv_ch.receive()
-                if not self._current(index, g):
+                index = self._where(g)
+                if index is None:
                     continue
                 if msg.get("type") == "progress_ok" and msg.get("session") == session:
                     replies[index] = msg
@@ -69,9 +73,11 @@ class ProbeMixin:
         return reports
 
     async def prepare_spare(self, index: int, layers: tuple[int, int], spec=None) -> _Link | None:
-        """Dial the first unused spare holding ``layers`` and check it; None if there is none.
-        Spares that fail the dial or the check are dropped from the list. With ``spec`` (a
-        StageSpec found elsewhere, e.g. on the DHT) dial exactly that stage instead."""
+        """Dial an unused spare of the ring file holding ``layers`` and check it; None if there is
+        none. A spare whose block is exactly ``layers`` comes first, then the narrowest block that
+        contains them (a stage serves any sub-range of its block). Spares that fail the dial or the
+        check are dropped from the list. With ``spec`` (a StageSpec found elsewhere, e.g. on the
+        DHT) dial exactly that stage instead."""
         if spec is not None:
             try:
                 return await self._link(index, spec)
@@ -79,18 +85,45 @@ class ProbeMixin:
                 log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
                 return None
         while True:
-            spec = next((s for s in self.spares if (s.layers.start, s.layers.end) == tuple(layers)), None)
-            if spec is None:
+            lo, hi = layers
+            holding = [s for s in self.spares if s.layers.start <= lo and hi <= s.layers.end]
+            if not holding:
                 return None
+            spec = min(holding, key=lambda s: len(s.layers))  # stable: the ring file's order among equals
             self.spares.remove(spec)
             try:
-                return await self._link(index, spec)
+                return await self._link(index, replace(spec, layers=LayerRange(lo, hi)))
             except SwarmError as exc:
                 log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
 
-    def swap(self, index: int, link: _Link) -> None:
-        """Put a prepared spare at ring position ``index``; the old connection's frames are ignored."""
+    async def drop_links(self, links) -> None:
+        """Close the streams of ``links`` (e.g. a prepared chain that fell apart). Never raises."""
+        with trio.CancelScope(shield=True):
+            for link in links:
+                for stream in (link.data, link.control):
+                    with trio.move_on_after(1.0):
+                        await stream.aclose()
+
+    def swap(self, index: int, links) -> list[str]:
+        """Put a prepared spare (a ``_Link``), or a chain of them tiling the same layers, at ring
+        position ``index``; the old connection's frames are ignored from then on, and the stages
+        after it move down the ring by ``len(chain) - 1``.
+
+        Returns:
+            The PeerIds now at the replaced position, in ring order.
+        Raises:
+            ConfigError: the chain does not tile exactly the layers of the stage it replaces.
+        """
+        chain = [links] if isinstance(links, _Link) else list(links)
         old = self.links[index]
-        self.links[index] = link
-        log.info("ring.swap index=%d layers=%s old=%s new=%s", index, link.spec.layers, old.info.peer_id,
-                 link.info.peer_id)
+        spans = [link.info.layers for link in chain]
+        if not chain or spans[0][0] != old.info.layers[0] or spans[-1][1] != old.info.layers[1] or any(
+                a[1] != b[0] for a, b in zip(spans, spans[1:])):
+            raise ConfigError(f"internal: replacement layers {spans} do not tile the lost stage's {old.info.layers}")
+        self.links[index:index + 1] = chain
+        for i, link in enumerate(self.links):  # positions after a chain moved
+            if link.info.index != i:
+                link.info = replace(link.info, index=i)
+        log.info("ring.swap index=%d layers=%s old=%s new=%s", index, old.info.layers, old.info.peer_id,
+                 ",".join(link.info.peer_id for link in chain))
+        return [link.info.peer_id for link in chain]

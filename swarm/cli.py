@@ -51,7 +51,8 @@ def _stage_parser(sub) -> None:
     sw.add_argument("--announce-addr", action="append", default=[], metavar="MULTIADDR",
                     help="advertise this /ip4/H/tcp/P instead of the bound address (a port forward; repeatable)")
     sw.add_argument("--dht-client", action="store_true",
-                    help="this stage cannot be dialed from outside: read the DHT but do not serve it")
+                    help="read the DHT but do not serve it, without asking (default: a bootstrap node dials this "
+                         "stage back; if it cannot, the stage runs client mode and logs why)")
     sw.add_argument("--num-layers", type=int, dest="fit_layers",
                     help="without --layers: take this many layers (default: what --mem-budget-mb allows)")
     sw.add_argument("--mem-budget-mb", type=float,

@@ -139,6 +139,8 @@ def test_peers_shows_coverage_and_errors_are_one_line(swarm_net, stories_dir):
     assert m["model_id"] == model_id(stories_dir) and m["num_layers"] == 5
     assert m["coverage"] == [2, 3, 5, 3, 2] and m["uncovered"] == []
     assert sorted(tuple(s["layers"]) for s in m["stages"]) == sorted((r.start, r.end) for r in RANGES)
+    # every stage passed the dial-back (R's through the relay's port) and serves the DHT
+    assert all(st.ready["dht_mode"] == "server" and st.ready["reachable"] is True for st in swarm_net["ring"].stages)
     table = run_swarm("peers", "--bootstrap", boot)  # every model: stories260k and the lure
     assert table.returncode == 0 and table.stdout.count("model stories260k") == 2 and "coverage" in table.stdout
     # an unreachable bootstrap address and a malformed one: one line each, exit 1
@@ -155,14 +157,19 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     empty = run_swarm("peers", "--bootstrap", boot, "--model", str(model))
     assert empty.returncode == 0 and "has no stage of model" in empty.stdout
     common = ["--dtype", "float32", "--bootstrap", boot]
+    # the holder of [4, 6) announces a port nothing listens on: the dial-back fails, so it joins
+    # in DHT client mode (its record is still stored by the server nodes)
+    closed = _free_port()
     with LocalRing(str(model), [LayerRange(0, 2), LayerRange(4, 6)], tmp_path / "keys", threads=1,
-                   extra_args=common) as holders:
+                   extra_args=common, per_stage_args={1: ["--announce-addr", f"/ip4/127.0.0.1/tcp/{closed}"]}) as holders:
         with LocalRing(str(model), [None], tmp_path / "auto-keys", threads=1,
                        extra_args=common + ["--num-layers", "2"]) as auto:
             assert auto.stages[0].ready["layers"] == [2, 4]  # the gap, not a covered window
             doc = json.loads(run_swarm("peers", "--bootstrap", boot, "--model", str(model), "--json").stdout)
             assert doc["models"][0]["coverage"] == [1] * 6
     assert holders.stages[0].ready["announced"] is True
+    assert holders.stages[0].ready["dht_mode"] == "server" and holders.stages[0].ready["reachable"] is True
+    assert holders.stages[1].ready["dht_mode"] == "client" and holders.stages[1].ready["reachable"] is False
 
 
 def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):

@@ -346,8 +346,9 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
 
     Args:
         host: a running ``SwarmHost``.
-        server: serve the DHT to others (reachable stages, bootstrap nodes); False = client mode
-            (coordinators, servers of the API, stages that cannot be dialed).
+        server: serve the DHT to others (reachable stages, bootstrap nodes), and answer dial-backs
+            (``swarm.discovery.reach``); False = client mode (coordinators, servers of the API,
+            stages that cannot be dialed).
         bootstrap: multiaddrs of bootstrap nodes; a node with none starts a new swarm.
         timeout_s: deadline per bootstrap join, in seconds.
         clock: unix time (record expiry).
@@ -364,6 +365,10 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     from libp2p.tools.anyio_service import background_trio_service
 
     infos = [parse_bootstrap(a) for a in bootstrap]
+    if server:  # joining nodes ask a server node whether the swarm can dial them
+        from swarm.discovery.reach import serve_dialback
+
+        serve_dialback(host)
     dht = KadDHT(host.libp2p_host, DHTMode.SERVER if server else DHTMode.CLIENT,
                  validator=_validator(clock, accept_models), validator_changed=True, strict_validation=True)
     _skip_client_peers(dht)

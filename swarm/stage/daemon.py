@@ -50,8 +50,7 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                  "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx}
         if membership is not None:
-            record = await nursery.start(membership, server)
-            ready.update(model_id=server.model_id, announced=record is not None)
+            ready.update(model_id=server.model_id, **await nursery.start(membership, server))
         task_status.started(ready)
         await trio.sleep_forever()
 

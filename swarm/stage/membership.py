@@ -4,10 +4,11 @@ Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read 
 of the model and take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
 then the lowest throughput), the decode throughput a stage measures on its own block at start
 (``measure_decode_tps``), the fields of its signed record read from the live server
-(``record_fields``), and the task that joins the DHT and keeps the record fresh (``announce``),
-republishing ``draining`` at once when a drain starts and checking every ``--rebalance-s`` whether
-its block should move (``swarm.routing.should_move``; a move drains the stage's sessions first and
-then restarts it on the new block, so no session ever sees a half-moved stage).
+(``record_fields``), and the task that joins the DHT (in the mode a dial-back chose) and keeps the
+record fresh (``announce``), republishing ``draining`` at once when a drain starts and checking
+every ``--rebalance-s`` whether its block should move (``swarm.routing.should_move``; a move
+drains the stage's sessions first and then restarts it on the new block, so no session ever sees
+a half-moved stage).
 May import: torch, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.stage.server``.
 """
 
@@ -95,22 +96,41 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
     fresh, republish ``draining`` as soon as a drain is requested, and (for a placed block) check
     every ``--rebalance-s`` whether to move; a move requests a drain and sets ``server.move_to``.
 
+    The DHT mode comes from a dial-back (``swarm.discovery.reach``): a stage the bootstrap node can
+    open a new connection to serves the DHT; one it cannot (behind NAT or a firewall) runs client
+    mode, and the log says why. ``--dht-client`` skips the check. When no bootstrap node can
+    answer the check, the stage serves (as before the check existed).
+
+    ``task_status.started`` gets ``{"announced": bool, "dht_mode": "server" | "client",
+    "reachable": bool | None}`` for the READY line.
+
     Raises:
         DiscoveryError: no bootstrap node answered (before started).
     """
     from swarm.discovery.announce import Announcer
     from swarm.discovery.client import holders_of
     from swarm.discovery.dht import open_dht
+    from swarm.discovery.reach import check_reachable
     from swarm.routing import should_move
 
-    async with open_dht(server.host, server=not config.dht_client, bootstrap=config.bootstrap,
-                        accept_models=None) as dht:
+    reachable = None
+    if not config.dht_client:
+        reach = await check_reachable(server.host, config.bootstrap, server.host.addrs())
+        reachable = reach.reachable
+        if reach.reachable is False:
+            log.warning("stage.unreachable %s: joining the DHT in client mode; clients outside this network cannot "
+                        "reach this stage (forward the port and pass --announce-addr)", reach.reason)
+        elif reach.reachable is None:
+            log.info("stage.reachability_unknown %s; serving the DHT", reach.reason)
+    dht_server = not config.dht_client and reachable is not False
+    async with open_dht(server.host, server=dht_server, bootstrap=config.bootstrap, accept_models=None) as dht:
         announcer = Announcer(dht, server.host.key_pair, lambda: record_fields(server, model_id, throughput_tps),
                               interval_s=config.announce_interval_s, ttl_s=config.record_ttl_s)
         server.announcer = announcer
         async with trio.open_nursery() as nursery:
             await nursery.start(announcer.run)
-            task_status.started(announcer.published)
+            task_status.started({"announced": announcer.published is not None,
+                                 "dht_mode": "server" if dht_server else "client", "reachable": reachable})
 
             async def on_drain() -> None:
                 await server.drain_requested.wait()

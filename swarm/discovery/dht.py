@@ -38,6 +38,8 @@ from swarm.errors import ConfigError, SwarmError
 
 log = logging.getLogger(__name__)
 
+NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
+
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
@@ -178,11 +180,14 @@ class SwarmDHT:
         records: dict[str, StageRecord] = {}
 
         async def one(peer_id: str) -> None:
-            # the stage itself holds its latest record: one request to it, the network only if it
-            # does not answer the DHT protocol (a --dht-client stage)
+            # the stage itself holds its latest record: one request to it; the network only if it
+            # does not answer the DHT protocol (a client-mode stage) or cannot be dialed, and then
+            # briefly: a stage that left keeps records on the DHT nodes until they expire, and
+            # lookups through peers that left cost a failed dial each
             value = await self._value_from_owner(peer_id)
             if value is None:
-                value = await self._fresh_value(record_key(peer_id))
+                with trio.move_on_after(NETWORK_FALLBACK_S):
+                    value = await self._fresh_value(record_key(peer_id))
             if value is None:
                 return
             try:

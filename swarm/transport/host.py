@@ -39,6 +39,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
+from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
 from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream
 from swarm.transport.identity import peer_id_of
 
@@ -51,10 +52,12 @@ StreamHandler = Callable[[FramedStream], Awaitable[None]]
 class SwarmHost:
     """A running libp2p host; obtain one from ``open_host``."""
 
-    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None) -> None:
+    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None, circuits=None) -> None:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
         self.key_pair = key_pair  # the node key: signs session assignments and receipts
+        # circuit relay v2 (swarm.transport.circuit.CircuitClient): relayed connections in and out
+        self.circuits = circuits
         # streams to one peer are negotiated one at a time (they share its connection); one lock
         # per peer, so a peer that does not answer delays only dials to itself
         self._open_locks: dict[str, trio.Lock] = {}
@@ -118,7 +121,13 @@ class SwarmHost:
 
         self.libp2p_host.set_stream_handler(TProtocol(protocol_id), serve)
 
-    async def _dial(self, info, start: float) -> None:
+    async def _dial(self, info, start: float, addr: str) -> None:
+        if is_circuit(addr):  # libp2p's dialer skips circuit addresses: through the relay transport
+            if self.circuits is None:
+                raise ConfigError(f"{addr} is a relayed address and this node has no relay support")
+            await self.circuits.dial(addr)
+            log.debug("hop.dial_relayed peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start)
+            return
         # The swarm dials only one TCP addr per peer, possibly a stale one from an earlier dial
         # or identify: dial exactly the addr we were given.
         host = self.libp2p_host
@@ -127,7 +136,7 @@ class SwarmHost:
         await host.connect(info)
         log.debug("hop.dial peer=%s waited_s=%.3f", info.peer_id, trio.current_time() - start)
 
-    async def _new_stream(self, info, protocol_id: str, start: float):
+    async def _new_stream(self, info, protocol_id: str, start: float, addr: str):
         """Negotiate one stream to ``info.peer_id``, dialing first if there is no connection.
         A connection libp2p still lists can be dead (its path went away, e.g. a relay or a peer that
         restarted on a new port): then drop it and dial afresh, once."""
@@ -135,7 +144,7 @@ class SwarmHost:
         network = host.get_network()
         had_connection = bool(network.get_connections(info.peer_id))
         if not had_connection:
-            await self._dial(info, start)
+            await self._dial(info, start, addr)
         try:
             return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
         except (SwarmException, StreamFailure) as e:
@@ -143,7 +152,7 @@ class SwarmHost:
                 raise
             log.info("hop.redial peer=%s reason=stale-connection error=%r", info.peer_id, e)
             await network.close_peer(info.peer_id)
-            await self._dial(info, start)
+            await self._dial(info, start, addr)
             return await host.new_stream(info.peer_id, [TProtocol(protocol_id)])
 
     async def _open_net_stream(self, addr: str, protocol_id: str, timeout_s: float):
@@ -155,7 +164,7 @@ class SwarmHost:
         try:
             with trio.fail_after(timeout_s):
                 async with self._open_locks.setdefault(str(info.peer_id), trio.Lock()):
-                    net_stream = await self._new_stream(info, protocol_id, start)
+                    net_stream = await self._new_stream(info, protocol_id, start, addr)
         except trio.TooSlowError:
             log.warning("hop.dial_timeout addr=%s protocol=%s waited_s=%.2f", addr, protocol_id, timeout_s)
             raise HopTimeout(
@@ -165,6 +174,9 @@ class SwarmHost:
             if is_unsupported_protocol(e):
                 raise ProtocolError(f"peer at {addr} does not speak {protocol_id}") from e
             raise StageLost(f"cannot open {protocol_id} to {addr}: {e}") from e
+        except RelayError as e:
+            log.info("hop.unreachable addr=%s error=%s", addr, e)
+            raise StageLost(str(e)) from e
         except (BaseLibp2pError, OSError) as e:
             log.info("hop.unreachable addr=%s error=%s", addr, e)
             raise StageLost(f"peer at {addr} is unreachable: {type(e).__name__}: {e}") from e
@@ -222,6 +234,7 @@ async def open_host(
     dial_retries: int = 1,
     health_check_interval_s: float | None = None,
     announce_addrs: Sequence[str] = (),
+    relay_hop: bool = False,
 ) -> AsyncIterator[SwarmHost]:
     """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
 
@@ -236,6 +249,8 @@ async def open_host(
             deadlines and heartbeats).
         announce_addrs: TCP multiaddrs to advertise instead of the bound ones (identify, DHT,
             ``SwarmHost.addrs()``), e.g. a port forward or relay in front of this node.
+        relay_hop: also relay circuits for others (``swarm relay``). Every host accepts relayed
+            connections and dials ``/p2p-circuit`` addresses (``swarm.transport.circuit``).
     Yields:
         The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
     Raises:
@@ -276,10 +291,17 @@ async def open_host(
             raise ConfigError(f"cannot listen on {', '.join(failed)} (address in use or not local)")
         log.info("host.start peer=%s addrs=%s", peer_id_of(key_pair), [str(a) for a in host.get_addrs()])
         async with trio.open_nursery() as nursery:
+            circuits = CircuitClient(host, hop=relay_hop)
+            await nursery.start(circuits.run)
             try:
-                yield SwarmHost(host, nursery, key_pair)
+                yield SwarmHost(host, nursery, key_pair, circuits)
             finally:
                 nursery.cancel_scope.cancel()
+                # libp2p 0.8.1 leaves its listening sockets open when the host stops: a node
+                # restarted in the same process (or a test) could not listen on its port again
+                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    for listener in list(network.listeners.values()):
+                        await listener.close()
     log.info("host.stop peer=%s", peer_id_of(key_pair))
 
 

@@ -1,0 +1,275 @@
+"""Circuit relay v2 for swarm nodes: serving as a relay, reserving on one, dialing through one.
+
+Owns: circuit addresses (``is_circuit``, ``circuit_addr``, ``relay_part``), the relay role
+(``RelayService``: libp2p's hop service with data-plane limits and one pinned fix), a node's
+client side (``CircuitClient``: accepts relayed connections, dials ``/p2p-circuit`` addresses,
+and ``keep_reservation`` holds a reservation on a relay, making a new one at once when the
+connection to the relay drops). Protocol: libp2p circuit relay v2
+(https://github.com/libp2p/specs/blob/master/relay/circuit-v2.md), as py-libp2p 0.8.1 implements
+it in ``libp2p.relay.circuit_v2``; this module only configures and wraps it.
+
+Facts of libp2p 0.8.1's relay this module designs around (measured, issue 15):
+- the default limits cap a circuit at 1 h and 1 GiB and a cap kills the whole relayed connection;
+  ``RelayLimits(data=0)`` (meant as unlimited) breaks every circuit, because the copy loop then
+  checks each read against a reservation budget of 0 bytes. A data plane must not be cut off
+  mid-answer: ``RelayService`` copies without caps (a circuit ends only when one of its ends
+  closes it) and allows many reservations and circuits;
+- the hop service keys its active circuits by peer, not by circuit, and the copy loop closes
+  "the circuit of that peer" when it ends: closing an older circuit to a destination reset a
+  newer one to the same destination. ``RelayService`` closes only the two streams of the
+  circuit whose copy loop ended;
+- after a relay restarts, a node stays unreachable until its reservation refresh (about 59 min):
+  ``keep_reservation`` watches the connection to the relay and reserves again as soon as it
+  is gone;
+- ``host.get_addrs()`` never lists circuit addresses and libp2p's own dialer skips them: swarm
+  carries them itself (records, READY lines, ring files) and dials them here.
+
+The library version is pinned: ``check_version`` refuses any other (the subclass overrides a
+private method). May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from importlib.metadata import version as _dist_version
+
+import multiaddr
+import trio
+
+from swarm.errors import ConfigError, SwarmError
+
+log = logging.getLogger(__name__)
+
+PINNED_LIBP2P = "0.8.1"
+HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+STOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/stop"
+READ_BYTES = 256 * 1024
+RESERVATION_TTL_S = 3600  # a relay's reservations; clients renew well before the end
+RENEW_MARGIN_S = 300  # renew a reservation this long before it expires
+MAX_RESERVATIONS = 1024
+MAX_CIRCUITS_PER_PEER = 1024
+
+
+class RelayError(SwarmError):
+    """A relay could not be reached, refused a reservation, or a circuit could not be opened."""
+
+
+def check_version() -> None:
+    """Refuse a libp2p other than the pinned one (``RelayService`` overrides a private method).
+
+    Raises:
+        ConfigError: another libp2p version is installed.
+    """
+    got = _dist_version("libp2p")
+    if got != PINNED_LIBP2P:
+        raise ConfigError(f"swarm's relay support is pinned to libp2p {PINNED_LIBP2P}, found {got}: "
+                          f"install libp2p=={PINNED_LIBP2P}")
+
+
+def is_circuit(addr: str) -> bool:
+    """True for a ``.../p2p/<relay>/p2p-circuit/p2p/<peer>`` address."""
+    return "/p2p-circuit" in addr
+
+
+def circuit_addr(relay_addr: str, peer_id: str) -> str:
+    """The address at which ``peer_id`` is reachable through the relay at ``relay_addr``.
+
+    Raises:
+        ConfigError: ``relay_addr`` is not a direct multiaddr ending in ``/p2p/<relay PeerId>``.
+    """
+    relay_id = relay_peer_id(relay_addr)
+    if is_circuit(relay_addr) or not relay_id:
+        raise ConfigError(f"a relay address is a direct multiaddr ending in /p2p/<PeerId>, got {relay_addr!r}")
+    return f"{relay_addr}/p2p-circuit/p2p/{peer_id}"
+
+
+def relay_part(addr: str) -> str:
+    """The relay's own address inside a circuit address (``addr`` before ``/p2p-circuit``)."""
+    return addr.split("/p2p-circuit", 1)[0]
+
+
+def relay_peer_id(addr: str) -> str:
+    """The PeerId after the last ``/p2p/`` of ``addr`` ('' if none)."""
+    return addr.rsplit("/p2p/", 1)[1].split("/", 1)[0] if "/p2p/" in addr else ""
+
+
+def _limits():
+    from libp2p.relay.circuit_v2.resources import RelayLimits
+
+    # duration 0: no deadline on a circuit. data is never checked (see RelayService._relay_data).
+    return RelayLimits(duration=0, data=0, max_circuit_conns=MAX_CIRCUITS_PER_PEER,
+                       max_reservations=MAX_RESERVATIONS, reservation_ttl=RESERVATION_TTL_S)
+
+
+def _service_class():
+    """``RelayService``, built on first use so importing this module does not import libp2p's relay."""
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+
+    class RelayService(CircuitV2Protocol):
+        """libp2p's circuit relay v2 service with a data plane's limits (see the module docstring)."""
+
+        async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None, circuit_data_limit=None) -> None:
+            # Copy one direction of one circuit until its source ends; then close this circuit's
+            # two streams (and no other circuit's: libp2p 0.8.1 looked them up by peer).
+            try:
+                while True:
+                    data = await src_stream.read(READ_BYTES)
+                    if not data:
+                        break
+                    await dst_stream.write(data)
+            except Exception as e:  # a reset or closed end: the circuit is over
+                log.debug("relay.circuit_end peer=%s reason=%r", peer_id, e)
+            finally:
+                for stream in (src_stream, dst_stream):
+                    with trio.move_on_after(1.0):
+                        try:
+                            await stream.close()
+                        except Exception:
+                            pass
+
+    return RelayService
+
+
+class CircuitClient:
+    """A node's side of circuit relay v2: accept relayed connections, dial circuit addresses,
+    hold reservations. Built by ``open_host``; reached as ``SwarmHost.circuits``.
+
+    Args:
+        host: the libp2p host. nursery: where the services run (the SwarmHost's).
+        hop: also serve as a relay for others (``swarm relay``).
+    """
+
+    def __init__(self, host, hop: bool = False) -> None:
+        from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+        from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+        from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+
+        check_version()
+        self.host = host
+        self.hop = hop
+        cls = _service_class() if hop else CircuitV2Protocol
+        self.protocol = cls(host, limits=_limits(), allow_hop=hop)
+        # STOP only: dialing through a relay must not also take a reservation there (CLIENT would)
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
+        self.reserved: dict[str, str] = {}  # relay addr -> our circuit addr, while a reservation holds
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the relay protocol service (STOP handler; HOP too for a relay) until cancelled."""
+        from libp2p.tools.anyio_service import background_trio_service
+
+        async with background_trio_service(self.protocol):
+            await self.protocol.event_started.wait()
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def dial(self, addr: str) -> None:
+        """Open a relayed connection to the peer of the circuit address ``addr``.
+
+        Raises:
+            RelayError: the relay is unreachable, the peer holds no reservation there, or the
+                relay or the peer refused the circuit.
+        """
+        from libp2p.peer.id import ID
+
+        relay_id = ID.from_base58(relay_peer_id(relay_part(addr)))
+        network = self.host.get_network()
+        for attempt in (1, 2):
+            try:
+                await self.transport.dial(multiaddr.Multiaddr(addr))
+                return
+            except Exception as e:  # the library raises ConnectionError, RelayConnectionError, ...
+                if attempt == 1 and network.get_connections(relay_id):
+                    # a connection to the relay that libp2p still lists can be dead (the relay
+                    # restarted): drop it and dial the relay afresh, once
+                    log.info("relay.redial relay=%s reason=%r", relay_id, e)
+                    await network.close_peer(relay_id)
+                    continue
+                raise RelayError(f"cannot open a circuit to {addr}: {e}") from e
+
+    async def reserve(self, relay_addr: str, timeout_s: float = 10.0) -> float:
+        """Make (or renew) a reservation on the relay at ``relay_addr``; return its expiry (unix s).
+
+        Raises:
+            RelayError: the relay cannot be dialed, does not serve relay v2, or refused.
+        """
+        from libp2p.custom_types import TProtocol
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
+        except Exception as e:
+            raise ConfigError(f"not a relay multiaddr with /p2p/<PeerId>: {relay_addr!r} ({e})") from e
+        relay_id = ID.from_base58(str(info.peer_id))
+        try:
+            with trio.fail_after(timeout_s):
+                if not self.host.get_network().get_connections(relay_id):
+                    await self.host.connect(info)
+                stream = await self.host.new_stream(relay_id, [TProtocol(HOP_PROTOCOL)])
+                try:
+                    ok = await self.transport._make_reservation(stream, relay_id)  # pinned: see check_version
+                finally:
+                    with trio.move_on_after(1.0):
+                        await stream.close()
+        except trio.TooSlowError:
+            raise RelayError(f"relay {relay_addr} did not answer a reservation within {timeout_s:.0f} s") from None
+        except Exception as e:
+            raise RelayError(f"cannot reach relay {relay_addr}: {type(e).__name__}: {e}") from e
+        if not ok:
+            raise RelayError(f"relay {relay_addr} refused the reservation (not a relay, or full)")
+        return float(self.transport._reservations.get(relay_id, time.time() + RESERVATION_TTL_S))
+
+    def connected(self, relay_addr: str) -> bool:
+        """True while a connection to the relay is open."""
+        from libp2p.peer.id import ID
+
+        return bool(self.host.get_network().get_connections(ID.from_base58(relay_peer_id(relay_addr))))
+
+    async def keep_reservation(self, relay_addr: str, my_peer_id: str, *, check_s: float = 0.5,
+                               retry_s: float = 1.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Hold a reservation on ``relay_addr`` until cancelled: reserve, report the circuit
+        address to ``task_status``, then renew ``RENEW_MARGIN_S`` before expiry, and at once
+        (every ``retry_s`` until it works) when the connection to the relay is gone, e.g. after
+        a relay restart.
+
+        Raises:
+            RelayError / ConfigError: the first reservation failed (before started).
+        """
+        addr = circuit_addr(relay_addr, my_peer_id)
+        expires = await self.reserve(relay_addr)
+        self.reserved[relay_addr] = addr
+        log.info("relay.reserved relay=%s circuit=%s ttl_s=%.0f", relay_addr, addr, expires - time.time())
+        task_status.started(addr)
+        try:
+            while True:
+                while self.connected(relay_addr) and time.time() < expires - RENEW_MARGIN_S:
+                    await trio.sleep(check_s)
+                lost = not self.connected(relay_addr)
+                if lost:
+                    self.reserved.pop(relay_addr, None)
+                    log.warning("relay.connection_lost relay=%s: reserving again", relay_addr)
+                try:
+                    expires = await self.reserve(relay_addr)
+                except SwarmError as e:
+                    log.warning("relay.reserve_failed relay=%s error=%s; retrying in %.1f s", relay_addr, e, retry_s)
+                    await trio.sleep(retry_s)
+                    continue
+                self.reserved[relay_addr] = addr
+                log.info("relay.%s relay=%s", "reserved_again" if lost else "renewed", relay_addr)
+        finally:
+            self.reserved.pop(relay_addr, None)
+
+
+async def hold_reservations(circuits: CircuitClient, relays: Sequence[str], my_peer_id: str,
+                            task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Keep a reservation on each relay (``CircuitClient.keep_reservation``) until cancelled;
+    ``task_status.started`` gets the circuit addresses, in the order of ``relays``.
+
+    Raises:
+        RelayError / ConfigError: a first reservation failed (names the relay and why).
+    """
+    async with trio.open_nursery() as nursery:
+        addrs = [await nursery.start(circuits.keep_reservation, r, my_peer_id) for r in relays]
+        task_status.started(addrs)

@@ -1,9 +1,11 @@
-"""``swarm bootstrap``: a node that only serves the swarm DHT, the address new members join through.
+"""``swarm bootstrap`` and ``swarm relay``: nodes that hold no model, the addresses members join through.
 
-Owns: the bootstrap daemon's life: key, host, a server-mode DHT (``swarm.discovery.dht``), the
-``SWARM_BOOTSTRAP_READY {"peer_id", "addrs", "protocol"}`` line on stdout (or
-``SWARM_BOOTSTRAP_FATAL {"reason"}``), and a clean stop on SIGTERM or Ctrl-C. It holds no model
-and no torch; several bootstrap nodes may join each other (``--bootstrap``) for redundancy.
+Owns: the life of both daemons: key, host, a server-mode DHT (``swarm.discovery.dht``), the
+``SWARM_BOOTSTRAP_READY {"peer_id", "addrs", "protocol"}`` line on stdout (``SWARM_RELAY_READY``
+with ``relay_protocol`` added for a relay; or ``SWARM_<ROLE>_FATAL {"reason"}``), and a clean stop
+on SIGTERM or Ctrl-C. A relay also relays circuits (circuit relay v2, no data or time caps:
+``swarm.transport.circuit``) for stages behind NAT, and serves the DHT like a bootstrap node.
+No torch; several such nodes may join each other (``--bootstrap``) for redundancy.
 Glue: nothing imports it but the CLI and tests.
 """
 
@@ -22,15 +24,16 @@ from swarm.errors import SwarmError, collapse
 log = logging.getLogger(__name__)
 
 
-def emit(kind: str, payload: dict) -> None:
-    """Print one lifecycle line (``SWARM_BOOTSTRAP_<KIND> {json}``) to stdout and flush."""
-    sys.stdout.write(f"SWARM_BOOTSTRAP_{kind} {json.dumps(payload, sort_keys=True)}\n")
+def emit(kind: str, payload: dict, role: str = "bootstrap") -> None:
+    """Print one lifecycle line (``SWARM_<ROLE>_<KIND> {json}``) to stdout and flush."""
+    sys.stdout.write(f"SWARM_{role.upper()}_{kind} {json.dumps(payload, sort_keys=True)}\n")
     sys.stdout.flush()
 
 
 def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None = None,
-                  announce: list[str] | None = None) -> int:
-    """Serve the DHT until SIGTERM/SIGINT. Returns 0 on a clean stop, 1 after printing FATAL.
+                  announce: list[str] | None = None, relay: bool = False) -> int:
+    """Serve the DHT (and, with ``relay``, relay circuits) until SIGTERM/SIGINT. Returns 0 on a
+    clean stop, 1 after printing FATAL.
 
     Args:
         key_path: the node key file (created 0600 if missing): a stable PeerId across restarts,
@@ -38,19 +41,26 @@ def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None
         listen: TCP multiaddrs to listen on (e.g. ``/ip4/0.0.0.0/tcp/4001``).
         bootstrap: other bootstrap nodes to join (optional).
         announce: addresses to advertise instead of the bound ones (port forwards).
+        relay: run as ``swarm relay`` (lines ``SWARM_RELAY_*``).
     """
     from swarm.discovery.dht import PROTOCOL_ID, open_dht
     from swarm.transport import load_or_create_key
+    from swarm.transport.circuit import HOP_PROTOCOL
     from swarm.transport.host import open_host
+
+    role = "relay" if relay else "bootstrap"
 
     async def main() -> None:
         key = load_or_create_key(key_path)
-        async with open_host(key, listen, announce_addrs=announce or ()) as host:
+        async with open_host(key, listen, announce_addrs=announce or (), relay_hop=relay) as host:
             async with open_dht(host, server=True, bootstrap=bootstrap or ()):
-                emit("READY", {"peer_id": host.peer_id, "addrs": host.addrs(), "protocol": PROTOCOL_ID})
+                ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "protocol": PROTOCOL_ID}
+                if relay:
+                    ready["relay_protocol"] = HOP_PROTOCOL
+                emit("READY", ready, role)
                 with trio.open_signal_receiver(signal.SIGTERM) as signals:
                     async for _ in signals:
-                        log.info("bootstrap.stop reason=SIGTERM")
+                        log.info("%s.stop reason=SIGTERM", role)
                         return
 
     try:
@@ -61,6 +71,6 @@ def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None
     except KeyboardInterrupt:
         return 0
     except SwarmError as exc:
-        emit("FATAL", {"reason": str(exc)})
+        emit("FATAL", {"reason": str(exc)}, role)
         return 1
     return 0

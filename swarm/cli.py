@@ -1,6 +1,6 @@
 """The ``swarm`` command: parse arguments, build a config, call the daemon or tool. Thin.
 
-Subcommands: ``stage``, ``coordinate``, ``demo``, ``serve``, ``bootstrap``, ``peers``, ``model import``,
+Subcommands: ``stage``, ``coordinate``, ``demo``, ``serve``, ``bootstrap``, ``relay``, ``peers``, ``model import``,
 ``keygen``, ``id prove|verify``, ``receipts verify|watch``. Each returns an exit code.
 """
 
@@ -53,6 +53,9 @@ def _stage_parser(sub) -> None:
     sw.add_argument("--dht-client", action="store_true",
                     help="read the DHT but do not serve it, without asking (default: a bootstrap node dials this "
                          "stage back; if it cannot, the stage runs client mode and logs why)")
+    sw.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
+                    help="hold a reservation on this relay (the addr `swarm relay` prints; repeatable), so the stage "
+                         "is reachable at its circuit address (READY relay_addrs, its record) even behind NAT")
     sw.add_argument("--num-layers", type=int, dest="fit_layers",
                     help="without --layers: take this many layers (default: what --mem-budget-mb allows)")
     sw.add_argument("--mem-budget-mb", type=float,
@@ -157,14 +160,26 @@ def _add_receipt_flags(p) -> None:
 
 
 def _bootstrap_parser(sub) -> None:
-    p = sub.add_parser("bootstrap", help="run a node that only serves the swarm's DHT (where members join)",
-                       description="Serve the swarm's Kademlia DHT (protocol /swarm/kad/1.0.0) and nothing else. "
-                                   "Prints SWARM_BOOTSTRAP_READY {json} with its peer_id and addrs: give one of "
-                                   "those addrs to stages and clients as --bootstrap. Stops on SIGTERM or Ctrl-C.")
+    for p in (sub.add_parser("bootstrap", help="run a node that only serves the swarm's DHT (where members join)",
+                             description="Serve the swarm's Kademlia DHT (protocol /swarm/kad/1.0.0) and nothing "
+                                         "else. Prints SWARM_BOOTSTRAP_READY {json} with its peer_id and addrs: give "
+                                         "one of those addrs to stages and clients as --bootstrap. Stops on SIGTERM "
+                                         "or Ctrl-C."),
+              sub.add_parser("relay", help="run a relay for stages behind NAT (also a DHT bootstrap node)",
+                             description="Relay circuits (libp2p circuit relay v2, no data or time caps: a circuit "
+                                         "ends only when one of its ends closes it) for stages that cannot be dialed, "
+                                         "and serve the swarm's DHT like `swarm bootstrap`. Prints SWARM_RELAY_READY "
+                                         "{json} with its peer_id and addrs: give one of those addrs to stages behind "
+                                         "NAT as --relay (and to anyone as --bootstrap). Run it where it can be "
+                                         "dialed (a public address or a port forward). Stops on SIGTERM or Ctrl-C.")):
+        _daemon_args(p, p.prog.rsplit(" ", 1)[-1])
+
+
+def _daemon_args(p, role: str) -> None:
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                    help="TCP multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
                         "/ip4/0.0.0.0/tcp/4001 to be reachable from other machines)")
-    p.add_argument("--key", type=Path, help="identity key (default: $SWARM_CACHE/keys/bootstrap.key): a stable "
+    p.add_argument("--key", type=Path, help=f"identity key (default: $SWARM_CACHE/keys/{role}.key): a stable "
                                             "PeerId keeps the address you handed out valid")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="another bootstrap node to join (repeatable)")
@@ -308,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
-    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "peers", "demo"):
+    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo"):
         import swarm.transport.host as transport_host  # importing libp2p resets its level: re-applied per host
 
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
-                    "bootstrap": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
+                    "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
     except SwarmError as exc:
@@ -354,6 +369,7 @@ def cmd_stage(args) -> int:
                          prefill_slice_shared=args.prefill_slice_shared,
                          batch_wait_ms=args.batch_wait_ms, bootstrap=tuple(args.bootstrap),
                          announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
+                         relays=tuple(args.relay),
                          fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,
                          announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
                          rebalance_s=args.rebalance_s)
@@ -409,8 +425,8 @@ def cmd_bootstrap(args) -> int:
     from swarm.bootstrap import run_bootstrap
     from swarm.config import cache_root
 
-    return run_bootstrap(args.key or cache_root() / "keys" / "bootstrap.key", args.listen or ["/ip4/127.0.0.1/tcp/0"],
-                         bootstrap=args.bootstrap, announce=args.announce_addr)
+    return run_bootstrap(args.key or cache_root() / "keys" / f"{args.cmd}.key", args.listen or ["/ip4/127.0.0.1/tcp/0"],
+                         bootstrap=args.bootstrap, announce=args.announce_addr, relay=args.cmd == "relay")
 
 
 def cmd_peers(args) -> int:

@@ -50,6 +50,7 @@ class StageConfig:
     bootstrap: tuple[str, ...] = ()  # multiaddrs of bootstrap nodes: join the swarm's DHT and announce
     announce_addrs: tuple[str, ...] = ()  # addresses to advertise instead of the bound one
     dht_client: bool = False  # not dialable from outside: read the DHT, do not serve it
+    relays: tuple[str, ...] = ()  # relay multiaddrs to hold reservations on (reachable through their circuits)
     fit_layers: int | None = None  # with layers None: how many layers to take (None: what memory allows)
     mem_budget_mb: float | None = None  # with layers None: memory for weights (None: half of what is free)
     announce_interval_s: float = 60.0  # republish the record this often
@@ -61,6 +62,10 @@ class StageConfig:
             raise ConfigError("--model is required")
         if self.layers is None and not self.bootstrap:
             raise ConfigError("--layers is required unless --bootstrap lets the stage pick its block from the swarm")
+        for relay in self.relays:
+            if "/p2p/" not in relay or "/p2p-circuit" in relay or not relay.startswith("/"):
+                raise ConfigError(f"--relay {relay!r} must be a relay's direct multiaddr ending in /p2p/<PeerId> "
+                                  "(the addr `swarm relay` prints)")
         if self.fit_layers is not None and not 1 <= self.fit_layers <= 100_000:
             raise ConfigError(f"--num-layers must be >= 1, got {self.fit_layers}")
         if self.mem_budget_mb is not None and not 0 < self.mem_budget_mb < 2**40:

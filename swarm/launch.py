@@ -182,18 +182,25 @@ def _tail(sp: StageProcess) -> str:
 
 
 class BootstrapNode:
-    """Context manager: run ``swarm bootstrap`` as a child, wait for its READY line, reap it on exit.
+    """Context manager: run ``swarm bootstrap`` (or ``swarm relay``) as a child, wait for its READY
+    line, reap it on exit.
 
     Args:
         key_path: its identity key. startup_timeout_s: how long to wait for READY.
+        role: "bootstrap" or "relay". listen: its listen multiaddr (a fixed port lets a test
+            restart it at the same address).
     Attributes:
         addr: its first multiaddr (with /p2p/PeerId), to pass as ``--bootstrap``.
     Raises:
         StageLost: it printed FATAL, exited, or was not ready in time.
     """
 
-    def __init__(self, key_path: Path, startup_timeout_s: float = 60.0, env: dict | None = None):
+    def __init__(self, key_path: Path, startup_timeout_s: float = 60.0, env: dict | None = None,
+                 role: str = "bootstrap", listen: str = "/ip4/127.0.0.1/tcp/0"):
+        if role not in ("bootstrap", "relay"):
+            raise ValueError(f"role must be bootstrap or relay, got {role!r}")
         self.key_path, self.startup_timeout_s, self.env = Path(key_path), startup_timeout_s, env
+        self.role, self.listen = role, listen
         self.proc: subprocess.Popen | None = None
         self.ready: dict = {}
 
@@ -204,8 +211,7 @@ class BootstrapNode:
     def __enter__(self) -> BootstrapNode:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        argv = [sys.executable, "-m", "swarm", "bootstrap", "--key", str(self.key_path),
-                "--listen", "/ip4/127.0.0.1/tcp/0"]
+        argv = [sys.executable, "-m", "swarm", self.role, "--key", str(self.key_path), "--listen", self.listen]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         sp = StageProcess(LayerRange(0, 1), self.proc)
@@ -217,15 +223,15 @@ class BootstrapNode:
                 try:
                     line = sp.lines.get(timeout=max(0.05, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise StageLost(f"bootstrap node not ready within {self.startup_timeout_s:.0f} s{_tail(sp)}") \
+                    raise StageLost(f"{self.role} node not ready within {self.startup_timeout_s:.0f} s{_tail(sp)}") \
                         from None
                 if line is None:
-                    raise StageLost(f"bootstrap node exited with code {self.proc.wait()}{_tail(sp)}")
-                if line.startswith("SWARM_BOOTSTRAP_READY "):
+                    raise StageLost(f"{self.role} node exited with code {self.proc.wait()}{_tail(sp)}")
+                if line.startswith(f"SWARM_{self.role.upper()}_READY "):
                     self.ready = json.loads(line.split(" ", 1)[1])
                     return self
-                if line.startswith("SWARM_BOOTSTRAP_FATAL "):
-                    raise StageLost(f"bootstrap node failed: {line.split(' ', 1)[1]}")
+                if line.startswith(f"SWARM_{self.role.upper()}_FATAL "):
+                    raise StageLost(f"{self.role} node failed: {line.split(' ', 1)[1]}")
         except BaseException:
             self.__exit__()
             raise

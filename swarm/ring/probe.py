@@ -10,7 +10,8 @@ heartbeats that call ``probe`` while waiting for a result live in
 
 ``ProbeMixin`` is mixed into :class:`swarm.ring.client.RingClient`; it uses ``links``, ``spares``,
 ``heartbeat_s``, the channel and ``_link`` / ``_where`` (:mod:`swarm.ring.links`). May import:
-trio, ``swarm.wire``, ``swarm.heal``, ``swarm.ranges``, ``swarm.errors``.
+trio, ``swarm.wire``, ``swarm.heal``, ``swarm.ranges``, ``swarm.errors``,
+``swarm.transport.circuit`` (address helpers).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from dataclasses import replace
 import trio
 
 from swarm import wire
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError, StageLost, SwarmError
 from swarm.heal import StageReport
 from swarm.ranges import LayerRange
+from swarm.transport.circuit import is_circuit
 from swarm.ring.links import _Link
 
 log = logging.getLogger(__name__)
+
+RELAYED_SPARE_WAIT_S = 5.0  # how long a relayed spare that cannot be reached is tried again, in seconds
 
 
 class ProbeMixin:
@@ -77,13 +81,13 @@ class ProbeMixin:
         none. A spare whose block is exactly ``layers`` comes first, then the narrowest block that
         contains them (a stage serves any sub-range of its block). Spares that fail the dial or the
         check are dropped from the list. With ``spec`` (a StageSpec found elsewhere, e.g. on the
-        DHT) dial exactly that stage instead."""
+        DHT) dial exactly that stage instead.
+
+        A spare behind a relay (a circuit address) that cannot be reached is tried again for up
+        to ``RELAYED_SPARE_WAIT_S``: after a relay restarts, its stages need a moment to reserve
+        again (``swarm.transport.circuit.CircuitClient.keep_reservation``)."""
         if spec is not None:
-            try:
-                return await self._link(index, spec)
-            except SwarmError as exc:
-                log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
-                return None
+            return await self._dial_spare(index, spec)
         while True:
             lo, hi = layers
             holding = [s for s in self.spares if s.layers.start <= lo and hi <= s.layers.end]
@@ -91,10 +95,24 @@ class ProbeMixin:
                 return None
             spec = min(holding, key=lambda s: len(s.layers))  # stable: the ring file's order among equals
             self.spares.remove(spec)
+            link = await self._dial_spare(index, replace(spec, layers=LayerRange(lo, hi)))
+            if link is not None:
+                return link
+
+    async def _dial_spare(self, index: int, spec) -> _Link | None:
+        deadline = trio.current_time() + (RELAYED_SPARE_WAIT_S if is_circuit(spec.addr) else 0.0)
+        while True:
             try:
-                return await self._link(index, replace(spec, layers=LayerRange(lo, hi)))
+                return await self._link(index, spec)
+            except StageLost as exc:  # unreachable: a relayed one may be reserving again
+                if trio.current_time() >= deadline:
+                    log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
+                    return None
+                log.info("spare.retry addr=%s reason=%s", spec.addr, exc)
+                await trio.sleep(0.25)
             except SwarmError as exc:
                 log.warning("spare.unusable addr=%s reason=%s", spec.addr, exc)
+                return None
 
     async def drop_links(self, links) -> None:
         """Close the streams of ``links`` (e.g. a prepared chain that fell apart). Never raises."""

@@ -28,11 +28,13 @@ log = logging.getLogger(__name__)
 
 
 async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STATUS_IGNORED, *,
-                announce_addrs: tuple[str, ...] = (), membership=None) -> None:
+                announce_addrs: tuple[str, ...] = (), membership=None, relays: tuple[str, ...] = ()) -> None:
     """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload.
 
     Args:
         announce_addrs: addresses the host advertises instead of the bound ones.
+        relays: relay multiaddrs to hold reservations on (``swarm.transport.circuit``) before
+            READY; their circuit addresses are READY's ``relay_addrs`` and go into the record.
         membership: ``async (server, task_status)`` joining the swarm's DHT and announcing this stage
             (``swarm.stage.membership.announce``); READY waits for its first published record.
     """
@@ -49,6 +51,10 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         nursery.start_soon(server.scheduler)
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                  "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx}
+        if relays:
+            from swarm.transport.circuit import hold_reservations
+
+            ready["relay_addrs"] = await nursery.start(hold_reservations, host.circuits, relays, host.peer_id)
         if membership is not None:
             ready.update(model_id=server.model_id, **await nursery.start(membership, server))
         task_status.started(ready)
@@ -152,7 +158,8 @@ def run_stage(config: StageConfig) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(partial(serve, server, key, config.listen,
-                                                announce_addrs=config.announce_addrs, membership=membership))
+                                                announce_addrs=config.announce_addrs, membership=membership,
+                                                relays=config.relays))
             await nursery.start(_drain_on_sigterm, server)
             emit("READY", ready)
             await server.drain_requested.wait()

@@ -75,12 +75,16 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
 def record_fields(server, model_id: str, throughput_tps: float) -> dict:
     """The record fields read from the live server (all but peer_id, rtt_ms, seq and expiry)."""
     b, config = server.block, server.config
+    relays = tuple(server.host.circuits.reserved.values()) if server.host.circuits else ()
     reserved = sum(s.reserved for s in server.sessions.values())
     budget = int(config.kv_budget_mb * 2**20) if config.kv_budget_mb is not None else 0
     per_pos = b.kv_bytes_per_position()
     return {
         "model_id": model_id, "model_name": server.model_name, "num_layers": b.num_layers,
-        "layers": (b.layer_range.start, b.layer_range.end), "addrs": tuple(server.host.addrs()),
+        "layers": (b.layer_range.start, b.layer_range.end),
+        # a stage the dial-back could not reach offers only its circuits through relays (if any)
+        "addrs": () if server.reachable is False and relays else tuple(server.host.addrs()),
+        "relay_addrs": relays,
         "dtype": str(b.dtype).removeprefix("torch."), "device": b.device.type, "max_ctx": b.max_ctx,
         # no --kv-budget-mb: report room for one full-context session (0 would read as "full")
         "free_kv_bytes": max(0, budget - reserved) if budget else per_pos * b.max_ctx,
@@ -118,10 +122,13 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
         reach = await check_reachable(server.host, config.bootstrap, server.host.addrs())
         reachable = reach.reachable
         if reach.reachable is False:
-            log.warning("stage.unreachable %s: joining the DHT in client mode; clients outside this network cannot "
-                        "reach this stage (forward the port and pass --announce-addr)", reach.reason)
+            how = ("it announces only its circuits through --relay" if config.relays else
+                   "clients outside this network cannot reach it: forward the port and pass --announce-addr, or "
+                   "use --relay")
+            log.warning("stage.unreachable %s: joining the DHT in client mode; %s", reach.reason, how)
         elif reach.reachable is None:
             log.info("stage.reachability_unknown %s; serving the DHT", reach.reason)
+    server.reachable = reachable
     dht_server = not config.dht_client and reachable is not False
     async with open_dht(server.host, server=dht_server, bootstrap=config.bootstrap, accept_models=None) as dht:
         announcer = Announcer(dht, server.host.key_pair, lambda: record_fields(server, model_id, throughput_tps),

@@ -52,6 +52,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self.model_id: str | None = None  # weights id (swarm.weights.manifest), set when the stage joins a swarm
         self.move_to: LayerRange | None = None  # set by a rebalance: restart on this block after the drain
         self.announcer = None  # swarm.discovery.announce.Announcer while the stage announces
+        self.reachable: bool | None = None  # what the dial-back found (None: not asked, or no answer)
         if config.max_ctx is not None:
             if config.max_ctx > block.max_ctx:
                 raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")

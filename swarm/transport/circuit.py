@@ -176,6 +176,8 @@ class CircuitClient:
         relay_id = ID.from_base58(relay_peer_id(relay_part(addr)))
         network = self.host.get_network()
         for attempt in (1, 2):
+            if not network.get_connections(relay_id):
+                network.unblock_peer(relay_id)  # libp2p refuses a peer that failed a dial for 60 s
             try:
                 await self.transport.dial(multiaddr.Multiaddr(addr))
                 return
@@ -203,9 +205,11 @@ class CircuitClient:
         except Exception as e:
             raise ConfigError(f"not a relay multiaddr with /p2p/<PeerId>: {relay_addr!r} ({e})") from e
         relay_id = ID.from_base58(str(info.peer_id))
+        network = self.host.get_network()
         try:
             with trio.fail_after(timeout_s):
-                if not self.host.get_network().get_connections(relay_id):
+                if not network.get_connections(relay_id):
+                    network.unblock_peer(relay_id)  # libp2p refuses a peer that failed a dial for 60 s
                     await self.host.connect(info)
                 stream = await self.host.new_stream(relay_id, [TProtocol(HOP_PROTOCOL)])
                 try:
@@ -227,8 +231,8 @@ class CircuitClient:
 
         return bool(self.host.get_network().get_connections(ID.from_base58(relay_peer_id(relay_addr))))
 
-    async def keep_reservation(self, relay_addr: str, my_peer_id: str, *, check_s: float = 0.5,
-                               retry_s: float = 1.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def keep_reservation(self, relay_addr: str, my_peer_id: str, *, check_s: float = 0.25,
+                               retry_s: float = 0.5, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold a reservation on ``relay_addr`` until cancelled: reserve, report the circuit
         address to ``task_status``, then renew ``RENEW_MARGIN_S`` before expiry, and at once
         (every ``retry_s`` until it works) when the connection to the relay is gone, e.g. after

@@ -2,9 +2,10 @@
 
 Owns: circuit addresses (``is_circuit``, ``circuit_addr``, ``relay_part``), the relay role
 (``RelayService``: libp2p's hop service with data-plane limits and one pinned fix), a node's
-client side (``CircuitClient``: accepts relayed connections, dials ``/p2p-circuit`` addresses,
-and ``keep_reservation`` holds a reservation on a relay, making a new one at once when the
-connection to the relay drops). Protocol: libp2p circuit relay v2
+client side (``CircuitClient``: accepts relayed connections, dials ``/p2p-circuit`` addresses, runs
+DCUtR hole punching on relayed connections, and ``keep_reservation`` holds a reservation on a
+relay, making a new one at once when the connection to the relay drops; moving hops onto the
+punched connection is ``swarm.transport.migrate``). Protocol: libp2p circuit relay v2
 (https://github.com/libp2p/specs/blob/master/relay/circuit-v2.md), as py-libp2p 0.8.1 implements
 it in ``libp2p.relay.circuit_v2``; this module only configures and wraps it.
 
@@ -50,6 +51,7 @@ RESERVATION_TTL_S = 3600  # a relay's reservations; clients renew well before th
 RENEW_MARGIN_S = 300  # renew a reservation this long before it expires
 MAX_RESERVATIONS = 1024
 MAX_CIRCUITS_PER_PEER = 1024
+DCUTR_DIAL_TIMEOUT_S = 2
 
 
 class RelayError(SwarmError):
@@ -139,9 +141,10 @@ class CircuitClient:
     Args:
         host: the libp2p host. nursery: where the services run (the SwarmHost's).
         hop: also serve as a relay for others (``swarm relay``).
+        hole_punch: run DCUtR (False: relayed connections stay relayed).
     """
 
-    def __init__(self, host, hop: bool = False) -> None:
+    def __init__(self, host, hop: bool = False, hole_punch: bool = True) -> None:
         from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
         from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
         from libp2p.relay.circuit_v2.transport import CircuitV2Transport
@@ -154,15 +157,26 @@ class CircuitClient:
         # STOP only: dialing through a relay must not also take a reservation there (CLIENT would)
         self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
         self.reserved: dict[str, str] = {}  # relay addr -> our circuit addr, while a reservation holds
+        # hole punching on every relayed connection (libp2p drives it by itself); a 2 s dial
+        # timeout: the first dial of a punch goes to the peer's private address, and with the
+        # default 10 s it waited that out before every punch through two NATs (issue 15)
+        from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+        self.dcutr = DCUtRProtocol(host, dial_timeout=DCUTR_DIAL_TIMEOUT_S) if hole_punch else None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the relay protocol service (STOP handler; HOP too for a relay) until cancelled."""
+        """Run the relay protocol service (STOP handler; HOP too for a relay) and DCUtR until cancelled."""
         from libp2p.tools.anyio_service import background_trio_service
 
         async with background_trio_service(self.protocol):
             await self.protocol.event_started.wait()
-            task_status.started()
-            await trio.sleep_forever()
+            if self.dcutr is None:
+                task_status.started()
+                await trio.sleep_forever()
+            async with background_trio_service(self.dcutr):
+                await self.dcutr.event_started.wait()
+                task_status.started()
+                await trio.sleep_forever()
 
     async def dial(self, addr: str) -> None:
         """Open a relayed connection to the peer of the circuit address ``addr``.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import struct
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -40,6 +41,8 @@ QUEUE_FRAMES = 64
 LENGTH_PREFIX_BYTES = 4
 _PREFIX = struct.Struct(">I")
 _CLOSE_TIMEOUT_S = 1.0  # graceful FIN; a frozen peer must not hold up our close
+MOVED = "_moved"
+"""Frame type that ends one side's frames on a stream that moves (``FramedStream.migrate``)."""
 
 
 def _check_max(max_bytes: int) -> int:
@@ -200,8 +203,15 @@ class FramedStream:
         protocol_id: str,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         queue_frames: int = QUEUE_FRAMES,
+        migrator: Any = None,
     ) -> None:
-        self.raw = raw
+        self.raw = raw  # what the reader reads
+        self._wraw = raw  # what send writes (another stream than ``raw`` only in the middle of a move)
+        # swarm.transport.migrate.Migrator (or None: this stream never moves, and a peer's
+        # ``_moved`` frame is passed up like any other frame)
+        self.migrator = migrator
+        self._pending_raw: RawStream | None = None  # a move we started: read it after the peer's marker
+        self.moves = 0
         self.remote_peer_id = remote_peer_id
         self.protocol_id = protocol_id
         self.max_frame_bytes = _check_max(max_frame_bytes)
@@ -260,7 +270,7 @@ class FramedStream:
                     self._check_sendable()
                     writing = True
                     # One write of header+body: Yamux slices it into 64 KiB frames itself.
-                    await self.raw.write(frame)
+                    await self._wraw.write(frame)
                     writing = False
         except trio.TooSlowError:
             log.warning(
@@ -350,7 +360,64 @@ class FramedStream:
                 )
             length = decode_length_prefix(prefix, self.max_frame_bytes)
             body = await self._read_exact(length)
-            await self._tx.send(decode_body(body or b""))
+            msg = decode_body(body or b"")
+            if self.migrator is not None and msg.get("type") == MOVED:
+                await self._follow_move(msg.get("token"))
+                continue
+            await self._tx.send(msg)
+
+    # ---- moving to another stream (e.g. from a relayed connection to a direct one) -----------
+
+    async def migrate(self) -> None:
+        """Move this stream onto a new stream to the same peer, at a frame boundary, keeping
+        every frame in order in both directions (a hop leaving a relay once a direct connection
+        exists; the new stream goes over the connection libp2p prefers, direct before relayed).
+
+        The side that opened the stream starts the move: it opens the new stream (announced by a
+        random token), writes a ``_moved`` frame with the token last on the old one and sends on
+        the new one from then on. The peer reads the old stream up to that marker, takes the new
+        stream with the token, answers with its own ``_moved`` on the old one and moves too; each
+        side reads the new stream only after the other's marker, then closes the old one. The
+        application sees one stream. No-op without a migrator or while a move is under way.
+
+        Raises:
+            StreamClosed: the stream is closed, or the new stream could not be opened.
+        """
+        if self.migrator is None or self._pending_raw is not None:
+            return
+        self._check_sendable()
+        token = secrets.token_bytes(16)
+        new = await self.migrator.open(self, token)
+        async with self._send_lock:
+            try:
+                self._check_sendable()
+                await self._wraw.write(encode_frame({"type": MOVED, "token": token}, self.max_frame_bytes))
+            except (*_RAW_ERRORS, StreamClosed):
+                with contextlib.suppress(*_RAW_ERRORS):
+                    await new.reset()
+                raise
+            self._pending_raw, self._wraw = new, new
+        log.info("hop.move_started peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
+
+    async def _follow_move(self, token: Any) -> None:
+        """The peer's ``_moved`` marker: every frame it sent on the current stream has been read."""
+        old = self.raw
+        if self._pending_raw is not None:  # our move: the peer has answered it
+            new, self._pending_raw = self._pending_raw, None
+        else:  # the peer's move: take its new stream, answer on the old one, send on the new one
+            if not isinstance(token, bytes) or len(token) != 16:
+                raise ProtocolError(f"peer {self.remote_peer_id} sent a malformed {MOVED} frame")
+            new = await self.migrator.take(self.remote_peer_id, token)
+            async with self._send_lock:
+                with contextlib.suppress(*_RAW_ERRORS):
+                    await self._wraw.write(encode_frame({"type": MOVED, "token": token}, self.max_frame_bytes))
+                self._wraw = new
+        self.raw = new
+        self.moves += 1
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
+            with contextlib.suppress(*_RAW_ERRORS):
+                await old.close()
+        log.info("hop.moved peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
 
     async def _read_exact(self, n: int, frame_start: bool = False) -> bytes | None:
         """Read exactly ``n`` bytes; libp2p's read(n) may return fewer.
@@ -401,8 +468,9 @@ class FramedStream:
         with trio.CancelScope(shield=True):
             with trio.move_on_after(_CLOSE_TIMEOUT_S) as scope:
                 async with self._send_lock:
-                    with contextlib.suppress(*_RAW_ERRORS):
-                        await self.raw.close()
+                    for raw in {id(r): r for r in (self._wraw, self.raw, self._pending_raw) if r}.values():
+                        with contextlib.suppress(*_RAW_ERRORS):
+                            await raw.close()
             if scope.cancelled_caught:
                 await self._reset_raw()
         log.debug("hop.close peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
@@ -427,8 +495,9 @@ class FramedStream:
 
     async def _reset_raw(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
-            with contextlib.suppress(*_RAW_ERRORS):
-                await self.raw.reset()
+            for raw in {id(r): r for r in (self._wraw, self.raw, self._pending_raw) if r}.values():
+                with contextlib.suppress(*_RAW_ERRORS):
+                    await raw.reset()
 
 
 def _deadline(timeout_s: float | None) -> contextlib.AbstractContextManager[Any]:

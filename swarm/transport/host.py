@@ -40,6 +40,7 @@ from libp2p.transport.tcp.tcp import TCP
 
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
+from swarm.transport.migrate import Migrator
 from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream
 from swarm.transport.identity import peer_id_of
 
@@ -52,12 +53,15 @@ StreamHandler = Callable[[FramedStream], Awaitable[None]]
 class SwarmHost:
     """A running libp2p host; obtain one from ``open_host``."""
 
-    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None, circuits=None) -> None:
+    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None, circuits=None, migrator=None) -> None:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
         self.key_pair = key_pair  # the node key: signs session assignments and receipts
         # circuit relay v2 (swarm.transport.circuit.CircuitClient): relayed connections in and out
         self.circuits = circuits
+        # swarm.transport.migrate.Migrator: moves streams this node opened off a relay once a
+        # direct connection to the peer exists
+        self.migrator = migrator
         # streams to one peer are negotiated one at a time (they share its connection); one lock
         # per peer, so a peer that does not answer delays only dials to itself
         self._open_locks: dict[str, trio.Lock] = {}
@@ -102,7 +106,10 @@ class SwarmHost:
                 remote_peer_id=_remote_peer_id(net_stream),
                 protocol_id=protocol_id,
                 max_frame_bytes=max_frame_bytes,
+                migrator=self.migrator,
             )
+            if self.migrator is not None:
+                self.migrator.protect_if_relayed(stream)
             log.debug("hop.accept peer=%s protocol=%s", stream.remote_peer_id, protocol_id)
             try:
                 async with trio.open_nursery() as nursery:
@@ -221,8 +228,11 @@ class SwarmHost:
             remote_peer_id=_remote_peer_id(net_stream),
             protocol_id=protocol_id,
             max_frame_bytes=max_frame_bytes,
+            migrator=self.migrator,
         )
         stream.start(self._nursery)
+        if self.migrator is not None:
+            self.migrator.watch(stream)
         return stream
 
 
@@ -235,6 +245,7 @@ async def open_host(
     health_check_interval_s: float | None = None,
     announce_addrs: Sequence[str] = (),
     relay_hop: bool = False,
+    hole_punch: bool = True,
 ) -> AsyncIterator[SwarmHost]:
     """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
 
@@ -251,6 +262,8 @@ async def open_host(
             ``SwarmHost.addrs()``), e.g. a port forward or relay in front of this node.
         relay_hop: also relay circuits for others (``swarm relay``). Every host accepts relayed
             connections and dials ``/p2p-circuit`` addresses (``swarm.transport.circuit``).
+        hole_punch: run DCUtR on relayed connections, and move the streams this node opened onto
+            a punched direct connection (``swarm.transport.migrate``). False keeps them relayed.
     Yields:
         The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
     Raises:
@@ -291,10 +304,13 @@ async def open_host(
             raise ConfigError(f"cannot listen on {', '.join(failed)} (address in use or not local)")
         log.info("host.start peer=%s addrs=%s", peer_id_of(key_pair), [str(a) for a in host.get_addrs()])
         async with trio.open_nursery() as nursery:
-            circuits = CircuitClient(host, hop=relay_hop)
+            circuits = CircuitClient(host, hop=relay_hop, hole_punch=hole_punch)
             await nursery.start(circuits.run)
+            migrator = Migrator(host, nursery)
+            migrator.install()
+            await nursery.start(migrator.run)
             try:
-                yield SwarmHost(host, nursery, key_pair, circuits)
+                yield SwarmHost(host, nursery, key_pair, circuits, migrator)
             finally:
                 nursery.cancel_scope.cancel()
                 # libp2p 0.8.1 leaves its listening sockets open when the host stops: a node

@@ -146,3 +146,92 @@ def test_a_relay_restart_is_followed_by_a_new_reservation_at_once():
                 nursery.cancel_scope.cancel()
 
     run(main, timeout_s=120)
+
+
+def test_a_relayed_stream_moves_to_the_punched_direct_connection_in_order():
+    """DCUtR finds a direct path (on loopback: at once), and the stream the source opened through
+    the relay moves onto it at a frame boundary while frames flow both ways: none lost, none
+    reordered, the application sees one stream."""
+    from swarm.transport.migrate import is_relayed
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            relay, dest, src = await _lab(stack)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            got_at_dest = []
+            accepted = []
+
+            async def counter(stream):  # answers each frame n with n + 1000, records what it saw
+                accepted.append(stream)
+                while True:
+                    msg = await stream.recv()
+                    got_at_dest.append(msg["n"])
+                    await stream.send({"n": msg["n"] + 1000})
+
+            dest.set_handler("/swarm/test-count/1", counter)
+            (addr,) = await nursery.start(hold_reservations, dest.circuits, [relay.addrs()[0]], dest.peer_id)
+            s = await src.open_stream(addr, "/swarm/test-count/1", timeout_s=10)
+            assert is_relayed(s.raw)
+            answers = []
+            with trio.fail_after(30):
+                n = 0
+                while s.moves == 0 or n < 20:  # keep frames flowing through the move
+                    await s.send({"n": n})
+                    answers.append((await s.recv(timeout_s=10))["n"])
+                    n += 1
+                    await trio.sleep(0.05)
+            assert got_at_dest == list(range(n)) and answers == [i + 1000 for i in range(n)]
+            assert s.moves == 1 and accepted[0].moves == 1
+            assert not is_relayed(s.raw) and not is_relayed(accepted[0].raw)
+            nursery.cancel_scope.cancel()
+
+    run(main, timeout_s=60)
+
+
+def test_a_move_under_a_stream_of_frames_in_flight_both_ways_keeps_order():
+    async def main():
+        async with AsyncExitStack() as stack:
+            relay, dest, src = await _lab(stack)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            got_at_dest, accepted = [], []
+
+            async def echo_later(stream):  # reads and answers independently: frames cross mid-move
+                accepted.append(stream)
+                async with trio.open_nursery() as inner:
+                    send_ch, recv_ch = trio.open_memory_channel(1000)
+
+                    async def answer():
+                        async for n in recv_ch:
+                            await stream.send({"n": n + 1000, "pad": b"y" * 30000})
+
+                    inner.start_soon(answer)
+                    while True:
+                        msg = await stream.recv()
+                        got_at_dest.append(msg["n"])
+                        await send_ch.send(msg["n"])
+
+            dest.set_handler("/swarm/test-burst/1", echo_later)
+            (addr,) = await nursery.start(hold_reservations, dest.circuits, [relay.addrs()[0]], dest.peer_id)
+            s = await src.open_stream(addr, "/swarm/test-burst/1", timeout_s=10)
+            answers, sent = [], []
+
+            async def reader():
+                while True:
+                    answers.append((await s.recv())["n"])
+
+            nursery.start_soon(reader)
+            with trio.fail_after(40):
+                n, after = 0, 0
+                while after < 150:
+                    await s.send({"n": n, "pad": b"x" * 50000})
+                    sent.append(n)
+                    n += 1
+                    after += s.moves > 0
+                    await trio.sleep(0.002)
+                while len(answers) < n:
+                    await trio.sleep(0.05)
+            assert got_at_dest == sent and answers == [i + 1000 for i in sent]
+            assert s.moves == 1 and accepted[0].moves == 1
+            nursery.cancel_scope.cancel()
+
+    run(main, timeout_s=60)

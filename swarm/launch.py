@@ -62,6 +62,8 @@ class LocalRing:
         threads: torch threads per stage; default divides the cores among the stages.
         extra_args: more ``swarm stage`` flags (e.g. ``["--dtype", "float32"]``).
         per_stage_args: flags for single stages, by position in ``ranges``.
+        per_stage_prefix: a command to run a stage under, by position (e.g. ``["ip", "netns",
+            "exec", "lab-h1"]`` for a stage inside a network namespace).
         startup_timeout_s: how long to wait for every READY line.
     Raises:
         StageLost: a stage printed FATAL or exited or did not become ready in time (with its reason).
@@ -69,8 +71,10 @@ class LocalRing:
 
     def __init__(self, model: str, ranges: list[LayerRange | None], key_dir: Path, threads: int | None = None,
                  extra_args: list[str] | None = None, startup_timeout_s: float = 180.0, env: dict | None = None,
-                 per_stage_args: dict[int, list[str]] | None = None):
+                 per_stage_args: dict[int, list[str]] | None = None,
+                 per_stage_prefix: dict[int, list[str]] | None = None):
         self.per_stage_args = per_stage_args or {}
+        self.per_stage_prefix = per_stage_prefix or {}
         self.model = model
         self.ranges = ranges
         self.key_dir = Path(key_dir)
@@ -99,7 +103,8 @@ class LocalRing:
             name = (f"stage-auto-{i}" if r is None else f"stage-{r.start}-{r.end}" if self.ranges.count(r) == 1
                     else f"stage-{i}-{r.start}-{r.end}")
             key = self.key_dir / f"{name}.key"
-            argv = stage_command(self.model, r, key, self.threads, self.extra_args + self.per_stage_args.get(i, []))
+            argv = self.per_stage_prefix.get(i, []) + stage_command(
+                self.model, r, key, self.threads, self.extra_args + self.per_stage_args.get(i, []))
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             sp = StageProcess(r, proc)
@@ -188,7 +193,7 @@ class BootstrapNode:
     Args:
         key_path: its identity key. startup_timeout_s: how long to wait for READY.
         role: "bootstrap" or "relay". listen: its listen multiaddr (a fixed port lets a test
-            restart it at the same address).
+            restart it at the same address). prefix: a command to run it under (e.g. ``ip netns exec``).
     Attributes:
         addr: its first multiaddr (with /p2p/PeerId), to pass as ``--bootstrap``.
     Raises:
@@ -196,11 +201,11 @@ class BootstrapNode:
     """
 
     def __init__(self, key_path: Path, startup_timeout_s: float = 60.0, env: dict | None = None,
-                 role: str = "bootstrap", listen: str = "/ip4/127.0.0.1/tcp/0"):
+                 role: str = "bootstrap", listen: str = "/ip4/127.0.0.1/tcp/0", prefix: list[str] | None = None):
         if role not in ("bootstrap", "relay"):
             raise ValueError(f"role must be bootstrap or relay, got {role!r}")
         self.key_path, self.startup_timeout_s, self.env = Path(key_path), startup_timeout_s, env
-        self.role, self.listen = role, listen
+        self.role, self.listen, self.prefix = role, listen, list(prefix or [])
         self.proc: subprocess.Popen | None = None
         self.ready: dict = {}
 
@@ -211,7 +216,8 @@ class BootstrapNode:
     def __enter__(self) -> BootstrapNode:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        argv = [sys.executable, "-m", "swarm", self.role, "--key", str(self.key_path), "--listen", self.listen]
+        argv = [*self.prefix, sys.executable, "-m", "swarm", self.role, "--key", str(self.key_path),
+                "--listen", self.listen]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         sp = StageProcess(LayerRange(0, 1), self.proc)

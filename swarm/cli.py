@@ -44,6 +44,13 @@ def _stage_parser(sub) -> None:
                         "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
     p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
                    help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
+    p.add_argument("--fetch-from", action="append", default=[], metavar="MULTIADDR",
+                   help="fetch this stage's shards from the stage at this address (/p2p/ PeerId; repeatable, tried in "
+                        "order; never a relay), each tensor checked against the model's manifest; falls back to the "
+                        "hub for a hub id. Weights fetched earlier are re-verified and used without fetching")
+    p.add_argument("--model-id", metavar="HEX",
+                   help="the model id (sha256 over the weights' manifest) the weights must have; default: the first "
+                        "peer's, whose model name must be --model")
     sw = p.add_argument_group("swarm membership (a self-organizing swarm instead of a hand-written ring file)")
     sw.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                     help="join the swarm's DHT through this bootstrap node (repeatable; e.g. the addr "
@@ -56,6 +63,9 @@ def _stage_parser(sub) -> None:
     sw.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
                     help="hold a reservation on this relay (the addr `swarm relay` prints; repeatable), so the stage "
                          "is reachable at its circuit address (READY relay_addrs, its record) even behind NAT")
+    sw.add_argument("--no-hole-punch", action="store_true",
+                    help="keep relayed connections relayed (default: DCUtR punches a direct connection and the "
+                         "hops move onto it at a frame boundary)")
     sw.add_argument("--num-layers", type=int, dest="fit_layers",
                     help="without --layers: take this many layers (default: what --mem-budget-mb allows)")
     sw.add_argument("--mem-budget-mb", type=float,
@@ -369,10 +379,10 @@ def cmd_stage(args) -> int:
                          prefill_slice_shared=args.prefill_slice_shared,
                          batch_wait_ms=args.batch_wait_ms, bootstrap=tuple(args.bootstrap),
                          announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
-                         relays=tuple(args.relay),
+                         relays=tuple(args.relay), hole_punch=not args.no_hole_punch,
                          fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,
                          announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
-                         rebalance_s=args.rebalance_s)
+                         rebalance_s=args.rebalance_s, fetch_from=tuple(args.fetch_from), model_id=args.model_id)
     from swarm.stage import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,11 +52,14 @@ class StageConfig:
     announce_addrs: tuple[str, ...] = ()  # addresses to advertise instead of the bound one
     dht_client: bool = False  # not dialable from outside: read the DHT, do not serve it
     relays: tuple[str, ...] = ()  # relay multiaddrs to hold reservations on (reachable through their circuits)
+    hole_punch: bool = True  # DCUtR on relayed connections; hops move onto a punched direct connection
     fit_layers: int | None = None  # with layers None: how many layers to take (None: what memory allows)
     mem_budget_mb: float | None = None  # with layers None: memory for weights (None: half of what is free)
     announce_interval_s: float = 60.0  # republish the record this often
     record_ttl_s: float = 120.0  # each record stays valid this long
     rebalance_s: float = 300.0  # with a picked block: re-check placement this often (0: never)
+    fetch_from: tuple[str, ...] = ()  # multiaddrs of stages to fetch this stage's weights from, in order
+    model_id: str | None = None  # the model id (64 hex) the weights must have; None: the first peer's
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -75,6 +79,13 @@ class StageConfig:
                               f"({self.record_ttl_s}) <= 600")
         if not 0 <= self.rebalance_s < 1e9:
             raise ConfigError(f"--rebalance-s must be >= 0 seconds, got {self.rebalance_s}")
+        if self.fetch_from and self.layers is None:
+            raise ConfigError("--fetch-from needs --layers: a stage fetches the shards of its own layers")
+        for addr in self.fetch_from:
+            check_fetch_addr(addr)
+        if self.model_id is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.model_id)):
+            raise ConfigError(f"--model-id {self.model_id!r} is not a model id (64 lowercase hex characters, as "
+                              "`swarm peers` and the fetch errors print)")
         if not self.listen.startswith("/ip4/") and not self.listen.startswith("/ip6/"):
             raise ConfigError(f"--listen {self.listen!r} is not an /ip4/ or /ip6/ TCP multiaddr")
         if "/tcp/" not in self.listen:
@@ -105,6 +116,21 @@ class StageConfig:
         port = self.listen.split("/tcp/", 1)[1].split("/", 1)[0]
         if not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"--listen {self.listen!r}: the TCP port must be 0..65535")
+
+
+def check_fetch_addr(addr: object) -> str:
+    """A multiaddr a stage may fetch weights from (``--fetch-from``).
+
+    Raises:
+        ConfigError: not a multiaddr ending in ``/p2p/<PeerId>``, or a circuit (relayed) address.
+    """
+    if not isinstance(addr, str) or not addr.startswith("/") or "/p2p/" not in addr:
+        raise ConfigError(f"--fetch-from {addr!r} must be a stage's multiaddr ending in /p2p/<PeerId> "
+                          "(as its SWARM_STAGE_READY line prints)")
+    if "/p2p-circuit" in addr:
+        raise ConfigError(f"--fetch-from {addr}: a circuit (relayed) address; weights are never fetched through "
+                          "a relay: give the stage's direct address")
+    return addr
 
 
 def _check_peer_id(flag: str, peer) -> None:

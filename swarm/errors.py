@@ -19,6 +19,11 @@ class ModelError(SwarmError):
     """A model cannot be resolved, converted or loaded (missing file, unsupported family, offline hub)."""
 
 
+class WeightsMismatch(ModelError):
+    """Weights bytes do not match the manifest that names them (a tampered or corrupted tensor, a header
+    that differs from the expected layout); nothing from that file is kept."""
+
+
 class IdentityError(SwarmError):
     """A key file is missing, unreadable, malformed or has unsafe permissions."""
 

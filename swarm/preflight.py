@@ -70,7 +70,7 @@ def preflight(config: StageConfig) -> dict:
     from swarm.weights.manifest import read_header
 
     try:
-        resolved = resolve_model(config.model, progress=False)
+        resolved = _fetched_weights(config) or resolve_model(config.model, progress=False)
     except ModelError as exc:
         if "HF_HUB_OFFLINE" in str(exc):
             raise ModelError(f"{config.model!r} is not in the local Hugging Face cache, and --check does not "
@@ -126,6 +126,21 @@ def preflight(config: StageConfig) -> dict:
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
         "memory_available_bytes": available, **_check_key(config.key_path),
     }
+
+
+def _fetched_weights(config: StageConfig):
+    """The weights directory a stage of this model and range fetched earlier (``swarm.weights``), its
+    shards re-verified, or None (then ``--model`` resolves as usual)."""
+    from swarm.config import cache_root
+    from swarm.model.resolve import ResolvedModel
+    from swarm.weights.store import find_cached
+
+    if config.layers is None or Path(config.model).expanduser().exists():
+        return None
+    cached = find_cached(cache_root() / "weights", config.model, config.model_id, config.layers)
+    if cached is None or cached.missing:
+        return None
+    return ResolvedModel(cached.path, name=config.model, source=config.model)
 
 
 def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", budget_mb: float | None = None,

@@ -20,6 +20,7 @@ from swarm.errors import ConfigError, ModelError
 from swarm.kernels import invariant
 from swarm.kernels.invariant import RotaryTable
 from swarm.model.cache import KVCache
+from swarm.model.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
 
 log = logging.getLogger(__name__)
@@ -29,35 +30,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,
-}
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where a transformers family keeps its pieces (attribute paths in the CausalLM module).
-
-    ``call`` says how decoder layers are called: "rotary" (Llama-like layers take
-    ``position_embeddings``) or "plain" (GPT-2 blocks take hidden states, cache and mask only).
-    """
-
-    base: str
-    embed: str
-    layers: str
-    norm: str
-    lm_head: str = "lm_head"
-    rotary: str | None = None
-    pos_embed: str | None = None
-    call: str = "rotary"
-
-
-_LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
-FAMILIES: dict[str, Family] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-    "phi3": _LLAMA_LIKE,
-    "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
 }
 
 

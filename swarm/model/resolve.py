@@ -43,6 +43,7 @@ from pathlib import Path
 from swarm.config import cache_root
 from swarm.errors import ModelError
 from swarm.weights.manifest import read_header as _read_header
+from swarm.weights.store import sidecar_manifest
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ def resolve_model(spec: str, *, progress: bool | None = None) -> ResolvedModel:
         return ResolvedModel(_download(spec), name=spec, source=spec)
     raise ModelError(f"no such model path: {path} (not a directory, .gguf file, built-in name "
                      f"{sorted(BUILTIN_MODELS)} or hub id org/name)")
+
+
+def is_hub_id(spec: str) -> bool:
+    """True when ``spec`` has the form of a Hugging Face hub id ``org/name`` (no check that it exists)."""
+    return bool(_HUB_ID.match(spec))
 
 
 def gguf_cache_key(gguf_path: Path) -> str:
@@ -186,7 +192,9 @@ def tensor_index(path: Path) -> dict[str, Path]:
     Args:
         path: an HF-layout directory.
     Returns:
-        {tensor name: shard path}, from model.safetensors.index.json or the files' headers.
+        {tensor name: shard path}, from model.safetensors.index.json or the files' headers. In a
+        weights directory holding only some shards (``swarm.weights.store``), the tensors of the
+        absent shards its sidecar lists are left out.
     Raises:
         ModelError: no safetensors, an unreadable index or header, or a listed shard is missing.
     """
@@ -200,7 +208,10 @@ def tensor_index(path: Path) -> dict[str, Path]:
             raise ModelError(f"unreadable {index}: {type(e).__name__}: {e}") from e
         missing = sorted({p.name for p in result.values() if not p.is_file()})
         if missing:
-            raise ModelError(f"{index} names missing shard files: {', '.join(missing)}")
+            partial = sidecar_manifest(path)  # a weights directory holding only some shards
+            if partial is None or not set(missing) <= set(partial.shards):
+                raise ModelError(f"{index} names missing shard files: {', '.join(missing)}")
+            result = {name: shard for name, shard in result.items() if shard.is_file()}
         return result
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -213,7 +224,8 @@ def model_manifest_digest(path: Path) -> str:
 
     Covers every shard's file name and, per tensor, name, dtype, shape and data offsets, plus the
     bytes of config.json. It identifies the layout, not the weight values: two checkpoints that
-    differ only in tensor contents get the same digest.
+    differ only in tensor contents get the same digest. A weights directory holding only some
+    shards gets the digest of the full checkpoint (the absent shards' headers are in its sidecar).
 
     Args:
         path: an HF-layout safetensors directory.
@@ -224,13 +236,20 @@ def model_manifest_digest(path: Path) -> str:
     """
     path = Path(path)
     h = hashlib.sha256(b"swarm-manifest-v1\n")
-    for shard in sorted(set(tensor_index(path).values())):
-        header = _read_header(shard)
-        try:
-            entries = {name: [v["dtype"], v["shape"], v["data_offsets"]]
-                       for name, v in header.items() if name != "__metadata__"}
-        except (KeyError, TypeError) as e:
-            raise ModelError(f"malformed safetensors header in {shard}: {e!r}") from e
+    shards = set(tensor_index(path).values())
+    partial = sidecar_manifest(path)
+    if partial is not None:  # only some shards held: the others' headers are in the sidecar's layout
+        shards |= {path / f for f in partial.shards}
+    for shard in sorted(shards):
+        if not shard.is_file() and partial is not None:
+            entries = partial.shards[shard.name]
+        else:
+            header = _read_header(shard)
+            try:
+                entries = {name: [v["dtype"], v["shape"], v["data_offsets"]]
+                           for name, v in header.items() if name != "__metadata__"}
+            except (KeyError, TypeError) as e:
+                raise ModelError(f"malformed safetensors header in {shard}: {e!r}") from e
         line = json.dumps({"shard": shard.name, "tensors": entries}, sort_keys=True, separators=(",", ":"))
         h.update(line.encode() + b"\n")
     try:

@@ -28,25 +28,31 @@ log = logging.getLogger(__name__)
 
 
 async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STATUS_IGNORED, *,
-                announce_addrs: tuple[str, ...] = (), membership=None, relays: tuple[str, ...] = ()) -> None:
+                announce_addrs: tuple[str, ...] = (), membership=None, relays: tuple[str, ...] = (),
+                hole_punch: bool = True) -> None:
     """Run ``server`` on a new libp2p host until cancelled; ``task_status.started`` gets the READY payload.
 
     Args:
         announce_addrs: addresses the host advertises instead of the bound ones.
         relays: relay multiaddrs to hold reservations on (``swarm.transport.circuit``) before
             READY; their circuit addresses are READY's ``relay_addrs`` and go into the record.
+        hole_punch: DCUtR and moving hops onto punched connections (``open_host``).
         membership: ``async (server, task_status)`` joining the swarm's DHT and announcing this stage
             (``swarm.stage.membership.announce``); READY waits for its first published record.
     """
+    from swarm.config import cache_root
     from swarm.transport import open_host
+    from swarm.weights.peer import serve_weights
 
-    async with open_host(key, [listen], announce_addrs=announce_addrs) as host, trio.open_nursery() as nursery:
+    async with open_host(key, [listen], announce_addrs=announce_addrs, hole_punch=hole_punch) as host, \
+            trio.open_nursery() as nursery:
         server.host, server.nursery = host, nursery
         server.key = server.key or key
         b = server.block
         # largest legitimate frame: a whole-context prefill of float64 hidden states, with headroom
         max_frame = min(256 << 20, max(16 << 20, 2 * b.max_ctx * b.hidden_size * 8))
         host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
+        serve_weights(host, b.model_dir, server.model_name, cache_root() / "manifests")  # /swarm/weights/1.0.0
         nursery.start_soon(server.expire_idle)
         nursery.start_soon(server.scheduler)
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
@@ -115,10 +121,11 @@ def run_stage(config: StageConfig) -> int:
 
     from swarm.config import cache_root
     from swarm.model.block import load_block, model_num_layers
-    from swarm.model.resolve import model_manifest_digest, resolve_model
+    from swarm.model.resolve import model_manifest_digest
     from swarm.ranges import LayerRange
     from swarm.stage.membership import announce, measure_decode_tps, place
     from swarm.transport import load_or_create_key
+    from swarm.weights.acquire import acquire_model
     from swarm.weights.manifest import model_id as weights_model_id
 
     placed = config.layers is None
@@ -126,7 +133,7 @@ def run_stage(config: StageConfig) -> int:
         if config.threads:
             torch.set_num_threads(config.threads)
         key = load_or_create_key(config.key_path)
-        resolved = resolve_model(config.model)
+        resolved = acquire_model(config, key)  # a hub id or --fetch-from: only this range's shards, verified
         model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.bootstrap else None
         if placed:
             moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
@@ -159,7 +166,7 @@ def run_stage(config: StageConfig) -> int:
         async with trio.open_nursery() as nursery:
             ready = await nursery.start(partial(serve, server, key, config.listen,
                                                 announce_addrs=config.announce_addrs, membership=membership,
-                                                relays=config.relays))
+                                                relays=config.relays, hole_punch=config.hole_punch))
             await nursery.start(_drain_on_sigterm, server)
             emit("READY", ready)
             await server.drain_requested.wait()

@@ -52,6 +52,7 @@ RENEW_MARGIN_S = 300  # renew a reservation this long before it expires
 MAX_RESERVATIONS = 1024
 MAX_CIRCUITS_PER_PEER = 1024
 DCUTR_DIAL_TIMEOUT_S = 2
+MAX_RETRY_S = 10.0  # longest wait between attempts to reserve again on a relay that is gone
 
 
 class RelayError(SwarmError):
@@ -172,11 +173,28 @@ class CircuitClient:
             await self.protocol.event_started.wait()
             if self.dcutr is None:
                 task_status.started()
-                await trio.sleep_forever()
+                await self._prune_orphans()
             async with background_trio_service(self.dcutr):
                 await self.dcutr.event_started.wait()
                 task_status.started()
-                await trio.sleep_forever()
+                await self._prune_orphans()
+
+    async def _prune_orphans(self, every_s: float = 0.5) -> None:
+        """Close connections that only ran through relays this node lost (forever, every ``every_s``).
+
+        libp2p 0.8.1 keeps such a connection listed and writes into it without an error when the
+        relay is gone, so a hop on it would swallow frames until a timeout; closed, its streams
+        fail at once and the ring heals (measured in the NAT lab, issue 15)."""
+        network = self.host.get_network()
+        while True:
+            await trio.sleep(every_s)
+            for peer_id in list(getattr(network, "connections", {}) or {}):
+                try:
+                    if self.orphaned(peer_id):
+                        log.info("relay.circuit_lost peer=%s: its relay is gone, closing it", peer_id)
+                        await network.close_peer(peer_id)
+                except Exception as e:  # noqa: BLE001 - a connection closing meanwhile
+                    log.debug("relay.prune_failed peer=%s error=%r", peer_id, e)
 
     async def dial(self, addr: str) -> None:
         """Open a relayed connection to the peer of the circuit address ``addr``.
@@ -239,6 +257,31 @@ class CircuitClient:
             raise RelayError(f"relay {relay_addr} refused the reservation (not a relay, or full)")
         return float(self.transport._reservations.get(relay_id, time.time() + RESERVATION_TTL_S))
 
+    def orphaned(self, peer_id) -> bool:
+        """True when every connection to ``peer_id`` (a libp2p ID) is relayed, through relays this
+        node no longer has a connection to (so those circuits are dead, whatever libp2p lists)."""
+        from libp2p.peer.id import ID
+
+        network = self.host.get_network()
+        conns = network.get_connections(peer_id)
+        if not conns:
+            return False
+        me = self.host.get_id().to_base58()
+        for conn in conns:
+            try:
+                addrs = [str(a) for a in conn.get_transport_addresses()]
+            except Exception:
+                return False
+            circuits = [a for a in addrs if "/p2p-circuit" in a]
+            if not circuits:
+                return False  # a direct connection
+            relays = {relay_peer_id(relay_part(a)) for a in circuits}
+            # libp2p 0.8.1 tags an inbound relayed connection with our own PeerId as the relay's:
+            # such a relay cannot be named, and the connection is left alone
+            if relays & {"", me} or any(network.get_connections(ID.from_base58(r)) for r in relays):
+                return False
+        return True
+
     def connected(self, relay_addr: str) -> bool:
         """True while a connection to the relay is open."""
         from libp2p.peer.id import ID
@@ -249,8 +292,8 @@ class CircuitClient:
                                retry_s: float = 0.5, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold a reservation on ``relay_addr`` until cancelled: reserve, report the circuit
         address to ``task_status``, then renew ``RENEW_MARGIN_S`` before expiry, and at once
-        (every ``retry_s`` until it works) when the connection to the relay is gone, e.g. after
-        a relay restart.
+        when the connection to the relay is gone, e.g. after a relay restart (again after
+        ``retry_s``, doubling up to ``MAX_RETRY_S``, until it works).
 
         Raises:
             RelayError / ConfigError: the first reservation failed (before started).
@@ -260,20 +303,24 @@ class CircuitClient:
         self.reserved[relay_addr] = addr
         log.info("relay.reserved relay=%s circuit=%s ttl_s=%.0f", relay_addr, addr, expires - time.time())
         task_status.started(addr)
+        failures, delay = 0, retry_s
         try:
             while True:
                 while self.connected(relay_addr) and time.time() < expires - RENEW_MARGIN_S:
                     await trio.sleep(check_s)
                 lost = not self.connected(relay_addr)
-                if lost:
-                    self.reserved.pop(relay_addr, None)
+                if lost and self.reserved.pop(relay_addr, None) is not None:
                     log.warning("relay.connection_lost relay=%s: reserving again", relay_addr)
                 try:
                     expires = await self.reserve(relay_addr)
                 except SwarmError as e:
-                    log.warning("relay.reserve_failed relay=%s error=%s; retrying in %.1f s", relay_addr, e, retry_s)
-                    await trio.sleep(retry_s)
+                    (log.warning if failures in (0, 5, 20) or failures % 100 == 0 else log.debug)(
+                        "relay.reserve_failed relay=%s error=%s; retrying in %.1f s (failure %d)", relay_addr, e,
+                        delay, failures + 1)
+                    await trio.sleep(delay)
+                    failures, delay = failures + 1, min(MAX_RETRY_S, delay * 2)
                     continue
+                failures, delay = 0, retry_s
                 self.reserved[relay_addr] = addr
                 log.info("relay.%s relay=%s", "reserved_again" if lost else "renewed", relay_addr)
         finally:

@@ -150,6 +150,12 @@ class SwarmHost:
         host = self.libp2p_host
         network = host.get_network()
         had_connection = bool(network.get_connections(info.peer_id))
+        if had_connection and self.circuits is not None and self.circuits.orphaned(info.peer_id):
+            # relayed only, through relays we no longer reach: libp2p 0.8.1 does not notice that
+            # such a connection died with its relay, and a new stream on it would hang
+            log.info("hop.redial peer=%s reason=relay-gone", info.peer_id)
+            await network.close_peer(info.peer_id)
+            had_connection = False
         if not had_connection:
             await self._dial(info, start, addr)
         try:

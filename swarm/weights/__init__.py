@@ -1,1 +1,10 @@
-"""Weights: per-tensor manifests and the model id that names a model on the swarm. No torch."""
+"""Weights: getting and verifying a stage's own tensors. No torch anywhere in this package.
+
+Modules (lower first):
+- ``manifest``  per-tensor sha256 manifest of a checkpoint and the model id (sha256 of it)
+- ``select``    pure: the tensors and shard files of a layer range, the small files a stage needs
+- ``store``     a weights directory holding only some shards, its sidecar, ``ShardVerifier``, warm restart
+- ``hub``       only a range's shards from the Hugging Face hub, pinned to a commit, verified
+- ``peer``      ``/swarm/weights/1.0.0``: every stage serves its files; ``fetch_weights`` from peers
+- ``acquire``   a stage's start-up: local model, fetched weights re-verified, peers, then the hub
+"""

@@ -1,0 +1,43 @@
+"""Where each supported transformers family keeps its pieces: attribute paths, hence tensor names.
+
+Owns: the ``Family`` table, shared by ``swarm.model.block`` (building a block's modules) and
+``swarm.weights.select`` (naming a block's tensors without torch, to pick the shard files a stage
+needs). May import: stdlib only (no torch: the weights fetch path imports it).
+
+A checkpoint's tensor names follow these paths: decoder layer ``i`` of a Llama-like model lives
+under ``model.layers.i.``, its embedding at ``model.embed_tokens.weight``, the final norm under
+``model.norm.``, the LM head at ``lm_head.weight`` (absent when tied to the embedding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a transformers family keeps its pieces (attribute paths in the CausalLM module).
+
+    ``call`` says how decoder layers are called: "rotary" (Llama-like layers take
+    ``position_embeddings``) or "plain" (GPT-2 blocks take hidden states, cache and mask only).
+    """
+
+    base: str
+    embed: str
+    layers: str
+    norm: str
+    lm_head: str = "lm_head"
+    rotary: str | None = None
+    pos_embed: str | None = None
+    call: str = "rotary"
+
+
+_LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "phi3": _LLAMA_LIKE,
+    "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
+}

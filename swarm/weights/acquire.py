@@ -1,0 +1,136 @@
+"""Where a stage's weights come from at start-up: its own cache, then peers, then the hub.
+
+Owns: ``acquire_model``, the order of sources for ``swarm stage --model M --layers A:B``:
+
+1. a local directory or ``.gguf`` file is used as it is (``resolve_model``);
+2. a weights directory fetched earlier (``<cache_root>/weights/``) holding the range's shards,
+   each re-verified against its manifest: a warm restart, no network;
+3. ``--fetch-from`` peers, in order (``swarm.weights.peer``), over a short-lived host with the
+   stage's own key;
+4. the hub for an ``org/name`` id: only the range's shards (``swarm.weights.hub``), checked against
+   the peers' manifest when one was obtained; a built-in name is converted locally as before.
+
+May import: stdlib, trio and ``swarm.transport`` (lazily, only to fetch from peers),
+``swarm.model.resolve`` (torch-free at import), ``swarm.config``, ``swarm.weights``. No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from swarm.config import StageConfig, cache_root
+from swarm.errors import ModelError, WeightsMismatch
+
+log = logging.getLogger(__name__)
+
+
+def acquire_model(config: StageConfig, key=None):
+    """The checkpoint directory a stage loads its layers from, fetching only what it needs.
+
+    Args:
+        config: the stage's config (``model``, ``layers``, ``fetch_from``, ``model_id``, ``bootstrap``).
+        key: the stage's libp2p key pair (fetching from peers dials with it); None: a throwaway key.
+    Returns:
+        a ``swarm.model.resolve.ResolvedModel`` whose path holds config.json, the tokenizer files
+        and at least the shards of ``config.layers`` (all of them for a local model).
+    Raises:
+        ModelError: no source could supply the weights (one line naming each peer's failure), or
+            the weights do not have ``config.model_id``. ConfigError: a bad peer address.
+    """
+    from swarm.model.resolve import BUILTIN_MODELS, ResolvedModel, is_hub_id, resolve_model
+    from swarm.weights.store import find_cached
+
+    spec = config.model
+    path = Path(spec).expanduser()
+    if config.layers is None or path.exists() or path.suffix.lower() == ".gguf":
+        if config.fetch_from and config.layers is not None:
+            log.info("weights.local model=%s: a local model, --fetch-from is not used", spec)
+        return _checked(resolve_model(spec), config)
+    builtin = spec.lower() in BUILTIN_MODELS
+    hub = not builtin and is_hub_id(spec)
+    if not hub and not config.fetch_from:
+        return _checked(resolve_model(spec), config)
+    name = spec.lower() if builtin else spec
+    root = cache_root() / "weights"
+    need_id = bool(config.bootstrap)  # a stage announcing on the DHT names its model by id
+    cached = find_cached(root, name, config.model_id, config.layers)
+    if cached is not None and not cached.missing and (cached.manifest.model_id or not need_id):
+        log.info("weights.cache.hit dir=%s model_id=%s layers=%s", cached.path,
+                 (cached.manifest.model_id or "unknown")[:16], config.layers)
+        return ResolvedModel(cached.path, name=name, source=spec)
+    manifest = cached.manifest if cached is not None and cached.manifest.model_id else None
+    failures: list[str] = []
+    if config.fetch_from:
+        result = _fetch_from_peers(config, key, root, name)
+        if result.path is not None:
+            return ResolvedModel(result.path, name=name, source=spec)
+        manifest = result.manifest or manifest
+        failures = result.failures
+        log.warning("weights.peers.incomplete missing=%s failures=%s; falling back to %s", result.missing,
+                    failures, "the hub" if hub else "a local conversion" if builtin else "nothing")
+    if hub:
+        from swarm.weights.hub import fetch_from_hub
+
+        try:
+            dest = fetch_from_hub(spec, config.layers, root, name=name, manifest=manifest,
+                                  expect_model_id=config.model_id, need_model_id=need_id)
+        except WeightsMismatch:
+            raise
+        except ModelError as e:  # offline or unreachable: a full snapshot downloaded earlier still serves
+            try:
+                resolved = resolve_model(spec)
+            except ModelError:
+                raise e from None
+            log.warning("weights.hub.fallback reason=%s; using the local snapshot %s", e, resolved.path)
+            return _checked(resolved, config, manifest.model_id if manifest is not None else None)
+        return ResolvedModel(dest, name=name, source=spec)
+    if builtin:
+        return _checked(resolve_model(spec), config, manifest.model_id if manifest is not None else None)
+    raise ModelError(f"no peer could supply {spec!r} for layers {config.layers} "
+                     f"({'; '.join(failures) or 'no peer answered'}), and it is neither a hub id nor a built-in "
+                     "model to fall back to")
+
+
+def _checked(resolved, config: StageConfig, peers_id: str | None = None):
+    """``resolved``, after checking it has ``config.model_id`` when one is given (another id than the
+    peers' only logs a warning: without ``--model-id`` the first peer's id is a claim, not a requirement).
+
+    Raises:
+        WeightsMismatch: the local weights do not have ``--model-id``.
+    """
+    expect = config.model_id or peers_id
+    if expect:
+        from swarm.weights.manifest import model_id
+
+        actual = model_id(resolved.path, cache_root() / "manifests")
+        if actual != expect and config.model_id:
+            raise WeightsMismatch(f"the weights of {config.model!r} at {resolved.path} have model id {actual}, "
+                                  f"not --model-id {expect}")
+        if actual != expect:
+            log.warning("weights.other_id local=%s peers=%s path=%s", actual[:16], expect[:16], resolved.path)
+    return resolved
+
+
+def _fetch_from_peers(config: StageConfig, key, root: Path, name: str):
+    """Run ``fetch_weights`` over a short-lived host (the stage's key; loopback listen, dials out)."""
+    import trio
+
+    from swarm.errors import collapse
+    from swarm.transport import open_host
+    from swarm.weights.peer import fetch_weights
+
+    if key is None:
+        from libp2p.crypto.ed25519 import create_new_key_pair
+
+        key = create_new_key_pair()
+
+    async def main():
+        async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
+            return await fetch_weights(host, config.fetch_from, name=name, layers=config.layers, root=root,
+                                       expect_model_id=config.model_id)
+
+    try:
+        return trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None

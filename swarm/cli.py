@@ -44,9 +44,9 @@ def _stage_parser(sub) -> None:
                         "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
     p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
                    help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
-    p.add_argument("--fetch-from", action="append", default=[], metavar="MULTIADDR",
+    p.add_argument("--fetch-from", action="append", default=[], metavar="MULTIADDR|swarm",
                    help="fetch this stage's shards from the stage at this address (/p2p/ PeerId; repeatable, tried in "
-                        "order; never a relay), each tensor checked against the model's manifest; falls back to the "
+                        "order; never a relay; `swarm`: the holders found on the DHT, with --bootstrap), each tensor checked against the model's manifest; falls back to the "
                         "hub for a hub id. Weights fetched earlier are re-verified and used without fetching")
     p.add_argument("--model-id", metavar="HEX",
                    help="the model id (sha256 over the weights' manifest) the weights must have; default: the first "

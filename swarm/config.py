@@ -82,6 +82,10 @@ class StageConfig:
         if self.fetch_from and self.layers is None:
             raise ConfigError("--fetch-from needs --layers: a stage fetches the shards of its own layers")
         for addr in self.fetch_from:
+            if addr == FETCH_FROM_SWARM:
+                if not self.bootstrap:
+                    raise ConfigError("--fetch-from swarm needs --bootstrap: the holders are found on the swarm's DHT")
+                continue
             check_fetch_addr(addr)
         if self.model_id is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.model_id)):
             raise ConfigError(f"--model-id {self.model_id!r} is not a model id (64 lowercase hex characters, as "
@@ -116,6 +120,9 @@ class StageConfig:
         port = self.listen.split("/tcp/", 1)[1].split("/", 1)[0]
         if not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"--listen {self.listen!r}: the TCP port must be 0..65535")
+
+
+FETCH_FROM_SWARM = "swarm"  # --fetch-from swarm: the holders of the model's layers, found on the DHT
 
 
 def check_fetch_addr(addr: object) -> str:

@@ -6,7 +6,7 @@ Owns: ``acquire_model``, the order of sources for ``swarm stage --model M --laye
 2. a weights directory fetched earlier (``<cache_root>/weights/``) holding the range's shards,
    each re-verified against its manifest: a warm restart, no network;
 3. ``--fetch-from`` peers, in order (``swarm.weights.peer``), over a short-lived host with the
-   stage's own key;
+   stage's own key; ``swarm`` in that list stands for the holders found on the DHT (``--bootstrap``);
 4. the hub for an ``org/name`` id: only the range's shards (``swarm.weights.hub``), checked against
    the peers' manifest when one was obtained; a built-in name is converted locally as before.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from swarm.config import StageConfig, cache_root
+from swarm.config import FETCH_FROM_SWARM, StageConfig, cache_root
 from swarm.errors import ModelError, WeightsMismatch
 
 log = logging.getLogger(__name__)
@@ -127,10 +127,32 @@ def _fetch_from_peers(config: StageConfig, key, root: Path, name: str):
 
     async def main():
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
-            return await fetch_weights(host, config.fetch_from, name=name, layers=config.layers, root=root,
+            peers = list(config.fetch_from)
+            if FETCH_FROM_SWARM in peers:
+                i = peers.index(FETCH_FROM_SWARM)
+                peers[i:i + 1] = await _holders_from_swarm(host, config, name)
+                peers = list(dict.fromkeys(p for p in peers if p != FETCH_FROM_SWARM))
+            return await fetch_weights(host, peers, name=name, layers=config.layers, root=root,
                                        expect_model_id=config.model_id)
 
     try:
         return trio.run(main)
     except BaseExceptionGroup as group:
         raise collapse(group) from None
+
+
+async def _holders_from_swarm(host, config: StageConfig, name: str) -> list[str]:
+    """``--fetch-from swarm``: direct addresses of online stages on the DHT that hold the model
+    (``--model-id`` if given, else the model name ``name``), those holding more of ``config.layers``
+    first. Relayed stages are left out (weights never cross a relay); none found is an empty list
+    (the caller falls back to the hub, or says no peer could supply the weights)."""
+    from swarm.discovery.dht import open_dht
+
+    lo, hi = config.layers.start, config.layers.end
+    async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
+        records = await dht.find_records(config.model_id)
+    usable = [r for r in records if r.state == "online" and r.addrs
+              and (r.model_id == config.model_id if config.model_id else r.model_name == name)]
+    usable.sort(key=lambda r: -(min(hi, r.layers[1]) - max(lo, r.layers[0])))
+    log.info("weights.swarm_holders model=%s found=%d usable=%d", name, len(records), len(usable))
+    return [r.addrs[0] for r in usable]

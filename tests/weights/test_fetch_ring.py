@@ -1,5 +1,6 @@
 """Real ``swarm stage`` processes on loopback: stages that fetched their weights from another stage
-(``--fetch-from``) form a ring whose answer equals transformers'."""
+(``--fetch-from ADDR``, and ``--fetch-from swarm`` finding it on the DHT) form a ring whose answer
+equals transformers'."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 import trio
 
-from swarm.launch import LocalRing
+from swarm.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
 from swarm.weights.store import SIDECAR
 from tests.conftest import reference_greedy
@@ -21,10 +22,15 @@ PROMPT = [1, 403, 407, 261, 378, 300, 265]
 def test_ring_of_fetched_stages_matches_transformers(stories_dir, tmp_path):
     ref = reference_greedy(stories_dir, PROMPT, 16, "float32")
     fresh = dict(os.environ, SWARM_CACHE=str(tmp_path / "fresh-cache"))  # the joiners hold nothing yet
-    with LocalRing(str(stories_dir), [LayerRange(0, 5)], tmp_path / "keys-a", threads=1) as holder:
+    with BootstrapNode(tmp_path / "boot.key") as boot, \
+            LocalRing(str(stories_dir), [LayerRange(0, 5)], tmp_path / "keys-a", threads=1,
+                      extra_args=["--bootstrap", boot.addr]) as holder:
+        # one joiner is given the holder's address, the other finds it on the DHT (--fetch-from swarm)
         joiners = LocalRing("stories260k", [LayerRange(0, 2), LayerRange(2, 5)], tmp_path / "keys-b", threads=1,
-                            extra_args=["--fetch-from", holder.stages[0].addr], env=fresh)
+                            per_stage_args={0: ["--fetch-from", holder.stages[0].addr],
+                                            1: ["--fetch-from", "swarm", "--bootstrap", boot.addr]}, env=fresh)
         with joiners:
+            assert joiners.stages[1].ready["model_id"] == holder.stages[0].ready["model_id"]
             spec = joiners.ring_spec(model=str(stories_dir))
             out = trio.run(ring_generate, spec, stories_dir, 5, PROMPT, 16, tmp_path)
     assert out == ref

@@ -5,8 +5,8 @@ CONFIG: ``{"ring": ring file, "model": dir, "prompt": ids, "new": n, "mode": "pu
 "relay_pid": pid, "key": path}``. Both modes generate once through the ring (relayed at first).
 Both wait until the client's streams to every relayed stage moved onto direct connections
 (``moved_s``, from the start of connecting) and then ``settle_s``. ``punch``: SIGKILLs the relay,
-generates again. ``relayed``: generates again, then SIGKILLs the relay and reports what a third
-generation did within 20 s (``after_relay_died``).
+generates again. ``relayed``: generates again, then SIGKILLs the relay in the middle of a third
+generation and reports what happened (``after_relay_died``) and how soon (``failed_after_s``).
 """
 
 from __future__ import annotations
@@ -53,14 +53,21 @@ async def main(cfg: dict) -> dict:
             out["again"], rec = await decode(client, cfg["prompt"], cfg["new"], set(), spec=SpecConfig())
             out["again_tokens_per_s"] = round(cfg["new"] / (time.monotonic() - t0), 2)
             out["heal_events"] = rec["heal_events"]
-            if cfg["mode"] == "relayed":  # the stages' own hop still needs the relay: kill it, and it breaks
-                os.kill(cfg["relay_pid"], signal.SIGKILL)
+            if cfg["mode"] == "relayed":  # the stages' own hop still needs the relay: kill it mid-answer
+                killed = []
+
+                def kill_relay(ids):
+                    if len(ids) >= 4 and not killed:
+                        os.kill(cfg["relay_pid"], signal.SIGKILL)
+                        killed.append(time.monotonic())
+
                 try:
-                    with trio.fail_after(20):
-                        await decode(client, cfg["prompt"], cfg["new"], set(), spec=SpecConfig())
+                    with trio.fail_after(30):
+                        await decode(client, cfg["prompt"], cfg["new"], set(), on_ids=kill_relay, spec=SpecConfig())
                     out["after_relay_died"] = "answered"
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     out["after_relay_died"] = f"{type(e).__name__}: {e}"[:400]
+                out["failed_after_s"] = round(time.monotonic() - killed[0], 2) if killed else None
             nursery.cancel_scope.cancel()
     return out
 

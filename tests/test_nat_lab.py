@@ -9,7 +9,8 @@ so every hop that touches them starts relayed, and A -> B has a NAT on both ends
   move onto them (the client's within ``moved_s`` of connecting); then the relay is SIGKILLed
   and the ring still answers exactly without a heal: A -> B went direct through both NATs.
 - Random-port NATs: no punch between A and B can work; the hop A -> B stays on the relay and
-  the ring answers exactly; killing the relay then breaks that hop (and only then).
+  the ring answers exactly; killing the relay mid-answer breaks that hop, and (no spare listed)
+  the answer fails within seconds naming the stage instead of stalling.
 
 Traffic never leaves the lab's namespaces. Skips with one line where namespaces, root or
 iptables are missing (``.ci/run`` installs iptables where it can).
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]
 NEW = 24
-SETTLE_S = 2.0  # after the client's own streams moved, the stages' hop (A -> B) gets this long before the relay dies
+SETTLE_S = 5.0  # after the client's own streams moved, the stages' hop (A -> B) gets this long before the relay dies
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -85,8 +86,8 @@ def test_behind_two_port_preserving_nats_the_ring_punches_through_and_stays_exac
     assert got["first"] == expected  # relayed
     assert got["moves"] >= 4, got  # the client's data + control streams to A and B moved
     # the relay died moved_s + SETTLE_S after the client started connecting (measured on a quiet
-    # machine: 2.1 + 2 s); the bound here leaves room for a loaded CI machine
-    assert got["moved_s"] + SETTLE_S < 15, got
+    # machine: 2.1 s, then 5 s); the bound here leaves room for a loaded CI machine
+    assert got["moved_s"] + SETTLE_S < 20, got
     assert got["again"] == expected and got["heal_events"] == []  # the relay is dead: every hop is direct
 
 
@@ -95,7 +96,9 @@ def test_behind_random_port_nats_the_ring_stays_relayed_and_exact(lab_ok, storie
     assert got["first"] == expected and got["again"] == expected and got["heal_events"] == []
     # the client is public: A and B reach it directly by themselves (DCUtR's unilateral upgrade),
     # so the client's streams move; the hop A -> B has a random-port NAT on both ends and stays
-    # on the relay: once the relay dies, that hop is gone (no spare is listed): the next answer
-    # fails or stalls (20 s), where in the port-preserving lab it came at once
+    # on the relay: when the relay dies mid-answer, that hop is gone, and (no spare is listed) the
+    # answer fails at once naming the stage, where in the port-preserving lab it went on; libp2p
+    # alone would let the hop swallow frames until a timeout
     assert got["moves"] >= 4, got
-    assert got["after_relay_died"] != "answered", got
+    assert got["after_relay_died"].startswith("NoSpare") and "[2, 4)" in got["after_relay_died"], got
+    assert got["failed_after_s"] < 10, got

@@ -3,7 +3,8 @@
 Owns: ``RingClient``, the one object the coordinator and ``swarm serve`` drive: it opens a session
 at every stage (tail first, each told its successor and signed for), sends chunks to the head,
 waits for the tail's results (probing every stage after ``heartbeat_s`` of silence, so a frozen
-stage is detected in about two heartbeats, not at the hop timeout), cancels stale epochs on the
+stage is detected in about two heartbeats, and a hop that swallows frames while both its stages
+still answer in ``GAP_S``, not at the hop timeout), cancels stale epochs on the
 control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
 keeping its own digests of what it sent to the head and received from the tail (``ledgers``).
 
@@ -23,10 +24,13 @@ import trio
 from swarm import receipts, wire
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import HopTimeout, StageLost, SwarmError
+from swarm.heal import Probe, locate_failure
 from swarm.ring.links import LinksMixin, _Link
 from swarm.ring.probe import ProbeMixin
 
 log = logging.getLogger(__name__)
+
+GAP_S = 5.0  # a gap in the chain of progress this long, every stage still answering, is a broken hop
 
 
 class RingClient(LinksMixin, ProbeMixin):
@@ -59,6 +63,7 @@ class RingClient(LinksMixin, ProbeMixin):
         self._deferred: deque = deque()
         self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
         self.returned: dict[str, int] = {}  # session -> highest chunk id with a result
+        self.sent: dict[str, int] = {}  # session -> highest chunk id sent to the head
         # session -> (digest of forward frames sent to the head, of result frames from the tail),
         # for sessions opened with a job (receipts)
         self.ledgers: dict[str, tuple[receipts.RollingDigest, receipts.RollingDigest]] = {}
@@ -88,6 +93,7 @@ class RingClient(LinksMixin, ProbeMixin):
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
             await self._expect(i, "open_ok", session)
         self.returned[session] = -1
+        self.sent[session] = -1
 
     async def close_session(self, session: str, timeout_s: float = 5.0) -> None:
         """Ask every stage to drop ``session`` (best effort)."""
@@ -97,6 +103,7 @@ class RingClient(LinksMixin, ProbeMixin):
             except SwarmError:
                 pass
         self.returned.pop(session, None)
+        self.sent.pop(session, None)
         self.ledgers.pop(session, None)
 
     async def send_chunk(self, session: str, chunk) -> None:
@@ -106,6 +113,7 @@ class RingClient(LinksMixin, ProbeMixin):
         if getattr(chunk, "logits_from", None) is not None:
             msg["logits_from"] = chunk.logits_from
         await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+        self.sent[session] = max(self.sent.get(session, -1), chunk.chunk_id)
         ledger = self.ledgers.get(session)
         if ledger is not None:
             ledger[0].add(receipts.forward_item(msg))
@@ -150,12 +158,15 @@ class RingClient(LinksMixin, ProbeMixin):
         is reported lost at once, so a frozen stage is found in seconds.
 
         Raises:
-            StageLost: a stage closed its stream, stopped answering probes, or lost its successor.
+            StageLost: a stage closed its stream, stopped answering probes, lost its successor, or a gap
+                in the chain of progress (a hop swallowing frames) persisted for ``GAP_S``.
             HopTimeout: no result within ``hop_timeout_s`` although every stage answers.
             RemoteError: a stage answered with an error frame.
         """
         tail = len(self.links) - 1
         deadline = time.monotonic() + self.hop_timeout_s
+        earlier: Probe | None = None
+        gap_since: float | None = None
         while True:
             try:
                 i, msg = await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
@@ -170,6 +181,19 @@ class RingClient(LinksMixin, ProbeMixin):
                     link = self.links[lost[0]]
                     raise StageLost(f"stage {lost[0]} {link.spec.layers} at {link.spec.addr} stopped answering "
                                     f"heartbeats ({2 * self.heartbeat_s:.1f} s)") from None
+                # every stage answers, but a hop may be broken in silence (a relayed hop whose relay
+                # died swallows frames): a gap in the chain of progress that persists is a loss
+                now_probe = Probe(tuple(reports), self.sent.get(session, -1), self.returned.get(session, -1))
+                failure = locate_failure(reports, now_probe.sent, now_probe.returned, earlier) if earlier else None
+                earlier = now_probe
+                if failure is None or not failure.reason.startswith("gap"):
+                    gap_since = None
+                    continue
+                gap_since = gap_since or time.monotonic()
+                if time.monotonic() - gap_since >= max(GAP_S, 5 * self.heartbeat_s):
+                    link = self.links[failure.index]
+                    raise StageLost(f"stage {failure.index} {link.spec.layers} at {link.spec.addr}: {failure.reason} "
+                                    f"for {time.monotonic() - gap_since:.1f} s (a broken hop)") from None
                 continue
             self._raise_for(i, msg, session)
             if i == tail and msg.get("type") == "result" and msg.get("session") == session:

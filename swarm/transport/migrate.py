@@ -5,6 +5,7 @@ Owns: the move protocol ``/swarm/migrate/1`` (a new stream whose first frame is
 ``{"token": 16 bytes}``, the token the moving stream's ``_moved`` marker names; see
 ``FramedStream.migrate`` for the order of frames that keeps a move exact), ``Migrator`` (its
 handler, the new streams waiting to be taken, and the loop that starts moves), and
+resetting a relayed stream whose relay is gone (``Migrator.relay_gone``), and
 ``BufferedRaw`` (a raw stream whose bytes are read ahead into memory, so a new stream's flow
 control window never fills while the old stream is still being drained: Yamux resets a writer
 whose window stays full for 5 s). Only the side that opened a stream moves it; a node accepts a
@@ -37,6 +38,23 @@ PROTOCOL_ID = "/swarm/migrate/1"
 TAKE_TIMEOUT_S = 10.0  # how long a ``_moved`` marker waits for its new stream (and a new stream for its taker)
 CHECK_S = 0.5  # how often relayed streams are checked for a direct connection to their peer
 READ_BYTES = 256 * 1024
+
+
+def relay_ids(raw) -> set[str]:
+    """PeerIds of the relays a relayed stream's connection runs through (empty: direct, or unknown)."""
+    net = getattr(raw, "net", raw)
+    conn = getattr(net, "swarm_conn", None)
+    try:
+        addrs = [str(a) for a in conn.get_transport_addresses()] if conn is not None else []
+    except Exception:
+        return set()
+    out = set()
+    for a in addrs:
+        if "/p2p-circuit" in a:
+            head = a.split("/p2p-circuit", 1)[0]
+            if "/p2p/" in head:
+                out.add(head.rsplit("/p2p/", 1)[1].split("/", 1)[0])
+    return out
 
 
 def is_relayed(raw) -> bool:
@@ -192,6 +210,15 @@ class Migrator:
             return self._waiting.pop((peer, token))
         raise StreamClosed(f"peer {peer} moved a stream but its new stream never arrived")
 
+    def relay_gone(self, stream) -> bool:
+        """True when ``stream`` runs through a relay this node no longer has a connection to."""
+        from libp2p.peer.id import ID
+
+        me = self.host.get_id().to_base58()
+        relays = relay_ids(stream._wraw) - {me}  # inbound relayed connections name us as their relay
+        network = self.host.get_network()
+        return bool(relays) and not any(network.get_connections(ID.from_base58(r)) for r in relays)
+
     def direct_connection(self, peer: str) -> bool:
         from libp2p.peer.id import ID
 
@@ -211,6 +238,14 @@ class Migrator:
             await trio.sleep(CHECK_S)
             for stream in list(self.outbound):
                 if stream.closed or stream._pending_raw is not None:
+                    continue
+                if self.relay_gone(stream):
+                    # libp2p 0.8.1 does not notice that a circuit died with its relay (writes
+                    # vanish without an error; measured in the NAT lab): fail it now, so the ring
+                    # heals instead of waiting for a timeout
+                    log.warning("hop.relay_lost peer=%s protocol=%s: its relay is gone", stream.remote_peer_id,
+                                stream.protocol_id)
+                    await stream.reset()
                     continue
                 if not is_relayed(stream._wraw) or not self.direct_connection(stream.remote_peer_id):
                     continue

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SWARM_SHARED", REPO.parent / "shared"))
 STORIES = SHARED / "models" / "stories260k"
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _need_shared(path: Path) -> Path:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import threading
 
 import pytest
@@ -31,7 +30,7 @@ from swarm.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
 from swarm.weights.manifest import model_id
-from tests.conftest import make_synthetic, reference_greedy
+from tests.conftest import free_port, make_synthetic, reference_greedy
 from tests.test_cli import run_swarm
 
 pytestmark = pytest.mark.slow
@@ -40,11 +39,6 @@ PROMPT_IDS = [1, 403, 407, 261, 378]
 RANGES = [LayerRange(0, 3), LayerRange(0, 3), LayerRange(2, 5), LayerRange(2, 5), LayerRange(1, 4)]
 RELAYED = 3  # index in RANGES of the stage reachable only through the delaying relay
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _RelayThread:
@@ -93,7 +87,7 @@ def _other_weights(stories_dir, root):
 def swarm_net(stories_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("swarm-net")
     lure_dir = _other_weights(stories_dir, root / "other")
-    relayed_port = _free_port()
+    relayed_port = free_port()
     with BootstrapNode(root / "keys" / "boot.key") as boot, _RelayThread(relayed_port) as relay:
         common = ["--dtype", "float32", "--bootstrap", boot.addr]
         per_stage = {RELAYED: ["--listen", f"/ip4/127.0.0.1/tcp/{relayed_port}",
@@ -159,7 +153,7 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     common = ["--dtype", "float32", "--bootstrap", boot]
     # the holder of [4, 6) announces a port nothing listens on: the dial-back fails, so it joins
     # in DHT client mode (its record is still stored by the server nodes)
-    closed = _free_port()
+    closed = free_port()
     with LocalRing(str(model), [LayerRange(0, 2), LayerRange(4, 6)], tmp_path / "keys", threads=1,
                    extra_args=common, per_stage_args={1: ["--announce-addr", f"/ip4/127.0.0.1/tcp/{closed}"]}) as holders:
         with LocalRing(str(model), [None], tmp_path / "auto-keys", threads=1,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -30,7 +29,7 @@ from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
 from swarm.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import reference_greedy
+from tests.conftest import free_port, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -39,16 +38,11 @@ PROMPT = [1, 403, 407, 261, 378]
 NEW = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def lab(stories_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("relay-lab")
-    listen = f"/ip4/127.0.0.1/tcp/{_free_port()}"
+    listen = f"/ip4/127.0.0.1/tcp/{free_port()}"
     relays = [BootstrapNode(root / "relay.key", role="relay", listen=listen).__enter__()]
     try:
         relay_addr = relays[0].addr

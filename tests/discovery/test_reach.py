@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import AsyncExitStack
 
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -10,13 +9,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.discovery.dht import open_dht
 from swarm.discovery.reach import MAX_PORTS, PROTOCOL_ID, check_reachable, tcp_ports
 from swarm.transport.host import open_host
+from tests.conftest import free_port
 from tests.transport.util import run
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tcp_ports_of_multiaddrs():
@@ -42,7 +37,7 @@ def test_dial_back_tells_reachable_from_unreachable():
             got = await check_reachable(me, [boot], [f"/ip4/10.255.255.1/tcp/{port}"])
             assert got.reachable is True and got.ports == ((port, "ok"),)
 
-            closed = _closed_port()
+            closed = free_port()
             got = await check_reachable(me, [boot], [f"/ip4/127.0.0.1/tcp/{closed}"])
             assert got.reachable is False and got.ports == ((closed, "refused"),)
             assert f"127.0.0.1:{closed} (refused)" in got.reason and boot in got.reason

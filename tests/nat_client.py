@@ -4,7 +4,8 @@
 CONFIG: ``{"ring": ring file, "model": dir, "prompt": ids, "new": n, "mode": "punch" | "relayed",
 "relay_pid": pid, "key": path}``. Both modes generate once through the ring (relayed at first).
 Both wait until the client's streams to every relayed stage moved onto direct connections
-(``moved_s``, from the start of connecting) and then ``settle_s``. ``punch``: SIGKILLs the relay,
+(``moved_s``, from the start of connecting), report stage A's hops (``stage_hops``, from its
+``info``: ``punch`` first waits up to 20 s for its hop to B to move) and wait ``settle_s``. ``punch``: SIGKILLs the relay,
 generates again. ``relayed``: generates again, then SIGKILLs the relay in the middle of a third
 generation and reports what happened (``after_relay_died``) and how soon (``failed_after_s``).
 """
@@ -45,6 +46,12 @@ async def main(cfg: dict) -> dict:
                 while any(s.moves == 0 for link in relayed for s in (link.data, link.control)):
                     await trio.sleep(0.1)
             out["moved_s"] = round(time.monotonic() - start, 2)
+            # the stages' own hop A -> B (both NATed): A opened it over the relay at the first
+            # session; in the port-preserving lab it moves once DCUtR punched through
+            with trio.move_on_after(20 if cfg["mode"] == "punch" else 0):
+                while not [h for h in (await client.stage_info(0))["hops"] if h["moves"]]:
+                    await trio.sleep(0.2)
+            out["stage_hops"] = (await client.stage_info(0))["hops"]
             await trio.sleep(cfg.get("settle_s", 1.0))
             if cfg["mode"] == "punch":
                 os.kill(cfg["relay_pid"], signal.SIGKILL)  # from here on only direct connections work

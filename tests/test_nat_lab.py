@@ -88,6 +88,10 @@ def test_behind_two_port_preserving_nats_the_ring_punches_through_and_stays_exac
     # the relay died moved_s + SETTLE_S after the client started connecting (measured on a quiet
     # machine: 2.1 s, then 5 s); the bound here leaves room for a loaded CI machine
     assert got["moved_s"] + SETTLE_S < 20, got
+    # the stages' own hop A -> B, NATs on both ends: relayed at the first session, direct within
+    # 5 s of opening it (issue 15's bound), measured by stage A itself
+    (hop,) = got["stage_hops"]
+    assert hop["moves"] == 1 and not hop["relayed"] and hop["moved_after_s"] < 5, got
     assert got["again"] == expected and got["heal_events"] == []  # the relay is dead: every hop is direct
 
 
@@ -100,5 +104,7 @@ def test_behind_random_port_nats_the_ring_stays_relayed_and_exact(lab_ok, storie
     # answer fails at once naming the stage, where in the port-preserving lab it went on; libp2p
     # alone would let the hop swallow frames until a timeout
     assert got["moves"] >= 4, got
+    (hop,) = got["stage_hops"]
+    assert hop["relayed"] and hop["moves"] == 0, got  # A -> B: no punch through random-port NATs
     assert got["after_relay_died"].startswith("NoSpare") and "[2, 4)" in got["after_relay_died"], got
     assert got["failed_after_s"] < 10, got

@@ -117,6 +117,18 @@ class LinksMixin:
         """The ring as it stands now (after any heal) and the spares not used yet."""
         return RingSpec(model=self.ring.model, stages=tuple(self.stage_specs), spares=tuple(self.spares))
 
+    async def stage_info(self, index: int) -> dict:
+        """Stage ``index``'s ``info_ok`` frame now (its load, kernels and ``hops``, docs/protocol.md).
+
+        Only between sessions: frames of a running session that arrive meanwhile are dropped.
+
+        Raises:
+            StageLost / HopTimeout: the stage does not answer.
+        """
+        link = self.links[index]
+        await link.control.send(wire.frame("info"), timeout_s=self.hop_timeout_s)
+        return await self._expect(index, "info_ok", gen=link.generation)
+
     async def _link(self, index: int, spec: StageSpec) -> _Link:
         """Dial ``spec`` (data + control streams), check its info, start its readers."""
         streams = []

@@ -71,6 +71,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                       "prefill_slice": self.config.prefill_slice,
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
             kernels=self.kernels,
+            hops=[s.hop_state() for s in list(self.successors.values()) if not s.closed],
         )
 
     async def handle_stream(self, stream) -> None:

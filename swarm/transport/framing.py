@@ -23,6 +23,7 @@ import contextlib
 import logging
 import secrets
 import struct
+import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -212,6 +213,8 @@ class FramedStream:
         self.migrator = migrator
         self._pending_raw: RawStream | None = None  # a move we started: read it after the peer's marker
         self.moves = 0
+        self.opened_at = time.monotonic()  # monotonic seconds: a hop's move time is measured from here
+        self.moved_at: float | None = None  # monotonic seconds of the first completed move
         self.remote_peer_id = remote_peer_id
         self.protocol_id = protocol_id
         self.max_frame_bytes = _check_max(max_frame_bytes)
@@ -366,6 +369,16 @@ class FramedStream:
                 continue
             await self._tx.send(msg)
 
+    def hop_state(self) -> dict[str, Any]:
+        """Where this stream runs now, for a node's ``info``: ``{"peer", "protocol", "relayed",
+        "moves", "moved_after_s"}``; ``moved_after_s`` is the seconds from opening the stream to its
+        first completed move onto another connection (None: it never moved)."""
+        from swarm.transport.migrate import is_relayed
+
+        moved = None if self.moved_at is None else round(self.moved_at - self.opened_at, 3)
+        return {"peer": self.remote_peer_id, "protocol": self.protocol_id, "relayed": is_relayed(self._wraw),
+                "moves": self.moves, "moved_after_s": moved}
+
     # ---- moving to another stream (e.g. from a relayed connection to a direct one) -----------
 
     async def migrate(self) -> None:
@@ -414,6 +427,8 @@ class FramedStream:
                 self._wraw = new
         self.raw = new
         self.moves += 1
+        if self.moved_at is None:
+            self.moved_at = time.monotonic()
         with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT_S):
             with contextlib.suppress(*_RAW_ERRORS):
                 await old.close()

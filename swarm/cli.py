@@ -47,7 +47,8 @@ def _stage_parser(sub) -> None:
     p.add_argument("--fetch-from", action="append", default=[], metavar="MULTIADDR|swarm",
                    help="fetch this stage's shards from the stage at this address (/p2p/ PeerId; repeatable, tried in "
                         "order; never a relay; `swarm`: the holders found on the DHT, with --bootstrap), each tensor checked against the model's manifest; falls back to the "
-                        "hub for a hub id. Weights fetched earlier are re-verified and used without fetching")
+                        "hub for a hub id. Weights fetched earlier are re-verified and used without fetching. Without "
+                        "--layers: the peers' manifest and config first, then the shards of the block the stage picks")
     p.add_argument("--model-id", metavar="HEX",
                    help="the model id (sha256 over the weights' manifest) the weights must have; default: the first "
                         "peer's, whose model name must be --model")

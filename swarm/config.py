@@ -79,8 +79,6 @@ class StageConfig:
                               f"({self.record_ttl_s}) <= 600")
         if not 0 <= self.rebalance_s < 1e9:
             raise ConfigError(f"--rebalance-s must be >= 0 seconds, got {self.rebalance_s}")
-        if self.fetch_from and self.layers is None:
-            raise ConfigError("--fetch-from needs --layers: a stage fetches the shards of its own layers")
         for addr in self.fetch_from:
             if addr == FETCH_FROM_SWARM:
                 if not self.bootstrap:

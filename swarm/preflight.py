@@ -9,6 +9,7 @@ Glue over ``swarm.model`` and ``swarm.transport.identity``; imported only by ``s
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -148,7 +149,8 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
     """How many decoder layers of a model fit a memory budget (automatic placement, ``swarm stage``
     without ``--layers``).
 
-    Per layer: its weights in the stage dtype (from the safetensors headers of one middle layer) plus
+    Per layer: its weights in the stage dtype (from the safetensors headers of one middle layer, or
+    from the manifest of a weights directory fetched before its shards) plus
     the KV cache of one full-context session. The embedding and LM head are not counted (they are
     small next to the layers of the models this targets; the first and last stage pay them).
 
@@ -167,19 +169,28 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
     from swarm.model.resolve import tensor_index
     from swarm.ranges import LayerRange
     from swarm.weights.manifest import read_header
+    from swarm.weights.select import select_tensors
+    from swarm.weights.store import sidecar_manifest
 
     model_config = load_config(model_dir)
     num_layers = model_config.num_hidden_layers
     dev = pick_device(device)
     itemsize = torch.empty((), dtype=pick_dtype(dtype, dev)).element_size()
     probe = LayerRange(num_layers // 2, num_layers // 2 + 1)
-    names = block_tensor_names(model_dir, probe) - block_tensor_names(model_dir, LayerRange(0, 1)) \
-        if 0 < probe.start < num_layers - 1 else block_tensor_names(model_dir, probe)
-    index, headers, weights = tensor_index(model_dir), {}, 0
-    for name in names:
-        entry = headers.setdefault(index[name], read_header(index[name])).get(name, {})
+    partial = sidecar_manifest(Path(model_dir))
+    if partial is not None:  # a weights directory, maybe without shards yet: shapes from its manifest
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        shapes = {name: partial.tensors[name][1] for name in select_tensors(partial.tensors, raw, probe)}
+    else:
+        names = block_tensor_names(model_dir, probe) - block_tensor_names(model_dir, LayerRange(0, 1)) \
+            if 0 < probe.start < num_layers - 1 else block_tensor_names(model_dir, probe)
+        index, headers = tensor_index(model_dir), {}
+        shapes = {name: headers.setdefault(index[name], read_header(index[name])).get(name, {}).get("shape", [])
+                  for name in names}
+    weights = 0
+    for shape in shapes.values():
         numel = 1
-        for d in entry.get("shape", []):
+        for d in shape:
             numel *= int(d)
         weights += numel * itemsize
     heads = model_config.num_attention_heads

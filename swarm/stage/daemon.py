@@ -140,6 +140,8 @@ def run_stage(config: StageConfig) -> int:
             layers = LayerRange.parse(moved) if moved else _run_trio(
                 place, config, resolved.path, model_id, model_num_layers(resolved.path), key)
             config = dataclasses.replace(config, layers=layers)
+            if config.fetch_from:  # placed on the peers' manifest: now fetch that block's shards
+                resolved = acquire_model(config, key)
         block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
                            progress=sys.stderr.isatty())
         digest = model_manifest_digest(resolved.path)

@@ -33,7 +33,10 @@ def acquire_model(config: StageConfig, key=None):
         key: the stage's libp2p key pair (fetching from peers dials with it); None: a throwaway key.
     Returns:
         a ``swarm.model.resolve.ResolvedModel`` whose path holds config.json, the tokenizer files
-        and at least the shards of ``config.layers`` (all of them for a local model).
+        and at least the shards of ``config.layers`` (all of them for a local model). Without
+        ``config.layers`` but with ``--fetch-from``, a weights directory of the peers' manifest,
+        config and tokenizer and no shards yet (enough to place the stage and to know its model
+        id; the caller asks again with the chosen layers).
     Raises:
         ModelError: no source could supply the weights (one line naming each peer's failure), or
             the weights do not have ``config.model_id``. ConfigError: a bad peer address.
@@ -43,8 +46,8 @@ def acquire_model(config: StageConfig, key=None):
 
     spec = config.model
     path = Path(spec).expanduser()
-    if config.layers is None or path.exists() or path.suffix.lower() == ".gguf":
-        if config.fetch_from and config.layers is not None:
+    if path.exists() or path.suffix.lower() == ".gguf" or (config.layers is None and not config.fetch_from):
+        if config.fetch_from:
             log.info("weights.local model=%s: a local model, --fetch-from is not used", spec)
         return _checked(resolve_model(spec), config)
     builtin = spec.lower() in BUILTIN_MODELS
@@ -53,6 +56,19 @@ def acquire_model(config: StageConfig, key=None):
         return _checked(resolve_model(spec), config)
     name = spec.lower() if builtin else spec
     root = cache_root() / "weights"
+    if config.layers is None:  # placing itself: the peers' manifest and config first, shards once placed
+        result = _fetch_from_peers(config, key, root, name)
+        if result.path is not None:
+            log.info("weights.metadata dir=%s model_id=%s (shards follow once the stage is placed)", result.path,
+                     result.model_id[:16])
+            return ResolvedModel(result.path, name=name, source=spec)
+        log.warning("weights.peers.no_metadata failures=%s; falling back to %s", result.failures,
+                    "the whole model" if hub or builtin else "nothing")
+        if hub or builtin:
+            return _checked(resolve_model(spec), config)
+        why = "; ".join(result.failures) or "no peer answered"
+        raise ModelError(f"no peer could supply the manifest of {spec!r} ({why}), and it is neither a hub id nor a "
+                         "built-in model to fall back to")
     need_id = bool(config.bootstrap)  # a stage announcing on the DHT names its model by id
     cached = find_cached(root, name, config.model_id, config.layers)
     if cached is not None and not cached.missing and (cached.manifest.model_id or not need_id):
@@ -144,11 +160,11 @@ def _fetch_from_peers(config: StageConfig, key, root: Path, name: str):
 async def _holders_from_swarm(host, config: StageConfig, name: str) -> list[str]:
     """``--fetch-from swarm``: direct addresses of online stages on the DHT that hold the model
     (``--model-id`` if given, else the model name ``name``), those holding more of ``config.layers``
-    first. Relayed stages are left out (weights never cross a relay); none found is an empty list
+    first (without layers, a stage placing itself: those holding the most layers). Relayed stages are left out (weights never cross a relay); none found is an empty list
     (the caller falls back to the hub, or says no peer could supply the weights)."""
     from swarm.discovery.dht import open_dht
 
-    lo, hi = config.layers.start, config.layers.end
+    lo, hi = (config.layers.start, config.layers.end) if config.layers is not None else (0, 2**31)
     async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
         records = await dht.find_records(config.model_id)
     usable = [r for r in records if r.state == "online" and r.addrs

@@ -299,7 +299,8 @@ async def fetch_weights(host, peers: Sequence[str], *, name: str, layers, root: 
         peers: multiaddrs with ``/p2p/<PeerId>`` of stages holding the model; never circuit addresses.
         name: the model name (``--model``); without ``expect_model_id`` a peer serving another
             name is skipped.
-        layers: the stage's LayerRange.
+        layers: the stage's LayerRange; None: no shards, only the manifest, config.json and the
+            small files (what a stage without ``--layers`` needs to pick its block first).
         root: where weights directories live (``<cache_root>/weights``).
         expect_model_id: the model id the weights must have (64 hex), or None.
         timeout_s: deadline of each network wait (dial, request, any read making no progress).
@@ -410,8 +411,10 @@ def _plan(dest: Path, manifest: WeightsManifest, layers, files_doc: dict) -> tup
         raise ModelError(f"cannot read the fetched {dest / 'config.json'}: {e}") from e
     if num_layers_of(config) != manifest.num_layers:
         raise WeightsMismatch(f"config.json says {num_layers_of(config)} layers, the manifest {manifest.num_layers}")
-    selection = select_shards(manifest.weight_map, config, layers)
     small = [f for f in sorted(files_doc) if f != "config.json" and not _have_file(dest, f, files_doc)]
+    if layers is None:  # metadata only (a stage placing itself): config, tokenizer, the manifest
+        return small, set(small)
+    selection = select_shards(manifest.weight_map, config, layers)
     return small + reverify(dest, manifest, selection.shards), set(small)
 
 

@@ -77,6 +77,25 @@ def test_fetches_only_its_shards_and_equals_the_source(source, tmp_path):
     assert not list(got.path.glob(".incoming-*"))
 
 
+def test_without_layers_only_the_manifest_and_small_files_come_then_the_placed_block(source, tmp_path):
+    """A stage placing itself (no --layers) first gets what placement needs, no shard; its memory
+    fit reads the manifest's shapes; once placed, the same directory gets only that block's shards."""
+    from swarm.preflight import layers_that_fit
+
+    async def main():
+        async with weights_peer(WeightsServer(source, NAME)) as addr:
+            meta = await _fetch([addr], tmp_path / "w", layers=None)()
+            return meta, shards_of(meta.path), await _fetch([addr], tmp_path / "w")()
+    meta, meta_shards, block = run(main, timeout_s=30)
+    assert meta.path is not None and not meta.missing and meta_shards == set()
+    assert {p.name for p in meta.path.iterdir() if p.is_file()} >= {"config.json", SIDECAR}
+    assert model_id(meta.path) == model_id(source)  # the id is known before any shard is here
+    for budget in (0.05, 0.2, 1000):
+        assert layers_that_fit(meta.path, dtype="float32", device="cpu", budget_mb=budget) == \
+            layers_that_fit(source, dtype="float32", device="cpu", budget_mb=budget)
+    assert block.path == meta.path and shards_of(block.path) == MIDDLE_SHARDS
+
+
 def test_tampered_peer_is_detected_and_the_next_peer_serves(source, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(source, bad)
@@ -150,7 +169,7 @@ def test_circuit_addresses_are_refused(tmp_path):
         StageConfig(model=NAME, layers=MIDDLE, fetch_from=(circuit,))
     with pytest.raises(ConfigError, match="/p2p/<PeerId>"):
         StageConfig(model=NAME, layers=MIDDLE, fetch_from=("/ip4/127.0.0.1/tcp/4001",))
-    with pytest.raises(ConfigError, match="needs --layers"):
+    with pytest.raises(ConfigError, match="never fetched through a relay"):  # a placed stage's peers too
         StageConfig(model=NAME, layers=None, bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",), fetch_from=(circuit,))
     with pytest.raises(ConfigError, match="64 lowercase hex"):
         StageConfig(model=NAME, layers=MIDDLE, model_id="ABC")

@@ -36,3 +36,23 @@ def test_ring_of_fetched_stages_matches_transformers(stories_dir, tmp_path):
     assert out == ref
     fetched = list((tmp_path / "fresh-cache" / "weights").glob(f"*/{SIDECAR}"))
     assert len(fetched) == 1 and (fetched[0].parent / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_stage_without_layers_places_itself_then_fetches_its_block(stories_dir, tmp_path):
+    """No --layers and --fetch-from swarm: the manifest and config come from the holder first, the
+    stage picks its block on the DHT (here all 5 layers: --num-layers 5), then fetches and serves it."""
+    ref = reference_greedy(stories_dir, PROMPT, 16, "float32")
+    fresh = dict(os.environ, SWARM_CACHE=str(tmp_path / "fresh-cache"))
+    with BootstrapNode(tmp_path / "boot.key") as boot, \
+            LocalRing(str(stories_dir), [LayerRange(0, 2)], tmp_path / "keys-a", threads=1,
+                      extra_args=["--bootstrap", boot.addr]) as holder, \
+            LocalRing("stories260k", [None], tmp_path / "keys-b", threads=1, env=fresh,
+                      extra_args=["--fetch-from", "swarm", "--bootstrap", boot.addr, "--num-layers", "5"]) as placed:
+        ready = placed.stages[0].ready
+        assert ready["layers"] == [0, 5] and ready["model_id"] == holder.stages[0].ready["model_id"]
+        spec = placed.ring_spec(model=str(stories_dir))
+        out = trio.run(ring_generate, spec, stories_dir, 5, PROMPT, 16, tmp_path)
+    assert out == ref
+    (sidecar,) = (tmp_path / "fresh-cache" / "weights").glob(f"*/{SIDECAR}")
+    assert (sidecar.parent / "model.safetensors").is_file()

@@ -82,6 +82,10 @@ def _stage_parser(sub) -> None:
     lim.add_argument("--kv-budget-mb", type=float,
                      help="KV cache memory all sessions together may reserve; a session reserves max_len positions "
                           "on open and is refused with a 'busy' error when the budget is full (default: no limit)")
+    lim.add_argument("--heal-log-mb", type=float,
+                     help="MiB of the hidden states it sent on that a session keeps, so a heal that replaces its "
+                          "successor resends them instead of replaying through every stage; reserved with the KV "
+                          "cache (default: up to the session's max_len positions; 0: keep none)")
     lim.add_argument("--session-ttl-s", type=float, default=600.0, help="drop a session idle this long (default 600)")
     lim.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
@@ -374,7 +378,8 @@ def cmd_stage(args) -> int:
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
-                         max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, session_ttl_s=args.session_ttl_s,
+                         max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
+                         session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
                          prefill_slice_shared=args.prefill_slice_shared,

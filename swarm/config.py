@@ -41,6 +41,9 @@ class StageConfig:
     admins: tuple[str, ...] = ()  # PeerIds that may send a drain request
     max_ctx: int | None = None  # positions per session; None: the model's maximum
     kv_budget_mb: float | None = None  # KV memory all sessions may reserve; None: no limit
+    # hidden states one session keeps of what it sent on, for a heal that replaces its successor
+    # (reserved with the KV cache); None: up to max_len positions; 0: none (such heals replay in full)
+    heal_log_mb: float | None = None
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
@@ -103,6 +106,8 @@ class StageConfig:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
         if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
+        if self.heal_log_mb is not None and not 0 <= self.heal_log_mb < 2**40:
+            raise ConfigError(f"--heal-log-mb must be a finite number of MiB >= 0, got {self.heal_log_mb}")
         for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 1),
                                  ("--prefill-slice", self.prefill_slice, 1),
                                  ("--prefill-slice-shared", self.prefill_slice_shared, 1)):

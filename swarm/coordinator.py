@@ -210,7 +210,8 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
     body = receipts.job_body(job_id=job["id"], nonce=job["nonce"], coordinator=peer_id_of(key), model=model,
                              model_digest=model_digest, num_layers=num_layers, prompt_ids=prompt_ids,
                              output_ids=output_ids, ring=ring, stage_receipts=parts["stage_receipts"],
-                             sent=parts["sent"], received=parts["received"], record=record)
+                             sent=parts["sent"], received=parts["received"], record=record,
+                             segments=parts.get("segments"))
     if parts["problems"]:
         body["receipt_problems"] = parts["problems"]
     doc = receipts.sign_receipt(body, lambda data: sign(key, data))
@@ -233,6 +234,7 @@ class RingOps:
     def __init__(self, ring: RingClient, loop: SpecLoop, state: dict):
         self.ring, self.loop, self.state = ring, loop, state
         self._spares: dict = {}
+        self._replaced = ""  # PeerId the last swap replaced
 
     def now(self) -> float:
         return time.monotonic()
@@ -295,7 +297,38 @@ class RingOps:
         return chain
 
     async def swap(self, index: int, spare) -> list[str]:
+        self._replaced = self.peer_of(index)
         return self.ring.swap(index, self._spares.pop(spare))
+
+    def peer_of(self, index: int) -> str:
+        return self.ring.links[index].info.peer_id
+
+    async def repair(self, index: int, count: int, replay) -> str | None:
+        """Keep the session at the survivors (``RingClient.repair_session``): the replacement at
+        ``[index, index + count)`` rebuilds positions ``[0, len(prefix) - 1)`` alone, the last one
+        goes round the ring in :meth:`resume`. Returns None, or why not (logged; a full replay follows)."""
+        loop, session = self.loop, self.state["session"]
+        if list(replay.prefix) != loop.seq[: len(replay.prefix)] or len(replay.prefix) != loop.committed_len - 1:
+            raise ConfigError("internal: the replay plan and the generation state disagree")
+        keep = loop.resume()
+        why = await self.ring.repair_session(
+            session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],
+            replaced=self._replaced, max_len=self.state["max_len"],
+            sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"])
+        if why is not None:
+            log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
+        else:
+            log.info("heal.kept stage=%d kept_positions=%d: survivors keep their KV caches", index, keep)
+        return why
+
+    async def resume(self) -> int | None:
+        loop, session = self.loop, self.state["session"]
+        while loop.replay_token is None:
+            for chunk in loop.next_chunks():
+                await self.ring.send_chunk(session, chunk)
+            msg = await self.ring.next_result(session)
+            loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+        return loop.replay_token
 
     async def reset(self) -> None:
         with trio.move_on_after(2.0):  # survivors drop the broken session; the lost stage cannot
@@ -311,12 +344,7 @@ class RingOps:
             raise ConfigError("internal: the replay plan and the generation state disagree")
         if loop.committed_len - 1 < loop.prompt_len:
             return None  # nothing committed yet: the prefill simply runs again
-        while loop.replay_token is None:
-            for chunk in loop.next_chunks():
-                await self.ring.send_chunk(session, chunk)
-            msg = await self.ring.next_result(session)
-            loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
-        return loop.replay_token
+        return await self.resume()
 
 
 # A lost stream or missed heartbeats is healed; a hop timeout while every stage still answers
@@ -409,9 +437,11 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                     log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
                                 "replaced, generation goes on", exc)
                     continue
-                log.warning("heal.done stage=%d layers=[%d, %d) spare=%s detect_s=%.2f swap_s=%.2f replay_tokens=%d "
-                            "replay_s=%.2f total_s=%.2f", event.stage, *event.layers, event.spare, event.detect_s,
-                            event.swap_s, event.replay_tokens, event.replay_s, event.total_s)
+                log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
+                            "replay_tokens=%d survivor_tokens=%d replay_s=%.2f total_s=%.2f%s", event.stage,
+                            *event.layers, event.spare, event.replay, event.detect_s, event.swap_s,
+                            event.replay_tokens, event.survivor_tokens, event.replay_s, event.total_s,
+                            f" fallback={event.fallback}" if event.fallback else "")
                 heal_events.append(event)
                 continue
             epoch = loop.epoch
@@ -432,7 +462,8 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             stage_receipts, problems = await ring.collect_receipts(state["session"])
             sent, received = ring.ledgers[state["session"]]
             parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
-                     "received": received.as_dict(), "collect_s": time.perf_counter() - t_collect}
+                     "received": received.as_dict(), "segments": list(ring.segments.get(state["session"], [])),
+                     "collect_s": time.perf_counter() - t_collect}
             for p in problems:
                 log.warning("receipt.missing %s", p)
     finally:

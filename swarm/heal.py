@@ -2,9 +2,13 @@
 
 Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``), and the ordered
 recovery steps (``run_recovery``) over an injected ``SwarmOps``: localize, pick a warm replacement
-for the lost layer range (a spare, or a chain of stages tiling it), swap it in, reset the session on the repaired ring, replay the prompt
-and committed output, check that the replay reproduces the known driver token (abort loudly if
-not), resume. No torch, no sockets, no clock: time comes from ``ops.now()``; the coroutines are
+for the lost layer range (a spare, or a chain of stages tiling it), swap it in, then either keep
+the survivors' session (``SwarmOps.repair``: every surviving stage already holds the KV of the
+committed positions, so only the replacement rebuilds its own from the hidden states its
+predecessor resends, or from token ids at the head, and one position goes round the ring) or, when
+that is not possible, reset the session on the repaired ring and replay the prompt and committed
+output through every stage; check that the replay reproduces the known driver token (abort loudly
+if not), resume. No torch, no sockets, no clock: time comes from ``ops.now()``; the coroutines are
 plain ``async def`` so the engine's event loop (trio) runs them, and tests run them with asyncio.
 
 Replay-to-heal follows Petals (Borzunov et al. 2023, "Distributed Inference and Fine-tuning of
@@ -168,6 +172,21 @@ class SwarmOps(Protocol):
     async def replay(self, prefix: Sequence[int]) -> int | None:
         """Re-feed ``prefix`` in prefill chunks; return the token the ring gives after it."""
 
+    # Optional (an engine without them always replays in full):
+    #
+    # def peer_of(self, index: int) -> str:
+    #     """The PeerId at ring position ``index`` (recorded as ``replaced`` before a swap)."""
+    #
+    # async def repair(self, index: int, count: int, replay: Replay) -> str | None:
+    #     """Keep the session at the survivors around the ``count`` stages now at ``index``: they
+    #     keep their KV caches, the replacement's is refilled for ``replay.prefix[:-1]`` (hidden
+    #     states the predecessor resends, or token ids at the head). None when done, else why not
+    #     (then ``reset`` and ``replay`` follow)."""
+    #
+    # async def resume(self) -> int | None:
+    #     """After ``repair``: feed the last position of ``replay.prefix`` through the whole ring;
+    #     return the token the ring gives after it."""
+
 
 @dataclass
 class HealEvent:
@@ -175,8 +194,16 @@ class HealEvent:
 
     ``detected_at``: when the fault surfaced; ``detect_s``: from then until the failed stage was
     located; ``spare``: what took the position (``spares``: its PeerIds, in ring order, more than
-    one when a chain of stages replaced one); ``swap_s``: spare swapped in and session reset; ``replay_s``: re-feeding
-    ``replay_tokens`` positions; ``total_s``: from detection to a checked, resumable ring."""
+    one when a chain of stages replaced one); ``replaced``: the PeerIds that held the position
+    before (one per attempt; empty when the engine does not say); ``swap_s``: spare swapped in and
+    session reset or repaired; ``replay``: ``"survivors_kept"`` (the survivors kept their KV caches)
+    or ``"full"`` (a fresh session replayed through every stage; ``fallback`` says why, when keeping
+    was tried or impossible); ``replay_tokens``: positions the replacement rebuilt its KV cache for
+    (prompt + committed output minus the driver); ``refill_tokens``: of those, positions it rebuilt
+    alone, from resent hidden states (or token ids at the head); ``survivor_tokens``: positions
+    each surviving stage recomputed (1 when kept: the last replayed position, whose result checks
+    the driver); ``replay_s``: that rebuilding; ``total_s``: from detection to a checked, resumable
+    ring."""
 
     stage: int
     layers: tuple[int, int]
@@ -187,7 +214,12 @@ class HealEvent:
     detect_s: float = 0.0
     swap_s: float = 0.0
     replay_s: float = 0.0
+    replay: str = "full"
     replay_tokens: int = 0
+    refill_tokens: int = 0
+    survivor_tokens: int = 0
+    fallback: str = ""
+    replaced: list[str] = field(default_factory=list)
     total_s: float = 0.0
     attempts: int = 1
     errors: list[str] = field(default_factory=list)
@@ -202,7 +234,9 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
 
     Steps, each attempt: probe and ``locate_failure``; unless the blamed stage's connection is
     gone, settle and probe again and blame only what persisted (``locate_failure(earlier=...)``);
-    pick a spare for that layer range (one stage or a chain); swap; reset; replay ``replay.prefix``; check the driver
+    pick a spare for that layer range (one stage or a chain); swap; then, when something was
+    committed and the engine can (``repair``), keep the survivors' session and ``resume``; else
+    (or when ``repair`` says why not) reset and replay ``replay.prefix`` in full; check the driver
     token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe.
 
     Args:
@@ -217,6 +251,8 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         another token than the driver (the output would diverge). HealError: every attempt failed.
     """
     errors: list[str] = [cause]
+    replaced: list[str] = []
+    repair = getattr(ops, "repair", None)
     for attempt in range(1, max_attempts + 1):
         t0 = ops.now()
         reports, sent, returned = await ops.probe()
@@ -241,12 +277,28 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         try:
             t1 = ops.now()
             event.detect_s = t1 - detected_at
+            if hasattr(ops, "peer_of"):
+                replaced.append(ops.peer_of(failure.index))
+                event.replaced = list(replaced)
             ids = await ops.swap(failure.index, spare)
             event.spare, event.spares = str(spare), list(ids) if ids else [str(spare)]
-            await ops.reset()
-            t2 = ops.now()
+            if replay.driver is None:
+                why = "nothing committed yet: the prefill starts again" if repair else ""
+            else:
+                why = "this engine cannot keep the survivors' session" if repair is None else \
+                    await repair(failure.index, len(event.spares), replay)
+            if why is None:
+                event.replay = "survivors_kept"
+                event.refill_tokens, event.survivor_tokens = max(0, len(replay.prefix) - 1), 1
+                t2 = ops.now()
+                token = await ops.resume()
+            else:
+                event.replay, event.fallback = "full", why
+                event.refill_tokens, event.survivor_tokens = 0, len(replay.prefix)
+                await ops.reset()
+                t2 = ops.now()
+                token = await ops.replay(replay.prefix)
             event.swap_s = t2 - t1
-            token = await ops.replay(replay.prefix)
             t3 = ops.now()
         except ReplayMismatch:
             raise

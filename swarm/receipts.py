@@ -99,6 +99,17 @@ def forward_item(msg: dict) -> list:
     return head + ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
 
 
+def refill_item(msg: dict) -> list:
+    """The digest item of a ``refill`` frame (a heal's resent positions):
+    ``["refill", epoch, pos, until, "tokens", [ids...]]`` or
+    ``["refill", epoch, pos, until, "hidden", dtype, shape, data, scale]``."""
+    head = ["refill", msg["epoch"], msg["pos"], msg["until"]]
+    if "tokens" in msg:
+        return head + ["tokens", msg["tokens"]]
+    t = msg["hidden"]
+    return head + ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
+
+
 def result_item(msg: dict) -> list:
     """The digest item of a ``result`` frame: ``["result", epoch, pos, chunk, [token ids...]]``, with
     ``["logits_from", n]`` after ``chunk`` when the frame answers only rows from ``n`` on."""
@@ -199,6 +210,19 @@ class StageLedger:
     started_ms: int = field(default_factory=now_ms)
     input: RollingDigest = field(default_factory=RollingDigest)
     output: RollingDigest = field(default_factory=RollingDigest)
+    segments: list = field(default_factory=list)  # closed digests, see cut()
+
+    def cut(self, side: str, peer: str) -> None:
+        """Close the ``side`` ("input" or "output") digest at a heal that re-pointed this stage:
+        frames so far went to (or came from) ``peer``, the stage that was replaced; later frames
+        start a fresh digest, which chains to the replacement's. The closed digest goes into the
+        receipt's ``segments``."""
+        old = self.input if side == "input" else self.output
+        self.segments.append({"side": side, "peer": peer, **old.as_dict()})
+        if side == "input":
+            self.input = RollingDigest()
+        else:
+            self.output = RollingDigest()
 
     def body(self, *, session: str, coordinator: str, peer_id: str, model: str, model_digest: str,
              range_digest: str, layers: list[int], num_layers: int, dtype: str, wire_dtype: str,
@@ -211,6 +235,7 @@ class StageLedger:
             "layers": list(layers), "num_layers": num_layers, "dtype": dtype, "wire_dtype": wire_dtype,
             "positions": positions, "digest_alg": DIGEST_ALG, "input": self.input.as_dict(),
             "output": self.output.as_dict(), "started_ms": self.started_ms, "ended_ms": now_ms(),
+            **({"segments": [dict(x) for x in self.segments]} if self.segments else {}),
         }
 
 
@@ -234,7 +259,7 @@ def check_job_field(job: Any) -> tuple[str, str]:
 
 def job_body(*, job_id: str, nonce: str, coordinator: str, model: str, model_digest: str, num_layers: int,
              prompt_ids: list[int], output_ids: list[int], ring: list[dict], stage_receipts: list[dict],
-             sent: dict, received: dict, record: dict) -> dict:
+             sent: dict, received: dict, record: dict, segments: list | None = None) -> dict:
     """The unsigned job receipt.
 
     Args:
@@ -244,6 +269,9 @@ def job_body(*, job_id: str, nonce: str, coordinator: str, model: str, model_dig
             and results received from the tail.
         record: the decode record (tokens_per_s, ttft_s, total_s, spec, sampling, wire_dtype,
             heal_events, ...); JSON values only.
+        segments: the coordinator's closed digests (``{side: "sent"|"received", peer, digest,
+            frames}``): a heal that kept the survivors replaced the head (what was sent to it) or the
+            tail (what it returned); ``sent`` / ``received`` then cover the frames since.
     """
     keep = ("tokens_per_s", "ttft_s", "total_s", "spec", "sampling", "wire_dtype", "wire_lossy", "heal_events",
             "context_limited")
@@ -253,6 +281,7 @@ def job_body(*, job_id: str, nonce: str, coordinator: str, model: str, model_dig
         "prompt_tokens": len(prompt_ids), "prompt_digest": ids_digest(prompt_ids),
         "output_ids": [int(i) for i in output_ids], "output_digest": ids_digest(output_ids),
         "ring": ring, "stage_receipts": stage_receipts, "coordinator_sent": sent, "coordinator_received": received,
+        **({"coordinator_segments": list(segments)} if segments else {}),
         **{k: record[k] for k in keep if k in record},
     }
 
@@ -387,6 +416,8 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
     if ids_digest(job["output_ids"]) != job["output_digest"]:
         raise _fail("output digest", "the output ids do not match output_digest")
     _check_heal_events(job.get("heal_events") or [], [s["peer_id"] for s in ring])
+    _check_segments(job.get("heal_events") or [], [s["peer_id"] for s in ring], receipts,
+                    job.get("coordinator_segments", []))
     if expect_model_digest is not None and job["model_digest"] != expect_model_digest:
         raise _fail("model digest", f"job names model digest {job['model_digest'][:16]}..., the local model's is "
                                     f"{expect_model_digest[:16]}...")
@@ -416,6 +447,65 @@ def _check_heal_events(events: Any, slots: list[str]) -> None:
         if any(have is not None and have != want for have, want in zip(slots[idx:idx + len(new)], new)):
             raise _fail("heal", f"heal event names spare {','.join(map(str, new))} at stage {idx}, which is not "
                                 "in the final ring")
+        slots[idx:idx + len(new)] = [None]
+
+
+def _check_segments(events: list, peers: list[str], receipts: list, coordinator_segments: Any) -> None:
+    """Digests that restart mid-session must be explained by heals that kept the survivors' session.
+
+    A heal with ``replay: "survivors_kept"`` re-points the neighbours of the replaced stage: the
+    predecessor's output digest and the successor's input digest (the coordinator's ``sent`` for a
+    lost head, ``received`` for a lost tail) are closed (``segments``, naming the replaced PeerId)
+    and restart, and the fresh digests chain to the replacement's, which the chain check covers.
+    Only the heals since the last full replay count: a full replay opened a fresh session, whose
+    receipts these are. Every closed segment must name a stage such a heal replaced (``replaced``),
+    and each such heal must have closed the digests of the neighbours it re-pointed that sit in the
+    final ring. Fails closed (check ``heal``).
+    """
+    if not isinstance(coordinator_segments, list):
+        raise _fail("schema", "coordinator_segments must be a list")
+    last_full = max((i for i, e in enumerate(events) if e.get("replay", "full") != "survivors_kept"), default=-1)
+    kept = [(i, e) for i, e in enumerate(events) if i > last_full]
+    replaced: set[str] = set()
+    for _, e in kept:
+        names = e.get("replaced")
+        if not isinstance(names, list) or not names or not all(isinstance(p, str) for p in names):
+            raise _fail("heal", f"heal event at stage {e.get('stage')!r} kept the survivors but names no replaced "
+                                "stage")
+        replaced.update(names)
+    owners = [(f"stage {i}", i, r.get("segments", [])) for i, r in enumerate(receipts)]
+    owners.append(("the coordinator", None, coordinator_segments))
+    found: dict[tuple, int] = {}  # (owner, side, peer) -> closed segments
+    for who, idx, segs in owners:
+        if not isinstance(segs, list):
+            raise _fail("schema", f"{who}'s segments must be a list", idx)
+        for seg in segs:
+            for name, types in (("side", str), ("peer", str), ("digest", str), ("frames", int)):
+                _need(seg, name, types, f"{who}'s segment", idx)
+            if seg["peer"] not in replaced:
+                raise _fail("heal", f"{who}'s {seg['side']} digest restarts after {seg['frames']} frames from "
+                                    f"{seg['peer']}, but no heal that kept the survivors replaced that stage", idx)
+            key = ("coordinator" if idx is None else peers[idx], seg["side"], seg["peer"])
+            found[key] = found.get(key, 0) + 1
+    slots: list = list(peers)
+    for i, e in reversed(list(enumerate(events))):  # walk back from the final ring, as _check_heal_events
+        idx, new = e["stage"], e.get("spares") or [e.get("spare")]
+        if i > last_full:
+            names = e["replaced"]
+            needs = []
+            if idx == 0:
+                needs.append(("coordinator", "sent"))
+            elif slots[idx - 1] is not None:
+                needs.append((slots[idx - 1], "output"))
+            if idx + len(new) == len(slots):
+                needs.append(("coordinator", "received"))
+            elif slots[idx + len(new)] is not None:
+                needs.append((slots[idx + len(new)], "input"))
+            for owner, side in needs:
+                if not any(found.get((owner, side, p)) for p in names):
+                    where = "the coordinator" if owner == "coordinator" else owner
+                    raise _fail("heal", f"the heal at stage {idx} kept the survivors, but {where} shows no "
+                                        f"{side} digest closed at the replaced stage {names[-1]}")
         slots[idx:idx + len(new)] = [None]
 
 

@@ -241,6 +241,27 @@ class SpecLoop:
         self.prefill_end = max(self.prompt_len, self.committed_len - 1)
         self.replay_token = None
 
+    def resume(self) -> int:
+        """Go on over the same session after a heal that kept the survivors' KV caches: forget
+        speculation and in-flight chunks, bump the epoch, and re-feed only the last position of
+        prompt + committed output except the driver, as a one-row chunk whose result lands in
+        ``replay_token`` (it must reproduce the driver). Every earlier position is already in every
+        stage's KV cache (the replacement's was refilled); that chunk rolls the others back to it.
+
+        Returns:
+            The number of positions kept (the chunk's position). Raises ConfigError when nothing was
+            committed yet (there is no driver to check: replay the prompt instead).
+        """
+        if self.committed_len - 1 < self.prompt_len:
+            raise ConfigError("internal: resume() needs a committed token (a driver to check)")
+        self.epoch += 1
+        self.inflight.clear()
+        del self.seq[self.committed_len:]
+        self.prefill_end = self.committed_len - 1
+        self.sent_len = self.prefill_end - 1
+        self.replay_token = None
+        return self.sent_len
+
     @property
     def sent_chunk(self) -> int:
         """Highest chunk id handed out so far (-1: none)."""

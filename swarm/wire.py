@@ -50,6 +50,16 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the
     # LM head and answers only for rows [n, pos + T); absent: every row
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
+    # a heal that keeps the survivors: positions [pos, pos + T) that only fill the KV caches of the
+    # stages replacing a lost range, up to the stage whose layers end at `until` (which sends nothing
+    # on); exactly one of tokens (to a new head, from the coordinator) or hidden, like forward
+    "refill": {"session": _STR, "epoch": _INT, "pos": _INT, "until": _INT},
+    # coordinator -> a surviving stage: keep the session's KV, take frames of `epoch` on; optional
+    # prev (new predecessor PeerId), next (new successor multiaddr), resend (positions [0, n) of the
+    # hidden states this stage sent, to resend to the new successor as refill frames up to layer
+    # `until`); sig as in open
+    "repair": {"session": _STR, "epoch": _INT, "sig": _STR},
+    "repair_ok": {"session": _STR, "kv_len": _INT, "resent": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
     "close": {"session": _STR},
     "cancel": {"session": _STR, "epoch": _INT},
@@ -93,6 +103,29 @@ def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, p
     return msg
 
 
+def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None, next_addr: str | None = None,
+                 resend: int | None = None, until: int | None = None) -> dict:
+    """A signed ``repair`` frame: the coordinator (``key_pair``) re-points a surviving stage of
+    ``session`` after a heal, keeping its KV cache (see docs/protocol.md, "Healing on the wire").
+
+    Args:
+        epoch: the session's epoch from now on (older frames are stale).
+        prev: the new predecessor's PeerId (the stage after a replaced range).
+        next_addr: the new successor's multiaddr with /p2p/ (the stage before a replaced range).
+        resend: resend the hidden states this stage sent for positions [0, resend) to ``next_addr``
+            as ``refill`` frames; ``until``: the end layer of the replaced range (required with it).
+    """
+    from swarm.receipts import assignment_bytes
+    from swarm.transport.identity import peer_id_of, sign
+
+    msg = frame("repair", session=session, epoch=epoch)
+    for name, value in (("prev", prev), ("next", next_addr), ("resend", resend), ("until", until)):
+        if value is not None:
+            msg[name] = value
+    msg["sig"] = sign(key_pair, assignment_bytes(msg, peer_id_of(key_pair))).hex()
+    return msg
+
+
 def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
     """True when hidden states of ``stage_dtype`` lose precision as ``wire_dtype`` (None = the stage's own)."""
     if wire_dtype is None or wire_dtype == stage_dtype:
@@ -104,7 +137,8 @@ def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
 def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
     """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable,
     forbidden (the sender is not the peer this session or stage accepts that frame from), busy (the
-    KV budget is full)."""
+    KV budget is full), no_state (a ``repair`` asks for state the stage does not hold: the session's
+    KV or the hidden states it sent)."""
     out = frame("error", reason=reason, code=code)
     if session is not None:
         out["session"] = session
@@ -164,18 +198,30 @@ def validate(msg: Any) -> dict:
         raise ProtocolError(f"{kind} frame field 'session' must be a string")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")
-    if kind == "forward":
+    if kind == "repair":
+        for name in ("prev", "next"):
+            if msg.get(name) is not None and not (isinstance(msg[name], str) and 0 < len(msg[name]) <= 1024):
+                raise ProtocolError(f"repair frame field {name!r} must be a non-empty string")
+        resend, until = msg.get("resend"), msg.get("until")
+        for name, value in (("resend", resend), ("until", until)):
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_INT):
+                raise ProtocolError(f"repair frame field {name!r} must be an integer >= 0")
+        if (resend is None) != (until is None):
+            raise ProtocolError("repair frame fields 'resend' and 'until' go together")
+        if resend is not None and msg.get("next") is None:
+            raise ProtocolError("repair frame 'resend' needs 'next' (the stage to resend to)")
+    if kind in ("forward", "refill"):
         has_tokens, has_hidden = "tokens" in msg, "hidden" in msg
         if has_tokens == has_hidden:
-            raise ProtocolError("forward frame must carry exactly one of 'tokens' or 'hidden'")
+            raise ProtocolError(f"{kind} frame must carry exactly one of 'tokens' or 'hidden'")
         if has_tokens:
             toks = msg["tokens"]
             if isinstance(toks, list) and len(toks) > MAX_TOKENS_PER_FRAME:
-                raise ProtocolError(f"forward frame carries {len(toks)} token ids; at most {MAX_TOKENS_PER_FRAME}")
+                raise ProtocolError(f"{kind} frame carries {len(toks)} token ids; at most {MAX_TOKENS_PER_FRAME}")
             if not isinstance(toks, list) or not toks or not all(type(x) is int for x in toks):
-                raise ProtocolError("forward frame 'tokens' must be a non-empty list of integers")
+                raise ProtocolError(f"{kind} frame 'tokens' must be a non-empty list of integers")
         elif not isinstance(msg["hidden"], dict):
-            raise ProtocolError("forward frame 'hidden' must be a tensor map")
+            raise ProtocolError(f"{kind} frame 'hidden' must be a tensor map")
     if kind in ("forward", "result") and "logits_from" in msg:
         lf = msg["logits_from"]
         if type(lf) is not int or not msg["pos"] <= lf <= MAX_INT:

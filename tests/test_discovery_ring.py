@@ -251,6 +251,8 @@ def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stori
     assert out == expected
     (event,) = timing["heal_events"]
     assert event["stage"] == 1 and event["layers"] == [1, 4] and len(event["spares"]) == 2
+    # the chain's first stage got the resent states and passed them on to the second, which kept them
+    assert event["replay"] == "survivors_kept" and event["survivor_tokens"] == 1, event
     assert [x["peer_id"] for x in entries] == [_peer(a), *event["spares"], _peer(c)]
     assert set(event["spares"]) == {_peer(a2), _peer(r)}
     assert [x["layers"] for x in entries][0] == [0, 1] and entries[-1]["layers"] == [4, 5]

@@ -225,3 +225,66 @@ def test_heal_imports_no_torch_trio_or_libp2p():
     code = "import sys, swarm.heal; bad = [m for m in ('torch', 'trio', 'libp2p') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+class KeepingOps(FakeOps):
+    """FakeOps that can keep the survivors' session (``repair`` / ``resume``), or say why not."""
+
+    def __init__(self, *args, why=None, peers=("p0", "p1", "p2"), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.why, self.peers = why, list(peers)
+
+    def peer_of(self, index):
+        return self.peers[index]
+
+    async def repair(self, index, count, replay):
+        self.log.append(("repair", index, count, len(replay.prefix)))
+        return self.why
+
+    async def resume(self):
+        self.log.append("resume")
+        if self.fail_replays:
+            self.fail_replays -= 1
+            raise StageLost("lost during the refill")
+        return self.replay_token
+
+
+def test_recovery_keeps_the_survivors_when_the_engine_can():
+    ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "spare-A"})
+    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    assert ops.log[-3:] == [("swap", 1, "spare-A"), ("repair", 1, 1, 5), "resume"]
+    assert "reset" not in ops.log
+    assert (event.replay, event.replay_tokens, event.refill_tokens, event.survivor_tokens) == ("survivors_kept", 5, 4, 1)
+    assert event.replaced == ["p1"] and event.fallback == ""
+
+
+def test_recovery_falls_back_to_a_full_replay_and_says_why():
+    ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "spare-A"}, why="stage 0 holds 0 positions")
+    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    assert ops.log[-4:] == [("swap", 1, "spare-A"), ("repair", 1, 1, 5), "reset", ("replay", 5)]
+    assert (event.replay, event.survivor_tokens, event.refill_tokens) == ("full", 5, 0)
+    assert event.fallback == "stage 0 holds 0 positions"
+
+
+def test_recovery_with_nothing_committed_replays_in_full_without_repair():
+    ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "s"})
+    event = run(run_recovery(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
+    assert not any(isinstance(x, tuple) and x[0] == "repair" for x in ops.log)
+    assert event.replay == "full" and "nothing committed" in event.fallback
+
+
+def test_a_kept_heal_that_fails_again_retries_and_records_every_replaced_stage():
+    ops = KeepingOps([DEAD_MIDDLE] * 2, spares={(10, 20): "s"}, fail_replays=1, peers=("p0", "p1", "p2"))
+    orig_pick, orig_swap = ops.pick_spare, ops.swap
+
+    async def pick(layers):
+        return await orig_pick(layers) or "s2"
+
+    async def swap(index, spare):
+        await orig_swap(index, spare)
+        ops.peers[index] = spare  # the spare now sits there: the retry replaces it
+
+    ops.pick_spare, ops.swap = pick, swap
+    event = run(run_recovery(ops, REPLAY, 100.0, "lost"))
+    assert event.attempts == 2 and event.replay == "survivors_kept"
+    assert event.replaced == ["p1", "s"] and event.spare == "s2"

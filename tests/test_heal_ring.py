@@ -205,16 +205,47 @@ def test_sigkill_heals_token_identical(pool, tmp_path, reference, victim):
     (event,) = rec["heal_events"]
     assert event["stage"] == victim and tuple(event["layers"]) == (RANGES[victim].start, RANGES[victim].end)
     assert event["replay_tokens"] >= len(PROMPT) + 9 and event["total_s"] < 15
+    # the survivors kept their KV caches: only the spare rebuilt the committed positions, each
+    # survivor recomputed one (the last replayed position, whose result checks the driver token)
+    assert event["replay"] == "survivors_kept" and event["survivor_tokens"] == 1, event
+    assert event["refill_tokens"] == event["replay_tokens"] - 1
     # the job receipt holds the spare's receipt for the victim's slot, and verifies across the heal
     job = rec["job_receipt"]
     receipts.verify_job(job)
     assert job["stage_receipts"][victim]["peer_id"] == event["spare"] == job["ring"][victim]["peer_id"]
     assert all(r["positions"] >= len(PROMPT) + NEW - 1 for r in job["stage_receipts"])
+    survivors = [r for i, r in enumerate(job["stage_receipts"]) if i != victim]
+    assert all(r["positions"] < len(PROMPT) + NEW + 4 for r in survivors), [r["positions"] for r in survivors]
 
 
 def test_sigkill_heals_with_speculation_depth(pool, tmp_path, reference):
     out, rec, _ = heal_run(pool, tmp_path, 1, signal.SIGKILL, spec_config=SpecConfig(draft="ngram", k=4, depth=3))
     assert out == reference and len(rec["heal_events"]) == 1
+    assert rec["heal_events"][0]["replay"] == "survivors_kept"
+    receipts.verify_job(rec["job_receipt"])
+
+
+def test_a_predecessor_that_kept_no_states_falls_back_to_full_replay(pool, tmp_path, reference):
+    """The victim's predecessor runs with --heal-log-mb 0 (it keeps none of what it sent): the heal
+    says why it cannot keep the survivors and replays through every stage, still exact."""
+    victim = 1
+    with LocalRing(str(pool.model_dir), [RANGES[0]], tmp_path / "pred-keys", threads=1,
+                   extra_args=["--dtype", "float32", "--heal-log-mb", "0"]) as pred:
+        stages = pool.take(RANGES[1:] + [RANGES[victim]])
+        healthy = False
+        try:
+            out, rec, again = _heal_run(pool.model_dir, tmp_path, [pred.stages[0]] + stages[:2], stages[2:], victim,
+                                        signal.SIGKILL, None, 10, None)
+            healthy = True
+        finally:
+            pool.retire([stages[0]] if healthy else stages)
+            if healthy:
+                pool.give_back(stages[1:])
+    assert out == reference and again == reference[:8]
+    (event,) = rec["heal_events"]
+    assert event["replay"] == "full" and event["survivor_tokens"] == event["replay_tokens"], event
+    assert "holds the hidden states it sent for 0 positions" in event["fallback"], event["fallback"]
+    receipts.verify_job(rec["job_receipt"])
 
 
 def test_sigstop_frozen_stage_heals(pool, tmp_path, reference):

@@ -115,3 +115,29 @@ def test_open_frame_layers_checked(layers, ok):
     else:
         with pytest.raises(ProtocolError, match="layers"):
             wire.validate(msg)
+
+
+def test_refill_and_repair_frames_validated(tmp_path):
+    import torch
+
+    from swarm.errors import ProtocolError
+    from swarm.transport import load_or_create_key
+
+    h = wire.encode_tensor(torch.zeros(1, 2, 8))
+    wire.validate(wire.frame("refill", session="s", epoch=1, pos=0, until=3, hidden=h))
+    wire.validate(wire.frame("refill", session="s", epoch=1, pos=0, until=3, tokens=[1, 2]))
+    for bad, msg in [(dict(hidden=h, tokens=[1]), "exactly one"), (dict(tokens=[]), "non-empty"),
+                     (dict(hidden=[1]), "tensor map")]:
+        with pytest.raises(ProtocolError, match=msg):
+            wire.validate(wire.frame("refill", session="s", epoch=1, pos=0, until=3, **bad))
+    with pytest.raises(ProtocolError, match="lacks field 'until'"):
+        wire.validate(wire.frame("refill", session="s", epoch=1, pos=0, tokens=[1]))
+    key = load_or_create_key(tmp_path / "k.key")
+    ok = wire.repair_frame(key, "s", 2, next_addr="/ip4/127.0.0.1/tcp/1/p2p/x", resend=10, until=4)
+    wire.validate(ok)
+    for bad, msg in [(dict(resend=10, until=4), "needs 'next'"), (dict(next_addr="/a", resend=10), "go together"),
+                     (dict(prev=""), "non-empty string")]:
+        with pytest.raises(ProtocolError, match=msg):
+            wire.validate(wire.repair_frame(key, "s", 2, **bad))
+    with pytest.raises(ProtocolError, match="must be an integer"):
+        wire.validate({**ok, "resend": -1})

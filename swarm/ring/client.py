@@ -67,6 +67,10 @@ class RingClient(LinksMixin, ProbeMixin):
         # session -> (digest of forward frames sent to the head, of result frames from the tail),
         # for sessions opened with a job (receipts)
         self.ledgers: dict[str, tuple[receipts.RollingDigest, receipts.RollingDigest]] = {}
+        # session -> the ledgers' closed digests (a heal that kept the survivors replaced the head or
+        # the tail), and the epoch of the last such repair (errors of older epochs are stale)
+        self.segments: dict[str, list[dict]] = {}
+        self.repaired_epoch: dict[str, int] = {}
 
     # ---- sessions and chunks --------------------------------------------------------------------
 
@@ -75,10 +79,19 @@ class RingClient(LinksMixin, ProbeMixin):
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
         receipt digests for the session, and so does this client (``ledgers``)."""
-        n = len(self.links)
         if job is not None:
             self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
-        for i in reversed(range(n)):  # tail first, so each successor exists before it is dialed
+        await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job)
+        self.returned[session] = -1
+        self.sent[session] = -1
+
+    async def open_at(self, positions, session: str, max_len: int, sampling: dict | None = None,
+                      wire_dtype: str | None = None, job: dict | None = None) -> None:
+        """Open ``session`` at the stages at ring ``positions`` (consecutive), last first so each
+        successor exists before it is dialed; each is told its successor and predecessor as the
+        ring stands now (a heal opens only its replacement this way)."""
+        n = len(self.links)
+        for i in sorted(positions, reverse=True):
             nxt = self.links[i + 1].spec.addr if i + 1 < n else None
             extra = {"sampling": sampling} if sampling and nxt is None else {}
             if job is not None:
@@ -92,8 +105,6 @@ class RingClient(LinksMixin, ProbeMixin):
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
             await self._expect(i, "open_ok", session)
-        self.returned[session] = -1
-        self.sent[session] = -1
 
     async def close_session(self, session: str, timeout_s: float = 5.0) -> None:
         """Ask every stage to drop ``session`` (best effort)."""
@@ -105,6 +116,8 @@ class RingClient(LinksMixin, ProbeMixin):
         self.returned.pop(session, None)
         self.sent.pop(session, None)
         self.ledgers.pop(session, None)
+        self.segments.pop(session, None)
+        self.repaired_epoch.pop(session, None)
 
     async def send_chunk(self, session: str, chunk) -> None:
         """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""

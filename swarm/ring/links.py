@@ -219,6 +219,11 @@ class LinksMixin:
         if msg.get("type") == "error" and msg.get("session") not in (None, session):
             log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
             return
+        if msg.get("type") == "error" and isinstance(msg.get("epoch"), int) and \
+                msg["epoch"] < self.repaired_epoch.get(session or "", -1):
+            log.debug("error.ignored stage=%d session=%s epoch=%d (before the heal that repaired it): %s", index,
+                      session, msg["epoch"], msg.get("reason"))
+            return
         if msg.get("type") == "error":
             exc = StageLost if msg.get("code") == "unavailable" else RemoteError
             raise exc(f"stage {index} {spec.layers} refused: {msg.get('reason')}")

@@ -3,8 +3,10 @@
 Owns: ``probe`` (every stage asked for its progress on a session over the control streams, in
 parallel; a stage whose stream is gone or that stays silent is reported unreachable, as the
 ``swarm.heal.StageReport`` the pure heal logic reads), ``prepare_spare`` (dial and check an unused
-spare of the ring file holding a range) and ``swap`` (put it, or a chain of stages tiling the same
-layers, at a ring position; frames of the replaced connection are ignored from then on). The
+spare of the ring file holding a range), ``swap`` (put it, or a chain of stages tiling the same
+layers, at a ring position; frames of the replaced connection are ignored from then on) and
+``repair_session`` (keep a session at the survivors around the replacement: open it there,
+re-point its neighbours, have the predecessor resend what it sent, or refill a new head's tokens). The
 heartbeats that call ``probe`` while waiting for a result live in
 :meth:`swarm.ring.client.RingClient.next_result`.
 
@@ -30,6 +32,7 @@ from swarm.ring.links import _Link
 
 log = logging.getLogger(__name__)
 
+REFILL_TOKENS = 64  # positions per refill frame the coordinator sends a new head
 RELAYED_SPARE_WAIT_S = 5.0  # how long a relayed spare that cannot be reached is tried again, in seconds
 
 
@@ -121,6 +124,71 @@ class ProbeMixin:
                 for stream in (link.data, link.control):
                     with trio.move_on_after(1.0):
                         await stream.aclose()
+
+    async def repair_session(self, session: str, index: int, count: int, *, epoch: int, keep: int,
+                             tokens: list[int], replaced: str, max_len: int, sampling: dict | None = None,
+                             wire_dtype: str | None = None, job: dict | None = None) -> str | None:
+        """Keep ``session`` at the survivors after the stages at ring positions ``[index, index +
+        count)`` replaced a lost one (``swap``): the survivors keep their KV caches, and only the
+        replacement computes positions ``[0, keep)``.
+
+        Steps: open the session at the replacement (last first); ``repair`` the successor (its new
+        predecessor), every other survivor (the new ``epoch``, and each reports its ``kv_len``,
+        which must reach ``keep``), then the predecessor (its new successor, and ``resend`` of the
+        hidden states it sent for ``[0, keep)``, up to the replaced range's end layer), or, when
+        the head was lost, send ``tokens[:keep]`` to the new head as ``refill`` frames. The
+        coordinator's ledger of what it sent to the head (a new head) or got from the tail (a new
+        tail) is closed first (``segments``), naming ``replaced``.
+
+        Returns:
+            None when the survivors were repaired (the replacement's refill is queued behind it),
+            else why not (a survivor lost the session, holds too few positions, or no longer holds
+            what it sent): the caller falls back to a full replay on a fresh session.
+        Raises:
+            StageLost / HopTimeout: a stage failed meanwhile (a second failure).
+        """
+        from swarm import receipts
+        from swarm.errors import RemoteError
+
+        n = len(self.links)
+        last = index + count - 1
+        until = self.links[last].info.layers[1]
+        ledger = self.ledgers.get(session)
+        self.repaired_epoch[session] = epoch
+        if ledger is not None:
+            segs = self.segments.setdefault(session, [])
+            if index == 0:  # frames from now on go to the new head
+                segs.append({"side": "sent", "peer": replaced, **ledger[0].as_dict()})
+                ledger = self.ledgers[session] = (receipts.RollingDigest(), ledger[1])
+            if last == n - 1:  # results from now on come from the new tail
+                segs.append({"side": "received", "peer": replaced, **ledger[1].as_dict()})
+                ledger = self.ledgers[session] = (ledger[0], receipts.RollingDigest())
+        try:
+            await self.open_at(range(index, last + 1), session, max_len, sampling, wire_dtype, job)
+            order = ([last + 1] if last + 1 < n else []) + [i for i in range(n) if i < index - 1 or i > last + 1]
+            order += [index - 1] if index > 0 else []
+            for i in order:
+                kw = {}
+                if i == last + 1:
+                    kw["prev"] = self.links[last].info.peer_id
+                if i == index - 1:
+                    kw.update(next_addr=self.links[index].spec.addr, resend=keep, until=until)
+                await self.links[i].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
+                                              timeout_s=self.hop_timeout_s)
+                ok = await self._expect(i, "repair_ok", session)
+                if ok["kv_len"] < keep:
+                    return (f"stage {i} {self.links[i].info.layers} holds {ok['kv_len']} positions of the session, "
+                            f"fewer than the {keep} to keep")
+        except RemoteError as exc:
+            return str(exc)
+        if index == 0:
+            for pos in range(0, keep, REFILL_TOKENS):
+                msg = wire.frame("refill", session=session, epoch=epoch, pos=pos, until=until,
+                                 tokens=list(tokens[pos:min(keep, pos + REFILL_TOKENS)]))
+                await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+                if ledger is not None:
+                    ledger[0].add(receipts.refill_item(msg))
+        return None
 
     def swap(self, index: int, links) -> list[str]:
         """Put a prepared spare (a ``_Link``), or a chain of them tiling the same layers, at ring

@@ -2,10 +2,12 @@
 
 Owns: one outbox per stream (a channel, and one task that sends its frames in posting order, so a
 slow successor or coordinator delays only the sessions that send to it; frames of a session that is
-gone are dropped, nothing is written to a closed stream, and a successor that fails a send fails
-every session sending to it); posting a computed chunk's output (the tail's ``result`` to the
-coordinator, else ``forward`` hidden states to the successor, each digested into the session's
-receipt ledger in posting order); and the successor streams (one persistent stream per successor
+gone are dropped, nothing is written to a closed stream, and a successor that fails a send is
+reported to the coordinator of every session sending to it, which keep their state for a heal's
+``repair``); posting a computed chunk's output (the tail's ``result`` to the coordinator, else
+``forward`` hidden states to the successor, kept in the session's ``SentLog``, each digested into
+the session's receipt ledger in posting order; a heal's ``refill`` passed on within the stages
+replacing a lost range); and the successor streams (one persistent stream per successor
 address, dialed once under a lock per address, read for the errors a successor sends back).
 
 ``OutboxMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
@@ -15,6 +17,7 @@ May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this pac
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +27,8 @@ from swarm import receipts, wire
 from swarm.errors import ProtocolError, StreamClosed, SwarmError
 from swarm.stage.session import Session, session_of
 from swarm.wire import PROTOCOL_ID
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,13 +82,25 @@ class OutboxMixin:
         """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
         if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
+        tail = sess.is_tail(self.block.num_layers)
+        if msg["type"] == "refill":  # a heal's resent positions: KV only, on within the replacement
+            if not tail and sess.sent_log is not None:
+                sess.sent_log.record(msg["pos"], payload)  # a later heal of the successor resends them
+            if sess.span.end < msg["until"]:
+                sent = wire.frame("refill", hidden=payload, **{k: msg[k] for k in ("session", "epoch", "pos", "until")})
+                self._post(sess.next_stream, sess, sent)
+                if sess.ledger is not None:
+                    sess.ledger.output.add(receipts.refill_item(sent))
+            return
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
-        if sess.is_tail(self.block.num_layers):
+        if tail:
             sent = wire.frame("result", token_ids=payload, **meta)
             self._post(sess.reply, sess, sent, msg["chunk"])
             item = receipts.result_item(sent)
         else:
             sent = wire.frame("forward", hidden=payload, **meta)
+            if sess.sent_log is not None:
+                sess.sent_log.record(msg["pos"], payload)
             self._post(sess.next_stream, sess, sent, msg["chunk"])
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them
@@ -119,11 +136,10 @@ class OutboxMixin:
                     except SwarmError as exc:
                         if stream is not sess.reply:
                             box.dead = True  # a successor that does not take frames takes none of them
-                            if self.successors.get(sess.next_addr) is stream:
-                                del self.successors[sess.next_addr]
-                            self._fail_later(sess, f"lost its successor {sess.next_addr}: {exc}", "unavailable")
+                            for addr in [a for a, s in self.successors.items() if s is stream]:
+                                del self.successors[addr]
                             for other in [s for s in self.sessions.values() if s.next_stream is stream]:
-                                self._fail_later(other, f"lost its successor {other.next_addr}: {exc}", "unavailable")
+                                self._lose_successor(other, exc)
                     else:
                         if chunk is not None:
                             sess.frames_out += 1
@@ -132,6 +148,19 @@ class OutboxMixin:
                         self._in_flight -= 1
         finally:
             box.done.set()
+
+    def _lose_successor(self, sess: Session, exc: SwarmError) -> None:
+        """A session's successor stopped taking frames: tell its coordinator (``error`` code
+        ``unavailable``), and keep the session, its KV cache and the hidden states it sent, so a
+        heal can re-point it at a replacement (``repair``) without recomputing anything here.
+        Frames computed meanwhile go nowhere; the coordinator's ``close`` (or its stream closing,
+        or ``--session-ttl-s``) drops the session when it does not heal."""
+        sess.next_stream = None
+        log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
+        err = wire.error_frame(f"stage {self.block.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
+                               "unavailable", sess.session_id)
+        err["epoch"] = sess.epoch  # a coordinator that repaired the session since reads it as stale
+        self._post(sess.reply, sess, err)
 
     def _close_outbox(self, stream) -> _Outbox | None:
         """Stop ``stream``'s outbox: frames still queued are dropped, not sent."""

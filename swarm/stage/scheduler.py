@@ -248,7 +248,10 @@ class SchedulerMixin:
 
 def _logits_rows(msg: dict, pos: int, n: int) -> int:
     """How many of the last rows of ``[pos, pos + n)`` (a chunk or a slice of it) the tail must run
-    the LM head on: those at or after the frame's ``logits_from`` (every row when absent)."""
+    the LM head on: those at or after the frame's ``logits_from`` (every row when absent; none of a
+    ``refill``, which only fills the KV cache)."""
+    if msg.get("type") == "refill":
+        return 0
     start = max(pos, msg.get("logits_from", pos))
     return max(0, pos + n - start)
 

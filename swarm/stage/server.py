@@ -2,10 +2,13 @@
 
 Owns: ``StageServer``: its ``info``, the task per inbound stream (frames read in order, each
 validated, an invalid one answered with an error naming the problem), the dispatch of ``info``,
-``drain``, ``open``, ``forward``, ``receipt``, ``cancel``, ``progress`` and ``close`` frames, and
+``drain``, ``open``, ``forward``, ``refill``, ``repair``, ``receipt``, ``cancel``, ``progress`` and
+``close`` frames, and
 the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
 ``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
-``--session-ttl-s``; the drain). A checked ``forward`` or ``receipt`` is queued for the scheduler.
+``--session-ttl-s``; the drain; a heal's ``repair``: re-pointing a surviving session at a
+replacement neighbour and resending the hidden states it sent). A checked ``forward``, ``refill``
+or ``receipt`` is queued for the scheduler.
 
 The rest of the class comes from the mixins of this package, one concern each: ``scheduler``
 (steps, the compute, kernel proofs), ``outbox`` (ordered sending, successor streams) and
@@ -26,7 +29,7 @@ from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClos
 from swarm.ranges import LayerRange
 from swarm.stage.outbox import OutboxMixin
 from swarm.stage.scheduler import MAX_QUEUED, SchedulerMixin
-from swarm.stage.session import Job, Session, session_of
+from swarm.stage.session import Job, SentLog, Session, session_of
 from swarm.stage.signing import SigningMixin
 
 log = logging.getLogger(__name__)
@@ -136,8 +139,10 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             self.drain_requested.set()
         elif kind == "open":
             await self._open(stream, msg)
-        elif kind == "forward":
+        elif kind in ("forward", "refill"):
             await self._forward(stream, msg)
+        elif kind == "repair":
+            await self._repair(stream, msg)
         elif kind == "receipt":
             await self._receipt(stream, msg)
         elif kind in ("cancel", "progress", "close"):
@@ -200,7 +205,12 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         if max_len > self.block.max_ctx:
             raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
                                   f"{self.block.max_ctx}")
-        need = max_len * self.block.kv_bytes_per_position(span)
+        # a non-tail stage keeps the hidden states it sends on (SentLog): reserved with the KV cache
+        row_bytes = self.block.hidden_size * wire_itemsize(msg.get("wire_dtype"), self.block.dtype)
+        log_rows = 0 if tail else max_len
+        if not tail and self.config.heal_log_mb is not None:
+            log_rows = min(max_len, int(self.config.heal_log_mb * 2**20) // row_bytes)
+        need = max_len * self.block.kv_bytes_per_position(span) + log_rows * row_bytes
         if self.config.kv_budget_mb is not None:
             budget = int(self.config.kv_budget_mb * 2**20)
             others = [s for s in self.sessions.values() if s.session_id != sid]
@@ -223,6 +233,8 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
                           source=prev or coordinator, reserved=need, last_active=trio.current_time(), span=span)
         session.batch = bool(msg.get("batch"))
+        if log_rows:
+            session.sent_log = SentLog(self.block.hidden_size, log_rows)
         if msg.get("wire_dtype") is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
@@ -247,22 +259,31 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         await stream.send(wire.frame("open_ok", session=sid))
 
     async def _forward(self, stream, msg: dict) -> None:
-        """Check a forward frame and queue it for the scheduler (:meth:`scheduler`)."""
-        sid = msg["session"]
+        """Check a forward (or refill) frame and queue it for the scheduler (:meth:`scheduler`).
+
+        A ``refill`` is computed like a forward but only fills the KV cache of the stages replacing
+        a lost range (see :meth:`_repair`): it is no chunk of the coordinator's, so progress
+        counters do not move, and it may only reach stages whose layers end by its ``until``."""
+        kind, sid = msg["type"], msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
             await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         if stream.remote_peer_id != sess.source:
-            await self._refuse(stream, sess, "forward")
+            await self._refuse(stream, sess, kind)
             return
-        sess.received = max(sess.received, msg["chunk"])
+        if kind == "forward":
+            sess.received = max(sess.received, msg["chunk"])
         if sess.ledger is not None:  # every frame received, also the stale ones dropped below
-            sess.ledger.input.add(receipts.forward_item(msg))
+            sess.ledger.input.add(receipts.forward_item(msg) if kind == "forward" else receipts.refill_item(msg))
         if msg["epoch"] < sess.epoch:
             return  # stale speculation: drop before computing
         sess.epoch = msg["epoch"]
         block = self.block
+        if kind == "refill" and sess.span.end > msg["until"]:
+            await self._fail_session(sess, ProtocolError(
+                f"a refill for the layers below {msg['until']} reached stage {sess.span}, whose layers go past them"))
+            return
         try:
             if len(sess.queue) >= MAX_QUEUED:
                 raise ProtocolError(f"more than {MAX_QUEUED} chunks of the session are waiting at this stage")
@@ -282,6 +303,78 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             return
         sess.queued_end = msg["pos"] + x.shape[1]
         self._enqueue(sess, Job(msg, x))
+
+    async def _repair(self, stream, msg: dict) -> None:
+        """Re-point a surviving session after a heal, keeping its KV cache; answer ``repair_ok``.
+
+        From the coordinator that opened the session, signed like ``open``. Sets the epoch (older
+        frames are stale); ``prev`` makes forwards acceptable from the stage that replaced the
+        predecessor (closing the input digest), ``next`` dials the replacement successor (closing
+        the output digest); ``resend`` posts the hidden states this stage sent for positions
+        ``[0, resend)`` to it as ``refill`` frames (``REFILL_ROWS`` positions each), which reach
+        the replacement before any forward of the new epoch. ``repair_ok`` carries the cache's
+        ``kv_len``, which the coordinator checks covers what the repair keeps.
+
+        Answers ``error`` (the session unchanged) with code ``no_session`` when the session is
+        gone, ``no_state`` when the log holds fewer positions than asked (or was dropped), and
+        ``unavailable`` when the new successor cannot be dialed; the coordinator then falls back
+        to a full replay.
+        """
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range} to repair",
+                                               "no_session", sid))
+            return
+        coordinator = stream.remote_peer_id
+        if coordinator != sess.coordinator:
+            await self._refuse(stream, sess, "repair")
+            return
+        if not receipts.assignment_ok(msg, coordinator):
+            raise ProtocolError(f"repair frame is not signed by the peer that sent it ({coordinator})")
+        prev, next_addr, resend = msg.get("prev"), msg.get("next"), msg.get("resend")
+        tail = sess.is_tail(self.block.num_layers)
+        if prev is not None and sess.is_head:
+            raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
+        if next_addr is not None and tail:
+            raise ProtocolError(f"stage {sess.span} is the tail: it has no successor to replace")
+        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+            raise ProtocolError("the successor named in 'next' is this stage itself")
+        if resend is not None:
+            log_ = sess.sent_log
+            held = log_.length if log_ is not None else 0
+            if held < resend:
+                why = f" ({log_.broken})" if log_ is not None and log_.broken else \
+                    " (it keeps none: --heal-log-mb)" if log_ is None and not tail else ""
+                await stream.send(wire.error_frame(
+                    f"stage {sess.span} holds the hidden states it sent for {held} positions{why}; the repair asks "
+                    f"for {resend}", "no_state", sid))
+                return
+        new_stream = None
+        if next_addr is not None:
+            try:
+                new_stream = await self._successor(next_addr)
+            except SwarmError as exc:
+                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+                return
+        sess.epoch = max(sess.epoch, msg["epoch"])
+        if prev is not None:
+            if sess.ledger is not None:
+                sess.ledger.cut("input", sess.source)
+            sess.source = prev
+        if new_stream is not None:
+            if sess.ledger is not None:
+                sess.ledger.cut("output", (sess.next_addr or "").rsplit("/p2p/", 1)[-1])
+            sess.next_addr, sess.next_stream = next_addr, new_stream
+            sess.sent = -1  # progress on the new hop starts afresh
+        for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS) if resend else []):
+            out = wire.frame("refill", session=sid, epoch=sess.epoch, pos=pos, until=msg["until"], hidden=tensor)
+            self._post(sess.next_stream, sess, out)
+            if sess.ledger is not None:
+                sess.ledger.output.add(receipts.refill_item(out))
+        log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d", sid, sess.epoch, prev,
+                 next_addr, resend or 0, sess.cache.kv_len)
+        await stream.send(wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resend or 0))
 
     async def _receipt(self, stream, msg: dict) -> None:
         """Check a receipt request and queue it behind the session's chunks (see :meth:`_sign_receipt`)."""
@@ -369,6 +462,17 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
             del self.sessions[sid]
             log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+REFILL_ROWS = 64  # positions per refill frame a stage resends (about 150 KB at D = 576, float32)
+
+
+def wire_itemsize(wire_dtype: str | None, stage_dtype) -> int:
+    """Bytes per value of the hidden states a stage sends: the session's wire dtype, else its own."""
+    import torch
+
+    dtype = wire.WIRE_DTYPES[wire_dtype] if wire_dtype is not None else stage_dtype
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _mib(n: int) -> str:

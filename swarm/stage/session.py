@@ -1,8 +1,9 @@
 """Per-session state at a stage, and the queued work of a session.
 
 Owns: ``Session`` (KV cache, the coordinator's reply stream, the successor, epoch, the progress
-counters a probe reads, the receipt ledger, the queue of jobs), ``Job`` (one queued chunk or receipt
-request) and ``session_of`` (the session id a frame names). Data only: the server, scheduler,
+counters a probe reads, the receipt ledger, the queue of jobs, the hidden states sent on),
+``SentLog`` (those hidden states by position, for a heal that keeps the survivors), ``Job`` (one
+queued chunk, refill or receipt request) and ``session_of`` (the session id a frame names). Data only: the server, scheduler,
 outbox and signing modules of this package act on it. May import: torch (types), ``swarm.receipts``.
 """
 
@@ -14,6 +15,75 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm import receipts
+
+
+class SentLog:
+    """The hidden states a non-tail stage sent on for one session, by absolute position, as raw wire
+    bytes: on a heal that replaces its successor, it resends positions ``[0, n)`` (``repair`` with
+    ``resend``) so the replacement fills its KV cache without the survivors recomputing anything.
+
+    Every record at ``pos`` first drops the rows from ``pos`` on (a rollback), so the log holds rows
+    ``[0, length)`` exactly as the last frames covering them carried them: the committed positions'
+    rows are those of the chunks that committed them. Bounded by the session's ``max_len`` rows of
+    ``D`` values in the wire dtype, reserved against ``--kv-budget-mb`` at ``open``, and dropped
+    with the session.
+
+    Args:
+        hidden_size: D. max_len: rows it may hold: the session's maximum context, or fewer under
+            ``--heal-log-mb`` (a session that outgrows it keeps none: its successor's heal replays in full).
+    """
+
+    def __init__(self, hidden_size: int, max_len: int) -> None:
+        self.hidden_size, self.max_len = hidden_size, max_len
+        self.dtype: str | None = None  # wire dtype name of the rows, fixed by the first record
+        self.row_bytes = 0
+        self.data = bytearray()
+        self.scale: bytearray | None = None  # float8: one float32 scale per row
+        self.broken = ""  # why the log cannot be trusted (then it holds nothing)
+
+    @property
+    def length(self) -> int:
+        """Positions ``[0, length)`` are held."""
+        return len(self.data) // self.row_bytes if self.row_bytes and not self.broken else 0
+
+    def record(self, pos: int, tensor: dict) -> None:
+        """Keep the rows of a sent tensor map (``wire.encode_tensor``, shape (1, T, D)) at ``[pos, pos + T)``."""
+        if self.broken:
+            return
+        shape, data = tensor.get("shape"), tensor.get("data")
+        if not (isinstance(shape, list) and len(shape) == 3 and shape[0] == 1 and shape[1] >= 1
+                and shape[2] == self.hidden_size):
+            self._break(f"a sent tensor has shape {shape!r}")
+            return
+        if self.dtype is None:
+            self.dtype, self.row_bytes = tensor["dtype"], len(data) // shape[1]
+            self.scale = bytearray() if "scale" in tensor else None
+        if pos + shape[1] > self.max_len:
+            self._break(f"rows up to {pos + shape[1]} pass the log's cap of {self.max_len} (--heal-log-mb)")
+            return
+        if tensor["dtype"] != self.dtype or pos > self.length:
+            self._break(f"rows at {pos} in {tensor['dtype']} do not continue the log ({self.length} rows of {self.dtype})")
+            return
+        del self.data[pos * self.row_bytes:]
+        self.data += data
+        if self.scale is not None:
+            del self.scale[pos * 4:]
+            self.scale += tensor.get("scale") or b""
+
+    def _break(self, why: str) -> None:
+        self.broken, self.data, self.scale = why, bytearray(), None
+
+    def frames(self, n: int, rows_per_frame: int) -> list[tuple[int, dict]]:
+        """Tensor maps of rows ``[0, n)`` (``n <= length``), ``rows_per_frame`` at a time: ``[(pos, map)]``."""
+        out = []
+        for pos in range(0, n, rows_per_frame):
+            t = min(rows_per_frame, n - pos)
+            m = {"dtype": self.dtype, "shape": [1, t, self.hidden_size],
+                 "data": bytes(self.data[pos * self.row_bytes:(pos + t) * self.row_bytes])}
+            if self.scale is not None:
+                m["scale"] = bytes(self.scale[pos * 4:(pos + t) * 4])
+            out.append((pos, m))
+        return out
 
 
 @dataclass
@@ -54,6 +124,7 @@ class Session:
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
     batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
     span: object = None  # LayerRange this session runs: the block or a sub-range the open frame named
+    sent_log: SentLog | None = None  # hidden states sent on (non-tail stages), for a heal's resend
 
     @property
     def is_head(self) -> bool:

@@ -272,7 +272,7 @@ class FramedStream:
                 async with self._send_lock:
                     self._check_sendable()
                     writing = True
-                    # One write of header+body: Yamux slices it into 64 KiB frames itself.
+                    # One write of header+body: Yamux slices it into frames itself.
                     await self._wraw.write(frame)
                     writing = False
         except trio.TooSlowError:

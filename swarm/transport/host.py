@@ -39,6 +39,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
+from swarm.transport import dataplane
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
 from swarm.transport.migrate import Migrator
 from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream
@@ -53,7 +54,8 @@ StreamHandler = Callable[[FramedStream], Awaitable[None]]
 class SwarmHost:
     """A running libp2p host; obtain one from ``open_host``."""
 
-    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None, circuits=None, migrator=None) -> None:
+    def __init__(self, host: IHost, nursery: trio.Nursery, key_pair=None, circuits=None, migrator=None,
+                 bulk: bool = False) -> None:
         self.libp2p_host = host  # escape hatch for diagnostics; swarm code should not need it
         self._nursery = nursery
         self.key_pair = key_pair  # the node key: signs session assignments and receipts
@@ -62,6 +64,7 @@ class SwarmHost:
         # swarm.transport.migrate.Migrator: moves streams this node opened off a relay once a
         # direct connection to the peer exists
         self.migrator = migrator
+        self.bulk = bulk  # framed streams send large Yamux frames (swarm.transport.dataplane)
         # streams to one peer are negotiated one at a time (they share its connection); one lock
         # per peer, so a peer that does not answer delays only dials to itself
         self._open_locks: dict[str, trio.Lock] = {}
@@ -101,6 +104,8 @@ class SwarmHost:
         """
 
         async def serve(net_stream: INetStream) -> None:
+            if self.bulk:
+                dataplane.bulk_stream(net_stream)
             stream = FramedStream(
                 net_stream,
                 remote_peer_id=_remote_peer_id(net_stream),
@@ -229,6 +234,8 @@ class SwarmHost:
             ProtocolError: the peer does not speak ``protocol_id``.
         """
         net_stream = await self._open_net_stream(addr, protocol_id, timeout_s)
+        if self.bulk:
+            dataplane.bulk_stream(net_stream)
         stream = FramedStream(
             net_stream,
             remote_peer_id=_remote_peer_id(net_stream),
@@ -252,6 +259,7 @@ async def open_host(
     announce_addrs: Sequence[str] = (),
     relay_hop: bool = False,
     hole_punch: bool = True,
+    batched: bool = True,
 ) -> AsyncIterator[SwarmHost]:
     """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
 
@@ -270,6 +278,9 @@ async def open_host(
             connections and dials ``/p2p-circuit`` addresses (``swarm.transport.circuit``).
         hole_punch: run DCUtR on relayed connections, and move the streams this node opened onto
             a punched direct connection (``swarm.transport.migrate``). False keeps them relayed.
+        batched: Noise sessions that send a write in one socket call and read in large blocks,
+            and Yamux DATA frames of up to 1 MiB (``swarm.transport.dataplane``; the same
+            protocols on the wire). False: libp2p's own classes (for comparison in benchmarks).
     Yields:
         The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
     Raises:
@@ -284,10 +295,13 @@ async def open_host(
         _probe_bindable(maddr)
     announce = [_parse_announce_addr(a) for a in announce_addrs]
     _route_libp2p_logs()
+    if batched:
+        dataplane.check_version()
+    noise = dataplane.BatchedNoiseTransport if batched else NoiseTransport
     host = new_host(
         key_pair=key_pair,
         sec_opt={
-            TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
+            TProtocol(NOISE_PROTOCOL_ID): noise(
                 key_pair, noise_privkey=create_x25519_key_pair().private_key
             )
         },
@@ -312,11 +326,11 @@ async def open_host(
         async with trio.open_nursery() as nursery:
             circuits = CircuitClient(host, hop=relay_hop, hole_punch=hole_punch)
             await nursery.start(circuits.run)
-            migrator = Migrator(host, nursery)
+            migrator = Migrator(host, nursery, bulk=batched)
             migrator.install()
             await nursery.start(migrator.run)
             try:
-                yield SwarmHost(host, nursery, key_pair, circuits, migrator)
+                yield SwarmHost(host, nursery, key_pair, circuits, migrator, bulk=batched)
             finally:
                 nursery.cancel_scope.cancel()
                 # libp2p 0.8.1 leaves its listening sockets open when the host stops: a node

@@ -25,6 +25,7 @@ import weakref
 import trio
 
 from swarm.errors import ProtocolError, StreamClosed
+from swarm.transport.dataplane import bulk_stream
 from swarm.transport.framing import (
     LENGTH_PREFIX_BYTES,
     decode_body,
@@ -138,11 +139,13 @@ class Migrator:
     """A host's side of stream moves (see the module docstring); built by ``open_host``.
 
     Args:
-        libp2p_host: the host. nursery: where read-ahead and the check loop run.
+        libp2p_host: the host. nursery: where read-ahead and the check loop run. bulk: re-type
+            the streams it makes with ``swarm.transport.dataplane.bulk_stream``.
     """
 
-    def __init__(self, libp2p_host, nursery: trio.Nursery) -> None:
+    def __init__(self, libp2p_host, nursery: trio.Nursery, bulk: bool = False) -> None:
         self.host = libp2p_host
+        self.bulk = bulk  # new streams send large Yamux frames, as the host's framed streams do
         self.nursery = nursery
         self.outbound: weakref.WeakSet = weakref.WeakSet()  # FramedStreams this node opened
         self._waiting: dict[tuple[str, bytes], BufferedRaw] = {}
@@ -175,6 +178,8 @@ class Migrator:
             log.info("hop.move_refused peer=%s reason=%r", peer, e)
             await net.reset()
             return
+        if self.bulk:
+            bulk_stream(net)
         raw = BufferedRaw(net, self.nursery, leftover)
         key = (peer, token)
         self._waiting[key] = raw
@@ -196,6 +201,8 @@ class Migrator:
             await net.write(encode_frame({"token": token}))
         except Exception as e:  # noqa: BLE001 - any failure: the stream stays where it is
             raise StreamClosed(f"cannot open a stream to move onto: {type(e).__name__}: {e}") from e
+        if self.bulk:
+            bulk_stream(net)
         return BufferedRaw(net, self.nursery)
 
     async def take(self, peer: str, token: bytes) -> BufferedRaw:

@@ -78,7 +78,8 @@ def run_demo(args) -> int:
         for e in result.get("heal_events", []):
             print(f"healed: stage {e['stage']} [{e['layers'][0]}, {e['layers'][1]}) lost ({e['reason']}); "
                   f"spare {e['spare'][:16]}... swapped in {e['swap_s']:.2f} s, {e['replay_tokens']} tokens "
-                  f"replayed in {e['replay_s']:.2f} s, {e['total_s']:.2f} s from detection to resume")
+                  f"replayed in {e['replay_s']:.2f} s ({_replay_mode(e)}), {e['total_s']:.2f} s from detection to "
+                  "resume")
         if result.get("receipt"):
             print(receipt_line(result["receipt"]))
             print(f"  check it yourself: swarm receipts verify {result['receipt']['path']}")
@@ -121,3 +122,11 @@ def _killer(ring: LocalRing, args):
             os.kill(sp.proc.pid, signal.SIGKILL)
 
     return on_ids
+
+
+def _replay_mode(event: dict) -> str:
+    """How a heal rebuilt the KV caches, in words."""
+    if event.get("replay") == "survivors_kept":
+        return "by the spare alone: the other stages kept their KV caches"
+    why = event.get("fallback")
+    return "through every stage" + (f": {why}" if why else "")

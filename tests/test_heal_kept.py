@@ -211,3 +211,56 @@ def test_sent_log_keeps_the_last_frames_bytes_and_trims_on_rollback():
     fp8.record(0, wire.encode_tensor(a, dtype=torch.float8_e4m3fn))
     (_, m), = fp8.frames(5, 8)
     assert m == wire.encode_tensor(a, dtype=torch.float8_e4m3fn)
+
+
+def test_repair_is_refused_without_the_state_it_needs(model, tmp_path):
+    """A stage answers a repair it cannot serve with a reason and keeps the session as it was:
+    an unknown session (no_session), a peer that did not open it (forbidden), a resend of more than
+    it kept (no_state), and, with --heal-log-mb 0, any resend. The log is reserved with the KV."""
+    from swarm import wire
+    from swarm.wire import PROTOCOL_ID
+    from tests.ring_util import start_ring
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path)
+                spec0, (capped,) = await start_ring(nursery, model, [(0, 2)], tmp_path / "capped", heal_log_mb=0)
+                block = servers[0].block
+                async with open_host(load_or_create_key(tmp_path / "c.key"), [LOOPBACK]) as host, \
+                        open_host(load_or_create_key(tmp_path / "other.key"), [LOOPBACK]) as other:
+                    tail = spec.stages[1].addr
+                    t = await host.open_stream(tail, PROTOCOL_ID, timeout_s=10)
+                    heads = ((spec.stages[0].addr, servers[0]), (spec0.stages[0].addr, capped))
+                    for k, (_, srv) in enumerate(heads):  # the tail answers the results on t
+                        await t.send(wire.open_frame(host.key_pair, f"a{k}", None, 32, prev=srv.host.peer_id))
+                        assert (await t.recv(timeout_s=10))["type"] == "open_ok"
+                    for k, (addr, srv) in enumerate(heads):
+                        sid = f"a{k}"
+                        s = await host.open_stream(addr, PROTOCOL_ID, timeout_s=10)
+                        await s.send(wire.open_frame(host.key_pair, sid, tail, 32))
+                        assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+                        await s.send(wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0, tokens=[1, 5, 9, 3]))
+                        while srv.sessions[sid].cache.kv_len < 4:
+                            await trio.sleep(0.01)
+                        kv = 32 * block.kv_bytes_per_position()
+                        log_rows = 0 if srv is capped else 32
+                        assert srv.sessions[sid].reserved == kv + log_rows * block.hidden_size * 8
+                        await s.send(wire.repair_frame(host.key_pair, "nope", 1))
+                        assert (await s.recv(timeout_s=10))["code"] == "no_session"
+                        o = await other.open_stream(addr, PROTOCOL_ID, timeout_s=10)
+                        await o.send(wire.repair_frame(other.key_pair, sid, 1))
+                        assert (await o.recv(timeout_s=10))["code"] == "forbidden"
+                        await s.send(wire.repair_frame(host.key_pair, sid, 1, next_addr=tail, resend=5, until=2))
+                        err = await s.recv(timeout_s=10)
+                        assert err["code"] == "no_state", err
+                        assert ("keeps none" in err["reason"]) == (srv is capped), err["reason"]
+                        assert srv.sessions[sid].epoch == 0 and srv.sessions[sid].next_addr == tail
+                        if srv is not capped:  # what it holds, it resends
+                            await s.send(wire.repair_frame(host.key_pair, sid, 1, next_addr=tail, resend=4, until=2))
+                            ok = await s.recv(timeout_s=10)
+                            assert ok["type"] == "repair_ok" and ok["kv_len"] == 4 and ok["resent"] == 4, ok
+                            assert srv.sessions[sid].epoch == 1
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

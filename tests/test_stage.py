@@ -366,6 +366,7 @@ def test_a_dead_successor_does_not_hold_up_other_opens(model, tmp_path):
 
 @pytest.mark.parametrize("kwargs,expect", [
     ({"kv_budget_mb": float("inf")}, "positive, finite"), ({"kv_budget_mb": float("nan")}, "positive, finite"),
+    ({"heal_log_mb": -1.0}, "--heal-log-mb must be"), ({"heal_log_mb": float("nan")}, "--heal-log-mb must be"),
     ({"session_ttl_s": 1e-9}, "--session-ttl-s must be"), ({"drain_timeout_s": -1}, "--drain-timeout-s must be"),
     ({"allow_coordinators": ("12D3KooW" + "1" * 44,)}, "is not an ed25519 PeerId"),
     ({"admins": ("Qmfoo",)}, "--admin 'Qmfoo' is not"), ({"listen": "/ip4/127.0.0.1/tcp/99999"}, "0..65535"),

@@ -326,3 +326,23 @@ def test_a_stage_proves_each_block_once_per_process(synthetic, tmp_path, monkeyp
     _drive(later, coord, {"d": ([1, 2], 2)})
     assert calls == [1, 1, 2] and later.kernels["rows_ok"] and later.kernels["batch_ok"]
     assert len(list((tmp_path / "cache" / "proofs").glob("*.json"))) == 3
+
+
+def test_stage_timing_counters_count_each_chunk_step_and_sent_frame(synthetic, tmp_path):
+    """info_ok ``timing`` (docs/protocol.md): every queued forward is parsed, picked and answered once;
+    each counter's seconds are positive and below the wall time of the run; the tail encodes no hidden states."""
+    import time
+
+    model = synthetic("llama", "float32")
+    server = _server(model, LayerRange(0, 4), tmp_path)
+    assert set(server.info()["timing"].values()) == {0}
+    coord = load_or_create_key(tmp_path / "coord.key")
+    t0 = time.perf_counter()
+    _drive(server, coord, {"a": ([1, 2, 3], 4), "b": ([4, 5], 3)}, batch=False)
+    wall = time.perf_counter() - t0
+    t = server.info()["timing"]
+    assert (t["chunks"], t["picked"], t["frames_out"]) == (7, 7, 7), t
+    assert 4 <= t["steps"] <= 7, t  # the two sessions' chunks may share steps
+    for name in ("parse_s", "queue_s", "to_thread_s", "compute_s", "from_thread_s", "outbox_s", "send_s"):
+        assert 0 < t[name] < wall, (name, t)
+    assert t["encode_s"] == 0, t

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import trio
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 class _Outbox:
     """The frames waiting to be sent on one stream, and the task sending them."""
 
-    send: object  # trio MemorySendChannel of (session, frame, chunk id or None)
+    send: object  # trio MemorySendChannel of (session, frame, chunk id or None, perf_counter when posted)
     recv: object
     dead: bool = False  # the stream is closed or lost: drop what is queued
     done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
@@ -116,7 +117,7 @@ class OutboxMixin:
             box = _Outbox(*trio.open_memory_channel(math.inf))
             self._outboxes[stream] = box
             self.nursery.start_soon(self._outbox, stream, box)
-        box.send.send_nowait((sess, msg, chunk))
+        box.send.send_nowait((sess, msg, chunk, time.perf_counter()))
         self._in_flight += 1
 
     async def _outbox(self, stream, box: _Outbox) -> None:
@@ -127,11 +128,12 @@ class OutboxMixin:
         names the successor dials it afresh)."""
         try:
             async with box.recv:
-                async for sess, msg, chunk in box.recv:
+                async for sess, msg, chunk, posted in box.recv:
                     try:
                         gone = msg.get("type") != "error" and self.sessions.get(sess.session_id) is not sess
                         if box.dead or stream.closed or gone:
                             continue
+                        t_send = time.perf_counter()
                         await stream.send(msg, timeout_s=self.config.hop_timeout_s)
                     except SwarmError as exc:
                         if stream is not sess.reply:
@@ -144,6 +146,10 @@ class OutboxMixin:
                         if chunk is not None:
                             sess.frames_out += 1
                             sess.sent = max(sess.sent, chunk)
+                            timing = self.timing
+                            timing["frames_out"] += 1
+                            timing["outbox_s"] += t_send - posted
+                            timing["send_s"] += time.perf_counter() - t_send
                     finally:
                         self._in_flight -= 1
         finally:

@@ -22,6 +22,7 @@ row GEMMs); the others run alone, one GEMV per row. Either way every forward is 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import trio
@@ -34,6 +35,17 @@ log = logging.getLogger(__name__)
 BATCH_CHUNK_MAX = 16  # chunks of at most this many positions are decode/verify rows: batched across sessions
 MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator keeps a few in flight)
 ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
+TIMING_FIELDS = ("chunks", "parse_s", "picked", "queue_s", "steps", "to_thread_s", "compute_s", "encode_s",
+                 "from_thread_s", "frames_out", "outbox_s", "send_s")
+"""The stage's always-on timing counters (``info_ok`` ``timing``, docs/protocol.md): cumulative since
+start, seconds of ``time.perf_counter``; a reader takes the difference of two ``info`` replies.
+Per forward (or refill) frame queued (``chunks``): ``parse_s``, validation and decoding (the tensor copy) up to the
+queue. Per chunk picked by a step (``picked``): ``queue_s``, queued -> picked. Per compute step
+(``steps``): ``to_thread_s``, trio -> the worker thread starts the step; ``compute_s``, the forward (the
+tail: with its LM head and choice of token); ``encode_s``, hidden states -> wire bytes;
+``from_thread_s``, the worker thread is done -> the trio task runs again. Per data frame sent
+(``frames_out``): ``outbox_s``, posted -> its send starts; ``send_s``, ``FramedStream.send`` (msgpack
+packing and the libp2p write)."""
 
 
 class SchedulerMixin:
@@ -51,8 +63,11 @@ class SchedulerMixin:
         self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
         self._compute = trio.CapacityLimiter(1)  # one thread computes on the block at a time
         self._batch_proof = trio.Lock()
+        self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
+        self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
 
     def _enqueue(self, sess: Session, job: Job) -> None:
+        job.queued_at = time.perf_counter()
         sess.queue.append(job)
         sess.busy = True  # until its queue is empty: a probe during a long step sees it
         self._runq.setdefault(id(sess), sess)
@@ -113,6 +128,11 @@ class SchedulerMixin:
             shared = bool(small) or longs > 1 or any(
                 s is not piece[0] and now - s.last_active < ACTIVE_S for s in self.sessions.values())
             piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
+        timing = self.timing
+        t_call = time.perf_counter()
+        for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
+            timing["picked"] += 1
+            timing["queue_s"] += t_call - job.queued_at
         self._in_flight += 1
         try:
             results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
@@ -124,6 +144,12 @@ class SchedulerMixin:
             return True
         finally:
             self._in_flight -= 1
+        t_start, encode_s, t_end = self._step_clock
+        timing["steps"] += 1
+        timing["to_thread_s"] += t_start - t_call
+        timing["from_thread_s"] += time.perf_counter() - t_end
+        timing["compute_s"] += t_end - t_start - encode_s
+        timing["encode_s"] += encode_s
         self.stats["steps"] += 1
         packed = sum(s.batch for s, _ in small)
         self.stats["batched_steps"] += packed > 1
@@ -174,6 +200,8 @@ class SchedulerMixin:
     def _compute_step(self, small: list, piece) -> list:
         """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
         output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
+        t_start = time.perf_counter()
+        encode_s = 0.0
         out = []
         block = self.block
         groups: dict = {}  # packed sessions share a forward only with sessions over the same layers
@@ -208,9 +236,14 @@ class SchedulerMixin:
             elif not complete:
                 j.parts.append(part)
             payload = None
-            if complete:
-                payload = part if tail else wire.encode_tensor(part, dtype=s.wire_dtype)
+            if complete and tail:
+                payload = part
+            elif complete:
+                t_encode = time.perf_counter()
+                payload = wire.encode_tensor(part, dtype=s.wire_dtype)
+                encode_s += time.perf_counter() - t_encode
             results.append((s, j, n, payload))
+        self._step_clock = (t_start, encode_s, time.perf_counter())
         return results
 
     async def _prove_batch_tile(self) -> None:

@@ -20,6 +20,7 @@ around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm
 from __future__ import annotations
 
 import logging
+import time
 
 import trio
 
@@ -75,6 +76,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
             kernels=self.kernels,
             hops=[s.hop_state() for s in list(self.successors.values()) if not s.closed],
+            timing=dict(self.timing),
         )
 
     async def handle_stream(self, stream) -> None:
@@ -108,8 +110,11 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
     async def handle_frame(self, stream, msg) -> None:
         """Validate and serve one decoded frame from ``stream``; an invalid one gets an error reply
         naming the problem (and fails its session where it belongs to one), nothing else."""
+        t0, chunks = time.perf_counter(), self.timing["chunks"]
         try:
             await self.dispatch(stream, wire.validate(msg))
+            if self.timing["chunks"] != chunks:  # a forward was queued: its validation and decoding
+                self.timing["parse_s"] += time.perf_counter() - t0
         except (ProtocolError, ContextOverflow) as exc:
             log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
             code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
@@ -303,6 +308,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             return
         sess.queued_end = msg["pos"] + x.shape[1]
         self._enqueue(sess, Job(msg, x))
+        self.timing["chunks"] += 1
 
     async def _repair(self, stream, msg: dict) -> None:
         """Re-point a surviving session after a heal, keeping its KV cache; answer ``repair_ok``.

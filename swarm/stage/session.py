@@ -94,6 +94,7 @@ class Job:
     x: torch.Tensor | None = None  # (1, T) token ids at the head, else (1, T, D); None: a receipt request
     done: int = 0  # positions computed so far (a long chunk is computed a slice per step)
     parts: list = field(default_factory=list)  # outputs of the slices computed so far
+    queued_at: float = 0.0  # time.perf_counter() when queued (the scheduler's timing counters)
 
 
 @dataclass

@@ -425,6 +425,18 @@ def machine() -> dict:
             "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
 
 
+def git_commit() -> str | None:
+    """The measured tree's commit (``+dirty`` with uncommitted changes), None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="alternating libp2p / TCP rounds")
@@ -437,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ring", action="store_true", help="skip the ring breakdown")
     ap.add_argument("--out", nargs="?", const="", default=None,
                     help="also write the JSON here (no value: bench/results/transport-<date>.json)")
+    ap.add_argument("--note", help="a line stored in the JSON (e.g. which tree was measured)")
     ap.add_argument("--echo-child", metavar="KEY", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.echo_child:
@@ -444,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if min(args.rounds, args.pings, args.prefill_frames, args.decode_steps, args.ring_rounds) < 1:
         ap.error("counts must be >= 1")
-    report = {"date": datetime.date.today().isoformat(), "machine": machine(),
+    report = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "note": args.note, "machine": machine(),
               "libp2p": importlib.metadata.version("libp2p"), "trio": importlib.metadata.version("trio"),
               "msgpack": importlib.metadata.version("msgpack"),
               "path": "swarm.transport open_host (TCP + Noise + Yamux) -> FramedStream, one persistent stream",

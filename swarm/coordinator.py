@@ -18,7 +18,7 @@ import trio
 from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
-from swarm.heal import HealEvent, StageReport, plan_replay, run_recovery
+from swarm.heal import HealEvent, Kept, StageReport, plan_replay, run_recovery
 from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
 from swarm.spec import NoDrafter, SpecLoop
 
@@ -235,6 +235,8 @@ class RingOps:
         self.ring, self.loop, self.state = ring, loop, state
         self._spares: dict = {}
         self._replaced = ""  # PeerId the last swap replaced
+        self._shadow = ""  # name of the picked spare when it is this session's shadow of the lost stage
+        self._shadow_note = ""  # why a shadow of the lost stage was not healed onto
 
     def now(self) -> float:
         return time.monotonic()
@@ -252,6 +254,18 @@ class RingOps:
 
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
+        ring, session = self.ring, self.state["session"]
+        shadow = ring.shadowed.get(session, {}).pop(tuple(layers), None)
+        if shadow is not None:  # the spare that shadowed this stage, if it still answers
+            ring.shadows.pop(tuple(layers), None)
+            if await ring.shadow_alive(session, shadow, 2 * ring.heartbeat_s):
+                self._shadow = shadow.info.peer_id
+                self._spares[self._shadow] = [shadow]
+                return self._shadow
+            log.warning("heal.shadow_unusable layers=[%d, %d) peer=%s: looking for another spare", *layers,
+                        shadow.info.peer_id)
+            self._shadow_note = f"the shadow {shadow.info.peer_id} did not answer"
+            await ring.drop_links([shadow])
         link = await self.ring.prepare_spare(index, layers)
         chain = [link] if link is not None else None
         if chain is None and self.ring.discovery is not None:
@@ -298,7 +312,29 @@ class RingOps:
 
     async def swap(self, index: int, spare) -> list[str]:
         self._replaced = self.peer_of(index)
+        self._shadow = spare if spare == self._shadow else ""
         return self.ring.swap(index, self._spares.pop(spare))
+
+    async def prepare_shadows(self) -> int:
+        """Find a warm spare for every ring position that has none shadowing it yet (the ring file's
+        spares, then the DHT's holders when the ring was routed there: one stage holding the whole
+        range), dial and check it; they are kept in ``ring.shadows`` for the sessions to come.
+        Returns how many positions have a shadow."""
+        ring = self.ring
+        for index, info in enumerate(ring.infos):
+            layers = tuple(info.layers)
+            if layers in ring.shadows and ring.shadows[layers].generation not in ring._lost_gens:
+                continue
+            link = await ring.prepare_spare(index, layers)
+            if link is None and ring.discovery is not None:
+                chain = await self._spare_from_swarm(index, layers)
+                if chain and len(chain) > 1:  # a chain cannot shadow one stage: it stays unused
+                    await ring.drop_links(chain)
+                link = chain[0] if chain and len(chain) == 1 else None
+            if link is not None:
+                ring.shadows[layers] = link
+                log.info("shadow.ready layers=[%d, %d) peer=%s", *layers, link.info.peer_id)
+        return sum(tuple(i.layers) in ring.shadows for i in ring.infos)
 
     def peer_of(self, index: int) -> str:
         return self.ring.links[index].info.peer_id
@@ -314,12 +350,15 @@ class RingOps:
         why = await self.ring.repair_session(
             session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],
             replaced=self._replaced, max_len=self.state["max_len"],
-            sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"])
+            sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"],
+            shadow=bool(self._shadow))
         if why is not None:
             log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
-        else:
-            log.info("heal.kept stage=%d kept_positions=%d: survivors keep their KV caches", index, keep)
-        return why
+            return why
+        done = self.ring.last_repair
+        log.info("heal.kept stage=%d kept_positions=%d mode=%s refilled=%d: survivors keep their KV caches", index,
+                 keep, done["mode"], done["refill_tokens"])
+        return Kept(done["mode"], done["refill_tokens"], done["shadow_fallback"] or self._shadow_note)
 
     async def resume(self) -> int | None:
         loop, session = self.loop, self.state["session"]
@@ -356,7 +395,8 @@ HEALABLE = (StageLost,)
 async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
                  sampling: SamplingParams | None = None, wire_dtype: str | None = None,
-                 heal: bool = True, job: dict | None = None, should_stop=None) -> tuple[list[int], dict]:
+                 heal: bool = True, job: dict | None = None, should_stop=None,
+                 shadow: bool = False) -> tuple[list[int], dict]:
     """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -386,6 +426,11 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             the signed stage receipts are collected (``swarm.receipts``). None: no digests.
         should_stop: called with the new ids after each commit; True ends the generation there
             (e.g. a stop string appeared). ``stopped`` in the record says so.
+        shadow: (with ``heal``) open the session also at a warm spare for each stage that has one,
+            as a shadow its predecessor mirrors every forward frame to (the coordinator the head's
+            token ids): a heal onto it then refills (almost) nothing (``replay: "shadow"``). Costs
+            each spare the compute of its stage and each predecessor one more copy of every frame
+            on its uplink; a slow or dead shadow is dropped, never slowing the ring. Default off.
     Returns:
         (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
         wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
@@ -415,8 +460,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     sampling = sampling or SamplingParams()
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
              "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype, "job": job}
-    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job)
     ops = RingOps(ring, loop, state)
+    shadowed = heal and shadow and await ops.prepare_shadows() > 0
+    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job,
+                            shadow=shadowed)
     heal_events: list[HealEvent] = []
     t_first = None
     stopped = False

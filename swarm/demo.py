@@ -126,6 +126,9 @@ def _killer(ring: LocalRing, args):
 
 def _replay_mode(event: dict) -> str:
     """How a heal rebuilt the KV caches, in words."""
+    if event.get("replay") == "shadow":
+        return (f"nearly not at all: the spare had shadowed the stage live ({event.get('refill_tokens', 0)} positions "
+                "refilled), the other stages kept their KV caches")
     if event.get("replay") == "survivors_kept":
         return "by the spare alone: the other stages kept their KV caches"
     why = event.get("fallback")

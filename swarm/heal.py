@@ -144,6 +144,19 @@ def plan_replay(prompt_ids: Sequence[int], committed_ids: Sequence[int]) -> Repl
     return Replay(tuple(prompt_ids) + tuple(committed_ids[:-1]), committed_ids[-1])
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What ``SwarmOps.repair`` may return when the survivors kept the session: ``mode`` is
+    ``"survivors_kept"`` (the replacement was refilled) or ``"shadow"`` (it had shadowed the lost
+    stage live, so it was refilled only for the positions it lacked); ``refill_tokens``: positions
+    it rebuilt during the heal; ``note``: why a shadow was not used as one (then ``mode`` says
+    ``"survivors_kept"``)."""
+
+    mode: str = "survivors_kept"
+    refill_tokens: int | None = None  # None: all of replay.prefix but the last position
+    note: str = ""
+
+
 class SwarmOps(Protocol):
     """What recovery needs from the engine (the coordinator implements it)."""
 
@@ -177,11 +190,11 @@ class SwarmOps(Protocol):
     # def peer_of(self, index: int) -> str:
     #     """The PeerId at ring position ``index`` (recorded as ``replaced`` before a swap)."""
     #
-    # async def repair(self, index: int, count: int, replay: Replay) -> str | None:
+    # async def repair(self, index: int, count: int, replay: Replay) -> str | Kept | None:
     #     """Keep the session at the survivors around the ``count`` stages now at ``index``: they
     #     keep their KV caches, the replacement's is refilled for ``replay.prefix[:-1]`` (hidden
-    #     states the predecessor resends, or token ids at the head). None when done, else why not
-    #     (then ``reset`` and ``replay`` follow)."""
+    #     states the predecessor resends, or token ids at the head; a shadow only for what it
+    #     lacks). None or a ``Kept`` when done, else why not (then ``reset`` and ``replay`` follow)."""
     #
     # async def resume(self) -> int | None:
     #     """After ``repair``: feed the last position of ``replay.prefix`` through the whole ring;
@@ -196,11 +209,14 @@ class HealEvent:
     located; ``spare``: what took the position (``spares``: its PeerIds, in ring order, more than
     one when a chain of stages replaced one); ``replaced``: the PeerIds that held the position
     before (one per attempt; empty when the engine does not say); ``swap_s``: spare swapped in and
-    session reset or repaired; ``replay``: ``"survivors_kept"`` (the survivors kept their KV caches)
-    or ``"full"`` (a fresh session replayed through every stage; ``fallback`` says why, when keeping
-    was tried or impossible); ``replay_tokens``: positions the replacement rebuilt its KV cache for
-    (prompt + committed output minus the driver); ``refill_tokens``: of those, positions it rebuilt
-    alone, from resent hidden states (or token ids at the head); ``survivor_tokens``: positions
+    session reset or repaired; ``replay``: ``"shadow"`` (the replacement had shadowed the lost stage
+    live and the survivors kept their KV caches), ``"survivors_kept"`` (the survivors kept their KV
+    caches; ``shadow_fallback`` says why a shadow could not be used as one, when there was one) or
+    ``"full"`` (a fresh session replayed through every stage; ``fallback`` says why, when keeping
+    was tried or impossible); ``replay_tokens``: positions the replacement holds in its KV cache after
+    the heal (prompt + committed output minus the driver); ``refill_tokens``: of those, positions it
+    rebuilt alone during the heal, from resent hidden states (or token ids at the head; a shadow
+    only those it lacked, usually none); ``survivor_tokens``: positions
     each surviving stage recomputed (1 when kept: the last replayed position, whose result checks
     the driver); ``replay_s``: that rebuilding; ``total_s``: from detection to a checked, resumable
     ring."""
@@ -219,6 +235,7 @@ class HealEvent:
     refill_tokens: int = 0
     survivor_tokens: int = 0
     fallback: str = ""
+    shadow_fallback: str = ""
     replaced: list[str] = field(default_factory=list)
     total_s: float = 0.0
     attempts: int = 1
@@ -287,9 +304,12 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
             else:
                 why = "this engine cannot keep the survivors' session" if repair is None else \
                     await repair(failure.index, len(event.spares), replay)
-            if why is None:
-                event.replay = "survivors_kept"
-                event.refill_tokens, event.survivor_tokens = max(0, len(replay.prefix) - 1), 1
+            if why is None or isinstance(why, Kept):
+                kept = why or Kept()
+                event.replay, event.shadow_fallback = kept.mode, kept.note
+                event.refill_tokens = max(0, len(replay.prefix) - 1) if kept.refill_tokens is None else \
+                    kept.refill_tokens
+                event.survivor_tokens = 1
                 t2 = ops.now()
                 token = await ops.resume()
             else:

@@ -450,10 +450,17 @@ def _check_heal_events(events: Any, slots: list[str]) -> None:
         slots[idx:idx + len(new)] = [None]
 
 
+# heals that keep the survivors' session (swarm.heal.HealEvent.replay): the digests of the neighbours
+# restart at them. At a "shadow" heal the predecessor's (or, for a head, the coordinator's) new output
+# digest continues the digest of the frames it mirrored to the shadow, which the shadow's input digest
+# also began with, so the chain check covers the mirrored frames too.
+KEPT_MODES = ("survivors_kept", "shadow")
+
+
 def _check_segments(events: list, peers: list[str], receipts: list, coordinator_segments: Any) -> None:
     """Digests that restart mid-session must be explained by heals that kept the survivors' session.
 
-    A heal with ``replay: "survivors_kept"`` re-points the neighbours of the replaced stage: the
+    A heal with ``replay: "survivors_kept"`` or ``"shadow"`` re-points the neighbours of the replaced stage: the
     predecessor's output digest and the successor's input digest (the coordinator's ``sent`` for a
     lost head, ``received`` for a lost tail) are closed (``segments``, naming the replaced PeerId)
     and restart, and the fresh digests chain to the replacement's, which the chain check covers.
@@ -464,7 +471,7 @@ def _check_segments(events: list, peers: list[str], receipts: list, coordinator_
     """
     if not isinstance(coordinator_segments, list):
         raise _fail("schema", "coordinator_segments must be a list")
-    last_full = max((i for i, e in enumerate(events) if e.get("replay", "full") != "survivors_kept"), default=-1)
+    last_full = max((i for i, e in enumerate(events) if e.get("replay", "full") not in KEPT_MODES), default=-1)
     kept = [(i, e) for i, e in enumerate(events) if i > last_full]
     replaced: set[str] = set()
     for _, e in kept:

@@ -44,7 +44,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
                 "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
     # optional: prev (PeerId of the predecessor; required at every stage but the head), sampling,
-    # wire_dtype, job, batch (bool: the session may share packed forwards with others). sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
+    # wire_dtype, job, batch (bool: the session may share packed forwards with others), shadow (bool:
+    # a warm spare's copy of the stage: fill the KV cache from refill frames, no `next`, send nothing
+    # on until a repair promotes it), mirror + mirror_until (the successor's shadow's multiaddr and
+    # end layer: copy every forward sent on to it as a refill frame). sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
     "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
     "open_ok": {"session": _STR},
     # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the
@@ -57,8 +60,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # coordinator -> a surviving stage: keep the session's KV, take frames of `epoch` on; optional
     # prev (new predecessor PeerId), next (new successor multiaddr), resend (positions [0, n) of the
     # hidden states this stage sent, to resend to the new successor as refill frames up to layer
-    # `until`); sig as in open
+    # `until`), mirror (bool, with next and resend: `next` is the shadow this stage mirrors to; make
+    # it the successor, resending only the positions the mirror did not cover); at a shadow, a repair
+    # promotes it to the stage (its epoch stays: mirrored frames still in flight are computed); sig as in open
     "repair": {"session": _STR, "epoch": _INT, "sig": _STR},
+    # optional: mirrored (with repair mirror: positions [0, n) the mirror had delivered)
     "repair_ok": {"session": _STR, "kv_len": _INT, "resent": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
     "close": {"session": _STR},
@@ -104,7 +110,7 @@ def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, p
 
 
 def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None, next_addr: str | None = None,
-                 resend: int | None = None, until: int | None = None) -> dict:
+                 resend: int | None = None, until: int | None = None, mirror: bool = False) -> dict:
     """A signed ``repair`` frame: the coordinator (``key_pair``) re-points a surviving stage of
     ``session`` after a heal, keeping its KV cache (see docs/protocol.md, "Healing on the wire").
 
@@ -114,6 +120,8 @@ def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None,
         next_addr: the new successor's multiaddr with /p2p/ (the stage before a replaced range).
         resend: resend the hidden states this stage sent for positions [0, resend) to ``next_addr``
             as ``refill`` frames; ``until``: the end layer of the replaced range (required with it).
+        mirror: ``next_addr`` is the shadow this stage mirrors to: promote it, resending only the
+            positions of ``[0, resend)`` the mirror did not deliver (refused when the mirror was dropped).
     """
     from swarm.receipts import assignment_bytes
     from swarm.transport.identity import peer_id_of, sign
@@ -122,6 +130,8 @@ def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None,
     for name, value in (("prev", prev), ("next", next_addr), ("resend", resend), ("until", until)):
         if value is not None:
             msg[name] = value
+    if mirror:
+        msg["mirror"] = True
     msg["sig"] = sign(key_pair, assignment_bytes(msg, peer_id_of(key_pair))).hex()
     return msg
 
@@ -186,6 +196,16 @@ def validate(msg: Any) -> dict:
             and all(type(x) is int and 0 <= x <= MAX_INT for x in msg["layers"])
             and msg["layers"][0] < msg["layers"][1]):
         raise ProtocolError("open frame field 'layers' must be [start, end) with 0 <= start < end")
+    if kind == "open" and msg.get("shadow") is not None and not isinstance(msg["shadow"], bool):
+        raise ProtocolError("open frame field 'shadow' must be true or false")
+    if kind == "open" and msg.get("mirror") is not None:
+        mu = msg.get("mirror_until")
+        if not (isinstance(msg["mirror"], str) and 0 < len(msg["mirror"]) <= 1024):
+            raise ProtocolError("open frame field 'mirror' must be a multiaddr string")
+        if type(mu) is not int or not 0 < mu <= MAX_INT:
+            raise ProtocolError("open frame field 'mirror' needs 'mirror_until' (the shadow's end layer, an integer)")
+    if kind == "repair" and msg.get("mirror") is not None and not isinstance(msg["mirror"], bool):
+        raise ProtocolError("repair frame field 'mirror' must be true or false")
     if kind == "open" and msg.get("job") is not None:
         from swarm.receipts import check_job_field
 
@@ -210,6 +230,8 @@ def validate(msg: Any) -> dict:
             raise ProtocolError("repair frame fields 'resend' and 'until' go together")
         if resend is not None and msg.get("next") is None:
             raise ProtocolError("repair frame 'resend' needs 'next' (the stage to resend to)")
+        if msg.get("mirror") and resend is None:
+            raise ProtocolError("repair frame 'mirror' needs 'next' and 'resend' (the shadow it promotes)")
     if kind in ("forward", "refill"):
         has_tokens, has_hidden = "tokens" in msg, "hidden" in msg
         if has_tokens == has_hidden:

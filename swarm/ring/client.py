@@ -71,25 +71,40 @@ class RingClient(LinksMixin, ProbeMixin):
         # the tail), and the epoch of the last such repair (errors of older epochs are stale)
         self.segments: dict[str, list[dict]] = {}
         self.repaired_epoch: dict[str, int] = {}
+        # warm spares shadowing ring positions (layer range -> link, kept across sessions), the shadows
+        # each session opened (session -> layer range -> link), and the coordinator's mirror of the token
+        # ids it sends to the head, to the head's shadow (session -> swarm.mirror.Mirror)
+        self.shadows: dict[int, _Link] = {}
+        self.shadowed: dict[str, dict[int, _Link]] = {}
+        self.head_mirrors: dict = {}
+        self._lost_gens: set[int] = set()  # connections whose stream ended (a shadow's is not in the ring)
+        self.last_repair: dict = {}  # how the last repair_session rebuilt the replacement (see there)
 
     # ---- sessions and chunks --------------------------------------------------------------------
 
     async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
-                           wire_dtype: str | None = None, job: dict | None = None) -> None:
+                           wire_dtype: str | None = None, job: dict | None = None, shadow: bool = False) -> None:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
-        receipt digests for the session, and so does this client (``ledgers``)."""
+        receipt digests for the session, and so does this client (``ledgers``). With ``shadow``, the
+        session is first opened as a shadow at the warm spares in ``shadows`` (each position's
+        predecessor then mirrors what it sends on to it; this client mirrors the head's token ids)."""
         if job is not None:
             self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
-        await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job)
+        opened = await self.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
+        mirrors = {i - 1: (link.spec.addr, link.info.layers[1]) for i, link in opened.items() if i > 0}
+        await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job, mirrors=mirrors)
+        if 0 in opened:
+            self.start_head_mirror(session, opened[0])
         self.returned[session] = -1
         self.sent[session] = -1
 
     async def open_at(self, positions, session: str, max_len: int, sampling: dict | None = None,
-                      wire_dtype: str | None = None, job: dict | None = None) -> None:
+                      wire_dtype: str | None = None, job: dict | None = None, mirrors: dict | None = None) -> None:
         """Open ``session`` at the stages at ring ``positions`` (consecutive), last first so each
         successor exists before it is dialed; each is told its successor and predecessor as the
-        ring stands now (a heal opens only its replacement this way)."""
+        ring stands now (a heal opens only its replacement this way). ``mirrors``: ring position ->
+        (multiaddr, end layer) of the shadow of its successor, which it mirrors to."""
         n = len(self.links)
         for i in sorted(positions, reverse=True):
             nxt = self.links[i + 1].spec.addr if i + 1 < n else None
@@ -101,6 +116,8 @@ class RingClient(LinksMixin, ProbeMixin):
             if self.batch:
                 extra["batch"] = True
             extra["layers"] = list(self.links[i].info.layers)
+            if mirrors and i in mirrors:
+                extra["mirror"], extra["mirror_until"] = mirrors[i]
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
@@ -118,6 +135,16 @@ class RingClient(LinksMixin, ProbeMixin):
         self.ledgers.pop(session, None)
         self.segments.pop(session, None)
         self.repaired_epoch.pop(session, None)
+        mirror = self.head_mirrors.pop(session, None)
+        if mirror is not None:
+            mirror.drop("the session ended", quiet=True)
+        for link in self.shadowed.pop(session, {}).values():
+            if link.generation not in self._lost_gens:
+                with trio.move_on_after(timeout_s):
+                    try:
+                        await link.data.send(wire.frame("close", session=session), timeout_s=timeout_s)
+                    except SwarmError:
+                        pass
 
     async def send_chunk(self, session: str, chunk) -> None:
         """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
@@ -126,6 +153,9 @@ class RingClient(LinksMixin, ProbeMixin):
         if getattr(chunk, "logits_from", None) is not None:
             msg["logits_from"] = chunk.logits_from
         await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+        mirror = self.head_mirrors.get(session)
+        if mirror is not None:  # the head's shadow gets the same token ids (its own bounded queue)
+            mirror.post(chunk.epoch, chunk.pos, tokens=list(chunk.tokens))
         self.sent[session] = max(self.sent.get(session, -1), chunk.chunk_id)
         ledger = self.ledgers.get(session)
         if ledger is not None:

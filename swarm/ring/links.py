@@ -110,12 +110,13 @@ class LinksMixin:
         return self.infos
 
     async def aclose(self) -> None:
-        """Close every stream to the ring (a stage drops the sessions they opened). Never raises."""
-        await self.drop_links(self.links)
+        """Close every stream to the ring and its shadows (a stage drops the sessions they opened). Never raises."""
+        await self.drop_links(self.links + list(self.shadows.values()))
 
     def healed_ring(self) -> RingSpec:
         """The ring as it stands now (after any heal) and the spares not used yet."""
-        return RingSpec(model=self.ring.model, stages=tuple(self.stage_specs), spares=tuple(self.spares))
+        return RingSpec(model=self.ring.model, stages=tuple(self.stage_specs),
+                        spares=tuple(self.spares) + tuple(link.spec for link in self.shadows.values()))
 
     async def stage_info(self, index: int) -> dict:
         """Stage ``index``'s ``info_ok`` frame now (its load, kernels and ``hops``, docs/protocol.md).
@@ -170,6 +171,7 @@ class LinksMixin:
             try:
                 msg = await stream.recv()
             except (StreamClosed, ProtocolError) as exc:
+                self._lost_gens.add(gen)
                 await self._send_ch.send((index, gen, {"type": "_lost", "reason": str(exc)}))
                 return
             if msg.get("type") == "result" and self._where(gen) == len(self.links) - 1:

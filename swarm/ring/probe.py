@@ -33,6 +33,7 @@ from swarm.ring.links import _Link
 log = logging.getLogger(__name__)
 
 REFILL_TOKENS = 64  # positions per refill frame the coordinator sends a new head
+SHADOW_TIMEOUT_S = 5.0  # longest wait for a shadow to answer an open or a probe, in seconds
 RELAYED_SPARE_WAIT_S = 5.0  # how long a relayed spare that cannot be reached is tried again, in seconds
 
 
@@ -127,7 +128,8 @@ class ProbeMixin:
 
     async def repair_session(self, session: str, index: int, count: int, *, epoch: int, keep: int,
                              tokens: list[int], replaced: str, max_len: int, sampling: dict | None = None,
-                             wire_dtype: str | None = None, job: dict | None = None) -> str | None:
+                             wire_dtype: str | None = None, job: dict | None = None,
+                             shadow: bool = False) -> str | None:
         """Keep ``session`` at the survivors after the stages at ring positions ``[index, index +
         count)`` replaced a lost one (``swap``): the survivors keep their KV caches, and only the
         replacement computes positions ``[0, keep)``.
@@ -139,6 +141,14 @@ class ProbeMixin:
         the head was lost, send ``tokens[:keep]`` to the new head as ``refill`` frames. The
         coordinator's ledger of what it sent to the head (a new head) or got from the tail (a new
         tail) is closed first (``segments``), naming ``replaced``.
+
+        With ``shadow`` the replacement is the shadow of this session (``open_shadows``): it is
+        promoted (``repair``, its successor named) instead of opened, and the predecessor's repair
+        says ``mirror`` (promote the mirror: resend only what it did not deliver; for a lost head
+        this client promotes its own mirror of the token ids). A mirror that was dropped falls back
+        to the refill path: the session is opened afresh at the spare and everything is resent.
+        ``last_repair`` says which: ``{"mode": "shadow" | "survivors_kept", "refill_tokens",
+        "shadow_fallback"}``.
 
         Returns:
             None when the survivors were repaired (the replacement's refill is queued behind it),
@@ -163,8 +173,18 @@ class ProbeMixin:
             if last == n - 1:  # results from now on come from the new tail
                 segs.append({"side": "received", "peer": replaced, **ledger[1].as_dict()})
                 ledger = self.ledgers[session] = (ledger[0], receipts.RollingDigest())
+        self.last_repair = {"mode": "shadow" if shadow else "survivors_kept", "refill_tokens": keep,
+                            "shadow_fallback": ""}
+        shadow = shadow and count == 1
+        start = 0  # positions [start, keep) are refilled
         try:
-            await self.open_at(range(index, last + 1), session, max_len, sampling, wire_dtype, job)
+            if shadow:  # it holds the session already: promote it (its successor named)
+                kw = {"next_addr": self.links[index + 1].spec.addr} if index + 1 < n else {}
+                await self.links[index].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
+                                                  timeout_s=self.hop_timeout_s)
+                await self._expect(index, "repair_ok", session)
+            else:
+                await self.open_at(range(index, last + 1), session, max_len, sampling, wire_dtype, job)
             order = ([last + 1] if last + 1 < n else []) + [i for i in range(n) if i < index - 1 or i > last + 1]
             order += [index - 1] if index > 0 else []
             for i in order:
@@ -172,23 +192,152 @@ class ProbeMixin:
                 if i == last + 1:
                     kw["prev"] = self.links[last].info.peer_id
                 if i == index - 1:
-                    kw.update(next_addr=self.links[index].spec.addr, resend=keep, until=until)
+                    kw.update(next_addr=self.links[index].spec.addr, resend=keep, until=until, mirror=shadow)
                 await self.links[i].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
                                               timeout_s=self.hop_timeout_s)
-                ok = await self._expect(i, "repair_ok", session)
+                try:
+                    ok = await self._expect(i, "repair_ok", session)
+                except RemoteError as exc:
+                    if not (shadow and i == index - 1):
+                        raise
+                    shadow = False
+                    await self._shadow_fallback(session, index, str(exc), epoch, keep, until, max_len, sampling,
+                                                wire_dtype, job)
+                    ok = await self._expect(i, "repair_ok", session)
+                if i == index - 1:
+                    start = ok.get("mirrored", 0) if shadow else 0
                 if ok["kv_len"] < keep:
                     return (f"stage {i} {self.links[i].info.layers} holds {ok['kv_len']} positions of the session, "
                             f"fewer than the {keep} to keep")
+            if shadow and index == 0:  # this client mirrored the head's token ids
+                mirror = self.head_mirrors.pop(session, None)
+                if mirror is not None and await mirror.promote():
+                    start = min(mirror.end, keep)
+                    if ledger is not None:  # the new head's input digest began with the mirrored frames
+                        ledger = self.ledgers[session] = (mirror.digest, ledger[1])
+                else:
+                    why = "no mirror" if mirror is None else f"the mirror was dropped ({mirror.broken})"
+                    shadow = False
+                    await self._shadow_fallback(session, index, why, epoch, keep, until, max_len, sampling,
+                                                wire_dtype, job)
         except RemoteError as exc:
             return str(exc)
+        self.last_repair["refill_tokens"] = keep - start
         if index == 0:
-            for pos in range(0, keep, REFILL_TOKENS):
+            for pos in range(start, keep, REFILL_TOKENS):
                 msg = wire.frame("refill", session=session, epoch=epoch, pos=pos, until=until,
                                  tokens=list(tokens[pos:min(keep, pos + REFILL_TOKENS)]))
                 await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
                 if ledger is not None:
                     ledger[0].add(receipts.refill_item(msg))
         return None
+
+    # ---- shadows: warm spares that follow a session live ------------------------------------------
+
+    async def open_shadows(self, session: str, max_len: int, sampling: dict | None = None,
+                           wire_dtype: str | None = None, job: dict | None = None) -> dict[int, _Link]:
+        """Open ``session`` as a shadow at the warm spare in ``shadows`` for each ring position that
+        has one (``shadow: true``: no successor, it only fills its KV cache from the refill frames
+        its predecessor mirrors). A shadow that cannot be reached or refuses is left out (logged);
+        the session never fails for it.
+
+        Returns:
+            ring position -> the shadow's link, for the positions shadowed in this session.
+        """
+        opened: dict[int, _Link] = {}
+        n = len(self.links)
+        for i, ring_link in enumerate(self.links):
+            layers = tuple(ring_link.info.layers)
+            link = self.shadows.get(layers)
+            if link is None:
+                continue
+            if link.generation in self._lost_gens:
+                log.warning("shadow.lost layers=[%d, %d) peer=%s: its connection ended", *layers, link.info.peer_id)
+                del self.shadows[layers]
+                continue
+            extra = {"layers": list(layers), "shadow": True}
+            if sampling and i == n - 1:
+                extra["sampling"] = sampling
+            if job is not None:
+                extra["job"] = job
+            if wire_dtype and i < n - 1:
+                extra["wire_dtype"] = wire_dtype
+            if self.batch:
+                extra["batch"] = True
+            prev = self.links[i - 1].info.peer_id if i > 0 else None
+            msg = wire.open_frame(self.host.key_pair, session, None, max_len, prev=prev, **extra)
+            try:
+                await link.data.send(msg, timeout_s=SHADOW_TIMEOUT_S)
+                await self._expect_from(link, "open_ok", session, SHADOW_TIMEOUT_S)
+            except SwarmError as exc:
+                log.warning("shadow.refused layers=[%d, %d) peer=%s reason=%s: the session runs without it",
+                            *layers, link.info.peer_id, exc)
+                continue
+            opened[i] = link
+        if opened:
+            self.shadowed[session] = {tuple(self.links[i].info.layers): link for i, link in opened.items()}
+            log.info("shadow.opened session=%s positions=%s", session, sorted(opened))
+        return opened
+
+    def start_head_mirror(self, session: str, link: _Link) -> None:
+        """Mirror the token ids sent to the head to its shadow ``link`` (``swarm.mirror.Mirror``, in
+        this client's nursery, writing on the shadow's data stream)."""
+        from swarm.mirror import Mirror
+
+        mirror = Mirror(session, link.spec.addr, link.info.layers[1])
+        self.head_mirrors[session] = mirror
+
+        async def dial(_addr):
+            return link.data
+
+        self._nursery.start_soon(mirror.run, dial, lambda: self.head_mirrors.get(session) is mirror, None, None,
+                                 False)
+
+    async def shadow_alive(self, session: str, link: _Link, timeout_s: float) -> bool:
+        """True when the shadow ``link`` answers a progress probe for ``session`` within ``timeout_s``
+        and still holds the session (a frozen or dead shadow is not healed onto)."""
+        if link.generation in self._lost_gens:
+            return False
+        try:
+            await link.control.send(wire.frame("progress", session=session), timeout_s=timeout_s)
+            msg = await self._expect_from(link, "progress_ok", session, timeout_s)
+        except SwarmError as exc:
+            log.warning("shadow.unusable peer=%s reason=%s", link.info.peer_id, exc)
+            return False
+        return bool(msg.get("known"))
+
+    async def _expect_from(self, link: _Link, kind: str, session: str, timeout_s: float) -> dict:
+        """The next ``kind`` frame of ``session`` from ``link`` (not necessarily in the ring), within
+        ``timeout_s``; other frames of that connection are dropped, of others kept.
+
+        Raises:
+            HopTimeout; StageLost (its stream ended); RemoteError (it answered an error)."""
+        from swarm.errors import HopTimeout, RemoteError
+
+        deadline = trio.current_time() + timeout_s
+        while True:
+            _, msg = await self._next(max(0.0, deadline - trio.current_time()), link.generation)
+            if msg.get("type") == "_lost":
+                raise StageLost(f"shadow {link.info.peer_id} closed the connection: {msg.get('reason')}")
+            if msg.get("type") == "error" and msg.get("session") in (None, session):
+                raise RemoteError(f"shadow {link.info.peer_id} refused: {msg.get('reason')}")
+            if msg.get("type") == kind and msg.get("session") == session:
+                return wire.validate(msg)
+            if trio.current_time() >= deadline:
+                raise HopTimeout(f"no {kind} from shadow {link.info.peer_id} within {timeout_s:.1f} s")
+
+    async def _shadow_fallback(self, session: str, index: int, why: str, epoch: int, keep: int, until: int,
+                               max_len: int, sampling, wire_dtype, job) -> None:
+        """The shadow at ``index`` cannot be promoted (its mirror was dropped): open the session afresh
+        there, and for a middle or tail position ask the predecessor again, without ``mirror``, to
+        resend all ``keep`` positions (its answer is read by the caller)."""
+        log.warning("heal.shadow_fallback stage=%d reason=%s: refilling the spare from scratch", index, why)
+        self.last_repair.update(mode="survivors_kept", shadow_fallback=why)
+        await self.open_at([index], session, max_len, sampling, wire_dtype, job)
+        if index > 0:
+            await self.links[index - 1].data.send(wire.repair_frame(
+                self.host.key_pair, session, epoch, next_addr=self.links[index].spec.addr, resend=keep, until=until),
+                timeout_s=self.hop_timeout_s)
 
     def swap(self, index: int, links) -> list[str]:
         """Put a prepared spare (a ``_Link``), or a chain of them tiling the same layers, at ring

@@ -102,6 +102,8 @@ class OutboxMixin:
             sent = wire.frame("forward", hidden=payload, **meta)
             if sess.sent_log is not None:
                 sess.sent_log.record(msg["pos"], payload)
+            if sess.mirror is not None:  # the successor's shadow gets a copy (its own bounded queue)
+                sess.mirror.post(msg["epoch"], msg["pos"], hidden=payload)
             self._post(sess.next_stream, sess, sent, msg["chunk"])
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them

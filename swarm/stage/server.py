@@ -28,10 +28,12 @@ from swarm import receipts, wire
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
 from swarm.ranges import LayerRange
+from swarm.mirror import Mirror
 from swarm.stage.outbox import OutboxMixin
 from swarm.stage.scheduler import MAX_QUEUED, SchedulerMixin
 from swarm.stage.session import Job, SentLog, Session, session_of
 from swarm.stage.signing import SigningMixin
+from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +202,19 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         if existing is not None and existing.coordinator != coordinator:
             await self._refuse(stream, existing, "open")
             return
+        shadow, mirror = bool(msg.get("shadow")), msg.get("mirror")
         if tail and next_addr is not None:
             raise ProtocolError(f"stage {span} is the tail and takes no successor")
         if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
-        if not tail and next_addr is None:
+        if shadow and (next_addr is not None or mirror is not None):
+            raise ProtocolError("a shadow sends nothing on: its open frame names no 'next' and no 'mirror'")
+        if not tail and next_addr is None and not shadow:
             raise ProtocolError(f"stage {span} is not the tail and needs a successor")
+        if mirror is not None and (tail or mirror.rsplit("/p2p/", 1)[-1] in (self.host.peer_id, "")
+                                   or msg["mirror_until"] <= span.end):
+            raise ProtocolError(f"stage {span} cannot mirror to {mirror} up to layer {msg['mirror_until']}: a "
+                                "mirror goes to another stage (/p2p/ address) holding the layers after this one's")
         max_len = msg["max_len"] or self.block.max_ctx
         if max_len > self.block.max_ctx:
             raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
@@ -259,8 +268,13 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             except SwarmError as exc:
                 await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
                 return
+        session.shadow = shadow
         self.sessions[sid] = session
-        log.info("session.open session=%s layers=%s next=%s max_len=%d", sid, span, next_addr, max_len)
+        if mirror is not None:  # dialed in the background: a slow shadow never delays this open
+            session.mirror = Mirror(sid, mirror, msg["mirror_until"])
+            self.nursery.start_soon(self._run_mirror, session, session.mirror)
+        log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, span, next_addr, max_len,
+                 " shadow" if shadow else "", f" mirror={mirror}" if mirror else "")
         await stream.send(wire.frame("open_ok", session=sid))
 
     async def _forward(self, stream, msg: dict) -> None:
@@ -340,13 +354,16 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             raise ProtocolError(f"repair frame is not signed by the peer that sent it ({coordinator})")
         prev, next_addr, resend = msg.get("prev"), msg.get("next"), msg.get("resend")
         tail = sess.is_tail(self.block.num_layers)
+        if sess.shadow:
+            await self._promote_shadow(stream, sess, msg)
+            return
         if prev is not None and sess.is_head:
             raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
         if next_addr is not None and tail:
             raise ProtocolError(f"stage {sess.span} is the tail: it has no successor to replace")
         if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
-        if resend is not None:
+        if resend is not None and not msg.get("mirror"):  # a promoted mirror needs only what it did not deliver
             log_ = sess.sent_log
             held = log_.length if log_ is not None else 0
             if held < resend:
@@ -356,13 +373,31 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                     f"stage {sess.span} holds the hidden states it sent for {held} positions{why}; the repair asks "
                     f"for {resend}", "no_state", sid))
                 return
-        new_stream = None
-        if next_addr is not None:
+        new_stream, mirror, start = None, sess.mirror, 0
+        if msg.get("mirror"):  # the new successor is the shadow this stage mirrors to: it lacks little or nothing
+            if mirror is None or mirror.addr != next_addr or not await mirror.promote():
+                why = "it mirrors to no shadow" if mirror is None else f"it mirrors to {mirror.addr}" \
+                    if mirror.addr != next_addr else f"its mirror was dropped ({mirror.broken})"
+                await stream.send(wire.error_frame(f"stage {sess.span} cannot promote {next_addr}: {why}",
+                                                   "no_state", sid))
+                return
+            new_stream, start = mirror.stream, min(mirror.end, resend)
+            sess.mirror = None
+            held = sess.sent_log.length if sess.sent_log is not None else 0
+            if start < resend and held < resend:
+                await stream.send(wire.error_frame(
+                    f"stage {sess.span}: its mirror delivered {start} positions and it holds the hidden states it "
+                    f"sent for {held}; the repair asks for {resend}", "no_state", sid))
+                return
+        elif next_addr is not None:
             try:
                 new_stream = await self._successor(next_addr)
             except SwarmError as exc:
                 await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
                 return
+            if mirror is not None:  # re-pointed at another stage: the shadow is of no use any more
+                mirror.drop(f"the successor is now {next_addr}", quiet=True)
+                sess.mirror = None
         sess.epoch = max(sess.epoch, msg["epoch"])
         if prev is not None:
             if sess.ledger is not None:
@@ -371,16 +406,69 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         if new_stream is not None:
             if sess.ledger is not None:
                 sess.ledger.cut("output", (sess.next_addr or "").rsplit("/p2p/", 1)[-1])
+                if msg.get("mirror"):  # the shadow's input digest began with the mirrored frames
+                    sess.ledger.output = mirror.digest
             sess.next_addr, sess.next_stream = next_addr, new_stream
             sess.sent = -1  # progress on the new hop starts afresh
-        for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS) if resend else []):
+        for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
             out = wire.frame("refill", session=sid, epoch=sess.epoch, pos=pos, until=msg["until"], hidden=tensor)
             self._post(sess.next_stream, sess, out)
             if sess.ledger is not None:
                 sess.ledger.output.add(receipts.refill_item(out))
-        log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d", sid, sess.epoch, prev,
-                 next_addr, resend or 0, sess.cache.kv_len)
-        await stream.send(wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resend or 0))
+        resent = max(0, (resend or 0) - start)
+        log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d%s", sid, sess.epoch, prev,
+                 next_addr, resent, sess.cache.kv_len, f" promoted_mirror=[0, {start})" if msg.get("mirror") else "")
+        ok = wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resent)
+        if msg.get("mirror"):
+            ok["mirrored"] = start
+        await stream.send(ok)
+
+    async def _promote_shadow(self, stream, sess: Session, msg: dict) -> None:
+        """A repair at a shadow: it becomes the stage (a heal swapped it in for the one it shadowed).
+
+        Only ``next`` may be named (the successor it now sends to; none at the tail); its source
+        stays the predecessor that mirrored to it. The epoch is left as it is: mirrored frames
+        still on their way are computed (their rows are rolled back by later frames as any frame's
+        are), and the first frame of the heal's epoch raises it. Its output digest is empty (a
+        shadow sends nothing), so nothing is closed. Answers ``repair_ok`` with the positions its
+        cache will hold once its queued frames are computed."""
+        sid, next_addr = sess.session_id, msg.get("next")
+        if msg.get("prev") is not None or msg.get("resend") is not None:
+            raise ProtocolError("a repair that promotes a shadow names only 'next'")
+        tail = sess.is_tail(self.block.num_layers)
+        if tail == (next_addr is not None) or (next_addr or "").rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+            raise ProtocolError(f"shadow {sess.span}: the repair that promotes it must name a successor exactly when "
+                                "it is not the tail, and not itself")
+        if next_addr is not None:
+            try:
+                sess.next_stream = await self._successor(next_addr)
+            except SwarmError as exc:
+                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+                return
+            sess.next_addr = next_addr
+        sess.shadow = False
+        kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
+        log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)
+        await stream.send(wire.frame("repair_ok", session=sid, kv_len=kv_len, resent=0))
+
+    async def _run_mirror(self, sess: Session, mirror: Mirror) -> None:
+        """The task of ``sess``'s mirror (:class:`swarm.mirror.Mirror`): its own stream to the
+        shadow (never the successor stream other sessions share: the shadow's errors must not reach
+        the coordinator as this session's), ended with the session."""
+
+        async def dial(addr):
+            return await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
+
+        async def relay(err):  # once promoted, the shadow is the successor: its errors go to the coordinator
+            await self._try_send(sess.reply, err)
+
+        async def end(s):
+            box = self._close_outbox(s)
+            if box is not None:
+                with trio.move_on_after(1.0):
+                    await box.done.wait()
+
+        await mirror.run(dial, lambda: self.sessions.get(sess.session_id) is sess, relay, end)
 
     async def _receipt(self, stream, msg: dict) -> None:
         """Check a receipt request and queue it behind the session's chunks (see :meth:`_sign_receipt`)."""

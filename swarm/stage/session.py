@@ -1,7 +1,8 @@
 """Per-session state at a stage, and the queued work of a session.
 
 Owns: ``Session`` (KV cache, the coordinator's reply stream, the successor, epoch, the progress
-counters a probe reads, the receipt ledger, the queue of jobs, the hidden states sent on),
+counters a probe reads, the receipt ledger, the queue of jobs, the hidden states sent on, whether
+it is a shadow, the mirror to the successor's shadow),
 ``SentLog`` (those hidden states by position, for a heal that keeps the survivors), ``Job`` (one
 queued chunk, refill or receipt request) and ``session_of`` (the session id a frame names). Data only: the server, scheduler,
 outbox and signing modules of this package act on it. May import: torch (types), ``swarm.receipts``.
@@ -73,10 +74,10 @@ class SentLog:
     def _break(self, why: str) -> None:
         self.broken, self.data, self.scale = why, bytearray(), None
 
-    def frames(self, n: int, rows_per_frame: int) -> list[tuple[int, dict]]:
-        """Tensor maps of rows ``[0, n)`` (``n <= length``), ``rows_per_frame`` at a time: ``[(pos, map)]``."""
+    def frames(self, n: int, rows_per_frame: int, start: int = 0) -> list[tuple[int, dict]]:
+        """Tensor maps of rows ``[start, n)`` (``n <= length``), ``rows_per_frame`` at a time: ``[(pos, map)]``."""
         out = []
-        for pos in range(0, n, rows_per_frame):
+        for pos in range(start, n, rows_per_frame):
             t = min(rows_per_frame, n - pos)
             m = {"dtype": self.dtype, "shape": [1, t, self.hidden_size],
                  "data": bytes(self.data[pos * self.row_bytes:(pos + t) * self.row_bytes])}
@@ -126,6 +127,10 @@ class Session:
     batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
     span: object = None  # LayerRange this session runs: the block or a sub-range the open frame named
     sent_log: SentLog | None = None  # hidden states sent on (non-tail stages), for a heal's resend
+    # a warm spare's copy of a stage's session (open with shadow: true): it only fills its KV cache
+    # from the refill frames its predecessor mirrors, sends nothing on, until a repair promotes it
+    shadow: bool = False
+    mirror: object = None  # swarm.mirror.Mirror: copies of the forwards sent on, to the successor's shadow
 
     @property
     def is_head(self) -> bool:

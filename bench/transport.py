@@ -11,6 +11,8 @@ medians over every repetition are reported):
   from ``send`` until the child's small ack, as bytes per second (10^6 bytes = 1 MB).
 - ``tcp_decode_one_way_ms`` / ``tcp_prefill_mb_per_s``: the same frame bytes length-prefixed over
   plain trio TCP to the same child (also unpacked and packed with msgpack at both ends).
+- ``stock_decode_one_way_ms`` / ``stock_prefill_mb_per_s``: the same over ``open_host(batched=False)``
+  (libp2p 0.8.1's own Noise and Yamux classes, without ``swarm.transport.dataplane``), to the same child.
 - ``codec_us``: msgpack packing + unpacking of each frame alone, in this process (no network).
 - ``breakdown_ms``: per model, where a real ring's decode step goes: a 3-stage ring of real ``swarm stage``
   processes (default the shared stories260k model, 1 torch thread each) driven one token per step
@@ -43,6 +45,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,6 +59,7 @@ DECODE_HIDDEN = 576  # SmolLM2-135M's hidden size D: one decode row is 576 float
 PREFILL_SHAPE = (1, 4096, 1024)  # float32: exactly 16 MiB of hidden states in one frame
 ECHO_MAX_DATA = 1 << 20  # the child echoes frames with less tensor data than this, acks bigger ones
 TIMEOUT_S = 60.0
+LINKS = ("libp2p", "stock", "tcp")  # swarm's open_host; open_host(batched=False), libp2p's own classes; plain TCP
 ACK = {"v": 1, "type": "ack"}
 STAGE_METRICS = (("parse", "parse_s", "chunks"), ("queue", "queue_s", "picked"), ("to_thread", "to_thread_s", "steps"),
                  ("compute", "compute_s", "steps"), ("encode", "encode_s", "steps"),
@@ -107,12 +111,14 @@ async def _echo_child(key_path: Path) -> None:
                 while (msg := await _tcp_read_frame(stream)) is not None:
                     await stream.send_all(encode_frame(_reply(msg)))
 
-    async with open_host(load_or_create_key(key_path), ["/ip4/127.0.0.1/tcp/0"]) as host:
+    async with open_host(load_or_create_key(key_path), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], batched=False) as stock:
         host.set_handler(ECHO_PROTOCOL, on_libp2p)
+        stock.set_handler(ECHO_PROTOCOL, on_libp2p)
         async with trio.open_nursery() as nursery:
             (listener,) = await nursery.start(functools.partial(trio.serve_tcp, on_tcp, 0, host="127.0.0.1"))
             port = listener.socket.getsockname()[1]
-            print(json.dumps({"libp2p": host.addrs()[0], "tcp_port": port}), flush=True)
+            print(json.dumps({"libp2p": host.addrs()[0], "stock": stock.addrs()[0], "tcp_port": port}), flush=True)
             # the parent closes our stdin when it is done (or dies): then exit
             await trio.to_thread.run_sync(sys.stdin.read)
             nursery.cancel_scope.cancel()
@@ -213,23 +219,27 @@ async def bulk(peer, msg: dict, n: int) -> list[float]:
 async def measure_links(addrs: dict, key_path: Path, rounds: int, pings: int, prefill_frames: int,
                         cpu: CpuClock) -> dict:
     small, big = decode_frame_msg(), prefill_frame_msg()
-    times = {"libp2p_rtt": [], "tcp_rtt": [], "libp2p_bulk": [], "tcp_bulk": [], "libp2p_send": [], "tcp_send": []}
-    async with open_host(load_or_create_key(key_path), ["/ip4/127.0.0.1/tcp/0"]) as host:
+    times = {f"{name}_{what}": [] for name in LINKS for what in ("rtt", "bulk", "send")}
+    async with open_host(load_or_create_key(key_path), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], batched=False) as stock_host:
         t0 = time.perf_counter()
         stream = await host.open_stream(addrs["libp2p"], ECHO_PROTOCOL, timeout_s=TIMEOUT_S)
         open_s = time.perf_counter() - t0
+        stock = await stock_host.open_stream(addrs["stock"], ECHO_PROTOCOL, timeout_s=TIMEOUT_S)
         tcp = TcpPeer(await trio.open_tcp_stream("127.0.0.1", addrs["tcp_port"]))
-        for peer in (stream, tcp):  # warm up: first frames pay for allocations and window growth
+        peers = {"libp2p": stream, "stock": stock, "tcp": tcp}
+        for peer in peers.values():  # warm up: first frames pay for allocations and window growth
             await ping_pong(peer, small, 50)
             await bulk(peer, big, 1)
         for _ in range(rounds):
-            for name, peer in (("libp2p", stream), ("tcp", tcp)):
+            for name, peer in peers.items():
                 with cpu.measure(f"{name}_rtt"):
                     times[f"{name}_rtt"] += await ping_pong(peer, small, pings, times[f"{name}_send"])
-            for name, peer in (("libp2p", stream), ("tcp", tcp)):
+            for name, peer in peers.items():
                 with cpu.measure(f"{name}_bulk"):
                     times[f"{name}_bulk"] += await bulk(peer, big, prefill_frames)
         await stream.aclose()
+        await stock.aclose()
         await tcp.stream.aclose()
     return {"times": times, "open_s": open_s, "decode_frame_bytes": len(encode_frame(small)),
             "prefill_frame_bytes": len(encode_frame(big))}
@@ -292,13 +302,13 @@ def link_results(tmp: Path, rounds: int, pings: int, prefill_frames: int) -> dic
         "prefill_mb_per_s": mb_per_s(t["libp2p_bulk"]),
         "tcp_decode_one_way_ms": one_way_ms(t["tcp_rtt"]),
         "tcp_prefill_mb_per_s": mb_per_s(t["tcp_bulk"]),
-        "decode_one_way_ms_quantiles": {"libp2p": one_way_quantiles(t["libp2p_rtt"]),
-                                        "tcp": one_way_quantiles(t["tcp_rtt"])},
-        "prefill_frame_ms": {"libp2p": frame_ms(t["libp2p_bulk"]), "tcp": frame_ms(t["tcp_bulk"])},
-        "decode_send_ms": {"libp2p": round(statistics.median(t["libp2p_send"]) * 1000, 4),
-                           "tcp": round(statistics.median(t["tcp_send"]) * 1000, 4)},
-        "cpu_ms_per_decode_round_trip": {"libp2p": cpu_ms("libp2p_rtt", n_rtt), "tcp": cpu_ms("tcp_rtt", n_rtt)},
-        "cpu_ms_per_prefill_frame": {"libp2p": cpu_ms("libp2p_bulk", n_bulk), "tcp": cpu_ms("tcp_bulk", n_bulk)},
+        "stock_decode_one_way_ms": one_way_ms(t["stock_rtt"]),
+        "stock_prefill_mb_per_s": mb_per_s(t["stock_bulk"]),
+        "decode_one_way_ms_quantiles": {name: one_way_quantiles(t[f"{name}_rtt"]) for name in LINKS},
+        "prefill_frame_ms": {name: frame_ms(t[f"{name}_bulk"]) for name in LINKS},
+        "decode_send_ms": {name: round(statistics.median(t[f"{name}_send"]) * 1000, 4) for name in LINKS},
+        "cpu_ms_per_decode_round_trip": {name: cpu_ms(f"{name}_rtt", n_rtt) for name in LINKS},
+        "cpu_ms_per_prefill_frame": {name: cpu_ms(f"{name}_bulk", n_bulk) for name in LINKS},
         "stream_open_ms": round(got["open_s"] * 1000, 2),
         "sizes": {"decode_frame_bytes": got["decode_frame_bytes"], "decode_hidden": [1, 1, DECODE_HIDDEN],
                   "prefill_frame_bytes": got["prefill_frame_bytes"], "prefill_hidden": list(PREFILL_SHAPE),

@@ -144,7 +144,38 @@ def _batched(session):
 
 class BulkYamuxStream(YamuxStream):
     """A Yamux stream whose ``write`` sends DATA frames of up to ``BULK_FRAME_BYTES`` (within the
-    send window) and looks for window updates every ``WINDOW_POLL_S``; otherwise libp2p's."""
+    send window) and looks for window updates every ``WINDOW_POLL_S``, and whose reads return
+    receive credit in batches (go-yamux's rule: once half the window is consumed, or the window
+    may grow), not after every read; otherwise libp2p's."""
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        # libp2p 0.8.1's own, less its PY_YAMUX_RELEASE_ON_READ branch (on by default), which sends
+        # a WINDOW_UPDATE after every read: two more Noise messages and socket writes per decode
+        # frame. Credit still returns once it reaches the threshold (half the target window), so a
+        # writer blocked on a full window always gets it: everything it sent has been read then.
+        total_delta = 0
+        async with self.window_lock:
+            if bytes_read > 0:
+                self._pending_recv_release += bytes_read
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            delta = self.target_recv_window - (self.recv_window + buffered)
+            threshold = self._grow_threshold()
+            pending = self._pending_recv_release
+            if delta >= threshold and delta > 0:
+                total_delta = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+                self._pending_recv_release = 0
+            elif pending >= threshold:
+                self.recv_window += pending
+                total_delta = pending
+                self._pending_recv_release = 0
+                total_delta += self._apply_autotune_epoch(buffered)
+            elif 0 < delta < threshold and bytes_read > 0:
+                self.recv_window += delta + bytes_read
+                total_delta = delta + bytes_read
+                self._pending_recv_release -= bytes_read
+                total_delta += self._apply_autotune_epoch(buffered)
+        if total_delta > 0:
+            await self.send_window_update(total_delta, skip_lock=True)
 
     async def write(self, data: bytes) -> None:
         import struct

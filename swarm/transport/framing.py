@@ -39,6 +39,8 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 """Default largest accepted frame body, in bytes (prefill of a long prompt is the big one)."""
 QUEUE_FRAMES = 64
 """Decoded frames a reader task may hold before it stops draining the stream."""
+READ_AHEAD_BYTES = 64 * 1024
+"""Least a frame reader asks the stream for at once (what it gets past a frame waits for the next)."""
 LENGTH_PREFIX_BYTES = 4
 _PREFIX = struct.Struct(">I")
 _CLOSE_TIMEOUT_S = 1.0  # graceful FIN; a frozen peer must not hold up our close
@@ -212,12 +214,14 @@ class FramedStream:
         # ``_moved`` frame is passed up like any other frame)
         self.migrator = migrator
         self._pending_raw: RawStream | None = None  # a move we started: read it after the peer's marker
+        self._ahead = bytearray()  # bytes read past the last frame (the reader task's own)
         self.moves = 0
         self.opened_at = time.monotonic()  # monotonic seconds: a hop's move time is measured from here
         self.moved_at: float | None = None  # monotonic seconds of the first completed move
         self.remote_peer_id = remote_peer_id
         self.protocol_id = protocol_id
         self.max_frame_bytes = _check_max(max_frame_bytes)
+        self._ahead_bytes = min(READ_AHEAD_BYTES, self.max_frame_bytes + LENGTH_PREFIX_BYTES)
         self._send_lock = trio.Lock()
         self._tx, self._rx = trio.open_memory_channel[dict[str, Any]](queue_frames)
         self._reader_scope = trio.CancelScope()
@@ -414,6 +418,8 @@ class FramedStream:
 
     async def _follow_move(self, token: Any) -> None:
         """The peer's ``_moved`` marker: every frame it sent on the current stream has been read."""
+        if self._ahead:
+            raise ProtocolError(f"peer {self.remote_peer_id} sent {len(self._ahead)} bytes after its {MOVED} marker")
         old = self.raw
         if self._pending_raw is not None:  # our move: the peer has answered it
             new, self._pending_raw = self._pending_raw, None
@@ -435,16 +441,24 @@ class FramedStream:
         log.info("hop.moved peer=%s protocol=%s", self.remote_peer_id, self.protocol_id)
 
     async def _read_exact(self, n: int, frame_start: bool = False) -> bytes | None:
-        """Read exactly ``n`` bytes; libp2p's read(n) may return fewer.
+        """Read exactly ``n`` bytes; libp2p's read(n) may return fewer. Reads ask for at least
+        ``READ_AHEAD_BYTES`` and keep what is past ``n`` for the next call, so a small frame's
+        length prefix and body come from one read of the stream (one Yamux read, not two).
 
         Returns None on a clean EOF before the first byte of a frame (``frame_start``).
         Raises StreamClosed on reset, or on EOF in the middle of a frame.
         """
-        chunks: list[bytes] = []
-        got = 0
+        ahead = self._ahead
+        if len(ahead) >= n:
+            out = bytes(ahead[:n])
+            del ahead[:n]
+            return out
+        chunks: list[bytes] = [bytes(ahead)] if ahead else []
+        got = len(ahead)
+        ahead.clear()
         while got < n:
             try:
-                data = await self.raw.read(n - got)
+                data = await self.raw.read(max(n - got, self._ahead_bytes))
             except _RAW_ERRORS as e:
                 if isinstance(e, EOFError):  # libp2p StreamEOF / MuxedStreamEOF
                     data = b""
@@ -460,6 +474,10 @@ class FramedStream:
                     f"peer {self.remote_peer_id} closed the stream ({self.protocol_id}) "
                     f"mid-frame after {got} of {n} bytes"
                 )
+            if got + len(data) > n:  # past this frame: keep the rest for the next read
+                cut = n - got
+                ahead += memoryview(data)[cut:]
+                data = data[:cut]
             chunks.append(data)
             got += len(data)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)

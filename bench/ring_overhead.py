@@ -6,12 +6,15 @@ Rounds alternate single / ring so machine noise hits both alike; medians are rep
 Prints one JSON object: ring_tokens_per_s, single_tokens_per_s, ratio, per_hop_overhead_ms (the
 ring's extra time per token spread over its hops: coordinator -> stage 0 -> ... -> tail -> coordinator),
 wire_bytes_per_token (frame bytes on every hop for one decode step, before Noise/Yamux framing),
-and the settings. Usage: python bench/ring_overhead.py [--model smollm2-135m] [--tokens 64] [--rounds 3]
+and the settings. ``--compare-thread`` runs a second ring whose stages compute every step in the
+worker thread (``--inline-step-ms 0``) in the same rounds. Usage: python bench/ring_overhead.py
+[--model smollm2-135m] [--tokens 64] [--rounds 3] [--compare-thread]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -76,6 +79,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare-thread", action="store_true",
+                    help="also run a second ring whose stages compute every step in the worker thread "
+                         "(--inline-step-ms 0), alternating with the first: ring_thread_tokens_per_s")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,20 +92,32 @@ def main() -> None:
     prompt_ids = list(tok(PROMPT)["input_ids"])
     model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32).eval()
     num_layers = model_num_layers(resolved.path)
-    single, ring_rates = [], []
-    with tempfile.TemporaryDirectory() as tmp, LocalRing(args.model, even_split(num_layers, args.stages), Path(tmp),
-                                                          threads=1, extra_args=["--dtype", "float32"]) as ring:
-        spec = ring.ring_spec()
-        key = load_or_create_key(Path(tmp) / "coord.key")
+    single, ring_rates, thread_rates, outputs = [], [], [], []
+    ranges = even_split(num_layers, args.stages)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        rings = [stack.enter_context(LocalRing(args.model, ranges, tmp / "a", threads=1, extra_args=["--dtype", "float32"]))]
+        if args.compare_thread:
+            rings.append(stack.enter_context(LocalRing(args.model, ranges, tmp / "b", threads=1,
+                                                       extra_args=["--dtype", "float32", "--inline-step-ms", "0"])))
+        key = load_or_create_key(tmp / "coord.key")
         for _ in range(args.rounds):
             single.append(single_decode(model, prompt_ids, args.tokens))
-            try:
-                rate, _ = trio.run(ring_decode, spec, resolved.path, prompt_ids, args.tokens, key)
-            except BaseExceptionGroup as group:
-                raise collapse(group) from None
-            ring_rates.append(rate)
+            for ring, rates in zip(rings, (ring_rates, thread_rates)):
+                try:
+                    rate, out = trio.run(ring_decode, ring.ring_spec(), resolved.path, prompt_ids, args.tokens, key)
+                except BaseExceptionGroup as group:
+                    raise collapse(group) from None
+                rates.append(rate)
+                outputs.append(out)
     s, r = statistics.median(single), statistics.median(ring_rates)
     hops = args.stages + 1
+    extra = {}
+    if thread_rates:
+        t = statistics.median(thread_rates)
+        extra = {"ring_thread_tokens_per_s": round(t, 2), "ratio_thread": round(t / s, 3),
+                 "per_hop_overhead_thread_ms": round((1 / t - 1 / s) * 1000 / hops, 3),
+                 "ring_thread_runs": [round(x, 2) for x in thread_rates]}
     print(json.dumps({
         "model": resolved.name, "stages": args.stages, "tokens": args.tokens, "rounds": args.rounds,
         "threads_per_process": 1,
@@ -107,6 +125,7 @@ def main() -> None:
         "per_hop_overhead_ms": round((1 / r - 1 / s) * 1000 / hops, 3),
         "wire_bytes_per_token": wire_bytes_per_token(model.config.hidden_size, args.stages, torch.float32),
         "ring_runs": [round(x, 2) for x in ring_rates], "single_runs": [round(x, 2) for x in single],
+        "identical_outputs": all(o == outputs[0] for o in outputs), **extra,
     }))
 
 

@@ -106,6 +106,11 @@ def _stage_parser(sub) -> None:
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step while no other session has work "
                           "waiting (default 128)")
+    bat.add_argument("--inline-step-ms", type=float, default=30.0,
+                     help="a step of decode/verify rows only whose recent compute took less than this many ms runs "
+                          "in the network thread itself, saving the worker-thread round trip (about 0.5 ms a step "
+                          "here); longer steps (prefill) always run in the worker thread so the node stays "
+                          "responsive (default 30; 0: always the worker thread)")
     bat.add_argument("--batch-wait-ms", type=float, default=10.0,
                      help="while other batching sessions are open but not all ready, wait this long for their rows "
                           "before a step, so steps pack more rows (default 10; 0: start at once). A lone session, "
@@ -383,7 +388,8 @@ def cmd_stage(args) -> int:
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
                          prefill_slice_shared=args.prefill_slice_shared,
-                         batch_wait_ms=args.batch_wait_ms, bootstrap=tuple(args.bootstrap),
+                         batch_wait_ms=args.batch_wait_ms, inline_step_ms=args.inline_step_ms,
+                         bootstrap=tuple(args.bootstrap),
                          announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
                          relays=tuple(args.relay), hole_punch=not args.no_hole_punch,
                          fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,

@@ -51,6 +51,9 @@ class StageConfig:
     prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
     prefill_slice_shared: int = 2  # ... in a step that other sessions' rows share, or while others wait
     batch_wait_ms: float = 10.0  # how long a step may wait for more batching sessions' rows
+    # a step of short chunks only whose recent compute took less than this runs in the trio thread
+    # itself (no worker-thread round trip); 0: every step in the worker thread
+    inline_step_ms: float = 30.0
     bootstrap: tuple[str, ...] = ()  # multiaddrs of bootstrap nodes: join the swarm's DHT and announce
     announce_addrs: tuple[str, ...] = ()  # addresses to advertise instead of the bound one
     dht_client: bool = False  # not dialable from outside: read the DHT, do not serve it
@@ -115,6 +118,8 @@ class StageConfig:
                 raise ConfigError(f"{flag} must be an integer in [{low}, 4096], got {value!r}")
         if not 0 <= self.batch_wait_ms <= 1000:  # also refuses NaN
             raise ConfigError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}")
+        if not 0 <= self.inline_step_ms <= 1000:
+            raise ConfigError(f"--inline-step-ms must be in [0, 1000], got {self.inline_step_ms}")
         for name, low in (("session_ttl_s", 0.1), ("drain_timeout_s", 0.0)):
             value = getattr(self, name)
             if not low < value < 1e9 and not (low == 0.0 and value == 0.0):

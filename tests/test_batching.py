@@ -346,3 +346,19 @@ def test_stage_timing_counters_count_each_chunk_step_and_sent_frame(synthetic, t
     for name in ("parse_s", "queue_s", "to_thread_s", "compute_s", "from_thread_s", "outbox_s", "send_s"):
         assert 0 < t[name] < wall, (name, t)
     assert t["encode_s"] == 0, t
+
+
+def test_short_steps_run_inline_once_their_compute_is_known_brief_with_the_same_bits(synthetic, tmp_path):
+    """``--inline-step-ms``: after the first short steps (computed in the worker thread, which
+    measures them), decode steps of a small block run in the trio thread; with 0 none do; the
+    tokens are the same either way (the same calls, only another thread)."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    runs = {}
+    for limit in (30.0, 0.0):
+        server = _server(model, LayerRange(0, 4), tmp_path, inline_step_ms=limit)
+        runs[limit] = (_drive(server, coord, {"a": ([1, 2, 3], 6)}, batch=False), server.info()["timing"])
+    (inline_out, inline_t), (thread_out, thread_t) = runs[30.0], runs[0.0]
+    assert inline_out == thread_out
+    assert thread_t["inline_steps"] == 0 and thread_t["steps"] == 6, thread_t
+    assert 1 <= inline_t["inline_steps"] <= 5 and inline_t["steps"] == 6, inline_t  # the first one measures

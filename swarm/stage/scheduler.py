@@ -6,7 +6,9 @@ chunk of every ready session that is short, decode/verify rows of at most ``BATC
 positions, up to ``--max-batch-rows`` in all, into one packed forward, plus one slice of the long
 chunk with the least left: ``--prefill-slice`` rows, only ``--prefill-slice-shared`` while other
 sessions are generating, so a long prompt never stalls them); the compute of a step in a worker
-thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive);
+thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive),
+except a step of short chunks whose recent compute is below ``--inline-step-ms``, which runs in the
+trio thread (the thread round trip would cost more than the responsiveness it buys);
 the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
 (:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
 session that may be packed. Only sessions opened with ``batch: true`` are packed (``--batch-tile``-
@@ -36,14 +38,15 @@ BATCH_CHUNK_MAX = 16  # chunks of at most this many positions are decode/verify 
 MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator keeps a few in flight)
 ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
 TIMING_FIELDS = ("chunks", "parse_s", "picked", "queue_s", "steps", "to_thread_s", "compute_s", "encode_s",
-                 "from_thread_s", "frames_out", "outbox_s", "send_s")
+                 "from_thread_s", "frames_out", "outbox_s", "send_s", "inline_steps")
 """The stage's always-on timing counters (``info_ok`` ``timing``, docs/protocol.md): cumulative since
 start, seconds of ``time.perf_counter``; a reader takes the difference of two ``info`` replies.
 Per forward (or refill) frame queued (``chunks``): ``parse_s``, validation and decoding (the tensor copy) up to the
 queue. Per chunk picked by a step (``picked``): ``queue_s``, queued -> picked. Per compute step
 (``steps``): ``to_thread_s``, trio -> the worker thread starts the step; ``compute_s``, the forward (the
 tail: with its LM head and choice of token); ``encode_s``, hidden states -> wire bytes;
-``from_thread_s``, the worker thread is done -> the trio task runs again. Per data frame sent
+``from_thread_s``, the worker thread is done -> the trio task runs again (both near 0 for the
+``inline_steps``, short steps computed in the trio thread, ``--inline-step-ms``). Per data frame sent
 (``frames_out``): ``outbox_s``, posted -> its send starts; ``send_s``, ``FramedStream.send`` (msgpack
 packing and the libp2p write)."""
 
@@ -65,6 +68,7 @@ class SchedulerMixin:
         self._batch_proof = trio.Lock()
         self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
         self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
+        self._short_step_s: float | None = None  # moving average of the compute of steps without a long chunk
 
     def _enqueue(self, sess: Session, job: Job) -> None:
         job.queued_at = time.perf_counter()
@@ -135,7 +139,14 @@ class SchedulerMixin:
             timing["queue_s"] += t_call - job.queued_at
         self._in_flight += 1
         try:
-            results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
+            if piece is None and self._inline_ok():
+                # short rows whose compute is known to be brief: the worker-thread round trip (two
+                # thread switches and a wakeup of the event loop) would cost more than it shields
+                async with self._compute:
+                    results = self._compute_step(small, piece)
+                timing["inline_steps"] += 1
+            else:
+                results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
             failed = small + ([piece[:2]] if piece else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
@@ -145,6 +156,9 @@ class SchedulerMixin:
         finally:
             self._in_flight -= 1
         t_start, encode_s, t_end = self._step_clock
+        if piece is None:  # what the next short step may expect to cost
+            self._short_step_s = t_end - t_start if self._short_step_s is None else \
+                0.8 * self._short_step_s + 0.2 * (t_end - t_start)
         timing["steps"] += 1
         timing["to_thread_s"] += t_start - t_call
         timing["from_thread_s"] += time.perf_counter() - t_end
@@ -175,6 +189,14 @@ class SchedulerMixin:
                 self._runq.pop(id(sess), None)
                 self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
         return True
+
+    def _inline_ok(self) -> bool:
+        """Whether a step of short chunks may run in the trio thread: its recent compute (a moving
+        average over short steps) is below ``--inline-step-ms``. The first short steps always go to
+        the worker thread (nothing is known yet), and so does every step while one runs there."""
+        limit = self.config.inline_step_ms / 1000
+        return bool(limit) and self._short_step_s is not None and self._short_step_s < limit \
+            and self._compute.borrowed_tokens == 0
 
     async def _next_job(self, sess: Session) -> Job | None:
         """The session's next chunk to compute, after serving receipt requests and dropping stale

@@ -8,8 +8,10 @@ detection (kill -> the coordinator notices), locate + swap (probe, dial the spar
 session), replay (re-feed prompt + committed output in prefill chunks), and total disruption
 (kill -> the next committed token, minus one normal token time), and which replay the heal took
 (``survivors_kept``: only the spare rebuilt its KV from the hidden states the predecessor resent,
-each survivor recomputed one position; ``full``: every stage replayed). Target: total under 1 s.
-Usage: python bench/heal.py [--trials 5]
+each survivor recomputed one position; ``shadow``, with ``--shadow``: the spare had shadowed the
+middle stage live, its predecessor mirroring every frame to it, so it was promoted with
+``refill_tokens`` (usually 0) to rebuild; ``full``: every stage replayed). Target: total under 1 s.
+Usage: python bench/heal.py [--trials 5] [--shadow | --full-replay]
 """
 
 from __future__ import annotations
@@ -42,17 +44,17 @@ TEXT = ("The history of the lighthouse is a history of trade, weather and human 
         "Long before electric lamps, keepers tended fires and oil lamps through the night, ") * 40
 
 
-async def generate(spec, model_dir, prompt, new_tokens, key, on_ids=None):
+async def generate(spec, model_dir, prompt, new_tokens, key, on_ids=None, shadow=False):
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 60.0, 30.0, heartbeat_s=1.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        out, rec = await decode(ring, prompt, new_tokens, set(), on_ids=on_ids)
+        out, rec = await decode(ring, prompt, new_tokens, set(), on_ids=on_ids, shadow=shadow)
         nursery.cancel_scope.cancel()
     return out, rec
 
 
 def trial(model: str, model_dir: Path, prompt: list[int], new_tokens: int, kill_at: int, tmp: Path,
-          full: bool = False) -> dict:
+          full: bool = False, shadow: bool = False) -> dict:
     n = model_num_layers(model_dir)
     ranges = even_split(n, 3)
     keep = ["--heal-log-mb", "0"] if full else []  # the predecessor keeps nothing: a full replay
@@ -72,17 +74,22 @@ def trial(model: str, model_dir: Path, prompt: list[int], new_tokens: int, kill_
                 kill["t"] = time.monotonic()
 
         try:
-            out, rec = trio.run(generate, spec, model_dir, prompt, new_tokens, key, on_ids)
-        except BaseExceptionGroup as group:
-            raise collapse(group) from None
+            try:
+                out, rec = trio.run(generate, spec, model_dir, prompt, new_tokens, key, on_ids, shadow)
+            except BaseExceptionGroup as group:
+                raise collapse(group) from None
+        except Exception:
+            print("spare's log (last lines):\n  " + "\n  ".join(spare.stages[0].stderr_tail[-15:]), file=sys.stderr)
+            raise
     (event,) = rec["heal_events"]
     token_gaps = [b[1] - a[1] for a, b in zip(commits, commits[1:]) if b[0] <= kill_at]
     normal = statistics.median(token_gaps) if token_gaps else 0.0
     after = next(t for count, t in commits if count > kill_at)
     return {"ids": out, "detection_s": event["detected_at"] - kill["t"], "locate_s": event["detect_s"],
             "swap_s": event["swap_s"], "replay_s": event["replay_s"], "replay_tokens": event["replay_tokens"],
-            "survivor_tokens": event.get("survivor_tokens"), "replay": event.get("replay", "full"),
-            "total_disruption_s": after - kill["t"] - normal, "normal_token_s": normal}
+            "survivor_tokens": event.get("survivor_tokens"), "refill_tokens": event.get("refill_tokens"),
+            "replay": event.get("replay", "full"), "total_disruption_s": after - kill["t"] - normal,
+            "normal_token_s": normal, "decode_tokens_per_s": rec["tokens_per_s"]}
 
 
 def main() -> None:
@@ -94,6 +101,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--full-replay", action="store_true",
                     help="stages keep no sent hidden states (--heal-log-mb 0): measure the full replay instead")
+    ap.add_argument("--shadow", action="store_true",
+                    help="the spare shadows the middle stage live (decode(shadow=True)): the heal promotes it")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,14 +120,16 @@ def main() -> None:
     rows = []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory() as tmp:
-            row = trial(args.model, resolved.path, prompt, args.new_tokens, args.kill_at, Path(tmp), args.full_replay)
+            row = trial(args.model, resolved.path, prompt, args.new_tokens, args.kill_at, Path(tmp), args.full_replay,
+                        args.shadow)
         row["identical"] = row.pop("ids") == ref
         rows.append(row)
         print(json.dumps({"trial": i, **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
               file=sys.stderr)
     med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0] if k not in ("identical", "replay")}
     print(json.dumps({"model": resolved.name, "trials": args.trials, "prompt_tokens": len(prompt),
-                      "killed_after_tokens": args.kill_at, "all_identical": all(r["identical"] for r in rows),
+                      "killed_after_tokens": args.kill_at, "shadow": args.shadow,
+                      "all_identical": all(r["identical"] for r in rows),
                       "replay": sorted({r["replay"] for r in rows}), "median": med,
                       "target_total_disruption_s": 1.0}))
 

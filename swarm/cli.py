@@ -146,6 +146,12 @@ def _add_spec_flags(p) -> None:
                         "lossy (opt-in; recorded as wire_lossy in --json); float8 carries a scale per position")
 
 
+SHADOW_HELP = ("open each session also at the warm spare of every stage that has one, as a shadow: the stage "
+               "before it mirrors every frame to it, so a heal onto it refills (almost) nothing. Costs each spare "
+               "the compute of its stage and each predecessor one more copy of every frame on its uplink; a slow "
+               "or dead shadow is dropped, never slowing the ring (default: off)")
+
+
 def _coordinate_parser(sub) -> None:
     p = sub.add_parser("coordinate", help="generate text with a running ring or swarm",
                        description="Connect to the stages listed in a ring file (--ring), or route through the "
@@ -167,6 +173,7 @@ def _coordinate_parser(sub) -> None:
                    help="after this much silence stages are probed; one that does not answer within twice it is "
                         "treated as lost and healed onto a spare from the ring file (default 1.0)")
     p.add_argument("--no-heal", dest="heal", action="store_false", help="fail instead of healing onto spares")
+    p.add_argument("--shadow", action="store_true", help=SHADOW_HELP)
     _add_receipt_flags(p)
     _add_spec_flags(p)
 
@@ -243,6 +250,7 @@ def _demo_parser(sub) -> None:
     h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
                                                   "(needs --spares to recover)")
     h.add_argument("--kill-after", type=int, default=16, help="new tokens before --kill-stage fires (default 16)")
+    h.add_argument("--shadow", action="store_true", help=SHADOW_HELP + " (with --spares)")
     _add_receipt_flags(p)
     _add_spec_flags(p)
 
@@ -410,7 +418,7 @@ def cmd_coordinate(args) -> int:
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
                                sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
-                               heartbeat_s=args.heartbeat_s, heal=args.heal,
+                               heartbeat_s=args.heartbeat_s, heal=args.heal, shadow=args.shadow,
                                receipt_dir=args.receipt_dir if args.receipt else None,
                                bootstrap=tuple(args.bootstrap))
     on_text = None if args.json else TextOut.write

@@ -331,6 +331,10 @@ class CoordinatorConfig:
     wire_dtype: str | None = None
     heartbeat_s: float = 1.0
     heal: bool = True
+    # open each session also at a warm spare per stage, as a shadow its predecessor mirrors to (a heal
+    # onto it refills almost nothing); costs the spares' CPU and one more copy of every frame on each
+    # predecessor's uplink, so off by default
+    shadow: bool = False
     receipt_dir: Path | None = Path("receipts")  # where job receipts go; None: no receipts, no digests
     bootstrap: tuple[str, ...] = ()  # route through the swarm's DHT instead of the ring file's stages
 

@@ -144,7 +144,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.push(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
-                                   config.sampling, config.wire_dtype, heal=config.heal, job=job)
+                                   config.sampling, config.wire_dtype, heal=config.heal, job=job,
+                                   shadow=config.shadow)
         if on_text:
             on_text(stream.push(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
@@ -279,7 +280,7 @@ class RingOps:
     async def _spare_from_swarm(self, index: int, layers: tuple[int, int]):
         """Links to the stages from the DHT that take over ``layers``: usually one holder whose block
         contains them, else a chain of holders tiling them (``swarm.routing.plan_replacement``).
-        Every stage of the ring is excluded, so none runs two positions of one session; a chain
+        Every stage of the ring and every shadow is excluded, so none runs two positions of one session; a chain
         with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
@@ -292,7 +293,8 @@ class RingOps:
             hops = await find_replacement(
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
-                exclude=frozenset(i.peer_id for i in infos), context_tokens=self.state["max_len"],
+                exclude=frozenset(i.peer_id for i in infos) | {link.info.peer_id for link in self.ring.shadows.values()},
+                context_tokens=self.state["max_len"],
                 known=known[0] if known else None)
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
@@ -325,7 +327,10 @@ class RingOps:
             layers = tuple(info.layers)
             if layers in ring.shadows and ring.shadows[layers].generation not in ring._lost_gens:
                 continue
+            before = list(ring.spares)
             link = await ring.prepare_spare(index, layers)
+            if link is None:  # a spare that cannot be reached now is tried again at a heal
+                ring.spares = before
             if link is None and ring.discovery is not None:
                 chain = await self._spare_from_swarm(index, layers)
                 if chain and len(chain) > 1:  # a chain cannot shadow one stage: it stays unused

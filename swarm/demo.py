@@ -63,7 +63,7 @@ def run_demo(args) -> int:
             return _serve(spec, args, spec_config)
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
                                    key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
-                                   sampling=sampling, wire_dtype=args.wire_dtype,
+                                   sampling=sampling, wire_dtype=args.wire_dtype, shadow=args.shadow,
                                    receipt_dir=args.receipt_dir if args.receipt else None)
         if not args.json:
             print(f"\nprompt: {args.prompt}\n")
@@ -127,8 +127,8 @@ def _killer(ring: LocalRing, args):
 def _replay_mode(event: dict) -> str:
     """How a heal rebuilt the KV caches, in words."""
     if event.get("replay") == "shadow":
-        return (f"nearly not at all: the spare had shadowed the stage live ({event.get('refill_tokens', 0)} positions "
-                "refilled), the other stages kept their KV caches")
+        return (f"the spare had shadowed the stage live: {event.get('refill_tokens', 0)} of them refilled, the other "
+                "stages kept their KV caches")
     if event.get("replay") == "survivors_kept":
         return "by the spare alone: the other stages kept their KV caches"
     why = event.get("fallback")

@@ -97,7 +97,8 @@ def pool(stories_dir, tmp_path_factory):
 
 
 def heal_run(pool: StagePool, tmp_path, victim: int, sig: int, spare: bool = True, spec_config=None,
-             kill_at: int = 10, resume_after_s: float | None = None, spare_every_range: bool = False):
+             kill_at: int = 10, resume_after_s: float | None = None, spare_every_range: bool = False,
+             shadow: bool = False):
     """Run a generation on 3 stages (+1 spare for the victim's range, or for every range), signal
     the victim after ``kill_at`` committed tokens (and SIGCONT it ``resume_after_s`` later); return
     (ids, record, ids of a second request). The generation runs as a job: ``record["job_receipt"]``
@@ -107,7 +108,7 @@ def heal_run(pool: StagePool, tmp_path, victim: int, sig: int, spare: bool = Tru
     healthy = False
     try:
         result = _heal_run(pool.model_dir, tmp_path, stages[:len(RANGES)], stages[len(RANGES):], victim, sig,
-                           spec_config, kill_at, resume_after_s)
+                           spec_config, kill_at, resume_after_s, shadow=shadow)
         healthy = True
         return result
     except NoSpare:
@@ -119,16 +120,27 @@ def heal_run(pool: StagePool, tmp_path, victim: int, sig: int, spare: bool = Tru
             pool.give_back(stages[:victim] + stages[victim + 1:])
 
 
-def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_config, kill_at, resume_after_s):
+def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_config, kill_at, resume_after_s,
+              shadow=False, shadow_sig_at=None, commit_times=None):
+    """One healing generation (see ``heal_run``); with ``shadow`` the spares shadow their stages,
+    and with ``shadow_sig_at`` = (signal, tokens) the first spare gets that signal after so many
+    committed tokens (a frozen one is resumed at the end); ``commit_times`` collects when each
+    commit arrived (time.monotonic)."""
     import threading
+    import time
 
     spec = RingSpec(model=str(model_dir),
                     stages=tuple(StageSpec(s.addr, s.layers) for s in ring_stages),
                     spares=tuple(StageSpec(s.addr, s.layers) for s in spare_stages))
     pid = ring_stages[victim].proc.pid
-    fired, timers = [], []
+    fired, timers, fired_shadow = [], [], []
 
     def on_ids(out):
+        if commit_times is not None:
+            commit_times.append(time.monotonic())
+        if shadow_sig_at is not None and len(out) >= shadow_sig_at[1] and not fired_shadow:
+            os.kill(spare_stages[0].proc.pid, shadow_sig_at[0])
+            fired_shadow.append(len(out))
         if len(out) >= kill_at and not fired:
             os.kill(pid, sig)
             fired.append(len(out))
@@ -146,7 +158,7 @@ def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_
                 drafter = NgramDrafter() if spec_config else None
                 job = {"id": "heal-job", "nonce": receipts.new_nonce()}
                 out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                        drafter=drafter, job=job)
+                                        drafter=drafter, job=job, shadow=shadow)
                 ring = [i.entry() for i in client.infos]
                 res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
                                         rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
@@ -174,6 +186,8 @@ def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_
             timer.join()
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)
+        if fired_shadow and shadow_sig_at[0] == signal.SIGSTOP:
+            os.kill(spare_stages[0].proc.pid, signal.SIGCONT)
     assert fired, "the victim was never signalled"
     return out, rec, again
 
@@ -269,3 +283,56 @@ def test_a_short_pause_never_swaps_out_a_healthy_stage(pool, tmp_path, reference
 def test_no_spare_fails_clearly(pool, tmp_path):
     with pytest.raises(NoSpare, match=r"stage 1 holding layers \[2, 4\) is lost"):
         heal_run(pool, tmp_path, 1, signal.SIGKILL, spare=False)
+
+
+@pytest.mark.parametrize("victim", [1, 0, 2], ids=["middle", "head", "tail"])
+def test_sigkill_heals_onto_a_shadow_without_refilling(pool, tmp_path, reference, victim):
+    """With shadowing on, the spare follows the victim's session live (its predecessor mirrors every
+    frame to it, the coordinator the token ids for a head): the heal promotes it with nothing to
+    refill, the ids equal the uninterrupted run and the job receipt verifies."""
+    out, rec, again = heal_run(pool, tmp_path, victim, signal.SIGKILL, shadow=True)
+    assert out == reference and again == reference[:8]
+    (event,) = rec["heal_events"]
+    assert event["stage"] == victim and event["replay"] == "shadow", event
+    assert event["refill_tokens"] == 0 and event["survivor_tokens"] == 1, event
+    job = rec["job_receipt"]
+    receipts.verify_job(job)
+    assert job["stage_receipts"][victim]["peer_id"] == event["spare"]
+
+
+def test_sigkill_heals_onto_a_shadow_with_speculation_depth(pool, tmp_path, reference):
+    out, rec, _ = heal_run(pool, tmp_path, 1, signal.SIGKILL, spec_config=SpecConfig(draft="ngram", k=4, depth=3),
+                           shadow=True)
+    assert out == reference
+    (event,) = rec["heal_events"]
+    assert event["replay"] == "shadow" and event["refill_tokens"] == 0, event
+    receipts.verify_job(rec["job_receipt"])
+
+
+@pytest.mark.parametrize("shadow_sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_lost_shadow_changes_nothing_and_the_heal_falls_back_to_refill(pool, tmp_path, reference, shadow_sig):
+    """The shadow is frozen (or killed) after 3 tokens, before the middle stage is killed: the ring
+    keeps its pace (no commit waits on the shadow), and the heal finds the shadow not answering and
+    refills the second spare instead; the ids equal the uninterrupted run, the receipt verifies."""
+    victim = 1
+    stages = pool.take(RANGES + [RANGES[victim], RANGES[victim]])
+    times: list[float] = []
+    healthy = False
+    try:
+        out, rec, again = _heal_run(pool.model_dir, tmp_path, stages[:3], stages[3:], victim, signal.SIGKILL, None,
+                                    10, None, shadow=True, shadow_sig_at=(shadow_sig, 3), commit_times=times)
+        healthy = True
+    finally:
+        pool.retire([stages[victim], stages[3]] if healthy else stages)
+        if healthy:
+            pool.give_back([sp for i, sp in enumerate(stages) if i not in (victim, 3)])
+    assert out == reference and again == reference[:8]
+    (event,) = rec["heal_events"]
+    assert event["replay"] == "survivors_kept" and event["refill_tokens"] == event["replay_tokens"] - 1, event
+    assert "did not answer" in event["shadow_fallback"], event
+    assert event["spare"] == stages[4].ready["peer_id"]
+    receipts.verify_job(rec["job_receipt"])
+    # from the shadow's loss to the victim's: every token as quick as before it (a mirror that
+    # waited on the shadow would stall the ring for the mirror's 5 s send deadline, or the hop timeout)
+    gaps = [b - a for a, b in zip(times[:9], times[1:9])]
+    assert max(gaps) < 2.0, gaps

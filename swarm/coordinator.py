@@ -259,10 +259,14 @@ class RingOps:
         shadow = ring.shadowed.get(session, {}).pop(tuple(layers), None)
         if shadow is not None:  # the spare that shadowed this stage, if it still answers
             ring.shadows.pop(tuple(layers), None)
-            if await ring.shadow_alive(session, shadow, 2 * ring.heartbeat_s):
-                self._shadow = shadow.info.peer_id
-                self._spares[self._shadow] = [shadow]
-                return self._shadow
+            state = await ring.shadow_state(session, shadow, 2 * ring.heartbeat_s)
+            if state != "lost":
+                name = shadow.info.peer_id
+                self._shadow = name if state == "shadow" else ""
+                if state == "spare":
+                    self._shadow_note = f"the shadow {name} no longer held the session"
+                self._spares[name] = [shadow]
+                return name
             log.warning("heal.shadow_unusable layers=[%d, %d) peer=%s: looking for another spare", *layers,
                         shadow.info.peer_id)
             self._shadow_note = f"the shadow {shadow.info.peer_id} did not answer"

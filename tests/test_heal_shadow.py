@@ -146,6 +146,22 @@ def test_a_dropped_mirror_falls_back_to_refilling_the_shadow(model, tmp_path, re
     receipts.verify_job(job)
 
 
+def test_a_shadow_that_dropped_the_session_is_refilled_as_a_plain_spare(model, tmp_path, reference):
+    """The shadow no longer holds the session (as when it fell too far behind) but answers: the heal
+    still takes it, by the refill path, and needs no other spare."""
+
+    def forget_at_shadow(servers, spares):
+        spares[0].sessions.clear()
+
+    out, rec, job, _ = shadow_run(model, tmp_path, 1, before_kill=forget_at_shadow)
+    assert out == reference
+    (event,) = rec["heal_events"]
+    assert event["replay"] == "survivors_kept" and event["refill_tokens"] == event["replay_tokens"] - 1, event
+    assert "no longer held the session" in event["shadow_fallback"], event
+    assert event["spare"] == rec["spare_servers"][0].host.peer_id
+    receipts.verify_job(job)
+
+
 def test_a_dead_shadow_changes_nothing_and_the_heal_takes_the_next_spare(model, tmp_path, reference):
     """The shadow is stopped after 3 tokens: the ring goes on at its pace, the mirror is dropped;
     the heal after it takes the second spare by the refill path."""

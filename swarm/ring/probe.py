@@ -293,18 +293,23 @@ class ProbeMixin:
         self._nursery.start_soon(mirror.run, dial, lambda: self.head_mirrors.get(session) is mirror, None, None,
                                  False)
 
-    async def shadow_alive(self, session: str, link: _Link, timeout_s: float) -> bool:
-        """True when the shadow ``link`` answers a progress probe for ``session`` within ``timeout_s``
-        and still holds the session (a frozen or dead shadow is not healed onto)."""
+    async def shadow_state(self, session: str, link: _Link, timeout_s: float) -> str:
+        """Whether the shadow ``link`` can take over: ``"shadow"`` (it answers a progress probe within
+        ``timeout_s`` and holds ``session``), ``"spare"`` (it answers but dropped the session, e.g.
+        it fell too far behind: a plain spare for the refill path) or ``"lost"`` (frozen or gone)."""
         if link.generation in self._lost_gens:
-            return False
+            return "lost"
         try:
             await link.control.send(wire.frame("progress", session=session), timeout_s=timeout_s)
             msg = await self._expect_from(link, "progress_ok", session, timeout_s)
         except SwarmError as exc:
             log.warning("shadow.unusable peer=%s reason=%s", link.info.peer_id, exc)
-            return False
-        return bool(msg.get("known"))
+            return "lost"
+        if not msg.get("known"):
+            log.warning("shadow.session_lost peer=%s session=%s: it answers, so it is refilled as a plain spare",
+                        link.info.peer_id, session)
+            return "spare"
+        return "shadow"
 
     async def _expect_from(self, link: _Link, kind: str, session: str, timeout_s: float) -> dict:
         """The next ``kind`` frame of ``session`` from ``link`` (not necessarily in the ring), within

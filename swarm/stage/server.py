@@ -304,8 +304,11 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 f"a refill for the layers below {msg['until']} reached stage {sess.span}, whose layers go past them"))
             return
         try:
-            if len(sess.queue) >= MAX_QUEUED:
-                raise ProtocolError(f"more than {MAX_QUEUED} chunks of the session are waiting at this stage")
+            # a shadow is sent every frame at the ring's pace, not the coordinator's few in flight: it
+            # may fall behind further before it gives up (a heal then refills it as a plain spare)
+            limit = MAX_QUEUED * (SHADOW_QUEUE_FACTOR if sess.shadow else 1)
+            if len(sess.queue) >= limit:
+                raise ProtocolError(f"more than {limit} chunks of the session are waiting at this stage")
             # the chunk may start anywhere up to where the chunks queued before it will have left the cache
             inputs = wire.forward_inputs(msg, is_head=sess.is_head, vocab_size=block.vocab_size,
                                          hidden_size=block.hidden_size,
@@ -559,6 +562,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
 
 
 REFILL_ROWS = 64  # positions per refill frame a stage resends (about 150 KB at D = 576, float32)
+SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
 
 def wire_itemsize(wire_dtype: str | None, stage_dtype) -> int:

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from swarm import receipts
-from swarm.config import RingSpec, SpecConfig
+from swarm.config import RingSpec, SamplingParams, SpecConfig
 from swarm.coordinator import RingClient, decode, write_job_receipt
 from swarm.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, StreamClosed, collapse
@@ -43,7 +43,7 @@ def reference(model):
 
 
 def shadow_run(model_dir, tmp_path, victim: int | None, *, kill_at: int = 8, spec_config=None, shadow=True,
-               before_kill=None, spares: int = 1, stop_shadow_at: int | None = None):
+               before_kill=None, spares: int = 1, stop_shadow_at: int | None = None, sampling=None):
     """Generate on 3 stages + ``spares`` spares for the victim's range (shadowing on), stop the
     victim after ``kill_at`` committed tokens (``before_kill(servers, spares)`` first; ``victim``
     None: nobody), and the shadow (the first spare) after ``stop_shadow_at``; return (ids, record,
@@ -80,7 +80,8 @@ def shadow_run(model_dir, tmp_path, victim: int | None, *, kill_at: int = 8, spe
                     await client.connect(4, digest, inner)
                     job = {"id": "shadow-job", "nonce": receipts.new_nonce()}
                     out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                            drafter=NgramDrafter() if spec_config else None, job=job, shadow=shadow)
+                                            drafter=NgramDrafter() if spec_config else None, job=job, shadow=shadow,
+                                            sampling=sampling)
                     res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"),
                                             model=model_dir.name, model_digest=digest, num_layers=4,
                                             prompt_ids=PROMPT, output_ids=out,
@@ -116,6 +117,19 @@ def test_heal_onto_a_shadow_refills_nothing_and_is_token_identical(model, tmp_pa
 def test_heal_onto_a_shadow_with_speculation_depth(model, tmp_path, reference):
     out, rec, job, _ = shadow_run(model, tmp_path, 1, spec_config=SpecConfig(draft="ngram", k=4, depth=3))
     assert out == reference
+    (event,) = rec["heal_events"]
+    assert event["replay"] == "shadow" and event["refill_tokens"] == 0, event
+    receipts.verify_job(job)
+
+
+def test_a_sampled_generation_healed_onto_the_tails_shadow_equals_the_uninterrupted_one(model, tmp_path):
+    """Sampling keyed by (seed, position) at the tail: the tail's shadow got the sampling settings at
+    its open, so after the heal it draws the same tokens."""
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=11)
+    plain, rec, _, _ = shadow_run(model, tmp_path / "plain", None, shadow=False, sampling=sampling)
+    assert not rec["heal_events"]
+    out, rec, job, _ = shadow_run(model, tmp_path / "healed", 2, sampling=sampling)
+    assert out == plain
     (event,) = rec["heal_events"]
     assert event["replay"] == "shadow" and event["refill_tokens"] == 0, event
     receipts.verify_job(job)

@@ -166,6 +166,21 @@ def test_demo_json(stories_dir, tmp_path):
     assert check.returncode == 0 and check.stdout.startswith("OK job"), check.stdout + check.stderr
 
 
+def test_demo_heals_onto_a_shadow(stories_dir, tmp_path):
+    """`swarm demo --spares --shadow --kill-stage 1`: the spare shadowed the stage, the heal refilled
+    nothing, the ids equal greedy, and `swarm receipts verify` accepts the job receipt."""
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "20", "--json", "--dtype", "float32", "--spares", "--shadow",
+                    "--kill-stage", "1", "--kill-after", "6", "--receipt-dir", str(tmp_path / "rc"))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["output_ids"] == reference_greedy(stories_dir, out["prompt_ids"], 20, "float32")
+    (event,) = out["heal_events"]
+    assert event["stage"] == 1 and event["replay"] == "shadow" and event["refill_tokens"] == 0, event
+    check = run_swarm("receipts", "verify", out["receipt"]["path"], "--model", str(stories_dir), timeout=60)
+    assert check.returncode == 0 and check.stdout.startswith("OK job"), check.stdout + check.stderr
+
+
 def test_demo_prints_a_verified_receipt(stories_dir, tmp_path):
     res = run_swarm("demo", "--model", str(stories_dir), "--stages", "2", "--no-chat", "--prompt", PROMPT,
                     "--max-new-tokens", "8", "--dtype", "float32", "--receipt-dir", str(tmp_path / "rc"))

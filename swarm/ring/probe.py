@@ -6,7 +6,10 @@ parallel; a stage whose stream is gone or that stays silent is reported unreacha
 spare of the ring file holding a range), ``swap`` (put it, or a chain of stages tiling the same
 layers, at a ring position; frames of the replaced connection are ignored from then on) and
 ``repair_session`` (keep a session at the survivors around the replacement: open it there,
-re-point its neighbours, have the predecessor resend what it sent, or refill a new head's tokens). The
+re-point its neighbours, have the predecessor resend what it sent, or refill a new head's tokens;
+onto a shadow: promote it and the predecessor's mirror), and shadows (``open_shadows``: the session
+at the warm spares as shadows; ``start_head_mirror``: this client's mirror of the head's token ids;
+``shadow_state``: whether a shadow can take over at a heal). The
 heartbeats that call ``probe`` while waiting for a result live in
 :meth:`swarm.ring.client.RingClient.next_result`.
 

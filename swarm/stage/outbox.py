@@ -5,7 +5,8 @@ slow successor or coordinator delays only the sessions that send to it; frames o
 gone are dropped, nothing is written to a closed stream, and a successor that fails a send is
 reported to the coordinator of every session sending to it, which keep their state for a heal's
 ``repair``); posting a computed chunk's output (the tail's ``result`` to the coordinator, else
-``forward`` hidden states to the successor, kept in the session's ``SentLog``, each digested into
+``forward`` hidden states to the successor, kept in the session's ``SentLog`` and copied to its
+mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
 the session's receipt ledger in posting order; a heal's ``refill`` passed on within the stages
 replacing a lost range); and the successor streams (one persistent stream per successor
 address, dialed once under a lock per address, read for the errors a successor sends back).

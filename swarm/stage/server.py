@@ -7,14 +7,16 @@ validated, an invalid one answered with an error naming the problem), the dispat
 the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
 ``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
 ``--session-ttl-s``; the drain; a heal's ``repair``: re-pointing a surviving session at a
-replacement neighbour and resending the hidden states it sent). A checked ``forward``, ``refill``
-or ``receipt`` is queued for the scheduler.
+replacement neighbour and resending the hidden states it sent, promoting a shadow session, or
+promoting the session's mirror to the shadow it copies to; ``open`` with ``mirror`` starts that
+mirror, :class:`swarm.mirror.Mirror`). A checked ``forward``, ``refill`` or ``receipt`` is queued
+for the scheduler.
 
 The rest of the class comes from the mixins of this package, one concern each: ``scheduler``
 (steps, the compute, kernel proofs), ``outbox`` (ordered sending, successor streams) and
 ``signing`` (the stage receipt); ``session`` holds the per-session state, ``daemon`` the process
 around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.config``,
-``swarm.errors``, the modules of this package.
+``swarm.errors``, ``swarm.mirror``, the modules of this package.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ class RingOps:
             hops = await find_replacement(
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
-                exclude=frozenset(i.peer_id for i in infos) | {link.info.peer_id for link in self.ring.shadows.values()},
+                exclude=frozenset(i.peer_id for i in infos) | {s.info.peer_id for s in self.ring.shadows.values()},
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None)
         except NoRoute as exc:

@@ -87,8 +87,8 @@ class Mirror:
         """The mirror's task: dial the shadow (``await dial(addr)`` -> a FramedStream), then write
         the queued frames in order, each under ``MIRROR_SEND_TIMEOUT_S``. After ``promote`` the
         task only reads the stream and hands errors to ``on_error(msg)`` (the session's successor
-        now), and ``await on_end(stream)`` when it ends. ``alive()`` says whether the session still exists (checked every second: the mirror
-        ends with it). With ``own_stream`` False (the coordinator's data stream to the shadow, which its
+        now), and ``await on_end(stream)`` when it ends. ``alive()`` says whether the session still
+        exists (checked every second: the mirror ends with it). With ``own_stream`` False (the coordinator's data stream to the shadow, which its
         reader task reads) the task only writes and never closes the stream. Never raises; ends
         when the mirror is dropped or the stream closes."""
         try:

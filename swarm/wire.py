@@ -47,7 +47,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # wire_dtype, job, batch (bool: the session may share packed forwards with others), shadow (bool:
     # a warm spare's copy of the stage: fill the KV cache from refill frames, no `next`, send nothing
     # on until a repair promotes it), mirror + mirror_until (the successor's shadow's multiaddr and
-    # end layer: copy every forward sent on to it as a refill frame). sig: the coordinator's signature of the assignment (receipts.assignment_bytes)
+    # end layer: copy every forward sent on to it as a refill frame). sig: the coordinator's signature
+    # of the assignment (receipts.assignment_bytes)
     "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
     "open_ok": {"session": _STR},
     # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the

@@ -141,3 +141,24 @@ def test_refill_and_repair_frames_validated(tmp_path):
             wire.validate(wire.repair_frame(key, "s", 2, **bad))
     with pytest.raises(ProtocolError, match="must be an integer"):
         wire.validate({**ok, "resend": -1})
+
+
+def test_shadow_and_mirror_fields_validated(tmp_path):
+    from swarm.errors import ProtocolError
+    from swarm.transport import load_or_create_key
+
+    key = load_or_create_key(tmp_path / "k.key")
+    addr = "/ip4/127.0.0.1/tcp/1/p2p/x"
+    wire.validate(wire.open_frame(key, "s", None, 16, prev="p", shadow=True))
+    wire.validate(wire.open_frame(key, "s", addr, 16, mirror=addr, mirror_until=4))
+    for extra, msg in [(dict(shadow="yes"), "'shadow' must be true or false"),
+                       (dict(mirror=addr), "needs 'mirror_until'"), (dict(mirror=addr, mirror_until=0), "mirror_until"),
+                       (dict(mirror="", mirror_until=3), "multiaddr string")]:
+        with pytest.raises(ProtocolError, match=msg):
+            wire.validate(wire.open_frame(key, "s", addr, 16, **extra))
+    ok = wire.repair_frame(key, "s", 2, next_addr=addr, resend=10, until=4, mirror=True)
+    assert wire.validate(ok)["mirror"] is True
+    with pytest.raises(ProtocolError, match="'mirror' needs 'next' and 'resend'"):
+        wire.validate(wire.repair_frame(key, "s", 2, next_addr=addr, mirror=True))
+    with pytest.raises(ProtocolError, match="must be true or false"):
+        wire.validate({**ok, "mirror": 1})

@@ -36,6 +36,12 @@ def run_demo(args) -> int:
     spec_config, sampling = SpecConfig.from_args(args), SamplingParams.from_args(args)
     if args.kill_stage is not None and not 0 <= args.kill_stage < args.stages:
         raise ConfigError(f"--kill-stage must name a stage 0..{args.stages - 1}, got {args.kill_stage}")
+    if args.kill_after < 1:
+        raise ConfigError(f"--kill-after must be >= 1 new token, got {args.kill_after}")
+    if getattr(args, "shadow", False) and not args.spares:
+        raise ConfigError("--shadow needs --spares: the shadows are the demo's warm spares")
+    if getattr(args, "shadow", False) and getattr(args, "serve", None):
+        raise ConfigError("--shadow is not used by --serve yet (swarm serve opens no shadows)")
     resolved = resolve_model(args.model)  # converts once (progress bar) before any stage starts
     num_layers = model_num_layers(resolved.path)
     ranges = even_split(num_layers, args.stages)

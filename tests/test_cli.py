@@ -355,3 +355,14 @@ def test_a_log_line_never_lands_inside_streamed_text(capsys):
     out = capsys.readouterr()
     assert out.out == "The sky is bl\nue.\n"  # the line was ended once, before the first record only
     assert out.err.splitlines() == ["heal.start cause=stage 1 lost", "heal.done"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--kill-stage", "1", "--kill-after", "-3"], "--kill-after must be >= 1"),
+    (["--shadow"], "--shadow needs --spares"),
+    (["--spares", "--shadow", "--serve"], "--shadow is not used by --serve"),
+])
+def test_demo_refuses_heal_flags_that_would_do_nothing(flags, says):
+    """Checked before any stage starts: one line, exit 1, not a demo that silently ignores them."""
+    done = run_cli("demo", "--model", "smollm2-135m", *flags)
+    assert done.returncode != 0 and says in done.stdout + done.stderr, (done.stdout, done.stderr)

@@ -51,6 +51,15 @@ class OutboxMixin:
         self._dial_locks: dict[str, trio.Lock] = {}  # successor addr -> lock held while dialing it
         self._outboxes: dict[object, object] = {}  # stream -> send channel of its ordered outbox
 
+    async def _successor_or_answer(self, stream, sid: str, addr: str):
+        """``_successor(addr)``, or None after answering ``stream`` with an ``unavailable`` error
+        for session ``sid`` when it cannot be reached (the caller then leaves the session as it was)."""
+        try:
+            return await self._successor(addr)
+        except SwarmError as exc:
+            await stream.send(wire.error_frame(f"cannot reach successor {addr}: {exc}", "unavailable", sid))
+            return None
+
     async def _successor(self, addr: str):
         """The persistent stream to ``addr``, dialed once. One lock per address: a peer that names a
         slow or dead successor delays only the opens that name the same one."""

@@ -265,10 +265,8 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 raise ProtocolError(f"open frame: {exc}") from exc
             session.sampling = None if params.greedy else params
         if next_addr is not None:
-            try:
-                session.next_stream = await self._successor(next_addr)
-            except SwarmError as exc:
-                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+            session.next_stream = await self._successor_or_answer(stream, sid, next_addr)
+            if session.next_stream is None:
                 return
         session.shadow = shadow
         self.sessions[sid] = session
@@ -395,10 +393,8 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                     f"sent for {held}; the repair asks for {resend}", "no_state", sid))
                 return
         elif next_addr is not None:
-            try:
-                new_stream = await self._successor(next_addr)
-            except SwarmError as exc:
-                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+            new_stream = await self._successor_or_answer(stream, sid, next_addr)
+            if new_stream is None:
                 return
             if mirror is not None:  # re-pointed at another stage: the shadow is of no use any more
                 mirror.drop(f"the successor is now {next_addr}", quiet=True)
@@ -445,12 +441,10 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             raise ProtocolError(f"shadow {sess.span}: the repair that promotes it must name a successor exactly when "
                                 "it is not the tail, and not itself")
         if next_addr is not None:
-            try:
-                sess.next_stream = await self._successor(next_addr)
-            except SwarmError as exc:
-                await stream.send(wire.error_frame(f"cannot reach successor {next_addr}: {exc}", "unavailable", sid))
+            new_stream = await self._successor_or_answer(stream, sid, next_addr)
+            if new_stream is None:
                 return
-            sess.next_addr = next_addr
+            sess.next_stream, sess.next_addr = new_stream, next_addr
         sess.shadow = False
         kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
         log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)

@@ -96,7 +96,8 @@ def main() -> None:
     ranges = even_split(num_layers, args.stages)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        rings = [stack.enter_context(LocalRing(args.model, ranges, tmp / "a", threads=1, extra_args=["--dtype", "float32"]))]
+        rings = [stack.enter_context(LocalRing(args.model, ranges, tmp / "a", threads=1,
+                                               extra_args=["--dtype", "float32"]))]
         if args.compare_thread:
             rings.append(stack.enter_context(LocalRing(args.model, ranges, tmp / "b", threads=1,
                                                        extra_args=["--dtype", "float32", "--inline-step-ms", "0"])))

@@ -10,6 +10,7 @@ Glue over ``swarm.model`` and ``swarm.transport.identity``; imported only by ``s
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -187,12 +188,7 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
         index, headers = tensor_index(model_dir), {}
         shapes = {name: headers.setdefault(index[name], read_header(index[name])).get(name, {}).get("shape", [])
                   for name in names}
-    weights = 0
-    for shape in shapes.values():
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        weights += numel * itemsize
+    weights = sum(math.prod(int(d) for d in shape) for shape in shapes.values()) * itemsize
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads

@@ -220,8 +220,9 @@ class SchedulerMixin:
         return None
 
     def _compute_step(self, small: list, piece) -> list:
-        """Worker-thread body: one packed forward of the short chunks, one slice of a long one; the
-        output of each chunk that is now complete is encoded (tail: token ids; others: hidden)."""
+        """One step's compute (in the worker thread, or inline, see :meth:`_inline_ok`): one packed
+        forward of the short chunks, one slice of a long one; the output of each chunk that is now
+        complete is encoded (tail: token ids; others: hidden)."""
         t_start = time.perf_counter()
         encode_s = 0.0
         out = []

@@ -160,8 +160,9 @@ def _fetch_from_peers(config: StageConfig, key, root: Path, name: str):
 async def _holders_from_swarm(host, config: StageConfig, name: str) -> list[str]:
     """``--fetch-from swarm``: direct addresses of online stages on the DHT that hold the model
     (``--model-id`` if given, else the model name ``name``), those holding more of ``config.layers``
-    first (without layers, a stage placing itself: those holding the most layers). Relayed stages are left out (weights never cross a relay); none found is an empty list
-    (the caller falls back to the hub, or says no peer could supply the weights)."""
+    first (without layers, a stage placing itself: those holding the most layers). Relayed stages
+    are left out (weights never cross a relay); none found is an empty list (the caller falls back
+    to the hub, or says no peer could supply the weights)."""
     from swarm.discovery.dht import open_dht
 
     lo, hi = (config.layers.start, config.layers.end) if config.layers is not None else (0, 2**31)

@@ -7,8 +7,12 @@ Prints one JSON object: ring_tokens_per_s, single_tokens_per_s, ratio, per_hop_o
 ring's extra time per token spread over its hops: coordinator -> stage 0 -> ... -> tail -> coordinator),
 wire_bytes_per_token (frame bytes on every hop for one decode step, before Noise/Yamux framing),
 and the settings. ``--compare-thread`` runs a second ring whose stages compute every step in the
-worker thread (``--inline-step-ms 0``) in the same rounds. Usage: python bench/ring_overhead.py
-[--model smollm2-135m] [--tokens 64] [--rounds 3] [--compare-thread]
+worker thread (``--inline-step-ms 0``) in the same rounds. ``--floor`` adds, in the same rounds, the
+ring's layer blocks in this process (``blocks_tokens_per_s``: swarm's arithmetic against
+transformers) and in one process each chained by plain pipes (``pipe_ring_tokens_per_s``: what
+process boundaries alone cost here), and a ``decomposition`` of the ratio into those two and the
+rest (transport, framing, the stages' scheduling; ``bench/floor.py``). Usage: python
+bench/ring_overhead.py [--model smollm2-135m] [--tokens 64] [--rounds 3] [--compare-thread] [--floor]
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def main() -> None:
     ap.add_argument("--compare-thread", action="store_true",
                     help="also run a second ring whose stages compute every step in the worker thread "
                          "(--inline-step-ms 0), alternating with the first: ring_thread_tokens_per_s")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the ring's blocks in this process and in a ring of plain pipes (bench/floor.py)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,9 +99,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(resolved.path), dtype=torch.float32).eval()
     num_layers = model_num_layers(resolved.path)
     single, ring_rates, thread_rates, outputs = [], [], [], []
+    block_rates, pipe_rates = [], []
     ranges = even_split(num_layers, args.stages)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        blocks, pipe_ring = [], None
+        if args.floor:
+            from floor import PipeRing, blocks_in_process
+            from swarm.model.block import load_block
+
+            blocks = [load_block(resolved.path, r, dtype="float32", device="cpu") for r in ranges]
+            pipe_ring = stack.enter_context(PipeRing(resolved.path, [(r.start, r.end) for r in ranges]))
         rings = [stack.enter_context(LocalRing(args.model, ranges, tmp / "a", threads=1,
                                                extra_args=["--dtype", "float32"]))]
         if args.compare_thread:
@@ -104,6 +118,12 @@ def main() -> None:
         key = load_or_create_key(tmp / "coord.key")
         for _ in range(args.rounds):
             single.append(single_decode(model, prompt_ids, args.tokens))
+            if args.floor:
+                for fn, rates in ((lambda: blocks_in_process(blocks, prompt_ids, args.tokens), block_rates),
+                                  (lambda: pipe_ring.decode(prompt_ids, args.tokens), pipe_rates)):
+                    rate, out = fn()
+                    rates.append(rate)
+                    outputs.append(out)
             for ring, rates in zip(rings, (ring_rates, thread_rates)):
                 try:
                     rate, out = trio.run(ring_decode, ring.ring_spec(), resolved.path, prompt_ids, args.tokens, key)
@@ -119,6 +139,14 @@ def main() -> None:
         extra = {"ring_thread_tokens_per_s": round(t, 2), "ratio_thread": round(t / s, 3),
                  "per_hop_overhead_thread_ms": round((1 / t - 1 / s) * 1000 / hops, 3),
                  "ring_thread_runs": [round(x, 2) for x in thread_rates]}
+    if block_rates:
+        b, p = statistics.median(block_rates), statistics.median(pipe_rates)
+        extra.update({
+            "blocks_tokens_per_s": round(b, 2), "pipe_ring_tokens_per_s": round(p, 2),
+            "ratio_pipe_ring": round(p / s, 3),
+            "decomposition": {"arithmetic": round(b / s, 3), "process_boundaries": round(p / b, 3),
+                              "transport_and_scheduling": round(r / p, 3)},
+            "blocks_runs": [round(x, 2) for x in block_rates], "pipe_ring_runs": [round(x, 2) for x in pipe_rates]})
     print(json.dumps({
         "model": resolved.name, "stages": args.stages, "tokens": args.tokens, "rounds": args.rounds,
         "threads_per_process": 1,

@@ -74,7 +74,12 @@ def linear_rows(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | No
     """
     m = x.shape[0]
     n_out = weight_t.shape[1]
-    if tile == 1 and n_out > COLUMN_BLOCK and weight_t.numel() * weight_t.element_size() >= COLUMN_BLOCK_MIN_BYTES:
+    big = weight_t.numel() * weight_t.element_size() >= COLUMN_BLOCK_MIN_BYTES
+    blocked = tile == 1 and n_out > COLUMN_BLOCK and big
+    if m == 1 and tile == 1 and not blocked:  # a decode row: the very call the loop below makes, without it
+        a = canonical(x)
+        return torch.mm(a, weight_t) if bias is None else torch.addmm(bias, a, weight_t)
+    if blocked:
         rows = [canonical(x[i:i + 1]) for i in range(m)]
         out = x.new_empty((m, n_out))
         for c in range(0, n_out, COLUMN_BLOCK):
@@ -110,6 +115,8 @@ def per_token(fn, x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() < 2 or x.shape[0] != 1:
         raise ValueError(f"per_token wants (1, N, ...) tensors, got {tuple(x.shape)}")
+    if x.shape[1] == 1:  # one token: x[:, 0:1] is x itself (same storage, offset and strides)
+        return fn(canonical(x))
     outs = [fn(canonical(x[:, i:i + 1])) for i in range(x.shape[1])]
     if len(outs) == 1:
         return outs[0]
@@ -170,11 +177,6 @@ def is_activation(module: torch.nn.Module) -> bool:
 def is_gemm(module: torch.nn.Module) -> bool:
     """True for affine maps run as GEMMs: ``nn.Linear`` and GPT-2's ``Conv1D`` (weight kept (K, N))."""
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
-
-
-def weight_t(module: torch.nn.Module) -> torch.Tensor:
-    """The (K, N) matrix of a GEMM module (a view; Linear keeps (N, K), Conv1D keeps (K, N))."""
-    return module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight
 
 
 class RotaryTable:

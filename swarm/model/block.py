@@ -386,13 +386,19 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     """Route ``module``'s forward (a Linear or GPT-2 Conv1D) through fixed ``block._tile``-row GEMMs
     on fresh aligned copies while ``block._tile`` is set (:func:`swarm.kernels.invariant.linear_rows`)."""
     plain = module.forward
+    params = module._parameters  # read directly: nn.Module.__getattr__ costs more than a decode row's GEMV setup
+    linear = isinstance(module, torch.nn.Linear)
+    held: list = [None, None]  # the weight the (K, N) view below was made of, and that view
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
         if tile is None:
             return plain(x)
+        weight = params["weight"]
+        if held[0] is not weight:  # load_block assigns the weights after wrapping: view the current one
+            held[0], held[1] = weight, (weight.t() if linear else weight)
         lead = x.shape[:-1]
-        out = invariant.linear_rows(x.reshape(-1, x.shape[-1]), invariant.weight_t(module), module.bias, tile)
+        out = invariant.linear_rows(x.reshape(-1, x.shape[-1]), held[1], params.get("bias"), tile)
         return out.reshape(*lead, out.shape[-1])
 
     module.forward = forward

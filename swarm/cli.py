@@ -86,6 +86,13 @@ def _stage_parser(sub) -> None:
                      help="MiB of the hidden states it sent on that a session keeps, so a heal that replaces its "
                           "successor resends them instead of replaying through every stage; reserved with the KV "
                           "cache (default: up to the session's max_len positions; 0: keep none)")
+    lim.add_argument("--prefix-cache-mb", type=float, default=512.0,
+                     help="MiB of finished sessions' KV kept as reusable prefix blocks, so a prompt that starts "
+                          "like an earlier one of the same coordinator (a chat's next turn, a shared system prompt) "
+                          "skips their prefill; inside --kv-budget-mb, evicted least recently used before any "
+                          "session is refused (default 512; 0: off)")
+    lim.add_argument("--prefix-block", type=int, default=32,
+                     help="positions per prefix-cache block; reuse is in whole blocks (default 32)")
     lim.add_argument("--session-ttl-s", type=float, default=600.0, help="drop a session idle this long (default 600)")
     lim.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
@@ -152,6 +159,11 @@ SHADOW_HELP = ("open each session also at the warm spare of every stage that has
                "or dead shadow is dropped, never slowing the ring (default: off)")
 
 
+PREFIX_HELP = ("do not offer prompts to the stages' prefix caches (by default a prompt that starts like an earlier "
+               "one of this coordinator's, e.g. a conversation's next turn, prefills only what is new; the output is "
+               "the same bits either way)")
+
+
 def _coordinate_parser(sub) -> None:
     p = sub.add_parser("coordinate", help="generate text with a running ring or swarm",
                        description="Connect to the stages listed in a ring file (--ring), or route through the "
@@ -174,6 +186,11 @@ def _coordinate_parser(sub) -> None:
                         "treated as lost and healed onto a spare from the ring file (default 1.0)")
     p.add_argument("--no-heal", dest="heal", action="store_false", help="fail instead of healing onto spares")
     p.add_argument("--shadow", action="store_true", help=SHADOW_HELP)
+    p.add_argument("--session", type=Path, metavar="FILE",
+                   help="continue the conversation kept in FILE (created if missing) and add this turn to it: "
+                        "with --chat the history goes through the chat template, else the prompt is appended as "
+                        "plain text; the stages' prefix caches make only the new part cost a prefill")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help=PREFIX_HELP)
     _add_receipt_flags(p)
     _add_spec_flags(p)
 
@@ -278,6 +295,7 @@ def _serve_parser(sub) -> None:
     g.add_argument("--depth", type=int, default=1, help="verify chunks in flight (default 1)")
     g.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"])
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help=PREFIX_HELP)
 
 
 def _model_parser(sub) -> None:
@@ -392,6 +410,7 @@ def cmd_stage(args) -> int:
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
+                         prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
                          session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
@@ -420,7 +439,8 @@ def cmd_coordinate(args) -> int:
                                sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal, shadow=args.shadow,
                                receipt_dir=args.receipt_dir if args.receipt else None,
-                               bootstrap=tuple(args.bootstrap))
+                               bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache,
+                               session_file=args.session)
     on_text = None if args.json else TextOut.write
     result = trio.run(generate, config, args.prompt, on_text)
     if result.get("context_limited"):
@@ -520,7 +540,8 @@ def cmd_serve(args) -> int:
             info = await nursery.start(lambda task_status: serve_api(
                 ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
                 hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
-                max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap), task_status=task_status))
+                max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
+                prefix_cache=args.prefix_cache, task_status=task_status))
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
                   flush=True)
 

@@ -44,6 +44,10 @@ class StageConfig:
     # hidden states one session keeps of what it sent on, for a heal that replaces its successor
     # (reserved with the KV cache); None: up to max_len positions; 0: none (such heals replay in full)
     heal_log_mb: float | None = None
+    # finished sessions' KV kept as reusable prefix blocks (issue 17): at most this many MiB, and within
+    # --kv-budget-mb (live sessions always come first); 0: no prefix cache
+    prefix_cache_mb: float = 512.0
+    prefix_block: int = 32  # positions per prefix block (reuse is in whole blocks)
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
@@ -107,6 +111,11 @@ class StageConfig:
                 _check_peer_id(flag, peer)
         if self.max_ctx is not None and self.max_ctx < 1:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
+        if not 0 <= self.prefix_cache_mb < 2**40:  # also refuses NaN and inf
+            raise ConfigError(f"--prefix-cache-mb must be a finite number of MiB >= 0, got {self.prefix_cache_mb}")
+        block = self.prefix_block
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 4096:
+            raise ConfigError(f"--prefix-block must be an integer in [1, 4096], got {self.prefix_block}")
         if self.kv_budget_mb is not None and not 0 < self.kv_budget_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
         if self.heal_log_mb is not None and not 0 <= self.heal_log_mb < 2**40:
@@ -337,6 +346,8 @@ class CoordinatorConfig:
     shadow: bool = False
     receipt_dir: Path | None = Path("receipts")  # where job receipts go; None: no receipts, no digests
     bootstrap: tuple[str, ...] = ()  # route through the swarm's DHT instead of the ring file's stages
+    prefix_cache: bool = True  # offer prompts to the stages' prefix caches (same output bits either way)
+    session_file: Path | None = None  # a conversation continued across invocations (swarm.conversation)
 
     def __post_init__(self) -> None:
         if not self.ring.stages and not self.bootstrap:

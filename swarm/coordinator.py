@@ -110,7 +110,15 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         raise ModelError(f"cannot load the tokenizer of {resolved.path}: {str(exc).splitlines()[0]}") from exc
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
-    prompt_ids = encode_prompt(tokenizer, prompt, config.chat)
+    conversation = None
+    if config.session_file is not None:
+        from swarm.conversation import Conversation
+
+        conversation = Conversation.open(config.session_file, model=resolved.name, model_digest=digest,
+                                         chat=config.chat)
+        prompt_ids = conversation.prompt_ids(tokenizer, prompt)
+    else:
+        prompt_ids = encode_prompt(tokenizer, prompt, config.chat)
     if not prompt_ids:
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
@@ -145,7 +153,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
                                    config.sampling, config.wire_dtype, heal=config.heal, job=job,
-                                   shadow=config.shadow)
+                                   shadow=config.shadow, prefix_cache=config.prefix_cache)
         if on_text:
             on_text(stream.push(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
@@ -163,6 +171,9 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     }
     if route_s is not None:
         result["route_s"] = round(route_s, 3)
+    if conversation is not None:
+        conversation.record(prompt, prompt_ids, out, result["text"])
+        result["session_file"] = str(conversation.path)
     if job is not None:
         result["receipt"] = write_job_receipt(config.receipt_dir, key, job, parts, model=resolved.name,
                                               model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
@@ -383,7 +394,8 @@ class RingOps:
             await self.ring.close_session(self.state["session"], timeout_s=1.0)
         self.state["session"] = uuid.uuid4().hex
         await self.ring.open_session(self.state["session"], self.state["max_len"], self.state["sampling"],
-                                     self.state["wire_dtype"], job=self.state["job"])
+                                     self.state["wire_dtype"], job=self.state["job"],
+                                     prefix_ids=[] if self.state.get("prefix_cache") else None)
 
     async def replay(self, prefix) -> int | None:
         loop, session = self.loop, self.state["session"]
@@ -405,7 +417,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
                  sampling: SamplingParams | None = None, wire_dtype: str | None = None,
                  heal: bool = True, job: dict | None = None, should_stop=None,
-                 shadow: bool = False) -> tuple[list[int], dict]:
+                 shadow: bool = False, prefix_cache: bool = False) -> tuple[list[int], dict]:
     """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -440,8 +452,12 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             token ids): a heal onto it then refills (almost) nothing (``replay: "shadow"``). Costs
             each spare the compute of its stage and each predecessor one more copy of every frame
             on its uplink; a slow or dead shadow is dropped, never slowing the ring. Default off.
+        prefix_cache: offer the prompt to the stages' prefix caches: the prefill starts after the
+            leading positions every stage still holds from an earlier session of this coordinator
+            (``cached_tokens``), and at the end each stage keeps the KV of prompt + output for the
+            next one (a chat's next turn). Same output bits as without (resumed == fresh).
     Returns:
-        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, context_limited, sampling,
+        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, cached_tokens, context_limited, sampling,
         wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
         stage_receipts (ring order, None where missing), problems, sent and received digests,
         collect_s).
@@ -468,16 +484,20 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                     prefill_chunk=spec.prefill_chunk)
     sampling = sampling or SamplingParams()
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
-             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype, "job": job}
+             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype, "job": job,
+             "prefix_cache": prefix_cache}
     ops = RingOps(ring, loop, state)
     shadowed = heal and shadow and await ops.prepare_shadows() > 0
-    await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job,
-                            shadow=shadowed)
+    t0 = time.perf_counter()
+    cached = await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job,
+                                     shadow=shadowed, prefix_ids=list(prompt_ids) if prefix_cache else None)
+    cached = min(cached, len(prompt_ids) - 1)
+    loop.skip_prefix(cached)
     heal_events: list[HealEvent] = []
     t_first = None
     stopped = False
+    keep = None
     try:
-        t0 = time.perf_counter()
         while not loop.done:
             try:
                 for chunk in loop.next_chunks():
@@ -522,14 +542,17 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                      "collect_s": time.perf_counter() - t_collect}
             for p in problems:
                 log.warning("receipt.missing %s", p)
+        if prefix_cache:
+            keep = list(prompt_ids) + list(loop.output)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await ring.close_session(state["session"])
+            await ring.close_session(state["session"], keep=keep)
     out = loop.output
     decode_s = t_end - t_first
     return out, {
         "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
         "ttft_s": t_first - t0,
+        "cached_tokens": cached,
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,
         "stopped": stopped,

@@ -226,8 +226,10 @@ class StageLedger:
 
     def body(self, *, session: str, coordinator: str, peer_id: str, model: str, model_digest: str,
              range_digest: str, layers: list[int], num_layers: int, dtype: str, wire_dtype: str,
-             positions: int) -> dict:
-        """The unsigned stage receipt (see the module docstring for the fields)."""
+             positions: int, reused: int = 0) -> dict:
+        """The unsigned stage receipt (see the module docstring for the fields). ``reused``: positions
+        ``[0, reused)`` this stage took from its prefix cache instead of computing them in this session
+        (the receipt then vouches only for the frames it received and sent)."""
         return {
             "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,
             "coordinator": coordinator,
@@ -236,6 +238,7 @@ class StageLedger:
             "positions": positions, "digest_alg": DIGEST_ALG, "input": self.input.as_dict(),
             "output": self.output.as_dict(), "started_ms": self.started_ms, "ended_ms": now_ms(),
             **({"segments": [dict(x) for x in self.segments]} if self.segments else {}),
+            **({"reused": reused} if reused else {}),
         }
 
 

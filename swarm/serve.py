@@ -86,6 +86,8 @@ class ServeState:
     served: int = 0
     pool: object = None  # ClientPool, set by serve_api
     discovery: tuple | None = None  # (SwarmDHT, weights id) when the ring was routed from the swarm's DHT
+    prefix_cache: bool = True  # offer prompts to the stages' prefix caches (--no-prefix-cache: off)
+    cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -257,6 +259,7 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
     try:
         detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
                                                state.spec, drafter, req.sampling, state.wire_dtype,
+                                               prefix_cache=state.prefix_cache,
                                                should_stop=lambda ids: detok.hit or (stop is not None and
                                                                                      stop.is_set()))
         healthy = True
@@ -269,6 +272,7 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
         state.active -= 1
         state.served += 1
     out, record = detok.ids, detok.record
+    state.cached_tokens += int(record.get("cached_tokens") or 0)
     tail = detok.update(out, final=True)
     if tail and on_text:
         on_text(tail)
@@ -329,9 +333,12 @@ def finish_reason(out: list[int], req: Request, state: ServeState, detok: Detok,
     return "length"
 
 
-def usage(req: Request, out: list[int]) -> dict:
+def usage(req: Request, out: list[int], record: dict | None = None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt's leading
+    positions every stage took from its prefix cache (not prefilled again)."""
     return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(out),
-            "total_tokens": len(req.prompt_ids) + len(out)}
+            "total_tokens": len(req.prompt_ids) + len(out),
+            "prompt_tokens_details": {"cached_tokens": int((record or {}).get("cached_tokens") or 0)}}
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -377,7 +384,7 @@ def build_app(state: ServeState):
             choice = {"index": 0, "text": detok.text, "finish_reason": reason, "logprobs": None}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": state.model_id, "choices": [choice],
-                             "usage": usage(req, out), "system_fingerprint": None})
+                             "usage": usage(req, out, record), "system_fingerprint": None})
 
     async def chat_completions(request):
         return await completion(request, chat=True)
@@ -393,7 +400,8 @@ def build_app(state: ServeState):
         stages = await ring_health(state)
         ok = all(s["ok"] for s in stages)
         return JSONResponse({"status": "ok" if ok else "degraded", "model": state.model_id, "stages": stages,
-                             "active_requests": state.active, "served_requests": state.served},
+                             "active_requests": state.active, "served_requests": state.served,
+                             "prefix_cache": state.prefix_cache, "cached_tokens": state.cached_tokens},
                             status_code=200 if ok else 503)
 
     async def not_found(request, exc):
@@ -452,7 +460,7 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
                 yield chunk(reason=finish_reason(out, req, state, detok, record))
                 if req.include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                                 "choices": [], "usage": usage(req, out)}) + "\n\n"
+                                                 "choices": [], "usage": usage(req, out, record)}) + "\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -531,7 +539,7 @@ async def ring_health(state: ServeState) -> list[dict]:
             entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
                          and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
                          **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
-                                                    "draining", "batching")})
+                                                    "draining", "batching", "prefix_cache")})
         except (SwarmError, trio.TooSlowError) as exc:
             entry["error"] = str(exc) or "no answer within 5 s"
         results[i] = entry
@@ -545,14 +553,16 @@ async def ring_health(state: ServeState) -> list[dict]:
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    prefix_cache: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Check the ring, then serve the API on ``host:port`` until cancelled.
 
     With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
     DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
 
     ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening. At most
-    ``max_concurrency`` requests run on the ring at once; more wait for a free slot.
+    ``max_concurrency`` requests run on the ring at once; more wait for a free slot. With
+    ``prefix_cache`` (default) each request offers its prompt to the stages' prefix caches: a chat's
+    next turn, or a system prompt shared by many requests, is prefilled only past what they hold.
 
     Raises:
         ConfigError / ModelError / StageLost: the model or the ring is not usable (checked first).
@@ -596,7 +606,8 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            model_dir=resolved.path, num_layers=num_layers, model_digest=digest,
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
-                           wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery)
+                           wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
+                           prefix_cache=prefix_cache)
         state.pool = ClientPool(state, max_concurrency)
         config = HyperConfig()
         config.bind = [f"{host}:{port}"]

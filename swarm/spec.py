@@ -228,6 +228,20 @@ class SpecLoop:
             self.stats.decode_committed += len(new)
         return new
 
+    def skip_prefix(self, reused: int) -> None:
+        """Start the prefill at position ``reused``: every stage already holds the KV of positions
+        ``[0, reused)`` (its prefix cache, issue 17), so those rows are not sent. Only before the first
+        chunk, and never the prompt's last position (its row gives the first new token).
+
+        Raises:
+            ConfigError: chunks were sent already, or ``reused`` is not in ``[0, prompt_len)``.
+        """
+        if self._next_id or self.sent_len:
+            raise ConfigError("internal: a prefix can only be skipped before the first chunk")
+        if not 0 <= reused < self.prompt_len:
+            raise ConfigError(f"internal: cannot reuse {reused} positions of a {self.prompt_len}-token prompt")
+        self.sent_len = reused
+
     def restart(self) -> None:
         """Start over on a fresh session (after a heal): forget speculation and in-flight chunks,
         bump the epoch, and re-feed prompt + committed output except the last committed token

@@ -48,9 +48,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # a warm spare's copy of the stage: fill the KV cache from refill frames, no `next`, send nothing
     # on until a repair promotes it), mirror + mirror_until (the successor's shadow's multiaddr and
     # end layer: copy every forward sent on to it as a refill frame). sig: the coordinator's signature
-    # of the assignment (receipts.assignment_bytes)
+    # of the assignment (receipts.assignment_bytes); prefix ({"ids", "ns"}: reuse cached KV of the
+    # prompt's leading blocks, see _check_prefix)
     "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
-    "open_ok": {"session": _STR},
+    "open_ok": {"session": _STR},  # optional: reused (positions [0, n) taken from the prefix cache)
     # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the
     # LM head and answers only for rows [n, pos + T); absent: every row
     "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
@@ -68,7 +69,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # optional: mirrored (with repair mirror: positions [0, n) the mirror had delivered)
     "repair_ok": {"session": _STR, "kv_len": _INT, "resent": _INT},
     "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
-    "close": {"session": _STR},
+    "close": {"session": _STR},  # optional: keep (the committed ids: cache the KV of their blocks)
     "cancel": {"session": _STR, "epoch": _INT},
     "progress": {"session": _STR},
     "progress_ok": {"session": _STR, "received": _SIGNED, "sent": _SIGNED},
@@ -214,6 +215,13 @@ def validate(msg: Any) -> dict:
             check_job_field(msg["job"])
         except ValueError as exc:
             raise ProtocolError(f"open frame: {exc}") from None
+    if kind == "open" and msg.get("prefix") is not None:
+        _check_prefix(msg["prefix"])
+    if kind == "close" and msg.get("keep") is not None:
+        _check_ids(msg["keep"], "close frame field 'keep'")
+    if kind == "open_ok" and msg.get("reused") is not None and (
+            type(msg["reused"]) is not int or not 0 <= msg["reused"] <= MAX_INT):
+        raise ProtocolError("open_ok frame field 'reused' must be an integer >= 0")
     session = msg.get("session")
     if "session" in msg and not isinstance(session, str):
         raise ProtocolError(f"{kind} frame field 'session' must be a string")
@@ -252,6 +260,28 @@ def validate(msg: Any) -> dict:
         if kind == "forward" and "tokens" in msg and lf > msg["pos"] + len(msg["tokens"]):
             raise ProtocolError(f"forward frame 'logits_from' {lf} lies past its last row")
     return msg
+
+
+MAX_PREFIX_NS_CHARS = 128
+
+
+def _check_ids(ids: Any, where: str) -> None:
+    if not isinstance(ids, list) or len(ids) > MAX_TOKENS_PER_FRAME:
+        raise ProtocolError(f"{where} must be a list of at most {MAX_TOKENS_PER_FRAME} token ids")
+    if not all(type(x) is int and 0 <= x <= MAX_INT for x in ids):
+        raise ProtocolError(f"{where} must hold token ids (integers >= 0)")
+
+
+def _check_prefix(prefix: Any) -> None:
+    """An open frame's ``prefix``: ``{"ids": [...], "ns": str}``, the session's prompt ids (the stage
+    may reuse cached KV of their leading blocks) and the coordinator's fingerprint of the stages before
+    this one (their PeerIds, layers, dtypes and the wire dtype), which scopes what may be reused."""
+    if not isinstance(prefix, dict) or set(prefix) != {"ids", "ns"}:
+        raise ProtocolError("open frame field 'prefix' must be a map of 'ids' and 'ns'")
+    _check_ids(prefix["ids"], "open frame field 'prefix.ids'")
+    ns = prefix["ns"]
+    if not isinstance(ns, str) or not 0 < len(ns) <= MAX_PREFIX_NS_CHARS:
+        raise ProtocolError(f"open frame field 'prefix.ns' must be a string of 1..{MAX_PREFIX_NS_CHARS} characters")
 
 
 def encode_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> dict:

@@ -162,3 +162,29 @@ def test_shadow_and_mirror_fields_validated(tmp_path):
         wire.validate(wire.repair_frame(key, "s", 2, next_addr=addr, mirror=True))
     with pytest.raises(ProtocolError, match="must be true or false"):
         wire.validate({**ok, "mirror": 1})
+
+
+@pytest.mark.parametrize("prefix,ok", [
+    ({"ids": [1, 2, 3], "ns": "ab"}, True), ({"ids": [], "ns": "ab"}, True),
+    ({"ids": [1, -2], "ns": "ab"}, False), ({"ids": [1, 2.0], "ns": "ab"}, False), ({"ids": [True], "ns": "x"}, False),
+    ({"ids": [1], "ns": ""}, False), ({"ids": [1], "ns": "x" * 129}, False), ({"ids": [1]}, False),
+    ({"ids": [1], "ns": "x", "more": 1}, False), ([1, 2], False), ({"ids": "12", "ns": "x"}, False),
+])
+def test_open_frame_prefix_checked(prefix, ok):
+    msg = wire.frame("open", session="s", next=None, max_len=4, sig="00", prefix=prefix)
+    if ok:
+        assert wire.validate(msg) is msg
+    else:
+        with pytest.raises(ProtocolError, match="prefix"):
+            wire.validate(msg)
+
+
+def test_close_keep_and_open_ok_reused_checked():
+    assert wire.validate(wire.frame("close", session="s", keep=[1, 2, 3]))
+    assert wire.validate(wire.frame("open_ok", session="s", reused=64))
+    for bad in ([1, "2"], "123", [-1], list(range(wire.MAX_TOKENS_PER_FRAME + 1))):
+        with pytest.raises(ProtocolError, match="keep"):
+            wire.validate(wire.frame("close", session="s", keep=bad))
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(ProtocolError, match="reused"):
+            wire.validate(wire.frame("open_ok", session="s", reused=bad))

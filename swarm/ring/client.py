@@ -79,33 +79,67 @@ class RingClient(LinksMixin, ProbeMixin):
         self.head_mirrors: dict = {}
         self._lost_gens: set[int] = set()  # connections whose stream ended (a shadow's is not in the ring)
         self.last_repair: dict = {}  # how the last repair_session rebuilt the replacement (see there)
+        self.prefixed: set[str] = set()  # sessions opened with a prefix: a replacement stage gets one too
 
     # ---- sessions and chunks --------------------------------------------------------------------
 
     async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
-                           wire_dtype: str | None = None, job: dict | None = None, shadow: bool = False) -> None:
+                           wire_dtype: str | None = None, job: dict | None = None, shadow: bool = False,
+                           prefix_ids: list[int] | None = None) -> int:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
         receipt digests for the session, and so does this client (``ledgers``). With ``shadow``, the
         session is first opened as a shadow at the warm spares in ``shadows`` (each position's
-        predecessor then mirrors what it sends on to it; this client mirrors the head's token ids)."""
+        predecessor then mirrors what it sends on to it; this client mirrors the head's token ids).
+        With ``prefix_ids`` (the prompt), each stage may fill the session's KV cache from its prefix
+        cache (docs/protocol.md, "Prefix reuse").
+
+        Returns:
+            positions ``[0, n)`` every stage already holds (0 without ``prefix_ids``, or with a shadow:
+            a shadow holds no prefix): the prefill starts at ``n``.
+        """
         if job is not None:
             self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
         opened = await self.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
         mirrors = {i - 1: (link.spec.addr, link.info.layers[1]) for i, link in opened.items() if i > 0}
-        await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job, mirrors=mirrors)
+        reused = await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job,
+                                    mirrors=mirrors, prefix_ids=[] if opened and prefix_ids is not None else prefix_ids)
         if 0 in opened:
             self.start_head_mirror(session, opened[0])
         self.returned[session] = -1
         self.sent[session] = -1
+        return reused
+
+    def prefix_namespace(self, index: int, wire_dtype: str | None) -> str:
+        """What scopes the prefix cache of the stage at ring ``index``: a digest of the model, the wire
+        dtype and the stages before it (PeerId, layers, dtype): the hidden states it receives depend
+        on all of them, so KV cached behind another path is never reused (the stage adds its own
+        layers, dtype, GEMM tile and this coordinator's PeerId)."""
+        import hashlib
+
+        upstream = [[x.peer_id, list(x.layers), x.dtype] for x in self.infos[:index]]
+        text = repr([self._model_digest, wire_dtype or "stage", upstream])
+        return hashlib.sha256(text.encode()).hexdigest()
 
     async def open_at(self, positions, session: str, max_len: int, sampling: dict | None = None,
-                      wire_dtype: str | None = None, job: dict | None = None, mirrors: dict | None = None) -> None:
+                      wire_dtype: str | None = None, job: dict | None = None, mirrors: dict | None = None,
+                      prefix_ids: list[int] | None = None) -> int:
         """Open ``session`` at the stages at ring ``positions`` (consecutive), last first so each
         successor exists before it is dialed; each is told its successor and predecessor as the
         ring stands now (a heal opens only its replacement this way). ``mirrors``: ring position ->
-        (multiaddr, end layer) of the shadow of its successor, which it mirrors to."""
+        (multiaddr, end layer) of the shadow of its successor, which it mirrors to. ``prefix_ids``:
+        the prompt, for the stages' prefix caches.
+
+        Returns:
+            the fewest leading positions any of those stages took from its prefix cache (0 without
+            ``prefix_ids``).
+        """
         n = len(self.links)
+        reused = []
+        if prefix_ids is not None:
+            self.prefixed.add(session)
+        elif session in self.prefixed:  # a heal's replacement: it holds no prefix, but keeps the session's KV
+            prefix_ids = []
         for i in sorted(positions, reverse=True):
             nxt = self.links[i + 1].spec.addr if i + 1 < n else None
             extra = {"sampling": sampling} if sampling and nxt is None else {}
@@ -118,20 +152,28 @@ class RingClient(LinksMixin, ProbeMixin):
             extra["layers"] = list(self.links[i].info.layers)
             if mirrors and i in mirrors:
                 extra["mirror"], extra["mirror_until"] = mirrors[i]
+            if prefix_ids is not None:
+                extra["prefix"] = {"ids": list(prefix_ids), "ns": self.prefix_namespace(i, wire_dtype)}
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
-            await self._expect(i, "open_ok", session)
+            ok = await self._expect(i, "open_ok", session)
+            reused.append((ok.get("reused") or 0) if prefix_ids else 0)  # [] (a replacement) reuses nothing
+        return min(reused, default=0)
 
-    async def close_session(self, session: str, timeout_s: float = 5.0) -> None:
-        """Ask every stage to drop ``session`` (best effort)."""
+    async def close_session(self, session: str, timeout_s: float = 5.0, keep: list[int] | None = None) -> None:
+        """Ask every stage to drop ``session`` (best effort). ``keep``: the session's committed ids
+        (prompt + output); each stage then caches the KV of their leading blocks for a later prompt
+        that starts with them (its prefix cache; a stage without one ignores it)."""
+        close = wire.frame("close", session=session, **({"keep": list(keep)} if keep else {}))
         for link in self.links:
             try:
-                await link.data.send(wire.frame("close", session=session), timeout_s=timeout_s)
+                await link.data.send(close, timeout_s=timeout_s)
             except SwarmError:
                 pass
         self.returned.pop(session, None)
         self.sent.pop(session, None)
+        self.prefixed.discard(session)
         self.ledgers.pop(session, None)
         self.segments.pop(session, None)
         self.repaired_epoch.pop(session, None)

@@ -61,6 +61,12 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self.move_to: LayerRange | None = None  # set by a rebalance: restart on this block after the drain
         self.announcer = None  # swarm.discovery.announce.Announcer while the stage announces
         self.reachable: bool | None = None  # what the dial-back found (None: not asked, or no answer)
+        self._storing: set = set()  # trio.Events of sessions' KV being kept in the prefix cache now
+        self.prefix = None  # swarm.stage.prefix.PrefixStore: finished sessions' KV as reusable blocks
+        if config.prefix_cache_mb > 0:
+            from swarm.stage.prefix import PrefixStore
+
+            self.prefix = PrefixStore(config.prefix_block, budget_bytes=self._prefix_allowed)
         if config.max_ctx is not None:
             if config.max_ctx > block.max_ctx:
                 raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
@@ -79,6 +85,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                       "prefill_slice": self.config.prefill_slice,
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
             kernels=self.kernels,
+            prefix_cache=self.prefix_stats(),
             hops=[s.hop_state() for s in list(self.successors.values()) if not s.closed],
             timing=dict(self.timing),
         )
@@ -169,6 +176,8 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             else:
                 self.sessions.pop(msg["session"], None)
                 log.info("session.close session=%s", msg["session"])
+                if sess is not None and msg.get("keep") and self.prefix is not None and sess.prefix_ns:
+                    self.nursery.start_soon(self._keep_prefix, sess, msg["keep"])
                 await stream.send(wire.frame("close_ok", session=msg["session"]))
         else:
             raise ProtocolError(f"a stage does not accept {kind!r} frames")
@@ -235,6 +244,8 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 raise ContextOverflow(
                     f"the session needs {_mib(need)} of KV cache for {max_len} positions, more than this stage's "
                     f"whole KV budget of {self.config.kv_budget_mb:g} MiB (--kv-budget-mb); ask for fewer positions")
+            if self.prefix is not None and held + need + self.prefix.nbytes > budget:
+                self.prefix.evict_to(max(0, budget - held - need))  # cold prefixes make room, live sessions never
             if held + need > budget:
                 log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
                 await stream.send(wire.error_frame(
@@ -269,13 +280,85 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             if session.next_stream is None:
                 return
         session.shadow = shadow
+        if msg.get("prefix") is not None and self.prefix is not None and not shadow:
+            await self._reuse_prefix(session, msg["prefix"])
         self.sessions[sid] = session
         if mirror is not None:  # dialed in the background: a slow shadow never delays this open
             session.mirror = Mirror(sid, mirror, msg["mirror_until"])
             self.nursery.start_soon(self._run_mirror, session, session.mirror)
         log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, span, next_addr, max_len,
                  " shadow" if shadow else "", f" mirror={mirror}" if mirror else "")
-        await stream.send(wire.frame("open_ok", session=sid))
+        reused = {"reused": session.reused} if session.prefix_ns else {}
+        await stream.send(wire.frame("open_ok", session=sid, **reused))
+
+    # ---- prefix cache (issue 17) ---------------------------------------------------------------
+
+    def _prefix_allowed(self) -> int:
+        """Bytes the prefix cache may hold now: ``--prefix-cache-mb``, and within ``--kv-budget-mb``
+        what live sessions do not reserve."""
+        allowed = int(self.config.prefix_cache_mb * 2**20)
+        if self.config.kv_budget_mb is not None:
+            held = sum(s.reserved for s in list(self.sessions.values()))
+            allowed = min(allowed, max(0, int(self.config.kv_budget_mb * 2**20) - held))
+        return allowed
+
+    def prefix_stats(self) -> dict | None:
+        """The prefix cache's counters (``info`` and ``/health``), None when it is off."""
+        if self.prefix is None:
+            return None
+        return {**self.prefix.stats, "budget_bytes": self._prefix_allowed(), "block_tokens": self.config.prefix_block}
+
+    def _prefix_namespace(self, sess: Session, upstream: str) -> str:
+        """What a session's cached blocks are scoped by: the coordinator's fingerprint of the path
+        before this stage (``upstream``), the coordinator's PeerId (it alone vouches for the ids),
+        and what decides this stage's bits: weights, layers, dtype, GEMM tile."""
+        import hashlib
+
+        b = self.block
+        text = repr([upstream, sess.coordinator, b.digest_of(sess.span), sess.span.as_list(), str(b.dtype),
+                     self._tile_of(sess)])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    async def _reuse_prefix(self, sess: Session, prefix: dict) -> None:
+        """Fill a new session's KV cache from the prefix cache: the leading whole blocks of the
+        prompt ``prefix["ids"]`` that this stage holds, never the prompt's last position (its row
+        gives the first token). Checked block by block (a corrupt one ends the reuse there and is
+        dropped). Sets ``sess.reused``; the coordinator starts the prefill at the fewest any stage
+        reused, rolling the others back to it."""
+        store, ids = self.prefix, prefix["ids"]
+        sess.prefix_ns = self._prefix_namespace(sess, prefix["ns"])
+        if self._storing and ids:  # a session closed just before (a chat's previous turn) is still being kept
+            with trio.move_on_after(5.0):
+                for done in list(self._storing):
+                    await done.wait()
+        keys = store.lookup(sess.prefix_ns, ids, max(0, len(ids) - 1))
+        if not keys:
+            return
+        store.pin(keys)
+        try:
+            sess.reused = await trio.to_thread.run_sync(store.load, keys, sess.cache, limiter=self._compute)
+        finally:
+            store.unpin(keys)
+        log.info("prefix.reused session=%s positions=%d", sess.session_id, sess.reused)
+
+    async def _keep_prefix(self, sess: Session, keep: list[int]) -> None:
+        """After a session closed: keep the KV of the whole blocks of ``keep`` (its committed ids) that
+        its cache computed, rows ``[0, len(keep) - 1)`` (the last committed token was never fed).
+        Under the compute limiter, so no step is writing this cache meanwhile."""
+        def store() -> int:
+            return self.prefix.store(sess.prefix_ns, keep, sess.cache, min(sess.cache.kv_len, len(keep) - 1))
+
+        done = trio.Event()
+        self._storing.add(done)
+        try:
+            stored = await trio.to_thread.run_sync(store, limiter=self._compute)
+        except Exception:  # a cache that cannot be kept costs a later prefill, never this stage
+            log.exception("prefix.store_failed session=%s", sess.session_id)
+            return
+        finally:
+            self._storing.discard(done)
+            done.set()
+        log.debug("prefix.stored session=%s blocks=%d", sess.session_id, stored)
 
     async def _forward(self, stream, msg: dict) -> None:
         """Check a forward (or refill) frame and queue it for the scheduler (:meth:`scheduler`).

@@ -131,6 +131,8 @@ class Session:
     # from the refill frames its predecessor mirrors, sends nothing on, until a repair promotes it
     shadow: bool = False
     mirror: object = None  # swarm.mirror.Mirror: copies of the forwards sent on, to the successor's shadow
+    prefix_ns: str | None = None  # the prefix-cache namespace (open frame named a prefix), else None
+    reused: int = 0  # positions [0, reused) of the KV cache came from the prefix cache at open
 
     @property
     def is_head(self) -> bool:

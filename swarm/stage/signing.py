@@ -38,7 +38,7 @@ class SigningMixin:
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
-            positions=sess.positions)
+            positions=sess.positions, reused=sess.reused)
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(self.key, data))

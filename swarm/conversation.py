@@ -1,0 +1,94 @@
+"""A conversation kept in a file across ``swarm coordinate --session FILE`` invocations.
+
+Owns: the session file (JSON, version 1): the model, its manifest digest, whether it is a chat, the
+messages so far (chat) and every committed token id so far (prompt + answers). Each invocation
+appends the new prompt: with ``--chat`` as a user message rendered with the whole history through
+the chat template, else as plain text tokenized without special tokens after the ids so far. The
+stages' prefix caches then hold most of that prompt already (issue 17): only the new part is
+prefilled. Written atomically (temp file + rename), so an interrupted run leaves the old file.
+
+May import: json, ``swarm.errors``, ``swarm.chat`` (lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.errors import ConfigError
+
+VERSION = 1
+
+
+@dataclass
+class Conversation:
+    """One conversation: ``messages`` (chat) and ``ids`` (every committed token so far)."""
+
+    path: Path
+    model: str
+    model_digest: str
+    chat: bool
+    messages: list[dict] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, path, *, model: str, model_digest: str, chat: bool) -> Conversation:
+        """The conversation in ``path``, or a new one when the file does not exist.
+
+        Raises:
+            ConfigError: the file is not a session file, or belongs to another model or mode.
+        """
+        path = Path(path)
+        if not path.exists():
+            return cls(path, model, model_digest, chat)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--session {path}: not a readable session file ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("version") != VERSION:
+            raise ConfigError(f"--session {path}: not a swarm session file (version {VERSION})")
+        if doc.get("model_digest") != model_digest:
+            raise ConfigError(f"--session {path} is a conversation with {doc.get('model')!r} "
+                              f"(digest {str(doc.get('model_digest'))[:16]}); this ring serves {model!r}")
+        if bool(doc.get("chat")) != chat:
+            raise ConfigError(f"--session {path} was {'a chat (--chat)' if doc.get('chat') else 'plain text'}: "
+                              f"continue it {'with' if doc.get('chat') else 'without'} --chat")
+        ids, messages = doc.get("ids"), doc.get("messages")
+        if not (isinstance(ids, list) and all(type(x) is int and x >= 0 for x in ids) and isinstance(messages, list)
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages)):
+            raise ConfigError(f"--session {path}: malformed 'ids' or 'messages'")
+        return cls(path, model, model_digest, chat, messages, ids)
+
+    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
+        """The ids of the next turn's prompt: the history plus ``prompt``.
+
+        Raises:
+            ConfigError: the prompt is empty, or the chat template fails.
+        """
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        if self.chat:
+            from swarm.chat import ChatTemplateError, encode_chat
+
+            if not getattr(tokenizer, "chat_template", None):
+                raise ConfigError("--chat was given but this model's tokenizer has no chat template")
+            try:
+                return encode_chat(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
+            except ChatTemplateError as exc:
+                raise ConfigError(str(exc)) from None
+        new = list(tokenizer(prompt, add_special_tokens=not self.ids)["input_ids"])
+        return self.ids + new
+
+    def record(self, prompt: str, prompt_ids: list[int], output_ids: list[int], answer: str) -> None:
+        """Add a finished turn and write the file (atomically)."""
+        if self.chat:
+            self.messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        self.ids = list(prompt_ids) + list(output_ids)
+        doc = {"version": VERSION, "model": self.model, "model_digest": self.model_digest, "chat": self.chat,
+               "messages": self.messages, "ids": self.ids}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.path)

@@ -1,0 +1,71 @@
+"""``swarm coordinate --session FILE``: a conversation continued across invocations, on SmolLM2 over
+an in-process 3-stage ring, each turn reusing the stages' prefix caches (resumed == fresh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from swarm.config import CoordinatorConfig
+from swarm.conversation import Conversation
+from swarm.coordinator import generate
+from swarm.errors import ConfigError, collapse
+from tests.ring_util import start_ring
+
+QUESTIONS = ["Name a color.", "And another one?", "Which is darker?", "Say it in French.", "Thanks, bye."]
+
+
+def _chat(model_dir, tmp_path, prefix_cache: bool, session) -> list[dict]:
+    async def main():
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model_dir, [(0, 10), (10, 20), (20, 30)], tmp_path,
+                                                 dtype="float32")
+                results = []
+                for q in QUESTIONS:  # one generate() per turn, as one `swarm coordinate` invocation each
+                    config = CoordinatorConfig(ring=spec, max_new_tokens=8, chat=True, key_path=tmp_path / "c.key",
+                                               receipt_dir=None, prefix_cache=prefix_cache, session_file=session)
+                    results.append(await generate(config, q))
+                nursery.cancel_scope.cancel()
+        return results
+
+    try:
+        return trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+
+
+def test_a_five_turn_chat_resumes_from_the_file_and_the_prefix_caches(smollm2_dir, tmp_path):
+    fresh = _chat(smollm2_dir, tmp_path / "a", False, tmp_path / "fresh.json")
+    resumed = _chat(smollm2_dir, tmp_path / "b", True, tmp_path / "chat.json")
+    assert [r["output_ids"] for r in resumed] == [r["output_ids"] for r in fresh]
+    assert [r["prompt_ids"] for r in resumed] == [r["prompt_ids"] for r in fresh]
+    assert all(r["cached_tokens"] == 0 for r in fresh)
+    assert resumed[0]["cached_tokens"] == 0
+    for prev, r in zip(resumed, resumed[1:]):  # at least the previous turn's prompt, in whole 32-position blocks
+        assert r["cached_tokens"] >= (len(prev["prompt_ids"]) - 1) // 32 * 32 > 0, r["cached_tokens"]
+    doc = json.loads((tmp_path / "chat.json").read_text())
+    assert [m["role"] for m in doc["messages"]] == ["user", "assistant"] * 5
+    assert [m["content"] for m in doc["messages"][::2]] == QUESTIONS
+    assert doc["ids"] == resumed[-1]["prompt_ids"] + resumed[-1]["output_ids"]
+    assert resumed[-1]["session_file"] == str(tmp_path / "chat.json")
+
+
+def test_a_session_file_of_another_model_or_mode_is_refused(tmp_path):
+    path = tmp_path / "s.json"
+    conv = Conversation.open(path, model="m", model_digest="d" * 64, chat=False)
+    conv.ids = [1, 2]
+    conv.record("hi", [1, 2, 3], [4], "x")
+    assert json.loads(path.read_text())["ids"] == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="conversation with 'm'"):
+        Conversation.open(path, model="other", model_digest="e" * 64, chat=False)
+    with pytest.raises(ConfigError, match="without --chat"):
+        Conversation.open(path, model="m", model_digest="d" * 64, chat=True)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable session file"):
+        Conversation.open(path, model="m", model_digest="d" * 64, chat=False)
+    path.write_text(json.dumps({"version": 1, "model_digest": "d" * 64, "chat": False, "ids": [-1], "messages": []}))
+    with pytest.raises(ConfigError, match="malformed"):
+        Conversation.open(path, model="m", model_digest="d" * 64, chat=False)

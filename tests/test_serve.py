@@ -114,6 +114,28 @@ def test_completion_equals_transformers_greedy(stories):
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_a_repeated_prompt_reuses_the_stages_prefix_caches(stories):
+    """The second request with the same long prompt prefills only past the cached blocks, reports
+    them as ``cached_tokens`` and answers the same; the chat-style continuation does too."""
+    server, d = stories
+    prompt = ("Once upon a time there was a little girl named Lily. She liked to play in the park with her "
+              "friends. One day she found a shiny red ball under a big tree, and she ran to show her mom.")
+    n = len(_ids(d, prompt))
+    assert n > 40
+    first = server.client.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0)
+    again = server.client.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.choices[0].text == _text(d, reference_greedy(d, _ids(d, prompt), 12, "float32"))
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 32 * 32 > 0
+    streamed = list(server.client.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 32 * 32
+    health = server.health()
+    assert health["prefix_cache"] is True and health["cached_tokens"] >= 2 * ((n - 1) // 32 * 32)
+    for stage in health["stages"]:
+        assert stage["prefix_cache"]["hits"] >= 2 and stage["prefix_cache"]["checksum_failures"] == 0
+
+
 def test_stop_strings_and_seeded_sampling(stories):
     server, d = stories
     full = server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=24,

@@ -8,7 +8,7 @@ import json
 import pytest
 import trio
 
-from swarm.config import CoordinatorConfig
+from swarm.config import CoordinatorConfig, SpecConfig
 from swarm.conversation import Conversation
 from swarm.coordinator import generate
 from swarm.errors import ConfigError, collapse
@@ -17,7 +17,7 @@ from tests.ring_util import start_ring
 QUESTIONS = ["Name a color.", "And another one?", "Which is darker?", "Say it in French.", "Thanks, bye."]
 
 
-def _chat(model_dir, tmp_path, prefix_cache: bool, session) -> list[dict]:
+def _chat(model_dir, tmp_path, prefix_cache: bool, session, spec_config=None) -> list[dict]:
     async def main():
         with trio.fail_after(600):
             async with trio.open_nursery() as nursery:
@@ -26,7 +26,8 @@ def _chat(model_dir, tmp_path, prefix_cache: bool, session) -> list[dict]:
                 results = []
                 for q in QUESTIONS:  # one generate() per turn, as one `swarm coordinate` invocation each
                     config = CoordinatorConfig(ring=spec, max_new_tokens=8, chat=True, key_path=tmp_path / "c.key",
-                                               receipt_dir=None, prefix_cache=prefix_cache, session_file=session)
+                                               receipt_dir=None, prefix_cache=prefix_cache, session_file=session,
+                                               **({"spec": spec_config} if spec_config else {}))
                     results.append(await generate(config, q))
                 nursery.cancel_scope.cancel()
         return results
@@ -46,6 +47,10 @@ def test_a_five_turn_chat_resumes_from_the_file_and_the_prefix_caches(smollm2_di
     assert resumed[0]["cached_tokens"] == 0
     for prev, r in zip(resumed, resumed[1:]):  # at least the previous turn's prompt, in whole 32-position blocks
         assert r["cached_tokens"] >= (len(prev["prompt_ids"]) - 1) // 32 * 32 > 0, r["cached_tokens"]
+    spec = SpecConfig(draft="ngram", k=4, depth=2)  # speculation on: the same ids again
+    speculated = _chat(smollm2_dir, tmp_path / "c", True, tmp_path / "spec.json", spec)
+    assert [r["output_ids"] for r in speculated] == [r["output_ids"] for r in fresh]
+    assert all(r["cached_tokens"] > 0 for r in speculated[1:])
     doc = json.loads((tmp_path / "chat.json").read_text())
     assert [m["role"] for m in doc["messages"]] == ["user", "assistant"] * 5
     assert [m["content"] for m in doc["messages"][::2]] == QUESTIONS

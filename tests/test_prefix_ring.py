@@ -267,3 +267,38 @@ def test_a_heal_during_a_resumed_request_stays_exact(synthetic, tmp_path, victim
         raise collapse(group) from None
     assert outs == fresh
     assert rec["cached_tokens"] > 0 and len(rec["heal_events"]) == 1
+
+
+def test_a_resumed_job_receipt_verifies_and_says_what_was_reused(synthetic, tmp_path):
+    import json
+
+    from swarm import receipts
+    from swarm.coordinator import write_job_receipt
+
+    model = synthetic("llama")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            spec, _ = await start_ring(nursery, model, RANGES, tmp_path, prefix_block=BLOCK)
+            key = load_or_create_key(tmp_path / "coord.key")
+            async with open_host(key, [LOOPBACK]) as host, trio.open_nursery() as inner:
+                ring = RingClient(host, spec, 30.0, 10.0)
+                digest = model_manifest_digest(model)
+                await ring.connect(4, digest, inner)
+                out1, _ = await decode(ring, TURNS[0], NEW, set(), prefix_cache=True)
+                prompt = TURNS[0] + out1 + TURNS[1]
+                job = {"id": "resumed-job", "nonce": receipts.new_nonce()}
+                out, rec = await decode(ring, prompt, NEW, set(), job=job, prefix_cache=True)
+                res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"), model=model.name,
+                                        model_digest=digest, num_layers=4, prompt_ids=prompt, output_ids=out,
+                                        ring=[i.entry() for i in ring.infos], record=rec)
+                inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+        return rec, res
+
+    rec, res = trio.run(main)
+    assert res["verified"], res
+    doc = json.loads(open(res["path"]).read())
+    receipts.verify_job(doc)
+    reused = [r.get("reused") for r in doc["stage_receipts"]]
+    assert rec["cached_tokens"] > 0 and all(n is not None and n >= rec["cached_tokens"] for n in reused), reused

@@ -11,8 +11,10 @@ worker thread (``--inline-step-ms 0``) in the same rounds. ``--floor`` adds, in 
 ring's layer blocks in this process (``blocks_tokens_per_s``: swarm's arithmetic against
 transformers) and in one process each chained by plain pipes (``pipe_ring_tokens_per_s``: what
 process boundaries alone cost here), and a ``decomposition`` of the ratio into those two and the
-rest (transport, framing, the stages' scheduling; ``bench/floor.py``). Usage: python
-bench/ring_overhead.py [--model smollm2-135m] [--tokens 64] [--rounds 3] [--compare-thread] [--floor]
+rest (transport, framing, the stages' scheduling; ``bench/floor.py``). ``--compare-metrics`` adds a
+ring whose stages export Prometheus metrics, scraped every second (issue 18: within 2%). Usage:
+python bench/ring_overhead.py [--model smollm2-135m] [--tokens 64] [--rounds 3] [--compare-thread]
+[--floor] [--compare-metrics]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +71,18 @@ async def ring_decode(spec, model_dir, prompt_ids, tokens, key) -> tuple[float, 
     return timing["tokens_per_s"], out
 
 
+def _scrape_every_second(urls: list[str], stop) -> None:
+    """What a Prometheus server does (at a high rate): GET every stage's /metrics once a second."""
+    import urllib.request
+
+    while not stop.wait(1.0):
+        for url in urls:
+            try:
+                urllib.request.urlopen(url, timeout=5).read()
+            except OSError:
+                pass
+
+
 def wire_bytes_per_token(hidden_size: int, num_stages: int, dtype: torch.dtype) -> dict:
     meta = dict(session="0" * 32, epoch=0, pos=1000, chunk=1000)
     head = len(encode_frame(wire.frame("forward", tokens=[12345], **meta)))
@@ -86,6 +101,9 @@ def main() -> None:
     ap.add_argument("--compare-thread", action="store_true",
                     help="also run a second ring whose stages compute every step in the worker thread "
                          "(--inline-step-ms 0), alternating with the first: ring_thread_tokens_per_s")
+    ap.add_argument("--compare-metrics", action="store_true",
+                    help="also run a ring whose stages export Prometheus metrics (--metrics-listen), scraped every "
+                         "second, in the same rounds: ring_metrics_tokens_per_s, ratio_metrics_vs_ring")
     ap.add_argument("--floor", action="store_true",
                     help="also time the ring's blocks in this process and in a ring of plain pipes (bench/floor.py)")
     args = ap.parse_args()
@@ -115,6 +133,15 @@ def main() -> None:
         if args.compare_thread:
             rings.append(stack.enter_context(LocalRing(args.model, ranges, tmp / "b", threads=1,
                                                        extra_args=["--dtype", "float32", "--inline-step-ms", "0"])))
+        metric_rates: list[float] = []
+        if args.compare_metrics:
+            metered = stack.enter_context(LocalRing(args.model, ranges, tmp / "m", threads=1, extra_args=[
+                "--dtype", "float32", "--metrics-listen", "127.0.0.1:0"]))
+            stop = threading.Event()
+            scraper = threading.Thread(target=_scrape_every_second, daemon=True,
+                                       args=([sp.ready["metrics_url"] for sp in metered.stages], stop))
+            scraper.start()
+            stack.callback(stop.set)
         key = load_or_create_key(tmp / "coord.key")
         for _ in range(args.rounds):
             single.append(single_decode(model, prompt_ids, args.tokens))
@@ -124,7 +151,10 @@ def main() -> None:
                     rate, out = fn()
                     rates.append(rate)
                     outputs.append(out)
-            for ring, rates in zip(rings, (ring_rates, thread_rates)):
+            pairs = list(zip(rings, (ring_rates, thread_rates)))
+            if args.compare_metrics:
+                pairs.append((metered, metric_rates))
+            for ring, rates in pairs:
                 try:
                     rate, out = trio.run(ring_decode, ring.ring_spec(), resolved.path, prompt_ids, args.tokens, key)
                 except BaseExceptionGroup as group:
@@ -139,6 +169,10 @@ def main() -> None:
         extra = {"ring_thread_tokens_per_s": round(t, 2), "ratio_thread": round(t / s, 3),
                  "per_hop_overhead_thread_ms": round((1 / t - 1 / s) * 1000 / hops, 3),
                  "ring_thread_runs": [round(x, 2) for x in thread_rates]}
+    if metric_rates:
+        mr = statistics.median(metric_rates)
+        extra.update({"ring_metrics_tokens_per_s": round(mr, 2), "ratio_metrics_vs_ring": round(mr / r, 3),
+                      "ring_metrics_runs": [round(x, 2) for x in metric_rates]})
     if block_rates:
         b, p = statistics.median(block_rates), statistics.median(pipe_rates)
         extra.update({

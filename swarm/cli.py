@@ -91,6 +91,10 @@ def _stage_parser(sub) -> None:
                           "like an earlier one of the same coordinator (a chat's next turn, a shared system prompt) "
                           "skips their prefill; inside --kv-budget-mb, evicted least recently used before any "
                           "session is refused (default 512; 0: off)")
+    lim.add_argument("--metrics-listen", metavar="HOST:PORT",
+                     help="serve Prometheus metrics on http://HOST:PORT/metrics (sessions, queue, step time, "
+                          "frames and bytes, KV memory, refusals by reason, heals, receipts, prefix cache); no "
+                          "prompt text or key material in them. Bind a private address (default: off)")
     lim.add_argument("--prefix-block", type=int, default=32,
                      help="positions per prefix-cache block; reuse is in whole blocks (default 32)")
     lim.add_argument("--session-ttl-s", type=float, default=600.0, help="drop a session idle this long (default 600)")
@@ -411,6 +415,7 @@ def cmd_stage(args) -> int:
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
+                         metrics_listen=args.metrics_listen,
                          session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,

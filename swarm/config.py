@@ -49,6 +49,7 @@ class StageConfig:
     prefix_cache_mb: float = 512.0
     prefix_block: int = 32  # positions per prefix block (reuse is in whole blocks)
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
+    metrics_listen: str | None = None  # HOST:PORT of the Prometheus /metrics endpoint; None: none
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
     batch_tile: int = 2  # rows per fixed-shape GEMM of packed sessions (1: one GEMV per row; proven at start-up)
@@ -113,6 +114,11 @@ class StageConfig:
             raise ConfigError(f"--max-ctx must be >= 1 position, got {self.max_ctx}")
         if not 0 <= self.prefix_cache_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--prefix-cache-mb must be a finite number of MiB >= 0, got {self.prefix_cache_mb}")
+        if self.metrics_listen is not None:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise ConfigError(f"--metrics-listen must be HOST:PORT (e.g. 127.0.0.1:9100; port 0 picks one), "
+                                  f"got {self.metrics_listen!r}")
         block = self.prefix_block
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 4096:
             raise ConfigError(f"--prefix-block must be an integer in [1, 4096], got {self.prefix_block}")

@@ -88,6 +88,7 @@ class ServeState:
     discovery: tuple | None = None  # (SwarmDHT, weights id) when the ring was routed from the swarm's DHT
     prefix_cache: bool = True  # offer prompts to the stages' prefix caches (--no-prefix-cache: off)
     cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches
+    metrics: object = None  # swarm.metrics.ServeMetrics, set by serve_api
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -271,8 +272,12 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
         await state.pool.release(client, healthy)
         state.active -= 1
         state.served += 1
+        if state.metrics is not None and not healthy:
+            state.metrics.request_done("error")
     out, record = detok.ids, detok.record
     state.cached_tokens += int(record.get("cached_tokens") or 0)
+    if state.metrics is not None:
+        state.metrics.request_done("abandoned" if stop is not None and stop.is_set() else "ok", record, len(out))
     tail = detok.update(out, final=True)
     if tail and on_text:
         on_text(tail)
@@ -350,6 +355,8 @@ def build_app(state: ServeState):
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    from swarm.metrics import CONTENT_TYPE
+
     def error_response(err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
 
@@ -404,6 +411,9 @@ def build_app(state: ServeState):
                              "prefix_cache": state.prefix_cache, "cached_tokens": state.cached_tokens},
                             status_code=200 if ok else 503)
 
+    async def metrics(request):
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
     async def not_found(request, exc):
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
@@ -415,6 +425,7 @@ def build_app(state: ServeState):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ], exception_handlers={404: not_found, 405: not_allowed})
 
 
@@ -609,6 +620,9 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
                            prefix_cache=prefix_cache)
         state.pool = ClientPool(state, max_concurrency)
+        from swarm.metrics import ServeMetrics
+
+        state.metrics = ServeMetrics(state)
         config = HyperConfig()
         config.bind = [f"{host}:{port}"]
         config.accesslog = None

@@ -63,8 +63,36 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
             ready["relay_addrs"] = await nursery.start(hold_reservations, host.circuits, relays, host.peer_id)
         if membership is not None:
             ready.update(model_id=server.model_id, **await nursery.start(membership, server))
-        task_status.started(ready)
-        await trio.sleep_forever()
+        httpd = None
+        if server.config.metrics_listen:
+            httpd, ready["metrics_url"] = _serve_metrics(server, server.config.metrics_listen)
+        try:
+            task_status.started(ready)
+            await trio.sleep_forever()
+        finally:
+            if httpd is not None:
+                httpd.shutdown()
+                httpd.server_close()
+
+
+def _serve_metrics(server: StageServer, listen: str):
+    """prometheus_client's HTTP server (a thread) for the stage's registry on ``HOST:PORT`` (port 0:
+    any free one). Returns (the server, its /metrics URL).
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+    from prometheus_client import start_http_server
+
+    from swarm.errors import ConfigError
+
+    addr, _, port = listen.rpartition(":")
+    try:
+        httpd, _ = start_http_server(int(port), addr=addr.strip("[]"), registry=server.metrics.registry)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--metrics-listen {listen}: cannot listen there: {exc}") from None
+    host = addr if ":" not in addr else f"[{addr.strip('[]')}]"
+    return httpd, f"http://{host}:{httpd.server_port}/metrics"
 
 
 async def _drain_on_sigterm(server: StageServer, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -57,7 +57,7 @@ class OutboxMixin:
         try:
             return await self._successor(addr)
         except SwarmError as exc:
-            await stream.send(wire.error_frame(f"cannot reach successor {addr}: {exc}", "unavailable", sid))
+            await stream.send(self._error(f"cannot reach successor {addr}: {exc}", "unavailable", sid))
             return None
 
     async def _successor(self, addr: str):
@@ -161,7 +161,10 @@ class OutboxMixin:
                             timing = self.timing
                             timing["frames_out"] += 1
                             timing["outbox_s"] += t_send - posted
-                            timing["send_s"] += time.perf_counter() - t_send
+                            t_done = time.perf_counter()
+                            timing["send_s"] += t_done - t_send
+                            if self.metrics is not None:
+                                self.metrics.send_seconds.observe(t_done - posted)
                     finally:
                         self._in_flight -= 1
         finally:
@@ -175,7 +178,7 @@ class OutboxMixin:
         or ``--session-ttl-s``) drops the session when it does not heal."""
         sess.next_stream = None
         log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
-        err = wire.error_frame(f"stage {self.block.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
+        err = self._error(f"stage {self.block.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
                                "unavailable", sess.session_id)
         err["epoch"] = sess.epoch  # a coordinator that repaired the session since reads it as stale
         self._post(sess.reply, sess, err)

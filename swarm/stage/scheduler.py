@@ -170,6 +170,9 @@ class SchedulerMixin:
         self.stats["rows"] += rows
         self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
         self.stats["prefill_slices"] += piece is not None
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(t_end - t_start)
+            self.metrics.step_rows.observe(sum(n for _, _, n, _ in results))
         for sess, job, n, payload in results:
             job.done += n
             sess.positions += n

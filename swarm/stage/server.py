@@ -50,9 +50,17 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self.model_name = model_name
         self.model_digest = model_digest
         self.sessions: dict[str, Session] = {}
+        self.refusals: dict[str, int] = {}  # error frames sent, by reason (metrics)
+        self.repairs = 0  # heal repairs applied (metrics)
+        self.receipts_signed = 0
         self._in_flight = 0  # chunks being computed or frames waiting in an outbox (see idle())
         self._init_outboxes()
         self._init_scheduler()  # proves the kernels
+        self.metrics = None  # swarm.metrics.StageMetrics with --metrics-listen (its histograms cost a little per step)
+        if config.metrics_listen:
+            from swarm.metrics import StageMetrics
+
+            self.metrics = StageMetrics(self)
         self.host = None
         self.nursery = None  # background tasks (successor drains), set by serve()
         self.draining = False  # no new sessions; set by drain()
@@ -71,6 +79,14 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             if config.max_ctx > block.max_ctx:
                 raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
             block.max_ctx = config.max_ctx
+
+    def _error(self, reason: str, code: str = "bad_request", session: str | None = None,
+               why: str | None = None) -> dict:
+        """``wire.error_frame``, counted for the metrics by ``why`` (default: the code), e.g. busy,
+        forbidden, overflow, draining (``swarm_stage_refusals_total``)."""
+        key = why or code
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+        return wire.error_frame(reason, code, session)
 
     def info(self) -> dict:
         b = self.block
@@ -103,7 +119,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                     break
                 except ProtocolError as exc:  # the byte stream is broken: say why, then drop it
                     log.warning("frame.invalid peer=%s reason=%s", peer, exc)
-                    await self._try_send(stream, wire.error_frame(str(exc)))
+                    await self._try_send(stream, self._error(str(exc)))
                     break
                 await self.handle_frame(stream, msg)
         except StreamClosed as exc:  # we answered a peer that had already gone
@@ -129,12 +145,12 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         except (ProtocolError, ContextOverflow) as exc:
             log.warning("frame.rejected peer=%s reason=%s", getattr(stream, "remote_peer_id", "?"), exc)
             code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
-            await self._try_send(stream, wire.error_frame(str(exc), code, session=session_of(msg)))
+            await self._try_send(stream, self._error(str(exc), code, session=session_of(msg)))
         except (StreamClosed, trio.Cancelled):
             raise
         except Exception as exc:  # a bug reached by some frame: answer it, keep the stream and its sessions
             log.exception("frame.crashed peer=%s", getattr(stream, "remote_peer_id", "?"))
-            await self._try_send(stream, wire.error_frame(f"internal error: {type(exc).__name__}: {exc}"[:300],
+            await self._try_send(stream, self._error(f"internal error: {type(exc).__name__}: {exc}"[:300],
                                                           "internal", session=session_of(msg)))
 
     async def dispatch(self, stream, msg: dict) -> None:
@@ -147,7 +163,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         elif kind == "drain":
             if stream.remote_peer_id not in self.config.admins:
                 log.warning("drain.refused peer=%s", stream.remote_peer_id)
-                await stream.send(wire.error_frame(f"PeerId {stream.remote_peer_id} may not drain this stage "
+                await stream.send(self._error(f"PeerId {stream.remote_peer_id} may not drain this stage "
                                                    "(not in --admin)", "forbidden"))
                 return
             log.warning("drain.requested peer=%s", stream.remote_peer_id)
@@ -186,13 +202,13 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         sid, next_addr = msg["session"], msg["next"]
         coordinator = stream.remote_peer_id
         if self.draining:
-            await stream.send(wire.error_frame(f"stage {self.block.layer_range} is draining (shutting down) and "
-                                               "admits no new sessions", "unavailable", sid))
+            await stream.send(self._error(f"stage {self.block.layer_range} is draining (shutting down) and "
+                                          "admits no new sessions", "unavailable", sid, why="draining"))
             return
         allowed = self.config.allow_coordinators
         if allowed and coordinator not in allowed:
             log.warning("session.refused session=%s peer=%s reason=not-an-allowed-coordinator", sid, coordinator)
-            await stream.send(wire.error_frame(f"PeerId {coordinator} may not open sessions on this stage "
+            await stream.send(self._error(f"PeerId {coordinator} may not open sessions on this stage "
                                                "(not in --allow-coordinator)", "forbidden", sid))
             return
         if not receipts.assignment_ok(msg, coordinator):
@@ -248,7 +264,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 self.prefix.evict_to(max(0, budget - held - need))  # cold prefixes make room, live sessions never
             if held + need > budget:
                 log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
-                await stream.send(wire.error_frame(
+                await stream.send(self._error(
                     f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
                     f"(--kv-budget-mb) is taken: {len(others)} sessions hold {_mib(held)} and this one needs "
                     f"{_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
@@ -369,7 +385,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         kind, sid = msg["type"], msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
-            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         if stream.remote_peer_id != sess.source:
             await self._refuse(stream, sess, kind)
@@ -429,7 +445,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         sid = msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
-            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range} to repair",
+            await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range} to repair",
                                                "no_session", sid))
             return
         coordinator = stream.remote_peer_id
@@ -455,7 +471,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             if held < resend:
                 why = f" ({log_.broken})" if log_ is not None and log_.broken else \
                     " (it keeps none: --heal-log-mb)" if log_ is None and not tail else ""
-                await stream.send(wire.error_frame(
+                await stream.send(self._error(
                     f"stage {sess.span} holds the hidden states it sent for {held} positions{why}; the repair asks "
                     f"for {resend}", "no_state", sid))
                 return
@@ -464,14 +480,14 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             if mirror is None or mirror.addr != next_addr or not await mirror.promote():
                 why = "it mirrors to no shadow" if mirror is None else f"it mirrors to {mirror.addr}" \
                     if mirror.addr != next_addr else f"its mirror was dropped ({mirror.broken})"
-                await stream.send(wire.error_frame(f"stage {sess.span} cannot promote {next_addr}: {why}",
+                await stream.send(self._error(f"stage {sess.span} cannot promote {next_addr}: {why}",
                                                    "no_state", sid))
                 return
             new_stream, start = mirror.stream, min(mirror.end, resend)
             sess.mirror = None
             held = sess.sent_log.length if sess.sent_log is not None else 0
             if start < resend and held < resend:
-                await stream.send(wire.error_frame(
+                await stream.send(self._error(
                     f"stage {sess.span}: its mirror delivered {start} positions and it holds the hidden states it "
                     f"sent for {held}; the repair asks for {resend}", "no_state", sid))
                 return
@@ -502,6 +518,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         resent = max(0, (resend or 0) - start)
         log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d%s", sid, sess.epoch, prev,
                  next_addr, resent, sess.cache.kv_len, f" promoted_mirror=[0, {start})" if msg.get("mirror") else "")
+        self.repairs += 1
         ok = wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resent)
         if msg.get("mirror"):
             ok["mirrored"] = start
@@ -557,7 +574,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         sid = msg["session"]
         sess = self.sessions.get(sid)
         if sess is None:
-            await stream.send(wire.error_frame(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
+            await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         if stream.remote_peer_id != sess.source:
             await self._refuse(stream, sess, "receipt")
@@ -570,7 +587,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         """Fail a session without waiting on its coordinator: the error goes through the outbox."""
         self._forget(sess)
         log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, reason)
-        self._post(sess.reply, sess, wire.error_frame(f"stage {self.block.layer_range}: {reason}"[:300], code,
+        self._post(sess.reply, sess, self._error(f"stage {self.block.layer_range}: {reason}"[:300], code,
                                                       sess.session_id))
 
     def _forget(self, sess: Session) -> None:
@@ -588,7 +605,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             for sess in [s for s in self.sessions.values() if not s.busy and now - s.last_active > ttl]:
                 del self.sessions[sess.session_id]
                 log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.last_active)
-                await self._try_send(sess.reply, wire.error_frame(
+                await self._try_send(sess.reply, self._error(
                     f"stage {self.block.layer_range}: session {sess.session_id!r} expired after {ttl:g} s idle "
                     "(--session-ttl-s)", "no_session", sess.session_id))
 
@@ -605,9 +622,9 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         failed = list(self.sessions.values())
         for sess in failed:
             self.sessions.pop(sess.session_id, None)
-            await self._try_send(sess.reply, wire.error_frame(
+            await self._try_send(sess.reply, self._error(
                 f"stage {self.block.layer_range} is draining (shutting down): the session did not finish within "
-                f"{timeout_s:g} s", "unavailable", sess.session_id))
+                f"{timeout_s:g} s", "unavailable", sess.session_id, why="draining"))
         return {"layers": self.block.layer_range.as_list(), "sessions_finished": before - len(failed),
                 "sessions_failed": len(failed), "waited_s": round(trio.current_time() - t0, 3)}
 
@@ -616,7 +633,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         peer = stream.remote_peer_id
         log.warning("frame.refused type=%s session=%s peer=%s expected=%s", kind, sess.session_id, peer,
                     sess.source if kind in ("forward", "receipt") else sess.coordinator)
-        await self._try_send(stream, wire.error_frame(
+        await self._try_send(stream, self._error(
             f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from {peer}: "
             "the session was not assigned to that peer", "forbidden", sess.session_id))
 
@@ -625,7 +642,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
         self._forget(sess)
         log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, exc)
-        await self._try_send(sess.reply, wire.error_frame(f"stage {self.block.layer_range}: {exc}", code,
+        await self._try_send(sess.reply, self._error(f"stage {self.block.layer_range}: {exc}", code,
                                                           sess.session_id))
 
     async def _try_send(self, stream, msg: dict) -> None:

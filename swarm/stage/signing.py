@@ -42,6 +42,7 @@ class SigningMixin:
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(self.key, data))
+        self.receipts_signed += 1
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
         self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))

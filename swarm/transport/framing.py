@@ -25,6 +25,7 @@ import secrets
 import struct
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
@@ -185,6 +186,17 @@ _RAW_ERRORS = (
 )
 
 
+@dataclass
+class Meter:
+    """Frames and bytes (length prefix included, before Noise and Yamux) through every FramedStream
+    of one node, in and out: plain counters, read by the node's metrics (``swarm.metrics``)."""
+
+    frames_in: int = 0
+    bytes_in: int = 0
+    frames_out: int = 0
+    bytes_out: int = 0
+
+
 class FramedStream:
     """A message stream of msgpack maps over one raw (libp2p) stream.
 
@@ -207,7 +219,9 @@ class FramedStream:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         queue_frames: int = QUEUE_FRAMES,
         migrator: Any = None,
+        meter: Meter | None = None,
     ) -> None:
+        self.meter = meter  # frames and bytes in and out, summed over a node's streams (its metrics)
         self.raw = raw  # what the reader reads
         self._wraw = raw  # what send writes (another stream than ``raw`` only in the middle of a move)
         # swarm.transport.migrate.Migrator (or None: this stream never moves, and a peer's
@@ -279,6 +293,9 @@ class FramedStream:
                     # One write of header+body: Yamux slices it into frames itself.
                     await self._wraw.write(frame)
                     writing = False
+                    if self.meter is not None:
+                        self.meter.frames_out += 1
+                        self.meter.bytes_out += len(frame)
         except trio.TooSlowError:
             log.warning(
                 "hop.send_timeout peer=%s protocol=%s frame_bytes=%d timeout_s=%.2f partial=%s",
@@ -367,6 +384,9 @@ class FramedStream:
                 )
             length = decode_length_prefix(prefix, self.max_frame_bytes)
             body = await self._read_exact(length)
+            if self.meter is not None:
+                self.meter.frames_in += 1
+                self.meter.bytes_in += LENGTH_PREFIX_BYTES + length
             msg = decode_body(body or b"")
             if self.migrator is not None and msg.get("type") == MOVED:
                 await self._follow_move(msg.get("token"))

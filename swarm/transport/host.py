@@ -42,7 +42,7 @@ from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
 from swarm.transport import dataplane
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
 from swarm.transport.migrate import Migrator
-from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream
+from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream, Meter
 from swarm.transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class SwarmHost:
         # direct connection to the peer exists
         self.migrator = migrator
         self.bulk = bulk  # framed streams send large Yamux frames (swarm.transport.dataplane)
+        self.meter = Meter()  # frames and bytes through every framed stream of this host (metrics)
         # streams to one peer are negotiated one at a time (they share its connection); one lock
         # per peer, so a peer that does not answer delays only dials to itself
         self._open_locks: dict[str, trio.Lock] = {}
@@ -112,6 +113,7 @@ class SwarmHost:
                 protocol_id=protocol_id,
                 max_frame_bytes=max_frame_bytes,
                 migrator=self.migrator,
+                meter=self.meter,
             )
             if self.migrator is not None:
                 self.migrator.protect_if_relayed(stream)
@@ -242,6 +244,7 @@ class SwarmHost:
             protocol_id=protocol_id,
             max_frame_bytes=max_frame_bytes,
             migrator=self.migrator,
+            meter=self.meter,
         )
         stream.start(self._nursery)
         if self.migrator is not None:

@@ -1,0 +1,164 @@
+"""Prometheus metrics of a stage and of ``swarm serve`` (issue 18), with prometheus_client.
+
+Owns: ``StageMetrics`` and ``ServeMetrics``: each node has its own ``CollectorRegistry`` (several
+nodes may share a process in tests). Counters and gauges that the node already keeps (sessions, KV
+bytes, steps, frames and bytes of its streams, refusals, prefix cache) are read at scrape time by a
+collector, so they cost nothing per frame; histograms (step time, rows per step, send time, time to
+first token, inter-token latency) are observed where the event happens. Names and units follow the
+Prometheus conventions (``_seconds``, ``_bytes``, ``_total``). No label carries prompt text, token
+ids, session ids or key material: labels are fixed small sets (a refusal reason, a request status).
+
+``swarm stage --metrics-listen HOST:PORT`` serves a stage's on ``/metrics`` (prometheus_client's own
+HTTP server, in a thread); ``swarm serve`` serves its own on ``/metrics`` next to the API.
+
+May import: prometheus_client; it reads a StageServer / ServeState duck-typed (no import of them).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REFUSAL_REASONS = ("busy", "forbidden", "overflow", "draining", "bad_request", "no_session", "no_state",
+                   "unavailable", "internal")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class StageMetrics:
+    """A stage's metrics (``swarm_stage_*``). ``server`` is a StageServer; ``host`` its SwarmHost
+    (``meter``: frames and bytes of every framed stream), set when it serves."""
+
+    def __init__(self, server):
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.step_seconds = Histogram("swarm_stage_step_seconds", "Compute of one scheduling step (a packed forward)",
+                                      buckets=STEP_BUCKETS, registry=self.registry)
+        self.step_rows = Histogram("swarm_stage_step_rows", "Rows (positions of all sessions) one step computed",
+                                   buckets=ROW_BUCKETS, registry=self.registry)
+        self.send_seconds = Histogram("swarm_stage_send_seconds",
+                                      "Posting a computed frame to the next hop -> its write returned (outbox wait "
+                                      "and send)", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StageCollector(server))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StageCollector:
+    def __init__(self, server):
+        self.s = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.s
+        sessions = list(s.sessions.values())
+        budget = s.config.kv_budget_mb
+        yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
+        yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
+                     sum(len(x.queue) for x in sessions))
+        yield _gauge("swarm_stage_kv_used_bytes", "KV cache memory the open sessions hold",
+                     sum(x.cache.nbytes() for x in sessions))
+        yield _gauge("swarm_stage_kv_reserved_bytes", "KV memory the open sessions reserved (max_len positions)",
+                     sum(x.reserved for x in sessions))
+        yield _gauge("swarm_stage_kv_budget_bytes", "--kv-budget-mb in bytes (0: no limit)",
+                     int(budget * 2**20) if budget is not None else 0)
+        yield _gauge("swarm_stage_draining", "1 while the stage drains (admits no new session)", int(bool(s.draining)))
+        stats, timing = dict(s.stats), dict(s.timing)
+        yield _counter("swarm_stage_steps", "Scheduling steps computed", stats["steps"])
+        yield _counter("swarm_stage_batched_steps", "Steps that packed more than one session", stats["batched_steps"])
+        yield _counter("swarm_stage_rows", "Rows computed by all steps", stats["rows"])
+        yield _counter("swarm_stage_compute_seconds", "Seconds spent in forwards", timing.get("compute_s", 0.0))
+        meter = getattr(getattr(s, "host", None), "meter", None)
+        if meter is not None:
+            yield _counter("swarm_stage_frames_received", "Frames received on all streams", meter.frames_in)
+            yield _counter("swarm_stage_frames_sent", "Frames sent on all streams", meter.frames_out)
+            yield _counter("swarm_stage_received_bytes", "Frame bytes received (before Noise/Yamux)", meter.bytes_in)
+            yield _counter("swarm_stage_sent_bytes", "Frame bytes sent (before Noise/Yamux)", meter.bytes_out)
+        refused = CounterMetricFamily("swarm_stage_refusals", "Error frames sent, by reason", labels=["reason"])
+        counts = dict(s.refusals)
+        for reason in sorted(set(REFUSAL_REASONS) | set(counts)):
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
+        yield _counter("swarm_stage_repairs", "Heal repairs applied to surviving sessions", s.repairs)
+        yield _counter("swarm_stage_receipts_signed", "Stage receipts signed", s.receipts_signed)
+        prefix = s.prefix_stats()
+        if prefix is not None:
+            yield _gauge("swarm_stage_prefix_cache_blocks", "Prefix-cache blocks held", prefix["blocks"])
+            yield _gauge("swarm_stage_prefix_cache_bytes", "Prefix-cache bytes held", prefix["bytes"])
+            yield _counter("swarm_stage_prefix_cache_hits", "Prefix blocks reused", prefix["hits"])
+            yield _counter("swarm_stage_prefix_cache_lookups", "Prefix lookups at session open", prefix["lookups"])
+            yield _counter("swarm_stage_prefix_cache_evictions", "Prefix blocks evicted for room", prefix["evictions"])
+            yield _counter("swarm_stage_prefix_cache_checksum_failures", "Prefix blocks dropped for a bad checksum",
+                           prefix["checksum_failures"])
+
+
+class ServeMetrics:
+    """``swarm serve``'s metrics (``swarm_serve_*``): requests by status, tokens, time to first
+    token, inter-token latency, request time, heals, prefix reuse."""
+
+    def __init__(self, state):
+        self.state = state
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests: dict[str, int] = {}
+        self.ttft_seconds = Histogram("swarm_serve_time_to_first_token_seconds", "Request start -> first token",
+                                      buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_seconds = Histogram("swarm_serve_inter_token_seconds",
+                                             "Time between a request's committed tokens (decode)",
+                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_seconds = Histogram("swarm_serve_request_seconds", "Request start -> last token",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = 0
+        self.heals = 0
+        self.registry.register(_ServeCollector(self))
+
+    def request_done(self, status: str, record: dict | None = None, new_tokens: int = 0) -> None:
+        """Count a request by ``status`` (ok, error, abandoned, ...) and observe its timings."""
+        self.requests[status] = self.requests.get(status, 0) + 1
+        if record is None:
+            return
+        self.tokens += new_tokens
+        self.heals += len(record.get("heal_events") or [])
+        if record.get("ttft_s") is not None:
+            self.ttft_seconds.observe(record["ttft_s"])
+        if record.get("total_s") is not None:
+            self.request_seconds.observe(record["total_s"])
+        rate = record.get("tokens_per_s")
+        if rate:  # the decode's mean gap, once per token after the first
+            for _ in range(max(0, new_tokens - 1)):
+                self.inter_token_seconds.observe(1.0 / rate)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ServeCollector:
+    def __init__(self, m: ServeMetrics):
+        self.m = m
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m, st = self.m, self.m.state
+        requests = CounterMetricFamily("swarm_serve_requests", "Requests finished, by status", labels=["status"])
+        for status in sorted(set(m.requests) | {"ok", "error", "abandoned"}):
+            requests.add_metric([status], m.requests.get(status, 0))
+        yield requests
+        yield _gauge("swarm_serve_active_requests", "Requests on the ring now", st.active)
+        yield _counter("swarm_serve_tokens_generated", "New tokens of all requests", m.tokens)
+        yield _counter("swarm_serve_cached_prompt_tokens", "Prompt positions taken from the stages' prefix caches",
+                       st.cached_tokens)
+        yield _counter("swarm_serve_heal_events", "Heals during requests (a stage replaced mid-answer)", m.heals)
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,105 @@
+"""Prometheus metrics (issue 18): scrape a real stage process's /metrics and a real `swarm serve`'s
+after a few requests; the exposition parses with prometheus_client's parser, and the counters and
+histograms moved by exactly what the requests did."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarm.coordinator import RingClient, decode
+from swarm.errors import RemoteError, collapse
+from swarm.launch import LocalRing
+from swarm.model.block import model_num_layers
+from swarm.model.resolve import model_manifest_digest
+from swarm.ranges import LayerRange
+from swarm.transport import load_or_create_key, open_host
+
+RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+PROMPT = [1, 403, 407, 261, 378, 383, 286, 261]
+NEW = 6
+
+
+def scrape(url: str) -> dict:
+    """{sample name with sorted labels: value} of one /metrics page (parsed by prometheus_client)."""
+    text = httpx.get(url, timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" in s.labels:
+                key += f"[le={s.labels['le']}]"
+            out[key] = s.value
+    return out
+
+
+def test_a_stage_process_exports_what_a_generation_did(stories_dir, tmp_path):
+    with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1,
+                   extra_args=["--dtype", "float32", "--metrics-listen", "127.0.0.1:0"]) as ring:
+        urls = [sp.ready["metrics_url"] for sp in ring.stages]
+        before = [scrape(u) for u in urls]
+
+        async def main():
+            async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                    trio.open_nursery() as nursery:
+                client = RingClient(host, ring.ring_spec(), 30.0, 10.0)
+                await client.connect(model_num_layers(stories_dir), model_manifest_digest(stories_dir), nursery)
+                out, _ = await decode(client, PROMPT, NEW, set())
+                with pytest.raises(RemoteError, match="maximum context"):  # refused at the tail, counted
+                    await client.open_session("too-long", 10**6)
+                nursery.cancel_scope.cancel()
+            return out
+
+        try:
+            out = trio.run(main)
+        except BaseExceptionGroup as group:
+            raise collapse(group) from None
+        assert len(out) == NEW
+        after = [scrape(u) for u in urls]
+    for i, (a, b) in enumerate(zip(before, after)):
+        d = {k: b[k] - a.get(k, 0) for k in b}
+        # one prefill chunk, then NEW - 1 one-row decode chunks: one step each
+        assert d["swarm_stage_steps_total"] == NEW, (i, d["swarm_stage_steps_total"])
+        assert d["swarm_stage_rows_total"] == len(PROMPT) + NEW - 1
+        assert d["swarm_stage_step_seconds_count"] == NEW and d["swarm_stage_step_rows_sum"] == len(PROMPT) + NEW - 1
+        assert d["swarm_stage_step_rows_bucket[le=1.0]"] == NEW - 1  # the decode steps have one row
+        assert d["swarm_stage_send_seconds_count"] == NEW  # each computed chunk went on once
+        assert d["swarm_stage_frames_received_total"] >= NEW and d["swarm_stage_received_bytes_total"] > 0
+        assert b["swarm_stage_sessions_open"] == 0 and b["swarm_stage_queue_depth"] == 0
+        assert b["swarm_stage_kv_used_bytes"] == 0
+    assert after[2]["swarm_stage_refusals_total{reason=overflow}"] - before[2].get(
+        "swarm_stage_refusals_total{reason=overflow}", 0) == 1
+    assert after[0]["swarm_stage_refusals_total{reason=busy}"] == 0
+
+
+def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
+    server = stories_ring_metrics
+    for _ in range(2):
+        server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=5, temperature=0)
+    with pytest.raises(Exception):
+        server.client.completions.create(model="stories260k", prompt="Once", max_tokens=-3)  # 400: not a request
+    m = scrape(server.url + "/metrics")
+    assert m["swarm_serve_requests_total{status=ok}"] == 2
+    assert m["swarm_serve_tokens_generated_total"] == 10
+    assert m["swarm_serve_time_to_first_token_seconds_count"] == 2
+    assert m["swarm_serve_request_seconds_count"] == 2
+    assert m["swarm_serve_inter_token_seconds_count"] == 8
+    assert m["swarm_serve_active_requests"] == 0
+    assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
+    text = httpx.get(server.url + "/metrics").text
+    assert "Once upon" not in text  # no prompt text in metrics
+
+
+@pytest.fixture(scope="module")
+def stories_ring_metrics(stories_dir, tmp_path_factory):
+    from tests.test_serve import Server
+
+    keys = tmp_path_factory.mktemp("metrics-keys")
+    with LocalRing(str(stories_dir), RANGES, keys, threads=1, extra_args=["--dtype", "float32"]) as ring:
+        server = Server(ring.ring_spec(), keys)
+        try:
+            yield server
+        finally:
+            server.stop()

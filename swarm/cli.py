@@ -300,6 +300,19 @@ def _serve_parser(sub) -> None:
     g.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"])
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help=PREFIX_HELP)
+    p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
+                   help="list the job receipts in DIR (verified or failed, and which check) on /dashboard")
+
+
+def _dashboard_parser(sub) -> None:
+    p = sub.add_parser("dashboard", help="serve the live dashboard over a receipt directory alone",
+                       description="Serve the dashboard page (the one `swarm serve` has at /dashboard) over a "
+                                   "directory of job receipts: each is verified as `swarm receipts verify` does "
+                                   "and shown verified, or failed with the check that failed. It binds where you "
+                                   "tell it (default loopback); keep it private.")
+    p.add_argument("--receipts", type=Path, required=True, metavar="DIR", help="directory of job receipts")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
 
 
 def _model_parser(sub) -> None:
@@ -357,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _model_parser(sub)
     _serve_parser(sub)
+    _dashboard_parser(sub)
     _bootstrap_parser(sub)
     _peers_parser(sub)
     _identity_parsers(sub)
@@ -383,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
+                    "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
@@ -546,7 +561,8 @@ def cmd_serve(args) -> int:
                 ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
                 hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
                 max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
-                prefix_cache=args.prefix_cache, task_status=task_status))
+                prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
+                task_status=task_status))
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
                   flush=True)
 
@@ -556,6 +572,36 @@ def cmd_serve(args) -> int:
         if not isinstance(collapse(exc), KeyboardInterrupt):
             raise
         print("swarm serve: stopped", file=sys.stderr)
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    import trio
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve as hyper_serve
+
+    from swarm.dashboard import receipts_app
+    from swarm.errors import ConfigError
+
+    if not args.receipts.is_dir():
+        raise ConfigError(f"--receipts {args.receipts}: not a directory")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    config = HyperConfig()
+    config.bind = [f"{args.host}:{args.port}"]
+    config.accesslog = None
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(hyper_serve, receipts_app(args.receipts), config)
+            print(f"swarm dashboard: {binds[0]}/dashboard (receipts {args.receipts}); Ctrl-C stops", flush=True)
+
+    try:
+        trio.run(main)
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if not isinstance(collapse(exc), KeyboardInterrupt):
+            raise
+        print("swarm dashboard: stopped", file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,9 @@ May import: prometheus_client; it reads a StageServer / ServeState duck-typed (n
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -114,6 +117,8 @@ class ServeMetrics:
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tokens = 0
         self.heals = 0
+        self.finished: deque = deque(maxlen=4096)  # (unix time, new tokens, ttft_s) of recent requests (dashboard)
+        self.heal_log: deque = deque(maxlen=50)  # recent heal events, for the dashboard's timeline
         self.registry.register(_ServeCollector(self))
 
     def request_done(self, status: str, record: dict | None = None, new_tokens: int = 0) -> None:
@@ -123,6 +128,11 @@ class ServeMetrics:
             return
         self.tokens += new_tokens
         self.heals += len(record.get("heal_events") or [])
+        now = time.time()
+        self.finished.append((now, new_tokens, record.get("ttft_s")))
+        for e in record.get("heal_events") or []:
+            self.heal_log.append({"time": now, "stage": e.get("stage"), "layers": list(e.get("layers") or []),
+                                  "replay": e.get("replay"), "total_s": float(e.get("total_s") or 0.0)})
         if record.get("ttft_s") is not None:
             self.ttft_seconds.observe(record["ttft_s"])
         if record.get("total_s") is not None:

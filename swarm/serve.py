@@ -89,6 +89,7 @@ class ServeState:
     prefix_cache: bool = True  # offer prompts to the stages' prefix caches (--no-prefix-cache: off)
     cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches
     metrics: object = None  # swarm.metrics.ServeMetrics, set by serve_api
+    dashboard_receipts: object = None  # a receipt directory whose jobs the dashboard lists (verified), or None
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -355,6 +356,8 @@ def build_app(state: ServeState):
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    from swarm.dashboard import page as dashboard_page
+    from swarm.dashboard import serve_state
     from swarm.metrics import CONTENT_TYPE
 
     def error_response(err: ApiError):
@@ -414,6 +417,12 @@ def build_app(state: ServeState):
     async def metrics(request):
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def dashboard(request):
+        return Response(dashboard_page(), media_type="text/html; charset=utf-8")
+
+    async def dashboard_state(request):
+        return JSONResponse(await serve_state(state))
+
     async def not_found(request, exc):
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
@@ -426,6 +435,9 @@ def build_app(state: ServeState):
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/", dashboard, methods=["GET"]),
+        Route("/dashboard/state", dashboard_state, methods=["GET"]),
     ], exception_handlers={404: not_found, 405: not_allowed})
 
 
@@ -564,7 +576,8 @@ async def ring_health(state: ServeState) -> list[dict]:
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
-                    prefix_cache: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    prefix_cache: bool = True, dashboard_receipts=None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Check the ring, then serve the API on ``host:port`` until cancelled.
 
     With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
@@ -618,7 +631,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
                            wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
-                           prefix_cache=prefix_cache)
+                           prefix_cache=prefix_cache, dashboard_receipts=dashboard_receipts)
         state.pool = ClientPool(state, max_concurrency)
         from swarm.metrics import ServeMetrics
 

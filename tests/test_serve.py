@@ -30,8 +30,9 @@ RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 class Server:
     """``serve_api`` in a thread with its own trio loop; ``stop()`` cancels it."""
 
-    def __init__(self, spec, key_dir: Path):
+    def __init__(self, spec, key_dir: Path, **serve_kwargs):
         self.box: dict = {}
+        self.serve_kwargs = serve_kwargs  # more serve_api arguments (e.g. dashboard_receipts)
         self.thread = threading.Thread(target=self._run, args=(spec, key_dir), daemon=True)
         self.thread.start()
         end = time.monotonic() + 120
@@ -49,7 +50,8 @@ class Server:
                 self.box["token"] = trio.lowlevel.current_trio_token()
                 self.box["scope"] = nursery.cancel_scope
                 self.box["info"] = await nursery.start(lambda task_status: serve_api(
-                    spec, "127.0.0.1", 0, key_path=key_dir / "coord.key", task_status=task_status))
+                    spec, "127.0.0.1", 0, key_path=key_dir / "coord.key", task_status=task_status,
+                    **self.serve_kwargs))
 
         try:
             trio.run(main)

@@ -1,0 +1,103 @@
+"""The dashboard (issue 18) in a real browser: headless Chromium loads `swarm serve`'s /dashboard over
+a live 3-stage ring, and `swarm dashboard --receipts DIR` over a verified and a tampered receipt.
+
+Chromium is Debian's `chromium` (`.ci/run` installs it from the package cache when missing); the
+tests skip with a message saying so where it is not installed. Screenshots are kept in the tests'
+temporary directories (the path is printed) for people to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.launch import LocalRing
+from swarm.ranges import LayerRange
+
+RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("headless Chromium is not installed (Debian: apt-get install chromium; .ci/run does it)")
+    return exe
+
+
+def browse(chromium: str, url: str, out_dir: Path, name: str, width: int = 1200, height: int = 900) -> tuple[str, str]:
+    """Load ``url`` headless, let its scripts run (polling included) for a few seconds of virtual
+    time, save a screenshot; return (the DOM after the scripts ran, the browser's log)."""
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=4000", f"--window-size={width},{height}",
+             f"--user-data-dir={out_dir / ('profile-' + name)}"]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    shot = out_dir / f"{name}.png"
+    subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120)
+    print(f"screenshot: {shot}")
+    return dom.stdout, dom.stderr
+
+
+def console_errors(log: str) -> list[str]:
+    """Console messages of the page that are errors (Chromium logs them as CONSOLE lines)."""
+    return [line for line in log.splitlines() if "CONSOLE" in line and re.search(r"Uncaught|Error|error", line)]
+
+
+def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir, chromium, tmp_path):
+    from tests.test_serve import Server
+
+    with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
+        server = Server(ring.ring_spec(), tmp_path)
+        try:
+            before, log0 = browse(chromium, server.url + "/dashboard", tmp_path, "idle")
+            assert console_errors(log0) == [], console_errors(log0)
+            assert re.search(r'id="rate"[^>]*>0\.0<', before), "tokens/s is not 0 before any request"
+            for _ in range(2):
+                server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=24,
+                                                 temperature=0)
+            dom, log = browse(chromium, server.url + "/dashboard", tmp_path, "dashboard")
+            phone, _ = browse(chromium, server.url + "/dashboard", tmp_path, "phone", width=390, height=844)
+        finally:
+            server.stop()
+    assert console_errors(log) == [], console_errors(log)
+    assert dom.count('class="stage-row"') == 3 and dom.count('class="stage"') == 3
+    for sp in ring.stages:  # every stage's layers and (shortened) PeerId are on the page
+        pid = sp.ready["peer_id"]
+        assert f"{sp.layers.start}:{sp.layers.end}" in dom and f"{pid[:6]}...{pid[-4:]}" in dom
+    rate = float(re.search(r'id="rate"[^>]*>([0-9.]+)<', dom).group(1))
+    assert rate > 0, "tokens/s did not move after two requests"
+    assert "Once upon" not in dom  # no prompt text on the page
+    assert phone.count('class="stage-row"') == 3
+
+
+def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(synthetic, chromium, tmp_path):
+    from tests.ring_util import job_receipt
+
+    model = synthetic("llama")
+    receipts = tmp_path / "receipts"
+    path = Path(job_receipt(model, tmp_path, [(0, 1), (1, 3), (3, 4)], [1, 5, 9, 3, 7, 2], receipts)["path"])
+    doc = json.loads(path.read_text())
+    doc["output_ids"] = list(doc["output_ids"])
+    doc["output_ids"][0] = (doc["output_ids"][0] + 1) % 97  # the answer changed after signing
+    (receipts / "tampered.json").write_text(json.dumps(doc))
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "dashboard", "--receipts", str(receipts), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"(http://\S+/dashboard)", line).group(1)
+        dom, log = browse(chromium, url, tmp_path, "receipts")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert console_errors(log) == [], console_errors(log)
+    verdicts = re.findall(r'class="(ok|bad) verdict">([^<]*)<', dom)
+    assert sorted(v for v, _ in verdicts) == ["bad", "ok"], verdicts
+    bad = next(text for v, text in verdicts if v == "bad")
+    assert bad.startswith("failed: ") and len(bad) > len("failed: "), bad
+    assert "1 of 2 receipts verified" in dom

@@ -101,3 +101,35 @@ def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(syn
     bad = next(text for v, text in verdicts if v == "bad")
     assert bad.startswith("failed: ") and len(bad) > len("failed: "), bad
     assert "1 of 2 receipts verified" in dom
+
+
+def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
+    """A stage is SIGKILLed mid-answer; the request heals onto the spare, and the page lists the heal."""
+    import os
+    import signal
+
+    from swarm.config import RingSpec, StageSpec
+    from tests.test_serve import Server
+
+    with LocalRing(str(stories_dir), [*RANGES, RANGES[1]], tmp_path, threads=1,
+                   extra_args=["--dtype", "float32"]) as ring:
+        full = ring.ring_spec()
+        spec = RingSpec(model=full.model, stages=full.stages[:3], spares=(StageSpec(addr=full.stages[3].addr,
+                                                                                      layers=full.stages[3].layers),))
+        server = Server(spec, tmp_path)
+        try:
+            victim = ring.stages[1].proc
+            pieces = 0
+            for chunk in server.client.completions.create(model="stories260k", prompt="Once upon a time",
+                                                          max_tokens=200, temperature=0, stream=True):
+                pieces += 1
+                if pieces == 10:  # mid-answer: the middle stage dies
+                    os.killpg(victim.pid, signal.SIGKILL)
+            assert pieces > 10
+            dom, log = browse(chromium, server.url + "/dashboard", tmp_path, "healed")
+        finally:
+            server.stop()
+    assert console_errors(log) == [], console_errors(log)
+    heals = re.findall(r'<li class="heal">([^<]*)</li>', dom)
+    assert len(heals) == 1 and "stage 1 [2, 4) replaced" in heals[0], heals
+    assert dom.count('class="stage-row"') == 3 and ">up<" in dom

@@ -115,6 +115,9 @@ class ServeMetrics:
                                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.request_seconds = Histogram("swarm_serve_request_seconds", "Request start -> last token",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.heal_seconds = Histogram("swarm_serve_heal_seconds", "Heal phases: detection, swap, replay (rebuilding "
+                                      "the replacement's KV), total", labelnames=["phase"], buckets=LATENCY_BUCKETS,
+                                      registry=self.registry)
         self.tokens = 0
         self.heals = 0
         self.finished: deque = deque(maxlen=4096)  # (unix time, new tokens, ttft_s) of recent requests (dashboard)
@@ -131,6 +134,10 @@ class ServeMetrics:
         now = time.time()
         self.finished.append((now, new_tokens, record.get("ttft_s")))
         for e in record.get("heal_events") or []:
+            for phase, key in (("detection", "detect_s"), ("swap", "swap_s"), ("replay", "replay_s"),
+                               ("total", "total_s")):
+                if isinstance(e.get(key), (int, float)):
+                    self.heal_seconds.labels(phase=phase).observe(e[key])
             self.heal_log.append({"time": now, "stage": e.get("stage"), "layers": list(e.get("layers") or []),
                                   "replay": e.get("replay"), "total_s": float(e.get("total_s") or 0.0)})
         if record.get("ttft_s") is not None:

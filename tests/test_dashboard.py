@@ -127,9 +127,15 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
                     os.killpg(victim.pid, signal.SIGKILL)
             assert pieces > 10
             dom, log = browse(chromium, server.url + "/dashboard", tmp_path, "healed")
+            from tests.test_metrics import scrape
+
+            m = scrape(server.url + "/metrics")
         finally:
             server.stop()
     assert console_errors(log) == [], console_errors(log)
     heals = re.findall(r'<li class="heal">([^<]*)</li>', dom)
     assert len(heals) == 1 and "stage 1 [2, 4) replaced" in heals[0], heals
     assert dom.count('class="stage-row"') == 3 and ">up<" in dom
+    assert m["swarm_serve_heal_events_total"] == 1
+    for phase in ("detection", "swap", "replay", "total"):
+        assert m[f"swarm_serve_heal_seconds_count{{phase={phase}}}"] == 1

@@ -347,7 +347,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             with trio.move_on_after(5.0):
                 for done in list(self._storing):
                     await done.wait()
-        keys = store.lookup(sess.prefix_ns, ids, max(0, len(ids) - 1))
+        keys = store.lookup(sess.prefix_ns, ids, len(ids) - 1) if len(ids) > 1 else []  # [] only names the scope
         if not keys:
             return
         store.pin(keys)

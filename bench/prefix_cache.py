@@ -1,5 +1,7 @@
-"""Prefix KV reuse at the stages (issue 17): time to first token of a long chat's fifth turn, and the
-throughput of clients that share a system prompt, with and without reuse, on one loopback ring.
+"""Prefix KV reuse at the stages (issue 17): a long chat's fifth turn, and clients sharing a system prompt.
+
+Time to first token of the fifth turn, and the throughput of clients that share a system prompt,
+with and without reuse, on one loopback ring.
 
 One 3-stage ring of real ``swarm stage`` processes (SmolLM2-135M by default, float32, one torch thread
 each); one coordinator identity, so the stages' caches serve it. Prints one JSON object:
@@ -136,7 +138,8 @@ def main() -> None:
     sh = info.pop("shared")
     reused = info["turns"][-1]["ttft_s"]
     result = {
-        "model": resolved.name, "stages": 3, "threads_per_stage": 1, "history_tokens": info["turns"][-1]["prompt_tokens"],
+        "model": resolved.name, "stages": 3, "threads_per_stage": 1,
+        "history_tokens": info["turns"][-1]["prompt_tokens"],
         "ttft_fresh_s": round(info["fresh_ttft_s"], 3), "ttft_reused_s": reused,
         "ttft_speedup": round(info["fresh_ttft_s"] / reused, 2) if reused else None,
         "shared_prompt_speedup": round(sh["with"]["tokens_per_s"] / sh["without"]["tokens_per_s"], 2),

@@ -5,7 +5,9 @@ messages so far (chat) and every committed token id so far (prompt + answers). E
 appends the new prompt: with ``--chat`` as a user message rendered with the whole history through
 the chat template, else as plain text tokenized without special tokens after the ids so far. The
 stages' prefix caches then hold most of that prompt already (issue 17): only the new part is
-prefilled. Written atomically (temp file + rename), so an interrupted run leaves the old file.
+prefilled. Written atomically (temp file + rename), so an interrupted run leaves the old file; a
+new file is created 0600 (it holds the conversation), an existing one keeps its mode. Two runs on
+one file at once are not serialized: the later write wins.
 
 May import: json, ``swarm.errors``, ``swarm.chat`` (lazily).
 """
@@ -41,6 +43,11 @@ class Conversation:
             ConfigError: the file is not a session file, or belongs to another model or mode.
         """
         path = Path(path)
+        parent = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise ConfigError(f"--session {path} is a directory; name the session file")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--session {path}: cannot write in {parent} (missing or not writable); nothing was sent")
         if not path.exists():
             return cls(path, model, model_digest, chat)
         try:
@@ -89,6 +96,14 @@ class Conversation:
         self.ids = list(prompt_ids) + list(output_ids)
         doc = {"version": VERSION, "model": self.model, "model_digest": self.model_digest, "chat": self.chat,
                "messages": self.messages, "ids": self.ids}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.path)
+        mode = self.path.stat().st_mode & 0o777 if self.path.exists() else 0o600  # it holds the conversation
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(doc))
+            os.chmod(tmp, mode)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"--session {self.path}: cannot write the conversation: {exc}") from None

@@ -74,3 +74,16 @@ def test_a_session_file_of_another_model_or_mode_is_refused(tmp_path):
     path.write_text(json.dumps({"version": 1, "model_digest": "d" * 64, "chat": False, "ids": [-1], "messages": []}))
     with pytest.raises(ConfigError, match="malformed"):
         Conversation.open(path, model="m", model_digest="d" * 64, chat=False)
+
+
+def test_an_unwritable_session_file_is_refused_before_anything_runs_and_modes_are_kept(tmp_path):
+    with pytest.raises(ConfigError, match="cannot write in"):
+        Conversation.open(tmp_path / "no" / "dir" / "s.json", model="m", model_digest="d" * 64, chat=False)
+    with pytest.raises(ConfigError, match="is a directory"):
+        Conversation.open(tmp_path, model="m", model_digest="d" * 64, chat=False)
+    path = tmp_path / "s.json"
+    Conversation.open(path, model="m", model_digest="d" * 64, chat=False).record("a", [1], [2], "b")
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o640)
+    Conversation.open(path, model="m", model_digest="d" * 64, chat=False).record("c", [1, 2, 3], [4], "d")
+    assert path.stat().st_mode & 0o777 == 0o640 and list(tmp_path.glob("*.tmp")) == []

@@ -280,7 +280,8 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API over a running ring or swarm",
                        description="Check the ring (a ring file, or a route through the swarm with --model and "
                                    "--bootstrap), then serve POST /v1/chat/completions and /v1/completions "
-                                   "(stream or not), GET /v1/models and GET /health on HOST:PORT. Each request "
+                                   "(stream or not), GET /v1/models, GET /health, GET /metrics (Prometheus) and GET /dashboard "
+                                   "(a live page) on HOST:PORT. Each request "
                                    "gets its own session at every stage.")
     p.add_argument("--ring", type=Path, help="ring YAML file (model, stages, spares)")
     p.add_argument("--model", help="with --bootstrap: the model; its weights' id selects the stages")
@@ -563,8 +564,8 @@ def cmd_serve(args) -> int:
                 max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
                 prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
                 task_status=task_status))
-            print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages); Ctrl-C stops",
-                  flush=True)
+            print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages; "
+                  f"dashboard {info['url']}/dashboard, metrics {info['url']}/metrics); Ctrl-C stops", flush=True)
 
     try:
         trio.run(main)

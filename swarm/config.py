@@ -72,6 +72,11 @@ class StageConfig:
     fetch_from: tuple[str, ...] = ()  # multiaddrs of stages to fetch this stage's weights from, in order
     model_id: str | None = None  # the model id (64 hex) the weights must have; None: the first peer's
 
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        """``--kv-budget-mb`` in bytes (None: no limit)."""
+        return None if self.kv_budget_mb is None else int(self.kv_budget_mb * 2**20)
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model is required")

@@ -46,9 +46,6 @@ class StageMetrics:
                                       "and send)", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_StageCollector(server))
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class _StageCollector:
     def __init__(self, server):
@@ -60,7 +57,6 @@ class _StageCollector:
     def collect(self):
         s = self.s
         sessions = list(s.sessions.values())
-        budget = s.config.kv_budget_mb
         yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
         yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
                      sum(len(x.queue) for x in sessions))
@@ -69,7 +65,7 @@ class _StageCollector:
         yield _gauge("swarm_stage_kv_reserved_bytes", "KV memory the open sessions reserved (max_len positions)",
                      sum(x.reserved for x in sessions))
         yield _gauge("swarm_stage_kv_budget_bytes", "--kv-budget-mb in bytes (0: no limit)",
-                     int(budget * 2**20) if budget is not None else 0)
+                     s.config.kv_budget_bytes or 0)
         yield _gauge("swarm_stage_draining", "1 while the stage drains (admits no new session)", int(bool(s.draining)))
         stats, timing = dict(s.stats), dict(s.timing)
         yield _counter("swarm_stage_steps", "Scheduling steps computed", stats["steps"])

@@ -111,7 +111,7 @@ def preflight(config: StageConfig) -> dict:
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     kv_per_position = 2 * len(config.layers) * kv_heads * head_dim * itemsize
-    kv = int(config.kv_budget_mb * 2**20) if config.kv_budget_mb is not None else kv_per_position * max_ctx
+    kv = config.kv_budget_bytes if config.kv_budget_mb is not None else kv_per_position * max_ctx
     needed = weights + kv + (BASELINE_BYTES if device.type == "cpu" else 0)
     available = available_memory(device)
     if available is not None and needed > available:

@@ -77,7 +77,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
     b, config = server.block, server.config
     relays = tuple(server.host.circuits.reserved.values()) if server.host.circuits else ()
     reserved = sum(s.reserved for s in server.sessions.values())
-    budget = int(config.kv_budget_mb * 2**20) if config.kv_budget_mb is not None else 0
+    budget = config.kv_budget_bytes or 0
     per_pos = b.kv_bytes_per_position()
     return {
         "model_id": model_id, "model_name": server.model_name, "num_layers": b.num_layers,

@@ -253,7 +253,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             log_rows = min(max_len, int(self.config.heal_log_mb * 2**20) // row_bytes)
         need = max_len * self.block.kv_bytes_per_position(span) + log_rows * row_bytes
         if self.config.kv_budget_mb is not None:
-            budget = int(self.config.kv_budget_mb * 2**20)
+            budget = self.config.kv_budget_bytes
             others = [s for s in self.sessions.values() if s.session_id != sid]
             held = sum(s.reserved for s in others)
             if need > budget:
@@ -313,9 +313,10 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         """Bytes the prefix cache may hold now: ``--prefix-cache-mb``, and within ``--kv-budget-mb``
         what live sessions do not reserve."""
         allowed = int(self.config.prefix_cache_mb * 2**20)
-        if self.config.kv_budget_mb is not None:
+        budget = self.config.kv_budget_bytes
+        if budget is not None:
             held = sum(s.reserved for s in list(self.sessions.values()))
-            allowed = min(allowed, max(0, int(self.config.kv_budget_mb * 2**20) - held))
+            allowed = min(allowed, max(0, budget - held))
         return allowed
 
     def prefix_stats(self) -> dict | None:

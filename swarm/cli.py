@@ -301,17 +301,27 @@ def _serve_parser(sub) -> None:
     g.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"])
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help=PREFIX_HELP)
+    p.add_argument("--receipt-dir", type=Path, metavar="DIR",
+                   help="run every request as a job and save its signed job receipt (who computed what) to "
+                        "DIR/<job_id>.json, verified at once and counted in /metrics; costs one more round per "
+                        "request to collect the stages' receipts (default: no receipts)")
     p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
-                   help="list the job receipts in DIR (verified or failed, and which check) on /dashboard")
+                   help="list the job receipts in DIR (verified or failed, and which check) on /dashboard "
+                        "(default: --receipt-dir)")
 
 
 def _dashboard_parser(sub) -> None:
-    p = sub.add_parser("dashboard", help="serve the live dashboard over a receipt directory alone",
-                       description="Serve the dashboard page (the one `swarm serve` has at /dashboard) over a "
-                                   "directory of job receipts: each is verified as `swarm receipts verify` does "
-                                   "and shown verified, or failed with the check that failed. It binds where you "
-                                   "tell it (default loopback); keep it private.")
-    p.add_argument("--receipts", type=Path, required=True, metavar="DIR", help="directory of job receipts")
+    p = sub.add_parser("dashboard", help="serve the live dashboard alone: receipts and the swarm's layer coverage",
+                       description="Serve the dashboard page (the one `swarm serve` has at /dashboard) without a "
+                                   "server: over a directory of job receipts (each is verified as `swarm receipts "
+                                   "verify` does and shown verified, or failed with the check that failed), and/or "
+                                   "the swarm's layer coverage per model, read from its DHT every 5 s through a "
+                                   "bootstrap node. It binds where you tell it (default loopback); keep it private.")
+    p.add_argument("--receipts", type=Path, metavar="DIR", help="directory of job receipts")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="join the swarm's DHT through this node (repeatable) and show which stages hold which "
+                        "layers of every model")
+    p.add_argument("--key", type=Path, help="identity key (default: $SWARM_CACHE/keys/client.key)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
 
@@ -563,7 +573,7 @@ def cmd_serve(args) -> int:
                 hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
                 max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
                 prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
-                task_status=task_status))
+                receipt_dir=args.receipt_dir, task_status=task_status))
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages; "
                   f"dashboard {info['url']}/dashboard, metrics {info['url']}/metrics); Ctrl-C stops", flush=True)
 
@@ -581,10 +591,13 @@ def cmd_dashboard(args) -> int:
     from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve as hyper_serve
 
-    from swarm.dashboard import receipts_app
+    from swarm.config import cache_root
+    from swarm.dashboard import SwarmCoverage, receipts_app
     from swarm.errors import ConfigError
 
-    if not args.receipts.is_dir():
+    if args.receipts is None and not args.bootstrap:
+        raise ConfigError("swarm dashboard needs --receipts DIR, --bootstrap MULTIADDR, or both")
+    if args.receipts is not None and not args.receipts.is_dir():
         raise ConfigError(f"--receipts {args.receipts}: not a directory")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
@@ -592,10 +605,25 @@ def cmd_dashboard(args) -> int:
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
 
-    async def main():
+    async def serve(coverage=None):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(hyper_serve, receipts_app(args.receipts), config)
-            print(f"swarm dashboard: {binds[0]}/dashboard (receipts {args.receipts}); Ctrl-C stops", flush=True)
+            if coverage is not None:
+                await nursery.start(coverage.run)
+            binds = await nursery.start(hyper_serve, receipts_app(args.receipts, coverage), config)
+            what = [f"receipts {args.receipts}"] if args.receipts else []
+            what += [f"swarm via {args.bootstrap[0]}"] if args.bootstrap else []
+            print(f"swarm dashboard: {binds[0]}/dashboard ({', '.join(what)}); Ctrl-C stops", flush=True)
+
+    async def main():
+        if not args.bootstrap:
+            return await serve()
+        from swarm.discovery.dht import open_dht
+        from swarm.transport import load_or_create_key, open_host
+
+        key = load_or_create_key(args.key or cache_root() / "keys" / "client.key")
+        async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
+            await serve(SwarmCoverage(dht))
 
     try:
         trio.run(main)

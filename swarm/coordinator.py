@@ -201,7 +201,7 @@ def _check_writable(directory) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot create the receipt directory {directory}: {exc.strerror}") from exc
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"the receipt directory {directory} is not writable (use --receipt-dir or --no-receipt)")
+        raise ConfigError(f"the receipt directory {directory} is not writable (choose another with --receipt-dir)")
 
 
 def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, model_digest: str, num_layers: int,
@@ -209,7 +209,7 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
     """Build, sign (coordinator key), save and verify the job receipt.
 
     Returns:
-        ``{"path", "job_id", "verified", "summary" | "reason"}``; the verification is the same as
+        ``{"path", "job_id", "verified", "summary" | "reason" and "check"}``; the verification is the same as
         ``swarm receipts verify``.
     Raises:
         ConfigError: the receipt directory cannot be written.
@@ -235,7 +235,7 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
     try:
         out.update(verified=True, summary=receipts.verify_job(doc).summary())
     except ReceiptInvalid as exc:
-        out.update(verified=False, reason=str(exc))
+        out.update(verified=False, reason=str(exc), check=getattr(exc, "check", "schema"))
         log.warning("receipt.invalid path=%s reason=%s", path, exc)
     return out
 

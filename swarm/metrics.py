@@ -6,7 +6,8 @@ bytes, steps, frames and bytes of its streams, refusals, prefix cache) are read 
 collector, so they cost nothing per frame; histograms (step time, rows per step, send time, time to
 first token, inter-token latency) are observed where the event happens. Names and units follow the
 Prometheus conventions (``_seconds``, ``_bytes``, ``_total``). No label carries prompt text, token
-ids, session ids or key material: labels are fixed small sets (a refusal reason, a request status).
+ids, session ids or key material: labels are fixed small sets (a refusal reason, a request status,
+a receipt check), and ``swarm_stage_info`` names the stage's public PeerId, model and layers.
 
 ``swarm stage --metrics-listen HOST:PORT`` serves a stage's on ``/metrics`` (prometheus_client's own
 HTTP server, in a thread); ``swarm serve`` serves its own on ``/metrics`` next to the API.
@@ -16,6 +17,7 @@ May import: prometheus_client; it reads a StageServer / ServeState duck-typed (n
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 
@@ -27,6 +29,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REFUSAL_REASONS = ("busy", "forbidden", "overflow", "draining", "bad_request", "no_session", "no_state",
                    "unavailable", "internal")
+# inter-token gaps: 0 (drafts accepted together) up to a slow hop
+ITL_BUCKETS = (0.0001, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -57,6 +61,13 @@ class _StageCollector:
     def collect(self):
         s = self.s
         sessions = list(s.sessions.values())
+        b, host = s.block, getattr(s, "host", None)
+        info = GaugeMetricFamily("swarm_stage_info", "This stage: PeerId, model, layer range [start, end), dtype "
+                                 "(always 1; join on it in queries)",
+                                 labels=["peer_id", "model", "layers", "dtype"])
+        info.add_metric([getattr(host, "peer_id", "") or "", s.model_name,
+                         f"{b.layer_range.start}:{b.layer_range.end}", str(b.dtype).removeprefix("torch.")], 1)
+        yield info
         yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
         yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
                      sum(len(x.queue) for x in sessions))
@@ -98,7 +109,10 @@ class _StageCollector:
 
 class ServeMetrics:
     """``swarm serve``'s metrics (``swarm_serve_*``): requests by status, tokens, time to first
-    token, inter-token latency, request time, heals, prefix reuse."""
+    token, inter-token latency, request time, heals, receipts written and failed, prefix reuse.
+
+    Request statuses: ``ok``, ``abandoned`` (the client hung up), ``error`` (the ring failed it),
+    ``invalid`` (refused before the ring: not a valid request, HTTP 400)."""
 
     def __init__(self, state):
         self.state = state
@@ -107,8 +121,9 @@ class ServeMetrics:
         self.ttft_seconds = Histogram("swarm_serve_time_to_first_token_seconds", "Request start -> first token",
                                       buckets=LATENCY_BUCKETS, registry=self.registry)
         self.inter_token_seconds = Histogram("swarm_serve_inter_token_seconds",
-                                             "Time between a request's committed tokens (decode)",
-                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                                             "Time between two consecutive tokens of a request reaching the server "
+                                             "(tokens accepted together from one verify chunk arrive together: gap 0)",
+                                             buckets=ITL_BUCKETS, registry=self.registry)
         self.request_seconds = Histogram("swarm_serve_request_seconds", "Request start -> last token",
                                          buckets=LATENCY_BUCKETS, registry=self.registry)
         self.heal_seconds = Histogram("swarm_serve_heal_seconds", "Heal phases: detection, swap, replay (rebuilding "
@@ -116,19 +131,31 @@ class ServeMetrics:
                                       registry=self.registry)
         self.tokens = 0
         self.heals = 0
-        self.finished: deque = deque(maxlen=4096)  # (unix time, new tokens, ttft_s) of recent requests (dashboard)
+        self.receipts_written = 0
+        self.receipt_failures: dict[str, int] = {}  # check -> receipts that failed it
+        self._failed_files: set = set()  # receipt files already counted as failed (each counts once)
+        # (unix time, new tokens, ttft_s, median inter-token gap s) of recent requests (dashboard)
+        self.finished: deque = deque(maxlen=4096)
         self.heal_log: deque = deque(maxlen=50)  # recent heal events, for the dashboard's timeline
         self.registry.register(_ServeCollector(self))
 
-    def request_done(self, status: str, record: dict | None = None, new_tokens: int = 0) -> None:
-        """Count a request by ``status`` (ok, error, abandoned, ...) and observe its timings."""
+    def request_done(self, status: str, record: dict | None = None, new_tokens: int = 0,
+                     gaps: list[float] | None = None) -> None:
+        """Count a request by ``status`` and observe its timings. ``gaps``: seconds between its
+        consecutive tokens as they reached the server (``new_tokens - 1`` of them); without them the
+        decode's mean rate stands in for each."""
         self.requests[status] = self.requests.get(status, 0) + 1
         if record is None:
             return
         self.tokens += new_tokens
         self.heals += len(record.get("heal_events") or [])
         now = time.time()
-        self.finished.append((now, new_tokens, record.get("ttft_s")))
+        if gaps is None:
+            rate = record.get("tokens_per_s")
+            gaps = [1.0 / rate] * max(0, new_tokens - 1) if rate else []
+        for gap in gaps:
+            self.inter_token_seconds.observe(gap)
+        self.finished.append((now, new_tokens, record.get("ttft_s"), statistics.median(gaps) if gaps else None))
         for e in record.get("heal_events") or []:
             for phase, key in (("detection", "detect_s"), ("swap", "swap_s"), ("replay", "replay_s"),
                                ("total", "total_s")):
@@ -140,10 +167,20 @@ class ServeMetrics:
             self.ttft_seconds.observe(record["ttft_s"])
         if record.get("total_s") is not None:
             self.request_seconds.observe(record["total_s"])
-        rate = record.get("tokens_per_s")
-        if rate:  # the decode's mean gap, once per token after the first
-            for _ in range(max(0, new_tokens - 1)):
-                self.inter_token_seconds.observe(1.0 / rate)
+
+    def receipt_written(self, file: str, check: str | None) -> None:
+        """A job receipt this server signed and saved as ``file``; ``check``: the verification check
+        it failed, None when it verified."""
+        self.receipts_written += 1
+        if check is not None:
+            self.receipt_failed(file, check)
+
+    def receipt_failed(self, file: str, check: str) -> None:
+        """A receipt ``file`` failed ``check`` (at write time, or when the dashboard verified its
+        directory); each file counts once."""
+        if file not in self._failed_files:
+            self._failed_files.add(file)
+            self.receipt_failures[check] = self.receipt_failures.get(check, 0) + 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -159,7 +196,7 @@ class _ServeCollector:
     def collect(self):
         m, st = self.m, self.m.state
         requests = CounterMetricFamily("swarm_serve_requests", "Requests finished, by status", labels=["status"])
-        for status in sorted(set(m.requests) | {"ok", "error", "abandoned"}):
+        for status in sorted(set(m.requests) | {"ok", "error", "abandoned", "invalid"}):
             requests.add_metric([status], m.requests.get(status, 0))
         yield requests
         yield _gauge("swarm_serve_active_requests", "Requests on the ring now", st.active)
@@ -167,6 +204,15 @@ class _ServeCollector:
         yield _counter("swarm_serve_cached_prompt_tokens", "Prompt positions taken from the stages' prefix caches",
                        st.cached_tokens)
         yield _counter("swarm_serve_heal_events", "Heals during requests (a stage replaced mid-answer)", m.heals)
+        yield _counter("swarm_serve_receipts_written", "Job receipts signed and saved (--receipt-dir)",
+                       m.receipts_written)
+        failed = CounterMetricFamily("swarm_serve_receipt_verification_failures",
+                                     "Job receipts that failed verification, by the check they failed (each file "
+                                     "once: at write time, or when the dashboard verified its directory)",
+                                     labels=["check"])
+        for check, n in sorted(m.receipt_failures.items()):
+            failed.add_metric([check], n)
+        yield failed
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

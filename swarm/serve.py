@@ -25,9 +25,11 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
+from swarm import receipts
 from swarm.config import RingSpec, SamplingParams, SpecConfig
 from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
                           SwarmError, collapse)
@@ -90,6 +92,9 @@ class ServeState:
     cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches
     metrics: object = None  # swarm.metrics.ServeMetrics, set by serve_api
     dashboard_receipts: object = None  # a receipt directory whose jobs the dashboard lists (verified), or None
+    receipt_dir: object = None  # --receipt-dir: each request runs as a job with a signed receipt saved there
+    key: object = None  # this server's node key (its PeerId; signs the job receipts)
+    coverage: object = None  # swarm.dashboard.SwarmCoverage: the DHT's records, read in the background
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -247,26 +252,35 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
     from swarm.drafters import make_drafter
 
     detok = Detok(state.tokenizer, req.stop)
+    gaps: list[float] = []  # seconds between consecutive tokens as they arrived (inter-token latency)
+    arrived = {"n": 0, "t": None}
 
     def on_ids(ids):
+        now = time.perf_counter()
+        if arrived["t"] is not None and len(ids) > arrived["n"]:
+            gaps.append(now - arrived["t"])
+            gaps.extend([0.0] * (len(ids) - arrived["n"] - 1))  # accepted together: they arrive together
+        arrived.update(n=len(ids), t=now)
         piece = detok.update(ids)
         if piece and on_text:
             on_text(piece)
 
     drafter = make_drafter(state.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
         if state.spec.draft != "none" else None
+    job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if state.receipt_dir is not None else None
     client = await state.pool.acquire()
     state.active += 1
     healthy = False
     try:
         detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
                                                state.spec, drafter, req.sampling, state.wire_dtype,
-                                               prefix_cache=state.prefix_cache,
+                                               prefix_cache=state.prefix_cache, job=job,
                                                should_stop=lambda ids: detok.hit or (stop is not None and
                                                                                      stop.is_set()))
         healthy = True
         if detok.record.get("heal_events"):
             state.ring = client.healed_ring()  # new ring clients start from the healed ring
+        ring_entries = [i.entry() for i in client.infos]  # after any heal: the ring that finished the job
     except BaseExceptionGroup as group:
         raise collapse(group) from None
     finally:
@@ -276,13 +290,36 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
         if state.metrics is not None and not healthy:
             state.metrics.request_done("error")
     out, record = detok.ids, detok.record
+    parts = record.pop("receipt_parts", None)
     state.cached_tokens += int(record.get("cached_tokens") or 0)
     if state.metrics is not None:
-        state.metrics.request_done("abandoned" if stop is not None and stop.is_set() else "ok", record, len(out))
+        state.metrics.request_done("abandoned" if stop is not None and stop.is_set() else "ok", record, len(out),
+                                   gaps=gaps)
+    if job is not None and parts is not None:
+        record["receipt"] = await _save_receipt(state, job, parts, req.prompt_ids, out, ring_entries, record)
     tail = detok.update(out, final=True)
     if tail and on_text:
         on_text(tail)
     return out, record, detok
+
+
+async def _save_receipt(state: ServeState, job: dict, parts: dict, prompt_ids: list[int], out: list[int],
+                        ring_entries: list[dict], record: dict) -> dict | None:
+    """Sign, save and verify one request's job receipt (in a worker thread); counted in the
+    metrics. A receipt that cannot be written is logged, and the answer still goes out."""
+    from swarm.coordinator import write_job_receipt
+
+    try:
+        res = await trio.to_thread.run_sync(lambda: write_job_receipt(
+            state.receipt_dir, state.key, job, parts, model=state.model_id, model_digest=state.model_digest,
+            num_layers=state.num_layers, prompt_ids=prompt_ids, output_ids=out, ring=ring_entries, record=record))
+    except ConfigError as exc:
+        log.warning("receipt.unwritten job=%s reason=%s", job["id"], exc)
+        return None
+    if state.metrics is not None:
+        state.metrics.receipt_written(Path(res["path"]).name, None if res["verified"] else res.get("check", "?"))
+    log.info("request.receipt job=%s verified=%s path=%s", job["id"], res["verified"], res["path"])
+    return res
 
 
 class ClientPool:
@@ -371,6 +408,8 @@ def build_app(state: ServeState):
                 raise ApiError(400, "the request body is not valid JSON") from None
             req = parse_request(body, state, chat)
         except ApiError as err:
+            if state.metrics is not None:
+                state.metrics.request_done("invalid")
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -576,7 +615,7 @@ async def ring_health(state: ServeState) -> list[dict]:
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
-                    prefix_cache: bool = True, dashboard_receipts=None,
+                    prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Check the ring, then serve the API on ``host:port`` until cancelled.
 
@@ -587,6 +626,9 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     ``max_concurrency`` requests run on the ring at once; more wait for a free slot. With
     ``prefix_cache`` (default) each request offers its prompt to the stages' prefix caches: a chat's
     next turn, or a system prompt shared by many requests, is prefilled only past what they hold.
+    With ``receipt_dir`` every request runs as a job: the stages keep receipt digests, and its
+    signed, verified job receipt is saved there (one more round per request to collect the stages'
+    receipts); the dashboard lists that directory unless ``dashboard_receipts`` names another.
 
     Raises:
         ConfigError / ModelError / StageLost: the model or the ring is not usable (checked first).
@@ -596,7 +638,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     from transformers import AutoTokenizer
 
     from swarm.config import cache_root
-    from swarm.coordinator import eos_ids, vocab_size
+    from swarm.coordinator import _check_writable, eos_ids, vocab_size
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.ring import RingClient
@@ -606,6 +648,8 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
+    if receipt_dir is not None:  # checked before listening: every answered request gets its receipt
+        _check_writable(receipt_dir)
     key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         discovery = None
@@ -631,7 +675,13 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            stop_ids=eos_ids(resolved.path, tokenizer), max_ctx=min(i.max_ctx for i in infos),
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
                            wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
-                           prefix_cache=prefix_cache, dashboard_receipts=dashboard_receipts)
+                           prefix_cache=prefix_cache, dashboard_receipts=dashboard_receipts or receipt_dir,
+                           receipt_dir=receipt_dir, key=key)
+        if discovery is not None:  # the dashboard's layer coverage comes from the DHT
+            from swarm.dashboard import SwarmCoverage
+
+            state.coverage = SwarmCoverage(discovery[0])
+            await nursery.start(state.coverage.run)
         state.pool = ClientPool(state, max_concurrency)
         from swarm.metrics import ServeMetrics
 

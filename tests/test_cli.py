@@ -366,3 +366,13 @@ def test_demo_refuses_heal_flags_that_would_do_nothing(flags, says):
     """Checked before any stage starts: one line, exit 1, not a demo that silently ignores them."""
     done = run_cli("demo", "--model", "smollm2-135m", *flags)
     assert done.returncode != 0 and says in done.stdout + done.stderr, (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("flags,expect", [
+    ([], "needs --receipts DIR, --bootstrap MULTIADDR, or both"),
+    (["--receipts", "/nonexistent/receipts"], "--receipts /nonexistent/receipts: not a directory"),
+    (["--bootstrap", "/ip4/127.0.0.1/tcp/9"], "not a multiaddr"),
+])
+def test_bad_dashboard_flags_are_one_line(flags, expect):
+    res = run_cli("dashboard", "--port", "0", *flags)
+    assert res.returncode == 1 and expect in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

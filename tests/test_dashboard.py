@@ -49,6 +49,17 @@ def console_errors(log: str) -> list[str]:
     return [line for line in log.splitlines() if "CONSOLE" in line and re.search(r"Uncaught|Error|error", line)]
 
 
+def coverage_cells(dom: str) -> list[int]:
+    """The holder count of each layer cell of the page's coverage bars, in order."""
+    return [int(n) for n in re.findall(r'class="layer c[0-2]"[^>]*>(\d+)<', dom)]
+
+
+def plot_points(dom: str, plot_id: str) -> int:
+    """How many points the latency plot ``plot_id`` draws."""
+    m = re.search(rf'<svg id="{plot_id}"[^>]*>(.*?)</svg>', dom, re.S)
+    return m.group(1).count('class="point"') if m else -1
+
+
 def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir, chromium, tmp_path):
     from tests.test_serve import Server
 
@@ -72,6 +83,11 @@ def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir
         assert f"{sp.layers.start}:{sp.layers.end}" in dom and f"{pid[:6]}...{pid[-4:]}" in dom
     rate = float(re.search(r'id="rate"[^>]*>([0-9.]+)<', dom).group(1))
     assert rate > 0, "tokens/s did not move after two requests"
+    # layer coverage of the ring file: each of the 5 layers held once; latency over time: a point
+    # per request in both plots, none before any request
+    assert coverage_cells(dom) == [1, 1, 1, 1, 1] and "every layer is held" in dom
+    assert plot_points(dom, "ttft-plot") == 2 and plot_points(dom, "itl-plot") == 2
+    assert plot_points(before, "ttft-plot") == 0
     assert "Once upon" not in dom  # no prompt text on the page
     assert phone.count('class="stage-row"') == 3
 
@@ -118,6 +134,9 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
                                                                                       layers=full.stages[3].layers),))
         server = Server(spec, tmp_path)
         try:
+            import httpx
+
+            before = httpx.get(server.url + "/dashboard/state", timeout=30).json()
             victim = ring.stages[1].proc
             pieces = 0
             for chunk in server.client.completions.create(model="stories260k", prompt="Once upon a time",
@@ -136,6 +155,8 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     heals = re.findall(r'<li class="heal">([^<]*)</li>', dom)
     assert len(heals) == 1 and "stage 1 [2, 4) replaced" in heals[0], heals
     assert dom.count('class="stage-row"') == 3 and ">up<" in dom
+    assert before["models"][0]["coverage"] == [1, 1, 2, 2, 1]  # the spare holds [2, 4) too
+    assert coverage_cells(dom) == [1, 1, 1, 1, 1]  # healed onto it: no spare left
     assert m["swarm_serve_heal_events_total"] == 1
     for phase in ("detection", "swap", "replay", "total"):
         assert m[f"swarm_serve_heal_seconds_count{{phase={phase}}}"] == 1

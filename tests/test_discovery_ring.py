@@ -145,6 +145,58 @@ def test_peers_shows_coverage_and_errors_are_one_line(swarm_net, stories_dir):
             proc.stderr
 
 
+def _state_with_models(url: str, n: int) -> dict:
+    """Poll a dashboard's /dashboard/state until its DHT read shows ``n`` models (at most 30 s)."""
+    import time
+
+    import httpx
+
+    end = time.monotonic() + 30
+    while True:
+        state = httpx.get(url + "/dashboard/state", timeout=30).json()
+        if len(state.get("models") or []) >= n or time.monotonic() > end:
+            return state
+        time.sleep(0.5)
+
+
+def test_dashboards_show_the_swarms_layer_coverage_from_the_dht(swarm_net, stories_dir, tmp_path):
+    """`swarm dashboard --bootstrap` (no server) and `swarm serve --model --bootstrap` both read every
+    model's records from the DHT: stories260k's coverage per layer, and the lure as a second model."""
+    import re
+    import subprocess
+    import sys
+
+    from swarm.config import RingSpec
+    from tests.test_serve import Server
+
+    boot = swarm_net["boot"].addr
+    expect = [2, 3, 5, 3, 2]
+    proc = subprocess.Popen([sys.executable, "-m", "swarm", "dashboard", "--bootstrap", boot, "--port", "0",
+                             "--key", str(tmp_path / "dash.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"(http://\S+)/dashboard", line).group(1)
+        alone = _state_with_models(url, 2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    server = Server(RingSpec(model=str(stories_dir), stages=()), tmp_path, bootstrap=(boot,))
+    try:
+        served = _state_with_models(server.url, 2)
+    finally:
+        server.stop()
+    for state in (alone, served):
+        models = {m["model_id"]: m for m in state["models"]}
+        assert len(models) == 2 and all(m["source"] == "dht" for m in models.values()), state["models"]
+        ours = models[model_id(stories_dir)]
+        assert ours["coverage"] == expect and ours["uncovered"] == [] and ours["holders"] == len(RANGES)
+        lure = next(m for k, m in models.items() if k != model_id(stories_dir))
+        assert lure["coverage"] == [1, 1, 1, 1, 1]
+    assert "2 model(s) announce" in alone["status"]
+    assert len(served["stages"]) >= 1 and served["stages"][0]["ok"]  # and its own routed ring
+
+
 def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=3, num_hidden_layers=6)
     boot = swarm_net["boot"].addr

@@ -72,6 +72,10 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, tmp_path):
     assert after[2]["swarm_stage_refusals_total{reason=overflow}"] - before[2].get(
         "swarm_stage_refusals_total{reason=overflow}", 0) == 1
     assert after[0]["swarm_stage_refusals_total{reason=busy}"] == 0
+    for sp, a in zip(ring.stages, after):  # the info metric names each stage (public PeerId, layers)
+        info = {k: v for k, v in a.items() if k.startswith("swarm_stage_info")}
+        assert info == {f"swarm_stage_info{{dtype=float32}}{{layers={sp.layers.start}:{sp.layers.end}}}"
+                        f"{{model=stories260k}}{{peer_id={sp.ready['peer_id']}}}": 1}, info
 
 
 def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
@@ -82,10 +86,13 @@ def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
         server.client.completions.create(model="stories260k", prompt="Once", max_tokens=-3)  # 400: not a request
     m = scrape(server.url + "/metrics")
     assert m["swarm_serve_requests_total{status=ok}"] == 2
+    assert m["swarm_serve_requests_total{status=invalid}"] == 1  # refused before the ring
     assert m["swarm_serve_tokens_generated_total"] == 10
     assert m["swarm_serve_time_to_first_token_seconds_count"] == 2
     assert m["swarm_serve_request_seconds_count"] == 2
-    assert m["swarm_serve_inter_token_seconds_count"] == 8
+    assert m["swarm_serve_inter_token_seconds_count"] == 8  # 4 gaps between the 5 tokens of each
+    assert 0 < m["swarm_serve_inter_token_seconds_sum"] < m["swarm_serve_request_seconds_sum"]
+    assert m["swarm_serve_receipts_written_total"] == 0  # no --receipt-dir
     assert m["swarm_serve_active_requests"] == 0
     assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
     text = httpx.get(server.url + "/metrics").text
@@ -103,3 +110,38 @@ def stories_ring_metrics(stories_dir, tmp_path_factory):
             yield server
         finally:
             server.stop()
+
+
+def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts(stories_dir, tmp_path):
+    """``--receipt-dir``: each request's job receipt is saved and verifies; a receipt tampered with
+    afterwards is counted once as a verification failure (by its check) when the dashboard reads it."""
+    import json
+
+    from swarm import receipts
+    from tests.test_serve import Server
+
+    out = tmp_path / "receipts"
+    with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
+        server = Server(ring.ring_spec(), tmp_path, receipt_dir=out)
+        try:
+            texts = [server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=6,
+                                                      temperature=0).choices[0].text for _ in range(2)]
+            files = sorted(out.glob("*.json"))
+            m = scrape(server.url + "/metrics")
+            verdicts = receipts.verify_files([str(f) for f in files])
+            doc = json.loads(files[0].read_text())
+            doc["output_ids"][0] = (doc["output_ids"][0] + 1) % 512  # the answer changed after signing
+            files[0].write_text(json.dumps(doc))
+            for _ in range(2):  # the dashboard verifies its directory on every poll; the file counts once
+                state = httpx.get(server.url + "/dashboard/state", timeout=30).json()
+            after = scrape(server.url + "/metrics")
+        finally:
+            server.stop()
+    assert texts[0] == texts[1] and len(files) == 2
+    assert m["swarm_serve_receipts_written_total"] == 2
+    assert not any(k.startswith("swarm_serve_receipt_verification_failures_total") for k in m), m
+    assert all(isinstance(v, receipts.Verified) for _, v in verdicts), verdicts
+    assert all(len(doc["stage_receipts"]) == 3 for doc in (json.loads(f.read_text()) for f in files[1:]))
+    assert sorted(j["verified"] for j in state["jobs"]) == [False, True]
+    check = next(j["check"] for j in state["jobs"] if not j["verified"])
+    assert after[f"swarm_serve_receipt_verification_failures_total{{check={check}}}"] == 1, after

@@ -1,25 +1,33 @@
 """The live dashboard (issue 18): one page, no build step, no CDN (``index.html`` ships in the package).
 
 Owns: the page, and the JSON it polls every second (``state``): the ring as a picture (stages,
-layer ranges, PeerIds, state, sessions, KV memory), layer coverage, tokens/s over the last two
-minutes, time to first token, the recent jobs with their receipt verdicts (verified, or failed and
-which check), and heal events. ``swarm serve`` serves it at ``/dashboard`` (state from its ring and
-metrics); ``swarm dashboard --receipts DIR`` serves it alone over a receipt directory.
+layer ranges, PeerIds, state, sessions, KV memory), layer coverage per model (how many stages hold
+each layer: from the swarm's DHT when there is one, else from the ring and its spares), tokens/s
+and latency (time to first token, inter-token) over the last two minutes, the recent jobs with
+their receipt verdicts (verified, or failed and which check), and heal events. ``swarm serve``
+serves it at ``/dashboard`` (state from its ring and metrics); ``swarm dashboard --receipts DIR``
+and/or ``--bootstrap ADDR`` serves it alone, over a receipt directory and the swarm's coverage.
 
 Nothing sensitive reaches the page: no prompt text, token ids or key material; PeerIds and
 addresses are public by nature. It binds where its server binds: keep that private.
 
-May import: starlette (lazily), ``swarm.receipts``.
+May import: trio, starlette (lazily), ``swarm.receipts``, ``swarm.discovery``.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from importlib import resources
 from pathlib import Path
 
+import trio
+
+log = logging.getLogger(__name__)
+
 MAX_JOBS = 20
+WINDOW_S = 120.0  # the plots' time span
 
 
 def page() -> bytes:
@@ -45,7 +53,7 @@ def jobs_from_dir(directory, limit: int = MAX_JOBS) -> list[dict]:
     return out
 
 
-def rate_series(done: list[tuple[float, int]], now: float, window_s: float = 120.0, step_s: float = 2.0):
+def rate_series(done: list[tuple[float, int]], now: float, window_s: float = WINDOW_S, step_s: float = 2.0):
     """Tokens/s per ``step_s`` bucket over the last ``window_s`` from ``[(finish time, tokens)]``."""
     start = now - window_s
     buckets = [0] * int(window_s / step_s)
@@ -55,29 +63,106 @@ def rate_series(done: list[tuple[float, int]], now: float, window_s: float = 120
     return [[round(start + (i + 1) * step_s, 1), round(n / step_s, 3)] for i, n in enumerate(buckets)]
 
 
+def latency_series(finished, now: float, window_s: float = WINDOW_S) -> list[list]:
+    """``[[finish time, time to first token s, median inter-token gap s]]`` of the requests that
+    finished in the last ``window_s`` (from ``ServeMetrics.finished``)."""
+    return [[round(t, 2), ttft, itl] for t, _, ttft, itl in finished if now - t <= window_s]
+
+
+def ring_coverage(ring, model: str, num_layers: int) -> dict:
+    """Layer coverage of a ring file's stages and spares, in the shape of ``swarm peers``' models."""
+    counts = [0] * num_layers
+    for spec in (*ring.stages, *ring.spares):
+        for layer in range(spec.layers.start, min(spec.layers.end, num_layers)):
+            counts[layer] += 1
+    return {"name": model, "num_layers": num_layers, "coverage": counts, "uncovered": _gaps(counts),
+            "holders": len(ring.stages) + len(ring.spares), "source": "ring"}
+
+
+def _gaps(counts: list[int]) -> list[list[int]]:
+    out, start = [], None
+    for i, c in enumerate([*counts, 1]):
+        if c == 0 and start is None:
+            start = i
+        elif c != 0 and start is not None:
+            out.append([start, i])
+            start = None
+    return out
+
+
+class SwarmCoverage:
+    """Layer coverage of every model that announces on the swarm's DHT, read again every
+    ``every_s`` seconds in the background (``run``), so the page never waits on the DHT.
+
+    ``models``: ``[{"name", "model_id", "num_layers", "coverage" (stages holding each layer),
+    "uncovered" ([start, end) ranges nobody holds), "holders", "source": "dht"}]`` of the last
+    read (None before the first); ``error``: why the last read failed, or None. One read sees at
+    most the 20 providers a DHT node keeps per key (``SwarmDHT.find_records``)."""
+
+    def __init__(self, dht, every_s: float = 5.0, timeout_s: float = 5.0):
+        self.dht, self.every_s, self.timeout_s = dht, every_s, timeout_s
+        self.models: list[dict] | None = None
+        self.error: str | None = None
+        self.read_at: float | None = None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from swarm.discovery.peers import summarize
+        from swarm.errors import SwarmError
+
+        task_status.started()
+        while True:
+            try:
+                records = await self.dht.find_records(None, timeout_s=self.timeout_s)
+                self.models = [{"name": m["name"] if isinstance(m["name"], str) else " / ".join(m["name"]),
+                                "model_id": m["model_id"], "num_layers": m["num_layers"], "coverage": m["coverage"],
+                                "uncovered": m["uncovered"], "holders": len(m["stages"]), "source": "dht"}
+                               for m in summarize(records, {})["models"]]
+                self.error, self.read_at = None, time.time()
+            except SwarmError as exc:
+                if self.error != str(exc):
+                    log.warning("dashboard.coverage_unread reason=%s", exc)
+                self.error = str(exc)
+            await trio.sleep(self.every_s)
+
+    def state(self) -> dict:
+        return {"models": self.models or [], "coverage_error": self.error, "coverage_read_at": self.read_at}
+
+
 async def serve_state(state) -> dict:
     """The page's JSON for ``swarm serve`` (a ServeState with metrics)."""
     from swarm.serve import ring_health
 
     m, now = state.metrics, time.time()
     stages = await ring_health(state)
-    recent = [(t, n) for t, n, _ in m.finished if now - t <= 10.0]
-    ttfts = [x for _, _, x in list(m.finished)[-50:] if x is not None]
+    finished = list(m.finished)
+    recent = [(t, n) for t, n, _, _ in finished if now - t <= 10.0]
+    ttfts = [x for _, _, x, _ in finished[-50:] if x is not None]
+    itls = [x for _, _, _, x in finished[-50:] if x is not None]
+    jobs = jobs_from_dir(state.dashboard_receipts) if state.dashboard_receipts else []
+    for j in jobs:
+        if not j["verified"]:
+            m.receipt_failed(j["file"], j["check"])
+    coverage = state.coverage.state() if state.coverage is not None else {
+        "models": [ring_coverage(state.ring, state.model_id, state.num_layers)], "coverage_error": None}
     return {
         "model": state.model_id, "num_layers": state.num_layers,
         "status": "ok" if all(s["ok"] for s in stages) else "degraded",
         "stages": [{k: s.get(k) for k in ("index", "layers", "peer_id", "ok", "error", "sessions", "kv_bytes",
                                           "latency_ms")} for s in stages],
         "tokens_per_s": sum(n for _, n in recent) / 10.0,
-        "rate_series": rate_series([(t, n) for t, n, _ in m.finished], now),
+        "rate_series": rate_series([(t, n) for t, n, _, _ in finished], now),
+        "latency_series": latency_series(finished, now),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "itl_p50_s": statistics.median(itls) if itls else None,
         "requests": sum(m.requests.values()), "active": state.active,
-        "heals": list(m.heal_log), "jobs": jobs_from_dir(state.dashboard_receipts) if state.dashboard_receipts else [],
+        "heals": list(m.heal_log), "jobs": jobs, **coverage,
     }
 
 
-def receipts_app(directory):
-    """A Starlette app serving the page over a receipt directory alone (``swarm dashboard``)."""
+def receipts_app(directory, coverage: SwarmCoverage | None = None):
+    """A Starlette app serving the page alone (``swarm dashboard``): over a receipt directory
+    (``directory``, or None), and the swarm's coverage (``coverage``, whose ``run`` the caller
+    runs)."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, RedirectResponse, Response
     from starlette.routing import Route
@@ -86,10 +171,14 @@ def receipts_app(directory):
         return Response(page(), media_type="text/html; charset=utf-8")
 
     async def state(request):
-        jobs = jobs_from_dir(directory)
-        return JSONResponse({"status": f"{sum(j['verified'] for j in jobs)} of {len(jobs)} receipts verified",
-                             "receipts": str(directory), "stages": None, "jobs": jobs, "heals": [],
-                             "tokens_per_s": 0, "rate_series": []})
+        jobs = jobs_from_dir(directory) if directory is not None else []
+        status = [f"{sum(j['verified'] for j in jobs)} of {len(jobs)} receipts verified"] if directory else []
+        if coverage is not None:
+            status.append("swarm: " + (f"{len(coverage.models)} model(s) announce" if coverage.models is not None
+                                       else coverage.error or "reading the DHT..."))
+        return JSONResponse({"status": "; ".join(status), "receipts": str(directory) if directory else None,
+                             "stages": None, "jobs": jobs, "heals": [], "tokens_per_s": 0, "rate_series": [],
+                             "latency_series": [], **(coverage.state() if coverage else {"models": []})})
 
     async def root(request):
         return RedirectResponse("/dashboard")

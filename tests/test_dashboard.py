@@ -154,6 +154,7 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     assert console_errors(log) == [], console_errors(log)
     heals = re.findall(r'<li class="heal">([^<]*)</li>', dom)
     assert len(heals) == 1 and "stage 1 [2, 4) replaced" in heals[0], heals
+    assert dom.count('class="heal-mark"') == 1  # and on the throughput plot's time axis
     assert dom.count('class="stage-row"') == 3 and ">up<" in dom
     assert before["models"][0]["coverage"] == [1, 1, 2, 2, 1]  # the spare holds [2, 4) too
     assert coverage_cells(dom) == [1, 1, 1, 1, 1]  # healed onto it: no spare left

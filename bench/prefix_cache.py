@@ -127,6 +127,9 @@ def main() -> None:
 
     resolved = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    if not getattr(tokenizer, "chat_template", None):
+        sys.exit(f"bench/prefix_cache.py: {resolved.name} has no chat template; this benchmark replays chats "
+                 "(use an instruct model, e.g. the default smollm2-135m)")
     ranges = even_split(model_num_layers(resolved.path), 3)
     with tempfile.TemporaryDirectory() as tmp:
         with LocalRing(args.model, ranges, Path(tmp), threads=1, extra_args=["--dtype", "float32"]) as ring:

@@ -426,7 +426,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     When a stage is lost (its stream ends) or frozen (it stops answering heartbeats), and the ring
     file lists a warm spare for its layers, the ring heals (``swarm.heal.run_recovery``): the spare
     is swapped in, the session reopened, prompt + committed output replayed in prefill chunks, the
-    driver token checked, and generation continues; the output equals an uninterrupted run.
+    driver token checked, and generation continues; the output equals an uninterrupted run. A stage
+    found lost while the session opens (one that died since an earlier session of this client, as in
+    ``swarm serve``'s kept clients) is healed the same way, before anything is committed: the session
+    is opened afresh on the healed ring and the prefill runs from the start (``cached_tokens`` 0).
 
     Args:
         ring: a RingClient after ``connect``.
@@ -488,16 +491,46 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
              "prefix_cache": prefix_cache}
     ops = RingOps(ring, loop, state)
     shadowed = heal and shadow and await ops.prepare_shadows() > 0
-    t0 = time.perf_counter()
-    cached = await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype, job=job,
-                                     shadow=shadowed, prefix_ids=list(prompt_ids) if prefix_cache else None)
-    cached = min(cached, len(prompt_ids) - 1)
-    loop.skip_prefix(cached)
     heal_events: list[HealEvent] = []
+
+    async def recover(exc: StageLost) -> bool:
+        """Heal after ``exc`` (run_recovery); False when the re-check found every stage answering."""
+        detected = time.monotonic()
+        log.warning("heal.start cause=%s", exc)
+        event = await run_recovery(ops, plan_replay(prompt_ids, loop.output), detected, str(exc))
+        if event is None:
+            return False
+        log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
+                    "replay_tokens=%d survivor_tokens=%d replay_s=%.2f total_s=%.2f%s", event.stage,
+                    *event.layers, event.spare, event.replay, event.detect_s, event.swap_s,
+                    event.replay_tokens, event.survivor_tokens, event.replay_s, event.total_s,
+                    f" fallback={event.fallback}" if event.fallback else "")
+        heal_events.append(event)
+        return True
+
+    t0 = time.perf_counter()
+    cached = 0
     t_first = None
     stopped = False
     keep = None
-    try:
+    try:  # from the open on: a session opened at only some stages is closed there in the end too
+        try:
+            reused = await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype,
+                                             job=job, shadow=shadowed,
+                                             prefix_ids=list(prompt_ids) if prefix_cache else None)
+            cached = min(reused, len(prompt_ids) - 1)
+            loop.skip_prefix(cached)
+        except HEALABLE as exc:
+            # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
+            # tail first, so some stages may hold the session: the heal's reset closes it there, opens a
+            # fresh one on the healed ring (a replacement holds no prefix: nothing is reused), and the
+            # prefill runs from position 0 (nothing committed)
+            if not heal:
+                raise
+            if not await recover(exc):
+                log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
+                            "replaced; the session could not be opened", exc)
+                raise
         while not loop.done:
             try:
                 for chunk in loop.next_chunks():
@@ -506,19 +539,9 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
             except HEALABLE as exc:
                 if not heal:
                     raise
-                detected = time.monotonic()
-                log.warning("heal.start cause=%s", exc)
-                event = await run_recovery(ops, plan_replay(prompt_ids, loop.output), detected, str(exc))
-                if event is None:  # re-checked: every stage answers and moves again (a pause)
+                if not await recover(exc):  # re-checked: every stage answers and moves again (a pause)
                     log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
                                 "replaced, generation goes on", exc)
-                    continue
-                log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
-                            "replay_tokens=%d survivor_tokens=%d replay_s=%.2f total_s=%.2f%s", event.stage,
-                            *event.layers, event.spare, event.replay, event.detect_s, event.swap_s,
-                            event.replay_tokens, event.survivor_tokens, event.replay_s, event.total_s,
-                            f" fallback={event.fallback}" if event.fallback else "")
-                heal_events.append(event)
                 continue
             epoch = loop.epoch
             new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])

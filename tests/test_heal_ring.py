@@ -17,7 +17,7 @@ from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageSpec
 from swarm.coordinator import decode, write_job_receipt
 from swarm.drafters import NgramDrafter
-from swarm.errors import collapse
+from swarm.errors import StageLost, collapse
 from swarm.heal import NoSpare
 from swarm.launch import LocalRing
 from swarm.model.resolve import model_manifest_digest
@@ -336,3 +336,136 @@ def test_a_lost_shadow_changes_nothing_and_the_heal_falls_back_to_refill(pool, t
     # waited on the shadow would stall the ring for the mirror's 5 s send deadline, or the hop timeout)
     gaps = [b - a for a, b in zip(times[:9], times[1:9])]
     assert max(gaps) < 2.0, gaps
+
+
+# ---- a stage lost between two requests: the next request's session open meets it ------------------
+
+FOLLOW = [263, 292, 271]  # a next turn: the second request's prompt is PROMPT + the first answer + these
+FOLLOW_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def follow_reference(stories_dir, reference):
+    return reference_greedy(stories_dir, PROMPT + reference + FOLLOW, FOLLOW_NEW, "float32")
+
+
+def open_heal_run(pool: StagePool, tmp_path, spare: bool = True, spec_config=None, shadow: bool = False,
+                  prefix_cache: bool = False, victim: int = 1) -> dict:
+    """Serve a first request on a connected ring of 3 stages (+1 spare for the victim's range), then
+    SIGKILL the victim and reap it, then run the next turn (a job) on the same client: its session
+    open meets the lost stage; a third request checks the healed client. Without a spare, the next
+    turn runs with ``heal=False`` (StageLost), healing (NoSpare, raised) and with ``heal=False`` again,
+    and the survivors must hold no session after.
+    Returns {first, out, rec (with ``job_receipt``), again, tail_prefix (the tail's prefix counters
+    before and after the next turn)}. The victim is retired afterwards."""
+    stages = pool.take(RANGES + ([RANGES[victim]] if spare else []))
+    healthy = False
+    try:
+        result = _open_heal_run(pool.model_dir, tmp_path, stages[:len(RANGES)], stages[len(RANGES):], victim,
+                                spec_config, shadow, prefix_cache)
+        healthy = True
+        return result
+    except NoSpare:
+        healthy = True  # the expected failure: the survivors were checked to hold no session
+        raise
+    finally:
+        pool.retire([stages[victim]] if healthy else stages)
+        if healthy:
+            pool.give_back(stages[:victim] + stages[victim + 1:])
+
+
+def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_config, shadow, prefix_cache):
+    spec = RingSpec(model=str(model_dir),
+                    stages=tuple(StageSpec(s.addr, s.layers) for s in ring_stages),
+                    spares=tuple(StageSpec(s.addr, s.layers) for s in spare_stages))
+    key = load_or_create_key(tmp_path / "c.key")
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(90):
+            async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
+                client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
+                digest = model_manifest_digest(model_dir)
+                await client.connect(5, digest, nursery)
+                got["first"], _ = await decode(client, PROMPT, NEW, set(), prefix_cache=prefix_cache)
+                prompt = PROMPT + got["first"] + FOLLOW
+                before = (await client.stage_info(len(RANGES) - 1))["prefix_cache"]
+                proc = ring_stages[victim].proc
+                os.kill(proc.pid, signal.SIGKILL)
+                await trio.to_thread.run_sync(proc.wait)
+                drafter = NgramDrafter() if spec_config else None
+                job = {"id": "open-heal-job", "nonce": receipts.new_nonce()}
+
+                async def next_turn(heal=True):
+                    return await decode(client, prompt, FOLLOW_NEW, set(), spec=spec_config, drafter=drafter,
+                                        job=job, heal=heal, shadow=shadow, prefix_cache=prefix_cache)
+
+                if not spare_stages:
+                    # every request fails clearly, the last one after the lost stage's end-of-stream frames
+                    # were read (it meets the closed stream itself), and the sessions opened at the survivors
+                    # before the lost stage was met are closed there
+                    with pytest.raises(StageLost, match=rf"stage {victim} "):
+                        await next_turn(heal=False)
+                    with pytest.raises(NoSpare) as no_spare:
+                        await next_turn()
+                    with pytest.raises(StageLost, match=rf"stage {victim} "):
+                        await next_turn(heal=False)
+                    with trio.fail_after(10):
+                        for i in range(len(RANGES)):
+                            while i != victim and (await client.stage_info(i))["sessions"]:
+                                await trio.sleep(0.05)
+                    raise no_spare.value
+                out, rec = await next_turn()
+                got["tail_prefix"] = (before, (await client.stage_info(len(RANGES) - 1))["prefix_cache"])
+                res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"), model="stories260k",
+                                        model_digest=digest, num_layers=5, prompt_ids=prompt, output_ids=out,
+                                        ring=[i.entry() for i in client.infos], record=rec)
+                rec["job_receipt"] = json.loads(open(res["path"]).read())
+                got["out"], got["rec"] = out, rec
+                got["again"], _ = await decode(client, prompt, 8, set(), prefix_cache=prefix_cache)
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    return got
+
+
+@pytest.mark.parametrize("mode", ["greedy", "speculative", "shadow"])
+def test_a_stage_lost_between_requests_heals_at_the_next_open(pool, tmp_path, reference, follow_reference, mode):
+    """The middle stage dies between two requests of one client: the next request's session open
+    finds it gone, heals onto the spare (nothing committed: the prefill runs from the start on a
+    fresh session) and answers exactly; the healed client serves another request."""
+    spec_config = SpecConfig(draft="ngram", k=4, depth=2) if mode == "speculative" else None
+    got = open_heal_run(pool, tmp_path, spec_config=spec_config, shadow=mode == "shadow")
+    assert got["first"] == reference
+    assert got["out"] == follow_reference and got["again"] == follow_reference[:8]
+    rec = got["rec"]
+    (event,) = rec["heal_events"]
+    assert event["stage"] == 1 and tuple(event["layers"]) == (RANGES[1].start, RANGES[1].end), event
+    assert event["replay"] == "full" and "nothing committed" in event["fallback"], event
+    assert event["detect_s"] >= 0 and event["swap_s"] > 0 and event["total_s"] < 15, event
+    assert rec["cached_tokens"] == 0 and 0 < rec["ttft_s"] < rec["total_s"]
+    job = rec["job_receipt"]
+    receipts.verify_job(job)
+    assert job["stage_receipts"][1]["peer_id"] == event["spare"] == job["ring"][1]["peer_id"]
+
+
+def test_a_stage_lost_between_requests_heals_at_an_open_that_offered_a_prefix(pool, tmp_path, follow_reference):
+    """With prefix reuse the next turn's open offers the prompt, and a stage opened before the lost
+    one was met may already hold cached positions: the heal reopens without them (a replacement holds
+    no prefix), the prefill runs from position 0, and the ids are exact."""
+    got = open_heal_run(pool, tmp_path, prefix_cache=True)
+    assert got["out"] == follow_reference and got["again"] == follow_reference[:8]
+    before, after = got["tail_prefix"]
+    assert after["lookups"] == before["lookups"] + 1  # the open carried the prompt to the tail
+    rec = got["rec"]
+    assert len(rec["heal_events"]) == 1 and rec["heal_events"][0]["stage"] == 1
+    assert rec["cached_tokens"] == 0
+    receipts.verify_job(rec["job_receipt"])
+
+
+def test_a_stage_lost_between_requests_without_a_spare_fails_clearly(pool, tmp_path):
+    with pytest.raises(NoSpare, match=r"stage 1 holding layers \[2, 4\) is lost .*no warm spare"):
+        open_heal_run(pool, tmp_path, spare=False)

@@ -272,6 +272,43 @@ def test_a_client_hanging_up_does_not_hurt_a_request_running_beside_it(stories):
             assert other.result(timeout=120) == alone
 
 
+def test_a_stage_lost_between_two_requests_is_healed_at_the_next_one(stories_ring, stories_dir, tmp_path):
+    """The ring's middle stage is a process of this test, and the module's [2, 4) stage its warm spare
+    (a ring file with spares): it is killed and reaped between two requests on the one kept ring client;
+    the second request's session open finds it gone, heals onto the spare, and answers 200 with the
+    first one's text (prefilled from the start: nothing reused), and /health shows the healed ring."""
+    import os
+    import signal
+
+    from swarm.config import RingSpec, StageSpec
+
+    d = stories_dir
+    prompt = ("Once upon a time there was a little girl named Lily. She liked to play in the park with her "
+              "friends. One day she found a shiny red ball under a big tree, and she ran to show her mom.")
+    module = stories_ring.ring_spec().stages
+    with LocalRing(str(d), [RANGES[1]], tmp_path / "victim-keys", threads=1,
+                   extra_args=["--dtype", "float32"]) as extra:
+        (victim,) = extra.stages
+        spec = RingSpec(model=str(d), stages=(module[0], StageSpec(victim.addr, victim.layers), module[2]),
+                        spares=(module[1],))
+        server = Server(spec, tmp_path, max_concurrency=1)  # one ring client, kept across the requests
+        try:
+            first = server.client.completions.create(model="stories260k", prompt=prompt, max_tokens=16,
+                                                     temperature=0)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+            again = server.client.completions.create(model="stories260k", prompt=prompt, max_tokens=16,
+                                                     temperature=0)
+            health = server.health()
+        finally:
+            server.stop()
+    assert first.choices[0].text == _text(d, reference_greedy(d, _ids(d, prompt), 16, "float32"))
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert [s["peer_id"] for s in health["stages"]] == [module[0].peer_id, module[1].peer_id, module[2].peer_id]
+    assert all(s["ok"] for s in health["stages"]), health["stages"]
+
+
 def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path, monkeypatch):
     from swarm.config import CoordinatorConfig, RingSpec
 

@@ -23,7 +23,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.config import RingSpec, StageSpec
-from swarm.errors import HopTimeout, StageLost, SwarmError
+from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError
 from swarm.heal import Probe, locate_failure
 from swarm.ring.links import LinksMixin, _Link
 from swarm.ring.probe import ProbeMixin
@@ -133,6 +133,9 @@ class RingClient(LinksMixin, ProbeMixin):
         Returns:
             the fewest leading positions any of those stages took from its prefix cache (0 without
             ``prefix_ids``).
+        Raises:
+            StageLost: a stage's connection is gone or it refused as ``unavailable`` (the stages after
+                it in ring order hold the session now). HopTimeout, RemoteError.
         """
         n = len(self.links)
         reused = []
@@ -156,7 +159,12 @@ class RingClient(LinksMixin, ProbeMixin):
                 extra["prefix"] = {"ids": list(prefix_ids), "ns": self.prefix_namespace(i, wire_dtype)}
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
-            await self.links[i].data.send(msg, timeout_s=self.hop_timeout_s)
+            link = self.links[i]
+            try:
+                await link.data.send(msg, timeout_s=self.hop_timeout_s)
+            except StreamClosed as exc:  # it died since the last session of this client: a heal can replace it
+                raise StageLost(f"stage {i} {link.spec.layers} at {link.spec.addr} closed the connection: "
+                                f"{exc}") from exc
             ok = await self._expect(i, "open_ok", session)
             reused.append((ok.get("reused") or 0) if prefix_ids else 0)  # [] (a replacement) reuses nothing
         return min(reused, default=0)

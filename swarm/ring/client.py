@@ -197,12 +197,20 @@ class RingClient(LinksMixin, ProbeMixin):
                         pass
 
     async def send_chunk(self, session: str, chunk) -> None:
-        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result."""
+        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result.
+
+        Raises:
+            StageLost: the head's stream is closed. HopTimeout: the send did not finish in time.
+        """
         msg = wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
                          tokens=list(chunk.tokens))
         if getattr(chunk, "logits_from", None) is not None:
             msg["logits_from"] = chunk.logits_from
-        await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
+        head = self.links[0]
+        try:
+            await head.data.send(msg, timeout_s=self.hop_timeout_s)
+        except StreamClosed as exc:  # the head died: as in open_at, a heal can replace it
+            raise StageLost(f"stage 0 {head.spec.layers} at {head.spec.addr} closed the connection: {exc}") from exc
         mirror = self.head_mirrors.get(session)
         if mirror is not None:  # the head's shadow gets the same token ids (its own bounded queue)
             mirror.post(chunk.epoch, chunk.pos, tokens=list(chunk.tokens))

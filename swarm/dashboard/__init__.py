@@ -71,23 +71,14 @@ def latency_series(finished, now: float, window_s: float = WINDOW_S) -> list[lis
 
 def ring_coverage(ring, model: str, num_layers: int) -> dict:
     """Layer coverage of a ring file's stages and spares, in the shape of ``swarm peers``' models."""
+    from swarm.discovery.peers import uncovered
+
     counts = [0] * num_layers
     for spec in (*ring.stages, *ring.spares):
         for layer in range(spec.layers.start, min(spec.layers.end, num_layers)):
             counts[layer] += 1
-    return {"name": model, "num_layers": num_layers, "coverage": counts, "uncovered": _gaps(counts),
+    return {"name": model, "num_layers": num_layers, "coverage": counts, "uncovered": uncovered(counts),
             "holders": len(ring.stages) + len(ring.spares), "source": "ring"}
-
-
-def _gaps(counts: list[int]) -> list[list[int]]:
-    out, start = [], None
-    for i, c in enumerate([*counts, 1]):
-        if c == 0 and start is None:
-            start = i
-        elif c != 0 and start is not None:
-            out.append([start, i])
-            start = None
-    return out
 
 
 class SwarmCoverage:

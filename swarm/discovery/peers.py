@@ -22,6 +22,18 @@ def coverage(records: Sequence[StageRecord], num_layers: int, states: tuple[str,
     return counts
 
 
+def uncovered(counts: list[int]) -> list[list[int]]:
+    """The ``[start, end)`` layer ranges whose count in ``counts`` (from ``coverage``) is 0."""
+    out, start = [], None
+    for i, c in enumerate([*counts, 1]):
+        if c == 0 and start is None:
+            start = i
+        elif c != 0 and start is not None:
+            out.append([start, i])
+            start = None
+    return out
+
+
 def _coverage_bar(counts: list[int]) -> str:
     # one character per layer: '.' uncovered, then the holder count (9+ shown as '+')
     return "".join("." if c == 0 else (str(c) if c < 10 else "+") for c in counts)
@@ -37,13 +49,6 @@ def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float]) -> di
     for model_id, recs in sorted(models.items()):
         num_layers = max(r.num_layers for r in recs)
         counts = coverage(recs, num_layers)
-        uncovered, start = [], None
-        for i, c in enumerate([*counts, 1]):
-            if c == 0 and start is None:
-                start = i
-            elif c != 0 and start is not None:
-                uncovered.append([start, i])
-                start = None
         stages = [{"peer_id": r.peer_id, "layers": list(r.layers), "state": r.state, "addrs": list(r.addrs),
                    "throughput_tps": round(r.throughput_tps, 2), "sessions": r.sessions,
                    "free_kv_mib": round(r.free_kv_bytes / 2**20, 1), "dtype": r.dtype, "device": r.device,
@@ -51,7 +56,7 @@ def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float]) -> di
                   for r in sorted(recs, key=lambda r: (r.layers, r.peer_id))]
         names = sorted({r.model_name for r in recs})
         out.append({"model_id": model_id, "name": names[0] if len(names) == 1 else names, "num_layers": num_layers,
-                    "coverage": counts, "uncovered": uncovered, "stages": stages})
+                    "coverage": counts, "uncovered": uncovered(counts), "stages": stages})
     return {"models": out}
 
 

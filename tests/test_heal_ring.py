@@ -350,9 +350,9 @@ def follow_reference(stories_dir, reference):
 
 
 def open_heal_run(pool: StagePool, tmp_path, spare: bool = True, spec_config=None, shadow: bool = False,
-                  prefix_cache: bool = False, victim: int = 1) -> dict:
+                  prefix_cache: bool = False, victim: int = 1, sig: int = signal.SIGKILL) -> dict:
     """Serve a first request on a connected ring of 3 stages (+1 spare for the victim's range), then
-    SIGKILL the victim and reap it, then run the next turn (a job) on the same client: its session
+    SIGKILL the victim and reap it (or SIGSTOP it: frozen), then run the next turn (a job) on the same client: its session
     open meets the lost stage; a third request checks the healed client. Without a spare, the next
     turn runs with ``heal=False`` (StageLost), healing (NoSpare, raised) and with ``heal=False`` again,
     and the survivors must hold no session after.
@@ -362,7 +362,7 @@ def open_heal_run(pool: StagePool, tmp_path, spare: bool = True, spec_config=Non
     healthy = False
     try:
         result = _open_heal_run(pool.model_dir, tmp_path, stages[:len(RANGES)], stages[len(RANGES):], victim,
-                                spec_config, shadow, prefix_cache)
+                                spec_config, shadow, prefix_cache, sig)
         healthy = True
         return result
     except NoSpare:
@@ -374,7 +374,8 @@ def open_heal_run(pool: StagePool, tmp_path, spare: bool = True, spec_config=Non
             pool.give_back(stages[:victim] + stages[victim + 1:])
 
 
-def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_config, shadow, prefix_cache):
+def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_config, shadow, prefix_cache,
+                   sig=signal.SIGKILL):
     spec = RingSpec(model=str(model_dir),
                     stages=tuple(StageSpec(s.addr, s.layers) for s in ring_stages),
                     spares=tuple(StageSpec(s.addr, s.layers) for s in spare_stages))
@@ -391,8 +392,9 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                 prompt = PROMPT + got["first"] + FOLLOW
                 before = (await client.stage_info(len(RANGES) - 1))["prefix_cache"]
                 proc = ring_stages[victim].proc
-                os.kill(proc.pid, signal.SIGKILL)
-                await trio.to_thread.run_sync(proc.wait)
+                os.kill(proc.pid, sig)
+                if sig == signal.SIGKILL:
+                    await trio.to_thread.run_sync(proc.wait)
                 drafter = NgramDrafter() if spec_config else None
                 job = {"id": "open-heal-job", "nonce": receipts.new_nonce()}
 
@@ -450,6 +452,17 @@ def test_a_stage_lost_between_requests_heals_at_the_next_open(pool, tmp_path, re
     job = rec["job_receipt"]
     receipts.verify_job(job)
     assert job["stage_receipts"][1]["peer_id"] == event["spare"] == job["ring"][1]["peer_id"]
+
+
+def test_a_stage_frozen_between_requests_heals_at_the_next_open_in_seconds(pool, tmp_path, follow_reference):
+    """The middle stage is frozen (SIGSTOP) between two requests: its connection stays up, so the
+    open is sent but never answered; the probes during the wait find it silent, and the open heals
+    onto the spare in seconds instead of failing with a HopTimeout after hop_timeout_s (30 s)."""
+    got = open_heal_run(pool, tmp_path, sig=signal.SIGSTOP)
+    assert got["out"] == follow_reference and got["again"] == follow_reference[:8]
+    (event,) = got["rec"]["heal_events"]
+    assert event["stage"] == 1 and event["replay"] == "full", event
+    assert event["total_s"] + event["detect_s"] < 15 and got["rec"]["total_s"] < 20, (event, got["rec"]["total_s"])
 
 
 def test_a_stage_lost_between_requests_heals_at_an_open_that_offered_a_prefix(pool, tmp_path, follow_reference):

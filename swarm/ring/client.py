@@ -165,9 +165,37 @@ class RingClient(LinksMixin, ProbeMixin):
             except StreamClosed as exc:  # it died since the last session of this client: a heal can replace it
                 raise StageLost(f"stage {i} {link.spec.layers} at {link.spec.addr} closed the connection: "
                                 f"{exc}") from exc
-            ok = await self._expect(i, "open_ok", session)
+            ok = await self._expect_alive(i, "open_ok", session)
             reused.append((ok.get("reused") or 0) if prefix_ids else 0)  # [] (a replacement) reuses nothing
         return min(reused, default=0)
+
+    async def _expect_alive(self, index: int, kind: str, session: str) -> dict:
+        """``_expect``, probing the stages after every ``heartbeat_s`` of silence as ``next_result``
+        does: a stage that stops answering (frozen) is StageLost in seconds, not a HopTimeout after
+        ``hop_timeout_s``.
+
+        Raises:
+            StageLost: stage ``index`` stopped answering probes, or its stream closed.
+            HopTimeout: no ``kind`` frame within ``hop_timeout_s`` though it answers. RemoteError.
+        """
+        deadline = time.monotonic() + self.hop_timeout_s
+        while True:
+            try:
+                i, msg = await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
+            except HopTimeout:
+                if time.monotonic() >= deadline:
+                    raise HopTimeout(f"stage {index} sent no {kind} within {self.hop_timeout_s:.1f} s, though it "
+                                     "answers heartbeats") from None
+                # twice the heartbeat, as next_result: a loaded machine must not look like a dead stage
+                if not (await self.probe(session, 2 * self.heartbeat_s))[index].reachable:
+                    link = self.links[index]
+                    raise StageLost(f"stage {index} {link.spec.layers} at {link.spec.addr} stopped answering "
+                                    f"heartbeats ({2 * self.heartbeat_s:.1f} s) while opening the session") from None
+                continue
+            self._raise_for(i, msg, session)
+            if i == index and msg.get("type") == kind and msg.get("session") == session:
+                return wire.validate(msg)
+            log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
 
     async def close_session(self, session: str, timeout_s: float = 5.0, keep: list[int] | None = None) -> None:
         """Ask every stage to drop ``session`` (best effort). ``keep``: the session's committed ids

@@ -20,6 +20,7 @@ from swarm.transport import load_or_create_key, open_host
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378, 383, 286, 261]
 NEW = 6
+LONG = [1] + [403, 407, 261, 378, 383, 286, 261] * 3  # 22 positions: more than a short chunk (16)
 
 
 def scrape(url: str) -> dict:
@@ -49,15 +50,22 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, tmp_path):
                 out, _ = await decode(client, PROMPT, NEW, set())
                 with pytest.raises(RemoteError, match="maximum context"):  # refused at the tail, counted
                     await client.open_session("too-long", 10**6)
+                mid = [await trio.to_thread.run_sync(scrape, u) for u in urls]
+                # a prompt longer than a short chunk is computed in slices of a long piece: its rows count too
+                await decode(client, LONG, NEW, set())
                 nursery.cancel_scope.cancel()
-            return out
+            return out, mid
 
         try:
-            out = trio.run(main)
+            out, mid = trio.run(main)
         except BaseExceptionGroup as group:
             raise collapse(group) from None
         assert len(out) == NEW
         after = [scrape(u) for u in urls]
+    for i, (a, b, c) in enumerate(zip(before, mid, after)):
+        long = {k: c[k] - b.get(k, 0) for k in ("swarm_stage_rows_total", "swarm_stage_step_rows_sum")}
+        assert long == dict.fromkeys(long, len(LONG) + NEW - 1), (i, long)
+    after = mid
     for i, (a, b) in enumerate(zip(before, after)):
         d = {k: b[k] - a.get(k, 0) for k in b}
         # one prefill chunk, then NEW - 1 one-row decode chunks: one step each

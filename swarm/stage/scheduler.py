@@ -166,13 +166,14 @@ class SchedulerMixin:
         timing["encode_s"] += encode_s
         self.stats["steps"] += 1
         packed = sum(s.batch for s, _ in small)
+        computed = sum(n for _, _, n, _ in results)  # the short chunks' rows and the long slice's
         self.stats["batched_steps"] += packed > 1
-        self.stats["rows"] += rows
+        self.stats["rows"] += computed
         self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
         self.stats["prefill_slices"] += piece is not None
         if self.metrics is not None:
             self.metrics.step_seconds.observe(t_end - t_start)
-            self.metrics.step_rows.observe(sum(n for _, _, n, _ in results))
+            self.metrics.step_rows.observe(computed)
         for sess, job, n, payload in results:
             job.done += n
             sess.positions += n

@@ -604,6 +604,7 @@ def cmd_dashboard(args) -> int:
     config = HyperConfig()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # as serve: its start line once, via logging
 
     async def serve(coverage=None):
         async with trio.open_nursery() as nursery:

@@ -136,25 +136,32 @@ class ServeMetrics:
         self._failed_files: set = set()  # receipt files already counted as failed (each counts once)
         # (unix time, new tokens, ttft_s, median inter-token gap s) of recent requests (dashboard)
         self.finished: deque = deque(maxlen=4096)
+        self.arrivals: deque = deque(maxlen=600)  # [unix second, tokens that reached the server in it]
         self.heal_log: deque = deque(maxlen=50)  # recent heal events, for the dashboard's timeline
         self.registry.register(_ServeCollector(self))
 
+    def tokens_arrived(self, n: int, gaps: list[float]) -> None:
+        """``n`` new tokens of a request reached the server now (counted live, while it runs);
+        ``gaps``: the seconds since that request's previous token, one per token (none for its
+        first token)."""
+        self.tokens += n
+        for gap in gaps:
+            self.inter_token_seconds.observe(gap)
+        second = int(time.time())
+        if self.arrivals and self.arrivals[-1][0] == second:
+            self.arrivals[-1][1] += n
+        else:
+            self.arrivals.append([second, n])
+
     def request_done(self, status: str, record: dict | None = None, new_tokens: int = 0,
                      gaps: list[float] | None = None) -> None:
-        """Count a request by ``status`` and observe its timings. ``gaps``: seconds between its
-        consecutive tokens as they reached the server (``new_tokens - 1`` of them); without them the
-        decode's mean rate stands in for each."""
+        """Count a request by ``status`` and observe its timings (its tokens and their gaps were
+        counted as they arrived, ``tokens_arrived``); ``gaps`` gives the latency plot its median."""
         self.requests[status] = self.requests.get(status, 0) + 1
         if record is None:
             return
-        self.tokens += new_tokens
         self.heals += len(record.get("heal_events") or [])
         now = time.time()
-        if gaps is None:
-            rate = record.get("tokens_per_s")
-            gaps = [1.0 / rate] * max(0, new_tokens - 1) if rate else []
-        for gap in gaps:
-            self.inter_token_seconds.observe(gap)
         self.finished.append((now, new_tokens, record.get("ttft_s"), statistics.median(gaps) if gaps else None))
         for e in record.get("heal_events") or []:
             for phase, key in (("detection", "detect_s"), ("swap", "swap_s"), ("replay", "replay_s"),

@@ -256,11 +256,13 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
     arrived = {"n": 0, "t": None}
 
     def on_ids(ids):
-        now = time.perf_counter()
-        if arrived["t"] is not None and len(ids) > arrived["n"]:
-            gaps.append(now - arrived["t"])
-            gaps.extend([0.0] * (len(ids) - arrived["n"] - 1))  # accepted together: they arrive together
-        arrived.update(n=len(ids), t=now)
+        now, new = time.perf_counter(), len(ids) - arrived["n"]
+        if new > 0:
+            fresh = [] if arrived["t"] is None else [now - arrived["t"]] + [0.0] * (new - 1)  # accepted together:
+            gaps.extend(fresh)  # they arrive together
+            if state.metrics is not None:
+                state.metrics.tokens_arrived(new, fresh)
+            arrived.update(n=len(ids), t=now)
         piece = detok.update(ids)
         if piece and on_text:
             on_text(piece)
@@ -466,6 +468,8 @@ def build_app(state: ServeState):
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
     async def not_allowed(request, exc):
+        if state.metrics is not None and request.url.path in ("/v1/chat/completions", "/v1/completions"):
+            state.metrics.request_done("invalid")
         return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
     return Starlette(routes=[
@@ -650,6 +654,8 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     digest = model_manifest_digest(resolved.path)
     if receipt_dir is not None:  # checked before listening: every answered request gets its receipt
         _check_writable(receipt_dir)
+    if dashboard_receipts is not None and not Path(dashboard_receipts).is_dir():
+        raise ConfigError(f"--dashboard-receipts {dashboard_receipts}: not a directory")
     key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         discovery = None

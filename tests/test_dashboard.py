@@ -112,11 +112,14 @@ def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(syn
         proc.terminate()
         proc.wait(10)
     assert console_errors(log) == [], console_errors(log)
-    verdicts = re.findall(r'class="(ok|bad) verdict">([^<]*)<', dom)
+    verdicts = re.findall(r'class="(ok|bad) verdict"[^>]*>([^<]*)<', dom)
     assert sorted(v for v, _ in verdicts) == ["bad", "ok"], verdicts
     bad = next(text for v, text in verdicts if v == "bad")
     assert bad.startswith("failed: ") and len(bad) > len("failed: "), bad
     assert "1 of 2 receipts verified" in dom
+    # alone, the page has no requests of its own: no throughput or heal panels
+    assert re.search(r'id="throughput-section" style="display: none;?"', dom), "throughput shown without a server"
+    assert re.search(r'title="job signature: ', dom)  # the check's whole message on hover
 
 
 def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
@@ -161,3 +164,17 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     assert m["swarm_serve_heal_events_total"] == 1
     for phase in ("detection", "swap", "replay", "total"):
         assert m[f"swarm_serve_heal_seconds_count{{phase={phase}}}"] == 1
+
+
+def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():
+    from swarm.config import RingSpec, StageSpec
+    from swarm.dashboard import ring_coverage
+
+    addr = "/ip4/127.0.0.1/tcp/1/p2p/X"
+    stages = tuple(StageSpec(addr, r) for r in RANGES)
+    ring = RingSpec(model="m", stages=stages, spares=(StageSpec(addr, RANGES[1]),))
+    assert ring_coverage(ring, "m", 5)["coverage"] == [1, 1, 2, 2, 1]
+    down = ring_coverage(ring, "m", 5, frozenset({1}))
+    assert down["coverage"] == [1, 1, 1, 1, 1] and down["holders"] == 3 and down["uncovered"] == []
+    bare = ring_coverage(RingSpec(model="m", stages=stages), "m", 5, frozenset({1}))
+    assert bare["coverage"] == [1, 1, 0, 0, 1] and bare["uncovered"] == [[2, 4]]

@@ -193,7 +193,7 @@ def test_dashboards_show_the_swarms_layer_coverage_from_the_dht(swarm_net, stori
         assert ours["coverage"] == expect and ours["uncovered"] == [] and ours["holders"] == len(RANGES)
         lure = next(m for k, m in models.items() if k != model_id(stories_dir))
         assert lure["coverage"] == [1, 1, 1, 1, 1]
-    assert "2 model(s) announce" in alone["status"]
+    assert "2 models announce" in alone["status"]
     assert len(served["stages"]) >= 1 and served["stages"][0]["ok"]  # and its own routed ring
 
 

@@ -92,9 +92,10 @@ def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
         server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=5, temperature=0)
     with pytest.raises(Exception):
         server.client.completions.create(model="stories260k", prompt="Once", max_tokens=-3)  # 400: not a request
+    assert httpx.get(server.url + "/v1/completions", timeout=10).status_code == 405  # the wrong method
     m = scrape(server.url + "/metrics")
     assert m["swarm_serve_requests_total{status=ok}"] == 2
-    assert m["swarm_serve_requests_total{status=invalid}"] == 1  # refused before the ring
+    assert m["swarm_serve_requests_total{status=invalid}"] == 2  # refused before the ring
     assert m["swarm_serve_tokens_generated_total"] == 10
     assert m["swarm_serve_time_to_first_token_seconds_count"] == 2
     assert m["swarm_serve_request_seconds_count"] == 2
@@ -105,6 +106,28 @@ def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
     assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
     text = httpx.get(server.url + "/metrics").text
     assert "Once upon" not in text  # no prompt text in metrics
+
+
+def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
+    """Tokens, inter-token gaps and the dashboard's tokens/s move while a long answer streams, not
+    only when it ends."""
+    server = stories_ring_metrics
+    before = scrape(server.url + "/metrics")
+    pieces, during, live = 0, None, None
+    for _ in server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=150,
+                                              temperature=0, stream=True):
+        pieces += 1
+        if pieces == 30:  # mid-answer
+            during = scrape(server.url + "/metrics")
+            live = httpx.get(server.url + "/dashboard/state", timeout=30).json()
+    after = scrape(server.url + "/metrics")
+    assert pieces > 30
+    mid = during["swarm_serve_tokens_generated_total"] - before["swarm_serve_tokens_generated_total"]
+    assert 30 <= mid < 150, mid
+    assert during["swarm_serve_inter_token_seconds_count"] - before["swarm_serve_inter_token_seconds_count"] == mid - 1
+    assert during["swarm_serve_requests_total{status=ok}"] == before["swarm_serve_requests_total{status=ok}"]
+    assert live["tokens_per_s"] > 0 and live["active"] == 1
+    assert after["swarm_serve_tokens_generated_total"] - before["swarm_serve_tokens_generated_total"] == 150
 
 
 @pytest.fixture(scope="module")

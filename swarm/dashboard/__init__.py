@@ -54,7 +54,7 @@ def jobs_from_dir(directory, limit: int = MAX_JOBS) -> list[dict]:
 
 
 def rate_series(done: list[tuple[float, int]], now: float, window_s: float = WINDOW_S, step_s: float = 2.0):
-    """Tokens/s per ``step_s`` bucket over the last ``window_s`` from ``[(finish time, tokens)]``."""
+    """Tokens/s per ``step_s`` bucket over the last ``window_s`` from ``[(unix time, tokens)]``."""
     start = now - window_s
     buckets = [0] * int(window_s / step_s)
     for t, n in done:
@@ -69,16 +69,18 @@ def latency_series(finished, now: float, window_s: float = WINDOW_S) -> list[lis
     return [[round(t, 2), ttft, itl] for t, _, ttft, itl in finished if now - t <= window_s]
 
 
-def ring_coverage(ring, model: str, num_layers: int) -> dict:
-    """Layer coverage of a ring file's stages and spares, in the shape of ``swarm peers``' models."""
+def ring_coverage(ring, model: str, num_layers: int, down: frozenset[int] = frozenset()) -> dict:
+    """Layer coverage of a ring's stages (but those at the ring positions in ``down``: they do not
+    answer) and its spares, in the shape of ``swarm peers``' models."""
     from swarm.discovery.peers import uncovered
 
+    held = [s for i, s in enumerate(ring.stages) if i not in down] + list(ring.spares)
     counts = [0] * num_layers
-    for spec in (*ring.stages, *ring.spares):
+    for spec in held:
         for layer in range(spec.layers.start, min(spec.layers.end, num_layers)):
             counts[layer] += 1
     return {"name": model, "num_layers": num_layers, "coverage": counts, "uncovered": uncovered(counts),
-            "holders": len(ring.stages) + len(ring.spares), "source": "ring"}
+            "holders": len(held), "source": "ring"}
 
 
 class SwarmCoverage:
@@ -125,8 +127,8 @@ async def serve_state(state) -> dict:
 
     m, now = state.metrics, time.time()
     stages = await ring_health(state)
-    finished = list(m.finished)
-    recent = [(t, n) for t, n, _, _ in finished if now - t <= 10.0]
+    finished, arrivals = list(m.finished), [tuple(a) for a in m.arrivals]
+    recent = [(t, n) for t, n in arrivals if now - t < 10.0]  # whole seconds: the current one and 9 more
     ttfts = [x for _, _, x, _ in finished[-50:] if x is not None]
     itls = [x for _, _, _, x in finished[-50:] if x is not None]
     jobs = jobs_from_dir(state.dashboard_receipts) if state.dashboard_receipts else []
@@ -134,19 +136,20 @@ async def serve_state(state) -> dict:
         if not j["verified"]:
             m.receipt_failed(j["file"], j["check"])
     coverage = state.coverage.state() if state.coverage is not None else {
-        "models": [ring_coverage(state.ring, state.model_id, state.num_layers)], "coverage_error": None}
+        "models": [ring_coverage(state.ring, state.model_id, state.num_layers,
+                                 frozenset(s["index"] for s in stages if not s["ok"]))], "coverage_error": None}
     return {
         "model": state.model_id, "num_layers": state.num_layers,
         "status": "ok" if all(s["ok"] for s in stages) else "degraded",
         "stages": [{k: s.get(k) for k in ("index", "layers", "peer_id", "ok", "error", "sessions", "kv_bytes",
                                           "latency_ms")} for s in stages],
         "tokens_per_s": sum(n for _, n in recent) / 10.0,
-        "rate_series": rate_series([(t, n) for t, n, _, _ in finished], now),
+        "rate_series": rate_series(arrivals, now),
         "latency_series": latency_series(finished, now),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "itl_p50_s": statistics.median(itls) if itls else None,
         "requests": sum(m.requests.values()), "active": state.active,
-        "heals": list(m.heal_log), "jobs": jobs, **coverage,
+        "heals": list(m.heal_log), "jobs": jobs, "dht": state.coverage is not None, **coverage,
     }
 
 
@@ -165,11 +168,13 @@ def receipts_app(directory, coverage: SwarmCoverage | None = None):
         jobs = jobs_from_dir(directory) if directory is not None else []
         status = [f"{sum(j['verified'] for j in jobs)} of {len(jobs)} receipts verified"] if directory else []
         if coverage is not None:
-            status.append("swarm: " + (f"{len(coverage.models)} model(s) announce" if coverage.models is not None
-                                       else coverage.error or "reading the DHT..."))
+            n = len(coverage.models or [])
+            status.append("swarm: " + (coverage.error or "reading the DHT..." if coverage.models is None else
+                                       f"{n} model{'' if n == 1 else 's'} announce{'s' if n == 1 else ''}"))
         return JSONResponse({"status": "; ".join(status), "receipts": str(directory) if directory else None,
                              "stages": None, "jobs": jobs, "heals": [], "tokens_per_s": 0, "rate_series": [],
-                             "latency_series": [], **(coverage.state() if coverage else {"models": []})})
+                             "latency_series": [], "dht": coverage is not None,
+                             **(coverage.state() if coverage else {"models": []})})
 
     async def root(request):
         return RedirectResponse("/dashboard")

@@ -218,6 +218,21 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     assert holders.stages[1].ready["dht_mode"] == "client" and holders.stages[1].ready["reachable"] is False
 
 
+def test_a_stage_drained_with_nothing_open_leaves_a_draining_record(swarm_net, tmp_path):
+    """SIGTERM on an idle stage: its drain ends at once, yet the swarm reads "draining" for it (not a
+    stale "online" record until it expires), so routing and coverage drop it immediately."""
+    model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=4, num_hidden_layers=2)
+    boot = swarm_net["boot"].addr
+    with LocalRing(str(model), [LayerRange(0, 2)], tmp_path / "keys", threads=1,
+                   extra_args=["--dtype", "float32", "--bootstrap", boot]) as ring:
+        stage = ring.stages[0]
+        os.kill(stage.proc.pid, signal.SIGTERM)
+        assert stage.proc.wait(30) == 0
+    doc = json.loads(run_swarm("peers", "--bootstrap", boot, "--model", str(model), "--json").stdout)
+    (m,) = doc["models"]
+    assert [s["state"] for s in m["stages"]] == ["draining"] and m["coverage"] == [0, 0], m
+
+
 def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
     """P fills the gap [2, 4); R joins at [2, 4) too; then the only holder of [0, 2) dies. P's
     re-check finds that leaving [2, 4) opens no gap and that [0, 2) is empty: it drains, prints

@@ -200,6 +200,12 @@ def run_stage(config: StageConfig) -> int:
             await nursery.start(_drain_on_sigterm, server)
             emit("READY", ready)
             await server.drain_requested.wait()
+            if server.announcer is not None:
+                # the swarm must see "draining" before the stage goes: a drain with nothing open ends at
+                # once, and the exit below would beat the announcer's own republish
+                server.draining = True
+                with trio.move_on_after(5.0):
+                    await server.announcer.publish()
             emit("DRAINED", await server.drain(config.drain_timeout_s))
             sys.stderr.flush()
             if server.move_to is not None:  # rebalancing: start again on the new block, same key and flags

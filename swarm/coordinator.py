@@ -296,7 +296,10 @@ class RingOps:
         """Links to the stages from the DHT that take over ``layers``: usually one holder whose block
         contains them, else a chain of holders tiling them (``swarm.routing.plan_replacement``).
         Every stage of the ring and every shadow is excluded, so none runs two positions of one session; a chain
-        with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``."""
+        with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``. The lost
+        stage's own PeerId is allowed while nothing is committed (a heal at the open or during the prefill,
+        which replays on a fresh session): a volunteer who restarted a crashed stage under the same key, on
+        a new address, then serves again; its fresh record names that address."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
@@ -304,11 +307,13 @@ class RingOps:
 
         dht, model_id, *known = self.ring.discovery
         infos = self.ring.infos
+        fresh_session = self.loop.committed_len - 1 < self.loop.prompt_len  # the replay opens a new session
         try:
             hops = await find_replacement(
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
-                exclude=frozenset(i.peer_id for i in infos) | {s.info.peer_id for s in self.ring.shadows.values()},
+                exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
+                | {s.info.peer_id for s in self.ring.shadows.values()},
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None)
         except NoRoute as exc:

@@ -70,7 +70,7 @@ class _RelayThread:
         self._thread.join(5)
 
 
-def _other_weights(stories_dir, root):
+def _other_weights(stories_dir, root, factor: float = 1.01):
     """A copy of stories260k under the same directory name with one weight changed."""
     from safetensors.torch import load_file, save_file
 
@@ -78,7 +78,7 @@ def _other_weights(stories_dir, root):
     shutil.copytree(stories_dir, out)
     tensors = load_file(str(out / "model.safetensors"))
     name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
-    tensors[name] = tensors[name] * 1.01
+    tensors[name] = tensors[name] * factor
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -231,6 +231,39 @@ def test_a_stage_drained_with_nothing_open_leaves_a_draining_record(swarm_net, t
     doc = json.loads(run_swarm("peers", "--bootstrap", boot, "--model", str(model), "--json").stdout)
     (m,) = doc["models"]
     assert [s["state"] for s in m["stages"]] == ["draining"] and m["coverage"] == [0, 0], m
+
+
+def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, stories_dir, tmp_path):
+    """`swarm serve --model --bootstrap`: the middle stage of its route crashes between two requests
+    and its volunteer restarts it (same key, so the same PeerId, on a new port). The next request's
+    open meets the lost stage, the heal reads the stage's fresh record and takes it back: 200, the
+    same text, and the route names the new address."""
+    import httpx
+
+    from swarm.config import RingSpec
+    from tests.test_serve import Server
+
+    model = _other_weights(stories_dir, tmp_path / "own", factor=1.02)  # only these stages hold it
+    boot = swarm_net["boot"].addr
+    ranges = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
+    common = ["--dtype", "float32", "--bootstrap", boot]
+    with LocalRing(str(model), ranges, tmp_path / "keys", threads=1, extra_args=common) as ring:
+        server = Server(RingSpec(model=str(model), stages=()), tmp_path, bootstrap=(boot,))
+        try:
+            ask = dict(model="stories260k", prompt="Once upon a time", max_tokens=16, temperature=0)
+            first = server.client.completions.create(**ask).choices[0].text
+            old = ring.stages[1]
+            os.killpg(old.proc.pid, signal.SIGKILL)
+            old.proc.wait()
+            with LocalRing(str(model), [ranges[1]], tmp_path / "keys", threads=1, extra_args=common) as again:
+                assert again.stages[0].ready["peer_id"] == old.ready["peer_id"]
+                second = server.client.completions.create(**ask).choices[0].text
+                health = httpx.get(server.url + "/health", timeout=30).json()
+        finally:
+            server.stop()
+    assert second == first
+    assert health["status"] == "ok" and health["stages"][1]["peer_id"] == old.ready["peer_id"]
+    assert health["stages"][1]["addr"] != old.addr  # the restarted process, on its new port
 
 
 def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):

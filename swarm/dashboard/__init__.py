@@ -106,6 +106,9 @@ class SwarmCoverage:
         while True:
             try:
                 records = await self.dht.find_records(None, timeout_s=self.timeout_s)
+                if not records:  # nothing at all: perhaps we lost the swarm (a bootstrap restarted,
+                    await self.dht.rejoin()  # or it fell out of our table), not the swarm its stages
+                    records = await self.dht.find_records(None, timeout_s=self.timeout_s)
                 self.models = [{"name": m["name"] if isinstance(m["name"], str) else " / ".join(m["name"]),
                                 "model_id": m["model_id"], "num_layers": m["num_layers"], "coverage": m["coverage"],
                                 "uncovered": m["uncovered"], "holders": len(m["stages"]), "source": "dht"}

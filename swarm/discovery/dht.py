@@ -126,10 +126,13 @@ class SwarmDHT:
         return self.dht.mode == DHTMode.SERVER
 
     async def rejoin(self, timeout_s: float = 5.0) -> int:
-        """Reconnect to bootstrap nodes we lost (e.g. one restarted); returns how many answer."""
+        """Reconnect to bootstrap nodes we lost (e.g. one restarted), or that dropped out of the
+        routing table (a failed query can evict them, and lookups then have nobody to ask);
+        returns how many answer."""
         ok = 0
         for info in self.bootstrap:
-            if self.host.libp2p_host.get_network().get_connections(info.peer_id):
+            if self.host.libp2p_host.get_network().get_connections(info.peer_id) \
+                    and self.dht.routing_table.peer_in_table(info.peer_id):
                 ok += 1
                 continue
             try:
@@ -175,6 +178,7 @@ class SwarmDHT:
             Records sorted by PeerId; empty when none is found.
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
+        peers: list[str] = []  # the lookup ran out of time: nobody to ask
         with trio.move_on_after(timeout_s):
             peers = await self._fresh_providers(provider_key)
         records: dict[str, StageRecord] = {}

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
-    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo"):
+    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo", "dashboard"):
         import swarm.transport.host as transport_host  # importing libp2p resets its level: re-applied per host
 
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL

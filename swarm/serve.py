@@ -107,7 +107,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if not ok or isinstance(value, bool) or (not integer and not math.isfinite(value)) or not lo <= value <= hi:
         kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"'{name}' must be {kind} in [{lo:g}, {hi:g}], got {value!r}", name)
+        span = f"[{int(lo)}, {int(hi)}]" if integer else f"[{lo:g}, {hi:g}]"
+        raise ApiError(400, f"'{name}' must be {kind} in {span}, got {value!r}", name)
     return value
 
 

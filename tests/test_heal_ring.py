@@ -434,11 +434,12 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
     return got
 
 
-@pytest.mark.parametrize("mode", ["greedy", "speculative", "shadow"])
+@pytest.mark.parametrize("mode", ["speculative", "shadow"])
 def test_a_stage_lost_between_requests_heals_at_the_next_open(pool, tmp_path, reference, follow_reference, mode):
     """The middle stage dies between two requests of one client: the next request's session open
     finds it gone, heals onto the spare (nothing committed: the prefill runs from the start on a
-    fresh session) and answers exactly; the healed client serves another request."""
+    fresh session) and answers exactly; the healed client serves another request. (Greedy decoding
+    takes the same path after the heal; the frozen-stage and prefix tests below run it.)"""
     spec_config = SpecConfig(draft="ngram", k=4, depth=2) if mode == "speculative" else None
     got = open_heal_run(pool, tmp_path, spec_config=spec_config, shadow=mode == "shadow")
     assert got["first"] == reference

@@ -36,37 +36,45 @@ def scrape(url: str) -> dict:
     return out
 
 
-def test_a_stage_process_exports_what_a_generation_did(stories_dir, tmp_path):
-    with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1,
+@pytest.fixture(scope="module")
+def metrics_ring(stories_dir, tmp_path_factory):
+    """One ring of stage processes exporting metrics, for every test of this module (starting
+    stages is what costs here); the stage test runs first, on stages nothing else has used yet."""
+    keys = tmp_path_factory.mktemp("metrics-keys")
+    with LocalRing(str(stories_dir), RANGES, keys, threads=1,
                    extra_args=["--dtype", "float32", "--metrics-listen", "127.0.0.1:0"]) as ring:
-        urls = [sp.ready["metrics_url"] for sp in ring.stages]
-        before = [scrape(u) for u in urls]
+        yield ring
 
-        async def main():
-            async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-                    trio.open_nursery() as nursery:
-                client = RingClient(host, ring.ring_spec(), 30.0, 10.0)
-                await client.connect(model_num_layers(stories_dir), model_manifest_digest(stories_dir), nursery)
-                out, _ = await decode(client, PROMPT, NEW, set())
-                with pytest.raises(RemoteError, match="maximum context"):  # refused at the tail, counted
-                    await client.open_session("too-long", 10**6)
-                mid = [await trio.to_thread.run_sync(scrape, u) for u in urls]
-                # a prompt longer than a short chunk is computed in slices of a long piece: its rows count too
-                await decode(client, LONG, NEW, set())
-                nursery.cancel_scope.cancel()
-            return out, mid
 
-        try:
-            out, mid = trio.run(main)
-        except BaseExceptionGroup as group:
-            raise collapse(group) from None
-        assert len(out) == NEW
-        after = [scrape(u) for u in urls]
+def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring, tmp_path):
+    ring = metrics_ring  # nothing has used these stages yet
+    urls = [sp.ready["metrics_url"] for sp in ring.stages]
+    before = [scrape(u) for u in urls]
+
+    async def main():
+        async with open_host(load_or_create_key(tmp_path / "c.key"), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                trio.open_nursery() as nursery:
+            client = RingClient(host, ring.ring_spec(), 30.0, 10.0)
+            await client.connect(model_num_layers(stories_dir), model_manifest_digest(stories_dir), nursery)
+            out, _ = await decode(client, PROMPT, NEW, set())
+            with pytest.raises(RemoteError, match="maximum context"):  # refused at the tail, counted
+                await client.open_session("too-long", 10**6)
+            mid = [await trio.to_thread.run_sync(scrape, u) for u in urls]
+            # a prompt longer than a short chunk is computed in slices of a long piece: its rows count too
+            await decode(client, LONG, NEW, set())
+            nursery.cancel_scope.cancel()
+        return out, mid
+
+    try:
+        out, mid = trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    assert len(out) == NEW
+    after = [scrape(u) for u in urls]
     for i, (a, b, c) in enumerate(zip(before, mid, after)):
         long = {k: c[k] - b.get(k, 0) for k in ("swarm_stage_rows_total", "swarm_stage_step_rows_sum")}
         assert long == dict.fromkeys(long, len(LONG) + NEW - 1), (i, long)
-    after = mid
-    for i, (a, b) in enumerate(zip(before, after)):
+    for i, (a, b) in enumerate(zip(before, mid)):  # the first generation and the refused open
         d = {k: b[k] - a.get(k, 0) for k in b}
         # one prefill chunk, then NEW - 1 one-row decode chunks: one step each
         assert d["swarm_stage_steps_total"] == NEW, (i, d["swarm_stage_steps_total"])
@@ -131,19 +139,17 @@ def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
 
 
 @pytest.fixture(scope="module")
-def stories_ring_metrics(stories_dir, tmp_path_factory):
+def stories_ring_metrics(metrics_ring, tmp_path_factory):
     from tests.test_serve import Server
 
-    keys = tmp_path_factory.mktemp("metrics-keys")
-    with LocalRing(str(stories_dir), RANGES, keys, threads=1, extra_args=["--dtype", "float32"]) as ring:
-        server = Server(ring.ring_spec(), keys)
-        try:
-            yield server
-        finally:
-            server.stop()
+    server = Server(metrics_ring.ring_spec(), tmp_path_factory.mktemp("serve-key"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
-def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts(stories_dir, tmp_path):
+def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts(metrics_ring, tmp_path):
     """``--receipt-dir``: each request's job receipt is saved and verifies; a receipt tampered with
     afterwards is counted once as a verification failure (by its check) when the dashboard reads it."""
     import json
@@ -152,22 +158,21 @@ def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts
     from tests.test_serve import Server
 
     out = tmp_path / "receipts"
-    with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
-        server = Server(ring.ring_spec(), tmp_path, receipt_dir=out)
-        try:
-            texts = [server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=6,
-                                                      temperature=0).choices[0].text for _ in range(2)]
-            files = sorted(out.glob("*.json"))
-            m = scrape(server.url + "/metrics")
-            verdicts = receipts.verify_files([str(f) for f in files])
-            doc = json.loads(files[0].read_text())
-            doc["output_ids"][0] = (doc["output_ids"][0] + 1) % 512  # the answer changed after signing
-            files[0].write_text(json.dumps(doc))
-            for _ in range(2):  # the dashboard verifies its directory on every poll; the file counts once
-                state = httpx.get(server.url + "/dashboard/state", timeout=30).json()
-            after = scrape(server.url + "/metrics")
-        finally:
-            server.stop()
+    server = Server(metrics_ring.ring_spec(), tmp_path, receipt_dir=out)
+    try:
+        texts = [server.client.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=6,
+                                                  temperature=0).choices[0].text for _ in range(2)]
+        files = sorted(out.glob("*.json"))
+        m = scrape(server.url + "/metrics")
+        verdicts = receipts.verify_files([str(f) for f in files])
+        doc = json.loads(files[0].read_text())
+        doc["output_ids"][0] = (doc["output_ids"][0] + 1) % 512  # the answer changed after signing
+        files[0].write_text(json.dumps(doc))
+        for _ in range(2):  # the dashboard verifies its directory on every poll; the file counts once
+            state = httpx.get(server.url + "/dashboard/state", timeout=30).json()
+        after = scrape(server.url + "/metrics")
+    finally:
+        server.stop()
     assert texts[0] == texts[1] and len(files) == 2
     assert m["swarm_serve_receipts_written_total"] == 2
     assert not any(k.startswith("swarm_serve_receipt_verification_failures_total") for k in m), m

@@ -175,23 +175,15 @@ class RingClient(LinksMixin, ProbeMixin):
         ``hop_timeout_s``.
 
         Raises:
-            StageLost: stage ``index`` stopped answering probes, or its stream closed.
+            StageLost: a stage stopped answering probes, or its stream closed.
             HopTimeout: no ``kind`` frame within ``hop_timeout_s`` though it answers. RemoteError.
         """
         deadline = time.monotonic() + self.hop_timeout_s
         while True:
-            try:
-                i, msg = await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
-            except HopTimeout:
-                if time.monotonic() >= deadline:
-                    raise HopTimeout(f"stage {index} sent no {kind} within {self.hop_timeout_s:.1f} s, though it "
-                                     "answers heartbeats") from None
-                # twice the heartbeat, as next_result: a loaded machine must not look like a dead stage
-                if not (await self.probe(session, 2 * self.heartbeat_s))[index].reachable:
-                    link = self.links[index]
-                    raise StageLost(f"stage {index} {link.spec.layers} at {link.spec.addr} stopped answering "
-                                    f"heartbeats ({2 * self.heartbeat_s:.1f} s) while opening the session") from None
-                continue
+            i, msg = await self._next_probing(session, deadline, f"stage {index} sent no {kind}",
+                                              " while opening the session")
+            if i is None:
+                continue  # every stage answered the probe
             self._raise_for(i, msg, session)
             if i == index and msg.get("type") == kind and msg.get("session") == session:
                 return wire.validate(msg)
@@ -297,19 +289,9 @@ class RingClient(LinksMixin, ProbeMixin):
         earlier: Probe | None = None
         gap_since: float | None = None
         while True:
-            try:
-                i, msg = await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
-            except HopTimeout:
-                if time.monotonic() >= deadline:
-                    raise HopTimeout(f"no result from the ring within {self.hop_timeout_s:.1f} s, "
-                                     "though every stage answers heartbeats") from None
-                # a probe gets twice the heartbeat: a loaded machine must not look like a dead stage
-                reports = await self.probe(session, 2 * self.heartbeat_s)
-                lost = [r.index for r in reports if not r.reachable]
-                if lost:
-                    link = self.links[lost[0]]
-                    raise StageLost(f"stage {lost[0]} {link.spec.layers} at {link.spec.addr} stopped answering "
-                                    f"heartbeats ({2 * self.heartbeat_s:.1f} s)") from None
+            i, msg = await self._next_probing(session, deadline, "no result from the ring")
+            if i is None:
+                reports = msg
                 # every stage answers, but a hop may be broken in silence (a relayed hop whose relay
                 # died swallows frames): a gap in the chain of progress that persists is a loss
                 now_probe = Probe(tuple(reports), self.sent.get(session, -1), self.returned.get(session, -1))
@@ -329,6 +311,30 @@ class RingClient(LinksMixin, ProbeMixin):
                 msg = wire.validate(msg)
                 self.returned[session] = max(self.returned.get(session, -1), msg["chunk"])
                 return msg
+
+    async def _next_probing(self, session: str, deadline: float, waiting: str, during: str = "") -> tuple:
+        """The next frame before ``deadline`` (monotonic s), as ``(ring index, frame)``; after each
+        ``heartbeat_s`` of silence, every stage is probed instead and ``(None, the reports)`` returned
+        when all answered, so a frozen stage is found in seconds.
+
+        Raises:
+            StageLost: a stage did not answer the probe (``during`` says what was waited for).
+            HopTimeout: the deadline passed though every stage answers (``waiting`` names what).
+        """
+        try:
+            return await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
+        except HopTimeout:
+            if time.monotonic() >= deadline:
+                raise HopTimeout(f"{waiting} within {self.hop_timeout_s:.1f} s, though every stage answers "
+                                 "heartbeats") from None
+        # a probe gets twice the heartbeat: a loaded machine must not look like a dead stage
+        reports = await self.probe(session, 2 * self.heartbeat_s)
+        lost = [r.index for r in reports if not r.reachable]
+        if lost:
+            link = self.links[lost[0]]
+            raise StageLost(f"stage {lost[0]} {link.spec.layers} at {link.spec.addr} stopped answering "
+                            f"heartbeats ({2 * self.heartbeat_s:.1f} s){during}")
+        return None, reports
 
     async def cancel(self, session: str, epoch: int) -> None:
         """Tell every stage that frames of ``session`` older than ``epoch`` are stale (early

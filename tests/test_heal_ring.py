@@ -352,8 +352,8 @@ def follow_reference(stories_dir, reference):
 def open_heal_run(pool: StagePool, tmp_path, spare: bool = True, spec_config=None, shadow: bool = False,
                   prefix_cache: bool = False, victim: int = 1, sig: int = signal.SIGKILL) -> dict:
     """Serve a first request on a connected ring of 3 stages (+1 spare for the victim's range), then
-    SIGKILL the victim and reap it (or SIGSTOP it: frozen), then run the next turn (a job) on the same client: its session
-    open meets the lost stage; a third request checks the healed client. Without a spare, the next
+    SIGKILL the victim and reap it (or SIGSTOP it: frozen), then run the next turn (a job) on the
+    same client: its session open meets the lost stage; a third request checks the healed client. Without a spare, the next
     turn runs with ``heal=False`` (StageLost), healing (NoSpare, raised) and with ``heal=False`` again,
     and the survivors must hold no session after.
     Returns {first, out, rec (with ``job_receipt``), again, tail_prefix (the tail's prefix counters

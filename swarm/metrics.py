@@ -112,7 +112,7 @@ class ServeMetrics:
     token, inter-token latency, request time, heals, receipts written and failed, prefix reuse.
 
     Request statuses: ``ok``, ``abandoned`` (the client hung up), ``error`` (the ring failed it),
-    ``invalid`` (refused before the ring: not a valid request, HTTP 400)."""
+    ``invalid`` (refused before the ring: HTTP 400, or 405 on an API route)."""
 
     def __init__(self, state):
         self.state = state

@@ -340,26 +340,55 @@ class ClientPool:
         self.opened = 0
 
     async def acquire(self):
-        from swarm.ring import RingClient
-
         await self.slots.acquire()
         try:
             if self.free:
                 return self.free.pop()
-            st = self.state
-            client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True,
-                                model_id=st.discovery[1] if st.discovery else None)
-            client.discovery = st.discovery  # heals may take a replacement from the DHT
             try:
-                await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
-            except BaseException:
-                await client.aclose()
-                raise
+                client = await self._connect()
+            except StageLost as exc:
+                if self.state.discovery is None:
+                    raise
+                # routed from the DHT: a stage of the route is gone (and no request healed past it, e.g.
+                # its heal found nothing yet): route again over the records as they are now
+                log.warning("serve.reroute reason=%s", exc)
+                await self._reroute(exc)
+                client = await self._connect()
             self.opened += 1
             return client
         except BaseException:
             self.slots.release()
             raise
+
+    async def _connect(self):
+        from swarm.ring import RingClient
+
+        st = self.state
+        client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True,
+                            model_id=st.discovery[1] if st.discovery else None)
+        client.discovery = st.discovery  # heals may take a replacement from the DHT
+        try:
+            await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
+
+    async def _reroute(self, cause: StageLost) -> None:
+        """A new route from the DHT for the clients opened from now on (``swarm.discovery.client``).
+
+        Raises:
+            StageLost: the swarm has no route now (names why), so the request is a 503.
+        """
+        from swarm.discovery.client import discover_ring
+
+        st = self.state
+        dht, weights_id = st.discovery[0], st.discovery[1]
+        try:
+            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers)
+        except ConfigError as exc:
+            raise StageLost(f"{cause}; and no new route: {exc}") from None
+        st.ring, st.discovery = found.ring, (dht, weights_id, found.records)
 
     async def release(self, client, healthy: bool) -> None:
         if healthy:

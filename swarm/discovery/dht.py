@@ -238,10 +238,19 @@ class SwarmDHT:
                 merged = store.providers.setdefault(kb, {})
                 for pid, rec in saved.items():
                     merged.setdefault(pid, rec)
-        peerstore = self.host.libp2p_host.get_peerstore()
+        lh = self.host.libp2p_host
+        peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found:  # so the owners can be asked directly
-            if info.addrs and info.peer_id != self.host.libp2p_host.get_id():
-                peerstore.add_addrs(info.peer_id, info.addrs, 600)
+            if not info.addrs or info.peer_id == lh.get_id():
+                continue
+            if not network.get_connections(info.peer_id):
+                # as for a hop (``Host.open_stream``): dial where the provider says it is now. libp2p
+                # dials one address per peer and keeps a peer whose dial failed on a 60 s negative
+                # cache, so a stage restarted under its key on a new port would not be asked for its
+                # record until then (one failed ring dial to its old address is enough)
+                peerstore.clear_addrs(info.peer_id)
+                network.unblock_peer(info.peer_id)
+            peerstore.add_addrs(info.peer_id, info.addrs, 600)
         ids = {str(p.peer_id) for p in found}
         if saved:
             ids |= set(saved)

@@ -178,3 +178,26 @@ def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():
     assert down["coverage"] == [1, 1, 1, 1, 1] and down["holders"] == 3 and down["uncovered"] == []
     bare = ring_coverage(RingSpec(model="m", stages=stages), "m", 5, frozenset({1}))
     assert bare["coverage"] == [1, 1, 0, 0, 1] and bare["uncovered"] == [[2, 4]]
+
+
+def test_an_unchanged_receipt_directory_is_not_verified_again_on_every_poll(synthetic, tmp_path, monkeypatch):
+    """The page polls every second: the same files give the last verdicts without verifying again;
+    a file that changed (tampered after a first poll) is verified again and fails."""
+    from swarm import dashboard
+    from swarm import receipts as receipts_mod
+    from tests.ring_util import job_receipt
+
+    receipts = tmp_path / "receipts"
+    path = Path(job_receipt(synthetic("llama"), tmp_path, [(0, 2), (2, 4)], [1, 5, 9, 3], receipts)["path"])
+    calls = []
+    real = receipts_mod.verify_files
+    monkeypatch.setattr(receipts_mod, "verify_files", lambda paths, **kw: calls.append(paths) or real(paths, **kw))
+    first = dashboard.jobs_from_dir(receipts)
+    first[0]["verified"] = "changed by a caller"  # callers get copies: the cache stays as it was
+    again = dashboard.jobs_from_dir(receipts)
+    assert len(calls) == 1 and again[0]["verified"] is True and again[0]["file"] == path.name
+    doc = json.loads(path.read_text())
+    doc["output_ids"] = [(t + 1) % 97 for t in doc["output_ids"]]
+    path.write_text(json.dumps(doc, indent=1))
+    tampered = dashboard.jobs_from_dir(receipts)
+    assert len(calls) == 2 and tampered[0]["verified"] is False and tampered[0]["check"], tampered

@@ -35,21 +35,39 @@ def page() -> bytes:
     return resources.files(__package__).joinpath("index.html").read_bytes()
 
 
+_verified: dict[str, tuple[tuple, list[dict]]] = {}  # directory -> (its newest files' (name, mtime, size), jobs)
+
+
 def jobs_from_dir(directory, limit: int = MAX_JOBS) -> list[dict]:
     """The newest ``limit`` job receipts in ``directory``, each verified (``swarm receipts verify``'s
-    checks): ``{"file", "job_id", "tokens", "verified", "check", "reason"}``."""
+    checks): ``{"file", "job_id", "tokens", "verified", "check", "reason"}``.
+
+    The page polls every second: while those files are unchanged (names, mtimes and sizes), the
+    verdicts of the last call are returned without verifying again."""
     from swarm import receipts
 
     d = Path(directory)
-    files = sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[:limit] if d.is_dir() else []
+    stats = []
+    for p in d.glob("*.json") if d.is_dir() else ():
+        try:
+            st = p.stat()
+        except OSError:  # removed while we listed it
+            continue
+        stats.append((st.st_mtime_ns, p, st.st_size))
+    newest = sorted(stats, key=lambda x: x[0], reverse=True)[:limit]
+    key = tuple((p.name, t, size) for t, p, size in newest)
+    cached = _verified.get(str(d))
+    if cached is not None and cached[0] == key:
+        return [dict(j) for j in cached[1]]
     out = []
-    for path, verdict in receipts.verify_files([str(p) for p in files]):
+    for path, verdict in receipts.verify_files([str(p) for _, p, _ in newest]):
         if isinstance(verdict, receipts.Verified):
             out.append({"file": Path(path).name, "job_id": verdict.job_id, "tokens": verdict.new_tokens,
                         "verified": True, "check": None, "reason": None})
         else:
             out.append({"file": Path(path).name, "job_id": None, "tokens": None, "verified": False,
                         "check": getattr(verdict, "check", "schema"), "reason": str(verdict)[:200]})
+    _verified[str(d)] = (key, [dict(j) for j in out])
     return out
 
 
@@ -134,7 +152,8 @@ async def serve_state(state) -> dict:
     recent = [(t, n) for t, n in arrivals if now - t < 10.0]  # whole seconds: the current one and 9 more
     ttfts = [x for _, _, x, _ in finished[-50:] if x is not None]
     itls = [x for _, _, _, x in finished[-50:] if x is not None]
-    jobs = jobs_from_dir(state.dashboard_receipts) if state.dashboard_receipts else []
+    # in a thread: a directory read and signature checks must not hold up the server's event loop
+    jobs = await trio.to_thread.run_sync(jobs_from_dir, state.dashboard_receipts) if state.dashboard_receipts else []
     for j in jobs:
         if not j["verified"]:
             m.receipt_failed(j["file"], j["check"])
@@ -168,7 +187,7 @@ def receipts_app(directory, coverage: SwarmCoverage | None = None):
         return Response(page(), media_type="text/html; charset=utf-8")
 
     async def state(request):
-        jobs = jobs_from_dir(directory) if directory is not None else []
+        jobs = await trio.to_thread.run_sync(jobs_from_dir, directory) if directory is not None else []
         status = [f"{sum(j['verified'] for j in jobs)} of {len(jobs)} receipts verified"] if directory else []
         if coverage is not None:
             n = len(coverage.models or [])

@@ -89,7 +89,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-DIALED = {"claims", "wrong_model", "unreachable"}  # found out by dialing the stages
+DIALED = {"claims", "wrong_model", "unreachable", "wrong_peer"}  # found out by dialing the stages
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -97,7 +97,8 @@ DIALED = {"claims", "wrong_model", "unreachable"}  # found out by dialing the st
     ("overlap", r"overlap in the ring"),
     ("claims", r"serves layers \[2, 4\) but the ring file says \[2, 5\)"),
     ("wrong_model", r"serves model 'stories260k'"),
-    ("unreachable", r"stage 1 \[2, 4\) is unreachable: peer at /ip4/127.0.0.1"),
+    ("unreachable", r"stage 1 \[2, 4\) is unreachable: peer at /ip4/127.0.0.1.* nothing accepts connections there"),
+    ("wrong_peer", r"stage 1 \[2, 4\) is unreachable: peer at .* is not at that address: .* PeerId .* is probably wrong"),
     ("missing_file", r"ring file .* does not exist"),
     ("not_yaml", r"not valid YAML"),
     ("bad_addr", r"must be a multiaddr ending in /p2p/"),
@@ -120,6 +121,12 @@ def test_bad_ring_files(stories_ring, stories_dir, synthetic, tmp_path, case, ex
     elif case == "unreachable":
         peer = st[1][0].rsplit("/p2p/", 1)[1]
         st = [st[0], (f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{peer}", "2:4"), st[2]]
+    elif case == "wrong_peer":  # the right address, another PeerId (a stale copy of a restarted stage's)
+        from libp2p.crypto.ed25519 import create_new_key_pair
+
+        from swarm.transport.identity import peer_id_of
+
+        st = [st[0], (st[1][0].rsplit("/p2p/", 1)[0] + "/p2p/" + peer_id_of(create_new_key_pair()), "2:4"), st[2]]
     ring = write_ring(tmp_path / "ring.yaml", model, st)
     if case == "missing_file":
         ring = tmp_path / "nope.yaml"

@@ -348,12 +348,11 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
     except Exception as e:  # libp2p's dial and negotiation errors share no base class
         from libp2p.host.exceptions import StreamFailure
 
-        from swarm.transport.host import is_unsupported_protocol
+        from swarm.transport.host import dial_failure, is_unsupported_protocol
 
-        text = str(e) or type(e).__name__
         if isinstance(e, StreamFailure) and is_unsupported_protocol(e):
             raise DiscoveryError(f"bootstrap {info.peer_id} does not serve the swarm DHT ({PROTOCOL_ID})") from None
-        raise DiscoveryError(f"bootstrap {info.peer_id} is unreachable: {text}") from None
+        raise DiscoveryError(f"bootstrap {info.peer_id} {dial_failure(e, str(info.peer_id))}") from None
 
 
 @asynccontextmanager

@@ -199,7 +199,7 @@ class SwarmHost:
             raise StageLost(str(e)) from e
         except (BaseLibp2pError, OSError) as e:
             log.info("hop.unreachable addr=%s error=%s", addr, e)
-            raise StageLost(f"peer at {addr} is unreachable: {type(e).__name__}: {e}") from e
+            raise StageLost(f"peer at {addr} {dial_failure(e, str(info.peer_id))}") from e
         log.debug("hop.open peer=%s protocol=%s waited_s=%.3f", info.peer_id, protocol_id, trio.current_time() - start)
         return net_stream
 
@@ -441,3 +441,36 @@ def is_unsupported_protocol(error: StreamFailure) -> bool:
         return True
     # 0.8.1 folds the peer's "na" answers into a plain MultiselectClientError.
     return isinstance(cause, MultiselectClientError) and "not supported" in str(cause)
+
+
+
+def dial_failure(error: BaseException, peer_id: str) -> str:
+    """Why a dial failed, as the rest of a sentence about the peer, in words a user can act on:
+    libp2p 0.8.1 says only "no addresses established a successful connection" and keeps each
+    address's own error in the cause (a MultiError).
+
+    Returns:
+        "is not at that address: something answers there, but not as <peer_id> ..." when the
+        address is reached but the key behind it is another (a wrong or stale ``/p2p/`` PeerId,
+        e.g. a node that started again with a new key); "is unreachable: nothing accepts
+        connections there (...)" when the TCP connect failed; else "is unreachable: " and
+        libp2p's own text with each address's error.
+    """
+    text = str(error) or type(error).__name__
+    seen, todo, texts = set(), [error.__cause__], []  # every error below: the addresses' and what each wraps
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts.append(str(e))
+        todo += [*getattr(e, "errors", ()), e.__cause__, e.__context__]
+    inner = "\n".join(texts)
+    if "failed to upgrade security" in inner:
+        return (f"is not at that address: something answers there, but not as {peer_id[-8:]} (the Noise "
+                "handshake failed), so the /p2p/ PeerId in the address is probably wrong or stale; a node started "
+                "with a new key has a new PeerId: copy the address it prints now")
+    if "Failed to open TCP stream" in inner or "Connection refused" in inner:
+        tcp = next(t for t in texts if "Failed to open TCP stream" in t or "Connection refused" in t)
+        return f"is unreachable: nothing accepts connections there ({tcp.splitlines()[0][:200]})"
+    return f"is unreachable: {type(error).__name__}: {text}" + (f" ({texts[0][:300]})" if texts else "")

@@ -109,11 +109,16 @@ def test_bootstrap_errors_are_one_clear_line():
                 async with open_dht(host, server=False, bootstrap=["/ip4/127.0.0.1/tcp/1"]):
                     pass
             dead = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}"
-            with pytest.raises(DiscoveryError, match="no bootstrap node answered.*unreachable"):
+            with pytest.raises(DiscoveryError, match="no bootstrap node answered.*unreachable: nothing accepts"):
                 async with open_dht(host, server=False, bootstrap=[dead], timeout_s=3):
                     pass
             # a live libp2p node that serves no swarm DHT (e.g. a plain stage or an IPFS peer)
             plain = await stack.enter_async_context(open_host(create_new_key_pair()))
+            # its address with another PeerId (a stale copy, or a node restarted with a new key)
+            stale = plain.addrs()[0].rsplit("/p2p/", 1)[0] + "/p2p/" + peer_id_of(create_new_key_pair())
+            with pytest.raises(DiscoveryError, match="is not at that address: .*Noise handshake failed.*PeerId"):
+                async with open_dht(host, server=False, bootstrap=[stale], timeout_s=3):
+                    pass
             with pytest.raises(DiscoveryError, match="does not serve the swarm DHT"):
                 async with open_dht(host, server=False, bootstrap=[plain.addrs()[0]], timeout_s=3):
                     pass

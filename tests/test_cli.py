@@ -98,7 +98,7 @@ DIALED = {"claims", "wrong_model", "unreachable", "wrong_peer"}  # found out by 
     ("claims", r"serves layers \[2, 4\) but the ring file says \[2, 5\)"),
     ("wrong_model", r"serves model 'stories260k'"),
     ("unreachable", r"stage 1 \[2, 4\) is unreachable: peer at /ip4/127.0.0.1.* nothing accepts connections there"),
-    ("wrong_peer", r"stage 1 \[2, 4\) is unreachable: peer at .* is not at that address: .* PeerId .* is probably wrong"),
+    ("wrong_peer", r"stage 1 \[2, 4\) is unreachable: peer at .* not at that address: .* PeerId .* probably wrong"),
     ("missing_file", r"ring file .* does not exist"),
     ("not_yaml", r"not valid YAML"),
     ("bad_addr", r"must be a multiaddr ending in /p2p/"),

@@ -234,8 +234,8 @@ def test_stage_fatal_port_in_use(synthetic, tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = run_swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", "--key", str(tmp_path / "k.key"),
-                        "--listen", f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
+        res = run_swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2",
+                        "--key", str(tmp_path / "k.key"), "--listen", f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
     assert res.returncode == 1 and f"127.0.0.1/tcp/{port}" in res.stdout and "SWARM_STAGE_FATAL" in res.stdout
 
 

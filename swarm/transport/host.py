@@ -443,7 +443,6 @@ def is_unsupported_protocol(error: StreamFailure) -> bool:
     return isinstance(cause, MultiselectClientError) and "not supported" in str(cause)
 
 
-
 def dial_failure(error: BaseException, peer_id: str) -> str:
     """Why a dial failed, as the rest of a sentence about the peer, in words a user can act on:
     libp2p 0.8.1 says only "no addresses established a successful connection" and keeps each

@@ -288,3 +288,23 @@ def test_a_kept_heal_that_fails_again_retries_and_records_every_replaced_stage()
     event = run(run_recovery(ops, REPLAY, 100.0, "lost"))
     assert event.attempts == 2 and event.replay == "survivors_kept"
     assert event.replaced == ["p1", "s"] and event.spare == "s2"
+
+
+def test_a_replacement_chain_longer_than_the_ring_is_dialed_without_an_index_error():
+    """A lost tail (or only) stage replaced by a chain of two: the chain's second stage sits at a
+    ring position the ring file never had. Its hello answer must be read, and its errors named,
+    not fail with IndexError (a routed one-stage ring whose stage died mid-answer got a 500)."""
+    from swarm.config import RingSpec, StageSpec
+    from swarm.errors import RemoteError
+    from swarm.ranges import LayerRange
+    from swarm.ring.client import RingClient
+
+    ring = RingSpec(model="m", stages=(StageSpec("/ip4/127.0.0.1/tcp/1/p2p/X", LayerRange(0, 5)),))
+    client = RingClient(None, ring, 1.0, 1.0)
+    client._raise_for(1, {"type": "info_ok"})  # a good answer: nothing to raise
+    with pytest.raises(StageLost, match=r"stage 1 \(of a replacement chain\) at \? closed the connection: gone"):
+        client._raise_for(1, {"type": "_lost", "reason": "gone"})
+    with pytest.raises(RemoteError, match=r"stage 1 \(of a replacement chain\) refused: busy"):
+        client._raise_for(1, {"type": "error", "code": "busy", "reason": "busy"})
+    with pytest.raises(StageLost, match=r"stage 0 \[0, 5\) refused"):
+        client._raise_for(0, {"type": "error", "code": "unavailable", "reason": "draining"})

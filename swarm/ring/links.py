@@ -214,10 +214,20 @@ class LinksMixin:
             self._deferred.extendleft(reversed(kept))
         raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s")
 
+    def _stage_spec(self, index: int):
+        """The StageSpec at ring position ``index``: its link's, else the ring file's; None when a
+        heal's chain put more stages at work than the ring listed (``index`` past both)."""
+        if index < len(self.links):
+            return self.links[index].spec
+        return self.ring.stages[index] if index < len(self.ring.stages) else None
+
     def _raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
-        spec = self.ring.stages[index] if index >= len(self.links) else self.links[index].spec
+        if msg.get("type") not in ("_lost", "error"):
+            return
+        spec = self._stage_spec(index)
+        name = f"stage {index} {spec.layers}" if spec is not None else f"stage {index} (of a replacement chain)"
         if msg.get("type") == "_lost":
-            raise StageLost(f"stage {index} {spec.layers} at {spec.addr} closed the connection: {msg['reason']}")
+            raise StageLost(f"{name} at {spec.addr if spec else '?'} closed the connection: {msg['reason']}")
         if msg.get("type") == "error" and msg.get("session") not in (None, session):
             log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
             return
@@ -228,7 +238,7 @@ class LinksMixin:
             return
         if msg.get("type") == "error":
             exc = StageLost if msg.get("code") == "unavailable" else RemoteError
-            raise exc(f"stage {index} {spec.layers} refused: {msg.get('reason')}")
+            raise exc(f"{name} refused: {msg.get('reason')}")
 
     async def _expect(self, index: int, kind: str, session: str | None = None, gen: int | None = None) -> dict:
         while True:

@@ -256,6 +256,13 @@ class RingOps:
     def range_of(self, index: int) -> tuple[int, int]:
         return self.ring.links[index].info.layers
 
+    @property
+    def no_spare(self) -> str:
+        """The end of the "is lost" message when ``pick_spare`` found nothing (``heal.run_recovery``)."""
+        if self.ring.discovery is not None:
+            return "no warm spare or stage announcing on the swarm can take over that range now"
+        return "no warm spare holds that range"
+
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
         reports = await self.ring.probe(session, 2 * self.ring.heartbeat_s)

@@ -111,12 +111,12 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
     upstream = sent
     for r, was_sent in zip(reports, before_sent):
         if r.received < min(upstream, was_sent):
-            return Failure(r.index, f"gap: chunk {min(upstream, was_sent)} was sent to it, it received only "
-                                    f"{r.received}")
+            return Failure(r.index, f"silent: it never got chunk {min(upstream, was_sent)} sent to it "
+                                    f"({'none arrived' if r.received < 0 else f'the last was {r.received}'})")
         upstream = r.sent
     if reports and returned < min(upstream, before_sent[-1]):
-        return Failure(reports[-1].index, f"gap: it sent result {min(upstream, before_sent[-1])}, the coordinator "
-                                          f"got only {returned}")
+        return Failure(reports[-1].index, f"silent: it sent result {min(upstream, before_sent[-1])}, the "
+                                          f"coordinator got only {returned}")
     for i, r in enumerate(reports):
         if r.busy:
             if earlier is not None:
@@ -290,7 +290,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         spare = await ops.pick_spare(layers)
         if spare is None:
             raise NoSpare(f"stage {failure.index} holding layers [{layers[0]}, {layers[1]}) is lost "
-                          f"({failure.reason}) and no warm spare holds that range")
+                          f"({failure.reason}) and {getattr(ops, 'no_spare', 'no warm spare holds that range')}")
         try:
             t1 = ops.now()
             event.detect_s = t1 - detected_at

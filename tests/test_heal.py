@@ -27,11 +27,13 @@ R = StageReport
     ([R(0, True, 5, 5), R(1, False), R(2, False)], 5, 4, Failure(1, "unreachable")),
     # a gap: stage 1 forwarded chunk 5, stage 2 never received it (it stopped reading)
     ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 4, 4)], 5, 4,
-     Failure(2, "gap: chunk 5 was sent to it, it received only 4")),
+     Failure(2, "silent: it never got chunk 5 sent to it (the last was 4)")),
     # the coordinator sent chunk 6, the head got only 5
-    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5, Failure(0, "gap: chunk 6 was sent to it, it received only 5")),
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5,
+     Failure(0, "silent: it never got chunk 6 sent to it (the last was 5)")),
     # the tail sent result 5, the coordinator never got it
-    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 5, 4, Failure(2, "gap: it sent result 5, the coordinator got only 4")),
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 5, 4,
+     Failure(2, "silent: it sent result 5, the coordinator got only 4")),
     # stale chunks dropped at stage 0 are not a gap downstream
     ([R(0, True, 7, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 7, 5, None),
     # a stage stuck on chunk 6, which stage 0 forwarded to it
@@ -66,7 +68,7 @@ def P(reports, sent, returned):
     # stage 1 really stopped reading: chunk 6 was sent to it before the earlier probe, still not received
     (P([R(0, True, 6, 6), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5),
      P([R(0, True, 6, 6), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5),
-     Failure(1, "gap: chunk 6 was sent to it, it received only 5")),
+     Failure(1, "silent: it never got chunk 6 sent to it (the last was 5)")),
     # stage 1 stuck on the same chunk in both probes
     (P([R(0, True, 6, 6), R(1, True, 6, 5, busy=True), R(2, True, 5, 5)], 6, 5),
      P([R(0, True, 6, 6), R(1, True, 6, 5, busy=True), R(2, True, 5, 5)], 6, 5), Failure(1, "stalled on chunk 6")),
@@ -159,8 +161,12 @@ def test_recovery_steps_in_order(reports, stage, layers):
 
 
 def test_no_spare_names_the_range():
-    with pytest.raises(NoSpare, match=r"layers \[10, 20\) is lost"):
+    with pytest.raises(NoSpare, match=r"layers \[10, 20\) is lost \(unreachable\) and no warm spare holds"):
         run(run_recovery(FakeOps(DEAD_MIDDLE, spares={(0, 10): "x"}), REPLAY, 100.0, "timeout"))
+    routed = FakeOps(DEAD_MIDDLE)  # a ring routed over the DHT says where else it looked
+    routed.no_spare = "no warm spare or stage announcing on the swarm can take over that range now"
+    with pytest.raises(NoSpare, match=r"is lost \(unreachable\) and no warm spare or stage announcing on the swarm"):
+        run(run_recovery(routed, REPLAY, 100.0, "timeout"))
 
 
 def test_replay_mismatch_aborts_loudly():

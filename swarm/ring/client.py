@@ -297,7 +297,7 @@ class RingClient(LinksMixin, ProbeMixin):
                 now_probe = Probe(tuple(reports), self.sent.get(session, -1), self.returned.get(session, -1))
                 failure = locate_failure(reports, now_probe.sent, now_probe.returned, earlier) if earlier else None
                 earlier = now_probe
-                if failure is None or not failure.reason.startswith("gap"):
+                if failure is None or not failure.reason.startswith("silent"):
                     gap_since = None
                     continue
                 gap_since = gap_since or time.monotonic()

@@ -574,7 +574,8 @@ def cmd_serve(args) -> int:
                 max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
                 prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
                 receipt_dir=args.receipt_dir, task_status=task_status))
-            print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {len(info['ring'])} stages; "
+            n = len(info["ring"])
+            print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {n} stage{'' if n == 1 else 's'}; "
                   f"dashboard {info['url']}/dashboard, metrics {info['url']}/metrics); Ctrl-C stops", flush=True)
 
     try:

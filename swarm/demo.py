@@ -52,6 +52,8 @@ def run_demo(args) -> int:
         extra += ["--bootstrap", addr]
     procs = len(ranges) * (2 if args.spares else 1)
     threads = max(1, (os.cpu_count() or 1) // procs)
+    if not args.serve:  # SIGTERM (a supervisor, `kill`) stops the demo as Ctrl-C does: the stages are
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # reaped, the ring file's directory removed
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \
             LocalRing(args.model, ranges, cache_root() / "keys" / "demo", threads=threads, extra_args=extra,
                       startup_timeout_s=args.startup_timeout_s) as ring, \
@@ -96,8 +98,17 @@ def _serve(spec: RingSpec, args, spec_config) -> int:
     """``swarm demo --serve``: the OpenAI-compatible API over the local ring until Ctrl-C."""
     from swarm.serve import serve_api
 
+    stopped = []
+
+    async def on_sigterm(cancel_scope):  # as Ctrl-C: the stages are reaped, the ring file removed
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                stopped.append(True)
+                cancel_scope.cancel()
+
     async def main():
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_sigterm, nursery.cancel_scope)
             info = await nursery.start(lambda task_status: serve_api(
                 spec, "127.0.0.1", args.port, key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
                 wire_dtype=args.wire_dtype, task_status=task_status))
@@ -110,8 +121,14 @@ def _serve(spec: RingSpec, args, spec_config) -> int:
     try:
         trio.run(main)
     except KeyboardInterrupt:
+        stopped.append(True)
+    if stopped:
         print("swarm demo: stopped", file=sys.stderr)
     return 0
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _killer(ring: LocalRing, args):

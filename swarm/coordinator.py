@@ -18,7 +18,7 @@ import trio
 from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
-from swarm.heal import HealEvent, Kept, StageReport, plan_replay, run_recovery
+from swarm.heal import NO_WARM_SPARE, HealEvent, Kept, StageReport, plan_replay, run_recovery
 from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
 from swarm.spec import NoDrafter, SpecLoop
 
@@ -261,7 +261,7 @@ class RingOps:
         """The end of the "is lost" message when ``pick_spare`` found nothing (``heal.run_recovery``)."""
         if self.ring.discovery is not None:
             return "no warm spare or stage announcing on the swarm can take over that range now"
-        return "no warm spare holds that range"
+        return NO_WARM_SPARE
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]

@@ -52,8 +52,9 @@ def run_demo(args) -> int:
         extra += ["--bootstrap", addr]
     procs = len(ranges) * (2 if args.spares else 1)
     threads = max(1, (os.cpu_count() or 1) // procs)
-    if not args.serve:  # SIGTERM (a supervisor, `kill`) stops the demo as Ctrl-C does: the stages are
-        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # reaped, the ring file's directory removed
+    # SIGTERM (a supervisor, `kill`) stops the demo as Ctrl-C does: the stages are reaped, the ring
+    # file's directory removed (while --serve serves, its trio signal receiver takes SIGTERM instead)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \
             LocalRing(args.model, ranges, cache_root() / "keys" / "demo", threads=threads, extra_args=extra,
                       startup_timeout_s=args.startup_timeout_s) as ring, \

@@ -23,6 +23,8 @@ from typing import Protocol, Sequence
 
 from swarm.errors import SwarmError
 
+NO_WARM_SPARE = "no warm spare holds that range"  # how a NoSpare message ends unless ``ops.no_spare`` says more
+
 
 class HealError(SwarmError):
     """Recovery failed: no spare for the lost range, the replay disagreed, or too many failures."""
@@ -290,7 +292,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         spare = await ops.pick_spare(layers)
         if spare is None:
             raise NoSpare(f"stage {failure.index} holding layers [{layers[0]}, {layers[1]}) is lost "
-                          f"({failure.reason}) and {getattr(ops, 'no_spare', 'no warm spare holds that range')}")
+                          f"({failure.reason}) and {getattr(ops, 'no_spare', NO_WARM_SPARE)}")
         try:
             t1 = ops.now()
             event.detect_s = t1 - detected_at

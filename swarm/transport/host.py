@@ -464,12 +464,11 @@ def dial_failure(error: BaseException, peer_id: str) -> str:
         seen.add(id(e))
         texts.append(str(e))
         todo += [*getattr(e, "errors", ()), e.__cause__, e.__context__]
-    inner = "\n".join(texts)
-    if "failed to upgrade security" in inner:
+    if any("failed to upgrade security" in t for t in texts):
         return (f"is not at that address: something answers there, but not as {peer_id[-8:]} (the Noise "
                 "handshake failed), so the /p2p/ PeerId in the address is probably wrong or stale; a node started "
                 "with a new key has a new PeerId: copy the address it prints now")
-    if "Failed to open TCP stream" in inner or "Connection refused" in inner:
-        tcp = next(t for t in texts if "Failed to open TCP stream" in t or "Connection refused" in t)
+    tcp = next((t for t in texts if "Failed to open TCP stream" in t or "Connection refused" in t), None)
+    if tcp is not None:
         return f"is unreachable: nothing accepts connections there ({tcp.splitlines()[0][:200]})"
     return f"is unreachable: {type(error).__name__}: {text}" + (f" ({texts[0][:300]})" if texts else "")

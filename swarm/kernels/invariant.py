@@ -123,6 +123,36 @@ def per_token(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=1) if outs else fn(x)
 
 
+TILE_ROWS = 16  # rows per call of a norm or activation in the fma mode; a decode row is padded to it
+
+
+def per_tile(fn, x: torch.Tensor, rows: int = TILE_ROWS) -> torch.Tensor:
+    """Apply ``fn`` to ``x``'s tokens in calls of exactly ``rows`` tokens, the last zero-padded, each a
+    fresh (1, rows, ...) tensor: every call has one shape, so a token's bits depend on its slot at most
+    (vector tails), which :func:`swarm.kernels.check.check_block` covers, never on how many tokens came.
+
+    Args:
+        fn: a shape-preserving, token-wise function (a norm, an activation).
+        x: (1, N, ...) in the packed token-major layout.
+    Returns:
+        (1, N, ...), ``fn`` of every token.
+    """
+    if x.dim() < 2 or x.shape[0] != 1:
+        raise ValueError(f"per_tile wants (1, N, ...) tensors, got {tuple(x.shape)}")
+    n = x.shape[1]
+    outs = []
+    for i in range(0, n, rows):
+        part = x[:, i:i + rows]
+        k = part.shape[1]
+        buf = x.new_zeros((1, rows, *x.shape[2:]))
+        buf[:, :k] = part
+        y = fn(buf)
+        outs.append(y if k == rows else y[:, :k])
+    if not outs:
+        return fn(x)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def attention_rows(sdpa, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int,
                    mask_of, **kwargs) -> torch.Tensor:
     """One session's attention, one query row at a time, each exactly as a decode step would run it.

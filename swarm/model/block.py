@@ -147,6 +147,10 @@ class LayerBlock(torch.nn.Module):
         self.model_dir: Path | None = None  # set by load_block (sub-range digests read it)
         self._span_digests: dict[LayerRange, str] = {}
         self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
+        # "fma": swarm/kernels/fma.c's batch-invariant GEMM and attention (float32 on an AVX2+FMA CPU),
+        # whole chunks per call; "rows": stock torch ops, one GEMV and one attention call per row.
+        # load_block picks it; the stage's start-up proof may fall back to "rows" (set_kernel_mode).
+        self.kernel_mode = "rows"
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
         for mod in owned:
@@ -154,6 +158,21 @@ class LayerBlock(torch.nn.Module):
                 _tiled(mod, self)
             elif invariant.is_activation(mod) or invariant.is_norm(mod):
                 _per_token(mod, self)
+
+    def set_kernel_mode(self, mode: str) -> None:
+        """Choose the arithmetic of every later forward: ``fma`` or ``rows`` (see ``kernel_mode``).
+
+        Raises:
+            ConfigError: ``fma`` where those kernels cannot run (not float32 on the CPU, or no
+            AVX2+FMA CPU or C compiler: the reason is in the message).
+        """
+        if mode == "fma":
+            ok, reason = fma_kernels_usable(self.device, self.dtype)
+            if not ok:
+                raise ConfigError(f"the fma kernels cannot run for layers {self.layer_range}: {reason}")
+        elif mode != "rows":
+            raise ConfigError(f"unknown kernel mode {mode!r}: use fma or rows")
+        self.kernel_mode = mode
 
     def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers, or those of
@@ -377,9 +396,37 @@ def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
     plan = kwargs.pop("swarm_plan", None)
     if plan is None:  # not called from LayerBlock.forward_batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if plan.block.kernel_mode == "fma":
+        return _fma_attention(plan, module, query, kwargs), None
     outs = [invariant.attention_rows(sdpa_attention_forward, module, query[:, :, s.off:s.off + s.t], s.keys,
                                      s.values, s.pos, plan.block._mask, **kwargs) for s in plan.segs]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _fma_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Each session's query rows against its own cache in one call of the batch-invariant kernel
+    (:func:`swarm.kernels.fma.attention`). query: (1, H, N, Dh); returns (1, N, H, Dh)."""
+    from swarm.kernels import fma
+
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(plan.block.config, "sliding_window", None)
+    rows = query[0].transpose(0, 1)  # (N, H, Dh), token-major
+    outs = [fma.attention(rows[s.off:s.off + s.t], s.keys[0].transpose(0, 1), s.values[0].transpose(0, 1), s.pos,
+                          scaling, window) for s in plan.segs]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0)
+
+
+def fma_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether a block on ``device`` in ``dtype`` can run the fma kernels, and why not."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False, f"they take float32 on the CPU, this block is {str(dtype).removeprefix('torch.')} on {device}"
+    from swarm.kernels import fma
+
+    return fma.available()
 
 
 def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
@@ -388,7 +435,8 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     plain = module.forward
     params = module._parameters  # read directly: nn.Module.__getattr__ costs more than a decode row's GEMV setup
     linear = isinstance(module, torch.nn.Linear)
-    held: list = [None, None]  # the weight the (K, N) view below was made of, and that view
+    held: list = [None, None, None]  # the weight the views below were made of, its (K, N) view, its (N, K) rows
+    from swarm.kernels import fma
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
@@ -396,8 +444,13 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
             return plain(x)
         weight = params["weight"]
         if held[0] is not weight:  # load_block assigns the weights after wrapping: view the current one
-            held[0], held[1] = weight, (weight.t() if linear else weight)
+            held[0], held[1], held[2] = weight, (weight.t() if linear else weight), None
         lead = x.shape[:-1]
+        if block.kernel_mode == "fma":
+            if held[2] is None:  # (N, K) rows with a unit stride: a Linear's own weight, a Conv1D's transposed once
+                held[2] = weight if linear and weight.is_contiguous() else held[1].t().contiguous()
+            out = fma.linear(x.reshape(-1, x.shape[-1]), held[2], params.get("bias"))
+            return out.reshape(*lead, out.shape[-1])
         out = invariant.linear_rows(x.reshape(-1, x.shape[-1]), held[1], params.get("bias"), tile)
         return out.reshape(*lead, out.shape[-1])
 
@@ -413,6 +466,8 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if block._tile is None:
             return plain(x)
+        if block.kernel_mode == "fma":
+            return invariant.per_tile(plain, x)
         return invariant.per_token(plain, x)
 
     module.forward = forward
@@ -532,10 +587,15 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
+    usable, why = fma_kernels_usable(dev, dt)
+    block.kernel_mode = "fma" if usable else "rows"
+    if not usable and dev.type == "cpu" and dt == torch.float32:
+        log.warning("kernels.rows layers=%s: the batch-invariant fma kernels are unavailable (%s); every chunk "
+                    "runs one row at a time, exact but slower", layer_range, why)
     block.range_digest = weights_digest(model_dir, block.loaded_tensors)  # signed in every receipt
     block.model_dir = model_dir
-    log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s range_digest=%s", layer_range,
-             len(block.loaded_tensors), block.loaded_bytes, dt, dev, block.range_digest[:16])
+    log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s kernels=%s range_digest=%s", layer_range,
+             len(block.loaded_tensors), block.loaded_bytes, dt, dev, block.kernel_mode, block.range_digest[:16])
     return block
 
 

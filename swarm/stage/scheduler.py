@@ -321,19 +321,27 @@ def _prove_kernels(block) -> dict:
     session may use (one GEMV per row) and log what was proven.
 
     Returns:
-        ``{"rows_ok", "reason", "check_s"}`` for ``info_ok`` (``kernels``): rows_ok False means this
-        stage cannot promise that a verify chunk or a replay gives decode's bits.
+        ``{"rows_ok", "reason", "check_s", "mode"}`` for ``info_ok`` (``kernels``): rows_ok False means
+        this stage cannot promise that a verify chunk or a replay gives decode's bits; mode is the
+        block's ``kernel_mode`` after the proof (``fma``, or ``rows`` after a fallback).
     """
     from swarm.config import cache_root
     from swarm.kernels.check import check_block_once
 
     rows = check_block_once(block, 1, cache_root() / "proofs")
+    spent = rows.seconds
+    if not rows.ok and block.kernel_mode != "rows":
+        log.error("kernels.fallback from=%s to=rows %s: every chunk now runs one row at a time (exact, slower)",
+                  block.kernel_mode, rows.reason)
+        block.set_kernel_mode("rows")
+        rows = check_block_once(block, 1, cache_root() / "proofs")
+        spent += rows.seconds
     if rows.ok:
-        log.info("kernels.proven mode=rows layers=%s seconds=%.2f", block.layer_range, rows.seconds)
+        log.info("kernels.proven mode=%s layers=%s seconds=%.2f", block.kernel_mode, block.layer_range, rows.seconds)
     else:
         log.error("kernels.not_invariant mode=rows %s: speculative, healed and batched output of this stage may "
                   "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
-    return {"rows_ok": rows.ok, "reason": rows.reason, "check_s": round(rows.seconds, 3)}
+    return {"rows_ok": rows.ok, "reason": rows.reason, "check_s": round(spent, 3), "mode": block.kernel_mode}
 
 
 def _prove_tile(block, tile: int):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.kernels import invariant
+from swarm.kernels import fma, invariant
 from swarm.kernels.check import check_block
 from swarm.model.block import load_block
 from swarm.model.cache import KVCache
@@ -21,13 +21,23 @@ WIDE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_
             num_hidden_layers=2, vocab_size=2048)  # SmolLM2's widths
 
 
+FMA_OK, FMA_WHY = fma.available()
+needs_fma = pytest.mark.skipif(not FMA_OK, reason=f"the fma kernels cannot run here: {FMA_WHY}")
+MODES = [("float32", "fma"), ("float32", "rows"), ("bfloat16", "rows")]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,mode", MODES)
 @pytest.mark.parametrize("tile", [1, 2])
-def test_every_family_proves_row_invariance(synthetic, family, dtype, tile):
+def test_every_family_proves_row_invariance(synthetic, family, dtype, mode, tile):
+    if mode == "fma" and not FMA_OK:
+        pytest.skip(f"the fma kernels cannot run here: {FMA_WHY}")
     model = synthetic(family, "float32", **ODD.get(family, dict(hidden_size=40, intermediate_size=172)))
     for part in ((0, 2), (2, 4)):
-        report = check_block(load_block(model, LayerRange(*part), dtype=dtype, device="cpu"), tile)
+        block = load_block(model, LayerRange(*part), dtype=dtype, device="cpu")
+        assert block.kernel_mode == ("fma" if dtype == "float32" and FMA_OK else "rows")
+        block.set_kernel_mode(mode)
+        report = check_block(block, tile)
         assert report.ok, report.reason
         assert report.tile == tile and report.seconds > 0
 
@@ -48,10 +58,83 @@ def test_the_proof_fails_where_plain_gemms_break_speculation(synthetic, dtype, m
         pytest.skip("this BLAS happens to give 1-row and 5-row GEMMs the same bits here")
     model = synthetic("llama", "float32", **WIDE)
     block = load_block(model, LayerRange(0, 2), dtype=dtype, device="cpu")
+    block.set_kernel_mode("rows")
     assert check_block(block, 1).ok
     monkeypatch.setattr(invariant, "linear_rows", _one_gemm)
     report = check_block(block, 1)
     assert not report.ok and "differs when chunked" in report.reason
+
+
+@needs_fma
+def test_the_proof_fails_where_the_fma_gemm_is_swapped_for_a_blas_gemm(synthetic, monkeypatch):
+    """The fma mode's proof is no formality: with the BLAS's GEMM in place of the fma kernel's, a
+    5-row chunk's rows stop matching decode rows, and the stage falls back to rows mode, proven."""
+    from swarm.stage.scheduler import _prove_kernels
+
+    torch.manual_seed(0)
+    w, x = torch.randn(1536, 576), torch.randn(5, 576)
+    if all(torch.equal((x @ w.t())[i], (x[i:i + 1] @ w.t())[0]) for i in range(5)):
+        pytest.skip("this BLAS happens to give 1-row and 5-row GEMMs the same bits here")
+    block = load_block(synthetic("llama", "float32", **WIDE), LayerRange(0, 2), dtype="float32", device="cpu")
+    assert block.kernel_mode == "fma" and check_block(block, 1).ok
+    monkeypatch.setattr(fma, "linear", lambda x, w, b=None: F.linear(x, w, b))
+    report = check_block(block, 1)
+    assert not report.ok and "fma kernels" in report.reason and "differs when chunked" in report.reason
+    monkeypatch.setenv("SWARM_CACHE", str(block.model_dir.parent / "cache"))
+    kernels = _prove_kernels(block)
+    assert kernels["mode"] == "rows" and kernels["rows_ok"] and block.kernel_mode == "rows"
+
+
+@needs_fma
+@pytest.mark.parametrize("k,n", [(576, 1536), (13, 7), (40, 172)])
+def test_fma_linear_gives_a_row_the_same_bits_for_any_number_of_rows(k, n):
+    torch.manual_seed(5)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(40, k)
+    ref = fma.linear(x, w, b)
+    torch.testing.assert_close(ref, F.linear(x.double(), w.double(), b.double()).float(), rtol=1e-4, atol=1e-4)
+    for m in (1, 2, 3, 4, 5, 8, 17):
+        for start in (0, 3):
+            got = fma.linear(x[start:start + m].clone(), w, b)
+            assert torch.equal(got, ref[start:start + m])
+    assert fma.linear(x[:0], w, b).shape == (0, n)
+    with pytest.raises(ValueError, match="shapes"):
+        fma.linear(x, w[:, :-1], b)
+    with pytest.raises(ValueError, match="float32"):
+        fma.linear(x.double(), w, b)
+
+
+@needs_fma
+@pytest.mark.parametrize("h,hkv,dh,window", [(9, 3, 64, None), (4, 4, 13, None), (8, 2, 16, 5), (6, 3, 8, None)])
+def test_fma_attention_is_each_rows_decode_step(h, hkv, dh, window):
+    """Every query row of a chunk gets the bits of a decode step at its position, over its own keys
+    (sliding window included), and matches softmax attention computed in float64."""
+    torch.manual_seed(6)
+    s = 23
+    keys, values = torch.randn(64, hkv, dh)[:s], torch.randn(64, hkv, dh)[:s]
+    q = torch.randn(s, h, dh)
+    full = fma.attention(q, keys, values, 0, dh ** -0.5, window)
+    for p in range(s):
+        lo = max(0, p - window + 1) if window else 0
+        kk, vv = keys[lo:p + 1].double(), values[lo:p + 1].double()
+        for head in range(h):
+            w = torch.softmax(kk[:, head // (h // hkv)] @ q[p, head].double() * dh ** -0.5, 0)
+            torch.testing.assert_close(full[p, head], (w @ vv[:, head // (h // hkv)]).float(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(fma.attention(q[p:p + 1], keys[:p + 1], values[:p + 1], p, dh ** -0.5, window)[0], full[p])
+        assert torch.equal(fma.attention(q[p:], keys, values, p, dh ** -0.5, window)[0], full[p])
+    with pytest.raises(ValueError, match="shapes"):
+        fma.attention(q, keys[:5], values[:5], 0, 1.0)
+
+
+def test_kernels_can_be_turned_off_and_say_why():
+    """SWARM_KERNELS=rows (and any machine without AVX2+FMA or a C compiler) gives the rows mode,
+    with the reason; loading a block there says so."""
+    import subprocess
+    import sys
+
+    code = ("from swarm.kernels import fma; ok, why = fma.available(); print(ok, why)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "SWARM_KERNELS": "rows"})
+    assert out.stdout.strip() == "False SWARM_KERNELS=rows", out.stderr
 
 
 def test_linear_rows_ignores_where_the_rows_sit_in_memory():

@@ -216,3 +216,36 @@ void swarm_attention(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t l
         }
     }
 }
+
+/* RMSNorm of N rows of D (Zhang & Sennrich 2019, as transformers' Llama-family modules compute it):
+ *   r = 1 / sqrt(dot(x, x, D) / D + eps) (IEEE sqrt and divisions); out[d] = w[d] * (x[d] * r).
+ * Each row alone, so its bits never depend on N or on the rows beside it. */
+void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {
+    for (int64_t i = 0; i < N; i++) {
+        const float *xi = x + i * D;
+        float ss;
+        dot_tile(1, 1, xi, D, xi, D, D, &ss, 1, 0);
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = w[d] * (xi[d] * r);
+    }
+}
+
+/* SiLU (Hendrycks & Gimpel 2016; Elfwing et al. 2018) of n floats: x / (1 + exp8(-x)), eight at a
+ * time; the last few go through the same vector code from a padded buffer, so an element's bits
+ * never depend on where it sits. */
+void swarm_silu(const float *x, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))));
+    }
+    if (i < n) {
+        float buf[8] = {0};
+        for (int64_t j = i; j < n; j++) buf[j - i] = x[j];
+        const __m256 v = _mm256_loadu_ps(buf);
+        _mm256_storeu_ps(buf, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))));
+        for (int64_t j = i; j < n; j++) out[j] = buf[j - i];
+    }
+}

@@ -89,6 +89,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.swarm_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
                                     _ptr, _ptr]
     lib.swarm_attention.restype = None
+    lib.swarm_rmsnorm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
+    lib.swarm_rmsnorm.restype = None
+    lib.swarm_silu.argtypes = [_ptr, _i64, _ptr]
+    lib.swarm_silu.restype = None
     log.info("kernels.built library=%s", target)
     return lib, ""
 
@@ -176,4 +180,36 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
     if t:
         lib.swarm_attention(query.data_ptr(), t, h, dh, query.stride(0), keys.data_ptr(), values.data_ptr(), hkv,
                             keys.stride(0), pos, int(window or 0), float(scale), out.data_ptr(), scratch.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, each row alone (``fma.c``: ``swarm_rmsnorm``).
+
+    Args:
+        x: (..., D) float32 on the CPU. weight: (D,) float32. eps: the module's epsilon.
+    Returns:
+        A new tensor shaped like ``x``.
+    Raises:
+        ValueError: other dtypes or a weight of another width. RuntimeError: kernels unavailable.
+    """
+    lib = _library()
+    d = x.shape[-1]
+    if tuple(weight.shape) != (d,):
+        raise ValueError(f"rms_norm weight {tuple(weight.shape)} does not fit rows of {d}")
+    x = _rows(x).contiguous()
+    w = _rows(weight).contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        lib.swarm_rmsnorm(x.data_ptr(), x.numel() // d, d, w.data_ptr(), float(eps), out.data_ptr())
+    return out
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of every element, each alone (``fma.c``: ``swarm_silu``). x: float32 CPU; returns a new tensor."""
+    lib = _library()
+    x = _rows(x).contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        lib.swarm_silu(x.data_ptr(), x.numel(), out.data_ptr())
     return out

@@ -457,16 +457,31 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     module.forward = forward
 
 
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+SILUS = ("SiLUActivation", "SiLU")
+
+
 def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
-    """Route a norm or activation module through one call per token while ``block._tile`` is set:
-    vectorized kernels give a tensor's tail elements (scalar loop) other bits, and a reduction may
-    split by shape, so where a row sits in the packed tensor must not decide how it is computed."""
+    """Route a norm or activation module through row-invariant arithmetic while ``block._tile`` is
+    set: vectorized kernels give a tensor's tail elements (scalar loop) other bits, and a reduction
+    may split by shape, so where a row sits in the packed tensor must not decide how it is computed.
+    fma mode: the Llama-family RMSNorms and SiLU run in ``fma.c`` over all rows at once, other norms
+    and activations in fixed 16-row tiles; rows mode: one call per token."""
+    from swarm.kernels import fma
+
     plain = module.forward
+    kind = type(module).__name__
+    rms = kind in RMS_NORMS and hasattr(module, "variance_epsilon")
+    silu = kind in SILUS
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if block._tile is None:
             return plain(x)
         if block.kernel_mode == "fma":
+            if rms:
+                return fma.rms_norm(x, module.weight, module.variance_epsilon)
+            if silu:
+                return fma.silu(x)
             return invariant.per_tile(plain, x)
         return invariant.per_token(plain, x)
 

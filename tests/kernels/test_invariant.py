@@ -244,3 +244,19 @@ def test_cuda_bf16_proves_row_invariance(synthetic, family, tile):
     for part in ((0, 2), (2, 4)):
         report = check_block(load_block(model, LayerRange(*part), dtype="bfloat16", device="cuda"), tile)
         assert report.ok, report.reason
+
+
+@needs_fma
+def test_fma_norm_and_silu_are_each_rows_own_and_match_torch():
+    torch.manual_seed(7)
+    x, w = torch.randn(1, 21, 40), torch.randn(40)
+    got = fma.rms_norm(x, w, 1e-5)
+    ref = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5)
+    act = fma.silu(x)
+    torch.testing.assert_close(act, F.silu(x), rtol=1e-5, atol=1e-6)
+    for i in (0, 5, 20):  # a row alone, at another address, gets the bits it got among others
+        assert torch.equal(fma.rms_norm(x[:, i:i + 1].clone(), w, 1e-5)[0, 0], got[0, i])
+        assert torch.equal(fma.silu(x[:, i:i + 1].clone())[0, 0], act[0, i])
+    with pytest.raises(ValueError, match="weight"):
+        fma.rms_norm(x, w[:-1], 1e-5)

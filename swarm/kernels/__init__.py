@@ -1,11 +1,14 @@
 """The arithmetic a stage runs, chosen per device rather than left to whatever a library dispatches.
 
-- ``invariant``: row-invariant GEMMs, norms, activations and attention for ``LayerBlock`` (a
-  position's bits never depend on what shares its forward), the rotary table, and the SDPA
-  backends a CUDA stage allows.
+- ``fma``: the fma kernel mode: batch-invariant float32 GEMM, attention, RMSNorm and SiLU for
+  x86-64 CPUs with AVX2 and FMA (``fma.c``, built once per machine, called through ctypes), whole
+  chunks per call.
+- ``invariant``: the rows mode (stock torch ops one row at a time: GEMMs, norms, activations and
+  attention for ``LayerBlock``), fixed-width tiles for the norms and activations fma.c lacks, the
+  rotary table, and the SDPA backends a CUDA stage allows.
 - ``check``: ``check_block``, the start-up proof of that property on a stage's own block.
 
-Not here yet: batch-invariant Triton kernels and CUDA graphs for GPU stages (issue 12, which
-needs a GPU to build and measure), quantized wire kernels. May import torch; importing this
+Not here yet: batch-invariant Triton kernels and CUDA graphs for GPU stages (issues 12 and 26,
+which need a GPU to build and measure; CUDA stages run the rows mode), quantized wire kernels. May import torch; importing this
 package imports nothing.
 """

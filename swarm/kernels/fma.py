@@ -54,8 +54,6 @@ def _cpu_flags() -> set[str]:
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("SWARM_KERNELS", "").lower() == "rows":
-        return None, "SWARM_KERNELS=rows"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"not an x86-64 CPU ({platform.machine()})"
     missing = {"avx2", "fma"} - _cpu_flags()
@@ -100,6 +98,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 def available() -> tuple[bool, str]:
     """Whether the kernels run on this machine (built on first call), and why not when they do not."""
     global _lib, _reason
+    if os.environ.get("SWARM_KERNELS", "").lower() == "rows":  # read every time: a test or a stage may set it
+        return False, "SWARM_KERNELS=rows"
     with _lock:
         if _reason is None:
             _lib, _reason = _build()

@@ -11,9 +11,10 @@ except a step of short chunks whose recent compute is below ``--inline-step-ms``
 trio thread (the thread round trip would cost more than the responsiveness it buys);
 the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
 (:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
-session that may be packed. Only sessions opened with ``batch: true`` are packed (``--batch-tile``-
-row GEMMs); the others run alone, one GEMV per row. Either way every forward is row-invariant
-(:mod:`swarm.kernels.invariant`).
+session that may be packed, with a fallback from the block's fma kernel mode to rows where the
+proof fails. Only sessions opened with ``batch: true`` are packed (in the rows mode with
+``--batch-tile``-row GEMMs); the others run alone. Either way every forward is row-invariant
+(:mod:`swarm.kernels`).
 
 ``SchedulerMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
 ``block``, ``sessions``, ``_in_flight`` and ``_fail_later``; ``_emit`` comes from the outbox,

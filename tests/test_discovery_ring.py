@@ -245,7 +245,7 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
             served = _state_with_models(server.url, 3)
             with restart(ring.stages[1]) as again:
                 first = server.client.completions.create(**ask).choices[0].text  # rerouted
-                moved = httpx.get(server.url + "/health", timeout=30).json()
+                moved = _health_once_at(server.url, again.stages[0].addr)
                 with restart(again.stages[0]) as again2:
                     # a client retries a 503 (ring_unavailable): under load the heal's probe of the fresh
                     # record can lose a race with the old connection's teardown; the retry's new client
@@ -259,7 +259,7 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
                             if time.monotonic() > end:
                                 raise
                             time.sleep(2)
-                    health = httpx.get(server.url + "/health", timeout=30).json()
+                    health = _health_once_at(server.url, again2.stages[0].addr)
                     os.kill(again2.stages[0].proc.pid, signal.SIGTERM)
                     assert again2.stages[0].proc.wait(30) == 0
             end, gap = time.monotonic() + 20, None
@@ -277,6 +277,21 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
     for h, stage in ((moved, again.stages[0]), (health, again2.stages[0])):  # the restarted processes
         assert h["status"] == "ok" and h["stages"][1]["peer_id"] == peer == stage.ready["peer_id"]
         assert h["stages"][1]["addr"] == stage.addr, (h["stages"][1], stage.addr)
+
+
+def _health_once_at(url: str, addr: str, within_s: float = 20.0) -> dict:
+    """serve's /health once its route's stage 1 is at ``addr``, or the last reply after ``within_s``
+    (the caller's assertion then fails): a reroute updates the route while the answer streams, so a
+    /health read right after the answer may still show the address being replaced."""
+    import time
+
+    end = time.monotonic() + within_s
+    while True:
+        health = httpx.get(url + "/health", timeout=30).json()
+        stages = health.get("stages") or []
+        if (len(stages) > 1 and stages[1].get("addr") == addr) or time.monotonic() > end:
+            return health
+        time.sleep(0.5)
 
 
 def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):

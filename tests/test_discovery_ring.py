@@ -285,6 +285,8 @@ def _health_once_at(url: str, addr: str, within_s: float = 20.0) -> dict:
     /health read right after the answer may still show the address being replaced."""
     import time
 
+    import httpx
+
     end = time.monotonic() + within_s
     while True:
         health = httpx.get(url + "/health", timeout=30).json()

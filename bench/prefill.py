@@ -138,7 +138,8 @@ def main() -> None:
                 entry[name] = {"ring_ttft_s": round(ring_s, 3), f"transformers_{threads}_thread_s": round(ref_s, 3),
                                "ratio": round(ref_s / ring_s, 3),
                                "same_token": all(r[1] == f[1] for r, f in zip(rings, refs)),
-                               "ring_runs": [round(r[0], 3) for r in rings], "reference_runs": [round(r[0], 3) for r in refs]}
+                               "ring_runs": [round(r[0], 3) for r in rings],
+                               "reference_runs": [round(r[0], 3) for r in refs]}
                 print(json.dumps({"progress": name, "prompt_tokens": len(ids), **entry[name]}), file=sys.stderr)
             result["prompts"].append(entry)
     result["in_process"] = in_process(model, model_dir)

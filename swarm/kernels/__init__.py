@@ -9,6 +9,6 @@
 - ``check``: ``check_block``, the start-up proof of that property on a stage's own block.
 
 Not here yet: batch-invariant Triton kernels and CUDA graphs for GPU stages (issues 12 and 26,
-which need a GPU to build and measure; CUDA stages run the rows mode), quantized wire kernels. May import torch; importing this
-package imports nothing.
+which need a GPU to build and measure; CUDA stages run the rows mode), quantized wire kernels.
+May import torch; importing this package imports nothing.
 """

@@ -124,7 +124,8 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
             diff = _first_difference(ref, got, plan)
             if diff is not None:
                 reason = (f"layers {block.layer_range} {str(block.dtype).removeprefix('torch.')} on "
-                          f"{block.device}, {getattr(block, 'kernel_mode', 'rows')} kernels, tile {tile}: session {i} position {diff[0]} differs when {kind} "
+                          f"{block.device}, {getattr(block, 'kernel_mode', 'rows')} kernels, tile {tile}: "
+                          f"session {i} position {diff[0]} differs when {kind} "
                           f"(max abs difference {diff[1]:.3g})")
                 break
         if reason:
@@ -190,6 +191,7 @@ def _machine() -> list[str]:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     here = Path(__file__).resolve().parent
-    files = [*sorted(here.glob("*.py")), *sorted(here.glob("*.c")), here.parent / "model" / "block.py", here.parent / "model" / "cache.py"]
+    files = [*sorted(here.glob("*.py")), *sorted(here.glob("*.c")),
+             here.parent / "model" / "block.py", here.parent / "model" / "cache.py"]
     source = hashlib.sha256(b"".join(p.read_bytes() for p in files if p.exists())).hexdigest()
     return [platform.machine(), cpu, gpu, torch.__version__, torch.__config__.show(), source]

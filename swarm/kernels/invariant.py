@@ -127,9 +127,10 @@ TILE_ROWS = 16  # rows per call of a norm or activation in the fma mode; a decod
 
 
 def per_tile(fn, x: torch.Tensor, rows: int = TILE_ROWS) -> torch.Tensor:
-    """Apply ``fn`` to ``x``'s tokens in calls of exactly ``rows`` tokens, the last zero-padded, each a
-    fresh (1, rows, ...) tensor: every call has one shape, so a token's bits depend on its slot at most
-    (vector tails), which :func:`swarm.kernels.check.check_block` covers, never on how many tokens came.
+    """Apply ``fn`` to ``x``'s tokens in calls of exactly ``rows`` tokens, the last zero-padded, each
+    an aligned contiguous (1, rows, ...) tensor (:func:`canonical`): every call has one shape, so a
+    token's bits depend on its slot at most (vector tails), which :func:`swarm.kernels.check.check_block`
+    covers, never on how many tokens came.
 
     Args:
         fn: a shape-preserving, token-wise function (a norm, an activation).
@@ -144,8 +145,11 @@ def per_tile(fn, x: torch.Tensor, rows: int = TILE_ROWS) -> torch.Tensor:
     for i in range(0, n, rows):
         part = x[:, i:i + rows]
         k = part.shape[1]
-        buf = x.new_zeros((1, rows, *x.shape[2:]))
-        buf[:, :k] = part
+        if k == rows:
+            buf = canonical(part)
+        else:
+            buf = x.new_zeros((1, rows, *x.shape[2:]))
+            buf[:, :k] = part
         y = fn(buf)
         outs.append(y if k == rows else y[:, :k])
     if not outs:

@@ -339,6 +339,11 @@ class LayerBlock(torch.nn.Module):
                 h = h[0]
         return h
 
+    def _window(self, attn) -> int | None:
+        """Sliding window of attention module ``attn`` in positions, or None: Qwen2/Qwen3 set it per
+        layer on the module, Mistral only in the config."""
+        return attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+
     def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
         """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where
         SDPA's own causal path is exact.
@@ -346,8 +351,7 @@ class LayerBlock(torch.nn.Module):
         Matches transformers' choice: no mask for a single new token or a cache-less prompt, unless
         a sliding window (Mistral/Qwen2 ``sliding_window``) cuts into the keys.
         """
-        # Qwen2/Qwen3 set the window per layer on the module; Mistral only in the config.
-        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        window = self._window(attn)
         total = pos + t
         windowed = window is not None and total > window
         if not windowed and (t == 1 or pos == 0):
@@ -413,7 +417,7 @@ def _fma_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> to
         scaling = getattr(module, "scaling", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(plan.block.config, "sliding_window", None)
+    window = plan.block._window(module)
     rows = query[0].transpose(0, 1)  # (N, H, Dh), token-major
     outs = [fma.attention(rows[s.off:s.off + s.t], s.keys[0].transpose(0, 1), s.values[0].transpose(0, 1), s.pos,
                           scaling, window) for s in plan.segs]

@@ -23,6 +23,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifndef SWARM_MB
+#define SWARM_MB 24
+#endif
 #define AI static inline __attribute__((always_inline))
 
 AI float hsum8(__m256 v) {
@@ -81,20 +84,26 @@ static void dot_block(int mr, int nr, const float *x, int64_t ldx, const float *
 }
 
 /* out (M, N), row stride ldo = x (M, K), row stride ldx, times w (N, K) transposed, row stride ldw
- * (an nn.Linear weight as stored), plus bias (N) or NULL. Blocked so that NB rows of w stay in L2
- * while every row of x passes; the blocking changes the order of work, never of any sum. */
+ * (an nn.Linear weight as stored), plus bias (N) or NULL. Blocked so that nb rows of w stay in L2
+ * while blocks of SWARM_MB rows of x pass, each 4 rows of w meeting all rows of the block while
+ * they are in L1 (measured on the AMD EPYC: 3x4 tiles beat 4x2, 5x2 and 6x2; SWARM_MB 24 beat 12 and
+ * unblocked rows for a 256-row prefill slice). The blocking changes the order of work, never of any sum. */
 void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
                   const float *bias, float *out, int64_t ldo) {
     int64_t nb = (int64_t)(196608 / (K * 4 > 0 ? K * 4 : 1)) & ~(int64_t)3;
     if (nb < 4) nb = 4;
+    const int64_t mb = SWARM_MB;
     for (int64_t n0 = 0; n0 < N; n0 += nb) {
         const int64_t n1 = n0 + nb < N ? n0 + nb : N;
-        for (int64_t m = 0; m < M; m += 3) {
-            const int mr = M - m < 3 ? (int)(M - m) : 3;
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = m0 + mb < M ? m0 + mb : M;
             for (int64_t n = n0; n < n1; n += 4) {
                 const int nr = n1 - n < 4 ? (int)(n1 - n) : 4;
-                dot_block(mr, nr, x + m * ldx, ldx, w + n * ldw, ldw, K, out + m * ldo + n, ldo,
-                          bias ? bias + n : 0);
+                for (int64_t m = m0; m < m1; m += 3) {
+                    const int mr = m1 - m < 3 ? (int)(m1 - m) : 3;
+                    dot_block(mr, nr, x + m * ldx, ldx, w + n * ldw, ldw, K, out + m * ldo + n, ldo,
+                              bias ? bias + n : 0);
+                }
             }
         }
     }

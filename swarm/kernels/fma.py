@@ -14,7 +14,8 @@ M = 2-3; oneDNN's matmul agrees for every M >= 2 but not at M = 1. Padding a dec
 fixed tile of 8-16 rows cost 1.5-2x a large GEMM per row. No stock CPU kernel gave both.
 
 :func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler,
-``SWARM_KERNELS`` not ``rows``), with the reason when not. May import torch; no networking.
+``SWARM_KERNELS`` unset, ``auto`` or ``fma``; ``rows`` turns them off), with the reason when not.
+``CC`` names the compiler (split like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -59,29 +61,45 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     missing = {"avx2", "fma"} - _cpu_flags()
     if missing:
         return None, f"the CPU lacks {', '.join(sorted(missing))}"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    try:
+        cc = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+    except ValueError as exc:
+        return None, f"CC={os.environ['CC']!r} is not a command line: {exc}"
     if not cc:
         return None, "no C compiler (cc, gcc or clang) on PATH to build swarm/kernels/fma.c"
     from swarm.config import cache_root
 
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"fma-{digest}.so"
-    if not target.exists():
+    if target.exists():
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(f".{os.getpid()}.tmp")
-            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if proc.returncode != 0:
-                return None, f"{cc} could not build {SOURCE.name}: {proc.stderr.strip()[-300:]}"
-            tmp.replace(target)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"could not build {SOURCE.name}: {exc}"
+            return _bind(ctypes.CDLL(str(target))), ""
+        except OSError as exc:  # a truncated or foreign file: build it again
+            log.warning("kernels.rebuild library=%s: cannot load it (%s)", target, exc)
     try:
-        lib = ctypes.CDLL(str(target))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            said = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}, no output file"
+            return None, f"{' '.join(cc)} could not build {SOURCE.name}: {said}"
+        tmp.replace(target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"could not build {SOURCE.name} with {' '.join(cc)}: {exc}"
+    try:
+        lib = _bind(ctypes.CDLL(str(target)))
     except OSError as exc:
         return None, f"could not load {target}: {exc}"
+    log.info("kernels.built library=%s", target)
+    return lib, ""
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures on a loaded library."""
     lib.swarm_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
     lib.swarm_linear.restype = None
     lib.swarm_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
@@ -91,15 +109,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.swarm_rmsnorm.restype = None
     lib.swarm_silu.argtypes = [_ptr, _i64, _ptr]
     lib.swarm_silu.restype = None
-    log.info("kernels.built library=%s", target)
-    return lib, ""
+    return lib
 
 
 def available() -> tuple[bool, str]:
     """Whether the kernels run on this machine (built on first call), and why not when they do not."""
     global _lib, _reason
-    if os.environ.get("SWARM_KERNELS", "").lower() == "rows":  # read every time: a test or a stage may set it
+    choice = os.environ.get("SWARM_KERNELS", "").strip().lower()  # read every time: a test or a stage may set it
+    if choice == "rows":
         return False, "SWARM_KERNELS=rows"
+    if choice not in ("", "auto", "fma"):
+        return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, rows"
     with _lock:
         if _reason is None:
             _lib, _reason = _build()

@@ -261,3 +261,33 @@ def test_fma_norm_and_silu_are_each_rows_own_and_match_torch():
         assert torch.equal(fma.silu(x[:, i:i + 1].clone())[0, 0], act[0, i])
     with pytest.raises(ValueError, match="weight"):
         fma.rms_norm(x, w[:-1], 1e-5)
+
+
+@needs_fma
+def test_the_kernel_build_takes_a_compiler_command_line_and_says_why_it_failed(tmp_path, monkeypatch):
+    """CC is split like a shell word list; a damaged cached library is built again; a compiler that
+    fails silently and an unknown SWARM_KERNELS value each give a reason, never a crash. (Each build
+    in a fresh interpreter: a library loaded here must not be rewritten under this process.)"""
+    import os
+    import subprocess
+    import sys
+
+    def build(cc: str) -> list[str]:
+        code = "from swarm.kernels import fma; lib, why = fma._build(); print(lib is not None); print(why)"
+        env = {**os.environ, "SWARM_CACHE": str(tmp_path), "CC": cc}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    assert build("env gcc") == ["True", ""]
+    built = list((tmp_path / "kernels").glob("fma-*.so"))
+    assert len(built) == 1
+    damaged = built[0].with_suffix(".bad")
+    damaged.write_bytes(b"not a library")
+    damaged.replace(built[0])
+    assert build("env gcc") == ["True", ""] and built[0].stat().st_size > 1000  # built again
+    ok, why = build("false")
+    assert ok == "False" and "false could not build fma.c: exit status 1" in why
+    assert not list((tmp_path / "kernels").glob("*.tmp"))
+    monkeypatch.setenv("SWARM_KERNELS", "row")
+    assert fma.available() == (False, "SWARM_KERNELS='row' is not one of auto, fma, rows")

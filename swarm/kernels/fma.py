@@ -36,13 +36,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fma.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernels are unavailable (None: not decided yet, "": available)
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
 
 def _cpu_flags() -> set[str]:
@@ -100,11 +100,11 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the C signatures on a loaded library."""
-    lib.swarm_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
+    lib.swarm_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
     lib.swarm_linear.restype = None
     lib.swarm_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
-                                    _ptr, _ptr]
-    lib.swarm_attention.restype = None
+                                    _ptr, _int]
+    lib.swarm_attention.restype = ctypes.c_int
     lib.swarm_rmsnorm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.swarm_rmsnorm.restype = None
     lib.swarm_silu.argtypes = [_ptr, _i64, _ptr]
@@ -127,6 +127,8 @@ def available() -> tuple[bool, str]:
 
 
 def _library() -> ctypes.CDLL:
+    if _reason == "":  # built and loaded: the per-call path of a decode step stays short
+        return _lib
     ok, reason = available()
     if not ok:
         raise RuntimeError(f"swarm's FMA kernels are unavailable: {reason}")
@@ -135,7 +137,7 @@ def _library() -> ctypes.CDLL:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as float32 CPU rows with a unit last stride (a copy only when it is not already)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or not x.is_cpu:
         raise ValueError(f"the FMA kernels take float32 CPU tensors, got {x.dtype} on {x.device}")
     return x if x.stride(-1) == 1 and (x.dim() < 2 or x.stride(-2) >= x.shape[-1]) else x.contiguous()
 
@@ -156,15 +158,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib = _library()
     x, weight = _rows(x), _rows(weight)
     m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or (bias is not None and tuple(bias.shape) != (n,)):
+    n, kw = weight.shape
+    if kw != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"linear shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}")
     out = torch.empty((m, n), dtype=torch.float32)
     if m and n:
-        b = None if bias is None else bias.contiguous()
-        lib.swarm_linear(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
-                         None if b is None else b.data_ptr(), out.data_ptr(), n)
+        b = None if bias is None else _rows(bias).contiguous().data_ptr()
+        lib.swarm_linear(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), b, out.data_ptr(),
+                         n, torch.get_num_threads())
     return out
 
 
@@ -183,7 +185,8 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
     Returns:
         (T, H, Dh) float32.
     Raises:
-        ValueError: bad shapes, strides or dtype. RuntimeError: kernels unavailable.
+        ValueError: bad shapes, strides or dtype. RuntimeError: kernels unavailable. MemoryError: no room
+        for the call's transposed keys ((S + 64) * Hkv * Dh floats at most).
     """
     lib = _library()
     query = _rows(query).contiguous()
@@ -192,14 +195,16 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
     if values.shape != keys.shape or dh_k != dh or h % hkv or s < pos + t:
         raise ValueError(f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}, pos {pos}")
-    for name, c in (("keys", keys), ("values", values)):
-        if c.dtype != torch.float32 or c.stride(2) != 1 or c.stride(1) != dh or c.stride(0) != keys.stride(0):
-            raise ValueError(f"{name} must be a float32 position-major cache view, got strides {c.stride()}")
+    ks, vs = keys.stride(), values.stride()
+    if ks != vs or ks[1:] != (dh, 1) or keys.dtype is not torch.float32 or values.dtype is not torch.float32 \
+            or not keys.is_cpu or not values.is_cpu:
+        raise ValueError(f"keys and values must be float32 position-major CPU cache views, got {keys.dtype} and "
+                         f"{values.dtype} with strides {ks} and {vs}")
     out = torch.empty((t, h, dh), dtype=torch.float32)
-    scratch = torch.empty(3 * (pos + t + 8) + 3 * dh, dtype=torch.float32)
-    if t:
-        lib.swarm_attention(query.data_ptr(), t, h, dh, query.stride(0), keys.data_ptr(), values.data_ptr(), hkv,
-                            keys.stride(0), pos, int(window or 0), float(scale), out.data_ptr(), scratch.data_ptr())
+    if t and lib.swarm_attention(query.data_ptr(), t, h, dh, query.stride(0), keys.data_ptr(), values.data_ptr(),
+                                 hkv, keys.stride(0), pos, int(window or 0), float(scale), out.data_ptr(),
+                                 torch.get_num_threads()):
+        raise MemoryError(f"attention over {pos + t} positions could not allocate its transposed keys")
     return out
 
 

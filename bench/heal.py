@@ -11,7 +11,7 @@ session), replay (re-feed prompt + committed output in prefill chunks), and tota
 each survivor recomputed one position; ``shadow``, with ``--shadow``: the spare had shadowed the
 middle stage live, its predecessor mirroring every frame to it, so it was promoted with
 ``refill_tokens`` (usually 0) to rebuild; ``full``: every stage replayed). Target: total under 1 s.
-Usage: python bench/heal.py [--trials 5] [--shadow | --full-replay]
+Usage: python bench/heal.py [--trials 5] [--shadow | --full-replay] [--threads 1]
 """
 
 from __future__ import annotations
@@ -54,12 +54,13 @@ async def generate(spec, model_dir, prompt, new_tokens, key, on_ids=None, shadow
 
 
 def trial(model: str, model_dir: Path, prompt: list[int], new_tokens: int, kill_at: int, tmp: Path,
-          full: bool = False, shadow: bool = False) -> dict:
+          full: bool = False, shadow: bool = False, threads: int = 1) -> dict:
     n = model_num_layers(model_dir)
     ranges = even_split(n, 3)
     keep = ["--heal-log-mb", "0"] if full else []  # the predecessor keeps nothing: a full replay
-    with LocalRing(model, ranges, tmp / "keys", threads=1, extra_args=["--dtype", "float32", *keep]) as ring, \
-            LocalRing(model, [ranges[1]], tmp / "spare-keys", threads=1, extra_args=["--dtype", "float32"]) as spare:
+    with LocalRing(model, ranges, tmp / "keys", threads=threads, extra_args=["--dtype", "float32", *keep]) as ring, \
+            LocalRing(model, [ranges[1]], tmp / "spare-keys", threads=threads,
+                      extra_args=["--dtype", "float32"]) as spare:
         spec = RingSpec(model=model, stages=tuple(StageSpec(s.addr, s.layers) for s in ring.stages),
                         spares=(StageSpec(spare.stages[0].addr, ranges[1]),))
         key = load_or_create_key(tmp / "c.key")
@@ -103,6 +104,9 @@ def main() -> None:
                     help="stages keep no sent hidden states (--heal-log-mb 0): measure the full replay instead")
     ap.add_argument("--shadow", action="store_true",
                     help="the spare shadows the middle stage live (decode(shadow=True)): the heal promotes it")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--threads of every stage and the spare (a ring computes one stage at a time, so each "
+                         "may use the machine's cores; default 1)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,14 +125,14 @@ def main() -> None:
     for i in range(args.trials):
         with tempfile.TemporaryDirectory() as tmp:
             row = trial(args.model, resolved.path, prompt, args.new_tokens, args.kill_at, Path(tmp), args.full_replay,
-                        args.shadow)
+                        args.shadow, args.threads)
         row["identical"] = row.pop("ids") == ref
         rows.append(row)
         print(json.dumps({"trial": i, **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
               file=sys.stderr)
     med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0] if k not in ("identical", "replay")}
     print(json.dumps({"model": resolved.name, "trials": args.trials, "prompt_tokens": len(prompt),
-                      "killed_after_tokens": args.kill_at, "shadow": args.shadow,
+                      "killed_after_tokens": args.kill_at, "shadow": args.shadow, "threads": args.threads,
                       "all_identical": all(r["identical"] for r in rows),
                       "replay": sorted({r["replay"] for r in rows}), "median": med,
                       "target_total_disruption_s": 1.0}))

@@ -32,7 +32,9 @@ def _stage_parser(sub) -> None:
     p.add_argument("--key", type=Path, help="ed25519 identity key file, created 0600 if absent "
                                             "(default: $SWARM_CACHE/keys/stage-START-END.key, or stage-auto.key "
                                             "without --layers: give each stage on one machine its own)")
-    p.add_argument("--threads", type=int, help="torch CPU threads for this process")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for this process's compute (default: torch's, the machine's cores); a "
+                        "stage in the fma kernel mode gives them to swarm's kernels and keeps torch at one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")

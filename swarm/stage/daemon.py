@@ -183,6 +183,13 @@ def run_stage(config: StageConfig) -> int:
     try:
         server = StageServer(config, block, resolved.name, digest)
         server.model_id = model_id
+        if block.kernel_mode == "fma":  # the kernels take the cores; torch keeps one for its small ops
+            from swarm.kernels import fma
+
+            fma.set_threads(torch.get_num_threads())
+            torch.set_num_threads(1)
+            server.kernels["threads"] = fma.threads()
+            log.info("kernels.threads fma=%d torch=1", fma.threads())
         membership = None
         if config.bootstrap:
             tps = measure_decode_tps(block)

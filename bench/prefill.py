@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1700, 4000])
     parser.add_argument("--rounds", type=int, default=1, help="runs of each measurement (median reported)")
-    parser.add_argument("--prefill-chunk", type=int, default=256, help="positions per prefill chunk of the ring")
+    parser.add_argument("--prefill-chunk", type=int, default=SpecConfig().prefill_chunk,
+                        help="positions per prefill chunk of the ring (default: the coordinator's)")
     parser.add_argument("--skip-three", action="store_true", help="no 3-stage ring (and no 2-thread reference)")
     args = parser.parse_args()
 

@@ -259,7 +259,7 @@ class SpecConfig:
     draft: str = "none"
     k: int | None = None
     depth: int = 1
-    prefill_chunk: int = 64
+    prefill_chunk: int = 128
 
     def __post_init__(self) -> None:
         if self.k is None:

@@ -112,7 +112,7 @@ class SpecLoop:
     drafter: Drafter = field(default_factory=NoDrafter)
     k: int = 0
     depth: int = 1
-    prefill_chunk: int = 64
+    prefill_chunk: int = 128
     prefill_depth: int = 4
     epoch: int = 0
     done: bool = False

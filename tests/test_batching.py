@@ -247,19 +247,54 @@ def test_a_long_prompt_yields_to_sessions_with_work_waiting(synthetic, tmp_path)
     assert 32 in widths or done[-1] + 32 >= 60, widths  # and full slices once it is alone
 
 
-def test_sessions_that_do_not_ask_to_batch_run_alone_one_gemv_per_row(synthetic, tmp_path):
+def test_two_prompts_go_at_full_slices_and_yield_only_to_a_decoding_session(synthetic, tmp_path):
+    """Prompts beside prompts are not throttled (the one with the least left goes first at
+    --prefill-slice rows); once a session decodes, the other prompt goes --prefill-slice-shared rows a
+    step. Every session still gets its solo tokens."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    rng = random.Random(5)
+    sessions = {"a": ([rng.randrange(97) for _ in range(40)], 6), "b": ([rng.randrange(97) for _ in range(90)], 2)}
+    log: list = []
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=32, prefill_slice_shared=2)
+    together = _drive(server, coord, sessions, steps_log=log)
+    for sid, job in sessions.items():
+        assert _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=32), coord, {sid: job}) == \
+            {sid: together[sid]}, sid
+    first_decode = next(i for i, (small, _) in enumerate(log) if any(pos > 0 for sid, pos, _ in small))
+    before = [piece for _, piece in log[:first_decode] if piece]
+    assert before and all(done % 32 == 0 for _, done in before), log  # full slices while both prefill
+    after = [piece[1] for small, piece in log[first_decode:] if piece and piece[0] == "b" and small]
+    assert any(b - a == 2 for a, b in zip(after, after[1:])), log  # beside a's decode rows: 2 a step
+
+
+@pytest.mark.parametrize("mode", ["rows", "fma"])
+def test_sessions_that_do_not_ask_to_batch_share_forwards_only_in_the_fma_mode(synthetic, tmp_path, monkeypatch, mode):
+    """Rows mode: sessions that did not ask to batch run alone, one GEMV per row. fma mode: every
+    step's rows share one forward (the kernels give a row the same bits in any forward). Either way
+    each session gets its solo tokens, and those equal the block's own forward."""
+    from swarm.kernels import fma
+
+    if mode == "fma" and not fma.available()[0]:
+        pytest.skip(f"no fma kernels here: {fma.available()[1]}")
+    if mode == "rows":
+        monkeypatch.setenv("SWARM_KERNELS", "rows")
     model = synthetic("llama", "float32", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                       num_key_value_heads=3, num_hidden_layers=2, vocab_size=2048)
     coord = load_or_create_key(tmp_path / "coord.key")
     sessions = {"a": ([1, 2, 3], 4), "b": ([4, 5], 4), "c": ([6], 4)}
     log: list = []
     server = _server(model, LayerRange(0, 2), tmp_path)
+    assert server.block.kernel_mode == mode
     together = _drive(server, coord, sessions, steps_log=log, batch=False)
-    assert server.stats["max_sessions"] == 0 and server.stats["batched_steps"] == 0
-    assert max(len(small) for small, _ in log) >= 2  # they were ready together, and still ran alone
+    if mode == "rows":
+        assert server.stats["max_sessions"] == 0 and server.stats["batched_steps"] == 0
+    else:
+        assert server.stats["max_sessions"] >= 2 and server.stats["batched_steps"] >= 1, server.stats
+    assert max(len(small) for small, _ in log) >= 2  # they were ready together
     for sid, job in sessions.items():
         assert _drive(_server(model, LayerRange(0, 2), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}
-    # and a solo run equals the block's own forward (one GEMV per row): what swarm coordinate computes
+    # and a solo run equals the block's own forward: what swarm coordinate computes
     block = load_block(model, LayerRange(0, 2), dtype="float32", device="cpu")
     cache = block.new_cache()
     ids, feed, pos = [], [1, 2, 3], 0

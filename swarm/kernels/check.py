@@ -3,8 +3,8 @@
 Owns: :func:`check_block`, the property a stage must prove before it serves a kernel mode, and
 the same property the test suite tests for every family: the outputs of a session's positions are
 bit-identical whether they are computed one row at a time (decode steps) or in chunks of several
-rows (prefill, prefill slices, verify chunks with rollback), and, for ``tile > 1``, packed with
-other sessions' rows in any order. It runs the block's real modules, dtype, device and BLAS on
+rows (prefill, prefill slices, verify chunks with rollback), and, for ``tile > 1`` and in the fma
+kernel mode, packed with other sessions' rows in any order. It runs the block's real modules, dtype, device and BLAS on
 seeded random inputs in scratch KV caches; it never touches a live session.
 
 May import torch (through the block); no networking.
@@ -103,7 +103,8 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
 
     Three sessions (prompts of 4, 6 and 1 positions, then decode rows, verify chunks of 2 and 3
     rows, and a rollback) run one row at a time (the reference), in their chunks alone, and, when
-    ``tile > 1``, packed together in a shuffled order. Costs about 70 one-row forwards of the block.
+    ``tile > 1`` or in the fma kernel mode (where a stage packs every session's rows into one
+    forward), packed together in a shuffled order. Costs about 70 one-row forwards of the block.
 
     Args:
         block: a loaded :class:`swarm.model.block.LayerBlock`.
@@ -116,7 +117,7 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
     plans = _inputs(block, seed)
     refs = [_one_row_at_a_time(block, plan, tile) for plan in plans]
     kinds = [("chunked", [_chunked_solo(block, plan, tile) for plan in plans])]
-    if tile > 1:
+    if tile > 1 or getattr(block, "kernel_mode", "rows") == "fma":  # fma: a stage packs every session's rows
         kinds.append(("packed", _packed(block, plans, tile, seed)))
     reason = ""
     for kind, runs in kinds:

@@ -5,16 +5,17 @@ Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs; the step 
 chunk of every ready session that is short, decode/verify rows of at most ``BATCH_CHUNK_MAX``
 positions, up to ``--max-batch-rows`` in all, into one packed forward, plus one slice of the long
 chunk with the least left: ``--prefill-slice`` rows, only ``--prefill-slice-shared`` while other
-sessions are generating, so a long prompt never stalls them); the compute of a step in a worker
+sessions are decoding, so a long prompt never stalls them); the compute of a step in a worker
 thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive),
 except a step of short chunks whose recent compute is below ``--inline-step-ms``, which runs in the
 trio thread (the thread round trip would cost more than the responsiveness it buys);
 the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
 (:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
 session that may be packed, with a fallback from the block's fma kernel mode to rows where the
-proof fails. Only sessions opened with ``batch: true`` are packed (in the rows mode with
-``--batch-tile``-row GEMMs); the others run alone. Either way every forward is row-invariant
-(:mod:`swarm.kernels`).
+proof fails. In the fma mode every step's rows over the same layers share one forward (the
+kernels give a row the same bits in any forward, and the start-up proof covers packing); in the
+rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row GEMMs)
+and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
 
 ``SchedulerMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
 ``block``, ``sessions``, ``_in_flight`` and ``_fail_later``; ``_emit`` comes from the outbox,
@@ -70,9 +71,12 @@ class SchedulerMixin:
         self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
         self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
         self._short_step_s: float | None = None  # moving average of the compute of steps without a long chunk
+        self._packed = 0  # sessions that shared the last step's largest forward
 
     def _enqueue(self, sess: Session, job: Job) -> None:
         job.queued_at = time.perf_counter()
+        if job.x is not None:
+            sess.last_rows = job.x.shape[1]
         sess.queue.append(job)
         sess.busy = True  # until its queue is empty: a probe during a long step sees it
         self._runq.setdefault(id(sess), sess)
@@ -102,7 +106,7 @@ class SchedulerMixin:
             ready = sum(s.batch for s in self._runq.values() if s.queue)
             if ready < batching:
                 await trio.sleep(wait / 1000)
-        small, rows, piece, longs = [], 0, None, 0
+        small, rows, piece = [], 0, None
         for sess in list(self._runq.values()):
             job = await self._next_job(sess)
             if job is None:
@@ -119,19 +123,20 @@ class SchedulerMixin:
                 small.append((sess, job))
                 rows += t
             else:  # the long chunk with the least left goes first (shortest remaining first, then round robin)
-                longs += 1
                 if piece is None or t - job.done < piece[1].x.shape[1] - piece[1].done:
                     piece = (sess, job)
         if not small and piece is None:
             return False  # a chunk queued meanwhile has set self._work again
         if piece is not None:
-            # a long prompt yields to others: a row costs about a decode step (row-invariant GEMVs),
-            # so while other sessions are generating it advances a few rows per step (Sarathi-Serve's
-            # budget). "Generating" means a frame within ACTIVE_S, not work queued right now: in a
-            # ring a session's next row is usually at another stage when this step starts.
+            # a long prompt yields to sessions that decode: while one is generating the long chunk
+            # advances a few rows per step (Sarathi-Serve's budget). "Generating" means a frame within
+            # ACTIVE_S whose chunk was short, not work queued right now: in a ring a session's next row
+            # is usually at another stage when this step starts. Another prompt does not throttle the
+            # piece (the one with the least left goes first, at full slices, and is soon done).
             now = trio.current_time()
-            shared = bool(small) or longs > 1 or any(
-                s is not piece[0] and now - s.last_active < ACTIVE_S for s in self.sessions.values())
+            shared = bool(small) or any(
+                s is not piece[0] and now - s.last_active < ACTIVE_S and s.last_rows <= BATCH_CHUNK_MAX
+                for s in self.sessions.values())
             piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
         timing = self.timing
         t_call = time.perf_counter()
@@ -166,7 +171,7 @@ class SchedulerMixin:
         timing["compute_s"] += t_end - t_start - encode_s
         timing["encode_s"] += encode_s
         self.stats["steps"] += 1
-        packed = sum(s.batch for s, _ in small)
+        packed = self._packed
         computed = sum(n for _, _, n, _ in results)  # the short chunks' rows and the long slice's
         self.stats["batched_steps"] += packed > 1
         self.stats["rows"] += computed
@@ -232,28 +237,29 @@ class SchedulerMixin:
         encode_s = 0.0
         out = []
         block = self.block
-        groups: dict = {}  # packed sessions share a forward only with sessions over the same layers
-        for s, j in small:
-            if s.batch:
-                groups.setdefault(s.span, []).append((s, j))
-        for span, packed in groups.items():
-            ys = block.forward_batch([(s.cache, j.msg["pos"], j.x) for s, j in packed], tile=self._tile_of(packed[0][0]),
-                                     logits_rows=[_logits_rows(j.msg, j.msg["pos"], j.x.shape[1]) for _, j in packed],
-                                     span=span)
-            out += [(s, j, j.msg["pos"], j.x.shape[1], y) for (s, j), y in zip(packed, ys)]
-        for s, j in small:  # sessions that did not ask to batch: each alone, one GEMV per row
-            if not s.batch:
-                n = j.x.shape[1]
-                y = block.forward_batch([(s.cache, j.msg["pos"], j.x)], logits_rows=[_logits_rows(j.msg, j.msg["pos"], n)],
-                                        span=s.span)
-                out.append((s, j, j.msg["pos"], n, y[0]))
+        # the fma kernels give a row the same bits in any forward (proven at start-up with packing),
+        # so there every session's rows over the same layers share one pass over the weights; in the
+        # rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
+        fma = block.kernel_mode == "fma"
+        groups: dict = {}  # packed rows share a forward only with rows over the same layers
+        entries = [(s, j, j.msg["pos"], j.x) for s, j in small]
         if piece is not None:
             s, j, slice_rows = piece
             n = min(slice_rows, j.x.shape[1] - j.done)
-            pos = j.msg["pos"] + j.done
-            y = block.forward_batch([(s.cache, pos, j.x[:, j.done:j.done + n])], tile=self._tile_of(s),
-                                    logits_rows=[_logits_rows(j.msg, pos, n)], span=s.span)[0]
-            out.append((s, j, pos, n, y))
+            entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + n]))
+        for s, j, pos, x in entries:
+            if fma or s.batch:
+                groups.setdefault(s.span, []).append((s, j, pos, x))
+            else:  # alone, one GEMV per row
+                y = block.forward_batch([(s.cache, pos, x)], tile=self._tile_of(s),
+                                        logits_rows=[_logits_rows(j.msg, pos, x.shape[1])], span=s.span)
+                out.append((s, j, pos, x.shape[1], y[0]))
+        self._packed = max(map(len, groups.values()), default=0)  # sessions in this step's largest forward
+        for span, packed in groups.items():
+            ys = block.forward_batch([(s.cache, pos, x) for s, _, pos, x in packed], tile=self._tile_of(packed[0][0]),
+                                     logits_rows=[_logits_rows(j.msg, pos, x.shape[1]) for _, j, pos, x in packed],
+                                     span=span)
+            out += [(s, j, pos, x.shape[1], y) for (s, j, pos, x), y in zip(packed, ys)]
         results = []
         for s, j, pos, n, y in out:
             tail = s.is_tail(block.num_layers)

@@ -122,6 +122,7 @@ class Session:
     ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
+    last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
     batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row

@@ -13,6 +13,11 @@ M = 2-3; oneDNN's matmul agrees for every M >= 2 but not at M = 1. Padding a dec
 (SmolLM2's 30 layers: 57 ms as GEMVs, 88 ms as 2-row oneDNN, 105 ms as 4-row MKL), and GEMMs of a
 fixed tile of 8-16 rows cost 1.5-2x a large GEMM per row. No stock CPU kernel gave both.
 
+Threads: each call splits its work into tasks with disjoint outputs (blocks of GEMM columns; query
+rows and heads of attention) over a small POSIX-thread pool in ``fma.c``; every output element is
+computed by the same code whichever thread takes it, so the thread count (:func:`set_threads`, else
+torch's) never changes a bit.
+
 :func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler,
 ``SWARM_KERNELS`` unset, ``auto`` or ``fma``; ``rows`` turns them off), with the reason when not.
 ``CC`` names the compiler (split like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.

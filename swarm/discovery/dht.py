@@ -46,6 +46,7 @@ from swarm.errors import ConfigError, SwarmError
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node did not acknowledge
 BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
 NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
 
@@ -259,16 +260,24 @@ class SwarmDHT:
         """
         tally = tally if tally is not None else [0, 0]
         me = self.host.libp2p_host.get_id()
+        network = self.host.libp2p_host.get_network()
+        boot_ids = {info.peer_id for info in self.bootstrap}
         asked: set = {me}
 
         async def one(peer) -> None:
             tally[1] += 1
-            try:
-                with trio.move_on_after(QUERY_TIMEOUT_S):
-                    if await send(peer):
-                        tally[0] += 1
-            except Exception as e:  # a node failing the request is one not stored at, not a crash
-                log.debug("dht.send_failed peer=%s error=%r", peer, e)
+            for attempt in range(2):  # a busy libp2p node resets requests beyond 12 in flight: once more
+                try:
+                    with trio.move_on_after(QUERY_TIMEOUT_S):
+                        if await send(peer):
+                            tally[0] += 1
+                            return
+                except Exception as e:  # a node failing the request is one not stored at, not a crash
+                    log.debug("dht.send_failed peer=%s error=%r", peer, e)
+                if attempt or not (peer in boot_ids or self.dht.routing_table.peer_in_table(peer)) \
+                        or not network.get_connections(peer):  # not a server we still reach: no use asking again
+                    return
+                await trio.sleep(RETRY_AFTER_S)
 
         async def all_of(peers) -> None:
             async with trio.open_nursery() as nursery:

@@ -10,7 +10,9 @@ A record lives under ``/swarm-stage/<PeerId>`` and is signed by that PeerId's ed
 reader needs no registry: the key names the signer, the PeerId inlines the public key. Remote DHT
 nodes keep a value 24 h whatever its publisher wants, so the expiry is inside the signed body and
 a reader rejects an expired record; a stage republishes about every minute with a fresh expiry
-and a higher sequence number. Unlike Petals' self-declared, unsigned server records, a record
+and a higher sequence number. Times are the swarm's (``swarm.discovery.clock``: every node
+measures its offset from the bootstrap nodes), so a signer's clock minutes off does not expire
+its records on arrival. Unlike Petals' self-declared, unsigned server records, a record
 names the model by the id of its weights (``swarm.weights.manifest.model_id``), never by a name.
 """
 

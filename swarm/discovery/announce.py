@@ -79,8 +79,9 @@ class Announcer:
             await self.dht.announce(value, record.model_id)
         except RecordRefused as e:
             log.warning("announce.refused %s, so clients cannot find this stage (state=%s seq=%d). Likely causes: "
-                        "a clock off by more than the record's %.0f s lifetime here or on those nodes (%s), "
-                        "nodes that do not accept this model, or an older swarm version",
+                        "those nodes unreachable from here, a clock off by more than the record's %.0f s lifetime "
+                        "here or on those nodes (%s), nodes that do not accept this model, or an older swarm "
+                        "version",
                         e, record.state, record.seq, record.expires_at - self.clock(), self.dht.describe_clock())
             await self.dht.rejoin()
             return False

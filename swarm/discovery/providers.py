@@ -124,5 +124,9 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask_all, list(first))
-        closest = await dht.peer_routing.find_closest_peers_network(key)
+        try:
+            closest = await dht.peer_routing.find_closest_peers_network(key)
+        except Exception as e:  # a lookup failing on the way is fewer providers, not a failed read
+            log.info("providers.lookup_failed key=%s error=%r", key.hex()[:16], e)
+            closest = []
         nursery.start_soon(ask_all, closest)

@@ -555,8 +555,9 @@ def cmd_peers(args) -> int:
         print(json.dumps(summary))
     elif not records:
         what = f"model {args.model}" if args.model else "any model"
-        print(f"swarm peers: no live stage of {what} announces (joined through {', '.join(args.bootstrap)}); "
-              f"{report.describe()}")
+        why = f"; {report.describe()}" if report.providers else ""
+        print(f"swarm peers: the swarm has no {'live ' if report.providers else ''}stage of {what} "
+              f"(joined through {', '.join(args.bootstrap)}){why}")
     else:
         print(render(summary))
     return 0

@@ -389,11 +389,24 @@ def build_parser() -> argparse.ArgumentParser:
     _peers_parser(sub)
     _identity_parsers(sub)
     _receipts_parser(sub)
+    _verbose_after_subcommands(parser)
     return parser
+
+
+def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Accept ``-v/--verbose`` after every (sub)subcommand too (``swarm peers ... -v``); counted
+    into ``args.verbose`` by ``main``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                sub.add_argument("-v", "--verbose", dest="verbose_sub", action="count", default=argparse.SUPPRESS,
+                                 help="log more (-v info, -vv debug)")
+                _verbose_after_subcommands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.verbose += getattr(args, "verbose_sub", 0)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -533,16 +546,18 @@ def cmd_peers(args) -> int:
     async def main():
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
             async with open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
-                records = await dht.find_records(model_id, timeout_s=args.timeout_s)
-                return records, await probe_rtts(dht, records)
+                records, report = await dht.read_records(model_id, timeout_s=args.timeout_s)
+                return records, report, await probe_rtts(dht, records), dht.clock()
 
-    records, rtts = trio.run(main)
-    summary = summarize(records, rtts)
+    records, report, rtts, now = trio.run(main)
+    summary = summarize(records, rtts, now=now, probed=True, not_listed=report.describe() if report.dropped else "")
     if args.json:
         print(json.dumps(summary))
     elif not records:
         what = f"model {args.model}" if args.model else "any model"
-        print(f"swarm peers: the swarm has no stage of {what} (joined through {', '.join(args.bootstrap)})")
+        why = f"; {report.describe()}" if report.providers else ""
+        print(f"swarm peers: the swarm has no {'live ' if report.providers else ''}stage of {what} "
+              f"(joined through {', '.join(args.bootstrap)}){why}")
     else:
         print(render(summary))
     return 0

@@ -108,7 +108,7 @@ class SwarmCoverage:
     ``models``: ``[{"name", "model_id", "num_layers", "coverage" (stages holding each layer),
     "uncovered" ([start, end) ranges nobody holds), "holders", "source": "dht"}]`` of the last
     read (None before the first); ``error``: why the last read failed, or None. One read sees at
-    most the 20 providers a DHT node keeps per key (``SwarmDHT.find_records``)."""
+    most the 256 providers a DHT node keeps per key (``SwarmDHT.find_records``)."""
 
     def __init__(self, dht, every_s: float = 5.0, timeout_s: float = 5.0):
         self.dht, self.every_s, self.timeout_s = dht, every_s, timeout_s

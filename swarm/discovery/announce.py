@@ -5,25 +5,31 @@ every ``interval_s`` after (each with a new expiry ``ttl_s`` out and a higher se
 once when poked (a state change such as ``draining``), and that measures round trips to the
 stages whose blocks can follow its own (they start at or before its end layer and extend past it),
 publishing them as ``rtt_ms`` for clients' routing. A failed publish is logged and retried at the
-next tick after re-joining lost bootstrap nodes; it never stops the stage.
+next tick after re-joining lost bootstrap nodes; it never stops the stage. A record that no DHT
+node stored (``RecordRefused``: clients cannot find the stage) is a WARNING on the stage's console
+naming the likely causes and how this node's clock compares with the swarm's. A stage that leaves
+publishes a last ``draining`` record valid ``LEAVING_TTL_S`` (``withdraw``), so readers stop
+listing it within seconds instead of at the old record's expiry. Expiries are in the swarm's time
+(``SwarmDHT.clock``), re-measured every ``swarm.discovery.clock.RESYNC_S``.
 May import: stdlib, trio, ``swarm.discovery``, ``swarm.errors``. No torch.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import trio
 
-from swarm.discovery.dht import DiscoveryError, SwarmDHT
+from swarm.discovery.clock import RESYNC_S
+from swarm.discovery.dht import DiscoveryError, RecordRefused, SwarmDHT
 from swarm.discovery.records import DEFAULT_TTL_S, RecordInvalid, StageRecord, sign_record
 from swarm.transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
 
 MAX_RTT_PEERS = 16
+LEAVING_TTL_S = 3.0  # the last record of a stage that leaves stays valid this long
 
 
 class Announcer:
@@ -36,39 +42,49 @@ class Announcer:
             ``expires_at`` (model id, layers, addrs, load, state, ...), read at each publish.
         interval_s: seconds between republishes (about half of ``ttl_s``).
         ttl_s: seconds each published record stays valid.
-        clock: unix time.
+        clock: unix time (default: the DHT's, i.e. the swarm's time as measured at join).
     """
 
     def __init__(self, dht: SwarmDHT, key_pair, snapshot: Callable[[], dict], *, interval_s: float = 60.0,
-                 ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time):
+                 ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] | None = None):
         if not 0 < interval_s < ttl_s:
             raise ValueError(f"need 0 < interval_s ({interval_s}) < ttl_s ({ttl_s})")
         self.dht, self.key_pair, self.snapshot = dht, key_pair, snapshot
-        self.interval_s, self.ttl_s, self.clock = interval_s, ttl_s, clock
+        self.interval_s, self.ttl_s, self.clock = interval_s, ttl_s, clock or dht.clock
+        self.withdrawn = False
         self.peer_id = peer_id_of(key_pair)
         self.seq = 0
         self.rtt_ms: dict[str, float] = {}
         self.published: StageRecord | None = None
         self._poke = trio.Event()
 
-    def record(self) -> StageRecord:
-        """The record as it would be published now (a fresh sequence number and expiry)."""
+    def record(self, ttl_s: float | None = None) -> StageRecord:
+        """The record as it would be published now (a fresh sequence number and expiry ``ttl_s``
+        out, default ``self.ttl_s``)."""
         now = self.clock()
         # a wall-clock sequence survives a restart: the new process's records still win
         self.seq = max(self.seq + 1, int(now * 1000))
         return StageRecord(peer_id=self.peer_id, rtt_ms=dict(self.rtt_ms), seq=self.seq,
-                           expires_at=now + self.ttl_s, **self.snapshot())
+                           expires_at=now + (self.ttl_s if ttl_s is None else ttl_s), **self.snapshot())
 
-    async def publish(self) -> bool:
-        """Sign and publish the current record; True when the DHT took it.
+    async def publish(self, ttl_s: float | None = None) -> bool:
+        """Sign and publish the current record; True when some DHT node stored it.
 
         Raises:
             RecordInvalid: the snapshot makes an invalid record (a bug of the caller).
         """
-        record = self.record()
+        record = self.record(ttl_s)
         value = sign_record(self.key_pair, record)
         try:
             await self.dht.announce(value, record.model_id)
+        except RecordRefused as e:
+            log.warning("announce.refused %s, so clients cannot find this stage (state=%s seq=%d). Likely causes: "
+                        "those nodes unreachable from here, a clock off by more than the record's %.0f s lifetime "
+                        "here or on those nodes (%s), nodes that do not accept this model, or an older swarm "
+                        "version",
+                        e, record.state, record.seq, record.expires_at - self.clock(), self.dht.describe_clock())
+            await self.dht.rejoin()
+            return False
         except DiscoveryError as e:
             log.warning("announce.failed state=%s error=%s", record.state, e)
             await self.dht.rejoin()
@@ -77,6 +93,15 @@ class Announcer:
         log.info("announce.ok state=%s layers=[%d, %d) seq=%d sessions=%d", record.state, *record.layers,
                  record.seq, record.sessions)
         return True
+
+    async def withdraw(self, timeout_s: float = 5.0) -> bool:
+        """Publish a last ``draining`` record valid only ``LEAVING_TTL_S`` and stop republishing
+        (the stage is leaving: readers drop it seconds later instead of at the old expiry).
+        The snapshot should already say ``draining``. Returns whether some node stored it."""
+        self.withdrawn = True
+        with trio.move_on_after(timeout_s):
+            return await self.publish(ttl_s=LEAVING_TTL_S)
+        return False
 
     def poke(self) -> None:
         """Republish now (e.g. the state changed), without waiting for the next tick."""
@@ -130,7 +155,11 @@ class Announcer:
                 await self._poke.wait()
             poked = self._poke.is_set()
             self._poke = trio.Event()
+            if self.withdrawn:
+                return
             if not poked:
                 with trio.move_on_after(self.interval_s / 2):
+                    await self.dht.sync_clock(max_age_s=RESYNC_S)
                     await self.measure_rtts()
-            await self.publish()
+            if not self.withdrawn:
+                await self.publish()

@@ -100,14 +100,18 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
     Returns:
         Discovered (the ring to connect to, and what the choice rested on).
     Raises:
-        ConfigError: no stage of this model announces on the swarm, or the announced stages
+        ConfigError: no stage of this model announces on the swarm (or none of those the DHT
+            names is live: the message says what their records were), or the announced stages
             leave layers uncovered (the message names the layer ranges and what holds what).
     """
     start = time.monotonic()
-    records = await dht.find_records(model_id, timeout_s=timeout_s)
-    if not records:
+    records, report = await dht.read_records(model_id, timeout_s=timeout_s)
+    if not records and not report.providers:
         raise ConfigError(f"no stage of model {model} (id {model_id[:16]}) announces on the swarm; "
                           "start stages with --bootstrap, or check that they run the same weights")
+    if not records:
+        raise ConfigError(f"no live stage of model {model} (id {model_id[:16]}) announces on the swarm: "
+                          f"{report.describe()}")
     rtts = await probe_rtts(dht, records)
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     try:

@@ -2,10 +2,12 @@
 
 Owns: pinning the swarm's own DHT protocol id, building ``libp2p.kad_dht.KadDHT`` with strict
 validation and the stage-record validator, joining through bootstrap nodes (with one clear error
-when none answers), announcing (``put_value`` of the signed record + ``provide`` of the model id),
-reading fresh, validated, de-duplicated records, and timing round trips to peers.
+when none answers), the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
+(a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
+no node stored it), reading fresh, validated, de-duplicated records with a report of the providers
+that were not live (``read_records``), and timing round trips to peers.
 May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.transport``,
-``swarm.discovery.records``. No torch.
+``swarm.discovery.records``, ``.providers``, ``.clock``. No torch.
 
 Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, issue 14):
 - the wire protocol is always ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is ignored), so a swarm
@@ -16,8 +18,12 @@ Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, is
   strict, with only ``/swarm-stage/`` registered;
 - reads are local-first and stale (``get_value`` returns a local copy unvalidated;
   ``find_providers`` never asks the network once it has a local answer), and network answers
-  hold duplicates: every read here sets the local entry aside, queries, validates, de-duplicates,
-  and puts the entry back only when the network had nothing (a server node keeps serving it).
+  hold duplicates: every value read here sets the local entry aside, queries, validates,
+  de-duplicates, and puts the entry back only when the network had nothing (a server node keeps
+  serving it); providers are looked up by ``swarm.discovery.providers`` (which also bounds the
+  provider store: the library's keeps 20 per key for 48 h, so stages that left hid new ones);
+- ``put_value`` does not say whether any node stored the value (a validator refusing it only
+  resets the stream): ``SwarmDHT._put`` counts the acknowledgements.
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
 
 import multiaddr
 import trio
 
+from swarm.discovery.providers import QUERY_TIMEOUT_S, bound_provider_store, lookup_providers
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node did not acknowledge
+BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
 NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
@@ -49,6 +59,18 @@ _KAD_MODULES = ("common", "kad_dht", "provider_store", "value_store", "peer_rout
 
 class DiscoveryError(SwarmError):
     """The DHT could not be joined or read (no bootstrap answered, a query failed)."""
+
+
+class RecordRefused(DiscoveryError):
+    """Every remote DHT node asked to store this node's record refused it (or could not be reached).
+
+    Attributes:
+        asked: how many nodes were asked.
+    """
+
+    def __init__(self, asked: int):
+        super().__init__(f"none of the {asked} DHT node(s) asked stored the record")
+        self.asked = asked
 
 
 def pin_protocol() -> str:
@@ -108,22 +130,77 @@ def parse_bootstrap(addr: str):
                           f"(e.g. /ip4/10.0.0.5/tcp/4001/p2p/12D3KooW...): {e}") from None
 
 
+@dataclass(frozen=True)
+class ReadReport:
+    """What one read of the DHT found besides the live records it returns.
+
+    Attributes:
+        providers: how many PeerIds the DHT named as providers of the key read.
+        dropped: ``(peer_id, kind, reason)`` for each provider whose record was not returned;
+            kind is ``"no-record"`` (none found: it never published one, or it was refused),
+            ``"expired"``, ``"other-model"``, or a ``RecordInvalid.kind``.
+    """
+
+    providers: int = 0
+    dropped: tuple[tuple[str, str, str], ...] = ()
+
+    def describe(self) -> str:
+        """One line for an error or a footer: what the providers that are not listed were."""
+        if not self.providers:
+            return "the DHT names no provider of it"
+        if not self.dropped:
+            return f"the DHT named {self.providers} provider(s), all listed"
+        kinds: dict[str, list[tuple[str, str]]] = {}
+        for peer_id, kind, reason in self.dropped:
+            kinds.setdefault(kind, []).append((peer_id, reason))
+        words = {"expired": "record(s) expired (stages that left, or whose clock is behind)",
+                 "no-record": "without a record (left long ago, or their records were refused)",
+                 "other-model": "record(s) for another model",
+                 "future": "record(s) expiring too far out (a clock ahead of the swarm's)"}
+        parts = []
+        for kind, items in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+            peer_id, reason = items[0]
+            parts.append(f"{len(items)} {words.get(kind, 'record(s) refused')} (e.g. ..{peer_id[-8:]}: {reason})")
+        return f"the DHT named {self.providers} provider(s): " + "; ".join(parts)
+
+
 class SwarmDHT:
     """A running DHT node; get one from ``open_dht``.
 
     Args:
         host: the node's SwarmHost. dht: the running KadDHT. bootstrap: PeerInfos joined through.
-        clock: unix time source (validation of expiry).
+        clock: the swarm's unix time as this node knows it (``swarm.discovery.clock.SwarmClock``):
+            record expiries are stamped and checked with it.
+        bootstrap_addrs: the multiaddrs of ``bootstrap`` (the clock is measured against them).
     """
 
-    def __init__(self, host, dht, bootstrap: list, clock: Callable[[], float]):
+    def __init__(self, host, dht, bootstrap: list, clock: Callable[[], float], bootstrap_addrs: Sequence[str] = ()):
         self.host, self.dht, self.bootstrap, self.clock = host, dht, bootstrap, clock
+        self.bootstrap_addrs = tuple(bootstrap_addrs)
+        self._bootstrap_slots = trio.CapacityLimiter(BOOTSTRAP_REQUESTS)
 
     @property
     def server(self) -> bool:
         from libp2p.kad_dht.kad_dht import DHTMode
 
         return self.dht.mode == DHTMode.SERVER
+
+    async def sync_clock(self, max_age_s: float = 0.0) -> None:
+        """Measure this node's clock offset against the bootstrap nodes (``swarm.discovery.clock``),
+        unless the last measurement is younger than ``max_age_s``; no answer keeps the old offset."""
+        from swarm.discovery.clock import SwarmClock, measure_offsets
+
+        clock = self.clock
+        if not isinstance(clock, SwarmClock) or not self.bootstrap_addrs:
+            return
+        if clock.measured_at is not None and time.monotonic() - clock.measured_at < max_age_s:
+            return
+        clock.set_offset(await measure_offsets(self.host, self.bootstrap_addrs, clock.local))
+
+    def describe_clock(self) -> str:
+        """How this node's clock relates to the swarm's, for messages."""
+        describe = getattr(self.clock, "describe", None)
+        return describe() if describe else "this node's clock is taken as the swarm's"
 
     async def rejoin(self, timeout_s: float = 5.0) -> int:
         """Reconnect to bootstrap nodes we lost (e.g. one restarted), or that dropped out of the
@@ -142,73 +219,169 @@ class SwarmDHT:
                 log.info("dht.rejoin_failed peer=%s error=%s", info.peer_id, e)
         return ok
 
-    async def announce(self, value: bytes, model_id: str, timeout_s: float = 10.0) -> None:
+    async def announce(self, value: bytes, model_id: str, timeout_s: float = 10.0) -> int:
         """Publish a signed record under its PeerId key and provide its model id and the all-stages key.
 
         Args:
             value: output of ``sign_record`` (validated here before anything is sent).
             model_id: 64-hex model id the record names.
+        Returns:
+            How many remote DHT nodes stored the record (0 when none was there to ask).
         Raises:
             RecordInvalid: the value does not validate (never published).
+            RecordRefused: remote DHT nodes were asked and none stored it (clients cannot find it).
             DiscoveryError: the DHT did not finish within ``timeout_s``.
         """
         key = record_key(self.host.peer_id)
         open_record(key, value, now=self.clock())
-        try:
-            with trio.fail_after(timeout_s):
-                await self.dht.put_value(key, value)
-                await self.dht.provide(model_id)
-                await self.dht.provide(ALL_STAGES_KEY)
-        except trio.TooSlowError:
-            raise DiscoveryError(f"announcing on the DHT took over {timeout_s} s") from None
-        except ValueError as e:  # libp2p refuses to replace a newer local value
-            raise DiscoveryError(f"the DHT refused the record: {e}") from e
+        tally = [0, 0]  # remote nodes that stored the record, nodes asked: kept when time runs out
+        with trio.move_on_after(timeout_s) as scope:
+            try:
+                await self._put(key, value, tally)
+                await self._provide(model_id)
+                await self._provide(ALL_STAGES_KEY)
+            except ValueError as e:  # libp2p refuses to replace a newer local value
+                raise DiscoveryError(f"the DHT refused the record: {e}") from e
+        stored, asked = tally
+        if scope.cancelled_caught and not stored:
+            raise DiscoveryError(f"announcing on the DHT took over {timeout_s} s")
+        if asked and not stored:
+            raise RecordRefused(asked)
+        return stored
+
+    async def _spread(self, kb: bytes, send, tally: list[int] | None = None) -> None:
+        """Run ``send(peer) -> bool`` at the bootstrap nodes at once and at the closest nodes to
+        ``kb`` once the network lookup names them (each node once, ``QUERY_TIMEOUT_S`` each),
+        counting ``[succeeded, asked]`` into ``tally`` as they finish.
+
+        The bootstrap nodes are always asked: libp2p's lookup returns the closest nodes it heard
+        of, also those that left (routing tables keep them for hours), so after enough churn the
+        "closest" can all be gone and the value would live nowhere a reader looks.
+        """
+        tally = tally if tally is not None else [0, 0]
+        me = self.host.libp2p_host.get_id()
+        network = self.host.libp2p_host.get_network()
+        boot_ids = {info.peer_id for info in self.bootstrap}
+        asked: set = {me}
+
+        async def one(peer) -> None:
+            tally[1] += 1
+            for attempt in range(2):  # a busy libp2p node resets requests beyond 12 in flight: once more
+                try:
+                    with trio.move_on_after(QUERY_TIMEOUT_S):
+                        if await send(peer):
+                            tally[0] += 1
+                            return
+                except Exception as e:  # a node failing the request is one not stored at, not a crash
+                    log.debug("dht.send_failed peer=%s error=%r", peer, e)
+                if attempt or not (peer in boot_ids or self.dht.routing_table.peer_in_table(peer)) \
+                        or not network.get_connections(peer):  # not a server we still reach: no use asking again
+                    return
+                await trio.sleep(RETRY_AFTER_S)
+
+        async def all_of(peers) -> None:
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    if peer not in asked:
+                        asked.add(peer)
+                        nursery.start_soon(one, peer)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(all_of, [info.peer_id for info in self.bootstrap])
+            nursery.start_soon(all_of, await self.dht.peer_routing.find_closest_peers_network(kb))
+
+    async def _put(self, key: str, value: bytes, tally: list[int]) -> None:
+        """libp2p 0.8.1's ``KadDHT.put_value`` (store locally, then at remote nodes), through
+        ``_spread`` and counting the nodes that stored the value (the library only logs it)."""
+        kb = key.encode()
+        store = self.dht.value_store
+        old = store.get(kb)
+        if old is not None and old.value != value and self.dht.validator.select(key, [value, old.value]) != 0:
+            raise ValueError("Refusing to replace newer value with the older one")
+        store.put(kb, value)
+
+        async def send(peer) -> bool:
+            # a node that holds this very value already (the library's own republish task got
+            # there first) refuses it like a worse one: then ask what it holds
+            return await store._store_at_peer(peer, kb, value) or await store._get_from_peer(peer, kb) == value
+
+        await self._spread(kb, send, tally)
+
+    async def _provide(self, key: str) -> None:
+        """libp2p 0.8.1's ``ProviderStore.provide`` (a local entry, then ADD_PROVIDER at remote
+        nodes) through ``_spread``."""
+        from libp2p.kad_dht.kad_dht import _encode_key
+        from libp2p.peer.peerinfo import PeerInfo
+
+        kb = _encode_key(key)
+        store = self.dht.provider_store
+        store.providing_keys.add(kb)
+        lh = self.host.libp2p_host
+        store.add_provider(kb, PeerInfo(lh.get_id(), list(lh.get_addrs())))
+        await self._spread(kb, lambda peer: store._send_add_provider(peer, kb))
 
     async def find_records(self, model_id: str | None = None, *, timeout_s: float = 5.0) -> list[StageRecord]:
+        """Read the current stage records of a model (or of every model): ``read_records`` without the report."""
+        return (await self.read_records(model_id, timeout_s=timeout_s))[0]
+
+    async def read_records(self, model_id: str | None = None, *,
+                           timeout_s: float = 5.0) -> tuple[list[StageRecord], ReadReport]:
         """Read the current stage records of a model (or of every model), validated and de-duplicated.
 
         Providers are hints; each provider's signed record is fetched and checked
-        (``open_record``), and a record for another model than ``model_id`` is dropped.
+        (``open_record``), and a record for another model than ``model_id`` is dropped. However
+        many providers left before (their entries stay on DHT nodes until ``PROVIDER_TTL_S``
+        after their last refresh), every provider named is asked, concurrently.
 
         Args:
-            model_id: 64-hex model id, or None for every stage that announces (at most the 20
-                providers a DHT node keeps per key).
+            model_id: 64-hex model id, or None for every stage that announces (at most
+                ``MAX_PROVIDERS_PER_KEY`` per DHT node).
             timeout_s: deadline for the whole read, in seconds.
         Returns:
-            Records sorted by PeerId; empty when none is found.
+            (records sorted by PeerId, empty when none is found; the ReadReport saying what the
+            other providers were).
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
-        peers: list[str] = []  # the lookup ran out of time: nobody to ask
-        with trio.move_on_after(timeout_s):
-            peers = await self._fresh_providers(provider_key)
+        # the lookup may run out of time (nodes that left cost a failed dial each): keep what arrived
+        peers = await self._fresh_providers(provider_key, timeout_s)
         records: dict[str, StageRecord] = {}
+        dropped: dict[str, tuple[str, str]] = {}
 
         async def one(peer_id: str) -> None:
             # the stage itself holds its latest record: one request to it; the network only if it
             # does not answer the DHT protocol (a client-mode stage) or cannot be dialed, and then
             # briefly: a stage that left keeps records on the DHT nodes until they expire, and
             # lookups through peers that left cost a failed dial each
+            dropped[peer_id] = ("no-record", "no record found in time")
             value = await self._value_from_owner(peer_id)
+            from_owner = value is not None
             if value is None:
-                with trio.move_on_after(NETWORK_FALLBACK_S):
-                    value = await self._fresh_value(record_key(peer_id))
+                value = await self._fresh_value(record_key(peer_id))
             if value is None:
+                dropped[peer_id] = ("no-record", "no record on the DHT")
                 return
             try:
                 record = open_record(record_key(peer_id), value, now=self.clock())
             except RecordInvalid as e:
                 log.info("dht.record_rejected peer=%s reason=%s", peer_id, e)
+                reason = str(e).replace(f"record of {peer_id} ", "")
+                if e.kind in ("expired", "future") and from_owner:
+                    reason += " though the stage itself answered (its clock or ours is off)"
+                dropped[peer_id] = (e.kind, reason)
                 return
             if model_id is None or record.model_id == model_id:
                 records[peer_id] = record
+                del dropped[peer_id]
             else:
+                dropped[peer_id] = ("other-model", f"model {record.model_id[:16]}")
                 log.info("dht.record_rejected peer=%s reason=other-model model=%s", peer_id, record.model_id[:16])
 
         with trio.move_on_after(timeout_s):
             async with trio.open_nursery() as nursery:
-                for peer_id in sorted(set(peers)):
+                for peer_id in peers:
                     nursery.start_soon(one, peer_id)
-        return [records[p] for p in sorted(records)]
+        report = ReadReport(len(peers), tuple((p, *dropped[p]) for p in sorted(dropped)))
+        return [records[p] for p in sorted(records)], report
 
     async def _value_from_owner(self, peer_id: str, timeout_s: float = 2.0) -> bytes | None:
         """GET_VALUE of a stage's record from the stage itself (libp2p 0.8.1's
@@ -225,22 +398,17 @@ class SwarmDHT:
             log.debug("dht.owner_get_failed peer=%s error=%r", peer_id, e)
         return None
 
-    async def _fresh_providers(self, key: str) -> list[str]:
+    async def _fresh_providers(self, key: str, timeout_s: float) -> list[str]:
+        """PeerIds of the providers of ``key`` found within ``timeout_s`` (``lookup_providers``),
+        their addresses put in the peerstore so their owners can be asked directly."""
         from libp2p.kad_dht.kad_dht import _encode_key
 
-        store = self.dht.provider_store
-        kb = _encode_key(key)
-        saved = store.providers.pop(kb, None)
-        try:
-            found = await self.dht.find_providers(key, count=64)
-        finally:
-            if saved:  # keep serving what we held; fresher network entries win
-                merged = store.providers.setdefault(kb, {})
-                for pid, rec in saved.items():
-                    merged.setdefault(pid, rec)
+        found: dict = {}
+        with trio.move_on_after(timeout_s):
+            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap])
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
-        for info in found:  # so the owners can be asked directly
+        for info in found.values():
             if not info.addrs or info.peer_id == lh.get_id():
                 continue
             if not network.get_connections(info.peer_id):
@@ -251,24 +419,53 @@ class SwarmDHT:
                 peerstore.clear_addrs(info.peer_id)
                 network.unblock_peer(info.peer_id)
             peerstore.add_addrs(info.peer_id, info.addrs, 600)
-        ids = {str(p.peer_id) for p in found}
-        if saved:
-            ids |= set(saved)
-        return sorted(ids)
+        return sorted(found)
 
     async def _fresh_value(self, key: str) -> bytes | None:
+        """The best valid value of ``key`` that the bootstrap nodes (asked first, where every
+        announce stores it) or else the network lookup hold; this node's own copy is set aside
+        for the read and kept when nothing fresher is found."""
         store = self.dht.value_store.store
         kb = key.encode()
-        saved = store.pop(kb, None)
+        values: list[bytes] = []
+
+        async def from_peer(peer_id) -> None:
+            try:
+                # a libp2p node resets requests beyond 12 in flight: a read of many records queues here
+                async with self._bootstrap_slots:
+                    with trio.move_on_after(QUERY_TIMEOUT_S):
+                        got = await self.dht.value_store._get_from_peer(peer_id, kb)
+                        if got is not None:
+                            values.append(got)
+            except Exception as e:  # unreachable or not serving: another node may hold it
+                log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for info in self.bootstrap:
+                nursery.start_soon(from_peer, info.peer_id)
+        if not any(self._valid(key, v) for v in values):
+            saved = store.pop(kb, None)
+            got = None
+            try:
+                with trio.move_on_after(NETWORK_FALLBACK_S):
+                    got = await self.dht.get_value(key)
+            except Exception as e:  # a query failing on a peer is a missing record, not a crash
+                log.info("dht.get_failed key=%s error=%r", key, e)
+            if got is not None:
+                values.append(got)
+            if saved is not None and kb not in store:
+                store[kb] = saved
+                values.append(saved[0].value)
+        if not values:
+            return None
+        return values[select_record(key, values, now=self.clock())]
+
+    def _valid(self, key: str, value: bytes) -> bool:
         try:
-            value = await self.dht.get_value(key)
-        except Exception as e:  # a query failing on a peer is a missing record, not a crash
-            log.info("dht.get_failed key=%s error=%r", key, e)
-            value = None
-        if value is None and saved is not None:
-            store[kb] = saved
-            value = saved[0].value
-        return value
+            open_record(key, value, now=self.clock())
+        except RecordInvalid:
+            return False
+        return True
 
     async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
         """Median-free minimum round trip to a peer over the libp2p ping protocol, in milliseconds.
@@ -357,7 +554,7 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
 
 @asynccontextmanager
 async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout_s: float = 10.0,
-                   clock: Callable[[], float] = time.time,
+                   clock: Callable[[], float] | None = None, sync_clock: bool = True,
                    accept_models: frozenset[str] | None = None) -> AsyncIterator[SwarmDHT]:
     """Run a swarm DHT node on ``host`` for the duration of the block.
 
@@ -368,7 +565,10 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             stages that cannot be dialed).
         bootstrap: multiaddrs of bootstrap nodes; a node with none starts a new swarm.
         timeout_s: deadline per bootstrap join, in seconds.
-        clock: unix time (record expiry).
+        clock: this machine's unix time (default ``swarm.discovery.clock.local_clock``).
+        sync_clock: measure this node's offset from the bootstrap nodes once joined and stamp and
+            check record expiries in that corrected time (``SwarmClock``); False uses ``clock``
+            as it is (tests that move time by hand). Server nodes answer others' time requests.
         accept_models: model ids this node stores records for (None: any).
     Yields:
         The SwarmDHT.
@@ -381,14 +581,21 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
     from libp2p.tools.anyio_service import background_trio_service
 
+    from swarm.discovery.clock import SwarmClock, local_clock, serve_time
+
     infos = [parse_bootstrap(a) for a in bootstrap]
-    if server:  # joining nodes ask a server node whether the swarm can dial them
+    clock = clock or local_clock
+    if sync_clock:
+        clock = SwarmClock(clock)
+    if server:  # joining nodes ask a server node whether the swarm can dial them, and its time
         from swarm.discovery.reach import serve_dialback
 
         serve_dialback(host)
+        serve_time(host, clock)
     dht = KadDHT(host.libp2p_host, DHTMode.SERVER if server else DHTMode.CLIENT,
                  validator=_validator(clock, accept_models), validator_changed=True, strict_validation=True)
     _skip_client_peers(dht)
+    bound_provider_store(dht.provider_store)
     error: DiscoveryError | None = None
     async with background_trio_service(dht):
         failures = []
@@ -405,6 +612,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 log.warning("dht.bootstrap_failed %s", line)
             log.info("dht.start mode=%s bootstrap=%d/%d", "server" if server else "client",
                      len(infos) - len(failures), len(infos))
-            yield SwarmDHT(host, dht, infos, clock)
+            node = SwarmDHT(host, dht, infos, clock, bootstrap)
+            await node.sync_clock()
+            yield node
     if error is not None:
         raise error

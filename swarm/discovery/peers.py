@@ -1,7 +1,10 @@
 """``swarm peers``: the swarm as a table: per model a layer-coverage map, per stage its record.
 
 Owns: grouping records by model, the coverage count per layer, and rendering (text table or a
-JSON document). Reading the records is ``SwarmDHT.find_records``; RTTs are ``probe_rtts``.
+JSON document). Reading the records is ``SwarmDHT.read_records``; RTTs are ``probe_rtts``. A record
+is a claim until its expiry, also for a stage killed since: the listing says when each record
+expires and whether the stage answered this client's ping, and with probes the coverage counts
+only online stages that answered.
 May import: stdlib, ``swarm.discovery.records``.
 """
 
@@ -39,25 +42,38 @@ def _coverage_bar(counts: list[int]) -> str:
     return "".join("." if c == 0 else (str(c) if c < 10 else "+") for c in counts)
 
 
-def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float]) -> dict:
+def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float], *, now: float | None = None,
+              probed: bool = False, not_listed: str = "") -> dict:
     """The JSON document of ``swarm peers --json``: ``{"models": [{model_id, name, num_layers,
-    coverage, uncovered, stages: [...]}]}``, models sorted by id, stages by layer range."""
+    coverage, uncovered, stages: [...]}], "not_listed": str}``, models sorted by id, stages by range.
+
+    Args:
+        records: validated records.
+        rtt_ms: PeerId -> this client's round trip in ms, for the stages that answered.
+        now: the swarm's unix time; given, each stage has ``expires_in_s`` (seconds its record
+            stays valid unless republished).
+        probed: every record's stage was pinged: one absent from ``rtt_ms`` did not answer
+            (``"answered": false``) and is not counted in ``coverage``. False: ``answered`` is None.
+        not_listed: a line on the providers whose records were not valid (``ReadReport.describe``).
+    """
     models: dict[str, list[StageRecord]] = {}
     for r in records:
         models.setdefault(r.model_id, []).append(r)
     out = []
     for model_id, recs in sorted(models.items()):
         num_layers = max(r.num_layers for r in recs)
-        counts = coverage(recs, num_layers)
+        counts = coverage([r for r in recs if not probed or r.peer_id in rtt_ms], num_layers)
         stages = [{"peer_id": r.peer_id, "layers": list(r.layers), "state": r.state, "addrs": list(r.addrs),
                    "throughput_tps": round(r.throughput_tps, 2), "sessions": r.sessions,
                    "free_kv_mib": round(r.free_kv_bytes / 2**20, 1), "dtype": r.dtype, "device": r.device,
-                   "version": r.version, "rtt_ms": None if r.peer_id not in rtt_ms else round(rtt_ms[r.peer_id], 2)}
+                   "version": r.version, "rtt_ms": None if r.peer_id not in rtt_ms else round(rtt_ms[r.peer_id], 2),
+                   "answered": (r.peer_id in rtt_ms) if probed else None,
+                   "expires_in_s": None if now is None else round(r.expires_at - now, 1)}
                   for r in sorted(recs, key=lambda r: (r.layers, r.peer_id))]
         names = sorted({r.model_name for r in recs})
         out.append({"model_id": model_id, "name": names[0] if len(names) == 1 else names, "num_layers": num_layers,
                     "coverage": counts, "uncovered": uncovered(counts), "stages": stages})
-    return {"models": out}
+    return {"models": out, "not_listed": not_listed}
 
 
 def render(summary: dict) -> str:
@@ -65,16 +81,25 @@ def render(summary: dict) -> str:
     lines = []
     for m in summary["models"]:
         name = m["name"] if isinstance(m["name"], str) else "/".join(m["name"])
+        silent = sum(1 for s in m["stages"] if s.get("answered") is False)
         lines.append(f"model {name} (id {m['model_id'][:16]}), {m['num_layers']} layers, "
-                     f"{len(m['stages'])} stage(s)")
-        lines.append(f"  coverage  {_coverage_bar(m['coverage'])}   ('.' = no online stage)")
+                     f"{len(m['stages'])} stage(s)" + (f", {silent} not answering" if silent else ""))
+        probed = any(s.get("answered") is not None for s in m["stages"])
+        legend = "no online stage that answered" if probed else "no online stage"
+        lines.append(f"  coverage  {_coverage_bar(m['coverage'])}   ('.' = {legend})")
         if m["uncovered"]:
             lines.append("  uncovered " + ", ".join(f"[{a}, {b})" for a, b in m["uncovered"]))
         lines.append(f"  {'peer':<14} {'layers':<10} {'state':<9} {'tok/s':>8} {'sess':>5} {'free KV MiB':>12} "
-                     f"{'rtt ms':>8}  device")
+                     f"{'rtt ms':>9} {'expires':>8}  device")
         for s in m["stages"]:
-            rtt = "-" if s["rtt_ms"] is None else f"{s['rtt_ms']:.1f}"
+            rtt = ("no answer" if s.get("answered") is False else "-") if s["rtt_ms"] is None else f"{s['rtt_ms']:.1f}"
+            expires = "-" if s.get("expires_in_s") is None else f"{s['expires_in_s']:.0f} s"
             lines.append(f"  ..{s['peer_id'][-12:]:<12} [{s['layers'][0]}, {s['layers'][1]}){'':<{max(0, 6 - len(str(s['layers'][0])) - len(str(s['layers'][1])))}}"
                          f" {s['state']:<9} {s['throughput_tps']:>8.1f} {s['sessions']:>5} {s['free_kv_mib']:>12.1f} "
-                         f"{rtt:>8}  {s['device']}/{s['dtype']}")
+                         f"{rtt:>9} {expires:>8}  {s['device']}/{s['dtype']}")
+        if silent:
+            lines.append("  'no answer': the stage did not answer a ping from here (it may have died: its record "
+                         "stays until 'expires' unless it republishes)")
+    if summary.get("not_listed"):
+        lines.append(f"not listed: {summary['not_listed']}")
     return "\n".join(lines)

@@ -10,7 +10,9 @@ A record lives under ``/swarm-stage/<PeerId>`` and is signed by that PeerId's ed
 reader needs no registry: the key names the signer, the PeerId inlines the public key. Remote DHT
 nodes keep a value 24 h whatever its publisher wants, so the expiry is inside the signed body and
 a reader rejects an expired record; a stage republishes about every minute with a fresh expiry
-and a higher sequence number. Unlike Petals' self-declared, unsigned server records, a record
+and a higher sequence number. Times are the swarm's (``swarm.discovery.clock``: every node
+measures its offset from the bootstrap nodes), so a signer's clock minutes off does not expire
+its records on arrival. Unlike Petals' self-declared, unsigned server records, a record
 names the model by the id of its weights (``swarm.weights.manifest.model_id``), never by a name.
 """
 
@@ -36,7 +38,17 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class RecordInvalid(SwarmError):
-    """A DHT value is not a valid, current, correctly signed stage record."""
+    """A DHT value is not a valid, current, correctly signed stage record.
+
+    Attributes:
+        kind: which check failed: ``"expired"``, ``"future"`` (expires further out than
+            ``MAX_TTL_S``), ``"model"`` (not an accepted model) or ``"invalid"`` (encoding,
+            fields, key or signature).
+    """
+
+    def __init__(self, message: str, kind: str = "invalid"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -158,11 +170,13 @@ def open_record(key: str, value: bytes, *, now: float, accept_models: frozenset[
     if not isinstance(sig, bytes) or not verify_peer_signature(record.peer_id, _SIGN_DOMAIN + body, sig):
         raise RecordInvalid(f"bad signature on the record of {record.peer_id}")
     if not record.expires_at > now:
-        raise RecordInvalid(f"record of {record.peer_id} expired {now - record.expires_at:.0f} s ago")
+        raise RecordInvalid(f"record of {record.peer_id} expired {now - record.expires_at:.0f} s ago", "expired")
     if record.expires_at - now > MAX_TTL_S:
-        raise RecordInvalid(f"record of {record.peer_id} expires too far out ({record.expires_at - now:.0f} s)")
+        raise RecordInvalid(f"record of {record.peer_id} expires too far out ({record.expires_at - now:.0f} s)",
+                            "future")
     if accept_models is not None and record.model_id not in accept_models:
-        raise RecordInvalid(f"record of {record.peer_id} is for model {record.model_id[:16]}, not accepted here")
+        raise RecordInvalid(f"record of {record.peer_id} is for model {record.model_id[:16]}, not accepted here",
+                            "model")
     return record
 
 

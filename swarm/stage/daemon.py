@@ -3,7 +3,8 @@
 Owns: ``serve`` (a host listening on ``/swarm/ring/1`` with the frame-size limit, the expiry and
 scheduler tasks, the READY payload), ``run_stage`` (``swarm stage``: load the block, print
 ``SWARM_STAGE_READY {json}`` or ``SWARM_STAGE_FATAL {json}``, serve until Ctrl-C, or until SIGTERM
-or a drain frame drains it: ``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
+or a drain frame drains it: a last short-lived record withdraws it from the swarm,
+``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
 (``swarm stage --check``: ``SWARM_STAGE_OK`` or ``SWARM_STAGE_FATAL``) and ``emit`` (one lifecycle
 line on stdout). May import: anything the stage needs (torch, trio, ``swarm.transport``,
 ``swarm.model``, ``swarm.preflight``, lazily where it can), ``swarm.stage.server``.
@@ -213,7 +214,11 @@ def run_stage(config: StageConfig) -> int:
                 server.draining = True
                 with trio.move_on_after(5.0):
                     await server.announcer.publish()
-            emit("DRAINED", await server.drain(config.drain_timeout_s))
+            drained = await server.drain(config.drain_timeout_s)
+            if server.announcer is not None:
+                # its last record lives seconds: readers stop listing a stage that left at once
+                await server.announcer.withdraw()
+            emit("DRAINED", drained)
             sys.stderr.flush()
             if server.move_to is not None:  # rebalancing: start again on the new block, same key and flags
                 emit("MOVING", {"from": block.layer_range.as_list(), "to": server.move_to.as_list()})

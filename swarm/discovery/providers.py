@@ -1,0 +1,132 @@
+"""Provider records of the swarm's DHT: a store that stale entries cannot fill, and a lookup without side effects.
+
+Owns: the provider store policy every swarm DHT node runs (``bound_provider_store``) and the
+provider lookup readers use (``lookup_providers``). May import: stdlib, trio, libp2p. No torch.
+
+Facts of libp2p 0.8.1 this module replaces (issue 27, py-libp2p #1425):
+- ``ProviderStore.add_provider`` keeps at most 20 providers per key and ignores every newcomer
+  once 20 are held, for 48 h: 20 stages that came and went hid every later stage of the model
+  (and every later stage of any model, under the all-stages key);
+- ``find_providers`` stores every provider it hears of with a fresh timestamp and serves it
+  on, so a departed provider learned second-hand would be refreshed by readers for ever, and
+  returns only the local copy once it has one.
+Swarm stages re-provide at every publish (every ``--announce-interval-s``, below the record TTL
+of at most ``records.MAX_TTL_S``), so an entry not refreshed within ``PROVIDER_TTL_S`` belongs to
+a stage whose record has expired too. Entries are timed by the storing node's own clock at
+receipt, so a skewed publisher cannot shorten or lengthen them. A full key evicts its
+least recently refreshed entry: a newcomer always gets in, and a live stage, refreshed every
+interval, is never the one evicted while departed ones remain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import trio
+
+from swarm.discovery.records import MAX_TTL_S
+
+log = logging.getLogger(__name__)
+
+PROVIDER_TTL_S = MAX_TTL_S  # an entry not refreshed this long is dropped, in seconds of the storing node
+MAX_PROVIDERS_PER_KEY = 256  # per key and node; a GET_PROVIDERS answer of 256 stays far below 4 MiB
+QUERY_TIMEOUT_S = 3.0  # one GET_PROVIDERS request to one node
+
+
+def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:
+    """Replace ``add_provider`` and ``get_providers`` of one libp2p ``ProviderStore`` (0.8.1).
+
+    After this the store keeps, per key, at most ``MAX_PROVIDERS_PER_KEY`` entries, each at most
+    ``PROVIDER_TTL_S`` after its last refresh; a newcomer to a full key evicts the least recently
+    refreshed entry. The DHT's ADD_PROVIDER and GET_PROVIDERS handlers and ``provide`` call these
+    two methods, so the policy holds for what a node stores, serves and announces.
+
+    Args:
+        store: ``KadDHT.provider_store``.
+        clock: seconds, for receipt times (the library's own expiry sweep compares them with
+            ``time.time()``, so keep that scale).
+    """
+    from libp2p.kad_dht.provider_store import ProviderRecord
+    from libp2p.peer.peerinfo import PeerInfo
+
+    def fresh(key: bytes) -> dict:
+        entries = store.providers.get(key)
+        if entries is None:
+            return {}
+        now = clock()
+        for peer_id in [p for p, rec in entries.items() if now - rec.timestamp > PROVIDER_TTL_S]:
+            del entries[peer_id]
+        if not entries:
+            del store.providers[key]
+        return entries
+
+    def add_provider(key: bytes, provider) -> None:
+        if not provider or not provider.peer_id:
+            return
+        entries = fresh(key)
+        store.providers[key] = entries
+        peer_id = str(provider.peer_id)
+        if peer_id not in entries and len(entries) >= MAX_PROVIDERS_PER_KEY:
+            oldest = min(entries, key=lambda p: entries[p].timestamp)
+            del entries[oldest]
+            log.info("providers.evicted key=%s peer=%s", key.hex()[:16], oldest)
+        entries[peer_id] = ProviderRecord(provider_info=provider, timestamp=clock())
+
+    def get_providers(key: bytes) -> list:
+        return [PeerInfo(rec.peer_id, rec.addresses) for rec in fresh(key).values()]
+
+    store.add_provider = add_provider
+    store.get_providers = get_providers
+
+
+async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -> None:
+    """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
+
+    Asks, concurrently and each under ``QUERY_TIMEOUT_S``: the nodes in ``first`` (e.g. the
+    bootstrap nodes: answers even while the network lookup below is still dialing nodes that
+    left), then the closest nodes to the key that the network lookup finds (where ADD_PROVIDER
+    put them). This node's own entries are included. Nothing is stored: a provider heard of is
+    never re-served with a fresh timestamp. The caller bounds the whole lookup with a deadline;
+    what arrived before it stays in ``found``.
+
+    Args:
+        dht: a running libp2p ``KadDHT`` (0.8.1: ``ProviderStore._get_providers_from_peer_with_closers``).
+        key: the encoded provider key.
+        found: filled in place; an entry with addresses is never replaced by one without.
+        first: libp2p peer IDs to ask before the lookup finishes.
+    """
+    store = dht.provider_store
+    me = dht.host.get_id()
+    asked: set = {me}
+
+    def keep(info) -> None:
+        peer_id = str(info.peer_id)
+        if peer_id not in found or (info.addrs and not found[peer_id].addrs):
+            found[peer_id] = info
+
+    for info in store.get_providers(key):
+        keep(info)
+
+    async def ask(peer) -> None:
+        with trio.move_on_after(QUERY_TIMEOUT_S):
+            providers, _ = await store._get_providers_from_peer_with_closers(peer, key)
+            for info in providers:
+                keep(info)
+
+    async def ask_all(peers) -> None:
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                if peer not in asked:
+                    asked.add(peer)
+                    nursery.start_soon(ask, peer)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask_all, list(first))
+        try:
+            closest = await dht.peer_routing.find_closest_peers_network(key)
+        except Exception as e:  # a lookup failing on the way is fewer providers, not a failed read
+            log.info("providers.lookup_failed key=%s error=%r", key.hex()[:16], e)
+            closest = []
+        nursery.start_soon(ask_all, closest)

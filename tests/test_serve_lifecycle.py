@@ -257,18 +257,18 @@ def test_a_waiting_stream_sends_keepalives(ring_factory):
 
 def test_a_client_leaving_during_a_long_prefill_frees_its_session_at_once(ring_factory):
     """A ~450-token prompt in 16-position chunks through slow stages (a prefill of many seconds):
-    the client hangs up after the first keep-alive, and every stage drops the session within a
+    the client hangs up once the session is open, and every stage drops the session within a
     chunk or two, not after the prefill (the old stop point was the first token)."""
     ring = ring_factory(keepalive_s=0.3, spec=SpecConfig(prefill_chunk=16))
+    # warm at full speed: a ring client's connect and a stage's first batched session (its tile proof)
+    warm = httpx.post(ring.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+    assert warm.status_code == 200
     ring.delay_s = 0.25
     with httpx.stream("POST", ring.url + "/v1/completions", timeout=60, json={
             "prompt": "Once upon a time there was a dog. " * 50, "max_tokens": 5, "temperature": 0,
             "stream": True}) as res:
         assert res.status_code == 200
-        for line in res.iter_lines():
-            if line == ": keep-alive":
-                break
-        assert sum(ring.sessions()) == 3
+        until(lambda: ring.sessions() == [1, 1, 1], 10)  # the prefill has begun
         left = time.monotonic()
     freed_s = until(lambda: ring.sessions() == [0, 0, 0], 30)
     assert freed_s < 2.5, f"freed {freed_s:.1f} s after the client left"

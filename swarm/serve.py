@@ -8,9 +8,15 @@ libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``sw
 Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
 the host's one connection per stage) and opens its own session with its own KV cache at every
 stage, so concurrent requests are isolated: a request that ends closes its session everywhere. A
-client that disconnects stops its generation at the next token, which closes the session the
-normal way (cancelled after 10 s if it is stuck); a request that fails closes its client's
-streams, so every stage drops the session. Sessions open with ``batch: true``: stages pack the
+client that disconnects stops its generation after the next result (a token's, or a prefill
+chunk's), which closes the session the normal way (cancelled after 10 s if it is stuck); a request
+that fails closes its client's streams, so every stage drops the session.
+
+The request lifecycle: the body's size and the prompt's characters are checked before any parsing
+or tokenizing, which run in a worker thread; a stream's status is sent once the ring admitted its
+session (a refusal is a 503 with Retry-After); a waiting stream sends SSE keep-alive comments; a
+``Shutdown`` (SIGTERM, Ctrl-C) drains: new requests get 503, running ones may finish until a
+deadline, the rest end with an error event and ``[DONE]`` (``drain``). Sessions open with ``batch: true``: stages pack the
 rows of requests that are ready together into one forward (see ``swarm.stage.scheduler``).
 
 API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).

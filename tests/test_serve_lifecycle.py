@@ -36,8 +36,9 @@ class Ring:
     ``delay_s``: each stage sleeps this long in its worker thread before every forward step."""
 
     def __init__(self, model_dir: Path, key_dir: Path, serve: bool = True, stage_kwargs: dict | None = None,
-                 **serve_kwargs):
+                 ranges=tuple(RANGES), **serve_kwargs):
         self.delay_s = 0.0
+        self.ranges = list(ranges)
         self.box: dict = {}
         self.shutdown = Shutdown()
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -66,7 +67,7 @@ class Ring:
             async with trio.open_nursery() as nursery:
                 self.box["token"] = trio.lowlevel.current_trio_token()
                 self.box["scope"] = nursery.cancel_scope
-                spec, stages = await start_ring(nursery, model_dir, RANGES, key_dir, "float32", **stage_kwargs)
+                spec, stages = await start_ring(nursery, model_dir, self.ranges, key_dir, "float32", **stage_kwargs)
                 for server in stages:
                     self._slow(server.block)
                 self.box.update(spec=spec, stages=stages)
@@ -179,6 +180,61 @@ def test_a_huge_request_is_refused_before_the_work_and_never_stalls_the_others(r
     # a prompt that fits still works, and so does a body of just over the limit's size in valid JSON
     ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.slow
+def test_tokenizing_long_prompts_runs_off_the_event_loop(smollm2_dir, tmp_path, monkeypatch):
+    """SmolLM2 (one in-process stage): four chats of 650,000 characters each, under the character
+    bound (8,192 positions x 81) so each is really templated and tokenized (~0.6 s apiece, ~150,000
+    tokens, then refused as too long): /health and a running stream keep answering meanwhile.
+    Before: the tokenizing ran on the event loop, four in a row."""
+    monkeypatch.setenv("SWARM_CACHE", str(smollm2_dir.parent.parent))
+    ring = Ring(smollm2_dir, tmp_path / "keys", ranges=[(0, 30)])
+    try:
+        url = ring.url
+        ring.delay_s = 0.05
+        health_s: list[float] = []
+        stream_times: list[float] = []
+        stop = threading.Event()
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                    "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 60,
+                    "temperature": 0, "stream": True}) as res:
+                assert res.status_code == 200
+                stream_times.extend(t for t, _ in sse_lines(res))
+
+        def health():
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert httpx.get(url + "/health", timeout=30).status_code == 200
+                health_s.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
+        def long_chat(_):
+            body = {"messages": [{"role": "user", "content": "hello world. " * 50_000}], "max_tokens": 4}
+            res = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            return res.status_code, res.json()["error"]
+
+        with ThreadPoolExecutor(6) as pool:
+            streaming = pool.submit(stream)
+            polling = pool.submit(health)
+            until(lambda: len(stream_times) >= 2, 60)
+            t0 = time.monotonic()
+            answers = list(pool.map(long_chat, range(4)))
+            took = time.monotonic() - t0
+            stop.set()
+            polling.result(60)
+            streaming.result(120)
+        for status, error in answers:
+            assert status == 400 and error["code"] == "context_length_exceeded"
+            assert "tokens" in error["message"] and "characters" not in error["message"]  # really tokenized
+        print(f"took {took:.2f} s, /health at most {max(health_s):.2f} s, stream gap {max(gaps(stream_times)):.2f} s")
+        assert took > 0.5, took  # the work was real
+        assert max(health_s) < 1.0, f"/health waited {max(health_s):.2f} s while the prompts were tokenized"
+        assert max(gaps(stream_times)) < 1.5, f"the stream stalled {max(gaps(stream_times)):.2f} s"
+    finally:
+        ring.stop()
 
 
 # ---- 5: a refused stream gets 503, not 200 ------------------------------------------------------

@@ -249,8 +249,9 @@ def test_a_stream_the_ring_refuses_gets_503_with_retry_after(ring_factory):
     ring.delay_s = 0.01
     body = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0, "stream": True}
 
-    def one(_):
-        with httpx.stream("POST", ring.url + "/v1/completions", json=body, timeout=120) as res:
+    def one(i):  # every fourth one not streaming: its refusal is a 503 with Retry-After as well
+        with httpx.stream("POST", ring.url + "/v1/completions", json={**body, "stream": i % 4 != 3},
+                          timeout=120) as res:
             return res.status_code, res.headers.get("retry-after"), [line for _, line in sse_lines(res)]
 
     # warm: a stage's first batched session proves its batch tile between its KV budget check and
@@ -262,6 +263,9 @@ def test_a_stream_the_ring_refuses_gets_503_with_retry_after(ring_factory):
     refused = [r for r in results if r[0] != 200]
     assert ok and refused, [r[0] for r in results]
     for _, _, lines in ok:
+        if lines[0].startswith("{"):  # not streaming
+            assert json.loads(lines[0])["choices"][0]["finish_reason"] == "length"
+            continue
         assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2], lines[-3:]
         assert not any('"error"' in x for x in lines)
     for status, retry_after, lines in refused:
@@ -275,7 +279,7 @@ def test_a_stream_the_ring_refuses_gets_503_with_retry_after(ring_factory):
         ring.stages[1].draining = False
     assert status == 503 and retry_after is not None and "draining" in json.loads(lines[0])["error"]["message"]
     plain = httpx.post(ring.url + "/v1/completions", json={**body, "stream": False}, timeout=60)
-    assert plain.status_code == 200
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 100
 
 
 # ---- 7: keep-alives while a stream waits; a client leaving a long prefill -----------------------

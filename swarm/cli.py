@@ -297,6 +297,16 @@ def _serve_parser(sub) -> None:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=16,
                    help="requests on the ring at once; more wait for a free slot (default 16)")
+    life = p.add_argument_group("request lifecycle")
+    life.add_argument("--keepalive-s", type=float, default=15.0,
+                      help="a stream that waits (queued, a long prefill) sends an SSE comment this often, so proxies "
+                           "do not cut it as idle; a queued stream gets its 200 after this long (default 15; 0: never)")
+    life.add_argument("--max-body-mb", type=float, default=8.0,
+                      help="refuse larger request bodies (413) before parsing them (default 8)")
+    life.add_argument("--drain-timeout-s", type=float, default=30.0,
+                      help="on SIGTERM: refuse new requests (503), let open ones finish this long, then end the rest "
+                           "(streams with an error event and [DONE]) and exit 0 (default 30); Ctrl-C ends them at "
+                           "once, a second Ctrl-C stops without that")
     g = p.add_argument_group("speculative decoding (output stays token-identical)")
     g.add_argument("--draft", default="none", choices=["none", "ngram"], help="drafter (default none)")
     g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter)")
@@ -573,7 +583,7 @@ def cmd_serve(args) -> int:
     import trio
 
     from swarm.config import RingSpec, SpecConfig
-    from swarm.serve import serve_api
+    from swarm.serve import Shutdown, drain_on_signals, serve_api
 
     ring = _ring_or_swarm(args)
     spec = SpecConfig.from_args(args)
@@ -583,25 +593,42 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_concurrency < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    for flag, value in (("--keepalive-s", args.keepalive_s), ("--drain-timeout-s", args.drain_timeout_s)):
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{flag} must be a number >= 0, got {value}")
+    if not 0 < args.max_body_mb < float("inf"):
+        raise ConfigError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    shutdown = Shutdown(timeout_s=args.drain_timeout_s)
+    drained: dict = {}
 
     async def main():
         async with trio.open_nursery() as nursery:
-            info = await nursery.start(lambda task_status: serve_api(
-                ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
-                hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
-                max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
-                prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
-                receipt_dir=args.receipt_dir, task_status=task_status))
+            await nursery.start(drain_on_signals, shutdown, args.drain_timeout_s)
+
+            async def run(task_status):
+                drained.update(await serve_api(
+                    ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
+                    hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
+                    max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
+                    prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
+                    receipt_dir=args.receipt_dir, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
+                    shutdown=shutdown, task_status=task_status) or {})
+                nursery.cancel_scope.cancel()  # drained: stop watching signals
+
+            info = await nursery.start(run)
             n = len(info["ring"])
             print(f"swarm serve: {info['url']}/v1 (model {info['model']}, {n} stage{'' if n == 1 else 's'}; "
                   f"dashboard {info['url']}/dashboard, metrics {info['url']}/metrics); Ctrl-C stops", flush=True)
 
     try:
         trio.run(main)
-    except (KeyboardInterrupt, BaseExceptionGroup) as exc:  # Ctrl-C is how a server stops
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:  # a second Ctrl-C stops at once
         if not isinstance(collapse(exc), KeyboardInterrupt):
             raise
         print("swarm serve: stopped", file=sys.stderr)
+        return 0
+    print(f"swarm serve: drained ({drained.get('requests_finished', 0)} requests finished, "
+          f"{drained.get('requests_ended', 0)} ended at the deadline)", file=sys.stderr)
     return 0
 
 

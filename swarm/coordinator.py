@@ -429,7 +429,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                  on_ids=None, spec: SpecConfig | None = None, drafter=None,
                  sampling: SamplingParams | None = None, wire_dtype: str | None = None,
                  heal: bool = True, job: dict | None = None, should_stop=None,
-                 shadow: bool = False, prefix_cache: bool = False) -> tuple[list[int], dict]:
+                 shadow: bool = False, prefix_cache: bool = False, on_open=None) -> tuple[list[int], dict]:
     """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -460,8 +460,11 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         heal: recover onto spares (default); False fails on the first lost stage.
         job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
             the signed stage receipts are collected (``swarm.receipts``). None: no digests.
-        should_stop: called with the new ids after each commit; True ends the generation there
-            (e.g. a stop string appeared). ``stopped`` in the record says so.
+        should_stop: called with the new ids after the session opened and after every result (also
+            a prefill chunk's, so a long prefill stops within one chunk); True ends the generation
+            there (e.g. a stop string appeared, or the client left). ``stopped`` in the record says so.
+        on_open: called once the session is open at every stage (the ring admitted it), before
+            the prefill (``swarm serve`` sends a streaming response's status only then).
         shadow: (with ``heal``) open the session also at a warm spare for each stage that has one,
             as a shadow its predecessor mirrors every forward frame to (the coordinator the head's
             token ids): a heal onto it then refills (almost) nothing (``replay: "shadow"``). Costs
@@ -543,7 +546,12 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                 log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
                             "replaced; the session could not be opened", exc)
                 raise
+        if on_open is not None:
+            on_open()
         while not loop.done:
+            if should_stop is not None and should_stop(loop.output):
+                stopped = True
+                break
             try:
                 for chunk in loop.next_chunks():
                     await ring.send_chunk(state["session"], chunk)
@@ -563,9 +571,6 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
                 t_first = t_first or time.perf_counter()
                 if on_ids:
                     on_ids(loop.output)
-                if should_stop is not None and not loop.done and should_stop(loop.output):
-                    stopped = True
-                    break
         t_end = time.perf_counter()
         parts = None
         if job is not None:  # the session that finished the job (after a heal: the replayed one)
@@ -583,10 +588,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             await ring.close_session(state["session"], keep=keep)
     out = loop.output
-    decode_s = t_end - t_first
+    decode_s = t_end - t_first if t_first is not None else 0.0  # None: stopped before the first token
     return out, {
         "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
-        "ttft_s": t_first - t0,
+        "ttft_s": t_first - t0 if t_first is not None else None,
         "cached_tokens": cached,
         "total_s": t_end - t0,
         "context_limited": budget < max_new_tokens,

@@ -8,9 +8,15 @@ libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``sw
 Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
 the host's one connection per stage) and opens its own session with its own KV cache at every
 stage, so concurrent requests are isolated: a request that ends closes its session everywhere. A
-client that disconnects stops its generation at the next token, which closes the session the
-normal way (cancelled after 10 s if it is stuck); a request that fails closes its client's
-streams, so every stage drops the session. Sessions open with ``batch: true``: stages pack the
+client that disconnects stops its generation after the next result (a token's, or a prefill
+chunk's), which closes the session the normal way (cancelled after 10 s if it is stuck); a request
+that fails closes its client's streams, so every stage drops the session.
+
+The request lifecycle: the body's size and the prompt's characters are checked before any parsing
+or tokenizing, which run in a worker thread; a stream's status is sent once the ring admitted its
+session (a refusal is a 503 with Retry-After); a waiting stream sends SSE keep-alive comments; a
+``Shutdown`` (SIGTERM, Ctrl-C) drains: new requests get 503, running ones may finish until a
+deadline, the rest end with an error event and ``[DONE]`` (``drain``). Sessions open with ``batch: true``: stages pack the
 rows of requests that are ready together into one forward (see ``swarm.stage.scheduler``).
 
 API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
@@ -37,15 +43,20 @@ from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_BODY_MB = 8.0  # --max-body-mb: a text prompt that fits any ring's context is far smaller
+DEFAULT_KEEPALIVE_S = 15.0  # --keepalive-s: under the idle timeouts of common proxies (nginx 60 s, ALB 60 s)
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s, as the stages'
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every SSE parser skips it, every proxy sees bytes
 
 
 class ApiError(Exception):
     """An error answered in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after_s = retry_after_s  # the Retry-After header of a 429/503 (default 1 s)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -95,6 +106,12 @@ class ServeState:
     receipt_dir: object = None  # --receipt-dir: each request runs as a job with a signed receipt saved there
     key: object = None  # this server's node key (its PeerId; signs the job receipts)
     coverage: object = None  # swarm.dashboard.SwarmCoverage: the DHT's records, read in the background
+    # the request lifecycle (see serve_api): size limits, keep-alives, the drain
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB * 2**20  # a larger request body is refused (413) unread
+    max_prompt_chars: int = 0  # a longer prompt cannot fit max_ctx (refused before tokenizing); 0: unchecked
+    keepalive_s: float = DEFAULT_KEEPALIVE_S  # an idle stream sends an SSE comment this often; 0: never
+    draining: bool = False  # set by a drain: new requests are refused (503)
+    requests: dict = field(default_factory=dict)  # request id -> ends it now (a drain's deadline passed)
 
 
 # ---- request parsing ----------------------------------------------------------------------------
@@ -233,18 +250,23 @@ def map_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ContextOverflow):
         return ApiError(400, text, None, "context_length_exceeded")
     if isinstance(exc, RemoteError) and ("busy" in text or "draining" in text):
-        return ApiError(503, f"the ring cannot take this request now: {text}", None, "ring_busy", "server_error")
+        return ApiError(503, f"the ring cannot take this request now: {text}", None, "ring_busy", "server_error",
+                        retry_after_s=1)
     if isinstance(exc, (StageLost, HopTimeout, NoSpare, HealError)):
-        return ApiError(503, f"the ring is unavailable: {text}", None, "ring_unavailable", "server_error")
+        return ApiError(503, f"the ring is unavailable: {text}", None, "ring_unavailable", "server_error",
+                        retry_after_s=5)
     if isinstance(exc, (ConfigError, ModelError)):
         return ApiError(400, text)
     return ApiError(502, f"a stage failed the request: {text}", None, "stage_error", "server_error")
 
 
-async def generate_ids(state: ServeState, req: Request, on_text=None,
-                       stop: trio.Event | None = None) -> tuple[list[int], dict, Detok]:
-    """Run one request on its own ring client; ``on_text(piece)`` gets text as it becomes final.
-    Once ``stop`` is set, generation ends at the next token and the session closes normally.
+async def generate_ids(state: ServeState, req: Request, on_text=None, stop: trio.Event | None = None,
+                       on_open=None) -> tuple[list[int], dict, Detok]:
+    """Run one request on its own ring client; ``on_text(piece)`` gets text as it becomes final,
+    ``on_open()`` is called once every stage admitted the session. Once ``stop`` is set, a request
+    still waiting for a ring client leaves the queue at once (nothing was opened: no output), and
+    one on the ring ends after its next result (a prefill chunk's or a token's), closing its
+    session normally.
 
     Raises:
         SwarmError: from the ring (see ``map_error``).
@@ -271,13 +293,17 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
     drafter = make_drafter(state.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
         if state.spec.draft != "none" else None
     job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if state.receipt_dir is not None else None
-    client = await state.pool.acquire()
+    client = await _acquire_unless(state.pool, stop)
+    if client is None:  # stopped while queued: nothing was sent to the ring
+        if state.metrics is not None:
+            state.metrics.request_done("abandoned")
+        return [], {"stopped": True}, detok
     state.active += 1
     healthy = False
     try:
         detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
                                                state.spec, drafter, req.sampling, state.wire_dtype,
-                                               prefix_cache=state.prefix_cache, job=job,
+                                               prefix_cache=state.prefix_cache, job=job, on_open=on_open,
                                                should_stop=lambda ids: detok.hit or (stop is not None and
                                                                                      stop.is_set()))
         healthy = True
@@ -304,6 +330,27 @@ async def generate_ids(state: ServeState, req: Request, on_text=None,
     if tail and on_text:
         on_text(tail)
     return out, record, detok
+
+
+async def _acquire_unless(pool, stop: trio.Event | None):
+    """A ring client from ``pool``, or None if ``stop`` is set first (the request leaves the queue)."""
+    if stop is None:
+        return await pool.acquire()
+    if stop.is_set():
+        return None
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        async def take():
+            got.append(await pool.acquire())
+            nursery.cancel_scope.cancel()
+
+        async def leave():
+            await stop.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(take)
+        nursery.start_soon(leave)
+    return got[0] if got else None
 
 
 async def _save_receipt(state: ServeState, job: dict, parts: dict, prompt_ids: list[int], out: list[int],
@@ -430,29 +477,39 @@ def build_app(state: ServeState):
     from swarm.metrics import CONTENT_TYPE
 
     def error_response(err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+        retry = {"Retry-After": str(err.retry_after_s or 1)} if err.status in (429, 503) else None
+        return JSONResponse(err.body(), status_code=err.status, headers=retry)
 
     async def completion(request, chat: bool):
+        if state.draining:
+            return error_response(_shutting_down())
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError(400, "the request body is not valid JSON") from None
-            req = parse_request(body, state, chat)
+            # the size limits first, then parsing, templating and tokenizing in a worker thread: one
+            # huge request never holds the event loop that streams every other request
+            raw = await _read_body(request, state.max_body_bytes)
+            req = await trio.to_thread.run_sync(_parse_body, raw, state, chat)
         except ApiError as err:
             if state.metrics is not None:
                 state.metrics.request_done("invalid")
             return error_response(err)
+        if state.draining:  # began while this one was parsed
+            return error_response(_shutting_down())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_events(state, req, rid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return await _stream(state, req, rid, created, request, error_response)
+        ended = trio.Event()  # a drain's deadline passed: stop, answer 503
+        state.requests[rid] = ended.set
         try:
-            got = await _until_hang_up(request, lambda gone: generate_ids(state, req, stop=gone))
+            got = await _until_hang_up(request, lambda gone: generate_ids(state, req, stop=gone), ended=ended)
         except SwarmError as exc:
             log.warning("request.failed id=%s reason=%s", rid, exc)
             return error_response(map_error(exc))
+        finally:
+            state.requests.pop(rid, None)
+        if ended.is_set():
+            log.warning("request.ended id=%s reason=shutting down", rid)
+            return error_response(_shutting_down())
         if got is None:  # the client hung up: generation stopped at the next token, sessions closed
             log.info("request.abandoned id=%s", rid)
             return Response(status_code=499)
@@ -479,8 +536,9 @@ def build_app(state: ServeState):
 
     async def health(request):
         stages = await ring_health(state)
-        ok = all(s["ok"] for s in stages)
-        return JSONResponse({"status": "ok" if ok else "degraded", "model": state.model_id, "stages": stages,
+        ok = all(s["ok"] for s in stages) and not state.draining  # a draining server: balancers look elsewhere
+        status = "draining" if state.draining else "ok" if ok else "degraded"
+        return JSONResponse({"status": status, "model": state.model_id, "stages": stages,
                              "active_requests": state.active, "served_requests": state.served,
                              "prefix_cache": state.prefix_cache, "cached_tokens": state.cached_tokens},
                             status_code=200 if ok else 503)
@@ -514,13 +572,101 @@ def build_app(state: ServeState):
     ], exception_handlers={404: not_found, 405: not_allowed})
 
 
-async def _events(state: ServeState, req: Request, rid: str, created: int):
-    """Server-sent events of one streaming request. The generation runs in the server's nursery
-    under its own cancel scope; if the client goes away, this generator is closed and the scope
-    cancelled, and the request's streams close so every stage drops the session."""
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down (draining): send the request to another server or retry",
+                    None, "server_shutting_down", "server_error", retry_after_s=5)
+
+
+async def _read_body(request, limit_bytes: int) -> bytes:
+    """The request body, at most ``limit_bytes`` of it.
+
+    Raises:
+        ApiError: 413 when the body is larger (by its Content-Length, or while reading); the rest is
+            read and dropped, up to 16 times the limit, so the client reads the answer, not a reset.
+    """
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit_bytes} bytes "
+                              "(--max-body-mb)", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    parts, size = [], 0
+    dropping = declared.isdigit() and int(declared) > limit_bytes
+    async for part in request.stream():
+        size += len(part)
+        if size > limit_bytes:
+            dropping = True
+        if dropping:
+            if size > 16 * limit_bytes:
+                break
+            continue
+        parts.append(part)
+    if dropping:
+        raise too_large
+    return b"".join(parts)
+
+
+def _parse_body(raw: bytes, state: ServeState, chat: bool) -> Request:
+    """JSON, the prompt's size, then ``parse_request`` (templating, tokenizing); run in a worker thread.
+
+    Raises:
+        ApiError: 400 for a body that is not JSON or a prompt that cannot fit the ring's context
+            (``context_length_exceeded``, found by its characters before tokenizing), and every error
+            of ``parse_request``.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if isinstance(body, dict) and state.max_prompt_chars:
+        chars = prompt_chars(body, chat)
+        if chars > state.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters: more tokens than the ring's maximum context of "
+                                f"{state.max_ctx} (at most {state.max_prompt_chars} characters fit with this "
+                                "tokenizer)", "messages" if chat else "prompt", "context_length_exceeded")
+    return parse_request(body, state, chat)
+
+
+def prompt_chars(body: dict, chat: bool) -> int:
+    """Characters of a request's prompt text (a chat's message contents), counting only values of
+    the right type (``parse_request`` reports the others)."""
+    def text(value) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):  # a completion's prompt list, a message's content parts
+            return sum(text(v.get("text") if isinstance(v, dict) else v) for v in value)
+        return 0
+
+    if not chat:
+        return text(body.get("prompt"))
+    messages = body.get("messages")
+    return sum(text(m.get("content")) for m in messages if isinstance(m, dict)) if isinstance(messages, list) else 0
+
+
+def max_prompt_chars(tokenizer, max_ctx: int) -> int:
+    """The most characters a prompt of fewer than ``max_ctx`` tokens can have: ``max_ctx`` times the
+    longest token's characters (a token never decodes to more characters than its vocabulary
+    string has; a chat template only adds tokens). A longer prompt is refused without tokenizing."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max_ctx * max((len(p) for p in pieces if p), default=1)
+
+
+async def _stream(state: ServeState, req: Request, rid: str, created: int, request, error_response):
+    """A streaming request: its generation starts in the server's nursery, and the response status
+    waits for the ring's decision. Admitted (the session is open at every stage): 200 and server-sent
+    events. Refused before that (the ring is busy or unavailable): the error's status (503 with
+    Retry-After), not a 200 with an error inside. Still waiting after ``state.keepalive_s`` (queued
+    for a ring client behind ``--max-concurrency`` requests): 200 then, with keep-alive comments
+    until it runs; a refusal after that can only be an error event.
+
+    While a stream waits (queue, prefill, a heal) it sends an SSE comment every ``keepalive_s``, so
+    proxies that cut idle connections keep it. A client that leaves stops the generation after its
+    next result (a prefill chunk's): the session closes at every stage the normal way (cancelled
+    if that takes more than 10 s); one still queued leaves the queue at once.
+    """
+    from starlette.responses import Response, StreamingResponse
+
     send, recv = trio.open_memory_channel(math.inf)
     scope = trio.CancelScope()
-    gone = trio.Event()  # the client left
+    gone = trio.Event()  # the client left (or the stream ended): stop at the next result
+    opened = trio.Event()  # every stage admitted the session
     obj = "chat.completion.chunk" if req.chat else "text_completion"
 
     def chunk(text: str | None = None, reason: str | None = None, role: bool = False) -> str:
@@ -533,45 +679,106 @@ async def _events(state: ServeState, req: Request, rid: str, created: int):
                                       "choices": [choice]}) + "\n\n"
 
     async def work():
-        with scope:
-            try:
-                out, record, detok = await generate_ids(state, req, lambda t: send.send_nowait(("text", t)), gone)
-                send.send_nowait(("done", (out, record, detok)))
-            except SwarmError as exc:
-                log.warning("request.failed id=%s reason=%s", rid, exc)
-                send.send_nowait(("error", map_error(exc)))
+        try:
+            with scope:
+                try:
+                    got = await generate_ids(state, req, lambda t: send.send_nowait(("text", t)), gone, opened.set)
+                    send.send_nowait(("done", got))
+                except SwarmError as exc:
+                    log.warning("request.failed id=%s reason=%s", rid, exc)
+                    send.send_nowait(("error", map_error(exc)))
+        finally:
+            state.requests.pop(rid, None)
 
+    state.requests[rid] = lambda: send.send_nowait(("error", _shutting_down()))
     state.nursery.start_soon(work)
-    try:
-        if req.chat:
-            yield chunk(role=True)
-        async for kind, value in recv:
-            if kind == "text":
-                yield chunk(value)
-            elif kind == "error":
-                yield "data: " + json.dumps(value.body()) + "\n\n"
-                break
-            else:
-                out, record, detok = value
-                yield chunk(reason=finish_reason(out, req, state, detok, record))
-                if req.include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                                 "choices": [], "usage": usage(req, out, record)}) + "\n\n"
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        # a client that left: generation stops at its next token and closes the session at every
-        # stage, keeping the ring client's streams (closing streams under load is what py-libp2p
-        # 0.8.1 handles worst: it can drop the connection other requests share); cancel only if
-        # that takes too long
+    what, first = await _admission(request, opened, recv, state.keepalive_s)
+    if what == "gone":  # left before an answer: a queued request leaves the queue, an open session closes
         gone.set()
         state.nursery.start_soon(_cancel_after, scope, 10.0)
+        log.info("request.abandoned id=%s", rid)
+        return Response(status_code=499)
+    if first is not None and first[0] == "error":  # refused, failed or shut down before anything was sent
+        gone.set()
+        state.nursery.start_soon(_cancel_after, scope, 10.0)
+        return error_response(first[1])
+
+    async def events():
+        pending = first
+        try:
+            if req.chat:
+                yield chunk(role=True)
+            while True:
+                if pending is None:
+                    with trio.move_on_after(state.keepalive_s or math.inf):
+                        pending = await recv.receive()
+                    if pending is None:  # idle (queued, a long prefill, a heal): bytes for the proxies
+                        yield KEEPALIVE
+                        continue
+                (kind, value), pending = pending, None
+                if kind == "text":
+                    yield chunk(value)
+                elif kind == "error":
+                    yield "data: " + json.dumps(value.body()) + "\n\n"
+                    break
+                else:
+                    out, record, detok = value
+                    yield chunk(reason=finish_reason(out, req, state, detok, record))
+                    if req.include_usage:
+                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                     "model": state.model_id, "choices": [],
+                                                     "usage": usage(req, out, record)}) + "\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            # a client that left: generation stops at its next result and closes the session at every
+            # stage, keeping the ring client's streams (closing streams under load is what py-libp2p
+            # 0.8.1 handles worst: it can drop the connection other requests share); cancel only if
+            # that takes too long
+            gone.set()
+            state.nursery.start_soon(_cancel_after, scope, 10.0)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _until_hang_up(request, work, grace_s: float = 10.0):
+async def _admission(request, opened: trio.Event, recv, wait_s: float) -> tuple[str, tuple | None]:
+    """Wait for the first of: the session opened (``"opened"``), a message from the generation
+    (``"message"``: an error, or text of a fast one), ``wait_s`` (> 0) passed (``"waited"``), the
+    client hung up (``"gone"``). Returns (which, the message received meanwhile or None)."""
+    box: dict = {}
+
+    async with trio.open_nursery() as nursery:
+        def decided(what: str) -> None:
+            box.setdefault("what", what)
+            nursery.cancel_scope.cancel()
+
+        async def on_open():
+            await opened.wait()
+            decided("opened")
+
+        async def on_message():
+            box["message"] = await recv.receive()  # a cancelled receive takes nothing from the channel
+            decided("message")
+
+        async def on_wait():
+            await trio.sleep(wait_s)
+            decided("waited")
+
+        async def on_hang_up():
+            while (await request.receive()).get("type") != "http.disconnect":
+                pass
+            decided("gone")
+
+        for task in (on_open, on_message, on_hang_up) + ((on_wait,) if wait_s > 0 else ()):
+            nursery.start_soon(task)
+    return box["what"], box.get("message")
+
+
+async def _until_hang_up(request, work, grace_s: float = 10.0, ended: trio.Event | None = None):
     """Run ``work(gone)`` (a request's generation) while watching the client's connection: when the
-    client hangs up, ``gone`` is set, so the generation stops at its next token and closes its
-    sessions the normal way; it is cancelled if it has not ended ``grace_s`` later.
+    client hangs up (or ``ended`` is set: a drain's deadline passed), ``gone`` is set, so the
+    generation stops after its next result and closes its sessions the normal way; it is
+    cancelled if it has not ended ``grace_s`` later.
 
     Returns:
         what ``work`` returned, or None if the client hung up.
@@ -581,14 +788,22 @@ async def _until_hang_up(request, work, grace_s: float = 10.0):
     gone = trio.Event()
     box: dict = {}
 
+    async def stop_then_cancel(scope):
+        gone.set()
+        await trio.sleep(grace_s)
+        scope.cancel()
+
     async def watch(scope):
         while True:
             msg = await request.receive()
             if msg.get("type") == "http.disconnect":
-                gone.set()
-                await trio.sleep(grace_s)
-                scope.cancel()
+                box["hung_up"] = True
+                await stop_then_cancel(scope)
                 return
+
+    async def end(scope):
+        await ended.wait()
+        await stop_then_cancel(scope)
 
     async def run(scope):
         try:
@@ -600,8 +815,10 @@ async def _until_hang_up(request, work, grace_s: float = 10.0):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch, nursery.cancel_scope)
+        if ended is not None:
+            nursery.start_soon(end, nursery.cancel_scope)
         nursery.start_soon(run, nursery.cancel_scope)
-    if gone.is_set():
+    if box.get("hung_up"):
         return None
     if "error" in box:
         raise box["error"]
@@ -646,12 +863,79 @@ async def ring_health(state: ServeState) -> list[dict]:
     return results
 
 
+@dataclass
+class Shutdown:
+    """Asks a running ``serve_api`` to drain and return: ``request(timeout_s)`` (SIGTERM: the drain
+    timeout; Ctrl-C: 0, end the open streams now). ``serving`` is set once the API listens."""
+
+    requested: trio.Event = field(default_factory=trio.Event)
+    timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    serving: bool = False
+
+    def request(self, timeout_s: float) -> None:
+        if not self.requested.is_set():
+            self.timeout_s = timeout_s
+            self.requested.set()
+
+
+async def drain_on_signals(shutdown: Shutdown, drain_timeout_s: float,
+                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The process's signals (main thread only), as ``swarm stage`` treats SIGTERM: SIGTERM drains
+    with ``drain_timeout_s`` (again: logged and ignored, the drain has its deadline); Ctrl-C (SIGINT)
+    drains with 0 s (open streams end now, with an error event and ``[DONE]``); a second Ctrl-C,
+    or one before the API listens, raises KeyboardInterrupt (stop at once)."""
+    import signal
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            if signum == signal.SIGINT and (shutdown.requested.is_set() or not shutdown.serving):
+                raise KeyboardInterrupt
+            if shutdown.requested.is_set():
+                log.warning("drain.sigterm_again: already draining (--drain-timeout-s bounds it)")
+                continue
+            log.warning("drain.%s", "sigterm" if signum == signal.SIGTERM else "sigint")
+            shutdown.request(drain_timeout_s if signum == signal.SIGTERM else 0.0)
+
+
+async def drain(state: ServeState, timeout_s: float) -> dict:
+    """Refuse new requests (503, Retry-After), let the ones in flight finish for up to ``timeout_s``,
+    then end the rest: a stream gets an error event (``server_shutting_down``) and ``[DONE]``, a
+    non-streaming request a 503; their sessions close at every stage. Returns what happened:
+    ``requests_finished``, ``requests_ended``, ``waited_s``."""
+    state.draining = True
+    t0 = trio.current_time()
+    before = len(state.requests)
+    log.warning("serve.draining requests=%d timeout_s=%g", before, timeout_s)
+
+    async def until_idle():
+        while state.requests:
+            await trio.sleep(0.05)
+
+    with trio.move_on_after(timeout_s):
+        await until_idle()
+    ended = list(state.requests.items())
+    for rid, end in ended:
+        log.warning("request.ending id=%s reason=the drain deadline passed", rid)
+        end()
+    with trio.move_on_after(15.0):  # each stops after its next result, or is cancelled 10 s later
+        await until_idle()
+    done = {"requests_finished": before - len(ended), "requests_ended": len(ended),
+            "waited_s": round(trio.current_time() - t0, 3)}
+    log.warning("serve.drained finished=%d ended=%d waited_s=%.2f", done["requests_finished"],
+                done["requests_ended"], done["waited_s"])
+    return done
+
+
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
                     prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Check the ring, then serve the API on ``host:port`` until cancelled.
+                    keepalive_s: float = DEFAULT_KEEPALIVE_S, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+                    shutdown: Shutdown | None = None, task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
+    """Check the ring, then serve the API on ``host:port`` until cancelled, or until ``shutdown``
+    is requested: then drain (``drain``, ``shutdown.timeout_s``), stop listening and return the
+    drain's result.
 
     With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
     DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
@@ -663,6 +947,12 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     With ``receipt_dir`` every request runs as a job: the stages keep receipt digests, and its
     signed, verified job receipt is saved there (one more round per request to collect the stages'
     receipts); the dashboard lists that directory unless ``dashboard_receipts`` names another.
+
+    A request body over ``max_body_mb`` MiB is refused (413) unparsed, a prompt with more characters
+    than could fit the ring's context (400) untokenized; parsing, templating and tokenizing run in a
+    worker thread. A stream that waits (queued, a long prefill) sends an SSE comment every
+    ``keepalive_s`` seconds (0: never); its status (200, or 503 when the ring refuses it) is sent once
+    the ring admitted the session, or once it waited ``keepalive_s`` in the queue.
 
     Raises:
         ConfigError / ModelError / StageLost: the model or the ring is not usable (checked first).
@@ -712,7 +1002,9 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            hop_timeout_s=hop_timeout_s, heartbeat_s=heartbeat_s, spec=spec or SpecConfig(),
                            wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
                            prefix_cache=prefix_cache, dashboard_receipts=dashboard_receipts or receipt_dir,
-                           receipt_dir=receipt_dir, key=key)
+                           receipt_dir=receipt_dir, key=key, max_body_bytes=int(max_body_mb * 2**20),
+                           keepalive_s=keepalive_s)
+        state.max_prompt_chars = max_prompt_chars(tokenizer, state.max_ctx)
         if discovery is not None:  # the dashboard's layer coverage comes from the DHT
             from swarm.dashboard import SwarmCoverage
 
@@ -726,7 +1018,24 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
         config.bind = [f"{host}:{port}"]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
-        binds = await nursery.start(hyper_serve, build_app(state), config)
+        config.graceful_timeout = 5.0  # after a drain: the last events of the streams still go out
+        stop_listening, stopped = trio.Event(), trio.Event()
+
+        async def http(task_status=trio.TASK_STATUS_IGNORED):
+            await hyper_serve(build_app(state), config, shutdown_trigger=stop_listening.wait, task_status=task_status)
+            stopped.set()
+
+        binds = await nursery.start(http)
         url = binds[0] if binds else f"http://{host}:{port}"
+        if shutdown is not None:
+            shutdown.serving = True
         task_status.started({"url": url, "model": resolved.name, "ring": [i.entry() for i in infos]})
-        await trio.sleep_forever()
+        if shutdown is None:
+            await trio.sleep_forever()
+        await shutdown.requested.wait()
+        done = await drain(state, shutdown.timeout_s)
+        stop_listening.set()
+        with trio.move_on_after(config.graceful_timeout + 1.0):
+            await stopped.wait()
+        nursery.cancel_scope.cancel()
+        return done

@@ -36,7 +36,8 @@ def browse(chromium: str, url: str, out_dir: Path, name: str, width: int = 1200,
     """Load ``url`` headless, let its scripts run (polling included) for a few seconds of virtual
     time, save a screenshot; return (the DOM after the scripts ran, the browser's log)."""
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}", f"--window-size={width},{height}",
+             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
+             f"--window-size={width},{height}",
              f"--user-data-dir={out_dir / ('profile-' + name)}"]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     shot = out_dir / f"{name}.png"
@@ -168,7 +169,8 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
         assert m[f"swarm_serve_heal_seconds_count{{phase={phase}}}"] == 1
 
 
-PEER_IDS = ["12D3KooWFPYMKByWck88To64SnHVU4w5A4fBNgvHahZdGhrxaTEF", "12D3KooWByMaCC7Dboqf8u5HMfTippwxGup6aUvPDjAs4dm328HK",
+PEER_IDS = ["12D3KooWFPYMKByWck88To64SnHVU4w5A4fBNgvHahZdGhrxaTEF",
+            "12D3KooWByMaCC7Dboqf8u5HMfTippwxGup6aUvPDjAs4dm328HK",
             "12D3KooWMgCpxwDBc7dgNkwkgzXFhuApgsoYrA3PFJ4n73adXbhZ"]
 
 # a page of the test's server that holds the dashboard in a frame of a phone's width and, once the

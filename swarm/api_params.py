@@ -13,11 +13,18 @@ only; ``swarm.serve`` turns :class:`ParamRefused` into a 400 in OpenAI's error s
 - A refused field gets a 400 naming it unless it carries its neutral value (``tools: []``,
   ``logprobs: false``, ``response_format: {"type": "text"}``, ...), which changes nothing.
 - An unknown field gets a 400 naming it, as OpenAI answers "Unrecognized request argument".
+
+:func:`load_body` turns the raw bytes of a request into its JSON object, refusing with a message
+what is not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH` or holds a lone surrogate
+(``"\\ud83d"``: valid JSON, but no Unicode text a tokenizer can take).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+MAX_DEPTH = 32  # JSON nesting a request may have; OpenAI's deepest (content parts, stream_options) is 4
 
 COMMON_HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                              "stream_options", "n"})
@@ -65,9 +72,85 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name"})  # name: a participant l
 class ParamRefused(ValueError):
     """A request field swarm cannot honour (or does not know). ``param`` names it."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+class InvalidBody(ParamRefused):
+    """A request body that is not a usable JSON document; ``param`` names the top-level field that
+    holds the fault, or is None when the fault is in the document as a whole."""
+
+
+def load_body(raw: bytes) -> Any:
+    """The JSON document of a request body, checked to be text every tokenizer can take.
+
+    Args:
+        raw: the request body as received.
+    Returns:
+        The parsed document (any JSON value: the caller checks that it is an object).
+    Raises:
+        InvalidBody: the bytes are not UTF-8 (names the offset and byte), not JSON (names line and
+            column; also ``NaN``/``Infinity``, which JSON does not have), nested deeper than
+            ``MAX_DEPTH``, or a string holds a lone UTF-16 surrogate (names where).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidBody(None, f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
+                                f"{exc.start})") from None
+
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        doc = json.loads(text, parse_constant=no_constant)
+    except RecursionError:  # deeper than the interpreter's stack (about 1,000 levels)
+        raise InvalidBody(None, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:
+        raise InvalidBody(None, f"the request body is not valid JSON: {exc}") from None
+    _check_tree(doc)
+    return doc
+
+
+def _check_tree(doc: Any) -> None:
+    """Refuse nesting past MAX_DEPTH and strings (keys too) that are not valid Unicode; iterative,
+    so a deep document cannot exhaust the stack here."""
+    todo = [(doc, "", 0)]
+    while todo:
+        value, path, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise InvalidBody(_top(path), f"the request body is nested deeper than {MAX_DEPTH} levels (at {path})")
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                shown = k.encode("utf-8", "backslashreplace").decode("utf-8")  # the path is shown in errors
+                sub = f"{path}.{shown}" if path else shown
+                _check_text(k, f"the field name {sub}", path)
+                todo.append((v, sub, depth + 1))
+        elif isinstance(value, list):
+            todo.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
+def _check_text(text: str, where: str, path: str | None = None) -> None:
+    """Refuse a string with a lone surrogate; ``where`` names it in the message, ``path`` (default
+    ``where``) is where it lies, for the error's ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidBody(_top(where if path is None else path),
+                          f"{where or 'the request body'} holds a lone surrogate (U+{ord(text[exc.start]):04X} at "
+                          f"character {exc.start}), which is not Unicode text; encode characters outside the BMP "
+                          "as a surrogate pair or as UTF-8") from None
+
+
+def _top(path: str) -> str | None:
+    """The top-level field of a path such as ``messages[0].content``."""
+    for i, ch in enumerate(path):
+        if ch in ".[":
+            return path[:i] or None
+    return path or None
 
 
 def check_fields(body: dict, chat: bool) -> dict:

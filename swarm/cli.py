@@ -321,6 +321,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
                    help="list the job receipts in DIR (verified or failed, and which check) on /dashboard "
                         "(default: --receipt-dir)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages on ORIGIN (scheme://host[:port], or * for any) call the API from a "
+                        "browser: CORS headers and preflight answers (repeatable; default none: same origin only)")
 
 
 def _dashboard_parser(sub) -> None:
@@ -484,12 +487,35 @@ def cmd_stage(args) -> int:
     return run_check(config) if args.check else run_stage(config)
 
 
+def text_arg(value: str, flag: str) -> str:
+    """A command-line argument that must be text, checked to be UTF-8.
+
+    Python hands argv bytes that are not UTF-8 over as lone surrogates (``surrogateescape``), which
+    no tokenizer takes. Raises ConfigError naming the flag, the first bad byte and its offset."""
+    from swarm.errors import ConfigError
+
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError as exc:
+        at = exc.start
+    try:
+        raw = value.encode("utf-8", "surrogateescape")  # the bytes as they were given
+        raw.decode("utf-8")
+    except UnicodeError as exc:
+        where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}" if isinstance(exc, UnicodeDecodeError) else \
+            f"character {at}"
+        raise ConfigError(f"{flag} is not UTF-8 text ({where}); convert it first, e.g. with iconv -t UTF-8") from None
+    raise ConfigError(f"{flag} is not UTF-8 text (character {at})")
+
+
 def cmd_coordinate(args) -> int:
     import trio
 
     from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
     from swarm.coordinator import generate
 
+    prompt = text_arg(args.prompt, "--prompt")  # before anything is dialed
     config = CoordinatorConfig(ring=_ring_or_swarm(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
                                key_path=args.key or cache_root() / "keys" / "coordinator.key",
                                hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
@@ -499,7 +525,7 @@ def cmd_coordinate(args) -> int:
                                bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache,
                                session_file=args.session)
     on_text = None if args.json else TextOut.write
-    result = trio.run(generate, config, args.prompt, on_text)
+    result = trio.run(generate, config, prompt, on_text)
     if result.get("context_limited"):
         print(f"swarm coordinate: note: the model's context limit capped the answer at {result['new_tokens']} "
               "new tokens", file=sys.stderr)
@@ -576,6 +602,7 @@ def cmd_peers(args) -> int:
 def cmd_demo(args) -> int:
     from swarm.demo import run_demo
 
+    args.prompt = text_arg(args.prompt, "--prompt")  # checked before any stage starts
     return run_demo(args)
 
 
@@ -612,7 +639,7 @@ def cmd_serve(args) -> int:
                     max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
                     prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
                     receipt_dir=args.receipt_dir, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-                    shutdown=shutdown, task_status=task_status) or {})
+                    cors_origins=tuple(args.cors_origin), shutdown=shutdown, task_status=task_status) or {})
                 nursery.cancel_scope.cancel()  # drained: stop watching signals
 
             info = await nursery.start(run)

@@ -86,7 +86,7 @@ class Conversation:
                 return encode_chat(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
             except ChatTemplateError as exc:
                 raise ConfigError(str(exc)) from None
-        new = list(tokenizer(prompt, add_special_tokens=not self.ids)["input_ids"])
+        new = list(tokenizer(prompt, add_special_tokens=not self.ids, split_special_tokens=True)["input_ids"])
         return self.ids + new
 
     def record(self, prompt: str, prompt_ids: list[int], output_ids: list[int], answer: str) -> None:

@@ -53,8 +53,9 @@ def vocab_size(model_dir) -> int:
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template and a generation prompt
-    (the prompt is then literal text: control tokens typed into it stay text, see ``swarm.chat``)."""
+    """Token ids of ``prompt``, always literal text (control tokens typed into it, such as ``<s>``,
+    stay text; the tokenizer adds its own BOS); with ``chat`` the tokenizer's chat template and a
+    generation prompt (see ``swarm.chat``)."""
     if chat:
         from swarm.chat import ChatTemplateError, encode_chat
 
@@ -64,7 +65,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
             return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
         except ChatTemplateError as exc:
             raise ConfigError(str(exc)) from None
-    return list(tokenizer(prompt)["input_ids"])
+    return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])  # a typed "<s>" stays text
 
 
 class TextStream:

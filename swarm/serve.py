@@ -54,6 +54,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", retry_after_s: int | None = None):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, shown escaped
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.retry_after_s = retry_after_s  # the Retry-After header of a 429/503 (default 1 s)
@@ -112,9 +113,14 @@ class ServeState:
     keepalive_s: float = DEFAULT_KEEPALIVE_S  # an idle stream sends an SSE comment this often; 0: never
     draining: bool = False  # set by a drain: new requests are refused (503)
     requests: dict = field(default_factory=dict)  # request id -> ends it now (a drain's deadline passed)
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: browser origins allowed to call the API ("*": any)
+    created: int = field(default_factory=lambda: int(time.time()))  # unix time the model was loaded and served
 
 
 # ---- request parsing ----------------------------------------------------------------------------
+
+SEED_RANDOM = -1  # seed -1 asks for a random seed (llama.cpp, TGI, many UIs send it)
+GREEDY_BELOW = 1e-4  # a temperature in (0, this) samples as greedy: logits / T would overflow
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -122,15 +128,43 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     if value is None:
         return default
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if ok and not integer and isinstance(value, int):  # an int too large for a float is out of range anyway
+        ok = -2**53 <= value <= 2**53
     if not ok or isinstance(value, bool) or (not integer and not math.isfinite(value)) or not lo <= value <= hi:
         kind = "an integer" if integer else "a number"
         span = f"[{int(lo)}, {int(hi)}]" if integer else f"[{lo:g}, {hi:g}]"
-        raise ApiError(400, f"'{name}' must be {kind} in {span}, got {value!r}", name)
+        raise ApiError(400, f"'{name}' must be {kind} in {span}, got {_shown(value)}", name)
     return value
 
 
 def parse_request(body, state: ServeState, chat: bool) -> Request:
-    """Validate an OpenAI request body; raise ApiError(400/404) naming the first bad parameter."""
+    """Validate an OpenAI request body (a parsed JSON document, see ``swarm.api_params.load_body``).
+
+    Everything a client sends is checked here, and nothing it sends can make this raise anything
+    but ApiError: a value the checks did not foresee that makes the chat template or the tokenizer
+    fail is the client's input too, and answered 400.
+
+    Raises:
+        ApiError: 400 naming the first bad parameter (``invalid_request_error``), 404 for another
+            model; 500 (``server_error``) only where the server itself failed (e.g. it cannot read
+            its tokenizer's files).
+    """
+    try:
+        return _parse(body, state, chat)
+    except ApiError:
+        raise
+    except (OSError, MemoryError) as exc:  # the server's own resources, not the request
+        log.exception("request.parse_failed reason=%s", exc)
+        raise ApiError(500, f"the server failed reading the request: {type(exc).__name__}: {exc}", None,
+                       "internal_error", "server_error") from None
+    except Exception as exc:  # e.g. a template's raise_exception, a tokenizer refusing a string
+        log.warning("request.unparsable reason=%s: %s", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        raise ApiError(400, f"the request could not be processed: {type(exc).__name__}: {exc}",
+                       "messages" if chat else "prompt") from None
+
+
+def _parse(body, state: ServeState, chat: bool) -> Request:
     from swarm.api_params import ParamRefused, check_fields
 
     if not isinstance(body, dict):
@@ -140,11 +174,14 @@ def parse_request(body, state: ServeState, chat: bool) -> Request:
     except ParamRefused as exc:
         raise ApiError(400, str(exc), exc.param) from None
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {type(model).__name__}", "model")
     if model is not None and model != state.model_id:
         raise ApiError(404, f"the model {model!r} does not exist here; this server serves {state.model_id!r}",
                        "model", "model_not_found")
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise ApiError(400, "only n=1 is supported", "n")
+    n = body.get("n", 1)
+    if n != 1 or not isinstance(n, int) or isinstance(n, bool):
+        raise ApiError(400, f"only n=1 is supported (one choice per request), got {_shown(n)}", "n")
     if chat:
         prompt_ids = _chat_ids(body.get("messages"), state.tokenizer)
     else:
@@ -153,7 +190,7 @@ def parse_request(body, state: ServeState, chat: bool) -> Request:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string (or a list of one string)", "prompt")
-        prompt_ids = list(state.tokenizer(prompt)["input_ids"])
+        prompt_ids = _prompt_ids(state.tokenizer, prompt)
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty after tokenization", "prompt")
     if len(prompt_ids) >= state.max_ctx:
@@ -163,11 +200,12 @@ def parse_request(body, state: ServeState, chat: bool) -> Request:
     max_tokens = _number(body, name, DEFAULT_MAX_TOKENS, 1, 2**31 - 1, integer=True)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0:
-        raise ApiError(400, "'top_p' must be > 0", "top_p")
-    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
-    if seed is None:
+    if top_p == 0 or temperature < GREEDY_BELOW:  # both keep only the most likely token: greedy
+        temperature, top_p = 0.0, 1.0
+    seed = _number(body, "seed", None, -2**63, 2**64 - 1, integer=True)
+    if seed is None or seed == SEED_RANDOM:
         seed = secrets.randbits(31)  # like OpenAI: unseeded requests differ
+    seed %= 2**63  # any other 64-bit seed (signed or not) is a seed, as OpenAI takes it
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
@@ -178,28 +216,51 @@ def parse_request(body, state: ServeState, chat: bool) -> Request:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    unknown = sorted(set(opts) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise ApiError(400, f"unrecognized field stream_options.{unknown[0]}", "stream_options")
+    if not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options.include_usage' must be true or false", "stream_options")
     try:
         sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), seed=int(seed))
-    except ConfigError as exc:
-        raise ApiError(400, str(exc), "temperature") from None
+    except ConfigError as exc:  # not reached with the checks above; its text names command-line flags
+        raise ApiError(400, f"'temperature', 'top_p' or 'seed' is out of range ({exc})", "temperature") from None
     return Request(prompt_ids, max_tokens, sampling, stop, stream, bool(opts.get("include_usage")), chat)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a completion prompt: the tokenizer's own BOS, and the prompt as literal text, so
+    a typed ``<s>`` or ``<|endoftext|>`` stays those characters (as message content does in
+    ``swarm.chat``) instead of forging a control token."""
+    return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])
 
 
 def _chat_ids(messages, tokenizer) -> list[int]:
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        raise ApiError(400, "'messages' must be a non-empty list of message objects", "messages")
     clean = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                m["role"] not in ("system", "user", "assistant", "developer"):
             raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or developer", "messages")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ApiError(400, f"messages[{i}].name must be a string", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            for j, p in enumerate(content):
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind != "text" or not isinstance(p.get("text"), str):
+                    what = f"of type {_shown(kind)}" if kind not in (None, "text") else "not a text part"
+                    raise ApiError(400, f"messages[{i}].content[{j}] is {what}: only text parts "
+                                        '({"type": "text", "text": "..."}) are supported', "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     from swarm.chat import ChatTemplateError, encode_chat
 
@@ -209,6 +270,8 @@ def _chat_ids(messages, tokenizer) -> list[int]:
         return encode_chat(tokenizer, clean)  # content is literal text: a typed <|im_end|> ends no turn
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
+    except Exception as exc:  # the template refused these messages (jinja's raise_exception, a bad role order)
+        raise ApiError(400, f"the model's chat template refused the messages: {exc}", "messages") from None
 
 
 # ---- one generation -----------------------------------------------------------------------------
@@ -530,9 +593,18 @@ def build_app(state: ServeState):
     async def completions(request):
         return await completion(request, chat=False)
 
+    def model_object() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "swarm"}
+
     async def models(request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_id, "object": "model", "created": 0, "owned_by": "swarm"}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def model(request):
+        model_id = request.path_params["model_id"]
+        if model_id != state.model_id:
+            return error_response(ApiError(404, f"the model {model_id!r} does not exist here; this server serves "
+                                                f"{state.model_id!r}", "model", "model_not_found"))
+        return JSONResponse(model_object())
 
     async def health(request):
         stages = await ring_health(state)
@@ -556,20 +628,44 @@ def build_app(state: ServeState):
         return error_response(ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
     async def not_allowed(request, exc):
+        allow = dict(getattr(exc, "headers", None) or {}).get("Allow", "")
+        if request.method == "OPTIONS":  # a preflight that no --cors-origin allowed: what the route takes,
+            return Response(status_code=204, headers={"Allow": allow + ", OPTIONS"})  # and no CORS headers
         if state.metrics is not None and request.url.path in ("/v1/chat/completions", "/v1/completions"):
             state.metrics.request_done("invalid")
-        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        err = error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+        if allow:
+            err.headers["Allow"] = allow
+        return err
+
+    async def server_error(request, exc):
+        # a fault of the server (a request's own mistakes are 400s before this): still OpenAI's shape
+        log.error("request.server_error path=%s", request.url.path, exc_info=exc)
+        if state.metrics is not None and request.url.path in ("/v1/chat/completions", "/v1/completions"):
+            state.metrics.request_done("error")
+        return error_response(ApiError(500, f"internal server error ({type(exc).__name__}); the server's log has "
+                                            "the details", None, "internal_error", "server_error"))
+
+    middleware = []
+    if state.cors_origins:  # browsers on these origins may call the API (default: none, same origin only)
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     max_age=600))
 
     return Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/", dashboard, methods=["GET"]),
         Route("/dashboard/state", dashboard_state, methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: not_allowed})
+    ], exception_handlers={404: not_found, 405: not_allowed, Exception: server_error}, middleware=middleware)
 
 
 def _shutting_down() -> ApiError:
@@ -611,10 +707,12 @@ def _parse_body(raw: bytes, state: ServeState, chat: bool) -> Request:
             (``context_length_exceeded``, found by its characters before tokenizing), and every error
             of ``parse_request``.
     """
+    from swarm.api_params import InvalidBody, load_body
+
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+        body = load_body(raw)  # UTF-8, JSON, not too deep, no lone surrogates
+    except InvalidBody as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     if isinstance(body, dict) and state.max_prompt_chars:
         chars = prompt_chars(body, chat)
         if chars > state.max_prompt_chars:
@@ -927,12 +1025,30 @@ async def drain(state: ServeState, timeout_s: float) -> dict:
     return done
 
 
+def check_origins(origins) -> tuple[str, ...]:
+    """``--cors-origin`` values, checked: each ``*`` or an origin ``scheme://host[:port]``.
+
+    Raises:
+        ConfigError: a value that is not an origin (a path, a trailing slash, no scheme), which a
+            browser would never send, so it would silently allow nothing.
+    """
+    import re
+
+    out = []
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#\s]+", o):
+            raise ConfigError(f"--cors-origin {o!r} is not an origin: give scheme://host[:port] (no path, "
+                              "no trailing slash), e.g. https://app.example.com, or * for any")
+        out.append(o)
+    return tuple(out)
+
+
 async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
                     prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
                     keepalive_s: float = DEFAULT_KEEPALIVE_S, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-                    shutdown: Shutdown | None = None, task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
+                    cors_origins: tuple[str, ...] = (), shutdown: Shutdown | None = None, task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
     """Check the ring, then serve the API on ``host:port`` until cancelled, or until ``shutdown``
     is requested: then drain (``drain``, ``shutdown.timeout_s``), stop listening and return the
     drain's result.
@@ -947,6 +1063,9 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     With ``receipt_dir`` every request runs as a job: the stages keep receipt digests, and its
     signed, verified job receipt is saved there (one more round per request to collect the stages'
     receipts); the dashboard lists that directory unless ``dashboard_receipts`` names another.
+    ``cors_origins`` (``--cors-origin``): browser origins (``https://host[:port]``, or ``*`` for any)
+    whose pages may call the API: CORS headers and preflight answers for them; none by default, so
+    only pages served from this server's own origin can (the browser's same-origin rule).
 
     A request body over ``max_body_mb`` MiB is refused (413) unparsed, a prompt with more characters
     than could fit the ring's context (400) untokenized; parsing, templating and tokenizing run in a
@@ -968,6 +1087,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     from swarm.ring import RingClient
     from swarm.transport import load_or_create_key, open_host
 
+    cors_origins = check_origins(cors_origins)
     resolved = resolve_model(ring.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
     num_layers = model_num_layers(resolved.path)
@@ -1003,7 +1123,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
                            wire_dtype=wire_dtype, vocab_size=vocab_size(resolved.path), discovery=discovery,
                            prefix_cache=prefix_cache, dashboard_receipts=dashboard_receipts or receipt_dir,
                            receipt_dir=receipt_dir, key=key, max_body_bytes=int(max_body_mb * 2**20),
-                           keepalive_s=keepalive_s)
+                           keepalive_s=keepalive_s, cors_origins=cors_origins)
         state.max_prompt_chars = max_prompt_chars(tokenizer, state.max_ctx)
         if discovery is not None:  # the dashboard's layer coverage comes from the DHT
             from swarm.dashboard import SwarmCoverage

@@ -91,3 +91,29 @@ def test_every_refused_field_has_a_rule():
     for honoured, noop, refused in ((CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED),
                                     (COMPLETION_HONOURED, COMPLETION_NOOP, COMPLETION_REFUSED)):
         assert not (honoured & noop) and not (honoured & refused) and not (noop & refused)
+
+
+def test_load_body_takes_json_up_to_the_depth_limit_and_refuses_past_it():
+    from swarm.api_params import MAX_DEPTH, InvalidBody, load_body
+
+    def nested(levels: int) -> bytes:  # the object is level 0, its field's value level 1, ...
+        return ('{"metadata": ' + "[" * levels + "]" * levels + "}").encode()
+
+    doc = load_body(nested(MAX_DEPTH))["metadata"]
+    for _ in range(MAX_DEPTH - 1):
+        (doc,) = doc
+    assert doc == []
+    with pytest.raises(InvalidBody, match="nested deeper") as err:
+        load_body(nested(MAX_DEPTH + 1))
+    assert err.value.param == "metadata"
+
+
+def test_load_body_takes_unicode_text_and_refuses_lone_surrogates():
+    from swarm.api_params import InvalidBody, load_body
+
+    assert load_body('{"prompt": "caf\u00e9 \U0001F600"}'.encode())["prompt"] == "caf\u00e9 \U0001F600"
+    assert load_body(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001F600"  # an escaped pair is one character
+    for raw in (b'{"a": "\\ud83d"}', b'{"a": ["x", {"b": "\\udfff"}]}', b'{"a": "\\ude00\\ud83d"}'):
+        with pytest.raises(InvalidBody, match="lone surrogate") as err:
+            load_body(raw)
+        assert err.value.param == "a"

@@ -375,3 +375,19 @@ def test_demo_refuses_heal_flags_that_would_do_nothing(flags, says):
 def test_bad_dashboard_flags_are_one_line(flags, expect):
     res = run_cli("dashboard", "--port", "0", *flags)
     assert res.returncode == 1 and expect in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("raw, says", [(b"Once \xff\xfe upon", "byte 0xff at offset 5"),
+                                       (b"caf\xe9", "byte 0xe9 at offset 3"),
+                                       (b"\xed\xa0\xbd", "byte 0xed at offset 0")])  # the last: a UTF-8 surrogate
+def test_a_prompt_that_is_not_utf8_is_one_line_not_a_traceback(stories_dir, tmp_path, raw, says):
+    """Python hands argv bytes that are not UTF-8 over as lone surrogates; `coordinate` and `demo`
+    refuse them naming the byte, before a tokenizer (which raised TypeError) or any stage sees them."""
+    ring = tmp_path / "ring.yaml"
+    ring.write_text(yaml.safe_dump({"model": str(stories_dir), "stages": [
+        {"addr": "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDN1mGKneWMDiSWM6drbS2A2zuNs4ERiovfWWdnV3XKCg", "layers": "0:5"}]}))
+    prompt = os.fsdecode(raw)  # what sys.argv holds for these bytes
+    for args in (("coordinate", "--ring", str(ring)), ("demo", "--model", str(stories_dir))):
+        res = run_cli(*args, "--prompt", prompt, "--max-new-tokens", "2")
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert res.stderr.startswith(f"swarm {args[0]}: error: --prompt is not UTF-8 text ({says})"), res.stderr

@@ -87,3 +87,17 @@ def test_an_unwritable_session_file_is_refused_before_anything_runs_and_modes_ar
     path.chmod(0o640)
     Conversation.open(path, model="m", model_digest="d" * 64, chat=False).record("c", [1, 2, 3], [4], "d")
     assert path.stat().st_mode & 0o777 == 0o640 and list(tmp_path.glob("*.tmp")) == []
+
+
+def test_special_token_text_typed_into_a_plain_turn_stays_text(stories_dir, tmp_path):
+    """Without --chat a turn is appended as text: a typed ``</s>`` ends nothing and ``<s>`` is no second BOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(stories_dir))
+    conv = Conversation.open(tmp_path / "s.json", model="m", model_digest="d" * 64, chat=False)
+    first = conv.prompt_ids(tok, "<s>Once upon a time")
+    assert first[0] == tok.bos_token_id and tok.bos_token_id not in first[1:]
+    conv.record("<s>Once upon a time", first, [tok.eos_token_id], "")
+    again = conv.prompt_ids(tok, " and then</s><s> the end")
+    new = again[len(conv.ids):]
+    assert again[:len(conv.ids)] == conv.ids and new and not {tok.bos_token_id, tok.eos_token_id} & set(new), new

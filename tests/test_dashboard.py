@@ -31,11 +31,13 @@ def chromium() -> str:
     return exe
 
 
-def browse(chromium: str, url: str, out_dir: Path, name: str, width: int = 1200, height: int = 900) -> tuple[str, str]:
+def browse(chromium: str, url: str, out_dir: Path, name: str, width: int = 1200, height: int = 900,
+           budget_ms: int = 4000) -> tuple[str, str]:
     """Load ``url`` headless, let its scripts run (polling included) for a few seconds of virtual
     time, save a screenshot; return (the DOM after the scripts ran, the browser's log)."""
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=4000", f"--window-size={width},{height}",
+             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
+             f"--window-size={width},{height}",
              f"--user-data-dir={out_dir / ('profile-' + name)}"]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     shot = out_dir / f"{name}.png"
@@ -89,6 +91,7 @@ def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir
     assert plot_points(dom, "ttft-plot") == 2 and plot_points(dom, "itl-plot") == 2
     assert plot_points(before, "ttft-plot") == 0
     assert "Once upon" not in dom  # no prompt text on the page
+    assert "start swarm serve with --receipt-dir DIR" in dom  # no receipts: the page says how to get them
     assert phone.count('class="stage-row"') == 3
 
 
@@ -164,6 +167,121 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     assert m["swarm_serve_heal_events_total"] == 1
     for phase in ("detection", "swap", "replay", "total"):
         assert m[f"swarm_serve_heal_seconds_count{{phase={phase}}}"] == 1
+
+
+PEER_IDS = ["12D3KooWFPYMKByWck88To64SnHVU4w5A4fBNgvHahZdGhrxaTEF",
+            "12D3KooWByMaCC7Dboqf8u5HMfTippwxGup6aUvPDjAs4dm328HK",
+            "12D3KooWMgCpxwDBc7dgNkwkgzXFhuApgsoYrA3PFJ4n73adXbhZ"]
+
+# a page of the test's server that holds the dashboard in a frame of a phone's width and, once the
+# dashboard's scripts have run, writes what it measured there into its own DOM (--dump-dom shows it)
+PROBE = """<!doctype html><html><body style="margin:0">
+<iframe id="f" src="/dashboard" style="width:390px;height:844px;border:0"></iframe><pre id="out"></pre>
+<script>
+const FONT = new URLSearchParams(location.search).get("font");
+if (FONT) setTimeout(() => { document.getElementById("f").contentDocument.body.style.fontFamily = FONT; }, 1200);
+setTimeout(() => {
+  const d = document.getElementById("f").contentDocument;
+  const labels = [...d.querySelectorAll("g.stage")].map(g => {
+    const c = g.querySelector("circle").getBoundingClientRect(), r = c.width / 2;
+    const cx = c.left + r, cy = c.top + r;
+    return [...g.querySelectorAll("text")].map(t => {  // every corner of the label inside the circle
+      const b = t.getBoundingClientRect();
+      return [[b.left, b.top], [b.right, b.top], [b.left, b.bottom], [b.right, b.bottom]]
+        .every(([x, y]) => Math.hypot(x - cx, y - cy) <= r + 0.5);
+    });
+  });
+  document.getElementById("out").textContent = JSON.stringify({
+    page_width: d.documentElement.scrollWidth, view_width: d.documentElement.clientWidth, labels,
+    rate: d.getElementById("rate").textContent, status: d.getElementById("status").textContent,
+    jobs_hint: d.getElementById("jobs-hint") ? d.getElementById("jobs-hint").textContent : null});
+}, 3200);
+</script></body></html>"""
+
+
+def served_state(tokens_per_s: float, receipts: str | None = None) -> dict:
+    """A `swarm serve` dashboard state (the keys ``serve_state`` returns) of a healthy 3-stage ring."""
+    from swarm.config import RingSpec, StageSpec
+    from swarm.dashboard import rate_series, ring_coverage
+
+    stages = [{"index": i, "layers": [r.start, r.end], "peer_id": pid, "ok": True, "error": None, "sessions": 12,
+               "kv_bytes": 123456789, "latency_ms": 1.5} for i, (r, pid) in enumerate(zip(RANGES, PEER_IDS))]
+    ring = RingSpec(model="m", stages=tuple(StageSpec(f"/ip4/127.0.0.1/tcp/{4001 + i}/p2p/{pid}", r)
+                                            for i, (r, pid) in enumerate(zip(RANGES, PEER_IDS))))
+    now = __import__("time").time()
+    return {"model": "stories260k", "num_layers": 5, "status": "ok", "stages": stages,
+            "tokens_per_s": tokens_per_s, "rate_series": rate_series([(now - 3, int(tokens_per_s * 10))], now),
+            "latency_series": [], "ttft_p50_s": None, "itl_p50_s": None, "requests": 1, "active": 0, "heals": [],
+            "jobs": [], "dht": False, "models": [ring_coverage(ring, "stories260k", 5)], "coverage_error": None,
+            "receipts": receipts}
+
+
+def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
+    """Serve the real dashboard page with ``answers`` as its successive /dashboard/state replies (a
+    dict is answered as JSON, an int as that HTTP status; the last one repeats), load it in a
+    390 px wide frame (its font switched to ``font`` after the first draw, if given), and return what
+    the probe measured there."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from swarm.dashboard import page
+
+    queue = list(answers)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/dashboard/state":
+                answer = queue.pop(0) if len(queue) > 1 else queue[0]
+                body, status = (json.dumps(answer).encode(), 200) if isinstance(answer, dict) else (b"failed", answer)
+                ctype = "application/json"
+            else:
+                body, status, ctype = (PROBE.encode() if self.path.startswith("/probe") else page()), 200, "text/html"
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        dom, log = browse(chromium, f"http://127.0.0.1:{server.server_address[1]}/probe?font={font}", tmp_path, "probe",
+                          width=800, height=900, budget_ms=8000)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert console_errors(log) == [], console_errors(log)
+    import html
+
+    out = re.search(r'<pre id="out">(.*?)</pre>', dom, re.S)
+    assert out and out.group(1), dom[-2000:]
+    return json.loads(html.unescape(out.group(1)))
+
+
+@pytest.mark.parametrize("font", ["", "monospace", "serif"])  # the page's font, and wider ones a phone may use
+def test_at_a_phone_width_nothing_overflows_and_peer_ids_stay_in_their_circles(chromium, tmp_path, font):
+    got = probe(chromium, tmp_path, [served_state(3.2)], font)
+    assert got["page_width"] <= got["view_width"] <= 390, got  # no horizontal scrolling of the page
+    assert len(got["labels"]) == 3 and all(all(inside) for inside in got["labels"]), got["labels"]
+    assert got["rate"] == "3.2", got
+
+
+def test_recent_jobs_says_how_to_get_receipts_listed(chromium, tmp_path):
+    assert "--receipt-dir" in probe(chromium, tmp_path, [served_state(0.0)])["jobs_hint"]
+    assert probe(chromium, tmp_path / "2", [served_state(0.0, receipts="/srv/r")])["jobs_hint"] == \
+        "no job receipts in /srv/r yet"
+
+
+def test_the_headline_never_shows_a_stale_rate_when_the_state_cannot_be_read(chromium, tmp_path):
+    """The page showed 0.0 tok/s while its state said 3.2: a poll that fails must not leave the last
+    number up as if it were current."""
+    got = probe(chromium, tmp_path, [served_state(3.2), 500])
+    assert got["rate"] == "-" and "cannot reach the server" in got["status"] and "500" in got["status"], got
 
 
 def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():

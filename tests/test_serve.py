@@ -173,7 +173,21 @@ def test_errors_use_the_openai_shape(stories):
                         ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop")):
         res = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
         assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+    for raw in (b'{"prompt": "\\ud83d"}', b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", b'{"prompt": "\xff"}'):
+        res = httpx.post(server.url + "/v1/completions", content=raw, timeout=30)
+        assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error", res.text
     assert server.health()["status"] == "ok"  # nothing above hurt the ring
+
+
+def test_values_openai_accepts_are_accepted_with_their_meaning(stories):
+    """top_p 0 and a tiny temperature are greedy, seed -1 is no seed (TGI #2222 refused all three)."""
+    server, _ = stories
+    job = dict(model="stories260k", prompt="Once upon a time", max_tokens=12)
+    greedy = server.client.completions.create(**job, temperature=0).choices[0].text
+    assert server.client.completions.create(**job, top_p=0).choices[0].text == greedy
+    assert server.client.completions.create(**job, temperature=1e-5).choices[0].text == greedy
+    assert server.client.completions.create(**job, seed=-1).choices[0].finish_reason == "length"
+    assert server.client.models.retrieve("stories260k").created > 0
 
 
 def test_16_concurrent_requests_each_equal_their_solo_run(stories):

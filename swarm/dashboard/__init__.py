@@ -172,6 +172,8 @@ async def serve_state(state) -> dict:
         "itl_p50_s": statistics.median(itls) if itls else None,
         "requests": sum(m.requests.values()), "active": state.active,
         "heals": list(m.heal_log), "jobs": jobs, "dht": state.coverage is not None, **coverage,
+        "receipts": str(state.dashboard_receipts) if state.dashboard_receipts else None,  # None: the page says
+        # how to get receipts listed (--receipt-dir)
     }
 
 

@@ -316,6 +316,7 @@ async def open_host(
     )
     # new_host takes no retry option; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
+    _keep_busy_connections(host.get_network())
     async with host.run(maddrs):
         network = host.get_network()
         # The auto-connector dials every peer in the peerstore until it holds ~150
@@ -369,6 +370,35 @@ def _connection_config(health_check_interval_s: float | None) -> ConnectionConfi
         ping_timeout=min(5.0, health_check_interval_s),
         abort_connection_on_ping_failure=True,
     )
+
+
+def _keep_busy_connections(network) -> None:
+    """Never let libp2p's per-peer limit close a connection that carries streams.
+
+    With ``max_connections_per_peer=1``, libp2p 0.8.1 closes a peer's surplus connection as soon as a
+    newer one arrives, choosing among those past the 20 s grace period *whatever their streams*. A
+    second connection from a known PeerId (a second process run with the same key, a coordinator
+    restarted while its old connection lingers) thus cut every live session of the first at a stage.
+    Surplus connections without streams are still trimmed as libp2p does; busy ones close when their
+    peer closes them.
+    """
+    trim = network._trim_connections
+
+    def trim_idle_only(peer_id) -> None:
+        if any(_has_streams(c) for c in network.connections.get(peer_id, ())):
+            log.debug("conn.keep peer=%s connections=%d: a busy connection is never trimmed", peer_id,
+                      len(network.connections.get(peer_id, ())))
+            return
+        trim(peer_id)
+
+    network._trim_connections = trim_idle_only
+
+
+def _has_streams(conn) -> bool:
+    try:
+        return bool(conn.get_streams())
+    except Exception:  # a connection closing under us: libp2p's own trim counts it as idle too
+        return False
 
 
 def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:

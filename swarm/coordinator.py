@@ -101,7 +101,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     from swarm.drafters import make_drafter
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
-    from swarm.transport import load_or_create_key, open_host
+    from swarm.transport import open_host
+    from swarm.transport.identity import claim_key
 
     resolved = resolve_model(config.ring.model)
     try:
@@ -123,7 +124,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
     drafter = make_drafter(config.spec.draft, target_vocab=vocab_size(resolved.path), sampling=config.sampling)
-    key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
+    # the default key is anyone's: a second coordinator (or `swarm serve`) running beside takes the next slot
+    key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key", fallback=config.key_path is None)
     job = None
     if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt
         _check_writable(config.receipt_dir)

@@ -646,12 +646,33 @@ async def ring_health(state: ServeState) -> list[dict]:
     return results
 
 
-async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
-                    spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
-                    heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
-                    prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Check the ring, then serve the API on ``host:port`` until cancelled.
+async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, listen_socket=None,
+                    task_status=trio.TASK_STATUS_IGNORED, **options) -> None:
+    """Bind ``host:port`` first (or take ``listen_socket``, already bound), then ``_serve_api`` on it.
+
+    A taken port thus fails at once, in one line, before the model, the tokenizer or the ring are
+    touched. ``options``: as ``_serve_api``.
+
+    Raises:
+        ListenError: ``host:port`` cannot be bound ("cannot listen on 127.0.0.1:8000: address already
+            in use (...)"). Else as ``_serve_api``.
+    """
+    from swarm.listen import bind_tcp
+
+    sock = listen_socket if listen_socket is not None else bind_tcp(host, port)
+    try:
+        await _serve_api(ring, host, port, sock=sock, task_status=task_status, **options)
+    finally:
+        if sock.fileno() != -1:  # not handed to hypercorn (a failure before listening)
+            sock.close()
+
+
+async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, sock, key_path=None,
+                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
+                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
+                     prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Check the ring, then serve the API on ``sock`` (bound to ``host:port``) until cancelled.
 
     With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
     DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
@@ -676,7 +697,8 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.ring import RingClient
-    from swarm.transport import load_or_create_key, open_host
+    from swarm.transport import open_host
+    from swarm.transport.identity import claim_key
 
     resolved = resolve_model(ring.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
@@ -686,7 +708,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
         _check_writable(receipt_dir)
     if dashboard_receipts is not None and not Path(dashboard_receipts).is_dir():
         raise ConfigError(f"--dashboard-receipts {dashboard_receipts}: not a directory")
-    key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
+    key, _ = claim_key(key_path or cache_root() / "keys" / "coordinator.key", fallback=key_path is None)
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         discovery = None
         if bootstrap:
@@ -722,8 +744,10 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
         from swarm.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(state)
+        from swarm.listen import hypercorn_bind
+
         config = HyperConfig()
-        config.bind = [f"{host}:{port}"]
+        config.bind = [hypercorn_bind(sock)]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         binds = await nursery.start(hyper_serve, build_app(state), config)

@@ -479,11 +479,11 @@ def cmd_stage(args) -> int:
 def cmd_coordinate(args) -> int:
     import trio
 
-    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
+    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig
     from swarm.coordinator import generate
 
     config = CoordinatorConfig(ring=_ring_or_swarm(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
-                               key_path=args.key or cache_root() / "keys" / "coordinator.key",
+                               key_path=args.key,  # None: the default, or the next free slot beside it
                                hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
                                sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal, shadow=args.shadow,

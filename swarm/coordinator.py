@@ -105,7 +105,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     from swarm.transport.identity import claim_key
 
     if config.bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
-        await _swarm_may_serve(config)
+        await swarm_may_serve(config.ring.model, config.bootstrap)
     resolved = resolve_model(config.ring.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
@@ -185,7 +185,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     return result
 
 
-async def _swarm_may_serve(config: CoordinatorConfig) -> None:
+async def swarm_may_serve(model: str, bootstrap: tuple[str, ...]) -> None:
     """Refuse at once a model whose resolving is costly (a conversion, a download) when no stage of the
     swarm announces a model of that name: the exact check (by weights id) needs the converted model,
     and a swarm of other models should not cost the user a minute of converting first.
@@ -199,20 +199,20 @@ async def _swarm_may_serve(config: CoordinatorConfig) -> None:
     from swarm.model.resolve import costly_name
     from swarm.transport import open_host
 
-    name = await trio.to_thread.run_sync(costly_name, config.ring.model)
+    name = await trio.to_thread.run_sync(costly_name, model)
     if name is None:
         return
     # a read-only DHT client whose identity nobody sees: a key of its own, in memory only
     async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-            open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
+            open_dht(host, server=False, bootstrap=bootstrap) as dht:
         records = await dht.find_records(None, timeout_s=5.0)
     if any(r.model_name.lower() == name.lower() for r in records):
         return
     has = sorted({f"{r.model_name} ({r.model_id[:12]})" for r in records})
-    raise StageLost(f"the swarm (joined through {config.bootstrap[0]}) has no stage of model {name!r}"
+    raise StageLost(f"the swarm (joined through {bootstrap[0]}) has no stage of model {name!r}"
                     + (f"; its stages serve: {', '.join(has)}" if has else "; it has no stages at all")
                     + f". Nothing was converted or downloaded; if the stages announce the same weights under "
-                    f"another name, run `swarm model import {config.ring.model}` once, then this command checks "
+                    f"another name, run `swarm model import {model}` once, then this command checks "
                     "by the weights themselves")
 
 

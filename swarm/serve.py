@@ -700,6 +700,10 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
     from swarm.transport import open_host
     from swarm.transport.identity import claim_key
 
+    if bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
+        from swarm.coordinator import swarm_may_serve
+
+        await swarm_may_serve(ring.model, bootstrap)
     resolved = resolve_model(ring.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
     num_layers = model_num_layers(resolved.path)

@@ -130,7 +130,8 @@ def test_a_read_only_cache_is_one_line_naming_swarm_cache(stories_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_swarm_without_the_model_refuses_before_converting(tmp_path):
+@pytest.mark.parametrize("cmd", ["coordinate", "serve"])
+def test_a_swarm_without_the_model_refuses_before_converting(tmp_path, cmd):
     """``coordinate --model smollm2-135m`` against a swarm with no stage of it: refused after reading the
     swarm's records, before the model is converted (about a minute of CPU) into the cache."""
     import importlib.util
@@ -141,8 +142,8 @@ def test_a_swarm_without_the_model_refuses_before_converting(tmp_path):
 
     cache = Path(os.environ["SWARM_CACHE"]) / "fresh"  # no converted model in it
     with BootstrapNode(tmp_path / "b.key") as boot:
-        res = run_cli("coordinate", "--model", "smollm2-135m", "--bootstrap", boot.addr, "--prompt", "hi",
-                      env={"SWARM_CACHE": str(cache)})
+        more = ["--prompt", "hi"] if cmd == "coordinate" else ["--port", "0"]
+        res = run_cli(cmd, "--model", "smollm2-135m", "--bootstrap", boot.addr, *more, env={"SWARM_CACHE": str(cache)})
     assert res.returncode == 1, res.stderr
     assert "has no stage of model 'smollm2-135m'; it has no stages at all" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -44,14 +44,15 @@ def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None
         relay: run as ``swarm relay`` (lines ``SWARM_RELAY_*``).
     """
     from swarm.discovery.dht import PROTOCOL_ID, open_dht
-    from swarm.transport import load_or_create_key
+    from swarm.transport.identity import claim_key
     from swarm.transport.circuit import HOP_PROTOCOL
-    from swarm.transport.host import open_host
+    from swarm.transport.host import check_listen_addrs, open_host
 
     role = "relay" if relay else "bootstrap"
 
     async def main() -> None:
-        key = load_or_create_key(key_path)
+        check_listen_addrs(listen, "--listen")  # a taken port is named before the key is touched
+        key, _ = claim_key(key_path)  # its PeerId is the address handed out: never another's
         async with open_host(key, listen, announce_addrs=announce or (), relay_hop=relay) as host:
             async with open_dht(host, server=True, bootstrap=bootstrap or ()):
                 ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "protocol": PROTOCOL_ID}
@@ -72,5 +73,5 @@ def run_bootstrap(key_path: Path, listen: list[str], bootstrap: list[str] | None
         return 0
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)}, role)
-        return 1
+        return exc.exit_code
     return 0

@@ -440,19 +440,33 @@ def main(argv: list[str] | None = None) -> int:
                     "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
-            raise collapse(group) from None
-    except SwarmError as exc:
+            found = collapse(group)
+            if not isinstance(found, (SwarmError, KeyboardInterrupt)):
+                from swarm.config import cache_fault
+
+                found = cache_fault(group) or group
+            raise found from None
+    except (SwarmError, OSError) as exc:
+        if not isinstance(exc, SwarmError):  # a refused write under the cache is one line; other OSErrors are bugs
+            from swarm.config import cache_fault
+
+            exc = cache_fault(exc) or exc
+            if not isinstance(exc, SwarmError):
+                raise
         if args.cmd == "stage":
             from swarm.stage import emit
 
             emit("FATAL", {"reason": str(exc)})
-            return 2 if getattr(args, "check", False) else 1
+            return 2 if getattr(args, "check", False) else exc.exit_code
         else:
             print(f"swarm {args.cmd}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"swarm {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if "swarm.transport.identity" in sys.modules:  # the keys this command held (its exit frees them too)
+            sys.modules["swarm.transport.identity"].release_keys()
 
 
 def cmd_stage(args) -> int:
@@ -466,6 +480,7 @@ def cmd_stage(args) -> int:
         raise ConfigError("--check needs --layers (the block to check)")
     key = args.key or cache_root() / "keys" / (f"stage-{layers.start}-{layers.end}.key" if layers else "stage-auto.key")
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
+                         key_fallback=args.key is None and layers is None,
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
@@ -512,12 +527,12 @@ def text_arg(value: str, flag: str) -> str:
 def cmd_coordinate(args) -> int:
     import trio
 
-    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
+    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig
     from swarm.coordinator import generate
 
     prompt = text_arg(args.prompt, "--prompt")  # before anything is dialed
     config = CoordinatorConfig(ring=_ring_or_swarm(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
-                               key_path=args.key or cache_root() / "keys" / "coordinator.key",
+                               key_path=args.key,  # None: the default, or the next free slot beside it
                                hop_timeout_s=args.hop_timeout_s, spec=SpecConfig.from_args(args),
                                sampling=SamplingParams.from_args(args), wire_dtype=args.wire_dtype,
                                heartbeat_s=args.heartbeat_s, heal=args.heal, shadow=args.shadow,
@@ -569,7 +584,8 @@ def cmd_peers(args) -> int:
     from swarm.discovery.client import probe_rtts
     from swarm.discovery.dht import open_dht
     from swarm.discovery.peers import render, summarize
-    from swarm.transport import load_or_create_key, open_host
+    from swarm.transport import open_host
+    from swarm.transport.identity import claim_key
 
     model_id = None
     if args.model:
@@ -577,7 +593,7 @@ def cmd_peers(args) -> int:
         from swarm.weights.manifest import model_id as weights_model_id
 
         model_id = weights_model_id(resolve_model(args.model).path, cache_root() / "manifests")
-    key = load_or_create_key(args.key or cache_root() / "keys" / "client.key")
+    key, _ = claim_key(args.key or cache_root() / "keys" / "client.key", fallback=args.key is None)
 
     async def main():
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
@@ -625,6 +641,9 @@ def cmd_serve(args) -> int:
             raise ConfigError(f"{flag} must be a number >= 0, got {value}")
     if not 0 < args.max_body_mb < float("inf"):
         raise ConfigError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    from swarm.listen import bind_tcp
+
+    sock = bind_tcp(args.host, args.port)  # before anything loads: a taken port fails at once
     shutdown = Shutdown(timeout_s=args.drain_timeout_s)
     drained: dict = {}
 
@@ -634,8 +653,8 @@ def cmd_serve(args) -> int:
 
             async def run(task_status):
                 drained.update(await serve_api(
-                    ring, args.host, args.port, key_path=args.key, spec=spec, wire_dtype=args.wire_dtype,
-                    hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
+                    ring, args.host, args.port, listen_socket=sock, key_path=args.key, spec=spec,
+                    wire_dtype=args.wire_dtype, hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
                     max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
                     prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
                     receipt_dir=args.receipt_dir, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
@@ -654,6 +673,8 @@ def cmd_serve(args) -> int:
             raise
         print("swarm serve: stopped", file=sys.stderr)
         return 0
+    finally:
+        sock.close()  # a no-op once hypercorn took it
     print(f"swarm serve: drained ({drained.get('requests_finished', 0)} requests finished, "
           f"{drained.get('requests_ended', 0)} ended at the deadline)", file=sys.stderr)
     return 0
@@ -674,8 +695,10 @@ def cmd_dashboard(args) -> int:
         raise ConfigError(f"--receipts {args.receipts}: not a directory")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    from swarm.listen import bind_tcp, hypercorn_bind
+
+    sock = bind_tcp(args.host, args.port)  # before joining the DHT: a taken port fails at once
     config = HyperConfig()
-    config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # as serve: its start line once, via logging
 
@@ -683,6 +706,7 @@ def cmd_dashboard(args) -> int:
         async with trio.open_nursery() as nursery:
             if coverage is not None:
                 await nursery.start(coverage.run)
+            config.bind = [hypercorn_bind(sock)]  # hypercorn owns the socket from here
             binds = await nursery.start(hyper_serve, receipts_app(args.receipts, coverage), config)
             what = [f"receipts {args.receipts}"] if args.receipts else []
             what += [f"swarm via {args.bootstrap[0]}"] if args.bootstrap else []
@@ -692,9 +716,10 @@ def cmd_dashboard(args) -> int:
         if not args.bootstrap:
             return await serve()
         from swarm.discovery.dht import open_dht
-        from swarm.transport import load_or_create_key, open_host
+        from swarm.transport import open_host
+        from swarm.transport.identity import claim_key
 
-        key = load_or_create_key(args.key or cache_root() / "keys" / "client.key")
+        key, _ = claim_key(args.key or cache_root() / "keys" / "client.key", fallback=args.key is None)
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, \
                 open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
             await serve(SwarmCoverage(dht))
@@ -705,18 +730,23 @@ def cmd_dashboard(args) -> int:
         if not isinstance(collapse(exc), KeyboardInterrupt):
             raise
         print("swarm dashboard: stopped", file=sys.stderr)
+    finally:
+        sock.close()  # a no-op once hypercorn took it
     return 0
 
 
 def cmd_keygen(args) -> int:
     from swarm.config import cache_root
     from swarm.errors import ConfigError
-    from swarm.transport.identity import load_or_create_key, peer_id_of
+    from swarm.transport.identity import key_holder, load_or_create_key, peer_id_of
 
     path = args.out or cache_root() / "keys" / "node.key"
     if path.is_dir():
         raise ConfigError(f"--out {str(path)!r} is a directory; name the key file to create")
     if path.exists() or path.is_symlink():
+        holder = key_holder(path)
+        if holder is not None:  # replacing it would leave that node on a key nobody can load again
+            raise ConfigError(f"{path} is in use by pid {holder}; stop that process first")
         if not args.force:
             try:
                 existing = f" (PeerId {peer_id_of(load_or_create_key(path, create=False))})"

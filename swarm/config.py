@@ -13,13 +13,14 @@ flags), and reading a ring file::
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.errors import ConfigError
+from swarm.errors import CacheUnwritable, ConfigError
 from swarm.ranges import LayerRange
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -33,6 +34,9 @@ class StageConfig:
     layers: LayerRange | None  # None: pick a block from the swarm (needs bootstrap)
     listen: str = DEFAULT_LISTEN
     key_path: Path | None = None
+    # key_path is a default whose identity nobody relies on (a stage that picks its block): when another
+    # running process holds it, take the next free slot (stage-auto-2.key, ...) instead of refusing
+    key_fallback: bool = False
     threads: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -379,3 +383,33 @@ def cache_root() -> Path:
     """``$SWARM_CACHE`` or ``~/.cache/swarm``."""
     env = os.environ.get("SWARM_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "swarm"
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def cache_fault(exc: BaseException) -> CacheUnwritable | None:
+    """The ``CacheUnwritable`` behind ``exc`` when it is (or wraps, in exception groups or as a cause) a
+    refused write at, under or above ``cache_root()``; else None.
+
+    Every writer under the cache (keys, converted models, manifests, kernels, proofs, fetched weights)
+    thus fails with one line naming the path and SWARM_CACHE, however deep the write was.
+    """
+    seen: set[int] = set()
+    stack = [exc]
+    root = cache_root().absolute()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CacheUnwritable):
+            return e
+        if isinstance(e, OSError) and e.errno in _NOT_WRITABLE and e.filename:
+            path = Path(os.fsdecode(e.filename)).absolute()
+            if path == root or root in path.parents or path in root.parents:
+                return CacheUnwritable(path, e.strerror)
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        stack.extend((e.__cause__, e.__context__))
+    return None

@@ -102,8 +102,11 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     from swarm.drafters import make_drafter
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
-    from swarm.transport import load_or_create_key, open_host
+    from swarm.transport import open_host
+    from swarm.transport.identity import claim_key
 
+    if config.bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
+        await swarm_may_serve(config.ring.model, config.bootstrap)
     resolved = resolve_model(config.ring.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
@@ -124,7 +127,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         raise ConfigError("the prompt is empty after tokenization")
     stop = eos_ids(resolved.path, tokenizer)
     drafter = make_drafter(config.spec.draft, target_vocab=vocab_size(resolved.path), sampling=config.sampling)
-    key = load_or_create_key(config.key_path or cache_root() / "keys" / "coordinator.key")
+    # the default key is anyone's: a second coordinator (or `swarm serve`) running beside takes the next slot
+    key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key", fallback=config.key_path is None)
     job = None
     if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt
         _check_writable(config.receipt_dir)
@@ -180,6 +184,37 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
                                               model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
                                               output_ids=out, ring=ring_entries, record=timing)
     return result
+
+
+async def swarm_may_serve(model: str, bootstrap: tuple[str, ...]) -> None:
+    """Refuse at once a model whose resolving is costly (a conversion, a download) when no stage of the
+    swarm announces a model of that name: the exact check (by weights id) needs the converted model,
+    and a swarm of other models should not cost the user a minute of converting first.
+
+    Raises:
+        StageLost: the swarm has no stage of a model named so (the message lists what it has).
+    """
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from swarm.discovery.dht import open_dht
+    from swarm.model.resolve import costly_name
+    from swarm.transport import open_host
+
+    name = await trio.to_thread.run_sync(costly_name, model)
+    if name is None:
+        return
+    # a read-only DHT client whose identity nobody sees: a key of its own, in memory only
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_dht(host, server=False, bootstrap=bootstrap) as dht:
+        records = await dht.find_records(None, timeout_s=5.0)
+    if any(r.model_name.lower() == name.lower() for r in records):
+        return
+    has = sorted({f"{r.model_name} ({r.model_id[:12]})" for r in records})
+    raise StageLost(f"the swarm (joined through {bootstrap[0]}) has no stage of model {name!r}"
+                    + (f"; its stages serve: {', '.join(has)}" if has else "; it has no stages at all")
+                    + f". Nothing was converted or downloaded; if the stages announce the same weights under "
+                    f"another name, run `swarm model import {model}` once, then this command checks "
+                    "by the weights themselves")
 
 
 async def run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -25,10 +25,6 @@ from swarm.ranges import even_split
 
 def run_demo(args) -> int:
     """Start ``args.stages`` stages, generate once, print text, tokens/s and the ring. Returns 0."""
-    from swarm.coordinator import generate
-    from swarm.model.block import model_num_layers
-    from swarm.model.resolve import resolve_model
-
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -38,6 +34,19 @@ def run_demo(args) -> int:
         raise ConfigError(f"--kill-stage must name a stage 0..{args.stages - 1}, got {args.kill_stage}")
     if args.kill_after < 1:
         raise ConfigError(f"--kill-after must be >= 1 new token, got {args.kill_after}")
+    if getattr(args, "serve", None):  # bound before any stage starts: a taken port fails at once
+        from swarm.listen import bind_tcp
+
+        with bind_tcp("127.0.0.1", args.port) as sock:
+            return _run_demo(args, say, spec_config, sampling, sock)
+    return _run_demo(args, say, spec_config, sampling, None)
+
+
+def _run_demo(args, say, spec_config, sampling, sock) -> int:
+    from swarm.coordinator import generate
+    from swarm.model.block import model_num_layers
+    from swarm.model.resolve import resolve_model
+
     if getattr(args, "shadow", False) and not args.spares:
         raise ConfigError("--shadow needs --spares: the shadows are the demo's warm spares")
     if getattr(args, "shadow", False) and getattr(args, "serve", None):
@@ -56,9 +65,9 @@ def run_demo(args) -> int:
     # file's directory removed (while --serve serves, its trio signal receiver takes SIGTERM instead)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with tempfile.TemporaryDirectory(prefix="swarm-demo-") as tmp, \
-            LocalRing(args.model, ranges, cache_root() / "keys" / "demo", threads=threads, extra_args=extra,
-                      startup_timeout_s=args.startup_timeout_s) as ring, \
-            LocalRing(args.model, ranges if args.spares else [], cache_root() / "keys" / "demo-spares",
+            LocalRing(args.model, ranges, _free_key_dir(cache_root() / "keys" / "demo"), threads=threads,
+                      extra_args=extra, startup_timeout_s=args.startup_timeout_s) as ring, \
+            LocalRing(args.model, ranges if args.spares else [], _free_key_dir(cache_root() / "keys" / "demo-spares"),
                       threads=threads, extra_args=extra, startup_timeout_s=args.startup_timeout_s) as spares:
         spec = RingSpec(model=args.model, stages=ring.ring_spec().stages, spares=spares.ring_spec().stages)
         ring_path = args.ring_out or Path(tmp) / "ring.yaml"
@@ -69,9 +78,9 @@ def run_demo(args) -> int:
         for sp in spares.stages:
             say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
         if args.serve:
-            return _serve(spec, args, spec_config)
+            return _serve(spec, args, spec_config, sock)
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,
-                                   key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
+                                   key_path=None, spec=spec_config,
                                    sampling=sampling, wire_dtype=args.wire_dtype, shadow=args.shadow,
                                    receipt_dir=args.receipt_dir if args.receipt else None)
         if not args.json:
@@ -95,7 +104,19 @@ def run_demo(args) -> int:
     return 0 if not result.get("receipt") or result["receipt"]["verified"] else 1
 
 
-def _serve(spec: RingSpec, args, spec_config) -> int:
+def _free_key_dir(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``, ...: the first whose stage keys no running process holds, so a
+    second demo beside the first gets stages of its own PeerIds (the demo's identities matter to nobody)."""
+    from swarm.transport.identity import key_holder
+
+    for i in range(1, 65):
+        d = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        if not any(key_holder(k) for k in d.glob("*.key")):
+            return d
+    return d
+
+
+def _serve(spec: RingSpec, args, spec_config, sock) -> int:
     """``swarm demo --serve``: the OpenAI-compatible API over the local ring until Ctrl-C."""
     from swarm.serve import serve_api
 
@@ -111,7 +132,7 @@ def _serve(spec: RingSpec, args, spec_config) -> int:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_sigterm, nursery.cancel_scope)
             info = await nursery.start(lambda task_status: serve_api(
-                spec, "127.0.0.1", args.port, key_path=cache_root() / "keys" / "coordinator.key", spec=spec_config,
+                spec, "127.0.0.1", args.port, listen_socket=sock, key_path=None, spec=spec_config,
                 wire_dtype=args.wire_dtype, task_status=task_status))
             url = info["url"]
             print(f"\nswarm demo: serving the OpenAI API at {url}/v1 (model {info['model']}); Ctrl-C stops.\n"

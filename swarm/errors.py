@@ -8,11 +8,47 @@ from __future__ import annotations
 
 
 class SwarmError(Exception):
-    """Base class of every error swarm raises on purpose."""
+    """Base class of every error swarm raises on purpose. ``exit_code``: what a command exits with."""
+
+    exit_code = 1
 
 
 class ConfigError(SwarmError):
     """A command-line flag, config file or ring file is invalid."""
+
+
+class CacheUnwritable(ConfigError):
+    """swarm must write under its cache (keys, converted models, manifests, kernels, proofs) and cannot:
+    the directory is read-only or not ours (a HOME that is not writable). Exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, path, why: str | None = None, also: str = "") -> None:
+        self.path = path
+        because = f" ({why})" if why else ""
+        super().__init__(f"cannot write {path}{because}: set SWARM_CACHE to a writable directory (swarm keeps keys, "
+                         f"converted models and built kernels there; default ~/.cache/swarm){also}")
+
+
+class ListenError(ConfigError):
+    """A command cannot listen where it was told to (the port is taken, the address is not local). Exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, where: str, exc: OSError | None = None, flag: str = "--port", why: str | None = None) -> None:
+        import errno
+
+        self.where = where
+        code = getattr(exc, "errno", None)
+        if code == errno.EADDRINUSE:
+            why, todo = "address already in use", f"pick another {flag}, or stop the process using it"
+        elif code == errno.EADDRNOTAVAIL:
+            why, todo = "not an address of this machine", "listen on one of its addresses, or 0.0.0.0 for all"
+        elif code == errno.EACCES:
+            why, todo = "permission denied", f"ports below 1024 need privileges: pick another {flag}"
+        else:
+            why, todo = why or (getattr(exc, "strerror", None) or str(exc)).lower(), f"check {flag}"
+        super().__init__(f"cannot listen on {where}: {why} ({todo})")
 
 
 class ModelError(SwarmError):

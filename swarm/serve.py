@@ -1043,15 +1043,37 @@ def check_origins(origins) -> tuple[str, ...]:
     return tuple(out)
 
 
-async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, key_path=None,
-                    spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
-                    heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
-                    prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
-                    keepalive_s: float = DEFAULT_KEEPALIVE_S, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-                    cors_origins: tuple[str, ...] = (), shutdown: Shutdown | None = None, task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
-    """Check the ring, then serve the API on ``host:port`` until cancelled, or until ``shutdown``
-    is requested: then drain (``drain``, ``shutdown.timeout_s``), stop listening and return the
-    drain's result.
+async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, listen_socket=None,
+                    task_status=trio.TASK_STATUS_IGNORED, **options) -> dict | None:
+    """Bind ``host:port`` first (or take ``listen_socket``, already bound), then ``_serve_api`` on it.
+
+    A taken port thus fails at once, in one line, before the model, the tokenizer or the ring are
+    touched. ``options``: as ``_serve_api``.
+
+    Raises:
+        ListenError: ``host:port`` cannot be bound ("cannot listen on 127.0.0.1:8000: address already
+            in use (...)"). Else as ``_serve_api``.
+    """
+    from swarm.listen import bind_tcp
+
+    sock = listen_socket if listen_socket is not None else bind_tcp(host, port)
+    try:
+        return await _serve_api(ring, host, port, sock=sock, task_status=task_status, **options)
+    finally:
+        if sock.fileno() != -1:  # not handed to hypercorn (a failure before listening)
+            sock.close()
+
+
+async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *, sock, key_path=None,
+                     spec: SpecConfig | None = None, wire_dtype: str | None = None, hop_timeout_s: float = 60.0,
+                     heartbeat_s: float = 1.0, max_concurrency: int = 16, bootstrap: tuple[str, ...] = (),
+                     prefix_cache: bool = True, dashboard_receipts=None, receipt_dir=None,
+                     keepalive_s: float = DEFAULT_KEEPALIVE_S, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+                     cors_origins: tuple[str, ...] = (), shutdown: Shutdown | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
+    """Check the ring, then serve the API on ``sock`` (bound to ``host:port``) until cancelled, or
+    until ``shutdown`` is requested: then drain (``drain``, ``shutdown.timeout_s``), stop listening
+    and return the drain's result.
 
     With ``bootstrap`` (and a RingSpec naming only the model) the ring is routed from the swarm's
     DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
@@ -1085,9 +1107,14 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.ring import RingClient
-    from swarm.transport import load_or_create_key, open_host
+    from swarm.transport import open_host
+    from swarm.transport.identity import claim_key
 
     cors_origins = check_origins(cors_origins)
+    if bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
+        from swarm.coordinator import swarm_may_serve
+
+        await swarm_may_serve(ring.model, bootstrap)
     resolved = resolve_model(ring.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
     num_layers = model_num_layers(resolved.path)
@@ -1096,7 +1123,7 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
         _check_writable(receipt_dir)
     if dashboard_receipts is not None and not Path(dashboard_receipts).is_dir():
         raise ConfigError(f"--dashboard-receipts {dashboard_receipts}: not a directory")
-    key = load_or_create_key(key_path or cache_root() / "keys" / "coordinator.key")
+    key, _ = claim_key(key_path or cache_root() / "keys" / "coordinator.key", fallback=key_path is None)
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         discovery = None
         if bootstrap:
@@ -1134,8 +1161,10 @@ async def serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, *
         from swarm.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(state)
+        from swarm.listen import hypercorn_bind
+
         config = HyperConfig()
-        config.bind = [f"{host}:{port}"]
+        config.bind = [hypercorn_bind(sock)]
         config.accesslog = None
         config.errorlog = logging.getLogger("hypercorn.error")
         config.graceful_timeout = 5.0  # after a drain: the last events of the streams still go out

@@ -236,7 +236,8 @@ def test_stage_fatal_port_in_use(synthetic, tmp_path):
         port = s.getsockname()[1]
         res = run_swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2",
                         "--key", str(tmp_path / "k.key"), "--listen", f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
-    assert res.returncode == 1 and f"127.0.0.1/tcp/{port}" in res.stdout and "SWARM_STAGE_FATAL" in res.stdout
+    assert res.returncode == 2 and "SWARM_STAGE_FATAL" in res.stdout
+    assert f"cannot listen on /ip4/127.0.0.1/tcp/{port}: address already in use" in res.stdout
 
 
 def test_stage_key_stable_peer_id(synthetic, tmp_path):

@@ -43,3 +43,67 @@ def test_ring_smollm2_three_stages(smollm2_dir, tmp_path):
     # the reference may stop early at EOS; the ring (no stop ids here) continues past it
     assert len(ref) >= 5 and out[: len(ref)] == ref
     assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.slow
+def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_path):
+    """Two coordinators with one key (two processes run with the same --key, or a restarted one whose old
+    connection lingers) on one ring: the second's connection must not cut the first's live streams.
+    libp2p trims a peer's surplus connections once they are past its 20 s grace period, so the first
+    coordinator's connections are aged past it before the second connects."""
+    import trio
+
+    from swarm.coordinator import RingClient, decode
+    from swarm.errors import collapse
+    from swarm.model.resolve import model_manifest_digest
+    from swarm.transport import load_or_create_key, open_host
+    from tests.ring_util import LOOPBACK, start_ring
+
+    prompt, new = [1, 403, 407, 261, 378], 40
+    ref = reference_greedy(stories_dir, prompt, new, "float32")
+    digest = model_manifest_digest(stories_dir)
+    key = load_or_create_key(tmp_path / "coord.key")
+
+    async def coordinator(spec, nursery, connected=None):
+        host = await nursery.start(_host_task, key)
+        client = RingClient(host, spec, 30.0, 10.0)
+        await client.connect(5, digest, nursery)
+        if connected is not None:
+            connected.set()
+        return client
+
+    async def _host_task(key_pair, task_status=trio.TASK_STATUS_IGNORED):
+        async with open_host(key_pair, [LOOPBACK]) as host:
+            task_status.started(host)
+            await trio.sleep_forever()
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, stories_dir, [(0, 2), (2, 5)], tmp_path, "float32")
+                first = await coordinator(spec, nursery)
+                before, _ = await decode(first, prompt, new, set())
+                await trio.sleep(21)  # the first coordinator's connections leave libp2p's grace period
+                results = {}
+
+                async def run_first():
+                    results["first"] = (await decode(first, prompt, new, set()))[0]
+
+                async def run_second():
+                    second = await coordinator(spec, nursery)
+                    results["second"] = (await decode(second, prompt, new, set()))[0]
+
+                async with trio.open_nursery() as both:
+                    both.start_soon(run_first)
+                    both.start_soon(run_second)
+                await trio.sleep(1)  # a trimmed connection would have closed by now
+                results["again"] = (await decode(first, prompt, new, set()))[0]
+                nursery.cancel_scope.cancel()
+        return before, results
+
+    try:
+        before, results = trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    assert before == ref
+    assert results == {"first": ref, "second": ref, "again": ref}

@@ -26,6 +26,7 @@ torch's) never changes a bit.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -105,7 +107,18 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         except OSError as exc:  # a truncated or foreign file: build it again
             log.warning("kernels.rebuild library=%s: cannot load it (%s)", target, exc)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(target.parent, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(target.parent))
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            # a read-only cache (HOME not writable) must not cost the stage its kernels: build in a
+            # private temporary directory instead, every start, and say how to keep the build
+            log.warning("kernels.cache_unwritable dir=%s (%s): building in a temporary directory; set "
+                        "SWARM_CACHE to a writable directory to keep the build", target.parent, exc.strerror)
+            target = Path(tempfile.mkdtemp(prefix="swarm-kernels-")) / target.name
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True,
                               text=True, timeout=120)
@@ -120,6 +133,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib = _bind(ctypes.CDLL(str(target)))
     except OSError as exc:
         return None, f"could not load {target}: {exc}"
+    finally:
+        if target.parent.name.startswith("swarm-kernels-"):  # a temporary build: loaded (mapped), not kept
+            shutil.rmtree(target.parent, ignore_errors=True)
     log.info("kernels.built library=%s", target)
     return lib, ""
 

@@ -110,6 +110,34 @@ def resolve_model(spec: str, *, progress: bool | None = None) -> ResolvedModel:
                      f"{sorted(BUILTIN_MODELS)} or hub id org/name)")
 
 
+def costly_name(spec: str) -> str | None:
+    """The name ``resolve_model(spec)`` will give, when resolving it costs real work now (a GGUF or
+    built-in model not converted yet, a hub id: converting or downloading takes tens of seconds);
+    None when it is cheap (a local directory, a conversion already in the cache) or not a model.
+
+    Reads at most the 2 MiB of a GGUF that `gguf_cache_key` samples; converts and downloads nothing.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir() or path.exists() and path.suffix.lower() != ".gguf":
+        return None
+    if path.suffix.lower() == ".gguf":
+        gguf, name = (path.resolve(), path.stem) if path.is_file() else (None, None)
+    elif spec.lower() in BUILTIN_MODELS:
+        try:
+            gguf, name = _builtin_gguf(spec.lower()), spec.lower()
+        except ModelError:
+            return None  # resolve_model says why
+    else:
+        return spec if _HUB_ID.match(spec) else None
+    if gguf is None:
+        return None
+    try:
+        converted = cache_root() / "models" / f"{_slug(gguf.stem)}-{gguf_cache_key(gguf)}"
+    except OSError:
+        return None
+    return None if converted.is_dir() else name
+
+
 def is_hub_id(spec: str) -> bool:
     """True when ``spec`` has the form of a Hugging Face hub id ``org/name`` (no check that it exists)."""
     return bool(_HUB_ID.match(spec))

@@ -20,7 +20,7 @@ import sys
 import torch
 import trio
 
-from swarm.config import StageConfig
+from swarm.config import StageConfig, cache_fault
 from swarm.errors import SwarmError, collapse
 from swarm.stage.server import StageServer
 from swarm.wire import PROTOCOL_ID
@@ -153,15 +153,16 @@ def run_stage(config: StageConfig) -> int:
     from swarm.model.resolve import model_manifest_digest
     from swarm.ranges import LayerRange
     from swarm.stage.membership import announce, measure_decode_tps, place
-    from swarm.transport import load_or_create_key
+    from swarm.transport.identity import claim_key
     from swarm.weights.acquire import acquire_model
     from swarm.weights.manifest import model_id as weights_model_id
 
     placed = config.layers is None
     try:
+        _check_listen(config)  # before the key, the weights and the model: a taken port fails at once
         if config.threads:
             torch.set_num_threads(config.threads)
-        key = load_or_create_key(config.key_path)
+        key, _ = claim_key(config.key_path, fallback=config.key_fallback)
         resolved = acquire_model(config, key)  # a hub id or --fetch-from: only this range's shards, verified
         model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.bootstrap else None
         if placed:
@@ -176,9 +177,13 @@ def run_stage(config: StageConfig) -> int:
         digest = model_manifest_digest(resolved.path)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
-        return 1
+        return exc.exit_code
     except Exception as exc:  # e.g. torch refusing a config no check anticipated: still one line
         log.debug("start.crashed", exc_info=True)
+        fault = cache_fault(exc)  # a refused write under the cache (a converted model, a manifest)
+        if fault is not None:
+            emit("FATAL", {"reason": str(fault)})
+            return fault.exit_code
         emit("FATAL", {"reason": f"cannot load layers {config.layers}: {type(exc).__name__}: {exc}"[:500]})
         return 1
     try:
@@ -198,7 +203,7 @@ def run_stage(config: StageConfig) -> int:
             membership = partial(announce, config=config, model_id=model_id, throughput_tps=tps, placed=placed)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
-        return 1
+        return exc.exit_code
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -234,11 +239,23 @@ def run_stage(config: StageConfig) -> int:
         return 0
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
-        return 1
+        return exc.exit_code
     return 0
 
 
 MOVED_ENV = "SWARM_STAGE_MOVED_TO"
+
+
+def _check_listen(config: StageConfig) -> None:
+    """Raise ListenError now if ``--listen`` or ``--metrics-listen`` could not be bound later."""
+    from swarm.listen import bind_tcp
+    from swarm.transport.host import check_listen_addrs
+
+    check_listen_addrs([config.listen], "--listen")
+    if config.metrics_listen:
+        addr, _, port = config.metrics_listen.rpartition(":")
+        if port.isdigit() and int(port):
+            bind_tcp(addr.strip("[]"), int(port), flag="--metrics-listen").close()
 
 
 def _run_trio(fn, *args):
@@ -246,4 +263,7 @@ def _run_trio(fn, *args):
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
-        raise collapse(group) from None
+        found = collapse(group)
+        raise (found if isinstance(found, (SwarmError, KeyboardInterrupt)) else cache_fault(group) or group) from None
+    except OSError as exc:
+        raise cache_fault(exc) or exc from None

@@ -12,7 +12,6 @@ only plaintext fails the security handshake.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
@@ -38,7 +37,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 
-from swarm.errors import ConfigError, HopTimeout, ProtocolError, StageLost
+from swarm.errors import ConfigError, HopTimeout, ListenError, ProtocolError, StageLost
 from swarm.transport import dataplane
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
 from swarm.transport.migrate import Migrator
@@ -316,6 +315,7 @@ async def open_host(
     )
     # new_host takes no retry option; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
+    _keep_busy_connections(host.get_network())
     async with host.run(maddrs):
         network = host.get_network()
         # The auto-connector dials every peer in the peerstore until it holds ~150
@@ -324,7 +324,7 @@ async def open_host(
         listening = network.listeners
         failed = [str(m) for m in maddrs if str(m) not in listening]
         if failed:
-            raise ConfigError(f"cannot listen on {', '.join(failed)} (address in use or not local)")
+            raise ListenError(", ".join(failed), why="address in use or not local", flag="--listen")
         log.info("host.start peer=%s addrs=%s", peer_id_of(key_pair), [str(a) for a in host.get_addrs()])
         async with trio.open_nursery() as nursery:
             circuits = CircuitClient(host, hop=relay_hop, hole_punch=hole_punch)
@@ -371,6 +371,35 @@ def _connection_config(health_check_interval_s: float | None) -> ConnectionConfi
     )
 
 
+def _keep_busy_connections(network) -> None:
+    """Never let libp2p's per-peer limit close a connection that carries streams.
+
+    With ``max_connections_per_peer=1``, libp2p 0.8.1 closes a peer's surplus connection as soon as a
+    newer one arrives, choosing among those past the 20 s grace period *whatever their streams*. A
+    second connection from a known PeerId (a second process run with the same key, a coordinator
+    restarted while its old connection lingers) thus cut every live session of the first at a stage.
+    Surplus connections without streams are still trimmed as libp2p does; busy ones close when their
+    peer closes them.
+    """
+    trim = network._trim_connections
+
+    def trim_idle_only(peer_id) -> None:
+        if any(_has_streams(c) for c in network.connections.get(peer_id, ())):
+            log.debug("conn.keep peer=%s connections=%d: a busy connection is never trimmed", peer_id,
+                      len(network.connections.get(peer_id, ())))
+            return
+        trim(peer_id)
+
+    network._trim_connections = trim_idle_only
+
+
+def _has_streams(conn) -> bool:
+    try:
+        return bool(conn.get_streams())
+    except Exception:  # a connection closing under us: libp2p's own trim counts it as idle too
+        return False
+
+
 def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:
     try:
         maddr = multiaddr.Multiaddr(addr)
@@ -394,7 +423,7 @@ def _parse_announce_addr(addr: str) -> multiaddr.Multiaddr:
     return maddr
 
 
-def _probe_bindable(maddr: multiaddr.Multiaddr) -> None:
+def _probe_bindable(maddr: multiaddr.Multiaddr, flag: str = "--listen") -> None:
     """Fail fast if a fixed TCP port is taken.
 
     libp2p binds listeners with SO_REUSEPORT (for hole punching), so a second libp2p host on
@@ -412,8 +441,22 @@ def _probe_bindable(maddr: multiaddr.Multiaddr) -> None:
         try:
             probe.bind((ip, port))
         except OSError as e:
-            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-            raise ConfigError(f"listen address {maddr} {why}") from e
+            raise ListenError(str(maddr), e, flag) from None
+
+
+def check_listen_addrs(addrs: Sequence[str], flag: str = "--listen") -> None:
+    """Check, before any slow start-up work, that this node could listen on ``addrs``.
+
+    Args:
+        addrs: TCP multiaddrs (``/ip4/H/tcp/P``); port 0 always passes.
+        flag: the command-line flag that named them, for the message.
+    Raises:
+        ConfigError: an address is malformed. ListenError: a fixed port is taken or the address is
+            not local ("cannot listen on /ip4/127.0.0.1/tcp/4001: address already in use (pick
+            another --listen, or stop the process using it)").
+    """
+    for addr in addrs:
+        _probe_bindable(_parse_listen_addr(addr), flag)
 
 
 LIBP2P_LOG_LEVEL: int | None = None  # set by the CLI: libp2p's own level (its import resets it to WARNING)

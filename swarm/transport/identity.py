@@ -1,7 +1,8 @@
 """Node identity: the ed25519 key file, the PeerId derived from it, and raw signatures.
 
-Owns: reading/creating the key file (mode 0600), PeerId derivation, signing bytes with the node
-key and verifying a signature from a PeerId alone (ed25519 PeerIds inline the public key).
+Owns: reading/creating the key file (mode 0600), holding it for the running process
+(``claim_key``: one process per key), PeerId derivation, signing bytes with the node key and
+verifying a signature from a PeerId alone (ed25519 PeerIds inline the public key).
 May import: stdlib, libp2p (crypto, peer id), pynacl. No torch, no model terms.
 
 The same key is the libp2p host identity and the receipt signing key, so the identity that
@@ -10,10 +11,13 @@ routes traffic is the identity that answers for it.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 import nacl.exceptions
@@ -23,7 +27,7 @@ from libp2p.crypto.keys import KeyPair, KeyType
 from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
-from swarm.errors import IdentityError
+from swarm.errors import CacheUnwritable, IdentityError
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +121,157 @@ def _create_key_file(path: Path) -> KeyPair:
         finally:
             tmp.unlink()
     except OSError as e:
+        if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise CacheUnwritable(e.filename or path.parent, e.strerror, KEY_HINT) from None
         raise IdentityError(f"key file {path} cannot be created: {e.strerror}") from e
     if raced:
         log.info("identity.create_race path=%s: loading the key another process wrote", path)
         return load_or_create_key(path, create=False)
     log.info("identity.create path=%s peer=%s", path, peer_id_of(key_pair))
     return key_pair
+
+
+class KeyInUse(IdentityError):
+    """Another running process holds this key file (two processes with one PeerId knock each other out:
+    the DHT keeps one record per PeerId, a stage cannot tell their sessions' owners apart)."""
+
+    def __init__(self, path: Path, holder: str | None) -> None:
+        self.path, self.holder = path, holder
+        who = f"pid {holder}" if holder else "another process"
+        super().__init__(f"key file {path} is in use by {who}: one key is one node; stop that process, or give "
+                         f"this one its own key with --key FILE")
+
+
+KEY_HINT = ", or pass --key FILE in a writable directory"
+FALLBACK_SLOTS = 64  # coordinator.key, coordinator-2.key, ... coordinator-64.key
+_HELD: dict[Path, int] = {}  # key files this process holds: resolved path -> fd of the flock'ed lock file
+
+
+def lock_path_of(path: str | os.PathLike[str]) -> Path:
+    """The lock file beside a key file: ``<key>.lock`` (holds the holder's pid and command line)."""
+    path = Path(path)
+    return path.with_name(path.name + ".lock")
+
+
+def claim_key(path: str | os.PathLike[str], *, fallback: bool = False) -> tuple[KeyPair, Path]:
+    """Load (or create) a node key and hold it for the life of this process.
+
+    The hold is an exclusive ``flock`` on ``<key>.lock`` beside it (the holder's pid and command line
+    written inside), kept until the process exits or ``release_keys``: the kernel drops it with the
+    process, so a crashed or killed holder never blocks the next start. Claiming a key this process
+    already holds succeeds. Where the directory is read-only the key file itself is locked.
+
+    Args:
+        path: the key file (created 0600 if absent, as ``load_or_create_key``).
+        fallback: the path is a default whose identity does not matter to the user (a client's key, a
+            stage that picks its own block): when another process holds it, use the first free of
+            ``<stem>-2<suffix>``, ``<stem>-3<suffix>``, ... instead (each kept, so a slot's PeerId is
+            stable too), and log which.
+    Returns:
+        (the key pair, the key file actually used).
+    Raises:
+        KeyInUse: another running process holds ``path`` (and ``fallback`` is False, or every slot is held).
+        CacheUnwritable: the key does not exist and its directory cannot be written.
+        IdentityError: as ``load_or_create_key``.
+    """
+    path = Path(path)
+    candidates = [path] + ([path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(2, FALLBACK_SLOTS + 1)]
+                           if fallback else [])
+    first_holder: KeyInUse | None = None
+    for candidate in candidates:
+        try:
+            _lock(candidate)
+        except KeyInUse as exc:
+            first_holder = first_holder or exc
+            continue
+        try:
+            key_pair = load_or_create_key(candidate)
+        except BaseException:
+            _unlock(candidate)
+            raise
+        if candidate != path:
+            log.warning("identity.in_use key=%s holder=pid %s: this process uses %s (PeerId %s); give it --key "
+                        "FILE to choose", path, first_holder.holder if first_holder else "?", candidate,
+                        peer_id_of(key_pair))
+        return key_pair, candidate
+    assert first_holder is not None  # every candidate was held
+    raise first_holder
+
+
+def key_holder(path: str | os.PathLike[str]) -> str | None:
+    """The pid (as text) of the running process holding ``path``, else None. Takes no lock.
+
+    Args:
+        path: a key file. Returns: the holder's pid from its lock file, "?" if it wrote none.
+    """
+    path = Path(path)
+    if path.resolve() in _HELD:
+        return str(os.getpid())
+    lock = lock_path_of(path)
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd) or "?"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def release_keys() -> None:
+    """Let go of every key this process holds (its exit does the same)."""
+    for path in list(_HELD):
+        _unlock(path)
+
+
+def _lock(path: Path) -> None:
+    """flock ``path``'s lock file for this process, or raise KeyInUse naming the holder."""
+    resolved = path.resolve()
+    if resolved in _HELD:
+        return
+    lock = lock_path_of(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise IdentityError(f"key lock {lock} cannot be opened: {exc.strerror}") from exc
+        if not path.exists():
+            raise CacheUnwritable(exc.filename or path.parent, exc.strerror, KEY_HINT) from None
+        fd = os.open(path, os.O_RDONLY)  # a read-only directory with the key in it: lock the key itself
+        lock = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd) if lock is not None else None
+        os.close(fd)
+        raise KeyInUse(path, holder) from None
+    if lock is not None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {' '.join(sys.argv)[:300]}\n".encode(errors="replace"), 0)
+    _HELD[resolved] = fd
+
+
+def _unlock(path: Path) -> None:
+    fd = _HELD.pop(Path(path).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor drops the flock
+
+
+def _read_holder(fd: int) -> str | None:
+    try:
+        text = os.pread(fd, 400, 0).decode(errors="replace").strip()
+    except OSError:
+        return None
+    pid, _, command = text.partition(" ")
+    if not pid.isdigit():
+        return None
+    return f"{pid} ({command})" if command else pid
 
 
 def peer_id_of(key_pair: KeyPair) -> str:

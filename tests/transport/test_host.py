@@ -279,7 +279,7 @@ async def test_port_in_use_is_config_error() -> None:
     async with open_host(create_new_key_pair()) as a:
         taken = a.addrs()[0].split("/p2p/")[0]
         # libp2p listens with SO_REUSEPORT, so without our probe this would silently succeed.
-        with pytest.raises(ConfigError, match=f"{taken} is already in use"):
+        with pytest.raises(ConfigError, match=f"cannot listen on {taken}: address already in use"):
             async with open_host(create_new_key_pair(), [taken]):
                 pass
     with socket.socket() as plain:

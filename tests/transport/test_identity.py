@@ -79,3 +79,57 @@ def test_sign_verify_from_peer_id_alone(tmp_path: Path) -> None:
     assert not verify_peer_signature("", data, sig)
     # A sha256 (non-inlined) PeerId carries no key: fails closed.
     assert not verify_peer_signature("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", data, sig)
+
+
+def _hold(path: Path):
+    """A separate process that claims ``path`` and waits; returns it once the key is held."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from swarm.transport.identity import claim_key; claim_key(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_key_is_held_by_one_process(tmp_path: Path) -> None:
+    from swarm.transport.identity import KeyInUse, claim_key, key_holder, release_keys
+
+    path = tmp_path / "keys" / "stage-0-2.key"
+    holder = _hold(path)
+    try:
+        assert key_holder(path).startswith(str(holder.pid))
+        with pytest.raises(KeyInUse) as info:  # an explicit or identity-bearing key: refused, naming the holder
+            claim_key(path)
+        assert f"in use by pid {holder.pid}" in str(info.value) and "--key" in str(info.value)
+        kp, used = claim_key(path, fallback=True)  # a default nobody relies on: the next free slot
+        assert used == tmp_path / "keys" / "stage-0-2-2.key"
+        assert peer_id_of(kp) != peer_id_of(load_or_create_key(path))
+        assert claim_key(path, fallback=True)[1] == used  # this process holds that slot already
+    finally:
+        release_keys()
+        holder.kill()
+        holder.wait()
+    # the holder is gone (killed, not exiting cleanly): its lock went with it
+    assert key_holder(path) is None
+    assert claim_key(path)[1] == path
+    release_keys()
+
+
+def test_an_unwritable_key_directory_names_swarm_cache(tmp_path: Path) -> None:
+    from swarm.errors import CacheUnwritable
+    from swarm.transport.identity import claim_key, release_keys
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere; tests/test_cli_env.py covers this with CAP_DAC_OVERRIDE dropped")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(CacheUnwritable, match="SWARM_CACHE"):
+            claim_key(ro / "keys" / "client.key")
+    finally:
+        release_keys()
+        ro.chmod(0o755)

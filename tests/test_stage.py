@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -278,6 +279,48 @@ def test_kv_budget_admits_then_refuses_busy(model, tmp_path):
         return out
 
     assert trio.run(main) == reference_greedy(model, PROMPT, 8, "float64")
+
+
+def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
+    """Two opens racing for room for one: an open admitted but still dialing its successor holds its
+    bytes, so the other is refused busy (the old code checked the budget, then awaited the dial
+    before recording the session, and admitted both)."""
+    per_pos = 2 * 2 * 2 * 8 * 8  # as above: float64, 2 layers
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path, kv_budget_mb=1.0)
+                head = servers[0]
+                need = 64 * (per_pos + head.block.hidden_size * 8)  # KV + the log of hidden states sent on
+                head.config = dataclasses.replace(head.config, kv_budget_mb=1.5 * need / 2**20)  # one, not two
+                dial = head._successor_or_answer
+
+                async def slow_dial(*a, **k):  # a successor far away: the dial takes a while
+                    await trio.sleep(0.3)
+                    return await dial(*a, **k)
+
+                head._successor_or_answer = slow_dial
+                answers = {}
+                async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
+                    async def open_one(sid):
+                        s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+                        await s.send(wire.open_frame(host.key_pair, sid, spec.stages[1].addr, 64))
+                        answers[sid] = await s.recv(timeout_s=10)
+
+                    async with trio.open_nursery() as opens:
+                        opens.start_soon(open_one, "a")
+                        opens.start_soon(open_one, "b")
+                    assert head.opening == {}  # nothing left held once the opens ended
+                    kinds = sorted(m["type"] for m in answers.values())
+                    assert kinds == ["error", "open_ok"], answers
+                    refused = next(m for m in answers.values() if m["type"] == "error")
+                    assert refused["code"] == "busy" and "1 sessions hold" in refused["reason"], refused
+                    assert len(head.sessions) == 1
+                    assert head.reserved_bytes() == need <= head.config.kv_budget_bytes
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 def test_idle_sessions_expire(model, tmp_path):

@@ -76,7 +76,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
     """The record fields read from the live server (all but peer_id, rtt_ms, seq and expiry)."""
     b, config = server.block, server.config
     relays = tuple(server.host.circuits.reserved.values()) if server.host.circuits else ()
-    reserved = sum(s.reserved for s in server.sessions.values())
+    reserved = server.reserved_bytes()
     budget = config.kv_budget_bytes or 0
     per_pos = b.kv_bytes_per_position()
     return {

@@ -50,6 +50,9 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self.model_name = model_name
         self.model_digest = model_digest
         self.sessions: dict[str, Session] = {}
+        # KV bytes of opens admitted but still in progress (dialing the successor, proving a tile,
+        # reusing a prefix): counted against --kv-budget-mb so concurrent opens cannot over-admit
+        self.opening: dict[str, int] = {}
         self.refusals: dict[str, int] = {}  # error frames sent, by reason (metrics)
         self.repairs = 0  # heal repairs applied (metrics)
         self.receipts_signed = 0
@@ -96,7 +99,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
-            kv_reserved_bytes=sum(x.reserved for x in self.sessions.values()), draining=self.draining,
+            kv_reserved_bytes=self.reserved_bytes(), draining=self.draining,
             batching={"max_batch_rows": self.max_batch_rows, "batch_tile": self.tile or 0,
                       "prefill_slice": self.config.prefill_slice,
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
@@ -255,7 +258,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         if self.config.kv_budget_mb is not None:
             budget = self.config.kv_budget_bytes
             others = [s for s in self.sessions.values() if s.session_id != sid]
-            held = sum(s.reserved for s in others)
+            held = self.reserved_bytes(besides=sid)
             if need > budget:
                 raise ContextOverflow(
                     f"the session needs {_mib(need)} of KV cache for {max_len} positions, more than this stage's "
@@ -266,48 +269,58 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
                 log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
                 await stream.send(self._error(
                     f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
-                    f"(--kv-budget-mb) is taken: {len(others)} sessions hold {_mib(held)} and this one needs "
-                    f"{_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
+                    f"(--kv-budget-mb) is taken: {len(others) + len(self.opening)} sessions hold {_mib(held)} and "
+                    f"this one needs {_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
                 return
-        if msg.get("batch") and self.kernels["batch_ok"] is None:
-            await self._prove_batch_tile()
-        if span != self.block.layer_range:  # the receipt signs the digest of the tensors it runs: hash once, off-loop
-            await trio.to_thread.run_sync(self.block.digest_of, span)
-        session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
-                          source=prev or coordinator, reserved=need, last_active=trio.current_time(), span=span)
-        session.batch = bool(msg.get("batch"))
-        if log_rows:
-            session.sent_log = SentLog(self.block.hidden_size, log_rows)
-        if msg.get("wire_dtype") is not None:
-            session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
-        if msg.get("job") is not None:
-            job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
-            session.ledger = receipts.StageLedger(job_id, nonce)
-        if msg.get("sampling") is not None:
-            from swarm.config import SamplingParams
+        self.opening[sid] = need  # held from here, until the session is recorded or the open fails
+        try:
+            if msg.get("batch") and self.kernels["batch_ok"] is None:
+                await self._prove_batch_tile()
+            if span != self.block.layer_range:  # the receipt signs the digest of the tensors it runs: hash once
+                await trio.to_thread.run_sync(self.block.digest_of, span)
+            session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
+                              source=prev or coordinator, reserved=need, last_active=trio.current_time(), span=span)
+            session.batch = bool(msg.get("batch"))
+            if log_rows:
+                session.sent_log = SentLog(self.block.hidden_size, log_rows)
+            if msg.get("wire_dtype") is not None:
+                session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
+            if msg.get("job") is not None:
+                job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
+                session.ledger = receipts.StageLedger(job_id, nonce)
+            if msg.get("sampling") is not None:
+                from swarm.config import SamplingParams
 
-            try:
-                params = SamplingParams.from_wire(msg["sampling"])
-            except ConfigError as exc:
-                raise ProtocolError(f"open frame: {exc}") from exc
-            session.sampling = None if params.greedy else params
-        if next_addr is not None:
-            session.next_stream = await self._successor_or_answer(stream, sid, next_addr)
-            if session.next_stream is None:
-                return
-        session.shadow = shadow
-        if msg.get("prefix") is not None and self.prefix is not None and not shadow:
-            await self._reuse_prefix(session, msg["prefix"])
-        self.sessions[sid] = session
-        if mirror is not None:  # dialed in the background: a slow shadow never delays this open
-            session.mirror = Mirror(sid, mirror, msg["mirror_until"])
-            self.nursery.start_soon(self._run_mirror, session, session.mirror)
-        log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, span, next_addr, max_len,
-                 " shadow" if shadow else "", f" mirror={mirror}" if mirror else "")
-        reused = {"reused": session.reused} if session.prefix_ns else {}
-        await stream.send(wire.frame("open_ok", session=sid, **reused))
+                try:
+                    params = SamplingParams.from_wire(msg["sampling"])
+                except ConfigError as exc:
+                    raise ProtocolError(f"open frame: {exc}") from exc
+                session.sampling = None if params.greedy else params
+            if next_addr is not None:
+                session.next_stream = await self._successor_or_answer(stream, sid, next_addr)
+                if session.next_stream is None:
+                    return
+            session.shadow = shadow
+            if msg.get("prefix") is not None and self.prefix is not None and not shadow:
+                await self._reuse_prefix(session, msg["prefix"])
+            self.sessions[sid] = session
+            if mirror is not None:  # dialed in the background: a slow shadow never delays this open
+                session.mirror = Mirror(sid, mirror, msg["mirror_until"])
+                self.nursery.start_soon(self._run_mirror, session, session.mirror)
+            log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, span, next_addr, max_len,
+                     " shadow" if shadow else "", f" mirror={mirror}" if mirror else "")
+            reused = {"reused": session.reused} if session.prefix_ns else {}
+            await stream.send(wire.frame("open_ok", session=sid, **reused))
+        finally:
+            self.opening.pop(sid, None)
 
     # ---- prefix cache (issue 17) ---------------------------------------------------------------
+
+    def reserved_bytes(self, besides: str | None = None) -> int:
+        """KV bytes reserved against ``--kv-budget-mb``: every live session's, and every open still
+        in progress (``opening``), leaving out session ``besides`` (a session re-opened by its owner)."""
+        held = sum(s.reserved for s in list(self.sessions.values()) if s.session_id != besides)
+        return held + sum(n for sid, n in self.opening.items() if sid != besides)
 
     def _prefix_allowed(self) -> int:
         """Bytes the prefix cache may hold now: ``--prefix-cache-mb``, and within ``--kv-budget-mb``
@@ -315,8 +328,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         allowed = int(self.config.prefix_cache_mb * 2**20)
         budget = self.config.kv_budget_bytes
         if budget is not None:
-            held = sum(s.reserved for s in list(self.sessions.values()))
-            allowed = min(allowed, max(0, budget - held))
+            allowed = min(allowed, max(0, budget - self.reserved_bytes()))
         return allowed
 
     def prefix_stats(self) -> dict | None:

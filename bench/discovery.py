@@ -35,17 +35,17 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.coordinator import decode  # noqa: E402
+from swarm.coordinator.generation import decode  # noqa: E402
 from swarm.discovery.client import discover_ring  # noqa: E402
 from swarm.discovery.dht import open_dht  # noqa: E402
 from swarm.errors import ConfigError, collapse  # noqa: E402
-from swarm.launch import BootstrapNode, LocalRing  # noqa: E402
+from swarm.cli.launch import BootstrapNode, LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
-from swarm.ring import RingClient  # noqa: E402
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402
-from swarm.weights.manifest import model_id  # noqa: E402
+from swarm.weights.identify import model_id  # noqa: E402
 
 PROMPT = [1, 403, 407, 261, 378, 300, 265]
 

@@ -35,10 +35,10 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import SpecConfig  # noqa: E402
-from swarm.coordinator import RingClient, decode  # noqa: E402
-from swarm.drafters import NgramDrafter  # noqa: E402
+from swarm.coordinator.generation import RingClient, decode  # noqa: E402
+from swarm.coordinator.drafters import NgramDrafter  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import load_block, pick_device, pick_dtype  # noqa: E402
 from swarm.model.resolve import model_manifest_digest  # noqa: E402
 from swarm.ranges import LayerRange, even_split  # noqa: E402

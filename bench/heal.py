@@ -31,13 +31,13 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, StageSpec  # noqa: E402
-from swarm.coordinator import decode  # noqa: E402
+from swarm.coordinator.generation import decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import LayerRange, even_split  # noqa: E402
-from swarm.ring import RingClient  # noqa: E402
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402
 
 TEXT = ("The history of the lighthouse is a history of trade, weather and human stubbornness. "

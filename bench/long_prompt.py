@@ -24,9 +24,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
-from swarm.serve import serve_api  # noqa: E402
+from swarm.serve.app import serve_api  # noqa: E402
 
 PARAGRAPH = ("The river ran past the old mill, where the miller's daughter kept a ledger of every sack of grain "
              "and every traveller who crossed the bridge. ")

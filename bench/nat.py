@@ -40,10 +40,10 @@ async def _client(cfg: dict) -> dict:
     import trio
 
     from swarm.config import RingSpec, SpecConfig
-    from swarm.coordinator import decode
+    from swarm.coordinator.generation import decode
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest
-    from swarm.ring import RingClient
+    from swarm.coordinator.ring import RingClient
     from swarm.transport import load_or_create_key, open_host
     from swarm.transport.circuit import is_circuit
 
@@ -91,7 +91,7 @@ def main() -> None:
     import yaml
 
     from swarm.config import RingSpec, StageSpec
-    from swarm.launch import BootstrapNode, LocalRing
+    from swarm.cli.launch import BootstrapNode, LocalRing
     from swarm.ranges import LayerRange
     from tests.natlab import NatLab
 

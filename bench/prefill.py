@@ -29,12 +29,12 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig  # noqa: E402
-from swarm.coordinator import decode  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.coordinator.generation import decode  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import load_block, model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
-from swarm.ring.client import RingClient  # noqa: E402
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402
 
 PARAGRAPH = ("The river ran past the old mill, where the miller's daughter kept a ledger of every sack of grain "

@@ -33,10 +33,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.chat import encode_chat  # noqa: E402
-from swarm.coordinator import RingClient, decode, eos_ids  # noqa: E402
+from swarm.coordinator.chat import encode_chat  # noqa: E402
+from swarm.coordinator.generation import RingClient, decode, eos_ids  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402

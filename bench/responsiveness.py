@@ -22,7 +22,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import wire  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402

@@ -35,9 +35,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import wire  # noqa: E402
-from swarm.coordinator import RingClient, decode  # noqa: E402
+from swarm.coordinator.generation import RingClient, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402

@@ -33,11 +33,11 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import resolve_model  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402
-from swarm.serve import serve_api  # noqa: E402
+from swarm.serve.app import serve_api  # noqa: E402
 
 PROMPTS = ["Write a haiku about the sea.", "Name three uses of copper.", "Why do cats purr?",
            "Describe a sunrise in one sentence.", "What is a prime number?", "Give me a tip for studying.",

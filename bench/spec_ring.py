@@ -27,10 +27,10 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig, StageSpec  # noqa: E402
-from swarm.coordinator import RingClient, decode, encode_prompt, eos_ids  # noqa: E402
-from swarm.drafters import make_drafter  # noqa: E402
+from swarm.coordinator.generation import RingClient, decode, encode_prompt, eos_ids  # noqa: E402
+from swarm.coordinator.drafters import make_drafter  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402

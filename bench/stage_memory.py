@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trio  # noqa: E402
 
-from swarm.coordinator import RingClient, decode  # noqa: E402
+from swarm.coordinator.generation import RingClient, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.resolve import model_manifest_digest  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402

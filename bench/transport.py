@@ -324,7 +324,7 @@ def link_results(tmp: Path, rounds: int, pings: int, prefill_frames: int) -> dic
 async def ring_steps(spec, model_dir: Path, key_path: Path, prompt: list[int], steps: int, rounds: int) -> dict:
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest
-    from swarm.ring import RingClient
+    from swarm.coordinator.ring import RingClient
 
     step_s, send_s, deltas = [], [], []
     async with open_host(load_or_create_key(key_path), ["/ip4/127.0.0.1/tcp/0"]) as host, \
@@ -360,7 +360,7 @@ def ring_breakdown(model: str, tmp: Path, steps: int, rounds: int) -> dict:
 
     from swarm import wire
     from swarm.errors import collapse
-    from swarm.launch import LocalRing
+    from swarm.cli.launch import LocalRing
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import resolve_model
     from swarm.ranges import even_split

@@ -32,7 +32,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.launch import LocalRing  # noqa: E402
+from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.resolve import resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
 from swarm.transport import encode_frame, load_or_create_key, open_host  # noqa: E402

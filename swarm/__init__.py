@@ -1,18 +1,37 @@
 """swarm: a peer-to-peer, pipeline-parallel LLM inference swarm.
 
-Layer map (each module's docstring says what it owns and may import):
+Layer map, lower first. Each part may import only the parts named in its rule (and the ``swarm``
+package itself); each package's docstring repeats its rule, and ``tests/test_layout.py`` checks
+every import (lazy ones too) against these rules and that there are no import cycles.
 
-- ``swarm.errors``      the error hierarchy (stdlib only)
-- ``swarm.heal``        recovery decisions (stdlib only)
-- ``swarm.transport``   libp2p host, identity, framed streams, deadlines (no torch)
-- ``swarm.wire``        tensor <-> bytes, frame schema and validation
-- ``swarm.model``       model resolution, layer blocks, KV cache (no networking)
-- ``swarm.kernels``     attention backends and wire kernels
-- ``swarm.receipts``    receipt schema, signing, verification
-- ``swarm.stage``, ``swarm.coordinator``  the daemons (glue; nothing imports them)
-- ``swarm.ring``        the coordinator's streams to a ring: sessions, chunks, probes, swaps
-- ``swarm.output``      what commands print for a person (stdlib only)
-- ``swarm.cli``         the ``swarm`` command
+The shared core, at the top of ``swarm/``:
+
+- ``errors``      the error hierarchy                                  (stdlib only)
+- ``ranges``      half-open layer ranges, tilings, even splits            (core)
+- ``heal``        recovery decisions, pure                                (core)
+- ``routing``     choosing a route (a chain of stages) and spares, pure   (core)
+- ``config``      the frozen per-role configs, the cache root             (core, transport)
+- ``receipts``    receipt schema, signing, verification                   (core, transport)
+- ``wire``        tensor <-> bytes, frame schema and validation           (core, transport)
+- ``listen``      binding a TCP port before anything loads                (core, transport)
+- ``mirror``      a hop's copy of its input sent to a shadow              (core, transport)
+- ``metrics``     Prometheus plumbing shared by stage and serve           (core, transport)
+
+The parts, in packages:
+
+- ``transport``   libp2p host, identity, framed streams, relays, deadlines (core; never torch)
+- ``kernels``     the arithmetic a stage runs and its start-up proof       (core)
+- ``discovery``   the DHT, signed stage records, clocks, the bootstrap node (core, transport; no torch)
+- ``weights``     getting and verifying a stage's tensors, model ids      (core, transport; no torch)
+- ``model``       model resolution, layer blocks, KV cache, sampling      (core, kernels, weights; no networking)
+- ``stage``       the stage daemon                                        (everything above)
+- ``coordinator`` the client: generation, the ring client, heal, speculation (everything above; not stage)
+- ``serve``       the OpenAI-compatible HTTP API and the dashboard        (everything above and coordinator)
+- ``cli``         the ``swarm`` command, the demo, local rings            (anything; nothing imports it)
+- ``__main__``    ``python -m swarm``                                     (cli)
+
+``stage`` and ``coordinator`` are peers: they share only the core and the packages below them
+(the wire format, the transport), never each other's code.
 
 Importing this package has no side effects and loads neither torch nor libp2p.
 """

@@ -1,5 +1,5 @@
 import sys
 
-from swarm.cli import main
+from swarm.cli.main import main
 
 sys.exit(main())

@@ -362,7 +362,7 @@ class CoordinatorConfig:
     receipt_dir: Path | None = Path("receipts")  # where job receipts go; None: no receipts, no digests
     bootstrap: tuple[str, ...] = ()  # route through the swarm's DHT instead of the ring file's stages
     prefix_cache: bool = True  # offer prompts to the stages' prefix caches (same output bits either way)
-    session_file: Path | None = None  # a conversation continued across invocations (swarm.conversation)
+    session_file: Path | None = None  # a conversation continued across invocations (swarm.coordinator.conversation)
 
     def __post_init__(self) -> None:
         if not self.ring.stages and not self.bootstrap:

@@ -45,7 +45,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``swarm ARGS`` run in this process (``swarm.cli.main``) as ``python -m swarm ARGS`` runs it:
+    """``swarm ARGS`` run in this process (``swarm.cli.main.main``) as ``python -m swarm ARGS`` runs it:
     returns its exit code (argparse's SystemExit included), stdout and stderr.
 
     For commands that fail early (a bad flag or ring file, an unreachable stage, a stage that
@@ -65,8 +65,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
     import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE now, not under a command's offline switch)
 
-    from swarm.cli import main
-    from swarm.output import TextOut
+    from swarm.cli.main import main
+    from swarm.cli.output import TextOut
 
     out, err = io.StringIO(), io.StringIO()
     saved_env, saved_argv = dict(os.environ), sys.argv

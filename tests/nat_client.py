@@ -21,10 +21,10 @@ import time
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator import decode
+from swarm.coordinator.generation import decode
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
-from swarm.ring import RingClient
+from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.circuit import is_circuit
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import trio
 
 from swarm.config import RingSpec, StageConfig, StageSpec
-from swarm.coordinator import RingClient, decode
+from swarm.coordinator.generation import RingClient, decode
 from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
@@ -78,7 +78,7 @@ def job_receipt(model_dir: Path, key_dir: Path, ranges, prompt: list[int], recei
     """Run one job with receipts on a fresh in-process ring; return ``write_job_receipt``'s result
     (``path`` of the signed job receipt, ``verified``)."""
     from swarm import receipts
-    from swarm.coordinator import write_job_receipt
+    from swarm.coordinator.generation import write_job_receipt
 
     async def main():
         async with trio.open_nursery() as nursery:

@@ -1,11 +1,11 @@
 """The OpenAI request fields: null is the default everywhere, nothing that would change the answer
-is silently ignored (table tests of the pure policy in swarm.api_params)."""
+is silently ignored (table tests of the pure policy in swarm.serve.params)."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarm.api_params import (CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_NOOP,
+from swarm.serve.params import (CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_NOOP,
                               COMPLETION_REFUSED, ParamRefused, check_fields)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -85,7 +85,7 @@ def test_message_fields_other_than_role_content_name_are_refused():
 
 
 def test_every_refused_field_has_a_rule():
-    from swarm.api_params import _REFUSED
+    from swarm.serve.params import _REFUSED
 
     assert CHAT_REFUSED | COMPLETION_REFUSED <= set(_REFUSED)
     for honoured, noop, refused in ((CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED),
@@ -94,7 +94,7 @@ def test_every_refused_field_has_a_rule():
 
 
 def test_load_body_takes_json_up_to_the_depth_limit_and_refuses_past_it():
-    from swarm.api_params import MAX_DEPTH, InvalidBody, load_body
+    from swarm.serve.params import MAX_DEPTH, InvalidBody, load_body
 
     def nested(levels: int) -> bytes:  # the object is level 0, its field's value level 1, ...
         return ('{"metadata": ' + "[" * levels + "]" * levels + "}").encode()
@@ -109,7 +109,7 @@ def test_load_body_takes_json_up_to_the_depth_limit_and_refuses_past_it():
 
 
 def test_load_body_takes_unicode_text_and_refuses_lone_surrogates():
-    from swarm.api_params import InvalidBody, load_body
+    from swarm.serve.params import InvalidBody, load_body
 
     assert load_body('{"prompt": "caf\u00e9 \U0001F600"}'.encode())["prompt"] == "caf\u00e9 \U0001F600"
     assert load_body(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001F600"  # an escaped pair is one character

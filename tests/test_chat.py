@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.chat import ChatTemplateError, control_strings, encode_chat
+from swarm.coordinator.chat import ChatTemplateError, control_strings, encode_chat
 
 # Simplified chat templates in the style of each family, with the control tokens they use.
 TEMPLATES = {
@@ -94,7 +94,7 @@ def test_serve_encodes_chat_content_literally(base_tokenizer):
     """swarm serve's request parsing: a user's typed <|im_end|> gives the literal encoding's ids."""
     from types import SimpleNamespace
 
-    from swarm.serve import parse_request
+    from swarm.serve.app import parse_request
 
     state = SimpleNamespace(model_id="smollm2-135m", tokenizer=base_tokenizer, max_ctx=8192)
     req = parse_request({"messages": [{"role": "user", "content": "<|im_end|>"}], "max_tokens": 1, "n": None},

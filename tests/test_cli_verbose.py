@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.cli import build_parser
+from swarm.cli.main import build_parser
 
 
 @pytest.mark.parametrize("argv, level", [

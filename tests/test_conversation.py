@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from swarm.config import CoordinatorConfig, SpecConfig
-from swarm.conversation import Conversation
-from swarm.coordinator import generate
+from swarm.coordinator.conversation import Conversation
+from swarm.coordinator.generation import generate
 from swarm.errors import ConfigError, collapse
 from tests.ring_util import start_ring
 

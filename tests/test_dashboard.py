@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
@@ -202,7 +202,7 @@ setTimeout(() => {
 def served_state(tokens_per_s: float, receipts: str | None = None) -> dict:
     """A `swarm serve` dashboard state (the keys ``serve_state`` returns) of a healthy 3-stage ring."""
     from swarm.config import RingSpec, StageSpec
-    from swarm.dashboard import rate_series, ring_coverage
+    from swarm.serve.dashboard import rate_series, ring_coverage
 
     stages = [{"index": i, "layers": [r.start, r.end], "peer_id": pid, "ok": True, "error": None, "sessions": 12,
                "kv_bytes": 123456789, "latency_ms": 1.5} for i, (r, pid) in enumerate(zip(RANGES, PEER_IDS))]
@@ -224,7 +224,7 @@ def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from swarm.dashboard import page
+    from swarm.serve.dashboard import page
 
     queue = list(answers)
 
@@ -286,7 +286,7 @@ def test_the_headline_never_shows_a_stale_rate_when_the_state_cannot_be_read(chr
 
 def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():
     from swarm.config import RingSpec, StageSpec
-    from swarm.dashboard import ring_coverage
+    from swarm.serve.dashboard import ring_coverage
 
     addr = "/ip4/127.0.0.1/tcp/1/p2p/X"
     stages = tuple(StageSpec(addr, r) for r in RANGES)

@@ -13,11 +13,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.discovery.dht import open_dht
 from swarm.discovery.records import StageRecord, sign_record
-from swarm.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
-from swarm.weights.manifest import model_id
+from swarm.weights.identify import model_id
 from tests.conftest import reference_greedy
 from tests.test_cli import run_swarm
 

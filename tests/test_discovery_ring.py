@@ -19,17 +19,17 @@ import pytest
 import trio
 
 from swarm.config import SpecConfig
-from swarm.coordinator import decode
+from swarm.coordinator.generation import decode
 from swarm.discovery.client import discover_ring
 from swarm.discovery.dht import open_dht
-from swarm.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
-from swarm.ring import RingClient
+from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
-from swarm.weights.manifest import model_id
+from swarm.weights.identify import model_id
 from tests.conftest import free_port, make_synthetic, reference_greedy
 from tests.test_cli import run_swarm
 
@@ -345,7 +345,7 @@ def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stori
     and the job receipt verifies across the splice."""
     from swarm import receipts
     from swarm.config import RingSpec, StageSpec
-    from swarm.coordinator import write_job_receipt
+    from swarm.coordinator.generation import write_job_receipt
 
     st = swarm_net["ring"].stages
     a, a2, c, r, e = st  # RANGES order

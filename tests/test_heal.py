@@ -303,7 +303,7 @@ def test_a_replacement_chain_longer_than_the_ring_is_dialed_without_an_index_err
     from swarm.config import RingSpec, StageSpec
     from swarm.errors import RemoteError
     from swarm.ranges import LayerRange
-    from swarm.ring.client import RingClient
+    from swarm.coordinator.ring import RingClient
 
     ring = RingSpec(model="m", stages=(StageSpec("/ip4/127.0.0.1/tcp/1/p2p/X", LayerRange(0, 5)),))
     client = RingClient(None, ring, 1.0, 1.0)

@@ -18,8 +18,8 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageConfig, StageSpec
-from swarm.coordinator import RingClient, decode, write_job_receipt
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.generation import RingClient, decode, write_job_receipt
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest

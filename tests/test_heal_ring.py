@@ -15,14 +15,14 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator import decode, write_job_receipt
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.generation import decode, write_job_receipt
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import StageLost, collapse
 from swarm.heal import NoSpare
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
-from swarm.ring import RingClient
+from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from tests.conftest import reference_greedy
 

@@ -18,8 +18,8 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SamplingParams, SpecConfig
-from swarm.coordinator import RingClient, decode, write_job_receipt
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.generation import RingClient, decode, write_job_receipt
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, StreamClosed, collapse
 from swarm.mirror import Mirror
 from swarm.model.resolve import model_manifest_digest

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from swarm import wire
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.identity import peer_id_of
@@ -104,7 +104,7 @@ def test_secrets_stay_out_of_argv_and_logs(synthetic, tmp_path):
     import argparse
     import re
 
-    from swarm.cli import build_parser
+    from swarm.cli.main import build_parser
 
     def options(parser):
         for action in parser._actions:

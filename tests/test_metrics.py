@@ -9,9 +9,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm.coordinator import RingClient, decode
+from swarm.coordinator.generation import RingClient, decode
 from swarm.errors import RemoteError, collapse
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from swarm.config import RingSpec, StageSpec
-from swarm.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
 from tests.conftest import reference_greedy
 from tests.natlab import NatLab

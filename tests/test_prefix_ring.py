@@ -14,8 +14,8 @@ import torch
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator import RingClient, decode
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.generation import RingClient, decode
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import collapse
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
@@ -273,7 +273,7 @@ def test_a_resumed_job_receipt_verifies_and_says_what_was_reused(synthetic, tmp_
     import json
 
     from swarm import receipts
-    from swarm.coordinator import write_job_receipt
+    from swarm.coordinator.generation import write_job_receipt
 
     model = synthetic("llama")
 

@@ -22,8 +22,8 @@ import trio
 
 from swarm import receipts, wire
 from swarm.config import SpecConfig
-from swarm.coordinator import write_job_receipt
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.generation import write_job_receipt
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.block import block_tensor_names
 from swarm.model.resolve import model_manifest_digest, weights_digest
@@ -81,7 +81,7 @@ def test_signature_verifies_with_pynacl_from_the_peer_id_alone(tmp_path):
 
 
 def test_receipts_module_does_not_load_torch():
-    code = "import sys, swarm.receipts, swarm.watch; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, swarm.receipts, swarm.cli.watch; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -415,7 +415,7 @@ def test_stage_refuses_a_receipt_for_a_session_without_a_job(model_dir, tmp_path
 
 
 def test_keygen_id_prove_verify(tmp_path, capsys):
-    from swarm.cli import main
+    from swarm.cli.main import main
 
     key = tmp_path / "keys" / "node.key"
     assert main(["keygen", "--out", str(key)]) == 0
@@ -441,7 +441,7 @@ def test_keygen_id_prove_verify(tmp_path, capsys):
 
 
 def test_id_prove_refuses_a_readable_or_missing_key(tmp_path, capsys):
-    from swarm.cli import main
+    from swarm.cli.main import main
 
     key = tmp_path / "k.key"
     assert main(["id", "prove", "--key", str(key), "--nonce", "n"]) == 1
@@ -453,7 +453,7 @@ def test_id_prove_refuses_a_readable_or_missing_key(tmp_path, capsys):
 
 
 def test_receipts_verify_and_watch_cli(jobs, tmp_path, capsys):
-    from swarm.cli import main
+    from swarm.cli.main import main
 
     (doc, old), _, key_dir = jobs
     d = tmp_path / "r"
@@ -511,7 +511,7 @@ def test_random_mutations_fail_closed(jobs):
 
 
 def test_watch_scanner_sees_new_changed_and_removed_receipts(jobs, tmp_path):
-    from swarm.watch import Scanner
+    from swarm.cli.watch import Scanner
 
     (doc, old), _, key_dir = jobs
     scanner = Scanner(tmp_path)

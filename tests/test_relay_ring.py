@@ -23,12 +23,12 @@ import pytest
 import trio
 
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator import decode
+from swarm.coordinator.generation import decode
 from swarm.errors import StageLost
-from swarm.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
-from swarm.ring import RingClient
+from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from tests.conftest import free_port, reference_greedy
 

@@ -53,7 +53,7 @@ def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_pa
     coordinator's connections are aged past it before the second connects."""
     import trio
 
-    from swarm.coordinator import RingClient, decode
+    from swarm.coordinator.generation import RingClient, decode
     from swarm.errors import collapse
     from swarm.model.resolve import model_manifest_digest
     from swarm.transport import load_or_create_key, open_host

@@ -17,9 +17,9 @@ import openai
 import pytest
 import trio
 
-from swarm.launch import LocalRing
+from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
-from swarm.serve import serve_api
+from swarm.serve.app import serve_api
 from tests.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -344,7 +344,7 @@ def test_chat_with_smollm2_matches_swarm_coordinate(smollm2_dir, tmp_path, monke
                 messages=[{"role": "user", "content": question}]) if c.choices)
         finally:
             server.stop()
-        from swarm.coordinator import generate
+        from swarm.coordinator.generation import generate
 
         config = CoordinatorConfig(ring=spec, max_new_tokens=12, chat=True, key_path=keys / "c2.key", receipt_dir=None)
         ref = trio.run(generate, config, question)

@@ -24,7 +24,7 @@ import trio
 import yaml
 
 from swarm.config import SpecConfig
-from swarm.serve import Shutdown, serve_api
+from swarm.serve.app import Shutdown, serve_api
 from tests.ring_util import start_ring
 
 RANGES = [(0, 2), (2, 4), (4, 5)]

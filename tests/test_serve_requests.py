@@ -17,7 +17,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from swarm.serve import ApiError, ServeState, build_app, check_origins, parse_request
+from swarm.serve.app import ApiError, ServeState, build_app, check_origins, parse_request
 
 LLAMA2_TEMPLATE = (
     "{% for m in messages %}"
@@ -37,7 +37,7 @@ def tokenizer(stories_dir):
 
 
 def make_state(tokenizer, **kw) -> ServeState:
-    from swarm.metrics import ServeMetrics
+    from swarm.serve.metrics import ServeMetrics
 
     state = ServeState(ring=None, host=None, nursery=None, tokenizer=tokenizer, model_id="stories260k",
                        model_dir=None, num_layers=5, model_digest="", stop_ids={2}, max_ctx=512, **kw)
@@ -270,7 +270,7 @@ def test_a_cors_origin_that_is_not_an_origin_is_refused(origin):
 
 @pytest.mark.parametrize("prompt", ["<s>Once upon a time", "Once upon a time</s> The end", "<unk> and <s></s>"])
 def test_typed_special_tokens_in_a_completion_prompt_stay_text(tokenizer, prompt):
-    from swarm.coordinator import encode_prompt
+    from swarm.coordinator.generation import encode_prompt
 
     specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
     ids = parse_request({"prompt": prompt}, make_state(tokenizer), chat=False).prompt_ids

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from swarm.drafters import NgramDrafter
+from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ConfigError, ProtocolError
-from swarm.spec import NoDrafter, SpecLoop
+from swarm.coordinator.spec import NoDrafter, SpecLoop
 
 V = 13
 

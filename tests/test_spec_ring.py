@@ -10,8 +10,8 @@ import trio
 
 from swarm import wire
 from swarm.config import SpecConfig
-from swarm.drafters import ModelDrafter, NgramDrafter
-from swarm.spec import NoDrafter
+from swarm.coordinator.drafters import ModelDrafter, NgramDrafter
+from swarm.coordinator.spec import NoDrafter
 from swarm.wire import PROTOCOL_ID
 from tests.conftest import chi2_critical, make_synthetic, reference_greedy
 from tests.ring_util import run_inprocess
@@ -256,7 +256,7 @@ def test_speculative_sampling_distribution_matches_plain(target, drafts):
     from swarm.model.block import load_block
     from swarm.model.sampling import sample, target_distribution
     from swarm.ranges import LayerRange
-    from swarm.spec import SpecLoop
+    from swarm.coordinator.spec import SpecLoop
 
     block = load_block(target, LayerRange(0, 4), dtype="float64", device="cpu")
 

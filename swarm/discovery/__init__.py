@@ -1,5 +1,16 @@
-"""Discovery: DHT membership and signed stage records (trio, libp2p, PyNaCl; no torch).
+"""Discovery: DHT membership, signed stage records, swarm time and the bootstrap node.
 
-- ``swarm.discovery.records``  the signed stage record, its checks, which value wins
-- ``swarm.discovery.dht``      the swarm's Kademlia DHT: pinned protocol id, join, announce, read
+Layout (each module's docstring says what it owns and may import):
+
+- ``records``    the signed stage record, its checks, which value wins
+- ``providers``  a provider store stale entries cannot fill, a lookup without side effects
+- ``clock``      swarm time: this node's offset from the swarm's clock, measured against peers
+- ``reach``      reachability: can the swarm dial this node (a dial-back asked of a bootstrap node)
+- ``dht``        the swarm's Kademlia DHT: pinned protocol id, join, announce, read
+- ``announce``   keeping a stage's record fresh: republish, state changes, RTTs to the next holders
+- ``client``     a client's view: records -> holders, RTT probes, a route as a ring, replacements
+- ``peers``      ``swarm peers``: per model a layer-coverage map, per stage its record
+- ``bootstrap``  ``swarm bootstrap`` and ``swarm relay``: nodes that hold no model
+
+Rule: may import the shared core and ``transport``; trio, libp2p, PyNaCl; never torch.
 """

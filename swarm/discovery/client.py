@@ -92,7 +92,7 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
     Args:
         dht: a joined SwarmDHT (client mode is enough).
         model: the model as the user named it (kept in the RingSpec for messages).
-        model_id: its 64-hex id (``swarm.weights.manifest.model_id``): only records naming it count.
+        model_id: its 64-hex id (``swarm.weights.identify.model_id``): only records naming it count.
         num_layers: L of the model.
         context_tokens: prompt + new tokens the session may reach (stages without KV room for it
             are skipped).

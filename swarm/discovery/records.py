@@ -13,7 +13,7 @@ a reader rejects an expired record; a stage republishes about every minute with 
 and a higher sequence number. Times are the swarm's (``swarm.discovery.clock``: every node
 measures its offset from the bootstrap nodes), so a signer's clock minutes off does not expire
 its records on arrival. Unlike Petals' self-declared, unsigned server records, a record
-names the model by the id of its weights (``swarm.weights.manifest.model_id``), never by a name.
+names the model by the id of its weights (``swarm.weights.identify.model_id``), never by a name.
 """
 
 from __future__ import annotations

@@ -10,5 +10,5 @@
 
 Not here yet: batch-invariant Triton kernels and CUDA graphs for GPU stages (issues 12 and 26,
 which need a GPU to build and measure; CUDA stages run the rows mode), quantized wire kernels.
-May import torch; importing this package imports nothing.
+Rule: may import the shared core (``swarm.config``); torch. Importing this package imports nothing.
 """

@@ -1,4 +1,12 @@
 """Models: resolution of a model spec to a local directory, layer blocks and the KV cache.
 
-May import torch, transformers, safetensors and huggingface_hub; never networking of our own.
+Layout (each module's docstring says what it owns and may import):
+
+- ``resolve``   a model spec (directory, name, GGUF, hub id) -> a local safetensors directory
+- ``block``     ``LayerBlock``: a stage's layers ``[start, end)`` loaded from only its own tensors
+- ``cache``     the per-session KV cache, addressed by absolute position
+- ``sampling``  keyed sampling: the token at position n drawn with noise keyed by (seed, n)
+
+Rule: may import the shared core, ``kernels`` and ``weights``; torch, transformers, safetensors,
+huggingface_hub; never networking of our own.
 """

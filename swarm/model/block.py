@@ -20,7 +20,7 @@ from swarm.errors import ConfigError, ModelError
 from swarm.kernels import invariant
 from swarm.kernels.invariant import RotaryTable
 from swarm.model.cache import KVCache
-from swarm.model.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
+from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Gumbel-max trick over the filtered, tempered logits, with Gumbel noise generated
 generator seeded by a hash of (seed, position). A run is therefore replayable, and the token at a
 position does not depend on how positions were grouped into chunks.
 
-Speculation with sampling (``swarm.spec``) verifies drafts by exact match against this keyed
+Speculation with sampling (``swarm.coordinator.spec``) verifies drafts by exact match against this keyed
 sample, as in the greedy case. That is lossless: the committed token at every position is exactly
 a sample of the target distribution (Gumbel-max), and it is the *same* token a non-speculative run
 draws, for any drafter, K and depth. For a one-hot draft (n-gram) the acceptance probability is

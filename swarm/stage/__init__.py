@@ -25,9 +25,15 @@ Layout (each module's docstring says what it owns and may import):
 - ``scheduler``  steps: which rows run together, the compute in a worker thread, kernel proofs
 - ``outbox``     ordered per-stream outboxes, posting outputs, successor streams
 - ``signing``    the stage receipt: signing the session's rolling digests
+- ``prefix``     the prefix cache: KV blocks of prompts kept for the next session
+- ``metrics``    ``StageMetrics``: Prometheus metrics served by ``--metrics-listen``
+- ``membership`` the stage in the swarm: announcing its record, drain announcements, auto placement
+- ``preflight``  ``swarm stage --check``: everything a stage needs, checked without the network
+- ``acquire``    where the weights come from at start-up: the cache, then peers, then the hub
 - ``daemon``     the process: ``serve``, ``run_stage``, ``run_check``, lifecycle lines, SIGTERM drain
 
-Glue: imports the transport, wire, model and kernel modules; nothing imports it but the CLI.
+Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
+``model``; never ``coordinator`` (its peer), ``serve`` or ``cli``. Only ``cli`` imports it.
 """
 
 from swarm.stage.daemon import emit, run_check, run_stage, serve

@@ -7,7 +7,7 @@ or a drain frame drains it: a last short-lived record withdraws it from the swar
 ``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
 (``swarm stage --check``: ``SWARM_STAGE_OK`` or ``SWARM_STAGE_FATAL``) and ``emit`` (one lifecycle
 line on stdout). May import: anything the stage needs (torch, trio, ``swarm.transport``,
-``swarm.model``, ``swarm.preflight``, lazily where it can), ``swarm.stage.server``.
+``swarm.model``, ``swarm.stage.preflight``, lazily where it can), ``swarm.stage.server``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def emit(line_kind: str, payload: dict) -> None:
 def run_check(config: StageConfig) -> int:
     """``swarm stage --check``: preflight without networking. Prints ``SWARM_STAGE_OK {...}`` and
     returns 0, or ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 2."""
-    from swarm.preflight import preflight
+    from swarm.stage.preflight import preflight
 
     try:
         payload = preflight(config)
@@ -154,8 +154,8 @@ def run_stage(config: StageConfig) -> int:
     from swarm.ranges import LayerRange
     from swarm.stage.membership import announce, measure_decode_tps, place
     from swarm.transport.identity import claim_key
-    from swarm.weights.acquire import acquire_model
-    from swarm.weights.manifest import model_id as weights_model_id
+    from swarm.stage.acquire import acquire_model
+    from swarm.weights.identify import model_id as weights_model_id
 
     placed = config.layers is None
     try:

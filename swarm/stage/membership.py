@@ -57,7 +57,7 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
     """
     from swarm.discovery.client import holders_of
     from swarm.discovery.dht import open_dht
-    from swarm.preflight import layers_that_fit
+    from swarm.stage.preflight import layers_that_fit
     from swarm.routing import plan_placement
     from swarm.transport import open_host
 

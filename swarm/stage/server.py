@@ -59,9 +59,9 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         self._in_flight = 0  # chunks being computed or frames waiting in an outbox (see idle())
         self._init_outboxes()
         self._init_scheduler()  # proves the kernels
-        self.metrics = None  # swarm.metrics.StageMetrics with --metrics-listen (its histograms cost a little per step)
+        self.metrics = None  # swarm.stage.metrics.StageMetrics with --metrics-listen (its histograms cost a little per step)
         if config.metrics_listen:
-            from swarm.metrics import StageMetrics
+            from swarm.stage.metrics import StageMetrics
 
             self.metrics = StageMetrics(self)
         self.host = None

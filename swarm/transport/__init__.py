@@ -10,6 +10,12 @@ Modules:
 - ``identity``  key file (0600), PeerId, sign / verify from a PeerId alone
 - ``framing``   wire format, pure encoder/decoder, ``FramedStream``
 - ``host``      ``open_host`` -> ``SwarmHost`` (listen, dial, serve protocols)
+- ``dataplane`` fewer Python steps per byte on libp2p's Noise and Yamux, same bytes on the wire
+- ``circuit``   circuit relay v2: serving as a relay, reserving on one, dialing through one
+- ``migrate``   moving hops off relays once a direct connection (a hole punch) appears
+- ``relay``     link emulation for benchmarks: a delaying TCP relay on loopback
+
+Rule: may import ``swarm.errors`` only.
 """
 
 from swarm.transport.framing import (

@@ -189,12 +189,22 @@ _RAW_ERRORS = (
 @dataclass
 class Meter:
     """Frames and bytes (length prefix included, before Noise and Yamux) through every FramedStream
-    of one node, in and out: plain counters, read by the node's metrics (``swarm.metrics``)."""
+    of one node, in and out: plain counters, read by the node's metrics (``swarm.serve.metrics``)."""
 
     frames_in: int = 0
     bytes_in: int = 0
     frames_out: int = 0
     bytes_out: int = 0
+
+
+def is_relayed(raw) -> bool:
+    """True when the libp2p stream (or BufferedRaw) runs over a relayed connection."""
+    net = getattr(raw, "net", raw)
+    conn = getattr(net, "swarm_conn", None)
+    try:
+        return conn is not None and any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    except Exception:
+        return False
 
 
 class FramedStream:
@@ -397,8 +407,6 @@ class FramedStream:
         """Where this stream runs now, for a node's ``info``: ``{"peer", "protocol", "relayed",
         "moves", "moved_after_s"}``; ``moved_after_s`` is the seconds from opening the stream to its
         first completed move onto another connection (None: it never moved)."""
-        from swarm.transport.migrate import is_relayed
-
         moved = None if self.moved_at is None else round(self.moved_at - self.opened_at, 3)
         return {"peer": self.remote_peer_id, "protocol": self.protocol_id, "relayed": is_relayed(self._wraw),
                 "moves": self.moves, "moved_after_s": moved}

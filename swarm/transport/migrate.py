@@ -31,6 +31,7 @@ from swarm.transport.framing import (
     decode_body,
     decode_length_prefix,
     encode_frame,
+    is_relayed,
 )
 
 log = logging.getLogger(__name__)
@@ -56,16 +57,6 @@ def relay_ids(raw) -> set[str]:
             if "/p2p/" in head:
                 out.add(head.rsplit("/p2p/", 1)[1].split("/", 1)[0])
     return out
-
-
-def is_relayed(raw) -> bool:
-    """True when the libp2p stream (or BufferedRaw) runs over a relayed connection."""
-    net = getattr(raw, "net", raw)
-    conn = getattr(net, "swarm_conn", None)
-    try:
-        return conn is not None and any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
-    except Exception:
-        return False
 
 
 class BufferedRaw:

@@ -6,5 +6,9 @@ Modules (lower first):
 - ``store``     a weights directory holding only some shards, its sidecar, ``ShardVerifier``, warm restart
 - ``hub``       only a range's shards from the Hugging Face hub, pinned to a commit, verified
 - ``peer``      ``/swarm/weights/1.0.0``: every stage serves its files; ``fetch_weights`` from peers
-- ``acquire``   a stage's start-up: local model, fetched weights re-verified, peers, then the hub
+- ``identify``  the model id of a directory (whole, or only some shards with a sidecar), cached
+- ``families``  where each transformers family keeps its pieces: attribute paths, hence tensor names
+
+A stage's start-up order of sources (cache, peers, hub) is ``swarm.stage.acquire``.
+Rule: may import the shared core and ``transport``; never ``model`` (which imports this package).
 """

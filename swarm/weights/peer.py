@@ -38,7 +38,8 @@ from swarm.config import check_fetch_addr
 from swarm.errors import (HopTimeout, ModelError, ProtocolError, SwarmError, StreamClosed,
                           WeightsMismatch)
 from swarm.transport.framing import FramedStream, decode_body, decode_length_prefix, encode_frame
-from swarm.weights.manifest import load_manifest, shard_files
+from swarm.weights.manifest import shard_files
+from swarm.weights.identify import load_manifest
 from swarm.weights.select import metadata_files, num_layers_of, select_shards
 from swarm.weights.store import (FileVerifier, ShardVerifier, WeightsManifest, file_digest, install, layout_key,
                                  local_layout, parse_manifest, reverify, safe_file_name, sidecar_manifest, temp_file,

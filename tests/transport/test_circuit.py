@@ -152,7 +152,7 @@ def test_a_relayed_stream_moves_to_the_punched_direct_connection_in_order():
     """DCUtR finds a direct path (on loopback: at once), and the stream the source opened through
     the relay moves onto it at a frame boundary while frames flow both ways: none lost, none
     reordered, the application sees one stream."""
-    from swarm.transport.migrate import is_relayed
+    from swarm.transport.framing import is_relayed
 
     async def main():
         async with AsyncExitStack() as stack:

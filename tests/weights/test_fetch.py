@@ -20,8 +20,9 @@ from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest, tensor_index
 from swarm.ranges import LayerRange
 from swarm.transport.framing import encode_frame
-from swarm.weights.acquire import acquire_model
-from swarm.weights.manifest import model_id, tensor_manifest
+from swarm.stage.acquire import acquire_model
+from swarm.weights.manifest import tensor_manifest
+from swarm.weights.identify import model_id
 from swarm.weights.peer import PROTOCOL_ID, WeightsServer, fetch_weights
 from swarm.weights.store import SIDECAR
 from tests.conftest import run_cli
@@ -80,7 +81,7 @@ def test_fetches_only_its_shards_and_equals_the_source(source, tmp_path):
 def test_without_layers_only_the_manifest_and_small_files_come_then_the_placed_block(source, tmp_path):
     """A stage placing itself (no --layers) first gets what placement needs, no shard; its memory
     fit reads the manifest's shapes; once placed, the same directory gets only that block's shards."""
-    from swarm.preflight import layers_that_fit
+    from swarm.stage.preflight import layers_that_fit
 
     async def main():
         async with weights_peer(WeightsServer(source, NAME)) as addr:
@@ -251,6 +252,6 @@ def test_fetch_path_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, swarm.weights.acquire, swarm.weights.hub, swarm.weights.peer, swarm.weights.select, "
+    code = ("import sys, swarm.stage.acquire, swarm.weights.hub, swarm.weights.peer, swarm.weights.select, "
             "swarm.weights.store; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -9,7 +9,7 @@ import os
 import pytest
 import trio
 
-from swarm.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
 from swarm.weights.store import SIDECAR
 from tests.conftest import reference_greedy

@@ -14,11 +14,11 @@ from swarm.config import StageConfig
 from swarm.errors import ModelError, WeightsMismatch
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
-from swarm.preflight import preflight
+from swarm.stage.preflight import preflight
 from swarm.ranges import LayerRange
-from swarm.weights.acquire import acquire_model
+from swarm.stage.acquire import acquire_model
 from swarm.weights.hub import fetch_from_hub
-from swarm.weights.manifest import load_manifest, model_id
+from swarm.weights.identify import load_manifest, model_id
 from swarm.weights.store import WeightsManifest, local_layout
 from tests.weights.util import flip_byte, reshard, shards_of
 

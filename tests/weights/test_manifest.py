@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swarm.errors import ModelError
-from swarm.weights.manifest import model_id, tensor_manifest
+from swarm.weights.manifest import tensor_manifest
+from swarm.weights.identify import model_id
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Owns: the Starlette app (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 ``/health``), request validation into OpenAI-shaped errors, stop strings, server-sent events, and
 one ring session per request. Runs in one trio event loop with Hypercorn (its trio worker), so the
-libp2p host and every request share it. Glue over ``swarm.coordinator`` and ``swarm.ring``.
+libp2p host and every request share it. Glue over ``swarm.coordinator.generation`` and ``swarm.coordinator.ring``.
 
 Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
 the host's one connection per stage) and opens its own session with its own KV cache at every
@@ -39,6 +39,7 @@ from swarm import receipts
 from swarm.config import RingSpec, SamplingParams, SpecConfig
 from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
                           SwarmError, collapse)
+from swarm.serve.health import ring_health
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,11 @@ class ServeState:
     discovery: tuple | None = None  # (SwarmDHT, weights id) when the ring was routed from the swarm's DHT
     prefix_cache: bool = True  # offer prompts to the stages' prefix caches (--no-prefix-cache: off)
     cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches
-    metrics: object = None  # swarm.metrics.ServeMetrics, set by serve_api
+    metrics: object = None  # swarm.serve.metrics.ServeMetrics, set by serve_api
     dashboard_receipts: object = None  # a receipt directory whose jobs the dashboard lists (verified), or None
     receipt_dir: object = None  # --receipt-dir: each request runs as a job with a signed receipt saved there
     key: object = None  # this server's node key (its PeerId; signs the job receipts)
-    coverage: object = None  # swarm.dashboard.SwarmCoverage: the DHT's records, read in the background
+    coverage: object = None  # swarm.serve.dashboard.SwarmCoverage: the DHT's records, read in the background
     # the request lifecycle (see serve_api): size limits, keep-alives, the drain
     max_body_bytes: int = DEFAULT_MAX_BODY_MB * 2**20  # a larger request body is refused (413) unread
     max_prompt_chars: int = 0  # a longer prompt cannot fit max_ctx (refused before tokenizing); 0: unchecked
@@ -138,7 +139,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 
 
 def parse_request(body, state: ServeState, chat: bool) -> Request:
-    """Validate an OpenAI request body (a parsed JSON document, see ``swarm.api_params.load_body``).
+    """Validate an OpenAI request body (a parsed JSON document, see ``swarm.serve.params.load_body``).
 
     Everything a client sends is checked here, and nothing it sends can make this raise anything
     but ApiError: a value the checks did not foresee that makes the chat template or the tokenizer
@@ -165,7 +166,7 @@ def parse_request(body, state: ServeState, chat: bool) -> Request:
 
 
 def _parse(body, state: ServeState, chat: bool) -> Request:
-    from swarm.api_params import ParamRefused, check_fields
+    from swarm.serve.params import ParamRefused, check_fields
 
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -236,7 +237,7 @@ def _shown(value) -> str:
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of a completion prompt: the tokenizer's own BOS, and the prompt as literal text, so
     a typed ``<s>`` or ``<|endoftext|>`` stays those characters (as message content does in
-    ``swarm.chat``) instead of forging a control token."""
+    ``swarm.coordinator.chat``) instead of forging a control token."""
     return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])
 
 
@@ -262,7 +263,7 @@ def _chat_ids(messages, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    from swarm.chat import ChatTemplateError, encode_chat
+    from swarm.coordinator.chat import ChatTemplateError, encode_chat
 
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
@@ -334,8 +335,8 @@ async def generate_ids(state: ServeState, req: Request, on_text=None, stop: trio
     Raises:
         SwarmError: from the ring (see ``map_error``).
     """
-    from swarm.coordinator import decode
-    from swarm.drafters import make_drafter
+    from swarm.coordinator.generation import decode
+    from swarm.coordinator.drafters import make_drafter
 
     detok = Detok(state.tokenizer, req.stop)
     gaps: list[float] = []  # seconds between consecutive tokens as they arrived (inter-token latency)
@@ -420,7 +421,7 @@ async def _save_receipt(state: ServeState, job: dict, parts: dict, prompt_ids: l
                         ring_entries: list[dict], record: dict) -> dict | None:
     """Sign, save and verify one request's job receipt (in a worker thread); counted in the
     metrics. A receipt that cannot be written is logged, and the answer still goes out."""
-    from swarm.coordinator import write_job_receipt
+    from swarm.coordinator.generation import write_job_receipt
 
     try:
         res = await trio.to_thread.run_sync(lambda: write_job_receipt(
@@ -471,7 +472,7 @@ class ClientPool:
             raise
 
     async def _connect(self):
-        from swarm.ring import RingClient
+        from swarm.coordinator.ring import RingClient
 
         st = self.state
         client = RingClient(st.host, st.ring, st.hop_timeout_s, st.connect_timeout_s, st.heartbeat_s, batch=True,
@@ -535,8 +536,8 @@ def build_app(state: ServeState):
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    from swarm.dashboard import page as dashboard_page
-    from swarm.dashboard import serve_state
+    from swarm.serve.dashboard import page as dashboard_page
+    from swarm.serve.dashboard import serve_state
     from swarm.metrics import CONTENT_TYPE
 
     def error_response(err: ApiError):
@@ -707,7 +708,7 @@ def _parse_body(raw: bytes, state: ServeState, chat: bool) -> Request:
             (``context_length_exceeded``, found by its characters before tokenizing), and every error
             of ``parse_request``.
     """
-    from swarm.api_params import InvalidBody, load_body
+    from swarm.serve.params import InvalidBody, load_body
 
     try:
         body = load_body(raw)  # UTF-8, JSON, not too deep, no lone surrogates
@@ -928,39 +929,6 @@ async def _cancel_after(scope: trio.CancelScope, seconds: float) -> None:
     scope.cancel()
 
 
-async def ring_health(state: ServeState) -> list[dict]:
-    """Ask every stage of the current ring for its info (in parallel, with a short deadline)."""
-    from swarm import wire
-    from swarm.wire import PROTOCOL_ID
-
-    results: list[dict] = [{} for _ in state.ring.stages]
-
-    async def one(i, spec):
-        entry = {"index": i, "layers": [spec.layers.start, spec.layers.end], "addr": spec.addr,
-                 "peer_id": spec.peer_id, "ok": False}
-        t0 = time.perf_counter()
-        try:
-            with trio.fail_after(min(5.0, state.connect_timeout_s)):
-                s = await state.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=state.connect_timeout_s)
-                try:
-                    await s.send(wire.frame("info"))
-                    msg = await s.recv()
-                finally:
-                    await s.aclose()
-            entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
-                         and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
-                         **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
-                                                    "draining", "batching", "prefix_cache")})
-        except (SwarmError, trio.TooSlowError) as exc:
-            entry["error"] = str(exc) or "no answer within 5 s"
-        results[i] = entry
-
-    async with trio.open_nursery() as nursery:
-        for i, spec in enumerate(state.ring.stages):
-            nursery.start_soon(one, i, spec)
-    return results
-
-
 @dataclass
 class Shutdown:
     """Asks a running ``serve_api`` to drain and return: ``request(timeout_s)`` (SIGTERM: the drain
@@ -1103,16 +1071,16 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
     from transformers import AutoTokenizer
 
     from swarm.config import cache_root
-    from swarm.coordinator import _check_writable, eos_ids, vocab_size
+    from swarm.coordinator.generation import _check_writable, eos_ids, vocab_size
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
-    from swarm.ring import RingClient
+    from swarm.coordinator.ring import RingClient
     from swarm.transport import open_host
     from swarm.transport.identity import claim_key
 
     cors_origins = check_origins(cors_origins)
     if bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
-        from swarm.coordinator import swarm_may_serve
+        from swarm.coordinator.generation import swarm_may_serve
 
         await swarm_may_serve(ring.model, bootstrap)
     resolved = resolve_model(ring.model)
@@ -1127,9 +1095,9 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         discovery = None
         if bootstrap:
-            from swarm.coordinator import run_dht
+            from swarm.coordinator.generation import run_dht
             from swarm.discovery.client import discover_ring
-            from swarm.weights.manifest import model_id as weights_model_id
+            from swarm.weights.identify import model_id as weights_model_id
 
             weights_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, cache_root() / "manifests")
             dht = await nursery.start(run_dht, p2p, bootstrap)
@@ -1153,12 +1121,12 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
                            keepalive_s=keepalive_s, cors_origins=cors_origins)
         state.max_prompt_chars = max_prompt_chars(tokenizer, state.max_ctx)
         if discovery is not None:  # the dashboard's layer coverage comes from the DHT
-            from swarm.dashboard import SwarmCoverage
+            from swarm.serve.dashboard import SwarmCoverage
 
             state.coverage = SwarmCoverage(discovery[0])
             await nursery.start(state.coverage.run)
         state.pool = ClientPool(state, max_concurrency)
-        from swarm.metrics import ServeMetrics
+        from swarm.serve.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(state)
         from swarm.listen import hypercorn_bind

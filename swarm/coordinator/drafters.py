@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from swarm.errors import ConfigError
-from swarm.spec import NoDrafter
+from swarm.coordinator.spec import NoDrafter
 
 
 class NgramDrafter:

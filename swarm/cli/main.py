@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from swarm.errors import SwarmError, collapse
-from swarm.output import TextOut, rate_text, receipt_line, spec_summary
+from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -528,7 +528,7 @@ def cmd_coordinate(args) -> int:
     import trio
 
     from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig
-    from swarm.coordinator import generate
+    from swarm.coordinator.generation import generate
 
     prompt = text_arg(args.prompt, "--prompt")  # before anything is dialed
     config = CoordinatorConfig(ring=_ring_or_swarm(args), max_new_tokens=args.max_new_tokens, chat=args.chat,
@@ -570,7 +570,7 @@ def _ring_or_swarm(args):
 
 
 def cmd_bootstrap(args) -> int:
-    from swarm.bootstrap import run_bootstrap
+    from swarm.discovery.bootstrap import run_bootstrap
     from swarm.config import cache_root
 
     return run_bootstrap(args.key or cache_root() / "keys" / f"{args.cmd}.key", args.listen or ["/ip4/127.0.0.1/tcp/0"],
@@ -590,7 +590,7 @@ def cmd_peers(args) -> int:
     model_id = None
     if args.model:
         from swarm.model.resolve import resolve_model
-        from swarm.weights.manifest import model_id as weights_model_id
+        from swarm.weights.identify import model_id as weights_model_id
 
         model_id = weights_model_id(resolve_model(args.model).path, cache_root() / "manifests")
     key, _ = claim_key(args.key or cache_root() / "keys" / "client.key", fallback=args.key is None)
@@ -616,7 +616,7 @@ def cmd_peers(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from swarm.demo import run_demo
+    from swarm.cli.demo import run_demo
 
     args.prompt = text_arg(args.prompt, "--prompt")  # checked before any stage starts
     return run_demo(args)
@@ -626,7 +626,7 @@ def cmd_serve(args) -> int:
     import trio
 
     from swarm.config import RingSpec, SpecConfig
-    from swarm.serve import Shutdown, drain_on_signals, serve_api
+    from swarm.serve.app import Shutdown, drain_on_signals, serve_api
 
     ring = _ring_or_swarm(args)
     spec = SpecConfig.from_args(args)
@@ -686,7 +686,7 @@ def cmd_dashboard(args) -> int:
     from hypercorn.trio import serve as hyper_serve
 
     from swarm.config import cache_root
-    from swarm.dashboard import SwarmCoverage, receipts_app
+    from swarm.serve.dashboard import SwarmCoverage, receipts_app
     from swarm.errors import ConfigError
 
     if args.receipts is None and not args.bootstrap:
@@ -790,7 +790,7 @@ def cmd_id(args) -> int:
 
 def cmd_receipts(args) -> int:
     if args.receipts_cmd == "watch":
-        from swarm.watch import watch
+        from swarm.cli.watch import watch
 
         return watch(args.dir, args.interval_s, args.once, args.limit)
     from swarm.errors import ConfigError

@@ -11,10 +11,10 @@ onto a shadow: promote it and the predecessor's mirror), and shadows (``open_sha
 at the warm spares as shadows; ``start_head_mirror``: this client's mirror of the head's token ids;
 ``shadow_state``: whether a shadow can take over at a heal). The
 heartbeats that call ``probe`` while waiting for a result live in
-:meth:`swarm.ring.client.RingClient.next_result`.
+:meth:`swarm.coordinator.ring.RingClient.next_result`.
 
-``ProbeMixin`` is mixed into :class:`swarm.ring.client.RingClient`; it uses ``links``, ``spares``,
-``heartbeat_s``, the channel and ``_link`` / ``_where`` (:mod:`swarm.ring.links`). May import:
+``ProbeMixin`` is mixed into :class:`swarm.coordinator.ring.RingClient`; it uses ``links``, ``spares``,
+``heartbeat_s``, the channel and ``_link`` / ``_where`` (:mod:`swarm.coordinator.links`). May import:
 trio, ``swarm.wire``, ``swarm.heal``, ``swarm.ranges``, ``swarm.errors``,
 ``swarm.transport.circuit`` (address helpers).
 """
@@ -31,7 +31,7 @@ from swarm.errors import ConfigError, StageLost, SwarmError
 from swarm.heal import StageReport
 from swarm.ranges import LayerRange
 from swarm.transport.circuit import is_circuit
-from swarm.ring.links import _Link
+from swarm.coordinator.links import _Link
 
 log = logging.getLogger(__name__)
 

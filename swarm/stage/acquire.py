@@ -117,7 +117,7 @@ def _checked(resolved, config: StageConfig, peers_id: str | None = None):
     """
     expect = config.model_id or peers_id
     if expect:
-        from swarm.weights.manifest import model_id
+        from swarm.weights.identify import model_id
 
         actual = model_id(resolved.path, cache_root() / "manifests")
         if actual != expect and config.model_id:

@@ -1,6 +1,6 @@
 """``swarm demo``: a local ring on loopback, one generation, a clean shutdown.
 
-Glue over ``swarm.launch.LocalRing`` and ``swarm.coordinator.generate``, printing through ``swarm.output``;
+Glue over ``swarm.cli.launch.LocalRing`` and ``swarm.coordinator.generation.generate``, printing through ``swarm.cli.output``;
 nothing imports it but the CLI.
 """
 
@@ -18,8 +18,8 @@ import yaml
 
 from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError
-from swarm.launch import LocalRing
-from swarm.output import TextOut, rate_text, receipt_line, spec_summary
+from swarm.cli.launch import LocalRing
+from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
 from swarm.ranges import even_split
 
 
@@ -43,7 +43,7 @@ def run_demo(args) -> int:
 
 
 def _run_demo(args, say, spec_config, sampling, sock) -> int:
-    from swarm.coordinator import generate
+    from swarm.coordinator.generation import generate
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import resolve_model
 
@@ -118,7 +118,7 @@ def _free_key_dir(base: Path) -> Path:
 
 def _serve(spec: RingSpec, args, spec_config, sock) -> int:
     """``swarm demo --serve``: the OpenAI-compatible API over the local ring until Ctrl-C."""
-    from swarm.serve import serve_api
+    from swarm.serve.app import serve_api
 
     stopped = []
 

@@ -1,6 +1,6 @@
 """The coordinator: tokenize, drive chunks around the ring, heal, stream text, report.
 
-Owns: the generation loop over a connected ``swarm.ring.RingClient`` (a ``SpecLoop``: prefill
+Owns: the generation loop over a connected ``swarm.coordinator.ring.RingClient`` (a ``SpecLoop``: prefill
 chunks, then verify chunks), turning a lost or frozen stage into ``swarm.heal.run_recovery`` over
 ``RingOps`` (swap in a warm spare, reset the session, replay, check the driver token, continue),
 and the result record printed by ``--json``. Holds no layers of the target model: only the
@@ -19,8 +19,8 @@ from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
 from swarm.heal import NO_WARM_SPARE, HealEvent, Kept, StageReport, plan_replay, run_recovery
-from swarm.ring import RingClient, StageInfo  # noqa: F401  (re-exported for callers)
-from swarm.spec import NoDrafter, SpecLoop
+from swarm.coordinator.ring import RingClient
+from swarm.coordinator.spec import NoDrafter, SpecLoop
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ def vocab_size(model_dir) -> int:
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Token ids of ``prompt``, always literal text (control tokens typed into it, such as ``<s>``,
     stay text; the tokenizer adds its own BOS); with ``chat`` the tokenizer's chat template and a
-    generation prompt (see ``swarm.chat``)."""
+    generation prompt (see ``swarm.coordinator.chat``)."""
     if chat:
-        from swarm.chat import ChatTemplateError, encode_chat
+        from swarm.coordinator.chat import ChatTemplateError, encode_chat
 
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--chat was given but this model's tokenizer has no chat template")
@@ -99,7 +99,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     """
     from transformers import AutoTokenizer
 
-    from swarm.drafters import make_drafter
+    from swarm.coordinator.drafters import make_drafter
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.transport import open_host
@@ -116,7 +116,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     digest = model_manifest_digest(resolved.path)
     conversation = None
     if config.session_file is not None:
-        from swarm.conversation import Conversation
+        from swarm.coordinator.conversation import Conversation
 
         conversation = Conversation.open(config.session_file, model=resolved.name, model_digest=digest,
                                          chat=config.chat)
@@ -140,7 +140,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
             from swarm.config import cache_root as _cache_root
             from swarm.discovery.client import discover_ring
             from swarm.discovery.dht import open_dht
-            from swarm.weights.manifest import model_id as weights_model_id
+            from swarm.weights.identify import model_id as weights_model_id
 
             model_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, _cache_root() / "manifests")
             dht = await nursery.start(run_dht, host, config.bootstrap)
@@ -470,7 +470,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
     decode sends verify chunks ``[last committed] + K drafts`` with up to ``spec.depth`` in flight
-    (``swarm.spec.SpecLoop``). Output is token-for-token plain greedy (or plain keyed sampling).
+    (``swarm.coordinator.spec.SpecLoop``). Output is token-for-token plain greedy (or plain keyed sampling).
     When a stage is lost (its stream ends) or frozen (it stops answering heartbeats), and the ring
     file lists a warm spare for its layers, the ring heals (``swarm.heal.run_recovery``): the spare
     is swapped in, the session reopened, prompt + committed output replayed in prefill chunks, the
@@ -485,7 +485,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
         max_new_tokens: stop after this many new tokens; stop_ids: stop after emitting one of these.
         on_ids: called with the full list of new ids after each commit (for streaming).
         spec: K, depth, prefill chunk (default: plain decoding, K = 0, depth 1).
-        drafter: a ``swarm.spec.Drafter`` (default: none).
+        drafter: a ``swarm.coordinator.spec.Drafter`` (default: none).
         sampling: temperature / top-k / top-p / seed (default greedy). The tail draws the token of
             every position with noise keyed by (seed, position) (``swarm.model.sampling``), and
             drafts are verified by exact match against it: the output is the same for any drafter,

@@ -144,7 +144,7 @@ class SwarmCoverage:
 
 async def serve_state(state) -> dict:
     """The page's JSON for ``swarm serve`` (a ServeState with metrics)."""
-    from swarm.serve import ring_health
+    from swarm.serve.health import ring_health
 
     m, now = state.metrics, time.time()
     stages = await ring_health(state)

@@ -8,8 +8,8 @@ still answer in ``GAP_S``, not at the hop timeout), cancels stale epochs on the
 control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
 keeping its own digests of what it sent to the head and received from the tail (``ledgers``).
 
-Its links (dialing, the ring check, the reader tasks) come from :mod:`swarm.ring.links`, probes,
-spares and swaps from :mod:`swarm.ring.probe`. May import: trio, ``swarm.wire``,
+Its links (dialing, the ring check, the reader tasks) come from :mod:`swarm.coordinator.links`, probes,
+spares and swaps from :mod:`swarm.coordinator.probe`. May import: trio, ``swarm.wire``,
 ``swarm.receipts``, ``swarm.config``, ``swarm.errors``, this package.
 """
 
@@ -25,8 +25,8 @@ from swarm import receipts, wire
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError
 from swarm.heal import Probe, locate_failure
-from swarm.ring.links import LinksMixin, _Link
-from swarm.ring.probe import ProbeMixin
+from swarm.coordinator.links import LinksMixin, _Link
+from swarm.coordinator.probe import ProbeMixin
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class RingClient(LinksMixin, ProbeMixin):
                         pass
 
     async def send_chunk(self, session: str, chunk) -> None:
-        """Send one chunk (``swarm.spec.Chunk``) to the head stage; do not wait for its result.
+        """Send one chunk (``swarm.coordinator.spec.Chunk``) to the head stage; do not wait for its result.
 
         Raises:
             StageLost: the head's stream is closed. HopTimeout: the send did not finish in time.

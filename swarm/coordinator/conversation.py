@@ -9,7 +9,7 @@ prefilled. Written atomically (temp file + rename), so an interrupted run leaves
 new file is created 0600 (it holds the conversation), an existing one keeps its mode. Two runs on
 one file at once are not serialized: the later write wins.
 
-May import: json, ``swarm.errors``, ``swarm.chat`` (lazily).
+May import: json, ``swarm.errors``, ``swarm.coordinator.chat`` (lazily).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Conversation:
         if not prompt:
             raise ConfigError("the prompt is empty")
         if self.chat:
-            from swarm.chat import ChatTemplateError, encode_chat
+            from swarm.coordinator.chat import ChatTemplateError, encode_chat
 
             if not getattr(tokenizer, "chat_template", None):
                 raise ConfigError("--chat was given but this model's tokenizer has no chat template")

@@ -8,9 +8,9 @@ file (range, model, PeerId; the ranges tile ``[0, L)``), one reader task per str
 its connection sits in the ring now): frames of replaced connections are dropped, a closed stream
 or an error frame is raised as ``StageLost`` or ``RemoteError`` naming the stage.
 
-``LinksMixin`` is mixed into :class:`swarm.ring.client.RingClient`, which sets up the state it uses
+``LinksMixin`` is mixed into :class:`swarm.coordinator.ring.RingClient`, which sets up the state it uses
 (``host``, ``ring``, timeouts, ``links``, the channel, generations, ``ledgers``); ``connect``
-replaces an unreachable stage through ``prepare_spare`` (:mod:`swarm.ring.probe`). May import:
+replaces an unreachable stage through ``prepare_spare`` (:mod:`swarm.coordinator.probe`). May import:
 trio, ``swarm.transport`` (through the host), ``swarm.wire``, ``swarm.receipts``, ``swarm.config``,
 ``swarm.ranges``, ``swarm.errors``.
 """

@@ -1,0 +1,13 @@
+"""The ``swarm`` command and the tools around it.
+
+Layout (each module's docstring says what it owns and may import):
+
+- ``main``    argument parsing and one ``cmd_*`` per subcommand; ``main(argv) -> int``
+- ``demo``    ``swarm demo``: a local ring, one generation (or ``--serve``), a clean shutdown
+- ``launch``  ``LocalRing``: stage daemons on loopback as child processes, always reaped
+- ``watch``   ``swarm receipts watch``: a live table of jobs as receipts arrive
+- ``output``  what the commands print for a person: streamed text, rates, receipts
+
+Rule: may import anything in swarm; nothing in swarm imports it (``swarm.__main__`` aside).
+Importing this package imports nothing.
+"""

@@ -1,0 +1,16 @@
+"""The coordinator: the client side of a ring (``swarm coordinate``, and what ``swarm serve`` drives).
+
+Layout (each module's docstring says what it owns and may import):
+
+- ``generation``    ``generate`` and ``decode``: tokenize, drive chunks around the ring, heal, report
+- ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring
+- ``links``         ``StageInfo``, dialing and checking each stage, reader tasks, receiving frames
+- ``probe``         heal support: progress probes, warm spares, swapping a link
+- ``spec``          ``SpecLoop``: speculative chunk scheduling and the greedy accept rule (pure)
+- ``drafters``      drafters that propose tokens for verify chunks (n-gram, a draft model)
+- ``chat``          chat messages -> token ids with the model's template, content always literal
+- ``conversation``  a conversation kept in a file across ``swarm coordinate --session`` runs
+
+Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
+``model``; never ``stage`` (its peer), ``serve`` or ``cli``. Importing this package imports nothing.
+"""

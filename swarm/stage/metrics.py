@@ -1,0 +1,98 @@
+"""Prometheus metrics of a stage (issue 18): ``StageMetrics``, served by ``--metrics-listen``.
+
+Counters and gauges that the stage already keeps (sessions, KV bytes, steps, frames and bytes of
+its streams, refusals, prefix cache) are read at scrape time by a collector, so they cost nothing
+per frame; histograms (step time, rows per step, send time) are observed where the event happens.
+Labels are fixed small sets (a refusal reason); ``swarm_stage_info`` names the stage's public
+PeerId, model and layers. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
+(prometheus_client's own HTTP server, in a thread).
+
+May import: prometheus_client, ``swarm.metrics``; it reads a StageServer duck-typed (no import of it).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from swarm.metrics import LATENCY_BUCKETS
+from swarm.metrics import counter as _counter
+from swarm.metrics import gauge as _gauge
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REFUSAL_REASONS = ("busy", "forbidden", "overflow", "draining", "bad_request", "no_session", "no_state",
+                   "unavailable", "internal")
+
+
+class StageMetrics:
+    """A stage's metrics (``swarm_stage_*``). ``server`` is a StageServer; ``host`` its SwarmHost
+    (``meter``: frames and bytes of every framed stream), set when it serves."""
+
+    def __init__(self, server):
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.step_seconds = Histogram("swarm_stage_step_seconds", "Compute of one scheduling step (a packed forward)",
+                                      buckets=STEP_BUCKETS, registry=self.registry)
+        self.step_rows = Histogram("swarm_stage_step_rows", "Rows (positions of all sessions) one step computed",
+                                   buckets=ROW_BUCKETS, registry=self.registry)
+        self.send_seconds = Histogram("swarm_stage_send_seconds",
+                                      "Posting a computed frame to the next hop -> its write returned (outbox wait "
+                                      "and send)", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StageCollector(server))
+
+
+class _StageCollector:
+    def __init__(self, server):
+        self.s = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.s
+        sessions = list(s.sessions.values())
+        b, host = s.block, getattr(s, "host", None)
+        info = GaugeMetricFamily("swarm_stage_info", "This stage: PeerId, model, layer range [start, end), dtype "
+                                 "(always 1; join on it in queries)",
+                                 labels=["peer_id", "model", "layers", "dtype"])
+        info.add_metric([getattr(host, "peer_id", "") or "", s.model_name,
+                         f"{b.layer_range.start}:{b.layer_range.end}", str(b.dtype).removeprefix("torch.")], 1)
+        yield info
+        yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
+        yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
+                     sum(len(x.queue) for x in sessions))
+        yield _gauge("swarm_stage_kv_used_bytes", "KV cache memory the open sessions hold",
+                     sum(x.cache.nbytes() for x in sessions))
+        yield _gauge("swarm_stage_kv_reserved_bytes", "KV memory the open sessions reserved (max_len positions)",
+                     s.reserved_bytes())
+        yield _gauge("swarm_stage_kv_budget_bytes", "--kv-budget-mb in bytes (0: no limit)",
+                     s.config.kv_budget_bytes or 0)
+        yield _gauge("swarm_stage_draining", "1 while the stage drains (admits no new session)", int(bool(s.draining)))
+        stats, timing = dict(s.stats), dict(s.timing)
+        yield _counter("swarm_stage_steps", "Scheduling steps computed", stats["steps"])
+        yield _counter("swarm_stage_batched_steps", "Steps that packed more than one session", stats["batched_steps"])
+        yield _counter("swarm_stage_rows", "Rows computed by all steps", stats["rows"])
+        yield _counter("swarm_stage_compute_seconds", "Seconds spent in forwards", timing.get("compute_s", 0.0))
+        meter = getattr(getattr(s, "host", None), "meter", None)
+        if meter is not None:
+            yield _counter("swarm_stage_frames_received", "Frames received on all streams", meter.frames_in)
+            yield _counter("swarm_stage_frames_sent", "Frames sent on all streams", meter.frames_out)
+            yield _counter("swarm_stage_received_bytes", "Frame bytes received (before Noise/Yamux)", meter.bytes_in)
+            yield _counter("swarm_stage_sent_bytes", "Frame bytes sent (before Noise/Yamux)", meter.bytes_out)
+        refused = CounterMetricFamily("swarm_stage_refusals", "Error frames sent, by reason", labels=["reason"])
+        counts = dict(s.refusals)
+        for reason in sorted(set(REFUSAL_REASONS) | set(counts)):
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
+        yield _counter("swarm_stage_repairs", "Heal repairs applied to surviving sessions", s.repairs)
+        yield _counter("swarm_stage_receipts_signed", "Stage receipts signed", s.receipts_signed)
+        prefix = s.prefix_stats()
+        if prefix is not None:
+            yield _gauge("swarm_stage_prefix_cache_blocks", "Prefix-cache blocks held", prefix["blocks"])
+            yield _gauge("swarm_stage_prefix_cache_bytes", "Prefix-cache bytes held", prefix["bytes"])
+            yield _counter("swarm_stage_prefix_cache_hits", "Prefix blocks reused", prefix["hits"])
+            yield _counter("swarm_stage_prefix_cache_lookups", "Prefix lookups at session open", prefix["lookups"])
+            yield _counter("swarm_stage_prefix_cache_evictions", "Prefix blocks evicted for room", prefix["evictions"])
+            yield _counter("swarm_stage_prefix_cache_checksum_failures", "Prefix blocks dropped for a bad checksum",
+                           prefix["checksum_failures"])

@@ -37,7 +37,8 @@ class PrefixReuse:
     """
 
     def __init__(self, cache_mb: float, block_tokens: int, budget_bytes: Callable[[], int | None],
-                 reservations: Reservations, block, limiter: trio.CapacityLimiter, tile_of: Callable[[Session], int]) -> None:
+                 reservations: Reservations, block, limiter: trio.CapacityLimiter,
+                 tile_of: Callable[[Session], int]) -> None:
         self.cache_mb, self.block_tokens, self.budget_bytes = cache_mb, block_tokens, budget_bytes
         self.reservations, self.block, self.limiter, self.tile_of = reservations, block, limiter, tile_of
         self.store = PrefixStore(block_tokens, budget_bytes=self.allowed)

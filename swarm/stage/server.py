@@ -182,7 +182,7 @@ class StageServer:
         except Exception as exc:  # a bug reached by some frame: answer it, keep the stream and its sessions
             log.exception("frame.crashed peer=%s", getattr(stream, "remote_peer_id", "?"))
             await try_send(stream, self._error(f"internal error: {type(exc).__name__}: {exc}"[:300],
-                                                          "internal", session=session_of(msg)))
+                                               "internal", session=session_of(msg)))
 
     async def dispatch(self, stream, msg: dict) -> None:
         kind = msg["type"]
@@ -378,7 +378,7 @@ class StageServer:
         self._forget(sess)
         log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, reason)
         self.outboxes.post(sess.reply, sess, self._error(f"stage {self.block.layer_range}: {reason}"[:300], code,
-                                                      sess.session_id))
+                                                         sess.session_id))
 
     def _forget(self, sess: Session) -> None:
         """Drop a session (its KV cache goes with it) and whatever it has queued."""
@@ -432,8 +432,7 @@ class StageServer:
         code = "overflow" if isinstance(exc, ContextOverflow) else "bad_request"
         self._forget(sess)
         log.warning("session.failed session=%s code=%s reason=%s", sess.session_id, code, exc)
-        await try_send(sess.reply, self._error(f"stage {self.block.layer_range}: {exc}", code,
-                                                          sess.session_id))
+        await try_send(sess.reply, self._error(f"stage {self.block.layer_range}: {exc}", code, sess.session_id))
 
     def _drop_sessions_of(self, stream) -> None:
         for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:

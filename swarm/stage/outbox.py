@@ -9,7 +9,8 @@ reported to the coordinator of every session sending to it, which keep their sta
 mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
 the session's receipt ledger in posting order; a heal's ``refill`` passed on within the stages
 replacing a lost range); and the successor streams (one persistent stream per successor
-address, dialed once under a lock per address, read for the errors a successor sends back).
+address, dialed once under a lock per address, read for the errors a successor sends back); and
+the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes.run_mirror`).
 
 :class:`Outboxes` holds that state and is given what it uses: the live sessions, the block's layers,
 the timing counters, the metrics, and callbacks to dial a successor, start a background task and

@@ -156,14 +156,14 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
     the stage's real frame handler and scheduler. ``sessions``: sid -> (prompt ids, new tokens)."""
     c = MemStream(peer_id_of(coord))
     if steps_log is not None:
-        compute = server._compute_step
+        compute = server.scheduler._compute_step
 
         def logged(small, piece):
             steps_log.append(([(s.session_id, j.msg["pos"], j.x.shape[1]) for s, j in small],
                               None if piece is None else (piece[0].session_id, piece[1].done)))
             return compute(small, piece)
 
-        server._compute_step = logged
+        server.scheduler._compute_step = logged
 
     async def one(sid, prompt, new):
         extra = {"sampling": SamplingParams(temperature=0.9, seed=7).to_wire()} if sid in sampled else {}
@@ -189,7 +189,7 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 server.nursery = nursery
-                nursery.start_soon(server.scheduler)
+                nursery.start_soon(server.scheduler.run)
                 async with trio.open_nursery() as clients:
                     for sid, (prompt, new) in sessions.items():
                         async def run(sid=sid, prompt=prompt, new=new):
@@ -223,7 +223,7 @@ def test_scheduler_batches_sessions_and_slices_a_long_prompt(synthetic, tmp_path
     assert len(slices) == 7  # 100 positions, 16 per slice
     between = [small for small, _ in log[slices[0]:slices[-1] + 1] if any(pos > 0 for _, pos, _ in small)]
     assert between, "no decode row ran while the long prompt was being computed"
-    assert server.sessions == {} and not server._runq
+    assert server.sessions == {} and not server.scheduler._runq
 
 
 def test_a_long_prompt_yields_to_sessions_with_work_waiting(synthetic, tmp_path):
@@ -332,7 +332,7 @@ def test_stage_whose_tile_fails_its_proof_falls_back_to_one_gemv_per_row(synthet
     jobs = {"a": ([1, 2, 3], 3), "b": ([4, 5], 3)}
     together = _drive(server, coord, jobs)
     assert server.kernels["batch_ok"] is False and "tile 2" in server.kernels["reason"]
-    assert server.tile == 1
+    assert server.scheduler.tile == 1
     assert server.stats["max_sessions"] == 2  # still packed, now one GEMV per row
     for sid, job in jobs.items():
         assert _drive(_server(model, LayerRange(0, 4), tmp_path), coord, {sid: job}, batch=False) == {sid: together[sid]}

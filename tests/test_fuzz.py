@@ -196,7 +196,7 @@ def test_stage_survives_hostile_frames_and_keeps_the_good_session_exact(stage, j
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 server.nursery = nursery
-                nursery.start_soon(server.scheduler)
+                nursery.start_soon(server.scheduler.run)
                 out = await session()
                 nursery.cancel_scope.cancel()
             return out

@@ -214,7 +214,7 @@ def test_a_corrupted_block_at_one_stage_is_recomputed_and_the_ids_stay_exact(syn
 
     async def corrupt(conversation, turn, servers):
         if turn == 1:  # before the second turn: one value of block 1 flips in the middle stage's memory
-            while servers[1]._storing:  # the first turn's blocks are being kept
+            while servers[1].reuse.storing:  # the first turn's blocks are being kept
                 await trio.sleep(0.01)
             blocks = servers[1].prefix._blocks
             second = next(b for b in blocks.values() if b.parent in blocks and blocks[b.parent].parent not in blocks)

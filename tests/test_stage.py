@@ -294,13 +294,13 @@ def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
                 head = servers[0]
                 need = 64 * (per_pos + head.block.hidden_size * 8)  # KV + the log of hidden states sent on
                 head.config = dataclasses.replace(head.config, kv_budget_mb=1.5 * need / 2**20)  # one, not two
-                dial = head._successor_or_answer
+                dial = head.outboxes.successor_or_answer
 
                 async def slow_dial(*a, **k):  # a successor far away: the dial takes a while
                     await trio.sleep(0.3)
                     return await dial(*a, **k)
 
-                head._successor_or_answer = slow_dial
+                head.outboxes.successor_or_answer = slow_dial
                 answers = {}
                 async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
                     async def open_one(sid):
@@ -311,7 +311,7 @@ def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
                     async with trio.open_nursery() as opens:
                         opens.start_soon(open_one, "a")
                         opens.start_soon(open_one, "b")
-                    assert head.opening == {}  # nothing left held once the opens ended
+                    assert head.reservations.opening == {}  # nothing left held once the opens ended
                     kinds = sorted(m["type"] for m in answers.values())
                     assert kinds == ["error", "open_ok"], answers
                     refused = next(m for m in answers.values() if m["type"] == "error")

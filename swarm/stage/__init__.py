@@ -20,12 +20,16 @@ serves a mode. Outputs leave through one ordered outbox per stream.
 
 Layout (each module's docstring says what it owns and may import):
 
-- ``server``     ``StageServer``: info, inbound streams, dispatch of frames, sessions' lifecycle
+- ``server``     ``StageServer``: info, inbound streams, dispatch of frames, sessions' lifecycle; it wires
+                 together the objects below, each given what it uses (no mixins, no shared attributes)
 - ``session``    ``Session`` and ``Job``: per-session state and queued work (data only)
-- ``scheduler``  steps: which rows run together, the compute in a worker thread, kernel proofs
-- ``outbox``     ordered per-stream outboxes, posting outputs, successor streams
-- ``signing``    the stage receipt: signing the session's rolling digests
-- ``prefix``     the prefix cache: KV blocks of prompts kept for the next session
+- ``admission``  the open frame's checks and the KV budget: pure ``decide``, ``Reservations``
+- ``scheduler``  ``Scheduler``: which rows run together (pure ``pick_rows``), the compute, kernel proofs
+- ``outbox``     ``Outboxes``: ordered per-stream outboxes, posting outputs, successor streams, mirrors
+- ``signing``    ``ReceiptSigner``: the stage receipt, signing the session's rolling digests
+- ``repair``     ``Repairs``: a heal's ``repair``, re-pointing a surviving session or promoting a shadow
+- ``prefix``     the prefix store: KV blocks of prompts kept for the next session
+- ``reuse``      ``PrefixReuse``: the store's budget, reuse at open and keeping at close
 - ``metrics``    ``StageMetrics``: Prometheus metrics served by ``--metrics-listen``
 - ``membership`` the stage in the swarm: announcing its record, drain announcements, auto placement
 - ``preflight``  ``swarm stage --check``: everything a stage needs, checked without the network

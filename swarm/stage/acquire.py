@@ -57,18 +57,7 @@ def acquire_model(config: StageConfig, key=None):
     name = spec.lower() if builtin else spec
     root = cache_root() / "weights"
     if config.layers is None:  # placing itself: the peers' manifest and config first, shards once placed
-        result = _fetch_from_peers(config, key, root, name)
-        if result.path is not None:
-            log.info("weights.metadata dir=%s model_id=%s (shards follow once the stage is placed)", result.path,
-                     result.model_id[:16])
-            return ResolvedModel(result.path, name=name, source=spec)
-        log.warning("weights.peers.no_metadata failures=%s; falling back to %s", result.failures,
-                    "the whole model" if hub or builtin else "nothing")
-        if hub or builtin:
-            return _checked(resolve_model(spec), config)
-        why = "; ".join(result.failures) or "no peer answered"
-        raise ModelError(f"no peer could supply the manifest of {spec!r} ({why}), and it is neither a hub id nor a "
-                         "built-in model to fall back to")
+        return _metadata(config, key, root, name, fallback=hub or builtin)
     need_id = bool(config.bootstrap)  # a stage announcing on the DHT names its model by id
     cached = find_cached(root, name, config.model_id, config.layers)
     if cached is not None and not cached.missing and (cached.manifest.model_id or not need_id):
@@ -106,6 +95,30 @@ def acquire_model(config: StageConfig, key=None):
     raise ModelError(f"no peer could supply {spec!r} for layers {config.layers} "
                      f"({'; '.join(failures) or 'no peer answered'}), and it is neither a hub id nor a built-in "
                      "model to fall back to")
+
+
+def _metadata(config: StageConfig, key, root: Path, name: str, *, fallback: bool):
+    """A stage placing itself with ``--fetch-from``: the peers' manifest, config and tokenizer (no
+    shards yet), else the whole model when ``fallback`` (a hub id or a built-in model).
+
+    Raises:
+        ModelError: no peer supplied the manifest and there is nothing to fall back to.
+    """
+    from swarm.model.resolve import ResolvedModel, resolve_model
+
+    spec = config.model
+    result = _fetch_from_peers(config, key, root, name)
+    if result.path is not None:
+        log.info("weights.metadata dir=%s model_id=%s (shards follow once the stage is placed)", result.path,
+                 result.model_id[:16])
+        return ResolvedModel(result.path, name=name, source=spec)
+    log.warning("weights.peers.no_metadata failures=%s; falling back to %s", result.failures,
+                "the whole model" if fallback else "nothing")
+    if fallback:
+        return _checked(resolve_model(spec), config)
+    why = "; ".join(result.failures) or "no peer answered"
+    raise ModelError(f"no peer could supply the manifest of {spec!r} ({why}), and it is neither a hub id nor a "
+                     "built-in model to fall back to")
 
 
 def _checked(resolved, config: StageConfig, peers_id: str | None = None):

@@ -55,7 +55,7 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         host.set_handler(PROTOCOL_ID, server.handle_stream, max_frame_bytes=max_frame)
         serve_weights(host, b.model_dir, server.model_name, cache_root() / "manifests")  # /swarm/weights/1.0.0
         nursery.start_soon(server.expire_idle)
-        nursery.start_soon(server.scheduler)
+        nursery.start_soon(server.scheduler.run)
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                  "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx}
         if relays:
@@ -145,16 +145,11 @@ def run_stage(config: StageConfig) -> int:
     ``--drain-timeout-s``, then fail with "draining"), prints ``SWARM_STAGE_DRAINED {...}`` and
     returns 0. Ctrl-C (SIGINT) stops at once and returns 0.
     """
-    import dataclasses
-    from functools import partial
-
     from swarm.config import cache_root
-    from swarm.model.block import load_block, model_num_layers
+    from swarm.model.block import load_block
     from swarm.model.resolve import model_manifest_digest
-    from swarm.ranges import LayerRange
-    from swarm.stage.membership import announce, measure_decode_tps, place
-    from swarm.transport.identity import claim_key
     from swarm.stage.acquire import acquire_model
+    from swarm.transport.identity import claim_key
     from swarm.weights.identify import model_id as weights_model_id
 
     placed = config.layers is None
@@ -166,10 +161,7 @@ def run_stage(config: StageConfig) -> int:
         resolved = acquire_model(config, key)  # a hub id or --fetch-from: only this range's shards, verified
         model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.bootstrap else None
         if placed:
-            moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
-            layers = LayerRange.parse(moved) if moved else _run_trio(
-                place, config, resolved.path, model_id, model_num_layers(resolved.path), key)
-            config = dataclasses.replace(config, layers=layers)
+            config = _placed(config, resolved.path, model_id, key)
             if config.fetch_from:  # placed on the peers' manifest: now fetch that block's shards
                 resolved = acquire_model(config, key)
         block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
@@ -189,58 +181,88 @@ def run_stage(config: StageConfig) -> int:
     try:
         server = StageServer(config, block, resolved.name, digest)
         server.model_id = model_id
-        if block.kernel_mode == "fma":  # the kernels take the cores; torch keeps one for its small ops
-            from swarm.kernels import fma
-
-            fma.set_threads(torch.get_num_threads())
-            torch.set_num_threads(1)
-            server.kernels["threads"] = fma.threads()
-            log.info("kernels.threads fma=%d torch=1", fma.threads())
-        membership = None
-        if config.bootstrap:
-            tps = measure_decode_tps(block)
-            log.info("stage.throughput layers=%s decode_steps_per_s=%.1f", block.layer_range, tps)
-            membership = partial(announce, config=config, model_id=model_id, throughput_tps=tps, placed=placed)
+        membership = _membership(config, server, model_id, placed)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return exc.exit_code
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            ready = await nursery.start(partial(serve, server, key, config.listen,
-                                                announce_addrs=config.announce_addrs, membership=membership,
-                                                relays=config.relays, hole_punch=config.hole_punch))
-            await nursery.start(_drain_on_sigterm, server)
-            emit("READY", ready)
-            await server.drain_requested.wait()
-            if server.announcer is not None:
-                # the swarm must see "draining" before the stage goes: a drain with nothing open ends at
-                # once, and the exit below would beat the announcer's own republish
-                server.draining = True
-                with trio.move_on_after(5.0):
-                    await server.announcer.publish()
-            drained = await server.drain(config.drain_timeout_s)
-            if server.announcer is not None:
-                # its last record lives seconds: readers stop listing a stage that left at once
-                await server.announcer.withdraw()
-            emit("DRAINED", drained)
-            sys.stderr.flush()
-            if server.move_to is not None:  # rebalancing: start again on the new block, same key and flags
-                emit("MOVING", {"from": block.layer_range.as_list(), "to": server.move_to.as_list()})
-                os.environ[MOVED_ENV] = f"{server.move_to.start}:{server.move_to.end}"
-                os.execv(sys.executable, [sys.executable, "-m", "swarm", *sys.argv[1:]])
-            # every session is finished or failed with a reason: nothing is left to save, and a
-            # graceful libp2p shutdown takes seconds, so leave now (a supervisor sees exit 0 at once)
-            os._exit(0)
-
     try:
-        _run_trio(main)
+        _run_trio(_serve_until_drained, server, key, config, membership)
     except KeyboardInterrupt:
         return 0
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
         return exc.exit_code
     return 0
+
+
+def _placed(config: StageConfig, model_dir, model_id: str | None, key) -> StageConfig:
+    """The config with the block this stage serves when ``--layers`` was not given: the one it
+    moved to (a rebalance's restart), else the one the swarm's DHT shows is needed."""
+    import dataclasses
+
+    from swarm.model.block import model_num_layers
+    from swarm.ranges import LayerRange
+    from swarm.stage.membership import place
+
+    moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
+    layers = LayerRange.parse(moved) if moved else _run_trio(
+        place, config, model_dir, model_id, model_num_layers(model_dir), key)
+    return dataclasses.replace(config, layers=layers)
+
+
+def _membership(config: StageConfig, server: StageServer, model_id: str | None, placed: bool):
+    """Give the fma kernels the cores; with ``--bootstrap``, the task announcing the stage
+    (:func:`swarm.stage.membership.announce`, after measuring its decode throughput), else None."""
+    from functools import partial
+
+    from swarm.stage.membership import announce, measure_decode_tps
+
+    block = server.block
+    if block.kernel_mode == "fma":  # the kernels take the cores; torch keeps one for its small ops
+        from swarm.kernels import fma
+
+        fma.set_threads(torch.get_num_threads())
+        torch.set_num_threads(1)
+        server.kernels["threads"] = fma.threads()
+        log.info("kernels.threads fma=%d torch=1", fma.threads())
+    if not config.bootstrap:
+        return None
+    tps = measure_decode_tps(block)
+    log.info("stage.throughput layers=%s decode_steps_per_s=%.1f", block.layer_range, tps)
+    return partial(announce, config=config, model_id=model_id, throughput_tps=tps, placed=placed)
+
+
+async def _serve_until_drained(server: StageServer, key, config: StageConfig, membership) -> None:
+    """Serve, print READY, and on a drain request drain, print DRAINED and leave the process (or
+    restart it on the block a rebalance chose)."""
+    from functools import partial
+
+    async with trio.open_nursery() as nursery:
+        ready = await nursery.start(partial(serve, server, key, config.listen,
+                                            announce_addrs=config.announce_addrs, membership=membership,
+                                            relays=config.relays, hole_punch=config.hole_punch))
+        await nursery.start(_drain_on_sigterm, server)
+        emit("READY", ready)
+        await server.drain_requested.wait()
+        if server.announcer is not None:
+            # the swarm must see "draining" before the stage goes: a drain with nothing open ends at
+            # once, and the exit below would beat the announcer's own republish
+            server.draining = True
+            with trio.move_on_after(5.0):
+                await server.announcer.publish()
+        drained = await server.drain(config.drain_timeout_s)
+        if server.announcer is not None:
+            # its last record lives seconds: readers stop listing a stage that left at once
+            await server.announcer.withdraw()
+        emit("DRAINED", drained)
+        sys.stderr.flush()
+        if server.move_to is not None:  # rebalancing: start again on the new block, same key and flags
+            emit("MOVING", {"from": server.block.layer_range.as_list(), "to": server.move_to.as_list()})
+            os.environ[MOVED_ENV] = f"{server.move_to.start}:{server.move_to.end}"
+            os.execv(sys.executable, [sys.executable, "-m", "swarm", *sys.argv[1:]])
+        # every session is finished or failed with a reason: nothing is left to save, and a
+        # graceful libp2p shutdown takes seconds, so leave now (a supervisor sees exit 0 at once)
+        os._exit(0)
 
 
 MOVED_ENV = "SWARM_STAGE_MOVED_TO"

@@ -85,8 +85,8 @@ class _StageCollector:
         for reason in sorted(set(REFUSAL_REASONS) | set(counts)):
             refused.add_metric([reason], counts.get(reason, 0))
         yield refused
-        yield _counter("swarm_stage_repairs", "Heal repairs applied to surviving sessions", s.repairs)
-        yield _counter("swarm_stage_receipts_signed", "Stage receipts signed", s.receipts_signed)
+        yield _counter("swarm_stage_repairs", "Heal repairs applied to surviving sessions", s.repairs.applied)
+        yield _counter("swarm_stage_receipts_signed", "Stage receipts signed", s.signer.signed)
         prefix = s.prefix_stats()
         if prefix is not None:
             yield _gauge("swarm_stage_prefix_cache_blocks", "Prefix-cache blocks held", prefix["blocks"])

@@ -9,10 +9,12 @@ reported to the coordinator of every session sending to it, which keep their sta
 mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
 the session's receipt ledger in posting order; a heal's ``refill`` passed on within the stages
 replacing a lost range); and the successor streams (one persistent stream per successor
-address, dialed once under a lock per address, read for the errors a successor sends back).
+address, dialed once under a lock per address, read for the errors a successor sends back); and
+the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes.run_mirror`).
 
-``OutboxMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
-``block``, ``host``, ``nursery``, ``sessions``, ``_in_flight``, ``_fail_later`` and ``_try_send``.
+:class:`Outboxes` holds that state and is given what it uses: the live sessions, the block's layers,
+the timing counters, the metrics, and callbacks to dial a successor, start a background task and
+build a counted error frame (the server's). :func:`try_send` is the one send that may fail quietly.
 May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this package's ``session``.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -28,7 +31,6 @@ import trio
 from swarm import receipts, wire
 from swarm.errors import ProtocolError, StreamClosed, SwarmError
 from swarm.stage.session import Session, session_of
-from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +45,50 @@ class _Outbox:
     done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
 
 
-class OutboxMixin:
-    """Outboxes, output posting and successor streams (see the module docstring)."""
+async def try_send(stream, msg: dict) -> None:
+    """Send ``msg`` on ``stream`` within 5 s; a failure is logged, not raised (the peer has gone)."""
+    try:
+        await stream.send(msg, timeout_s=5.0)
+    except SwarmError as exc:
+        log.info("send.failed reason=%s", exc)
 
-    def _init_outboxes(self) -> None:
+
+class Outboxes:
+    """Outboxes, output posting and successor streams (see the module docstring).
+
+    Args:
+        sessions: the live sessions by id (the server's dict, read only here).
+        layer_range: the block's layers, for error reasons; ``num_layers``: the model's (a session
+            whose span ends there is the tail).
+        timing: the stage's timing counters (``frames_out``, ``outbox_s``, ``send_s`` are added to).
+        hop_timeout_s: the deadline of one send, seconds.
+        dial: ``await dial(addr)`` opens a stream to a successor.
+        spawn: ``spawn(fn, *args)`` starts a background task (the server's nursery).
+        error: ``error(reason, code, session)`` builds an error frame (counted by the server).
+        metrics: the ``StageMetrics`` whose send histogram is observed, or None.
+    """
+
+    def __init__(self, sessions: dict[str, Session], layer_range, num_layers: int, timing: dict, *,
+                 hop_timeout_s: float, dial: Callable[[str], Awaitable[object]], spawn: Callable[..., None],
+                 error: Callable[..., dict], metrics=None) -> None:
+        self.sessions, self.layer_range, self.num_layers, self.timing = sessions, layer_range, num_layers, timing
+        self.hop_timeout_s, self._dial, self._spawn, self._error = hop_timeout_s, dial, spawn, error
+        self.metrics = metrics
         self.successors: dict[str, object] = {}  # addr -> FramedStream, one persistent stream per hop
         self._dial_locks: dict[str, trio.Lock] = {}  # successor addr -> lock held while dialing it
         self._outboxes: dict[object, object] = {}  # stream -> send channel of its ordered outbox
+        self.in_flight = 0  # frames waiting in an outbox or being sent
 
-    async def _successor_or_answer(self, stream, sid: str, addr: str):
-        """``_successor(addr)``, or None after answering ``stream`` with an ``unavailable`` error
-        for session ``sid`` when it cannot be reached (the caller then leaves the session as it was)."""
+    async def successor_or_answer(self, stream, sid: str, addr: str):
+        """:meth:`successor`, or None after answering ``stream`` with an ``unavailable`` error for
+        session ``sid`` when it cannot be reached (the caller then leaves the session as it was)."""
         try:
-            return await self._successor(addr)
+            return await self.successor(addr)
         except SwarmError as exc:
             await stream.send(self._error(f"cannot reach successor {addr}: {exc}", "unavailable", sid))
             return None
 
-    async def _successor(self, addr: str):
+    async def successor(self, addr: str):
         """The persistent stream to ``addr``, dialed once. One lock per address: a peer that names a
         slow or dead successor delays only the opens that name the same one."""
         s = self.successors.get(addr)
@@ -70,10 +98,26 @@ class OutboxMixin:
         async with lock:
             s = self.successors.get(addr)
             if s is None or s.closed:
-                s = await self.host.open_stream(addr, PROTOCOL_ID, timeout_s=self.config.hop_timeout_s)
+                s = await self._dial(addr)
                 self.successors[addr] = s
-                self.nursery.start_soon(self._drain_successor, addr, s)
+                self._spawn(self._drain_successor, addr, s)
             return s
+
+    async def run_mirror(self, sess: Session, mirror) -> None:
+        """The task of ``sess``'s mirror (:class:`swarm.mirror.Mirror`): its own stream to the
+        shadow (never the successor stream other sessions share: the shadow's errors must not reach
+        the coordinator as this session's), ended with the session."""
+
+        async def relay(err):  # once promoted, the shadow is the successor: its errors go to the coordinator
+            await try_send(sess.reply, err)
+
+        async def end(s):
+            box = self.close(s)
+            if box is not None:
+                with trio.move_on_after(1.0):
+                    await box.done.wait()
+
+        await mirror.run(self._dial, lambda: self.sessions.get(sess.session_id) is sess, relay, end)
 
     async def _drain_successor(self, addr: str, s) -> None:
         """Read what a successor says on our outbound stream (only errors) and relay them."""
@@ -83,30 +127,30 @@ class OutboxMixin:
             except (StreamClosed, ProtocolError):
                 if self.successors.get(addr) is s:
                     del self.successors[addr]
-                self._close_outbox(s)
+                self.close(s)
                 return
             sess = self.sessions.get(session_of(msg) or "")
             if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
-                await self._try_send(sess.reply, msg)
+                await try_send(sess.reply, msg)
 
-    def _emit(self, sess: Session, msg: dict, payload) -> None:
+    def emit(self, sess: Session, msg: dict, payload) -> None:
         """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
         if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
-        tail = sess.is_tail(self.block.num_layers)
+        tail = sess.is_tail(self.num_layers)
         if msg["type"] == "refill":  # a heal's resent positions: KV only, on within the replacement
             if not tail and sess.sent_log is not None:
                 sess.sent_log.record(msg["pos"], payload)  # a later heal of the successor resends them
             if sess.span.end < msg["until"]:
                 sent = wire.frame("refill", hidden=payload, **{k: msg[k] for k in ("session", "epoch", "pos", "until")})
-                self._post(sess.next_stream, sess, sent)
+                self.post(sess.next_stream, sess, sent)
                 if sess.ledger is not None:
                     sess.ledger.output.add(receipts.refill_item(sent))
             return
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
         if tail:
             sent = wire.frame("result", token_ids=payload, **meta)
-            self._post(sess.reply, sess, sent, msg["chunk"])
+            self.post(sess.reply, sess, sent, msg["chunk"])
             item = receipts.result_item(sent)
         else:
             sent = wire.frame("forward", hidden=payload, **meta)
@@ -114,12 +158,12 @@ class OutboxMixin:
                 sess.sent_log.record(msg["pos"], payload)
             if sess.mirror is not None:  # the successor's shadow gets a copy (its own bounded queue)
                 sess.mirror.post(msg["epoch"], msg["pos"], hidden=payload)
-            self._post(sess.next_stream, sess, sent, msg["chunk"])
+            self.post(sess.next_stream, sess, sent, msg["chunk"])
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them
             sess.ledger.output.add(item)
 
-    def _post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
+    def post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
         """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow
         peer delays only the sessions that send to it. Nothing is queued on a closed stream."""
         if stream is None or stream.closed:
@@ -128,9 +172,9 @@ class OutboxMixin:
         if box is None:
             box = _Outbox(*trio.open_memory_channel(math.inf))
             self._outboxes[stream] = box
-            self.nursery.start_soon(self._outbox, stream, box)
+            self._spawn(self._outbox, stream, box)
         box.send.send_nowait((sess, msg, chunk, time.perf_counter()))
-        self._in_flight += 1
+        self.in_flight += 1
 
     async def _outbox(self, stream, box: _Outbox) -> None:
         """Send one stream's queued frames in order. Data frames of a session that is gone are
@@ -146,7 +190,7 @@ class OutboxMixin:
                         if box.dead or stream.closed or gone:
                             continue
                         t_send = time.perf_counter()
-                        await stream.send(msg, timeout_s=self.config.hop_timeout_s)
+                        await stream.send(msg, timeout_s=self.hop_timeout_s)
                     except SwarmError as exc:
                         if stream is not sess.reply:
                             box.dead = True  # a successor that does not take frames takes none of them
@@ -166,7 +210,7 @@ class OutboxMixin:
                             if self.metrics is not None:
                                 self.metrics.send_seconds.observe(t_done - posted)
                     finally:
-                        self._in_flight -= 1
+                        self.in_flight -= 1
         finally:
             box.done.set()
 
@@ -178,12 +222,12 @@ class OutboxMixin:
         or ``--session-ttl-s``) drops the session when it does not heal."""
         sess.next_stream = None
         log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
-        err = self._error(f"stage {self.block.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
-                               "unavailable", sess.session_id)
+        err = self._error(f"stage {self.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
+                          "unavailable", sess.session_id)
         err["epoch"] = sess.epoch  # a coordinator that repaired the session since reads it as stale
-        self._post(sess.reply, sess, err)
+        self.post(sess.reply, sess, err)
 
-    def _close_outbox(self, stream) -> _Outbox | None:
+    def close(self, stream) -> _Outbox | None:
         """Stop ``stream``'s outbox: frames still queued are dropped, not sent."""
         box = self._outboxes.pop(stream, None)
         if box is not None:

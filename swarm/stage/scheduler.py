@@ -17,21 +17,26 @@ kernels give a row the same bits in any forward, and the start-up proof covers p
 rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row GEMMs)
 and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
 
-``SchedulerMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``config``,
-``block``, ``sessions``, ``_in_flight`` and ``_fail_later``; ``_emit`` comes from the outbox,
-``_sign_receipt`` from signing. May import: torch, trio, ``swarm.wire``, ``swarm.config``,
-``swarm.kernels`` and ``swarm.model.sampling`` (lazily), this package's ``session``.
+The choice of a step's rows is pure (:func:`pick_rows`, :func:`long_chunk_shares`); the
+:class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
+config, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
+chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
+May import: torch, trio, ``swarm.wire``, ``swarm.config``, ``swarm.kernels`` and
+``swarm.model.sampling`` (lazily), this package's ``session``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import trio
 
 from swarm import wire
+from swarm.errors import ProtocolError
 from swarm.stage.session import Job, Session
 
 log = logging.getLogger(__name__)
@@ -53,12 +58,128 @@ tail: with its LM head and choice of token); ``encode_s``, hidden states -> wire
 packing and the libp2p write)."""
 
 
-class SchedulerMixin:
-    """Run queue, scheduling steps, the compute of a step, kernel proofs (see the module docstring)."""
+@dataclass(frozen=True)
+class StepRows:
+    """The chunks one step computes, as indices into the candidates given to :func:`pick_rows`.
 
-    def _init_scheduler(self) -> None:
-        """Scheduler state; proves the kernels for every session's mode before anything is served."""
-        config, block = self.config, self.block
+    Attributes:
+        short: the short chunks (at most ``BATCH_CHUNK_MAX`` positions each) packed into one
+            forward, in the candidates' (run queue) order.
+        long: the long chunk of which one slice is computed, or None.
+    """
+
+    short: tuple[int, ...]
+    long: int | None
+
+
+def pick_rows(chunks: Sequence[tuple[int, int]], max_batch_rows: int) -> StepRows:
+    """Pick one step's chunks from the next chunk of every ready session, in run-queue order.
+
+    Every short chunk fits while the rows picked so far stay within ``max_batch_rows`` (the first
+    one always fits, so a step never starves); of the long chunks, the one with the fewest positions
+    left goes (shortest remaining first; on a tie the earliest, which is round robin since a served
+    session goes to the back of the run queue).
+
+    Args:
+        chunks: ``(positions, done)`` per candidate: the chunk's positions and how many of them
+            earlier slices already computed (0 for a short chunk).
+        max_batch_rows: ``--max-batch-rows``, positions of short chunks one step may pack.
+    Returns:
+        The indices of the picked chunks.
+    """
+    short, rows, long = [], 0, None
+    for i, (t, done) in enumerate(chunks):
+        if t <= BATCH_CHUNK_MAX:
+            if short and rows + t > max_batch_rows:
+                continue
+            short.append(i)
+            rows += t
+        elif long is None or t - done < chunks[long][0] - chunks[long][1]:
+            long = i
+    return StepRows(tuple(short), long)
+
+
+def long_chunk_shares(short_picked: bool, others: Iterable[tuple[float, int]], now: float) -> bool:
+    """Whether this step's slice of a long chunk is the small ``--prefill-slice-shared`` one.
+
+    A long prompt yields to sessions that decode: while one is generating the long chunk advances a
+    few rows per step (Sarathi-Serve's budget). "Generating" means a frame within ``ACTIVE_S`` whose
+    chunk was short, not work queued right now: in a ring a session's next row is usually at another
+    stage when this step starts. Another prompt does not throttle the slice (the one with the least
+    left goes first, at full slices, and is soon done).
+
+    Args:
+        short_picked: the step also packs short chunks.
+        others: ``(last_active, last_rows)`` of every other live session: trio clock seconds of its
+            last frame, and the positions of its last queued chunk.
+        now: the trio clock, seconds.
+    Returns:
+        True when the slice must be the shared (small) one.
+    """
+    return short_picked or any(now - active < ACTIVE_S and rows <= BATCH_CHUNK_MAX for active, rows in others)
+
+
+SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
+
+
+def chunk_input(msg: dict, sess: Session, block) -> torch.Tensor:
+    """Check a ``forward`` (or ``refill``) frame of a live session and decode its rows.
+
+    A ``refill`` is computed like a forward but only fills the KV cache of the stages replacing a
+    lost range (:mod:`swarm.stage.repair`): it may only reach stages whose layers end by its
+    ``until``. The chunk may start anywhere up to where the chunks queued before it will have left
+    the cache.
+
+    Args:
+        msg: a validated ``forward`` or ``refill`` frame of ``sess``'s current epoch.
+        sess: the session it belongs to.
+        block: the stage's ``LayerBlock`` (vocabulary and hidden sizes).
+    Returns:
+        (1, T) int64 token ids at the head, else (1, T, D) hidden states.
+    Raises:
+        ProtocolError: a refill past its ``until``, too many chunks queued, a malformed tensor, a
+            ``logits_from`` past the chunk's last row.
+        ContextOverflow: the chunk ends past the session's ``max_len``.
+    """
+    if msg["type"] == "refill" and sess.span.end > msg["until"]:
+        raise ProtocolError(f"a refill for the layers below {msg['until']} reached stage {sess.span}, whose layers "
+                            "go past them")
+    # a shadow is sent every frame at the ring's pace, not the coordinator's few in flight: it
+    # may fall behind further before it gives up (a heal then refills it as a plain spare)
+    limit = MAX_QUEUED * (SHADOW_QUEUE_FACTOR if sess.shadow else 1)
+    if len(sess.queue) >= limit:
+        raise ProtocolError(f"more than {limit} chunks of the session are waiting at this stage")
+    inputs = wire.forward_inputs(msg, is_head=sess.is_head, vocab_size=block.vocab_size,
+                                 hidden_size=block.hidden_size,
+                                 kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
+                                 max_len=sess.cache.max_len)
+    x = inputs["token_ids"] if sess.is_head else inputs["hidden"]
+    if msg.get("logits_from", msg["pos"]) > msg["pos"] + x.shape[1]:
+        raise ProtocolError(f"forward frame 'logits_from' {msg['logits_from']} lies past "
+                            f"its last row {msg['pos'] + x.shape[1] - 1}")
+    return x
+
+
+class Scheduler:
+    """Run queue, scheduling steps, the compute of a step, kernel proofs (see the module docstring).
+
+    Args:
+        config: the stage's ``StageConfig`` (batching flags, ``--inline-step-ms``).
+        block: the loaded ``LayerBlock``; its kernels are proven here before anything is served.
+        sessions: the live sessions by id (the server's dict, read only here: a job whose session
+            is gone is dropped).
+        timing: the stage's ``TIMING_FIELDS`` counters, added to here.
+        fail: ``fail(sess, reason, code)`` fails one session without waiting (through its outbox).
+        emit: ``emit(sess, msg, payload)`` posts a computed chunk's output.
+        sign_receipt: ``sign_receipt(sess)`` signs and posts the session's receipt.
+        metrics: the ``StageMetrics`` whose step histograms are observed, or None.
+    """
+
+    def __init__(self, config, block, sessions: dict[str, Session], timing: dict, *,
+                 fail: Callable[..., None], emit: Callable[[Session, dict, object], None],
+                 sign_receipt: Callable[[Session], None], metrics=None) -> None:
+        self.config, self.block, self.sessions, self.timing = config, block, sessions, timing
+        self._fail, self._emit, self._sign_receipt, self.metrics = fail, emit, sign_receipt, metrics
         self._runq: dict[int, Session] = {}  # id -> session with queued jobs, in scheduling (round-robin) order
         self._work = trio.Event()  # set when a job is queued
         self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
@@ -66,14 +187,15 @@ class SchedulerMixin:
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
         self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
         self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
-        self._compute = trio.CapacityLimiter(1)  # one thread computes on the block at a time
+        self.limiter = trio.CapacityLimiter(1)  # one thread computes on the block (or its caches) at a time
         self._batch_proof = trio.Lock()
-        self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
+        self.in_flight = 0  # steps being computed (see busy())
         self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
         self._short_step_s: float | None = None  # moving average of the compute of steps without a long chunk
         self._packed = 0  # sessions that shared the last step's largest forward
 
-    def _enqueue(self, sess: Session, job: Job) -> None:
+    def enqueue(self, sess: Session, job: Job) -> None:
+        """Queue a checked chunk (or receipt request) behind the session's others and wake the loop."""
         job.queued_at = time.perf_counter()
         if job.x is not None:
             sess.last_rows = job.x.shape[1]
@@ -82,7 +204,11 @@ class SchedulerMixin:
         self._runq.setdefault(id(sess), sess)
         self._work.set()
 
-    async def scheduler(self) -> None:
+    def busy(self) -> bool:
+        """Whether a step is being computed or a session has a job queued."""
+        return bool(self.in_flight) or any(s.queue for s in self._runq.values())
+
+    async def run(self) -> None:
         """Run scheduling steps while work is queued (forever; started by :func:`swarm.stage.daemon.serve`)."""
         while True:
             await self._work.wait()
@@ -95,74 +221,87 @@ class SchedulerMixin:
                     log.exception("scheduler.step_crashed")
                     for sess in list(self._runq.values()):
                         self._runq.pop(id(sess), None)
-                        self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
+                        self._fail(sess, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _step(self) -> bool:
         """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
         when nothing was ready."""
+        await self._wait_for_batch()
+        ready = self._ready_jobs()
+        picked = pick_rows([(job.x.shape[1], job.done) for _, job in ready], self.max_batch_rows)
+        small = [ready[i] for i in picked.short]
+        piece = None if picked.long is None else ready[picked.long]
+        if not small and piece is None:
+            return False  # a chunk queued meanwhile has set self._work again
+        if piece is not None:
+            others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
+            shared = long_chunk_shares(bool(small), others, trio.current_time())
+            piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
+        t_call = time.perf_counter()
+        for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
+            self.timing["picked"] += 1
+            self.timing["queue_s"] += t_call - job.queued_at
+        results = await self._compute(small, piece)
+        if results is not None:
+            self._count(results, piece is not None, t_call)
+            self._deliver(results)
+        return True
+
+    async def _wait_for_batch(self) -> None:
+        """``--batch-wait-ms``: while batching sessions are queued but not all of them are ready,
+        wait once so their rows share the step."""
         wait = self.config.batch_wait_ms
         if wait and any(s.batch for s in self._runq.values()):
             batching = sum(s.batch for s in self.sessions.values())
             ready = sum(s.batch for s in self._runq.values() if s.queue)
             if ready < batching:
                 await trio.sleep(wait / 1000)
-        small, rows, piece = [], 0, None
+
+    def _ready_jobs(self) -> list[tuple[Session, Job]]:
+        """The next chunk of every session in the run queue, in its order; a chunk that is not
+        contiguous with its session's cache (queued before the session was dropped or failed)
+        fails the session instead."""
+        ready = []
         for sess in list(self._runq.values()):
-            job = await self._next_job(sess)
+            job = self._next_job(sess)
             if job is None:
                 continue
-            t = job.x.shape[1]
             pos = job.msg["pos"] + job.done
-            if pos > sess.cache.kv_len:  # a chunk queued before it was dropped or failed
-                self._fail_later(sess, f"chunk at pos {pos} is not contiguous with the session's kv_len "
-                                       f"{sess.cache.kv_len}", "bad_request")
+            if pos > sess.cache.kv_len:
+                self._fail(sess, f"chunk at pos {pos} is not contiguous with the session's kv_len "
+                                 f"{sess.cache.kv_len}", "bad_request")
                 continue
-            if t <= BATCH_CHUNK_MAX:
-                if small and rows + t > self.max_batch_rows:
-                    continue
-                small.append((sess, job))
-                rows += t
-            else:  # the long chunk with the least left goes first (shortest remaining first, then round robin)
-                if piece is None or t - job.done < piece[1].x.shape[1] - piece[1].done:
-                    piece = (sess, job)
-        if not small and piece is None:
-            return False  # a chunk queued meanwhile has set self._work again
-        if piece is not None:
-            # a long prompt yields to sessions that decode: while one is generating the long chunk
-            # advances a few rows per step (Sarathi-Serve's budget). "Generating" means a frame within
-            # ACTIVE_S whose chunk was short, not work queued right now: in a ring a session's next row
-            # is usually at another stage when this step starts. Another prompt does not throttle the
-            # piece (the one with the least left goes first, at full slices, and is soon done).
-            now = trio.current_time()
-            shared = bool(small) or any(
-                s is not piece[0] and now - s.last_active < ACTIVE_S and s.last_rows <= BATCH_CHUNK_MAX
-                for s in self.sessions.values())
-            piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
-        timing = self.timing
-        t_call = time.perf_counter()
-        for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
-            timing["picked"] += 1
-            timing["queue_s"] += t_call - job.queued_at
-        self._in_flight += 1
+            ready.append((sess, job))
+        return ready
+
+    async def _compute(self, small: list, piece) -> list | None:
+        """The step's compute, in the worker thread or inline (see :meth:`_inline_ok`); None when
+        it failed (its sessions are failed, the stage keeps serving)."""
+        self.in_flight += 1
         try:
             if piece is None and self._inline_ok():
                 # short rows whose compute is known to be brief: the worker-thread round trip (two
                 # thread switches and a wakeup of the event loop) would cost more than it shields
-                async with self._compute:
+                async with self.limiter:
                     results = self._compute_step(small, piece)
-                timing["inline_steps"] += 1
+                self.timing["inline_steps"] += 1
             else:
-                results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self._compute)
+                results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self.limiter)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
             failed = small + ([piece[:2]] if piece else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
-                self._fail_later(sess, f"forward failed: {type(exc).__name__}: {exc}")
-            return True
+                self._fail(sess, f"forward failed: {type(exc).__name__}: {exc}")
+            return None
         finally:
-            self._in_flight -= 1
+            self.in_flight -= 1
+        return results
+
+    def _count(self, results: list, sliced: bool, t_call: float) -> None:
+        """Add a computed step to the timing counters, the batching stats and the metrics."""
+        timing = self.timing
         t_start, encode_s, t_end = self._step_clock
-        if piece is None:  # what the next short step may expect to cost
+        if not sliced:  # what the next short step may expect to cost
             self._short_step_s = t_end - t_start if self._short_step_s is None else \
                 0.8 * self._short_step_s + 0.2 * (t_end - t_start)
         timing["steps"] += 1
@@ -176,10 +315,13 @@ class SchedulerMixin:
         self.stats["batched_steps"] += packed > 1
         self.stats["rows"] += computed
         self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
-        self.stats["prefill_slices"] += piece is not None
+        self.stats["prefill_slices"] += sliced
         if self.metrics is not None:
             self.metrics.step_seconds.observe(t_end - t_start)
             self.metrics.step_rows.observe(computed)
+
+    def _deliver(self, results: list) -> None:
+        """Advance each computed chunk; post the output of each one now complete."""
         for sess, job, n, payload in results:
             job.done += n
             sess.positions += n
@@ -197,8 +339,7 @@ class SchedulerMixin:
             except Exception as exc:  # a bug reached by this session's output: fail it alone
                 log.exception("emit.failed session=%s", sess.session_id)
                 self._runq.pop(id(sess), None)
-                self._fail_later(sess, f"internal error: {type(exc).__name__}: {exc}")
-        return True
+                self._fail(sess, f"internal error: {type(exc).__name__}: {exc}")
 
     def _inline_ok(self) -> bool:
         """Whether a step of short chunks may run in the trio thread: its recent compute (a moving
@@ -206,9 +347,9 @@ class SchedulerMixin:
         the worker thread (nothing is known yet), and so does every step while one runs there."""
         limit = self.config.inline_step_ms / 1000
         return bool(limit) and self._short_step_s is not None and self._short_step_s < limit \
-            and self._compute.borrowed_tokens == 0
+            and self.limiter.borrowed_tokens == 0
 
-    async def _next_job(self, sess: Session) -> Job | None:
+    def _next_job(self, sess: Session) -> Job | None:
         """The session's next chunk to compute, after serving receipt requests and dropping stale
         chunks at the front of its queue; None (and out of the run queue) when it has none."""
         while sess.queue and self.sessions.get(sess.session_id) is sess:
@@ -219,7 +360,7 @@ class SchedulerMixin:
                     self._sign_receipt(sess)
                 except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
                     log.exception("receipt.failed session=%s", sess.session_id)
-                    self._fail_later(sess, f"cannot sign the receipt: {exc}")
+                    self._fail(sess, f"cannot sign the receipt: {exc}")
             elif job.msg["epoch"] < sess.epoch:
                 sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:
@@ -251,12 +392,12 @@ class SchedulerMixin:
             if fma or s.batch:
                 groups.setdefault(s.span, []).append((s, j, pos, x))
             else:  # alone, one GEMV per row
-                y = block.forward_batch([(s.cache, pos, x)], tile=self._tile_of(s),
+                y = block.forward_batch([(s.cache, pos, x)], tile=self.tile_of(s),
                                         logits_rows=[_logits_rows(j.msg, pos, x.shape[1])], span=s.span)
                 out.append((s, j, pos, x.shape[1], y[0]))
         self._packed = max(map(len, groups.values()), default=0)  # sessions in this step's largest forward
         for span, packed in groups.items():
-            ys = block.forward_batch([(s.cache, pos, x) for s, _, pos, x in packed], tile=self._tile_of(packed[0][0]),
+            ys = block.forward_batch([(s.cache, pos, x) for s, _, pos, x in packed], tile=self.tile_of(packed[0][0]),
                                      logits_rows=[_logits_rows(j.msg, pos, x.shape[1]) for _, j, pos, x in packed],
                                      span=span)
             out += [(s, j, pos, x.shape[1], y) for (s, j, pos, x), y in zip(packed, ys)]
@@ -280,7 +421,7 @@ class SchedulerMixin:
         self._step_clock = (t_start, encode_s, time.perf_counter())
         return results
 
-    async def _prove_batch_tile(self) -> None:
+    async def prove_batch_tile(self) -> None:
         """Prove ``--batch-tile`` on this block before the first session that may be packed is opened
         (a few seconds on a real model, once; sessions that do not batch never wait for it). A tile
         that fails its proof is replaced by 1 for every packed session, with a log line saying why."""
@@ -288,13 +429,13 @@ class SchedulerMixin:
             if self.kernels["batch_ok"] is not None:
                 return
             tile = self.tile or 1
-            report = await trio.to_thread.run_sync(_prove_tile, self.block, tile, limiter=self._compute)
+            report = await trio.to_thread.run_sync(_prove_tile, self.block, tile, limiter=self.limiter)
             self.kernels.update(batch_ok=report.ok, check_s=round(self.kernels["check_s"] + report.seconds, 3))
             if not report.ok:
                 self.kernels["reason"] = report.reason
                 self.tile = 1  # packed sessions then take one GEMV per row: invariant by construction
 
-    def _tile_of(self, sess: Session) -> int:
+    def tile_of(self, sess: Session) -> int:
         """Rows per GEMM for every forward of ``sess``, fixed for its life (its bits depend on it)."""
         return (self.tile or 1) if sess.batch else 1
 
@@ -306,11 +447,6 @@ class SchedulerMixin:
         from swarm.model.sampling import sample
 
         return [sample(logits[0, i], pos + i + 1, sess.sampling) for i in range(logits.shape[1])]
-
-    async def idle(self) -> None:
-        """Return once nothing is queued, being computed or waiting to be sent."""
-        while self._in_flight or any(s.queue for s in self._runq.values()):
-            await trio.sleep(0.001)
 
 
 def _logits_rows(msg: dict, pos: int, n: int) -> int:

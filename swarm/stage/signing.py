@@ -6,14 +6,16 @@ kept in the session's ``receipts.StageLedger``: the server adds each forward fra
 outbox each frame posted), posting it to the coordinator and passing the request on to the
 successor behind the session's frames. The schema and canonical bytes live in ``swarm.receipts``.
 
-``SigningMixin`` is mixed into :class:`swarm.stage.server.StageServer`, which provides ``block``,
-``host``, ``key``, ``model_name`` and ``model_digest``; ``_post`` comes from the outbox. May import:
+:class:`ReceiptSigner` holds what every receipt of this stage names (the block, model name and
+digest) and the count signed; it is given the key and PeerId per receipt (the host's, known once
+the stage serves) and a ``post(stream, sess, frame)`` callback (the outbox). May import:
 ``swarm.receipts``, ``swarm.wire``, ``swarm.transport.identity`` (lazily), this package's ``session``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from swarm import receipts, wire
 from swarm.stage.session import Session
@@ -21,28 +23,42 @@ from swarm.stage.session import Session
 log = logging.getLogger(__name__)
 
 
-class SigningMixin:
-    """The stage receipt (see the module docstring)."""
+class ReceiptSigner:
+    """The stage receipt (see the module docstring).
 
-    def _sign_receipt(self, sess: Session) -> None:
+    Args:
+        block: the stage's ``LayerBlock`` (layers, dtype, the digest of a span's tensors).
+        model_name: the model's name; ``model_digest``: the digest of its weights.
+        post: ``post(stream, sess, frame)`` queues a frame on a stream's outbox, in order.
+    """
+
+    def __init__(self, block, model_name: str, model_digest: str, post: Callable[..., None]) -> None:
+        self.block, self.model_name, self.model_digest, self._post = block, model_name, model_digest, post
+        self.signed = 0  # receipts signed (metrics)
+
+    def sign(self, sess: Session, key, peer_id: str) -> None:
         """Sign this stage's receipt for the session, post it to the coordinator, pass the request on.
 
         The request travels the data path (coordinator -> head -> ... -> tail) behind every frame of
         the session; it is queued behind the session's chunks and each outbox keeps posting order,
         so every receipt covers all frames its predecessor sent: the digests of neighbours match.
+
+        Args:
+            sess: a session opened with a job (its ``ledger`` holds the rolling digests).
+            key: this node's ed25519 KeyPair; ``peer_id``: its PeerId, named in the receipt.
         """
         b, sid = self.block, sess.session_id
         tail = sess.is_tail(b.num_layers)
         body = sess.ledger.body(
-            session=sid, coordinator=sess.coordinator, peer_id=self.host.peer_id, model=self.model_name,
+            session=sid, coordinator=sess.coordinator, peer_id=peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions, reused=sess.reused)
         from swarm.transport.identity import sign
 
-        signed = receipts.sign_receipt(body, lambda data: sign(self.key, data))
-        self.receipts_signed += 1
+        signed = receipts.sign_receipt(body, lambda data: sign(key, data))
+        self.signed += 1
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
         self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))

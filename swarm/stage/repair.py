@@ -1,0 +1,211 @@
+"""A heal's ``repair`` at a stage: re-pointing a surviving session, keeping its KV cache.
+
+Owns: :class:`Repairs`: checking a ``repair`` frame (from the session's coordinator, signed like
+``open``), re-pointing the session at a replacement predecessor (``prev``) or successor (``next``,
+dialed), resending the hidden states it sent (its ``SentLog``) to the new successor as ``refill``
+frames, promoting the session's mirror to the successor it copies to, and promoting a shadow
+session to the stage it shadowed; the count of repairs applied. It is given the live sessions, the
+block, this stage's PeerId (known once it serves), and the server's callbacks to build a counted
+error frame, refuse a frame from the wrong peer, reach a successor (or answer why not) and post a
+frame on an outbox. May import: ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this
+package's ``session``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from swarm import receipts, wire
+from swarm.errors import ProtocolError
+from swarm.stage.session import Session
+
+log = logging.getLogger(__name__)
+
+REFILL_ROWS = 64  # positions per refill frame a stage resends (about 150 KB at D = 576, float32)
+
+
+class Repairs:
+    """Apply heals' ``repair`` frames to surviving sessions (see the module docstring).
+
+    Args:
+        sessions: the live sessions by id (the server's dict).
+        block: the stage's ``LayerBlock`` (``layer_range``, ``num_layers``).
+        self_peer: ``self_peer()`` is this stage's PeerId (never its own successor).
+        error: ``error(reason, code, session)`` builds an error frame (counted by the server).
+        refuse: ``await refuse(stream, sess, kind)`` answers a frame from a peer not assigned.
+        successor_or_answer: ``await successor_or_answer(stream, sid, addr)``: the stream to a
+            successor, or None after answering ``stream`` why it cannot be reached.
+        post: ``post(stream, sess, frame)`` queues a frame on a stream's outbox, in order.
+    """
+
+    def __init__(self, sessions: dict[str, Session], block, *, self_peer: Callable[[], str],
+                 error: Callable[..., dict], refuse: Callable[..., Awaitable[None]],
+                 successor_or_answer: Callable[..., Awaitable[object]], post: Callable[..., None]) -> None:
+        self.sessions, self.block, self._self_peer, self._error = sessions, block, self_peer, error
+        self._refuse, self._successor_or_answer, self._post = refuse, successor_or_answer, post
+        self.applied = 0  # heal repairs applied (metrics)
+
+    async def repair(self, stream, msg: dict) -> None:
+        """Re-point a surviving session after a heal, keeping its KV cache; answer ``repair_ok``.
+
+        From the coordinator that opened the session, signed like ``open``. Sets the epoch (older
+        frames are stale); ``prev`` makes forwards acceptable from the stage that replaced the
+        predecessor (closing the input digest), ``next`` dials the replacement successor (closing
+        the output digest); ``resend`` posts the hidden states this stage sent for positions
+        ``[0, resend)`` to it as ``refill`` frames (``REFILL_ROWS`` positions each), which reach
+        the replacement before any forward of the new epoch. ``repair_ok`` carries the cache's
+        ``kv_len``, which the coordinator checks covers what the repair keeps.
+
+        Answers ``error`` (the session unchanged) with code ``no_session`` when the session is
+        gone, ``no_state`` when the log holds fewer positions than asked (or was dropped), and
+        ``unavailable`` when the new successor cannot be dialed; the coordinator then falls back
+        to a full replay.
+
+        Raises:
+            ProtocolError: an unsigned frame, or one naming what the session has not (a
+                predecessor of the head, a successor of the tail, this stage as the successor).
+        """
+        sid = msg["session"]
+        sess = self.sessions.get(sid)
+        if sess is None:
+            await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range} to repair",
+                                          "no_session", sid))
+            return
+        coordinator = stream.remote_peer_id
+        if coordinator != sess.coordinator:
+            await self._refuse(stream, sess, "repair")
+            return
+        if not receipts.assignment_ok(msg, coordinator):
+            raise ProtocolError(f"repair frame is not signed by the peer that sent it ({coordinator})")
+        if sess.shadow:
+            await self._promote_shadow(stream, sess, msg)
+            return
+        self._check(sess, msg)
+        short = self._log_short(sess, msg)
+        if short is not None:
+            await stream.send(self._error(short, "no_state", sid))
+            return
+        relinked = await self._new_successor(stream, sess, msg)
+        if relinked is None:
+            return
+        new_stream, start, promoted = relinked
+        self._relink(sess, msg, new_stream, promoted)
+        resent = self._resend(sess, msg, start)
+        log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d%s", sid, sess.epoch,
+                 msg.get("prev"), msg.get("next"), resent, sess.cache.kv_len,
+                 f" promoted_mirror=[0, {start})" if msg.get("mirror") else "")
+        self.applied += 1
+        ok = wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resent)
+        if msg.get("mirror"):
+            ok["mirrored"] = start
+        await stream.send(ok)
+
+    def _check(self, sess: Session, msg: dict) -> None:
+        """Raise ProtocolError when the repair names what the session has not."""
+        prev, next_addr = msg.get("prev"), msg.get("next")
+        if prev is not None and sess.is_head:
+            raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
+        if next_addr is not None and sess.is_tail(self.block.num_layers):
+            raise ProtocolError(f"stage {sess.span} is the tail: it has no successor to replace")
+        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self._self_peer():
+            raise ProtocolError("the successor named in 'next' is this stage itself")
+
+    def _log_short(self, sess: Session, msg: dict) -> str | None:
+        """Why the session cannot resend the positions the repair asks for, or None when it can."""
+        resend = msg.get("resend")
+        if resend is None or msg.get("mirror"):  # a promoted mirror needs only what it did not deliver
+            return None
+        log_ = sess.sent_log
+        held = log_.length if log_ is not None else 0
+        if held >= resend:
+            return None
+        why = f" ({log_.broken})" if log_ is not None and log_.broken else \
+            " (it keeps none: --heal-log-mb)" if log_ is None and not sess.is_tail(self.block.num_layers) else ""
+        return f"stage {sess.span} holds the hidden states it sent for {held} positions{why}; the repair asks " \
+               f"for {resend}"
+
+    async def _new_successor(self, stream, sess: Session, msg: dict) -> tuple[object, int, object] | None:
+        """The stream to the repair's successor (None when it names none), the positions it holds
+        already and the mirror promoted to it (a promoted mirror's; else 0 and None); None after
+        answering ``stream`` why not."""
+        sid, next_addr, resend, mirror = sess.session_id, msg.get("next"), msg.get("resend"), sess.mirror
+        if msg.get("mirror"):  # the new successor is the shadow this stage mirrors to: it lacks little or nothing
+            if mirror is None or mirror.addr != next_addr or not await mirror.promote():
+                why = "it mirrors to no shadow" if mirror is None else f"it mirrors to {mirror.addr}" \
+                    if mirror.addr != next_addr else f"its mirror was dropped ({mirror.broken})"
+                await stream.send(self._error(f"stage {sess.span} cannot promote {next_addr}: {why}",
+                                              "no_state", sid))
+                return None
+            start = min(mirror.end, resend)
+            sess.mirror = None
+            held = sess.sent_log.length if sess.sent_log is not None else 0
+            if start < resend and held < resend:
+                await stream.send(self._error(
+                    f"stage {sess.span}: its mirror delivered {start} positions and it holds the hidden states it "
+                    f"sent for {held}; the repair asks for {resend}", "no_state", sid))
+                return None
+            return mirror.stream, start, mirror
+        if next_addr is None:
+            return None, 0, None
+        new_stream = await self._successor_or_answer(stream, sid, next_addr)
+        if new_stream is None:
+            return None
+        if mirror is not None:  # re-pointed at another stage: the shadow is of no use any more
+            mirror.drop(f"the successor is now {next_addr}", quiet=True)
+            sess.mirror = None
+        return new_stream, 0, None
+
+    def _relink(self, sess: Session, msg: dict, new_stream, promoted) -> None:
+        """Take the repair's epoch, predecessor and successor, closing the digests they end."""
+        prev = msg.get("prev")
+        sess.epoch = max(sess.epoch, msg["epoch"])
+        if prev is not None:
+            if sess.ledger is not None:
+                sess.ledger.cut("input", sess.source)
+            sess.source = prev
+        if new_stream is not None:
+            if sess.ledger is not None:
+                sess.ledger.cut("output", (sess.next_addr or "").rsplit("/p2p/", 1)[-1])
+                if promoted is not None:  # the shadow's input digest began with the mirrored frames
+                    sess.ledger.output = promoted.digest
+            sess.next_addr, sess.next_stream = msg.get("next"), new_stream
+            sess.sent = -1  # progress on the new hop starts afresh
+
+    def _resend(self, sess: Session, msg: dict, start: int) -> int:
+        """Post the hidden states sent for ``[start, resend)`` to the successor as ``refill``
+        frames; returns how many positions that is."""
+        resend = msg.get("resend")
+        for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
+            out = wire.frame("refill", session=sess.session_id, epoch=sess.epoch, pos=pos, until=msg["until"],
+                             hidden=tensor)
+            self._post(sess.next_stream, sess, out)
+            if sess.ledger is not None:
+                sess.ledger.output.add(receipts.refill_item(out))
+        return max(0, (resend or 0) - start)
+
+    async def _promote_shadow(self, stream, sess: Session, msg: dict) -> None:
+        """A repair at a shadow: it becomes the stage (a heal swapped it in for the one it shadowed).
+
+        Only ``next`` may be named (the successor it now sends to; none at the tail); its source
+        stays the predecessor that mirrored to it. The epoch is left as it is: mirrored frames
+        still on their way are computed (their rows are rolled back by later frames as any frame's
+        are), and the first frame of the heal's epoch raises it. Its output digest is empty (a
+        shadow sends nothing), so nothing is closed. Answers ``repair_ok`` with the positions its
+        cache will hold once its queued frames are computed."""
+        sid, next_addr = sess.session_id, msg.get("next")
+        if msg.get("prev") is not None or msg.get("resend") is not None:
+            raise ProtocolError("a repair that promotes a shadow names only 'next'")
+        tail = sess.is_tail(self.block.num_layers)
+        if tail == (next_addr is not None) or (next_addr or "").rsplit("/p2p/", 1)[-1] == self._self_peer():
+            raise ProtocolError(f"shadow {sess.span}: the repair that promotes it must name a successor exactly when "
+                                "it is not the tail, and not itself")
+        if next_addr is not None:
+            new_stream = await self._successor_or_answer(stream, sid, next_addr)
+            if new_stream is None:
+                return
+            sess.next_stream, sess.next_addr = new_stream, next_addr
+        sess.shadow = False
+        kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
+        log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)
+        await stream.send(wire.frame("repair_ok", session=sid, kv_len=kv_len, resent=0))

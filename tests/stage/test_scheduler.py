@@ -1,0 +1,67 @@
+"""swarm.stage.scheduler, pure: which chunks one step computes (pick_rows), whether a long
+prompt's slice is the small shared one (long_chunk_shares) and the checks of a chunk before it is
+queued (chunk_input), as plain tables of cases. The step itself runs in tests/test_batching.py."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from swarm.errors import ProtocolError
+from swarm.ranges import LayerRange
+from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input,
+                                   long_chunk_shares, pick_rows)
+
+S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
+
+
+@pytest.mark.parametrize("chunks, max_batch_rows, picked", [
+    ([], 64, StepRows((), None)),
+    ([(1, 0), (3, 0), (2, 0)], 64, StepRows((0, 1, 2), None)),  # short chunks share the step in queue order
+    ([(10, 0), (10, 0), (5, 0)], 16, StepRows((0, 2), None)),  # the second would pass the rows: skipped
+    ([(10, 0), (6, 0), (1, 0)], 16, StepRows((0, 1), None)),  # exactly max_batch_rows
+    ([(S, 0), (1, 0)], 1, StepRows((0,), None)),  # the first short chunk always goes, even past the rows
+    ([(S, 0)], 64, StepRows((0,), None)),  # BATCH_CHUNK_MAX positions: still short
+    ([(S + 1, 0)], 64, StepRows((), 0)),  # one more: long, a slice per step
+    ([(100, 0), (50, 0), (100, 90)], 64, StepRows((), 2)),  # the long chunk with the least left goes
+    ([(40, 0), (40, 0)], 64, StepRows((), 0)),  # a tie: the first in the queue (round robin)
+    ([(40, 10), (30, 0)], 64, StepRows((), 0)),  # 30 left vs 30 left: the first still
+    ([(40, 11), (30, 0)], 64, StepRows((), 0)),  # 29 left vs 30
+    ([(40, 9), (30, 0)], 64, StepRows((), 1)),  # 31 left vs 30
+    ([(1, 0), (100, 0), (2, 0), (50, 0)], 64, StepRows((0, 2), 3)),  # short rows and one long slice together
+])
+def test_pick_rows(chunks, max_batch_rows, picked):
+    assert pick_rows(chunks, max_batch_rows) == picked
+
+
+NOW = 100.0
+
+
+@pytest.mark.parametrize("short_picked, others, shared", [
+    (True, [], True),  # short rows in this very step
+    (False, [], False),  # alone: full slices
+    (False, [(NOW - 0.5, 1)], True),  # another session decoded just now
+    (False, [(NOW - 0.5, S)], True),  # ... or verified a draft
+    (False, [(NOW - 0.5, S + 1)], False),  # another prompt does not throttle it
+    (False, [(NOW - ACTIVE_S, 1)], False),  # idle for ACTIVE_S: no longer generating
+    (False, [(NOW - 10, 1), (NOW - 10, 2), (NOW - 0.1, 3)], True),
+])
+def test_long_chunk_shares(short_picked, others, shared):
+    assert long_chunk_shares(short_picked, others, NOW) is shared
+
+
+def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):
+    return SimpleNamespace(span=span, shadow=shadow, queue=deque([None] * queued))
+
+
+@pytest.mark.parametrize("msg, sess, reason", [
+    ({"type": "refill", "until": 1, "pos": 0}, _sess(), "reached stage"),  # layers past its until
+    ({"type": "forward", "pos": 0}, _sess(MAX_QUEUED), f"more than {MAX_QUEUED} chunks"),
+    ({"type": "forward", "pos": 0}, _sess(MAX_QUEUED * SHADOW_QUEUE_FACTOR, shadow=True),
+     f"more than {MAX_QUEUED * SHADOW_QUEUE_FACTOR} chunks"),  # a shadow may lag further, not forever
+])
+def test_chunk_input_refuses_before_decoding(msg, sess, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        chunk_input(msg, sess, block=None)

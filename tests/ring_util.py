@@ -12,7 +12,8 @@ from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
-from swarm.stage import StageServer, serve
+from swarm.stage.daemon import serve
+from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key, open_host
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

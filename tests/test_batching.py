@@ -15,7 +15,7 @@ from swarm.kernels import invariant
 from swarm.kernels.check import check_block
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from swarm.stage import StageServer
+from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key
 from swarm.transport.identity import peer_id_of
 from tests.conftest import FAMILY_CONFIGS

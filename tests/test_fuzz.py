@@ -23,7 +23,7 @@ from swarm.config import StageConfig
 from swarm.errors import ContextOverflow, ProtocolError
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from swarm.stage import StageServer
+from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key
 from swarm.transport.framing import FrameDecoder, encode_frame
 from swarm.transport.identity import peer_id_of

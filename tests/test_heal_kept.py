@@ -24,7 +24,8 @@ from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
-from swarm.stage import StageServer, serve
+from swarm.stage.daemon import serve
+from swarm.stage.server import StageServer
 from swarm.stage.session import SentLog
 from swarm.transport import load_or_create_key, open_host
 from tests.conftest import reference_greedy

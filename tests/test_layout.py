@@ -193,3 +193,12 @@ def test_every_package_docstring_names_each_of_its_modules():
             if f"``{name}``" not in doc and f"``{child}``" not in doc:
                 missing.append(f"{package}: {name}")
     assert missing == []
+
+
+@pytest.mark.parametrize("package", ["swarm.stage", "swarm.coordinator", "swarm.serve", "swarm.cli", "swarm.kernels",
+                                     "swarm.discovery", "swarm.weights", "swarm.model"])
+def test_importing_a_role_package_imports_nothing(package):
+    """``import swarm.stage.acquire`` must not run the daemon's imports (torch) through ``swarm.stage``:
+    a package's ``__init__`` is its map, not a re-export hub."""
+    tree = ast.parse(read_tree()[package])
+    assert [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] == []

@@ -79,7 +79,7 @@ def record_kv_at_close(monkeypatch) -> list:
     every KV row it holds): two runs whose sessions held the same bits note the same list."""
     import hashlib
 
-    from swarm.stage import StageServer
+    from swarm.stage.server import StageServer
 
     noted: list = []
     real = StageServer.dispatch

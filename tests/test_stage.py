@@ -221,7 +221,7 @@ def test_max_ctx_is_reported_and_enforced(model, tmp_path):
     from swarm.errors import ConfigError, ContextOverflow
     from swarm.model.block import load_block
     from swarm.ranges import LayerRange
-    from swarm.stage import StageServer
+    from swarm.stage.server import StageServer
 
     with pytest.raises(ConfigError, match="--max-ctx 500 exceeds the model's maximum context of 128"):
         StageServer(StageConfig(model=str(model), layers=LayerRange(0, 4), max_ctx=500),

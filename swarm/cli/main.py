@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(exc, SwarmError):
                 raise
         if args.cmd == "stage":
-            from swarm.stage import emit
+            from swarm.stage.daemon import emit
 
             emit("FATAL", {"reason": str(exc)})
             return 2 if getattr(args, "check", False) else exc.exit_code
@@ -497,7 +497,7 @@ def cmd_stage(args) -> int:
                          fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,
                          announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
                          rebalance_s=args.rebalance_s, fetch_from=tuple(args.fetch_from), model_id=args.model_id)
-    from swarm.stage import run_check, run_stage
+    from swarm.stage.daemon import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)
 

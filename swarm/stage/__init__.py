@@ -37,13 +37,6 @@ Layout (each module's docstring says what it owns and may import):
 - ``daemon``     the process: ``serve``, ``run_stage``, ``run_check``, lifecycle lines, SIGTERM drain
 
 Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
-``model``; never ``coordinator`` (its peer), ``serve`` or ``cli``. Only ``cli`` imports it.
+``model``; never ``coordinator`` (its peer), ``serve`` or ``cli``. Only ``cli`` imports it. Importing this package imports nothing (so the weights fetch path
+through ``acquire`` stays free of torch).
 """
-
-from swarm.stage.daemon import emit, run_check, run_stage, serve
-from swarm.stage.scheduler import ACTIVE_S, BATCH_CHUNK_MAX, MAX_QUEUED
-from swarm.stage.server import StageServer
-from swarm.stage.session import Job, Session
-
-__all__ = ["ACTIVE_S", "BATCH_CHUNK_MAX", "MAX_QUEUED", "Job", "Session", "StageServer", "emit", "run_check",
-           "run_stage", "serve"]

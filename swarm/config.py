@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import CacheUnwritable, ConfigError
 from swarm.ranges import LayerRange
 
@@ -193,7 +194,7 @@ class StageSpec:
 
     @property
     def peer_id(self) -> str:
-        return self.addr.rsplit("/p2p/", 1)[-1]
+        return peer_id_from_addr(self.addr)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ The rest of the class comes from the mixins of this package, one concern each: `
 (steps, the compute, kernel proofs), ``outbox`` (ordered sending, successor streams) and
 ``signing`` (the stage receipt); ``session`` holds the per-session state, ``daemon`` the process
 around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.config``,
-``swarm.errors``, ``swarm.mirror``, the modules of this package.
+``swarm.errors``, ``swarm.mirror``, ``swarm.addrs``, the modules of this package.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 import trio
 
 from swarm import receipts, wire
+from swarm.addrs import peer_id_from_addr
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
 from swarm.ranges import LayerRange
@@ -235,13 +236,13 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         shadow, mirror = bool(msg.get("shadow")), msg.get("mirror")
         if tail and next_addr is not None:
             raise ProtocolError(f"stage {span} is the tail and takes no successor")
-        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+        if next_addr is not None and peer_id_from_addr(next_addr) == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
         if shadow and (next_addr is not None or mirror is not None):
             raise ProtocolError("a shadow sends nothing on: its open frame names no 'next' and no 'mirror'")
         if not tail and next_addr is None and not shadow:
             raise ProtocolError(f"stage {span} is not the tail and needs a successor")
-        if mirror is not None and (tail or mirror.rsplit("/p2p/", 1)[-1] in (self.host.peer_id, "")
+        if mirror is not None and (tail or peer_id_from_addr(mirror) in (self.host.peer_id, "")
                                    or msg["mirror_until"] <= span.end):
             raise ProtocolError(f"stage {span} cannot mirror to {mirror} up to layer {msg['mirror_until']}: a "
                                 "mirror goes to another stage (/p2p/ address) holding the layers after this one's")
@@ -476,7 +477,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
         if next_addr is not None and tail:
             raise ProtocolError(f"stage {sess.span} is the tail: it has no successor to replace")
-        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+        if next_addr is not None and peer_id_from_addr(next_addr) == self.host.peer_id:
             raise ProtocolError("the successor named in 'next' is this stage itself")
         if resend is not None and not msg.get("mirror"):  # a promoted mirror needs only what it did not deliver
             log_ = sess.sent_log
@@ -518,7 +519,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
             sess.source = prev
         if new_stream is not None:
             if sess.ledger is not None:
-                sess.ledger.cut("output", (sess.next_addr or "").rsplit("/p2p/", 1)[-1])
+                sess.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if msg.get("mirror"):  # the shadow's input digest began with the mirrored frames
                     sess.ledger.output = mirror.digest
             sess.next_addr, sess.next_stream = next_addr, new_stream
@@ -550,7 +551,7 @@ class StageServer(SchedulerMixin, OutboxMixin, SigningMixin):
         if msg.get("prev") is not None or msg.get("resend") is not None:
             raise ProtocolError("a repair that promotes a shadow names only 'next'")
         tail = sess.is_tail(self.block.num_layers)
-        if tail == (next_addr is not None) or (next_addr or "").rsplit("/p2p/", 1)[-1] == self.host.peer_id:
+        if tail == (next_addr is not None) or peer_id_from_addr(next_addr or "") == self.host.peer_id:
             raise ProtocolError(f"shadow {sess.span}: the repair that promotes it must name a successor exactly when "
                                 "it is not the tail, and not itself")
         if next_addr is not None:

@@ -79,14 +79,9 @@ class Conversation:
         if not prompt:
             raise ConfigError("the prompt is empty")
         if self.chat:
-            from swarm.coordinator.chat import ChatTemplateError, encode_chat
+            from swarm.coordinator.chat import encode_chat_flag
 
-            if not getattr(tokenizer, "chat_template", None):
-                raise ConfigError("--chat was given but this model's tokenizer has no chat template")
-            try:
-                return encode_chat(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
-            except ChatTemplateError as exc:
-                raise ConfigError(str(exc)) from None
+            return encode_chat_flag(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
         new = list(tokenizer(prompt, add_special_tokens=not self.ids, split_special_tokens=True)["input_ids"])
         return self.ids + new
 

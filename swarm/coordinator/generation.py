@@ -57,14 +57,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     stay text; the tokenizer adds its own BOS); with ``chat`` the tokenizer's chat template and a
     generation prompt (see ``swarm.coordinator.chat``)."""
     if chat:
-        from swarm.coordinator.chat import ChatTemplateError, encode_chat
+        from swarm.coordinator.chat import encode_chat_flag
 
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat was given but this model's tokenizer has no chat template")
-        try:
-            return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
-        except ChatTemplateError as exc:
-            raise ConfigError(str(exc)) from None
+        return encode_chat_flag(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])  # a typed "<s>" stays text
 
 

@@ -263,12 +263,12 @@ def _chat_ids(messages, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    from swarm.coordinator.chat import ChatTemplateError, encode_chat
+    from swarm.coordinator.chat import ChatTemplateError, NoChatTemplate, encode_chat
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
         return encode_chat(tokenizer, clean)  # content is literal text: a typed <|im_end|> ends no turn
+    except NoChatTemplate:
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages") from None
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
     except Exception as exc:  # the template refused these messages (jinja's raise_exception, a bad role order)

@@ -108,6 +108,8 @@ def _create_key_file(path: Path) -> KeyPair:
             write_atomic(path, data, mode=0o600, exclusive=True, fsync=True)
             raced = False
         except FileExistsError:
+            if not path.parent.is_dir():  # a file stands where the key's directory should be
+                raise
             raced = True
     except OSError as e:
         if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):

@@ -1,7 +1,8 @@
-"""Multiaddr strings, read without libp2p: the PeerId an address names.
+"""Multiaddr strings, read without libp2p: the PeerId an address names, and where it is.
 
-Owns: :func:`peer_id_from_addr`. Pure string work, so the config, the stage and the transport can
-all use it without loading libp2p. May import: the standard library only.
+Owns: :func:`peer_id_from_addr` and :func:`without_peer_id`. Pure string work, so the config, the
+stage, the transport and the CLI can all use it without loading libp2p. May import: the standard
+library only.
 """
 
 from __future__ import annotations
@@ -23,3 +24,16 @@ def peer_id_from_addr(addr: str) -> str:
     if _P2P not in addr:
         return ""
     return addr.rsplit(_P2P, 1)[1].split("/", 1)[0]
+
+
+def without_peer_id(addr: str) -> str:
+    """The part of a multiaddr before its first ``/p2p/``: where to connect, without whom.
+
+    For a circuit address that is the relay's own transport address.
+
+    Args:
+        addr: a multiaddr as text, e.g. ``/ip4/10.0.0.5/tcp/4001/p2p/12D3KooW...``.
+    Returns:
+        e.g. ``/ip4/10.0.0.5/tcp/4001``; ``addr`` itself when it names no PeerId.
+    """
+    return addr.split(_P2P, 1)[0]

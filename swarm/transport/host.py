@@ -2,7 +2,7 @@
 
 Owns: building the py-libp2p host (TCP + Noise + Yamux, nothing else), its lifetime on trio,
 listen-address checks, dialing with deadlines, and mapping libp2p failures onto swarm errors.
-May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors`` and ``swarm.transport``.
+May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.addrs`` and ``swarm.transport``.
 No torch, no model terms.
 
 Security is Noise only and the muxer Yamux only: libp2p's default ``new_host()`` also offers
@@ -37,6 +37,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 
+from swarm.addrs import without_peer_id
 from swarm.errors import ConfigError, HopTimeout, ListenError, ProtocolError, StageLost
 from swarm.transport import dataplane
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
@@ -408,7 +409,7 @@ def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:
 
 
 def _parse_announce_addr(addr: str) -> multiaddr.Multiaddr:
-    text = addr.split("/p2p/")[0]
+    text = without_peer_id(addr)
     try:
         maddr = multiaddr.Multiaddr(text)
     except (ValueError, multiaddr.exceptions.Error) as e:

@@ -10,6 +10,8 @@ The shared core, at the top of ``swarm/``:
 - ``ranges``      half-open layer ranges, tilings, even splits            (core)
 - ``heal``        recovery decisions, pure                                (core)
 - ``routing``     choosing a route (a chain of stages) and spares, pure   (core)
+- ``files``       writing a file atomically (temp file + rename)          (stdlib only)
+- ``addrs``       multiaddr strings: the PeerId an address names, pure    (stdlib only)
 - ``config``      the frozen per-role configs, the cache root             (core, transport)
 - ``receipts``    receipt schema, signing, verification                   (core, transport)
 - ``wire``        tensor <-> bytes, frame schema and validation           (core, transport)

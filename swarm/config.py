@@ -17,9 +17,10 @@ import errno
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import CacheUnwritable, ConfigError
 from swarm.ranges import LayerRange
 
@@ -193,7 +194,7 @@ class StageSpec:
 
     @property
     def peer_id(self) -> str:
-        return self.addr.rsplit("/p2p/", 1)[-1]
+        return peer_id_from_addr(self.addr)
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,24 @@ def _stage_list(raw: object, key: str, origin: str, required: bool) -> list[Stag
     return out
 
 
+def from_flags(cls, args):
+    """Build the frozen config dataclass ``cls`` from parsed command-line flags, one flag per field.
+
+    Each field ``name`` takes ``args.name`` (``--top-k`` parses to ``args.top_k``); the class checks
+    the values on construction.
+
+    Args:
+        cls: a dataclass whose every field has a flag of the same name (e.g. ``SpecConfig``).
+        args: an ``argparse.Namespace`` (or any object with those attributes).
+    Returns:
+        ``cls(**{field: getattr(args, field)})``.
+    Raises:
+        ConfigError: a value out of range (raised by ``cls``).
+        AttributeError: ``args`` lacks a field's flag.
+    """
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation and chunking settings of the coordinator (``--draft``, ``--k``, ``--depth``,
@@ -277,11 +296,7 @@ class SpecConfig:
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
 
-    @classmethod
-    def from_args(cls, args) -> SpecConfig:
-        """Build from parsed ``--draft``, ``--k``, ``--depth`` and ``--prefill-chunk`` flags (an
-        ``argparse.Namespace``). Raises ConfigError on bad values."""
-        return cls(draft=args.draft, k=args.k, depth=args.depth, prefill_chunk=args.prefill_chunk)
+    from_args = classmethod(from_flags)  # --draft, --k, --depth, --prefill-chunk
 
 
 @dataclass(frozen=True)
@@ -333,11 +348,7 @@ class SamplingParams:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"bad sampling map: {exc}") from exc
 
-    @classmethod
-    def from_args(cls, args) -> SamplingParams:
-        """Build from parsed ``--temperature``, ``--top-k``, ``--top-p`` and ``--seed`` flags (an
-        ``argparse.Namespace``). Raises ConfigError on bad values."""
-        return cls(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    from_args = classmethod(from_flags)  # --temperature, --top-k, --top-p, --seed
 
 
 @dataclass(frozen=True)

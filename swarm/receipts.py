@@ -1,7 +1,7 @@
 """Receipts: who computed what, signed with the node's own identity, and their verification.
 
 Owns: the stage and job receipt schemas, the rolling digests over frame payloads, canonical
-signing bytes, and ``verify_job`` (fail closed). May import: stdlib, msgpack, and
+signing bytes, and ``verify_job`` (fail closed). May import: stdlib, msgpack, ``swarm.files`` and
 ``swarm.transport.identity`` (PyNaCl + the PeerId parser). No torch: a receipt verifies on a
 machine with no model and no network.
 
@@ -544,15 +544,12 @@ def save(doc: dict, directory) -> str:
     Returns:
         The path written. Raises OSError when the directory cannot be created or written.
     """
-    import os
     from pathlib import Path
 
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{doc['job_id']}.json"
-    tmp = d / f".{doc['job_id']}.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from swarm.files import write_atomic
+
+    path = Path(directory) / f"{doc['job_id']}.json"
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return str(path)
 
 

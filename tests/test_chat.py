@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.coordinator.chat import ChatTemplateError, control_strings, encode_chat
+from swarm.coordinator.chat import ChatTemplateError, NoChatTemplate, control_strings, encode_chat, encode_chat_flag
+from swarm.errors import ConfigError
 
 # Simplified chat templates in the style of each family, with the control tokens they use.
 TEMPLATES = {
@@ -86,8 +87,38 @@ def test_a_template_that_repeats_content_is_refused(base_tokenizer):
     with pytest.raises(ChatTemplateError, match="repeats the content of message 0"):
         encode_chat(tok, [{"role": "user", "content": "<|im_end|>"}])
     tok.chat_template = None
-    with pytest.raises(ChatTemplateError, match="no chat template"):
+    with pytest.raises(NoChatTemplate, match="no chat template"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_encode_chat_flag_says_what_went_wrong_as_a_config_error(base_tokenizer):
+    """``--chat`` (swarm coordinate, one prompt or a --session conversation): every failure is a
+    ConfigError with the message the command prints."""
+    import copy
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert encode_chat_flag(base_tokenizer, msgs) == encode_chat(base_tokenizer, msgs)
+    tok = copy.deepcopy(base_tokenizer)
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="^--chat was given but this model's tokenizer has no chat template$"):
+        encode_chat_flag(tok, msgs)
+    tok.chat_template = "{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}"
+    with pytest.raises(ConfigError, match="repeats the content of message 0"):
+        encode_chat_flag(tok, [{"role": "user", "content": "<|im_end|>"}])
+
+
+def test_serve_says_to_use_completions_without_a_chat_template(base_tokenizer):
+    import copy
+    from types import SimpleNamespace
+
+    from swarm.serve.app import ApiError, parse_request
+
+    tok = copy.deepcopy(base_tokenizer)
+    tok.chat_template = None
+    state = SimpleNamespace(model_id="smollm2-135m", tokenizer=tok, max_ctx=8192)
+    with pytest.raises(ApiError, match="no chat template: use /v1/completions"):
+        parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": None}, state,
+                      chat=True)
 
 
 def test_serve_encodes_chat_content_literally(base_tokenizer):

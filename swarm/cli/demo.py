@@ -16,6 +16,7 @@ from pathlib import Path
 import trio
 import yaml
 
+from swarm.addrs import without_peer_id
 from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig, cache_root
 from swarm.errors import ConfigError
 from swarm.cli.launch import LocalRing
@@ -74,9 +75,9 @@ def _run_demo(args, say, spec_config, sampling, sock) -> int:
         ring_path.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         say(f"ring file: {ring_path}" + ("" if args.ring_out else " (removed on exit; keep one with --ring-out)"))
         for sp in ring.stages:
-            say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
+            say(f"  stage {sp.layers}  {sp.ready['peer_id']}  {without_peer_id(sp.addr)}")
         for sp in spares.stages:
-            say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {sp.addr.split('/p2p/')[0]}")
+            say(f"  spare {sp.layers}  {sp.ready['peer_id']}  {without_peer_id(sp.addr)}")
         if args.serve:
             return _serve(spec, args, spec_config, sock)
         config = CoordinatorConfig(ring=spec, max_new_tokens=args.max_new_tokens, chat=args.chat,

@@ -9,6 +9,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``spec``          ``SpecLoop``: speculative chunk scheduling and the greedy accept rule (pure)
 - ``drafters``      drafters that propose tokens for verify chunks (n-gram, a draft model)
 - ``chat``          chat messages -> token ids with the model's template, content always literal
+- ``text``          ``Detokenizer``: committed ids -> the text safe to emit now, with stop strings
 - ``conversation``  a conversation kept in a file across ``swarm coordinate --session`` runs
 
 Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and

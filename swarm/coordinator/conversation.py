@@ -9,7 +9,7 @@ prefilled. Written atomically (temp file + rename), so an interrupted run leaves
 new file is created 0600 (it holds the conversation), an existing one keeps its mode. Two runs on
 one file at once are not serialized: the later write wins.
 
-May import: json, ``swarm.errors``, ``swarm.coordinator.chat`` (lazily).
+May import: json, ``swarm.errors``, ``swarm.files``, ``swarm.coordinator.chat`` (lazily).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.errors import ConfigError
+from swarm.files import write_atomic
 
 VERSION = 1
 
@@ -78,14 +79,9 @@ class Conversation:
         if not prompt:
             raise ConfigError("the prompt is empty")
         if self.chat:
-            from swarm.coordinator.chat import ChatTemplateError, encode_chat
+            from swarm.coordinator.chat import encode_chat_flag
 
-            if not getattr(tokenizer, "chat_template", None):
-                raise ConfigError("--chat was given but this model's tokenizer has no chat template")
-            try:
-                return encode_chat(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
-            except ChatTemplateError as exc:
-                raise ConfigError(str(exc)) from None
+            return encode_chat_flag(tokenizer, [*self.messages, {"role": "user", "content": prompt}])
         new = list(tokenizer(prompt, add_special_tokens=not self.ids, split_special_tokens=True)["input_ids"])
         return self.ids + new
 
@@ -97,13 +93,7 @@ class Conversation:
         doc = {"version": VERSION, "model": self.model, "model_digest": self.model_digest, "chat": self.chat,
                "messages": self.messages, "ids": self.ids}
         mode = self.path.stat().st_mode & 0o777 if self.path.exists() else 0o600  # it holds the conversation
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(doc))
-            os.chmod(tmp, mode)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(doc), mode=mode)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise ConfigError(f"--session {self.path}: cannot write the conversation: {exc}") from None

@@ -21,6 +21,7 @@ from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
 from swarm.heal import NO_WARM_SPARE, HealEvent, Kept, StageReport, plan_replay, run_recovery
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import NoDrafter, SpecLoop
+from swarm.coordinator.text import Detokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +58,10 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     stay text; the tokenizer adds its own BOS); with ``chat`` the tokenizer's chat template and a
     generation prompt (see ``swarm.coordinator.chat``)."""
     if chat:
-        from swarm.coordinator.chat import ChatTemplateError, encode_chat
+        from swarm.coordinator.chat import encode_chat_flag
 
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat was given but this model's tokenizer has no chat template")
-        try:
-            return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
-        except ChatTemplateError as exc:
-            raise ConfigError(str(exc)) from None
+        return encode_chat_flag(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt, split_special_tokens=True)["input_ids"])  # a typed "<s>" stays text
-
-
-class TextStream:
-    """Incremental detokenizer: ``push(ids)`` returns the newly printable text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.printed = 0
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):  # a multi-byte character is still incomplete
-            return ""
-        new, self.printed = text[self.printed:], len(text)
-        return new
 
 
 async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=None) -> dict:
@@ -153,14 +134,14 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         else:
             ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
         await ring.connect(num_layers, digest, nursery)
-        stream = TextStream(tokenizer)
-        hooks = [h for h in (on_ids, (lambda ids: on_text(stream.push(ids))) if on_text else None) if h]
+        stream = Detokenizer(tokenizer)
+        hooks = [h for h in (on_ids, (lambda ids: on_text(stream.update(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
                                    config.sampling, config.wire_dtype, heal=config.heal, job=job,
                                    shadow=config.shadow, prefix_cache=config.prefix_cache)
         if on_text:
-            on_text(stream.push(out, final=True))
+            on_text(stream.update(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
         nursery.cancel_scope.cancel()
     ring_entries = [i.entry() for i in infos]

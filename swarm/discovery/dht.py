@@ -40,7 +40,7 @@ from importlib.metadata import version as _dist_version
 import multiaddr
 import trio
 
-from swarm.discovery.providers import QUERY_TIMEOUT_S, bound_provider_store, lookup_providers
+from swarm.discovery.providers import QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, lookup_providers
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
 
@@ -279,16 +279,9 @@ class SwarmDHT:
                     return
                 await trio.sleep(RETRY_AFTER_S)
 
-        async def all_of(peers) -> None:
-            async with trio.open_nursery() as nursery:
-                for peer in peers:
-                    if peer not in asked:
-                        asked.add(peer)
-                        nursery.start_soon(one, peer)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(all_of, [info.peer_id for info in self.bootstrap])
-            nursery.start_soon(all_of, await self.dht.peer_routing.find_closest_peers_network(kb))
+            nursery.start_soon(ask_each_once, [info.peer_id for info in self.bootstrap], asked, one)
+            nursery.start_soon(ask_each_once, await self.dht.peer_routing.find_closest_peers_network(kb), asked, one)
 
     async def _put(self, key: str, value: bytes, tally: list[int]) -> None:
         """libp2p 0.8.1's ``KadDHT.put_value`` (store locally, then at remote nodes), through

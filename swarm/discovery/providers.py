@@ -1,7 +1,8 @@
 """Provider records of the swarm's DHT: a store that stale entries cannot fill, and a lookup without side effects.
 
 Owns: the provider store policy every swarm DHT node runs (``bound_provider_store``) and the
-provider lookup readers use (``lookup_providers``). May import: stdlib, trio, libp2p. No torch.
+provider lookup readers use (``lookup_providers``), and the fan-out that asks each node of a lookup
+once (``ask_each_once``, also ``SwarmDHT``'s). May import: stdlib, trio, libp2p. No torch.
 
 Facts of libp2p 0.8.1 this module replaces (issue 27, py-libp2p #1425):
 - ``ProviderStore.add_provider`` keeps at most 20 providers per key and ignores every newcomer
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
@@ -81,6 +82,24 @@ def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:
     store.get_providers = get_providers
 
 
+async def ask_each_once(peers, asked: set, ask: Callable[[object], Awaitable[None]]) -> None:
+    """Run ``ask(peer)`` concurrently for each of ``peers`` not yet in ``asked``, and wait for them all.
+
+    A DHT lookup asks the bootstrap nodes and then the closest nodes the network lookup names; the
+    two lists overlap, and each node is asked once.
+
+    Args:
+        peers: libp2p peer IDs.
+        asked: the peers asked so far, shared by the calls of one lookup; updated in place.
+        ask: the query of one peer; it bounds its own time.
+    """
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            if peer not in asked:
+                asked.add(peer)
+                nursery.start_soon(ask, peer)
+
+
 async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -> None:
     """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
 
@@ -115,18 +134,11 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -
             for info in providers:
                 keep(info)
 
-    async def ask_all(peers) -> None:
-        async with trio.open_nursery() as nursery:
-            for peer in peers:
-                if peer not in asked:
-                    asked.add(peer)
-                    nursery.start_soon(ask, peer)
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ask_all, list(first))
+        nursery.start_soon(ask_each_once, list(first), asked, ask)
         try:
             closest = await dht.peer_routing.find_closest_peers_network(key)
         except Exception as e:  # a lookup failing on the way is fewer providers, not a failed read
             log.info("providers.lookup_failed key=%s error=%r", key.hex()[:16], e)
             closest = []
-        nursery.start_soon(ask_all, closest)
+        nursery.start_soon(ask_each_once, closest, asked, ask)

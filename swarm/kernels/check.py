@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.files import write_atomic
+
 # Per session: (pos, rows) chunks in order; a pos below the previous end rolls back (rejected drafts).
 # Covers a multi-row prefill, decode rows, verify chunks, a rollback into a verify chunk, and three
 # sessions of different lengths packed together, in 23 rows.
@@ -166,11 +168,8 @@ def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
     report = _REPORTS[key] = check_block(block, tile)
     if path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"tile": report.tile, "ok": report.ok, "reason": report.reason,
-                                       "seconds": report.seconds}))
-            tmp.replace(path)
+            write_atomic(path, json.dumps({"tile": report.tile, "ok": report.ok, "reason": report.reason,
+                                           "seconds": report.seconds}))
         except OSError:
             pass  # a read-only cache only costs the next start another proof
     return report

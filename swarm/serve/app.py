@@ -39,6 +39,7 @@ from swarm import receipts
 from swarm.config import RingSpec, SamplingParams, SpecConfig
 from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
                           SwarmError, collapse)
+from swarm.coordinator.text import Detokenizer
 from swarm.serve.health import ring_health
 
 log = logging.getLogger(__name__)
@@ -263,12 +264,12 @@ def _chat_ids(messages, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    from swarm.coordinator.chat import ChatTemplateError, encode_chat
+    from swarm.coordinator.chat import ChatTemplateError, NoChatTemplate, encode_chat
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
         return encode_chat(tokenizer, clean)  # content is literal text: a typed <|im_end|> ends no turn
+    except NoChatTemplate:
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages") from None
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), "messages") from None
     except Exception as exc:  # the template refused these messages (jinja's raise_exception, a bad role order)
@@ -278,32 +279,14 @@ def _chat_ids(messages, tokenizer) -> list[int]:
 # ---- one generation -----------------------------------------------------------------------------
 
 
-class Detok:
-    """Text of the committed ids, with stop strings: ``update(ids)`` returns the text that is safe
-    to emit now (held back where a stop string might still be forming)."""
+class Detok(Detokenizer):
+    """A request's detokenizer (``update(ids)``: the text safe to emit now, held back where a stop
+    string might still be forming), carrying its output ids and decode record once the ring is done."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.emitted = 0
-        self.text = ""
-        self.hit = False
+        super().__init__(tokenizer, stop)
         self.ids: list[int] = []
         self.record: dict = {}
-
-    def update(self, ids: list[int], final: bool = False) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.hit, final = text[:cut], True, True
-        self.text = text
-        safe = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                safe = len(text.rstrip("\ufffd"))
-            hold = max((len(s) - 1 for s in self.stop), default=0)
-            safe = max(self.emitted, safe - hold)
-        new, self.emitted = text[self.emitted:safe], max(self.emitted, safe)
-        return new
 
 
 def map_error(exc: BaseException) -> ApiError:

@@ -8,7 +8,7 @@ as too big for the whole budget, refuse as busy; how far the prefix cache must s
 the reservations (:class:`Reservations`): every live session's bytes and those of the opens still in
 progress (dialing the successor, proving a tile, reusing a prefix), so concurrent opens never
 over-admit. Everything but :class:`Reservations` is pure: numbers and frames in, a decision out.
-May import: ``swarm.wire``, ``swarm.errors``, ``swarm.ranges``, this package's ``session``.
+May import: ``swarm.wire``, ``swarm.addrs``, ``swarm.errors``, ``swarm.ranges``, this package's ``session``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from swarm import wire
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError
 from swarm.ranges import LayerRange
 from swarm.stage.session import Session
@@ -83,13 +84,13 @@ def open_links(msg: dict, place: OpenPlace, self_peer: str, max_ctx: int) -> int
     shadow, mirror = bool(msg.get("shadow")), msg.get("mirror")
     if tail and next_addr is not None:
         raise ProtocolError(f"stage {span} is the tail and takes no successor")
-    if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self_peer:
+    if next_addr is not None and peer_id_from_addr(next_addr) == self_peer:
         raise ProtocolError("the successor named in 'next' is this stage itself")
     if shadow and (next_addr is not None or mirror is not None):
         raise ProtocolError("a shadow sends nothing on: its open frame names no 'next' and no 'mirror'")
     if not tail and next_addr is None and not shadow:
         raise ProtocolError(f"stage {span} is not the tail and needs a successor")
-    if mirror is not None and (tail or mirror.rsplit("/p2p/", 1)[-1] in (self_peer, "")
+    if mirror is not None and (tail or peer_id_from_addr(mirror) in (self_peer, "")
                                or msg["mirror_until"] <= span.end):
         raise ProtocolError(f"stage {span} cannot mirror to {mirror} up to layer {msg['mirror_until']}: a "
                             "mirror goes to another stage (/p2p/ address) holding the layers after this one's")

@@ -7,7 +7,7 @@ frames, promoting the session's mirror to the successor it copies to, and promot
 session to the stage it shadowed; the count of repairs applied. It is given the live sessions, the
 block, this stage's PeerId (known once it serves), and the server's callbacks to build a counted
 error frame, refuse a frame from the wrong peer, reach a successor (or answer why not) and post a
-frame on an outbox. May import: ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this
+frame on an outbox. May import: ``swarm.wire``, ``swarm.receipts``, ``swarm.addrs``, ``swarm.errors``, this
 package's ``session``.
 """
 
@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from swarm import receipts, wire
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import ProtocolError
 from swarm.stage.session import Session
 
@@ -108,7 +109,7 @@ class Repairs:
             raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
         if next_addr is not None and sess.is_tail(self.block.num_layers):
             raise ProtocolError(f"stage {sess.span} is the tail: it has no successor to replace")
-        if next_addr is not None and next_addr.rsplit("/p2p/", 1)[-1] == self._self_peer():
+        if next_addr is not None and peer_id_from_addr(next_addr) == self._self_peer():
             raise ProtocolError("the successor named in 'next' is this stage itself")
 
     def _log_short(self, sess: Session, msg: dict) -> str | None:
@@ -166,7 +167,7 @@ class Repairs:
             sess.source = prev
         if new_stream is not None:
             if sess.ledger is not None:
-                sess.ledger.cut("output", (sess.next_addr or "").rsplit("/p2p/", 1)[-1])
+                sess.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if promoted is not None:  # the shadow's input digest began with the mirrored frames
                     sess.ledger.output = promoted.digest
             sess.next_addr, sess.next_stream = msg.get("next"), new_stream
@@ -197,7 +198,7 @@ class Repairs:
         if msg.get("prev") is not None or msg.get("resend") is not None:
             raise ProtocolError("a repair that promotes a shadow names only 'next'")
         tail = sess.is_tail(self.block.num_layers)
-        if tail == (next_addr is not None) or (next_addr or "").rsplit("/p2p/", 1)[-1] == self._self_peer():
+        if tail == (next_addr is not None) or peer_id_from_addr(next_addr or "") == self._self_peer():
             raise ProtocolError(f"shadow {sess.span}: the repair that promotes it must name a successor exactly when "
                                 "it is not the tail, and not itself")
         if next_addr is not None:

@@ -15,7 +15,7 @@ Modules:
 - ``migrate``   moving hops off relays once a direct connection (a hole punch) appears
 - ``relay``     link emulation for benchmarks: a delaying TCP relay on loopback
 
-Rule: may import ``swarm.errors`` only.
+Rule: may import ``swarm.errors``, ``swarm.files`` and ``swarm.addrs`` only (the stdlib-only core).
 """
 
 from swarm.transport.framing import (

@@ -26,7 +26,7 @@ Facts of libp2p 0.8.1's relay this module designs around (measured, issue 15):
   carries them itself (records, READY lines, ring files) and dials them here.
 
 The library version is pinned: ``check_version`` refuses any other (the subclass overrides a
-private method). May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``.
+private method). May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.addrs``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from importlib.metadata import version as _dist_version
 import multiaddr
 import trio
 
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import ConfigError, SwarmError
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def circuit_addr(relay_addr: str, peer_id: str) -> str:
     Raises:
         ConfigError: ``relay_addr`` is not a direct multiaddr ending in ``/p2p/<relay PeerId>``.
     """
-    relay_id = relay_peer_id(relay_addr)
+    relay_id = peer_id_from_addr(relay_addr)
     if is_circuit(relay_addr) or not relay_id:
         raise ConfigError(f"a relay address is a direct multiaddr ending in /p2p/<PeerId>, got {relay_addr!r}")
     return f"{relay_addr}/p2p-circuit/p2p/{peer_id}"
@@ -91,11 +92,6 @@ def circuit_addr(relay_addr: str, peer_id: str) -> str:
 def relay_part(addr: str) -> str:
     """The relay's own address inside a circuit address (``addr`` before ``/p2p-circuit``)."""
     return addr.split("/p2p-circuit", 1)[0]
-
-
-def relay_peer_id(addr: str) -> str:
-    """The PeerId after the last ``/p2p/`` of ``addr`` ('' if none)."""
-    return addr.rsplit("/p2p/", 1)[1].split("/", 1)[0] if "/p2p/" in addr else ""
 
 
 def _limits():
@@ -205,7 +201,7 @@ class CircuitClient:
         """
         from libp2p.peer.id import ID
 
-        relay_id = ID.from_base58(relay_peer_id(relay_part(addr)))
+        relay_id = ID.from_base58(peer_id_from_addr(relay_part(addr)))
         network = self.host.get_network()
         for attempt in (1, 2):
             if not network.get_connections(relay_id):
@@ -275,7 +271,7 @@ class CircuitClient:
             circuits = [a for a in addrs if "/p2p-circuit" in a]
             if not circuits:
                 return False  # a direct connection
-            relays = {relay_peer_id(relay_part(a)) for a in circuits}
+            relays = {peer_id_from_addr(relay_part(a)) for a in circuits}
             # libp2p 0.8.1 tags an inbound relayed connection with our own PeerId as the relay's:
             # such a relay cannot be named, and the connection is left alone
             if relays & {"", me} or any(network.get_connections(ID.from_base58(r)) for r in relays):
@@ -286,7 +282,7 @@ class CircuitClient:
         """True while a connection to the relay is open."""
         from libp2p.peer.id import ID
 
-        return bool(self.host.get_network().get_connections(ID.from_base58(relay_peer_id(relay_addr))))
+        return bool(self.host.get_network().get_connections(ID.from_base58(peer_id_from_addr(relay_addr))))
 
     async def keep_reservation(self, relay_addr: str, my_peer_id: str, *, check_s: float = 0.25,
                                retry_s: float = 0.5, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -2,7 +2,7 @@
 
 Owns: building the py-libp2p host (TCP + Noise + Yamux, nothing else), its lifetime on trio,
 listen-address checks, dialing with deadlines, and mapping libp2p failures onto swarm errors.
-May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors`` and ``swarm.transport``.
+May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.addrs`` and ``swarm.transport``.
 No torch, no model terms.
 
 Security is Noise only and the muxer Yamux only: libp2p's default ``new_host()`` also offers
@@ -37,6 +37,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TCP
 
+from swarm.addrs import without_peer_id
 from swarm.errors import ConfigError, HopTimeout, ListenError, ProtocolError, StageLost
 from swarm.transport import dataplane
 from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
@@ -104,16 +105,7 @@ class SwarmHost:
         """
 
         async def serve(net_stream: INetStream) -> None:
-            if self.bulk:
-                dataplane.bulk_stream(net_stream)
-            stream = FramedStream(
-                net_stream,
-                remote_peer_id=_remote_peer_id(net_stream),
-                protocol_id=protocol_id,
-                max_frame_bytes=max_frame_bytes,
-                migrator=self.migrator,
-                meter=self.meter,
-            )
+            stream = self._framed(net_stream, protocol_id, max_frame_bytes)
             if self.migrator is not None:
                 self.migrator.protect_if_relayed(stream)
             log.debug("hop.accept peer=%s protocol=%s", stream.remote_peer_id, protocol_id)
@@ -133,6 +125,20 @@ class SwarmHost:
                 )
 
         self.libp2p_host.set_stream_handler(TProtocol(protocol_id), serve)
+
+    def _framed(self, net_stream: INetStream, protocol_id: str, max_frame_bytes: int) -> FramedStream:
+        """A (not yet started) FramedStream over a negotiated libp2p stream, either direction: on the
+        bulk data plane when the host uses it, moved off relays by the migrator, counted by the meter."""
+        if self.bulk:
+            dataplane.bulk_stream(net_stream)
+        return FramedStream(
+            net_stream,
+            remote_peer_id=_remote_peer_id(net_stream),
+            protocol_id=protocol_id,
+            max_frame_bytes=max_frame_bytes,
+            migrator=self.migrator,
+            meter=self.meter,
+        )
 
     async def _dial(self, info, start: float, addr: str) -> None:
         if is_circuit(addr):  # libp2p's dialer skips circuit addresses: through the relay transport
@@ -235,16 +241,7 @@ class SwarmHost:
             ProtocolError: the peer does not speak ``protocol_id``.
         """
         net_stream = await self._open_net_stream(addr, protocol_id, timeout_s)
-        if self.bulk:
-            dataplane.bulk_stream(net_stream)
-        stream = FramedStream(
-            net_stream,
-            remote_peer_id=_remote_peer_id(net_stream),
-            protocol_id=protocol_id,
-            max_frame_bytes=max_frame_bytes,
-            migrator=self.migrator,
-            meter=self.meter,
-        )
+        stream = self._framed(net_stream, protocol_id, max_frame_bytes)
         stream.start(self._nursery)
         if self.migrator is not None:
             self.migrator.watch(stream)
@@ -412,7 +409,7 @@ def _parse_listen_addr(addr: str) -> multiaddr.Multiaddr:
 
 
 def _parse_announce_addr(addr: str) -> multiaddr.Multiaddr:
-    text = addr.split("/p2p/")[0]
+    text = without_peer_id(addr)
     try:
         maddr = multiaddr.Multiaddr(text)
     except (ValueError, multiaddr.exceptions.Error) as e:

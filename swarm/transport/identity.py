@@ -15,7 +15,6 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import stat
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
 from swarm.errors import CacheUnwritable, IdentityError
+from swarm.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +103,14 @@ def _create_key_file(path: Path) -> KeyPair:
     key_pair = create_new_key_pair()
     data = key_pair.private_key.serialize()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # atomic, and fails if another process created the key meanwhile
+            # exclusive: fails if another process created the key meanwhile
+            write_atomic(path, data, mode=0o600, exclusive=True, fsync=True)
             raced = False
         except FileExistsError:
+            if not path.parent.is_dir():  # a file stands where the key's directory should be
+                raise
             raced = True
-        finally:
-            tmp.unlink()
     except OSError as e:
         if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
             raise CacheUnwritable(e.filename or path.parent, e.strerror, KEY_HINT) from None

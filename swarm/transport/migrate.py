@@ -14,7 +14,7 @@ move only from the same PeerId (Noise-authenticated) that holds the old stream.
 Hole punching itself is libp2p's DCUtR (https://github.com/libp2p/specs/blob/master/relay/DCUtR.md,
 ``libp2p.relay.circuit_v2.dcutr``), started on every host by ``open_host``; it closes the relayed
 connection 60 s after a punch, so a move must happen well before. May import: stdlib, trio,
-libp2p, ``swarm.errors``, ``swarm.transport.framing``.
+libp2p, ``swarm.errors``, ``swarm.addrs``, ``swarm.transport.framing``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import weakref
 
 import trio
 
+from swarm.addrs import peer_id_from_addr
 from swarm.errors import ProtocolError, StreamClosed
 from swarm.transport.dataplane import bulk_stream
 from swarm.transport.framing import (
@@ -50,13 +51,7 @@ def relay_ids(raw) -> set[str]:
         addrs = [str(a) for a in conn.get_transport_addresses()] if conn is not None else []
     except Exception:
         return set()
-    out = set()
-    for a in addrs:
-        if "/p2p-circuit" in a:
-            head = a.split("/p2p-circuit", 1)[0]
-            if "/p2p/" in head:
-                out.add(head.rsplit("/p2p/", 1)[1].split("/", 1)[0])
-    return out
+    return {peer_id_from_addr(a.split("/p2p-circuit", 1)[0]) for a in addrs if "/p2p-circuit" in a} - {""}
 
 
 class BufferedRaw:

@@ -3,7 +3,7 @@
 Owns: ``model_id`` and ``load_manifest``: a whole checkpoint is hashed (``swarm.weights.manifest``)
 and the result kept in a cache keyed by every shard's path, size and mtime, so a stage hashes its
 model once; a directory of only some shards answers from its sidecar (``swarm.weights.store``).
-May import: stdlib, ``swarm.errors``, ``swarm.weights.manifest``, ``swarm.weights.store``. No torch.
+May import: stdlib, ``swarm.errors``, ``swarm.files``, ``swarm.weights.manifest``, ``swarm.weights.store``. No torch.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from swarm.errors import ModelError
+from swarm.files import write_atomic
 from swarm.weights.manifest import MANIFEST_VERSION, manifest_model_id, shard_files, tensor_manifest
 from swarm.weights.store import local_layout, sidecar_manifest
 
@@ -84,8 +83,11 @@ def load_manifest(path: Path, cache_dir: Path | None = None) -> tuple[str | None
     manifest = tensor_manifest(path)
     mid = manifest_model_id(manifest, num_layers)
     if key is not None:
-        _write_atomic(key, json.dumps({"model_id": mid, "num_layers": num_layers, "path": str(path),
-                                       "tensors": manifest}, sort_keys=True))
+        try:
+            write_atomic(key, json.dumps({"model_id": mid, "num_layers": num_layers, "path": str(path),
+                                          "tensors": manifest}, sort_keys=True), mode=0o600)
+        except OSError as e:  # a read-only cache costs a re-hash next time, nothing else
+            log.warning("model.manifest_not_cached path=%s error=%s", key, e)
     log.info("model.id path=%s tensors=%d id=%s", path, len(manifest), mid[:16])
     return mid, manifest
 
@@ -99,14 +101,3 @@ def _num_layers(path: Path) -> int:
         if isinstance(config.get(name), int):
             return config[name]
     raise ModelError(f"{path / 'config.json'} names no num_hidden_layers")
-
-
-def _write_atomic(target: Path, text: str) -> None:
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".manifest-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as e:  # a read-only cache costs a re-hash next time, nothing else
-        log.warning("model.manifest_not_cached path=%s error=%s", target, e)

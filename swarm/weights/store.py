@@ -5,7 +5,7 @@ values, the model id over them, and the shard layout), the sidecar file that mak
 only some shards usable (``swarm-weights.json``), ``ShardVerifier`` (checks a safetensors file's
 header and every tensor's sha256 while its bytes arrive), and finding and re-verifying a directory
 fetched earlier (warm restart). May import: stdlib, ``swarm.weights.manifest``,
-``swarm.weights.select``, ``swarm.errors``. No torch, no networking.
+``swarm.weights.select``, ``swarm.errors``, ``swarm.files``. No torch, no networking.
 
 A weights directory (``<cache_root>/weights/<name>-<key>/``) is an HF-layout checkpoint that may
 lack some shards::
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.errors import ModelError, SwarmError, WeightsMismatch
+from swarm.files import write_atomic
 from swarm.weights.manifest import MANIFEST_VERSION, manifest_model_id, read_header
 from swarm.weights.select import INDEX_NAME, SINGLE_FILE, select_shards
 
@@ -197,24 +198,9 @@ def write_sidecar(path: Path, manifest: WeightsManifest, *, name: str, source: d
         weight_map = dict(sorted(manifest.weight_map.items()))
         index = {"metadata": {"total_size": sum(e[2][1] - e[2][0] for s in manifest.shards.values()
                                                 for e in s.values())}, "weight_map": weight_map}
-        write_atomic(path / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+        write_atomic(path / INDEX_NAME, json.dumps(index, indent=2) + "\n", mode=0o644)
     doc = {"v": MANIFEST_VERSION, "name": name, "source": source, "files": files, **manifest.to_doc()}
-    write_atomic(path / SIDECAR, json.dumps(doc, sort_keys=True))
-
-
-def write_atomic(target: Path, text: str) -> None:
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path / SIDECAR, json.dumps(doc, sort_keys=True), mode=0o644)
 
 
 def temp_file(dest: Path, file: str):

@@ -9,6 +9,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from swarm.addrs import without_peer_id
 from swarm.errors import ConfigError, StageLost
 from swarm.transport import circuit as circuit_mod
 from swarm.transport.circuit import circuit_addr, hold_reservations, is_circuit, relay_part
@@ -135,7 +136,7 @@ def test_a_relay_restart_is_followed_by_a_new_reservation_at_once():
             with trio.fail_after(5):  # the relay is gone: the reservation with it
                 while relay_addr in dest.circuits.reserved:
                     await trio.sleep(0.1)
-            listen = relay_addr.split("/p2p/")[0]
+            listen = without_peer_id(relay_addr)
             async with open_host(key, [listen], relay_hop=True):  # same PeerId, same port
                 with trio.fail_after(10):
                     while relay_addr not in dest.circuits.reserved:

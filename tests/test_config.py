@@ -1,0 +1,41 @@
+"""swarm.config.from_flags: a config dataclass from the command line's parsed flags, one per field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from swarm.config import SamplingParams, SpecConfig, from_flags
+from swarm.errors import ConfigError
+
+
+def test_each_field_takes_the_flag_of_its_name():
+    args = argparse.Namespace(draft="ngram", k=None, depth=2, prefill_chunk=64, temperature=0.5, top_k=3,
+                              top_p=0.9, seed=7, unrelated="ignored")
+    assert from_flags(SpecConfig, args) == SpecConfig(draft="ngram", k=4, depth=2, prefill_chunk=64)
+    assert SamplingParams.from_args(args) == SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=7)
+    assert SpecConfig.from_args(args) == from_flags(SpecConfig, args)
+
+
+@pytest.mark.parametrize("argv, spec, sampling", [
+    (["coordinate", "--ring", "r.yaml", "--prompt", "hi", "--draft", "ngram", "--k", "3", "--top-k", "5",
+      "--temperature", "0.7"], SpecConfig("ngram", 3), SamplingParams(temperature=0.7, top_k=5)),
+    (["coordinate", "--ring", "r.yaml", "--prompt", "hi"], SpecConfig(), SamplingParams()),
+    (["serve", "--ring", "r.yaml", "--depth", "2", "--prefill-chunk", "16"], SpecConfig(depth=2, prefill_chunk=16),
+     None),
+])
+def test_from_the_real_command_line(argv, spec, sampling):
+    from swarm.cli.main import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert SpecConfig.from_args(args) == spec
+    if sampling is not None:
+        assert SamplingParams.from_args(args) == sampling
+
+
+def test_bad_values_are_the_config_errors_of_the_class():
+    with pytest.raises(ConfigError, match="--k must be in 0..64"):
+        SpecConfig.from_args(argparse.Namespace(draft="none", k=65, depth=1, prefill_chunk=1))
+    with pytest.raises(AttributeError, match="top_p"):
+        SamplingParams.from_args(argparse.Namespace(temperature=0.0, top_k=0, seed=0))

@@ -27,6 +27,7 @@ from swarm.config import RingSpec  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
 from swarm.serve.app import serve_api  # noqa: E402
+from swarm.serve.config import ServeConfig  # noqa: E402
 
 PARAGRAPH = ("The river ran past the old mill, where the miller's daughter kept a ledger of every sack of grain "
              "and every traveller who crossed the bridge. ")
@@ -70,8 +71,8 @@ async def run(args) -> dict:
                       extra_args=["--dtype", "float32", *args.stage_args]) as ring:
         spec = RingSpec(model="smollm2-135m", stages=ring.ring_spec().stages)
         async with trio.open_nursery() as nursery:
-            info = await nursery.start(lambda task_status: serve_api(
-                spec, "127.0.0.1", 0, key_path=Path(tmp) / "coord.key", task_status=task_status))
+            config = ServeConfig(host="127.0.0.1", port=0, key_path=Path(tmp) / "coord.key")
+            info = await nursery.start(lambda task_status: serve_api(spec, config, task_status=task_status))
             url = info["url"]
             async with httpx.AsyncClient() as client:
                 await stream_chat(client, url, "Hi", args.short_tokens)  # warm-up (and the batch tile proof)

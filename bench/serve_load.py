@@ -38,6 +38,7 @@ from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import resolve_model  # noqa: E402
 from swarm.ranges import even_split  # noqa: E402
 from swarm.serve.app import serve_api  # noqa: E402
+from swarm.serve.config import ServeConfig  # noqa: E402
 
 PROMPTS = ["Write a haiku about the sea.", "Name three uses of copper.", "Why do cats purr?",
            "Describe a sunrise in one sentence.", "What is a prime number?", "Give me a tip for studying.",
@@ -116,9 +117,9 @@ def run_setup(args, ranges, flags: list[str]) -> dict:
             async def server():
                 async with trio.open_nursery() as nursery:
                     box["token"], box["scope"] = trio.lowlevel.current_trio_token(), nursery.cancel_scope
-                    box["info"] = await nursery.start(lambda task_status: serve_api(
-                        spec, "127.0.0.1", 0, key_path=Path(tmp) / "c.key", max_concurrency=16,
-                        task_status=task_status))
+                    config = ServeConfig(host="127.0.0.1", port=0, key_path=Path(tmp) / "c.key", max_concurrency=16)
+                    box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
+                                                                                    task_status=task_status))
             trio.run(server)
 
         thread = threading.Thread(target=run, daemon=True)

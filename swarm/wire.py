@@ -11,7 +11,7 @@ Every frame is a msgpack map with ``v`` (protocol version) and ``type``. See doc
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -160,10 +160,23 @@ def error_frame(reason: str, code: str = "bad_request", session: str | None = No
 def validate(msg: Any) -> dict:
     """Check a decoded frame against the schema and return it.
 
+    The envelope (a map, ``v``, a known ``type``) first, then the kind's required fields
+    (``SCHEMA``), then the kind's own checks in order (``_CHECKS``: optional fields, the session
+    id, fields that go together). Every check raises on the first fault it finds.
+
     Raises:
         ProtocolError: naming the first bad field (wrong version, unknown type, missing field,
             wrong type, negative or oversized integer, over-long session id).
     """
+    kind = _check_envelope(msg)
+    _check_required(kind, msg)
+    for check in _CHECKS.get(kind, (_check_session,)):
+        check(msg)
+    return msg
+
+
+def _check_envelope(msg: Any) -> str:
+    """The frame's type, once ``msg`` is a map of this protocol version with a known type."""
     if not isinstance(msg, dict):
         raise ProtocolError(f"frame is a {type(msg).__name__}, not a map")
     if type(msg.get("v")) is not int or msg.get("v") != VERSION:
@@ -171,6 +184,12 @@ def validate(msg: Any) -> dict:
     kind = msg.get("type")
     if not isinstance(kind, str) or kind not in SCHEMA:
         raise ProtocolError(f"unknown frame type {kind!r}"[:200])
+    return kind
+
+
+def _check_required(kind: str, msg: dict) -> None:
+    """Every field ``SCHEMA[kind]`` names is present with an allowed type; integers in [0, MAX_INT]
+    (``_SIGNED``: [-1, MAX_INT]); a bool is never an integer."""
     for name, types in SCHEMA[kind].items():
         if name not in msg:
             raise ProtocolError(f"{kind} frame lacks field {name!r}")
@@ -183,83 +202,142 @@ def validate(msg: Any) -> dict:
             raise ProtocolError(f"{kind} frame field {name!r} has type {type(value).__name__}")
         if isinstance(value, int) and not 0 <= value <= MAX_INT:
             raise ProtocolError(f"{kind} frame field {name!r}={value} is out of range")
-    if kind == "open" and msg.get("sampling") is not None and not isinstance(msg["sampling"], dict):
-        raise ProtocolError("open frame field 'sampling' must be a map")
-    if kind == "open" and msg.get("wire_dtype") is not None and (
-            not isinstance(msg["wire_dtype"], str) or msg["wire_dtype"] not in WIRE_DTYPES):
-        raise ProtocolError(f"open frame wire_dtype {msg['wire_dtype']!r} is not one of {', '.join(WIRE_DTYPES)}")
-    if kind == "open" and msg.get("batch") is not None and not isinstance(msg["batch"], bool):
-        raise ProtocolError("open frame field 'batch' must be true or false")
-    if kind == "open" and msg.get("prev") is not None and not (
-            isinstance(msg["prev"], str) and 0 < len(msg["prev"]) <= MAX_SESSION_CHARS):
-        raise ProtocolError("open frame field 'prev' must be a PeerId string")
-    if kind == "open" and msg.get("layers") is not None and not (
-            isinstance(msg["layers"], list) and len(msg["layers"]) == 2
-            and all(type(x) is int and 0 <= x <= MAX_INT for x in msg["layers"])
-            and msg["layers"][0] < msg["layers"][1]):
-        raise ProtocolError("open frame field 'layers' must be [start, end) with 0 <= start < end")
-    if kind == "open" and msg.get("shadow") is not None and not isinstance(msg["shadow"], bool):
-        raise ProtocolError("open frame field 'shadow' must be true or false")
-    if kind == "open" and msg.get("mirror") is not None:
-        mu = msg.get("mirror_until")
-        if not (isinstance(msg["mirror"], str) and 0 < len(msg["mirror"]) <= 1024):
-            raise ProtocolError("open frame field 'mirror' must be a multiaddr string")
-        if type(mu) is not int or not 0 < mu <= MAX_INT:
-            raise ProtocolError("open frame field 'mirror' needs 'mirror_until' (the shadow's end layer, an integer)")
-    if kind == "repair" and msg.get("mirror") is not None and not isinstance(msg["mirror"], bool):
-        raise ProtocolError("repair frame field 'mirror' must be true or false")
-    if kind == "open" and msg.get("job") is not None:
-        from swarm.receipts import check_job_field
 
-        try:
-            check_job_field(msg["job"])
-        except ValueError as exc:
-            raise ProtocolError(f"open frame: {exc}") from None
-    if kind == "open" and msg.get("prefix") is not None:
-        _check_prefix(msg["prefix"])
-    if kind == "close" and msg.get("keep") is not None:
-        _check_ids(msg["keep"], "close frame field 'keep'")
-    if kind == "open_ok" and msg.get("reused") is not None and (
-            type(msg["reused"]) is not int or not 0 <= msg["reused"] <= MAX_INT):
+
+FieldCheck = Callable[[Any, dict], None]  # (the field's value, the frame) -> None, or raises ProtocolError
+
+
+def _optional(checks: dict[str, FieldCheck]) -> Callable[[dict], None]:
+    """A frame check that runs ``checks[name]`` on each optional field present and not None, in order."""
+    def check(msg: dict) -> None:
+        for name, check_field in checks.items():
+            if msg.get(name) is not None:
+                check_field(msg[name], msg)
+
+    return check
+
+
+def _flag(kind: str, name: str) -> FieldCheck:
+    def check(value: Any, msg: dict) -> None:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{kind} frame field {name!r} must be true or false")
+
+    return check
+
+
+def _open_sampling(value: Any, msg: dict) -> None:
+    if not isinstance(value, dict):
+        raise ProtocolError("open frame field 'sampling' must be a map")
+
+
+def _open_wire_dtype(value: Any, msg: dict) -> None:
+    if not isinstance(value, str) or value not in WIRE_DTYPES:
+        raise ProtocolError(f"open frame wire_dtype {value!r} is not one of {', '.join(WIRE_DTYPES)}")
+
+
+def _open_prev(value: Any, msg: dict) -> None:
+    if not (isinstance(value, str) and 0 < len(value) <= MAX_SESSION_CHARS):
+        raise ProtocolError("open frame field 'prev' must be a PeerId string")
+
+
+def _open_layers(value: Any, msg: dict) -> None:
+    if not (isinstance(value, list) and len(value) == 2 and all(type(x) is int and 0 <= x <= MAX_INT for x in value)
+            and value[0] < value[1]):
+        raise ProtocolError("open frame field 'layers' must be [start, end) with 0 <= start < end")
+
+
+def _open_mirror(value: Any, msg: dict) -> None:
+    mu = msg.get("mirror_until")
+    if not (isinstance(value, str) and 0 < len(value) <= 1024):
+        raise ProtocolError("open frame field 'mirror' must be a multiaddr string")
+    if type(mu) is not int or not 0 < mu <= MAX_INT:
+        raise ProtocolError("open frame field 'mirror' needs 'mirror_until' (the shadow's end layer, an integer)")
+
+
+def _open_job(value: Any, msg: dict) -> None:
+    from swarm.receipts import check_job_field
+
+    try:
+        check_job_field(value)
+    except ValueError as exc:
+        raise ProtocolError(f"open frame: {exc}") from None
+
+
+def _open_ok_reused(value: Any, msg: dict) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_INT:
         raise ProtocolError("open_ok frame field 'reused' must be an integer >= 0")
+
+
+def _check_session(msg: dict) -> None:
+    """Any frame's ``session``, where it has one: a string of 1..MAX_SESSION_CHARS characters."""
     session = msg.get("session")
     if "session" in msg and not isinstance(session, str):
-        raise ProtocolError(f"{kind} frame field 'session' must be a string")
+        raise ProtocolError(f"{msg['type']} frame field 'session' must be a string")
     if isinstance(session, str) and not 0 < len(session) <= MAX_SESSION_CHARS:
         raise ProtocolError(f"session id must be 1..{MAX_SESSION_CHARS} characters")
-    if kind == "repair":
-        for name in ("prev", "next"):
-            if msg.get(name) is not None and not (isinstance(msg[name], str) and 0 < len(msg[name]) <= 1024):
-                raise ProtocolError(f"repair frame field {name!r} must be a non-empty string")
-        resend, until = msg.get("resend"), msg.get("until")
-        for name, value in (("resend", resend), ("until", until)):
-            if value is not None and (type(value) is not int or not 0 <= value <= MAX_INT):
-                raise ProtocolError(f"repair frame field {name!r} must be an integer >= 0")
-        if (resend is None) != (until is None):
-            raise ProtocolError("repair frame fields 'resend' and 'until' go together")
-        if resend is not None and msg.get("next") is None:
-            raise ProtocolError("repair frame 'resend' needs 'next' (the stage to resend to)")
-        if msg.get("mirror") and resend is None:
-            raise ProtocolError("repair frame 'mirror' needs 'next' and 'resend' (the shadow it promotes)")
-    if kind in ("forward", "refill"):
-        has_tokens, has_hidden = "tokens" in msg, "hidden" in msg
-        if has_tokens == has_hidden:
-            raise ProtocolError(f"{kind} frame must carry exactly one of 'tokens' or 'hidden'")
-        if has_tokens:
-            toks = msg["tokens"]
-            if isinstance(toks, list) and len(toks) > MAX_TOKENS_PER_FRAME:
-                raise ProtocolError(f"{kind} frame carries {len(toks)} token ids; at most {MAX_TOKENS_PER_FRAME}")
-            if not isinstance(toks, list) or not toks or not all(type(x) is int for x in toks):
-                raise ProtocolError(f"{kind} frame 'tokens' must be a non-empty list of integers")
-        elif not isinstance(msg["hidden"], dict):
-            raise ProtocolError(f"{kind} frame 'hidden' must be a tensor map")
-    if kind in ("forward", "result") and "logits_from" in msg:
-        lf = msg["logits_from"]
-        if type(lf) is not int or not msg["pos"] <= lf <= MAX_INT:
-            raise ProtocolError(f"{kind} frame field 'logits_from' must be an integer position >= pos, got {lf!r}")
-        if kind == "forward" and "tokens" in msg and lf > msg["pos"] + len(msg["tokens"]):
-            raise ProtocolError(f"forward frame 'logits_from' {lf} lies past its last row")
-    return msg
+
+
+def _check_repair_targets(msg: dict) -> None:
+    """A repair's new neighbours (``prev``, ``next``) and what it resends (``resend`` with ``until``,
+    to ``next``; ``mirror`` needs both)."""
+    for name in ("prev", "next"):
+        if msg.get(name) is not None and not (isinstance(msg[name], str) and 0 < len(msg[name]) <= 1024):
+            raise ProtocolError(f"repair frame field {name!r} must be a non-empty string")
+    resend, until = msg.get("resend"), msg.get("until")
+    for name, value in (("resend", resend), ("until", until)):
+        if value is not None and (type(value) is not int or not 0 <= value <= MAX_INT):
+            raise ProtocolError(f"repair frame field {name!r} must be an integer >= 0")
+    if (resend is None) != (until is None):
+        raise ProtocolError("repair frame fields 'resend' and 'until' go together")
+    if resend is not None and msg.get("next") is None:
+        raise ProtocolError("repair frame 'resend' needs 'next' (the stage to resend to)")
+    if msg.get("mirror") and resend is None:
+        raise ProtocolError("repair frame 'mirror' needs 'next' and 'resend' (the shadow it promotes)")
+
+
+def _check_rows(msg: dict) -> None:
+    """A forward's or refill's input: exactly one of ``tokens`` (a non-empty list of ints, at most
+    MAX_TOKENS_PER_FRAME) or ``hidden`` (a tensor map)."""
+    kind = msg["type"]
+    has_tokens, has_hidden = "tokens" in msg, "hidden" in msg
+    if has_tokens == has_hidden:
+        raise ProtocolError(f"{kind} frame must carry exactly one of 'tokens' or 'hidden'")
+    if has_tokens:
+        toks = msg["tokens"]
+        if isinstance(toks, list) and len(toks) > MAX_TOKENS_PER_FRAME:
+            raise ProtocolError(f"{kind} frame carries {len(toks)} token ids; at most {MAX_TOKENS_PER_FRAME}")
+        if not isinstance(toks, list) or not toks or not all(type(x) is int for x in toks):
+            raise ProtocolError(f"{kind} frame 'tokens' must be a non-empty list of integers")
+    elif not isinstance(msg["hidden"], dict):
+        raise ProtocolError(f"{kind} frame 'hidden' must be a tensor map")
+
+
+def _check_logits_from(msg: dict) -> None:
+    """A forward's or result's optional ``logits_from``: a position in [pos, pos + T]."""
+    if "logits_from" not in msg:
+        return
+    kind, lf = msg["type"], msg["logits_from"]
+    if type(lf) is not int or not msg["pos"] <= lf <= MAX_INT:
+        raise ProtocolError(f"{kind} frame field 'logits_from' must be an integer position >= pos, got {lf!r}")
+    if kind == "forward" and "tokens" in msg and lf > msg["pos"] + len(msg["tokens"]):
+        raise ProtocolError(f"forward frame 'logits_from' {lf} lies past its last row")
+
+
+# type -> its checks after the required fields, in order; a type not listed: only _check_session.
+# The optional fields of each type are described in SCHEMA's comments.
+_CHECKS: dict[str, tuple[Callable[[dict], None], ...]] = {
+    "open": (_optional({"sampling": _open_sampling, "wire_dtype": _open_wire_dtype, "batch": _flag("open", "batch"),
+                        "prev": _open_prev, "layers": _open_layers, "shadow": _flag("open", "shadow"),
+                        "mirror": _open_mirror, "job": _open_job,
+                        "prefix": lambda value, msg: _check_prefix(value)}),
+             _check_session),
+    "open_ok": (_optional({"reused": _open_ok_reused}), _check_session),
+    "close": (_optional({"keep": lambda value, msg: _check_ids(value, "close frame field 'keep'")}), _check_session),
+    "repair": (_optional({"mirror": _flag("repair", "mirror")}), _check_session, _check_repair_targets),
+    "forward": (_check_session, _check_rows, _check_logits_from),
+    "refill": (_check_session, _check_rows),
+    "result": (_check_session, _check_logits_from),
+}
 
 
 MAX_PREFIX_NS_CHARS = 128

@@ -125,7 +125,7 @@ def test_serve_encodes_chat_content_literally(base_tokenizer):
     """swarm serve's request parsing: a user's typed <|im_end|> gives the literal encoding's ids."""
     from types import SimpleNamespace
 
-    from swarm.serve.app import parse_request
+    from swarm.serve.requests import parse_request
 
     state = SimpleNamespace(model_id="smollm2-135m", tokenizer=base_tokenizer, max_ctx=8192)
     req = parse_request({"messages": [{"role": "user", "content": "<|im_end|>"}], "max_tokens": 1, "n": None},

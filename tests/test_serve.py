@@ -20,6 +20,7 @@ import trio
 from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 from swarm.serve.app import serve_api
+from swarm.serve.config import ServeConfig
 from tests.conftest import reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ class Server:
 
     def __init__(self, spec, key_dir: Path, **serve_kwargs):
         self.box: dict = {}
-        self.serve_kwargs = serve_kwargs  # more serve_api arguments (e.g. dashboard_receipts)
+        self.serve_kwargs = serve_kwargs  # more ServeConfig fields (e.g. dashboard_receipts)
         self.thread = threading.Thread(target=self._run, args=(spec, key_dir), daemon=True)
         self.thread.start()
         end = time.monotonic() + 120
@@ -49,9 +50,9 @@ class Server:
             async with trio.open_nursery() as nursery:
                 self.box["token"] = trio.lowlevel.current_trio_token()
                 self.box["scope"] = nursery.cancel_scope
-                self.box["info"] = await nursery.start(lambda task_status: serve_api(
-                    spec, "127.0.0.1", 0, key_path=key_dir / "coord.key", task_status=task_status,
-                    **self.serve_kwargs))
+                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **self.serve_kwargs)
+                self.box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
+                                                                                     task_status=task_status))
 
         try:
             trio.run(main)

@@ -24,7 +24,9 @@ import trio
 import yaml
 
 from swarm.config import SpecConfig
-from swarm.serve.app import Shutdown, serve_api
+from swarm.serve.app import serve_api
+from swarm.serve.config import ServeConfig
+from swarm.serve.lifecycle import Shutdown
 from tests.ring_util import start_ring
 
 RANGES = [(0, 2), (2, 4), (4, 5)]
@@ -72,9 +74,9 @@ class Ring:
                     self._slow(server.block)
                 self.box.update(spec=spec, stages=stages)
                 if serve:
+                    config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
                     self.box["info"] = await nursery.start(lambda task_status: serve_api(
-                        spec, "127.0.0.1", 0, key_path=key_dir / "coord.key", shutdown=self.shutdown,
-                        task_status=task_status, **serve_kwargs))
+                        spec, config, shutdown=self.shutdown, task_status=task_status))
                 self.box["ready"] = True
 
         try:

@@ -17,7 +17,10 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from swarm.serve.app import ApiError, ServeState, build_app, check_origins, parse_request
+from swarm.serve.app import build_app
+from swarm.serve.config import ServeConfig, check_origins
+from swarm.serve.requests import ApiError, parse_request
+from swarm.serve.state import ServeState
 
 LLAMA2_TEMPLATE = (
     "{% for m in messages %}"
@@ -36,11 +39,13 @@ def tokenizer(stories_dir):
     return tok
 
 
-def make_state(tokenizer, **kw) -> ServeState:
+def make_state(tokenizer, **config) -> ServeState:
+    """A ServeState over ``tokenizer`` and no ring; ``config``: ServeConfig fields."""
     from swarm.serve.metrics import ServeMetrics
 
-    state = ServeState(ring=None, host=None, nursery=None, tokenizer=tokenizer, model_id="stories260k",
-                       model_dir=None, num_layers=5, model_digest="", stop_ids={2}, max_ctx=512, **kw)
+    state = ServeState(config=ServeConfig(**config), ring=None, host=None, nursery=None, tokenizer=tokenizer,
+                       model_id="stories260k", model_dir=None, num_layers=5, model_digest="", stop_ids={2},
+                       max_ctx=512)
     state.metrics = ServeMetrics(state)
     return state
 

@@ -120,7 +120,9 @@ def _free_key_dir(base: Path) -> Path:
 def _serve(spec: RingSpec, args, spec_config, sock) -> int:
     """``swarm demo --serve``: the OpenAI-compatible API over the local ring until Ctrl-C."""
     from swarm.serve.app import serve_api
+    from swarm.serve.config import ServeConfig
 
+    config = ServeConfig(host="127.0.0.1", port=args.port, key_path=None, spec=spec_config, wire_dtype=args.wire_dtype)
     stopped = []
 
     async def on_sigterm(cancel_scope):  # as Ctrl-C: the stages are reaped, the ring file removed
@@ -132,9 +134,8 @@ def _serve(spec: RingSpec, args, spec_config, sock) -> int:
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_sigterm, nursery.cancel_scope)
-            info = await nursery.start(lambda task_status: serve_api(
-                spec, "127.0.0.1", args.port, listen_socket=sock, key_path=None, spec=spec_config,
-                wire_dtype=args.wire_dtype, task_status=task_status))
+            info = await nursery.start(lambda task_status: serve_api(spec, config, listen_socket=sock,
+                                                                     task_status=task_status))
             url = info["url"]
             print(f"\nswarm demo: serving the OpenAI API at {url}/v1 (model {info['model']}); Ctrl-C stops.\n"
                   f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d "

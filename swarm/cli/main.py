@@ -625,40 +625,31 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     import trio
 
-    from swarm.config import RingSpec, SpecConfig
-    from swarm.serve.app import Shutdown, drain_on_signals, serve_api
+    from swarm.config import SpecConfig
+    from swarm.serve.app import serve_api
+    from swarm.serve.config import ServeConfig
+    from swarm.serve.lifecycle import Shutdown, drain_on_signals
 
     ring = _ring_or_swarm(args)
-    spec = SpecConfig.from_args(args)
-    from swarm.errors import ConfigError
-
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_concurrency < 1:
-        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    for flag, value in (("--keepalive-s", args.keepalive_s), ("--drain-timeout-s", args.drain_timeout_s)):
-        if not value >= 0 or value == float("inf"):
-            raise ConfigError(f"{flag} must be a number >= 0, got {value}")
-    if not 0 < args.max_body_mb < float("inf"):
-        raise ConfigError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    config = ServeConfig(
+        host=args.host, port=args.port, key_path=args.key, spec=SpecConfig.from_args(args), wire_dtype=args.wire_dtype,
+        hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, max_concurrency=args.max_concurrency,
+        bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache, receipt_dir=args.receipt_dir,
+        dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
+        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin))
     from swarm.listen import bind_tcp
 
-    sock = bind_tcp(args.host, args.port)  # before anything loads: a taken port fails at once
-    shutdown = Shutdown(timeout_s=args.drain_timeout_s)
+    sock = bind_tcp(config.host, config.port)  # before anything loads: a taken port fails at once
+    shutdown = Shutdown(timeout_s=config.drain_timeout_s)
     drained: dict = {}
 
     async def main():
         async with trio.open_nursery() as nursery:
-            await nursery.start(drain_on_signals, shutdown, args.drain_timeout_s)
+            await nursery.start(drain_on_signals, shutdown, config.drain_timeout_s)
 
             async def run(task_status):
-                drained.update(await serve_api(
-                    ring, args.host, args.port, listen_socket=sock, key_path=args.key, spec=spec,
-                    wire_dtype=args.wire_dtype, hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s,
-                    max_concurrency=args.max_concurrency, bootstrap=tuple(args.bootstrap),
-                    prefix_cache=args.prefix_cache, dashboard_receipts=args.dashboard_receipts,
-                    receipt_dir=args.receipt_dir, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-                    cors_origins=tuple(args.cors_origin), shutdown=shutdown, task_status=task_status) or {})
+                drained.update(await serve_api(ring, config, listen_socket=sock, shutdown=shutdown,
+                                               task_status=task_status) or {})
                 nursery.cancel_scope.cancel()  # drained: stop watching signals
 
             info = await nursery.start(run)

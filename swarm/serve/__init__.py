@@ -2,11 +2,22 @@
 
 Layout (each module's docstring says what it owns and may import):
 
-- ``app``        the Starlette app, request parsing and lifecycle, streaming, the client pool, drain
-- ``params``     which OpenAI request fields are honoured, accepted as no-ops, or refused; body loading
-- ``health``     ``ring_health``: every stage of the ring asked for its info
-- ``metrics``    ``ServeMetrics``: Prometheus metrics and the recent requests the dashboard shows
-- ``dashboard``  the live dashboard page and the JSON it polls
+- ``app``         the Starlette app and its routes; ``serve_api``: load the model, check the ring, listen, drain
+- ``config``      ``ServeConfig``: every setting of ``swarm serve``, frozen and validated on construction
+- ``state``       ``ServeState``: what every request shares (the ring, host, tokenizer, config, pool, counters)
+- ``requests``    a body into a validated ``Request``, or an OpenAI-shaped ``ApiError``; size limits
+- ``completion``  one request's generation on the ring: detokenizing, stop strings, receipts, ring errors
+- ``stream``      server-sent events: the status after the ring's decision, chunks, keep-alives
+- ``pool``        ``ClientPool``: ring clients with open streams, one per request in flight; rerouting
+- ``lifecycle``   hang-ups, ``Shutdown`` and signals, the drain
+- ``params``      which OpenAI request fields are honoured, accepted as no-ops, or refused; body loading
+- ``health``      ``ring_health``: every stage of the ring asked for its info
+- ``metrics``     ``ServeMetrics``: Prometheus metrics and the recent requests the dashboard shows
+- ``dashboard``   the live dashboard page and the JSON it polls
+
+Inside, imports go one way: ``app`` -> ``stream`` -> ``completion``, ``lifecycle`` -> ``requests``,
+``config``; ``state`` imports ``config`` and names ``pool``'s, ``metrics``' and ``dashboard``'s
+types only for annotations, so those three and ``health`` read a ``ServeState`` without importing it.
 
 Rule: may import everything ``coordinator`` may, and ``coordinator``; never ``stage`` or ``cli``.
 Importing this package imports nothing.

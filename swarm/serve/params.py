@@ -3,10 +3,10 @@
 Owns: the decision for every field of the chat-completions and completions request bodies
 (https://platform.openai.com/docs/api-reference/chat/create, .../completions/create, as of 2026),
 so that no parameter is silently ignored when it would change the answer. Pure: standard library
-only; ``swarm.serve.app`` turns :class:`ParamRefused` into a 400 in OpenAI's error shape.
+only; ``swarm.serve.requests`` turns :class:`ParamRefused` into a 400 in OpenAI's error shape.
 
 - ``null`` means "the default" for every optional field (the field is dropped before any check).
-- Honoured fields are checked and used by ``swarm.serve.app.parse_request``.
+- Honoured fields are checked and used by ``swarm.serve.requests.parse_request``.
 - A no-op field is accepted and ignored: it cannot change the generated text (bookkeeping such as
   ``user`` or ``metadata``, or a hint such as ``prediction``, which OpenAI defines as not changing
   the output).

@@ -153,7 +153,8 @@ async def serve_state(state) -> dict:
     ttfts = [x for _, _, x, _ in finished[-50:] if x is not None]
     itls = [x for _, _, _, x in finished[-50:] if x is not None]
     # in a thread: a directory read and signature checks must not hold up the server's event loop
-    jobs = await trio.to_thread.run_sync(jobs_from_dir, state.dashboard_receipts) if state.dashboard_receipts else []
+    listed = state.config.listed_receipts
+    jobs = await trio.to_thread.run_sync(jobs_from_dir, listed) if listed else []
     for j in jobs:
         if not j["verified"]:
             m.receipt_failed(j["file"], j["check"])
@@ -172,7 +173,7 @@ async def serve_state(state) -> dict:
         "itl_p50_s": statistics.median(itls) if itls else None,
         "requests": sum(m.requests.values()), "active": state.active,
         "heals": list(m.heal_log), "jobs": jobs, "dht": state.coverage is not None, **coverage,
-        "receipts": str(state.dashboard_receipts) if state.dashboard_receipts else None,  # None: the page says
+        "receipts": str(listed) if listed else None,  # None: the page says
         # how to get receipts listed (--receipt-dir)
     }
 

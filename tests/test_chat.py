@@ -111,7 +111,7 @@ def test_serve_says_to_use_completions_without_a_chat_template(base_tokenizer):
     import copy
     from types import SimpleNamespace
 
-    from swarm.serve.app import ApiError, parse_request
+    from swarm.serve.requests import ApiError, parse_request
 
     tok = copy.deepcopy(base_tokenizer)
     tok.chat_template = None

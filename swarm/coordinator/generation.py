@@ -131,7 +131,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key", fallback=config.key_path is None)
     job = None
     if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt
-        _check_writable(config.receipt_dir)
+        check_receipt_dir(config.receipt_dir)
         job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()}
 
     route_s = None
@@ -226,7 +226,12 @@ async def run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None
         await trio.sleep_forever()
 
 
-def _check_writable(directory) -> None:
+def check_receipt_dir(directory) -> None:
+    """Make sure receipts can be written to ``directory`` (created if missing), before any work.
+
+    Raises:
+        ConfigError: it is not a directory, cannot be created, or is not writable.
+    """
     import os
     from pathlib import Path
 

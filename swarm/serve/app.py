@@ -1071,7 +1071,7 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
     from transformers import AutoTokenizer
 
     from swarm.config import cache_root
-    from swarm.coordinator.generation import _check_writable, eos_ids, vocab_size
+    from swarm.coordinator.generation import check_receipt_dir, eos_ids, vocab_size
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
     from swarm.coordinator.ring import RingClient
@@ -1088,7 +1088,7 @@ async def _serve_api(ring: RingSpec, host: str = "127.0.0.1", port: int = 8000, 
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
     if receipt_dir is not None:  # checked before listening: every answered request gets its receipt
-        _check_writable(receipt_dir)
+        check_receipt_dir(receipt_dir)
     if dashboard_receipts is not None and not Path(dashboard_receipts).is_dir():
         raise ConfigError(f"--dashboard-receipts {dashboard_receipts}: not a directory")
     key, _ = claim_key(key_path or cache_root() / "keys" / "coordinator.key", fallback=key_path is None)

@@ -327,7 +327,7 @@ class RingOps:
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
-        reports = await self.ring.probe(session, 2 * self.ring.heartbeat_s)
+        reports = await self.ring.net.probe(session, 2 * self.ring.heartbeat_s)
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
     async def settle(self) -> None:
@@ -336,10 +336,10 @@ class RingOps:
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         ring, session = self.ring, self.state["session"]
-        shadow = ring.shadowed.get(session, {}).pop(tuple(layers), None)
+        shadow = ring.repair.shadowed.get(session, {}).pop(tuple(layers), None)
         if shadow is not None:  # the spare that shadowed this stage, if it still answers
-            ring.shadows.pop(tuple(layers), None)
-            state = await ring.shadow_state(session, shadow, 2 * ring.heartbeat_s)
+            ring.repair.shadows.pop(tuple(layers), None)
+            state = await ring.repair.shadow_state(session, shadow, 2 * ring.heartbeat_s)
             if state != "lost":
                 name = shadow.info.peer_id
                 self._shadow = name if state == "shadow" else ""
@@ -350,8 +350,8 @@ class RingOps:
             log.warning("heal.shadow_unusable layers=[%d, %d) peer=%s: looking for another spare", *layers,
                         shadow.info.peer_id)
             self._shadow_note = f"the shadow {shadow.info.peer_id} did not answer"
-            await ring.drop_links([shadow])
-        link = await self.ring.prepare_spare(index, layers)
+            await ring.net.drop([shadow])
+        link = await self.ring.repair.prepare_spare(index, layers)
         chain = [link] if link is not None else None
         if chain is None and self.ring.discovery is not None:
             chain = await self._spare_from_swarm(index, tuple(layers))
@@ -382,7 +382,7 @@ class RingOps:
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
-                | {s.info.peer_id for s in self.ring.shadows.values()},
+                | {s.info.peer_id for s in self.ring.repair.shadows.values()},
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None)
         except NoRoute as exc:
@@ -390,10 +390,10 @@ class RingOps:
             return None
         chain = []
         for hop in hops:
-            link = await self.ring.prepare_spare(index + len(chain), hop.layers,
+            link = await self.ring.repair.prepare_spare(index + len(chain), hop.layers,
                                                  spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
             if link is None:
-                await self.ring.drop_links(chain)
+                await self.ring.net.drop(chain)
                 return None
             chain.append(link)
         if len(chain) > 1:
@@ -404,44 +404,44 @@ class RingOps:
     async def swap(self, index: int, spare) -> list[str]:
         self._replaced = self.peer_of(index)
         self._shadow = spare if spare == self._shadow else ""
-        return self.ring.swap(index, self._spares.pop(spare))
+        return self.ring.repair.swap(index, self._spares.pop(spare))
 
     async def prepare_shadows(self) -> int:
         """Find a warm spare for every ring position that has none shadowing it yet (the ring file's
         spares, then the DHT's holders when the ring was routed there: one stage holding the whole
-        range), dial and check it; they are kept in ``ring.shadows`` for the sessions to come.
+        range), dial and check it; they are kept in ``ring.repair.shadows`` for the sessions to come.
         Returns how many positions have a shadow."""
         ring = self.ring
         for index, info in enumerate(ring.infos):
             layers = tuple(info.layers)
-            if layers in ring.shadows and ring.shadows[layers].generation not in ring._lost_gens:
+            if layers in ring.repair.shadows and ring.repair.shadows[layers].generation not in ring.net.lost_gens:
                 continue
-            before = list(ring.spares)
-            link = await ring.prepare_spare(index, layers)
+            before = list(ring.repair.spares)
+            link = await ring.repair.prepare_spare(index, layers)
             if link is None:  # a spare that cannot be reached now is tried again at a heal
-                ring.spares = before
+                ring.repair.spares = before
             if link is None and ring.discovery is not None:
                 chain = await self._spare_from_swarm(index, layers)
                 if chain and len(chain) > 1:  # a chain cannot shadow one stage: it stays unused
-                    await ring.drop_links(chain)
+                    await ring.net.drop(chain)
                 link = chain[0] if chain and len(chain) == 1 else None
             if link is not None:
-                ring.shadows[layers] = link
+                ring.repair.shadows[layers] = link
                 log.info("shadow.ready layers=[%d, %d) peer=%s", *layers, link.info.peer_id)
-        return sum(tuple(i.layers) in ring.shadows for i in ring.infos)
+        return sum(tuple(i.layers) in ring.repair.shadows for i in ring.infos)
 
     def peer_of(self, index: int) -> str:
         return self.ring.links[index].info.peer_id
 
     async def repair(self, index: int, count: int, replay) -> str | None:
-        """Keep the session at the survivors (``RingClient.repair_session``): the replacement at
+        """Keep the session at the survivors (``RingRepair.repair_session``): the replacement at
         ``[index, index + count)`` rebuilds positions ``[0, len(prefix) - 1)`` alone, the last one
         goes round the ring in :meth:`resume`. Returns None, or why not (logged; a full replay follows)."""
         loop, session = self.loop, self.state["session"]
         if list(replay.prefix) != loop.seq[: len(replay.prefix)] or len(replay.prefix) != loop.committed_len - 1:
             raise ConfigError("internal: the replay plan and the generation state disagree")
         keep = loop.resume()
-        why = await self.ring.repair_session(
+        why = await self.ring.repair.repair_session(
             session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],
             replaced=self._replaced, max_len=self.state["max_len"],
             sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"],
@@ -449,7 +449,7 @@ class RingOps:
         if why is not None:
             log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
             return why
-        done = self.ring.last_repair
+        done = self.ring.repair.last_repair
         log.info("heal.kept stage=%d kept_positions=%d mode=%s refilled=%d: survivors keep their KV caches", index,
                  keep, done["mode"], done["refill_tokens"])
         return Kept(done["mode"], done["refill_tokens"], done["shadow_fallback"] or self._shadow_note)

@@ -39,14 +39,17 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
                         spec_config=None, drafter=None, info: dict | None = None, batch: bool = False,
                         **decode_kwargs) -> list[int]:
     """Connect a coordinator to ``spec`` and decode (speculatively with a drafter); returns the new ids.
-    ``info``, if given, receives the timing and speculation record."""
+    ``info``, if given, receives the timing and speculation record. ``decode_kwargs``: more
+    ``DecodeOptions`` fields (``sampling``, ``job``, ...) or decode's hooks (``on_ids``, ``should_stop``,
+    ``on_open``)."""
     try:
         async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
                 trio.open_nursery() as nursery:
             ring = RingClient(host, spec, hop_timeout_s, 10.0, batch=batch)
             await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
-            decoded = await decode(ring, prompt, DecodeOptions(new_tokens, stop_ids=set(stop_ids), spec=spec_config,
-                                                               drafter=drafter))
+            hooks = {k: decode_kwargs.pop(k) for k in ("on_ids", "should_stop", "on_open") if k in decode_kwargs}
+            options = DecodeOptions(new_tokens, stop_ids=stop_ids, spec=spec_config, drafter=drafter, **decode_kwargs)
+            decoded = await decode(ring, prompt, options, **hooks)
             out, record = decoded.output_ids, decoded.as_record()
             if info is not None:
                 info.update(record)

@@ -35,7 +35,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.coordinator.generation import decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
 from swarm.discovery.client import discover_ring  # noqa: E402
 from swarm.discovery.dht import open_dht  # noqa: E402
 from swarm.errors import ConfigError, collapse  # noqa: E402
@@ -108,7 +108,8 @@ async def _heal(boot: str, tmp: Path, model_dir: Path, mid: str, n: int, pids: d
                 if len(out) >= kill_at and victim in pids:
                     os.kill(pids.pop(victim), signal.SIGKILL)
 
-            out, rec = await decode(ring, PROMPT, new, set(), on_ids, heal=True)
+            decoded = await decode(ring, PROMPT, DecodeOptions(new, heal=True), on_ids=on_ids)
+            out, rec = decoded.output_ids, decoded.as_record()
             nursery.cancel_scope.cancel()
     return out, rec
 

@@ -35,7 +35,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import SpecConfig  # noqa: E402
-from swarm.coordinator.generation import RingClient, decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode  # noqa: E402
 from swarm.coordinator.drafters import NgramDrafter  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
@@ -137,8 +137,9 @@ async def ring_run(spec, model_dir: Path, num_layers: int, prompt: list[int], to
         ring = RingClient(host, spec, 120.0, 30.0)
         await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
         drafter = NgramDrafter() if k else None
-        out, record = await decode(ring, prompt, tokens, set(), spec=SpecConfig(draft="ngram" if k else "none", k=k,
-                                                                                depth=depth), drafter=drafter)
+        decoded = await decode(ring, prompt, DecodeOptions(tokens, spec=SpecConfig(draft="ngram" if k else "none", k=k,
+                                                                                   depth=depth), drafter=drafter))
+        out, record = decoded.output_ids, decoded.as_record()
         nursery.cancel_scope.cancel()
     return record["tokens_per_s"] or 0.0, out
 

@@ -31,7 +31,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, StageSpec  # noqa: E402
-from swarm.coordinator.generation import decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
@@ -48,7 +48,8 @@ async def generate(spec, model_dir, prompt, new_tokens, key, on_ids=None, shadow
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 60.0, 30.0, heartbeat_s=1.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        out, rec = await decode(ring, prompt, new_tokens, set(), on_ids=on_ids, shadow=shadow)
+        decoded = await decode(ring, prompt, DecodeOptions(new_tokens, shadow=shadow), on_ids=on_ids)
+        out, rec = decoded.output_ids, decoded.as_record()
         nursery.cancel_scope.cancel()
     return out, rec
 
@@ -103,7 +104,7 @@ def main() -> None:
     ap.add_argument("--full-replay", action="store_true",
                     help="stages keep no sent hidden states (--heal-log-mb 0): measure the full replay instead")
     ap.add_argument("--shadow", action="store_true",
-                    help="the spare shadows the middle stage live (decode(shadow=True)): the heal promotes it")
+                    help="the spare shadows the middle stage live (DecodeOptions(shadow=True)): the heal promotes it")
     ap.add_argument("--threads", type=int, default=1,
                     help="--threads of every stage and the spare (a ring computes one stage at a time, so each "
                          "may use the machine's cores; default 1)")

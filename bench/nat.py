@@ -40,7 +40,7 @@ async def _client(cfg: dict) -> dict:
     import trio
 
     from swarm.config import RingSpec, SpecConfig
-    from swarm.coordinator.generation import decode
+    from swarm.coordinator.generation import DecodeOptions, decode
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest
     from swarm.coordinator.ring import RingClient
@@ -55,7 +55,7 @@ async def _client(cfg: dict) -> dict:
         start = time.monotonic()
         await client.connect(model_num_layers(cfg["model"]), model_manifest_digest(cfg["model"]), nursery)
         outputs, rates = [], []
-        await decode(client, PROMPT, 8, set(), spec=SpecConfig())  # warm-up
+        await decode(client, PROMPT, DecodeOptions(8, spec=SpecConfig()))  # warm-up
         if cfg["punch"]:
             relayed = [link for link in client.links if is_circuit(link.spec.addr)]
             with trio.fail_after(60):
@@ -65,7 +65,7 @@ async def _client(cfg: dict) -> dict:
             await trio.sleep(2.0)  # the stages' own hop A' -> B' moves on the same schedule
         for _ in range(cfg["trials"]):
             t0 = time.monotonic()
-            ids, _ = await decode(client, PROMPT, cfg["new"], set(), spec=SpecConfig())
+            ids = (await decode(client, PROMPT, DecodeOptions(cfg["new"], spec=SpecConfig()))).output_ids
             rates.append(cfg["new"] / (time.monotonic() - t0))
             outputs.append(ids)
         out["tokens_per_s"] = round(statistics.median(rates), 2)

@@ -29,7 +29,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig  # noqa: E402
-from swarm.coordinator.generation import decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import load_block, model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
@@ -58,7 +58,8 @@ async def ring_ttft(spec: RingSpec, model_dir: Path, ids: list[int], key: Path, 
     async with open_host(load_or_create_key(key), ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 600.0, 60.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        out, timing = await decode(ring, ids, 1, set(), spec=SpecConfig(prefill_chunk=chunk))
+        decoded = await decode(ring, ids, DecodeOptions(1, spec=SpecConfig(prefill_chunk=chunk)))
+        out, timing = decoded.output_ids, decoded.as_record()
         nursery.cancel_scope.cancel()
     return timing["ttft_s"], out[0]
 

@@ -34,7 +34,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.coordinator.chat import encode_chat  # noqa: E402
-from swarm.coordinator.generation import RingClient, decode, eos_ids  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode, eos_ids  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
@@ -76,8 +76,10 @@ async def bench(args, spec, model_dir, tokenizer, key) -> dict:
                 messages.append({"role": "user", "content": QUESTIONS[t]})
             prompt = encode_chat(tokenizer, messages)
             if t == 4:  # the same request without the prefix cache first (no blocks kept: the cache is as before)
-                fresh_out, fresh = await decode(ring, prompt, args.new_tokens, stop, prefix_cache=False)
-            out, rec = await decode(ring, prompt, args.new_tokens, stop, prefix_cache=True)
+                decoded = await decode(ring, prompt, DecodeOptions(args.new_tokens, stop_ids=stop, prefix_cache=False))
+                fresh_out, fresh = decoded.output_ids, decoded.as_record()
+            decoded = await decode(ring, prompt, DecodeOptions(args.new_tokens, stop_ids=stop, prefix_cache=True))
+            out, rec = decoded.output_ids, decoded.as_record()
             turns.append({"prompt_tokens": len(prompt), "cached_tokens": rec["cached_tokens"],
                           "ttft_s": round(rec["ttft_s"], 3)})
             messages.append({"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)})
@@ -91,13 +93,15 @@ async def bench(args, spec, model_dir, tokenizer, key) -> dict:
             c = RingClient(host, spec, 600.0, 30.0, batch=True)
             await c.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
             clients.append(c)
-        await decode(clients[0], prompts[-1], 4, stop, prefix_cache=True)  # the server has seen the system prompt
+        # the server has seen the system prompt
+        await decode(clients[0], prompts[-1], DecodeOptions(4, stop_ids=stop, prefix_cache=True))
         shared = {}
         for mode in (False, True):
             counts, t0 = [], time.perf_counter()
 
             async def one(c, p):
-                out, rec = await decode(c, p, args.new_tokens, stop, prefix_cache=mode)
+                decoded = await decode(c, p, DecodeOptions(args.new_tokens, stop_ids=stop, prefix_cache=mode))
+                out, rec = decoded.output_ids, decoded.as_record()
                 counts.append((len(out), rec["cached_tokens"]))
 
             async with trio.open_nursery() as inner:

@@ -27,7 +27,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import receipts, wire  # noqa: E402
-from swarm.coordinator.generation import RingClient, decode, write_job_receipt  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode, write_job_receipt  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
@@ -46,7 +46,8 @@ async def run(spec, model_dir, prompt_ids, tokens, key, with_receipt: bool, rece
         num_layers = model_num_layers(model_dir)
         await ring.connect(num_layers, digest, nursery)
         job = {"id": receipts.new_nonce(), "nonce": receipts.new_nonce()} if with_receipt else None
-        out, rec = await decode(ring, prompt_ids, tokens, set(), job=job)
+        decoded = await decode(ring, prompt_ids, DecodeOptions(tokens, job=job))
+        out, rec = decoded.output_ids, decoded.as_record()
         end_ms = 0.0
         if job:
             ring_entries = [i.entry() for i in ring.infos]

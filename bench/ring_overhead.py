@@ -35,7 +35,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import wire  # noqa: E402
-from swarm.coordinator.generation import RingClient, decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
@@ -66,7 +66,8 @@ async def ring_decode(spec, model_dir, prompt_ids, tokens, key) -> tuple[float, 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 120.0, 30.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        out, timing = await decode(ring, prompt_ids, tokens, set())
+        decoded = await decode(ring, prompt_ids, DecodeOptions(tokens))
+        out, timing = decoded.output_ids, decoded.as_record()
         nursery.cancel_scope.cancel()
     return timing["tokens_per_s"], out
 

@@ -27,7 +27,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig, StageSpec  # noqa: E402
-from swarm.coordinator.generation import RingClient, decode, encode_prompt, eos_ids  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode, encode_prompt, eos_ids  # noqa: E402
 from swarm.coordinator.drafters import make_drafter  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
@@ -54,7 +54,8 @@ async def run_set(host, spec: RingSpec, model_dir, prompts, tokens, stop, config
             ring = RingClient(host, spec, 300.0, 60.0)
             await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
             drafter = make_drafter(config.draft)
-            out, rec = await decode(ring, prompt_ids, tokens, stop, spec=config, drafter=drafter)
+            decoded = await decode(ring, prompt_ids, DecodeOptions(tokens, stop_ids=stop, spec=config, drafter=drafter))
+            out, rec = decoded.output_ids, decoded.as_record()
             nursery.cancel_scope.cancel()
         ids_all.append(out)
         s = rec["spec"]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trio  # noqa: E402
 
-from swarm.coordinator.generation import RingClient, decode  # noqa: E402
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.resolve import model_manifest_digest  # noqa: E402
@@ -53,7 +53,7 @@ async def _generate(spec, model_dir, prompt_ids, key):
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring = RingClient(host, spec, 120.0, 30.0)
         await ring.connect(model_num_layers(model_dir), model_manifest_digest(model_dir), nursery)
-        await decode(ring, prompt_ids, 8, set())
+        await decode(ring, prompt_ids, DecodeOptions(8))
         nursery.cancel_scope.cancel()
 
 

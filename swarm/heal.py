@@ -271,17 +271,9 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
     """
     errors: list[str] = [cause]
     replaced: list[str] = []
-    repair = getattr(ops, "repair", None)
     for attempt in range(1, max_attempts + 1):
         t0 = ops.now()
-        reports, sent, returned = await ops.probe()
-        failure = locate_failure(reports, sent, returned)
-        if failure is None or not reports[failure.index].gone:
-            # a silent stage may be paused, and frames may be in flight: only what persists counts
-            earlier = Probe(tuple(reports), sent, returned)
-            await ops.settle()
-            reports, sent, returned = await ops.probe()
-            failure = locate_failure(reports, sent, returned, earlier)
+        failure = await _blame(ops)
         if failure is None:
             if attempt == 1:
                 return None  # every stage answers and nothing is stuck: a pause, not a loss
@@ -301,25 +293,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
                 event.replaced = list(replaced)
             ids = await ops.swap(failure.index, spare)
             event.spare, event.spares = str(spare), list(ids) if ids else [str(spare)]
-            if replay.driver is None:
-                why = "nothing committed yet: the prefill starts again" if repair else ""
-            else:
-                why = "this engine cannot keep the survivors' session" if repair is None else \
-                    await repair(failure.index, len(event.spares), replay)
-            if why is None or isinstance(why, Kept):
-                kept = why or Kept()
-                event.replay, event.shadow_fallback = kept.mode, kept.note
-                event.refill_tokens = max(0, len(replay.prefix) - 1) if kept.refill_tokens is None else \
-                    kept.refill_tokens
-                event.survivor_tokens = 1
-                t2 = ops.now()
-                token = await ops.resume()
-            else:
-                event.replay, event.fallback = "full", why
-                event.refill_tokens, event.survivor_tokens = 0, len(replay.prefix)
-                await ops.reset()
-                t2 = ops.now()
-                token = await ops.replay(replay.prefix)
+            t2, token = await _rebuild(ops, replay, event, failure.index)
             event.swap_s = t2 - t1
             t3 = ops.now()
         except ReplayMismatch:
@@ -334,3 +308,48 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         event.total_s = t3 - detected_at
         return event
     raise HealError(f"recovery failed {max_attempts} times: {'; '.join(errors)}")
+
+
+async def _blame(ops: SwarmOps) -> Failure | None:
+    """Probe and ``locate_failure``; unless the blamed stage's connection is gone, settle, probe
+    again and blame only what persisted (a silent stage may be paused, frames may be in flight).
+
+    Returns:
+        The failure, or None when every stage answers and nothing is stuck.
+    """
+    reports, sent, returned = await ops.probe()
+    failure = locate_failure(reports, sent, returned)
+    if failure is None or not reports[failure.index].gone:
+        earlier = Probe(tuple(reports), sent, returned)
+        await ops.settle()
+        reports, sent, returned = await ops.probe()
+        failure = locate_failure(reports, sent, returned, earlier)
+    return failure
+
+
+async def _rebuild(ops: SwarmOps, replay: Replay, event: HealEvent, index: int) -> tuple[float, int | None]:
+    """After the swap at ring position ``index``: keep the survivors' session and ``resume`` when
+    something was committed and the engine can (``repair``), else reset and replay ``replay.prefix``
+    in full. Fills ``event``'s replay mode and token counts.
+
+    Returns:
+        (``ops.now()`` when the rebuild of the session began, the driver token it produced or None).
+    """
+    repair = getattr(ops, "repair", None)
+    if replay.driver is None:
+        why = "nothing committed yet: the prefill starts again" if repair else ""
+    else:
+        why = "this engine cannot keep the survivors' session" if repair is None else \
+            await repair(index, len(event.spares), replay)
+    if why is None or isinstance(why, Kept):
+        kept = why or Kept()
+        event.replay, event.shadow_fallback = kept.mode, kept.note
+        event.refill_tokens = max(0, len(replay.prefix) - 1) if kept.refill_tokens is None else kept.refill_tokens
+        event.survivor_tokens = 1
+        t2 = ops.now()
+        return t2, await ops.resume()
+    event.replay, event.fallback = "full", why
+    event.refill_tokens, event.survivor_tokens = 0, len(replay.prefix)
+    await ops.reset()
+    t2 = ops.now()
+    return t2, await ops.replay(replay.prefix)

@@ -21,7 +21,7 @@ import time
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator.generation import decode
+from swarm.coordinator.generation import DecodeOptions, decode
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.coordinator.ring import RingClient
@@ -38,7 +38,8 @@ async def main(cfg: dict) -> dict:
             client = RingClient(host, spec, hop_timeout_s=60.0, connect_timeout_s=20.0, heartbeat_s=1.0)
             start = time.monotonic()
             await client.connect(model_num_layers(cfg["model"]), model_manifest_digest(cfg["model"]), nursery)
-            out["first"], _ = await decode(client, cfg["prompt"], cfg["new"], set(), spec=SpecConfig())
+            first = await decode(client, cfg["prompt"], DecodeOptions(cfg["new"], spec=SpecConfig()))
+            out["first"] = first.output_ids
             relayed = [link for link in client.links if is_circuit(link.spec.addr)]
             # the client is public: a NATed stage reaches it directly by itself (DCUtR's unilateral
             # upgrade, through any NAT), and the client's streams to it move
@@ -57,7 +58,8 @@ async def main(cfg: dict) -> dict:
                 os.kill(cfg["relay_pid"], signal.SIGKILL)  # from here on only direct connections work
             out["moves"] = sum(s.moves for link in relayed for s in (link.data, link.control))
             t0 = time.monotonic()
-            out["again"], rec = await decode(client, cfg["prompt"], cfg["new"], set(), spec=SpecConfig())
+            decoded = await decode(client, cfg["prompt"], DecodeOptions(cfg["new"], spec=SpecConfig()))
+            out["again"], rec = decoded.output_ids, decoded.as_record()
             out["again_tokens_per_s"] = round(cfg["new"] / (time.monotonic() - t0), 2)
             out["heal_events"] = rec["heal_events"]
             if cfg["mode"] == "relayed":  # the stages' own hop still needs the relay: kill it mid-answer
@@ -70,7 +72,8 @@ async def main(cfg: dict) -> dict:
 
                 try:
                     with trio.fail_after(30):
-                        await decode(client, cfg["prompt"], cfg["new"], set(), on_ids=kill_relay, spec=SpecConfig())
+                        await decode(client, cfg["prompt"], DecodeOptions(cfg["new"], spec=SpecConfig()),
+                                     on_ids=kill_relay)
                     out["after_relay_died"] = "answered"
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     out["after_relay_died"] = f"{type(e).__name__}: {e}"[:400]

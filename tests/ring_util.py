@@ -7,7 +7,7 @@ from pathlib import Path
 import trio
 
 from swarm.config import RingSpec, StageConfig, StageSpec
-from swarm.coordinator.generation import RingClient, decode
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode
 from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
@@ -40,14 +40,18 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
                         spec_config=None, drafter=None, info: dict | None = None, batch: bool = False,
                         **decode_kwargs) -> list[int]:
     """Connect a coordinator to ``spec`` and decode (speculatively with a drafter); returns the new ids.
-    ``info``, if given, receives the timing and speculation record."""
+    ``info``, if given, receives the timing and speculation record. ``decode_kwargs``: more
+    ``DecodeOptions`` fields (``sampling``, ``job``, ...) or decode's hooks (``on_ids``, ``should_stop``,
+    ``on_open``)."""
     try:
         async with open_host(load_or_create_key(key_dir / "coord.key"), [LOOPBACK]) as host, \
                 trio.open_nursery() as nursery:
             ring = RingClient(host, spec, hop_timeout_s, 10.0, batch=batch)
             await ring.connect(num_layers, model_manifest_digest(model_dir), nursery)
-            out, record = await decode(ring, prompt, new_tokens, set(stop_ids), spec=spec_config, drafter=drafter,
-                                       **decode_kwargs)
+            hooks = {k: decode_kwargs.pop(k) for k in ("on_ids", "should_stop", "on_open") if k in decode_kwargs}
+            options = DecodeOptions(new_tokens, stop_ids=stop_ids, spec=spec_config, drafter=drafter, **decode_kwargs)
+            decoded = await decode(ring, prompt, options, **hooks)
+            out, record = decoded.output_ids, decoded.as_record()
             if info is not None:
                 info.update(record)
                 info["ring"] = [i.entry() for i in ring.infos]
@@ -90,7 +94,8 @@ def job_receipt(model_dir: Path, key_dir: Path, ranges, prompt: list[int], recei
                 digest = model_manifest_digest(model_dir)
                 await ring.connect(ranges[-1][1], digest, inner)
                 job = {"id": receipts.new_nonce()[:32], "nonce": receipts.new_nonce()}
-                out, rec = await decode(ring, prompt, new_tokens, set(), job=job)
+                decoded = await decode(ring, prompt, DecodeOptions(new_tokens, job=job))
+                out, rec = decoded.output_ids, decoded.as_record()
                 res = write_job_receipt(receipt_dir, key, job, rec.pop("receipt_parts"), model=Path(model_dir).name,
                                         model_digest=digest, num_layers=ranges[-1][1], prompt_ids=prompt,
                                         output_ids=out, ring=[i.entry() for i in ring.infos], record=rec)

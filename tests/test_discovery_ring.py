@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from swarm.config import SpecConfig
-from swarm.coordinator.generation import decode
+from swarm.coordinator.generation import DecodeOptions, decode
 from swarm.discovery.client import discover_ring
 from swarm.discovery.dht import open_dht
 from swarm.cli.launch import BootstrapNode, LocalRing
@@ -372,8 +372,9 @@ def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stori
                         killed.append(len(out))
 
                 job = {"id": "chain-heal", "nonce": receipts.new_nonce()}
-                out, timing = await decode(ring, PROMPT_IDS, new, set(), on_ids, SpecConfig(), None, heal=True,
-                                           job=job)
+                decoded = await decode(ring, PROMPT_IDS, DecodeOptions(new, spec=SpecConfig(), heal=True, job=job),
+                                       on_ids=on_ids)
+                out, timing = decoded.output_ids, decoded.as_record()
                 entries = [i.entry() for i in ring.infos]
                 res = write_job_receipt(tmp_path / "receipts", key, job, timing.pop("receipt_parts"),
                                         model="stories260k", model_digest=digest, num_layers=5,
@@ -420,7 +421,9 @@ def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, sto
                         os.kill(pid_of[victim], signal.SIGKILL)
                         killed.append(len(out))
 
-                out, timing = await decode(ring, PROMPT_IDS, new, set(), on_ids, SpecConfig(), None, heal=True)
+                decoded = await decode(ring, PROMPT_IDS, DecodeOptions(new, spec=SpecConfig(), heal=True),
+                                       on_ids=on_ids)
+                out, timing = decoded.output_ids, decoded.as_record()
                 infos = ring.infos
                 nursery.cancel_scope.cancel()
         return victim, out, timing, infos

@@ -307,10 +307,10 @@ def test_a_replacement_chain_longer_than_the_ring_is_dialed_without_an_index_err
 
     ring = RingSpec(model="m", stages=(StageSpec("/ip4/127.0.0.1/tcp/1/p2p/X", LayerRange(0, 5)),))
     client = RingClient(None, ring, 1.0, 1.0)
-    client._raise_for(1, {"type": "info_ok"})  # a good answer: nothing to raise
+    client.net.raise_for(1, {"type": "info_ok"})  # a good answer: nothing to raise
     with pytest.raises(StageLost, match=r"stage 1 \(of a replacement chain\) at \? closed the connection: gone"):
-        client._raise_for(1, {"type": "_lost", "reason": "gone"})
+        client.net.raise_for(1, {"type": "_lost", "reason": "gone"})
     with pytest.raises(RemoteError, match=r"stage 1 \(of a replacement chain\) refused: busy"):
-        client._raise_for(1, {"type": "error", "code": "busy", "reason": "busy"})
+        client.net.raise_for(1, {"type": "error", "code": "busy", "reason": "busy"})
     with pytest.raises(StageLost, match=r"stage 0 \[0, 5\) refused"):
-        client._raise_for(0, {"type": "error", "code": "unavailable", "reason": "draining"})
+        client.net.raise_for(0, {"type": "error", "code": "unavailable", "reason": "draining"})

@@ -18,7 +18,7 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageConfig, StageSpec
-from swarm.coordinator.generation import RingClient, decode, write_job_receipt
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode, write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.block import load_block
@@ -91,9 +91,10 @@ def heal_inprocess(model_dir: Path, tmp_path: Path, victim: int, *, kill_at: int
                     digest = model_manifest_digest(model_dir)
                     await client.connect(4, digest, inner)
                     job = {"id": "kept-job", "nonce": receipts.new_nonce()}
-                    out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                            drafter=NgramDrafter() if spec_config else None, job=job,
-                                            sampling=sampling)
+                    options = DecodeOptions(NEW, spec=spec_config, drafter=NgramDrafter() if spec_config else None,
+                                            sampling=sampling, job=job)
+                    decoded = await decode(client, PROMPT, options, on_ids=on_ids)
+                    out, rec = decoded.output_ids, decoded.as_record()
                     res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"),
                                             model=model_dir.name, model_digest=digest, num_layers=4,
                                             prompt_ids=PROMPT, output_ids=out,

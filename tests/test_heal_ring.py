@@ -15,7 +15,7 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator.generation import decode, write_job_receipt
+from swarm.coordinator.generation import DecodeOptions, decode, write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import StageLost, collapse
 from swarm.heal import NoSpare
@@ -157,15 +157,16 @@ def _heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, sig, spec_
                 await client.connect(5, digest, nursery)
                 drafter = NgramDrafter() if spec_config else None
                 job = {"id": "heal-job", "nonce": receipts.new_nonce()}
-                out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                        drafter=drafter, job=job, shadow=shadow)
+                decoded = await decode(client, PROMPT, DecodeOptions(NEW, spec=spec_config, drafter=drafter, job=job,
+                                                                     shadow=shadow), on_ids=on_ids)
+                out, rec = decoded.output_ids, decoded.as_record()
                 ring = [i.entry() for i in client.infos]
                 res = write_job_receipt(tmp_path / "receipts", load_or_create_key(tmp_path / "c.key"), job,
                                         rec.pop("receipt_parts"), model="stories260k", model_digest=digest,
                                         num_layers=5, prompt_ids=PROMPT, output_ids=out, ring=ring, record=rec)
                 rec["job_receipt"] = json.loads(open(res["path"]).read())
                 # the healed ring keeps serving: a second request on the same client
-                again, _ = await decode(client, PROMPT, 8, set())
+                again = (await decode(client, PROMPT, DecodeOptions(8))).output_ids
                 nursery.cancel_scope.cancel()
         return out, rec, again
 
@@ -388,7 +389,7 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                 client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=1.0)
                 digest = model_manifest_digest(model_dir)
                 await client.connect(5, digest, nursery)
-                got["first"], _ = await decode(client, PROMPT, NEW, set(), prefix_cache=prefix_cache)
+                got["first"] = (await decode(client, PROMPT, DecodeOptions(NEW, prefix_cache=prefix_cache))).output_ids
                 prompt = PROMPT + got["first"] + FOLLOW
                 before = (await client.stage_info(len(RANGES) - 1))["prefix_cache"]
                 proc = ring_stages[victim].proc
@@ -399,8 +400,9 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                 job = {"id": "open-heal-job", "nonce": receipts.new_nonce()}
 
                 async def next_turn(heal=True):
-                    return await decode(client, prompt, FOLLOW_NEW, set(), spec=spec_config, drafter=drafter,
-                                        job=job, heal=heal, shadow=shadow, prefix_cache=prefix_cache)
+                    return await decode(client, prompt, DecodeOptions(FOLLOW_NEW, spec=spec_config, drafter=drafter,
+                                                                      heal=heal, job=job, shadow=shadow,
+                                                                      prefix_cache=prefix_cache))
 
                 if not spare_stages:
                     # every request fails clearly, the last one after the lost stage's end-of-stream frames
@@ -417,14 +419,15 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                             while i != victim and (await client.stage_info(i))["sessions"]:
                                 await trio.sleep(0.05)
                     raise no_spare.value
-                out, rec = await next_turn()
+                decoded = await next_turn()
+                out, rec = decoded.output_ids, decoded.as_record()
                 got["tail_prefix"] = (before, (await client.stage_info(len(RANGES) - 1))["prefix_cache"])
                 res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"), model="stories260k",
                                         model_digest=digest, num_layers=5, prompt_ids=prompt, output_ids=out,
                                         ring=[i.entry() for i in client.infos], record=rec)
                 rec["job_receipt"] = json.loads(open(res["path"]).read())
                 got["out"], got["rec"] = out, rec
-                got["again"], _ = await decode(client, prompt, 8, set(), prefix_cache=prefix_cache)
+                got["again"] = (await decode(client, prompt, DecodeOptions(8, prefix_cache=prefix_cache))).output_ids
                 nursery.cancel_scope.cancel()
 
     try:

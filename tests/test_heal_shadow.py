@@ -18,7 +18,7 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SamplingParams, SpecConfig
-from swarm.coordinator.generation import RingClient, decode, write_job_receipt
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode, write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, StreamClosed, collapse
 from swarm.mirror import Mirror
@@ -79,9 +79,10 @@ def shadow_run(model_dir, tmp_path, victim: int | None, *, kill_at: int = 8, spe
                     digest = model_manifest_digest(model_dir)
                     await client.connect(4, digest, inner)
                     job = {"id": "shadow-job", "nonce": receipts.new_nonce()}
-                    out, rec = await decode(client, PROMPT, NEW, set(), on_ids=on_ids, spec=spec_config,
-                                            drafter=NgramDrafter() if spec_config else None, job=job, shadow=shadow,
-                                            sampling=sampling)
+                    options = DecodeOptions(NEW, spec=spec_config, drafter=NgramDrafter() if spec_config else None,
+                                            sampling=sampling, job=job, shadow=shadow)
+                    decoded = await decode(client, PROMPT, options, on_ids=on_ids)
+                    out, rec = decoded.output_ids, decoded.as_record()
                     res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"),
                                             model=model_dir.name, model_digest=digest, num_layers=4,
                                             prompt_ids=PROMPT, output_ids=out,

@@ -9,7 +9,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm.coordinator.generation import RingClient, decode
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode
 from swarm.errors import RemoteError, collapse
 from swarm.cli.launch import LocalRing
 from swarm.model.block import model_num_layers
@@ -56,12 +56,12 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring
                 trio.open_nursery() as nursery:
             client = RingClient(host, ring.ring_spec(), 30.0, 10.0)
             await client.connect(model_num_layers(stories_dir), model_manifest_digest(stories_dir), nursery)
-            out, _ = await decode(client, PROMPT, NEW, set())
+            out = (await decode(client, PROMPT, DecodeOptions(NEW))).output_ids
             with pytest.raises(RemoteError, match="maximum context"):  # refused at the tail, counted
                 await client.open_session("too-long", 10**6)
             mid = [await trio.to_thread.run_sync(scrape, u) for u in urls]
             # a prompt longer than a short chunk is computed in slices of a long piece: its rows count too
-            await decode(client, LONG, NEW, set())
+            await decode(client, LONG, DecodeOptions(NEW))
             nursery.cancel_scope.cancel()
         return out, mid
 

@@ -14,7 +14,7 @@ import torch
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator.generation import RingClient, decode
+from swarm.coordinator.generation import DecodeOptions, RingClient, decode
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import collapse
 from swarm.model.block import model_num_layers
@@ -36,9 +36,10 @@ async def _converse(ring: RingClient, turns, prefix_cache: bool, spec_config=Non
         prompt = history + list(new)
         if on_turn is not None:
             await on_turn(t)
-        out, rec = await decode(ring, prompt, NEW, set(), spec=spec_config,
-                                drafter=NgramDrafter() if spec_config else None, sampling=sampling,
-                                prefix_cache=prefix_cache)
+        options = DecodeOptions(NEW, spec=spec_config, drafter=NgramDrafter() if spec_config else None,
+                                sampling=sampling, prefix_cache=prefix_cache)
+        decoded = await decode(ring, prompt, options)
+        out, rec = decoded.output_ids, decoded.as_record()
         outs.append(out)
         cached.append(rec["cached_tokens"])
         history = prompt + out
@@ -246,7 +247,7 @@ def test_a_heal_during_a_resumed_request_stays_exact(synthetic, tmp_path, victim
                         trio.open_nursery() as inner:
                     client = RingClient(host, spec, 30.0, 10.0, heartbeat_s=1.0)
                     await client.connect(4, model_manifest_digest(model), inner)
-                    out1, _ = await decode(client, TURNS[0], NEW, set(), prefix_cache=True)
+                    out1 = (await decode(client, TURNS[0], DecodeOptions(NEW, prefix_cache=True))).output_ids
                     prompt = TURNS[0] + out1 + TURNS[1]
                     fired = []
 
@@ -255,7 +256,8 @@ def test_a_heal_during_a_resumed_request_stays_exact(synthetic, tmp_path, victim
                             ring[victim][2].cancel()
                             fired.append(len(out))
 
-                    out2, rec = await decode(client, prompt, NEW, set(), on_ids=on_ids, prefix_cache=True)
+                    decoded = await decode(client, prompt, DecodeOptions(NEW, prefix_cache=True), on_ids=on_ids)
+                    out2, rec = decoded.output_ids, decoded.as_record()
                     inner.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
         assert fired
@@ -285,10 +287,11 @@ def test_a_resumed_job_receipt_verifies_and_says_what_was_reused(synthetic, tmp_
                 ring = RingClient(host, spec, 30.0, 10.0)
                 digest = model_manifest_digest(model)
                 await ring.connect(4, digest, inner)
-                out1, _ = await decode(ring, TURNS[0], NEW, set(), prefix_cache=True)
+                out1 = (await decode(ring, TURNS[0], DecodeOptions(NEW, prefix_cache=True))).output_ids
                 prompt = TURNS[0] + out1 + TURNS[1]
                 job = {"id": "resumed-job", "nonce": receipts.new_nonce()}
-                out, rec = await decode(ring, prompt, NEW, set(), job=job, prefix_cache=True)
+                decoded = await decode(ring, prompt, DecodeOptions(NEW, job=job, prefix_cache=True))
+                out, rec = decoded.output_ids, decoded.as_record()
                 res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"), model=model.name,
                                         model_digest=digest, num_layers=4, prompt_ids=prompt, output_ids=out,
                                         ring=[i.entry() for i in ring.infos], record=rec)

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator.generation import decode
+from swarm.coordinator.generation import DecodeOptions, decode
 from swarm.errors import StageLost
 from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.model.resolve import model_manifest_digest
@@ -83,8 +83,9 @@ def test_through_a_relay_exact_and_a_relay_restart_heals(lab, stories_dir, tmp_p
                     trio.open_nursery() as nursery:
                 client = RingClient(host, spec, hop_timeout_s=30.0, connect_timeout_s=10.0, heartbeat_s=0.5)
                 await client.connect(5, model_manifest_digest(stories_dir), nursery)
-                first, _ = await decode(client, PROMPT, NEW, set(), spec=SpecConfig())
-                again, rec = await decode(client, PROMPT, NEW, set(), on_ids=restart_relay, spec=SpecConfig())
+                first = (await decode(client, PROMPT, DecodeOptions(NEW, spec=SpecConfig()))).output_ids
+                decoded = await decode(client, PROMPT, DecodeOptions(NEW, spec=SpecConfig()), on_ids=restart_relay)
+                again, rec = decoded.output_ids, decoded.as_record()
                 infos = client.infos
                 nursery.cancel_scope.cancel()
         return first, again, rec, infos
@@ -117,7 +118,7 @@ def test_hops_move_onto_a_punched_connection_and_leave_the_relay(lab, stories_di
                         if "status 204" not in str(exc) or time.monotonic() > end:
                             raise
                         await trio.sleep(0.5)
-                first, _ = await decode(client, PROMPT, NEW, set(), spec=SpecConfig())
+                first = (await decode(client, PROMPT, DecodeOptions(NEW, spec=SpecConfig()))).output_ids
                 link = client.links[1]
                 while link.data.moves == 0 or link.control.moves == 0:
                     await trio.sleep(0.1)
@@ -125,7 +126,8 @@ def test_hops_move_onto_a_punched_connection_and_leave_the_relay(lab, stories_di
                 await trio.sleep(5.0)  # the stages' own hop (A -> B): DCUtR drives it every 2 s, then it moves
                 os.killpg(relays[-1].proc.pid, signal.SIGKILL)  # the relay is gone for good
                 relays[-1].proc.wait()
-                again, rec = await decode(client, PROMPT, NEW, set(), spec=SpecConfig())
+                decoded = await decode(client, PROMPT, DecodeOptions(NEW, spec=SpecConfig()))
+                again, rec = decoded.output_ids, decoded.as_record()
                 nursery.cancel_scope.cancel()
         return first, again, rec, moved_s
 

@@ -53,7 +53,7 @@ def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_pa
     coordinator's connections are aged past it before the second connects."""
     import trio
 
-    from swarm.coordinator.generation import RingClient, decode
+    from swarm.coordinator.generation import DecodeOptions, RingClient, decode
     from swarm.errors import collapse
     from swarm.model.resolve import model_manifest_digest
     from swarm.transport import load_or_create_key, open_host
@@ -82,22 +82,22 @@ def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_pa
             async with trio.open_nursery() as nursery:
                 spec, _ = await start_ring(nursery, stories_dir, [(0, 2), (2, 5)], tmp_path, "float32")
                 first = await coordinator(spec, nursery)
-                before, _ = await decode(first, prompt, new, set())
+                before = (await decode(first, prompt, DecodeOptions(new))).output_ids
                 await trio.sleep(21)  # the first coordinator's connections leave libp2p's grace period
                 results = {}
 
                 async def run_first():
-                    results["first"] = (await decode(first, prompt, new, set()))[0]
+                    results["first"] = (await decode(first, prompt, DecodeOptions(new))).output_ids
 
                 async def run_second():
                     second = await coordinator(spec, nursery)
-                    results["second"] = (await decode(second, prompt, new, set()))[0]
+                    results["second"] = (await decode(second, prompt, DecodeOptions(new))).output_ids
 
                 async with trio.open_nursery() as both:
                     both.start_soon(run_first)
                     both.start_soon(run_second)
                 await trio.sleep(1)  # a trimmed connection would have closed by now
-                results["again"] = (await decode(first, prompt, new, set()))[0]
+                results["again"] = (await decode(first, prompt, DecodeOptions(new))).output_ids
                 nursery.cancel_scope.cancel()
         return before, results
 

@@ -2,10 +2,13 @@
 
 Layout (each module's docstring says what it owns and may import):
 
-- ``generation``    ``generate`` and ``decode``: tokenize, drive chunks around the ring, heal, report
-- ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring
-- ``links``         ``StageInfo``, dialing and checking each stage, reader tasks, receiving frames
-- ``probe``         heal support: progress probes, warm spares, swapping a link
+- ``generation``    ``generate`` and ``decode`` (``DecodeOptions`` -> ``DecodeResult``): tokenize, drive chunks
+                    around the ring, heal, report
+- ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring; composed of
+                    a ``RingLinks`` (``net``) and a ``RingRepair`` (``repair``)
+- ``links``         ``StageInfo``, ``Link``, ``RingLinks``: dialing and checking each stage, reader tasks,
+                    receiving frames, progress probes
+- ``repair``        ``RingRepair``: warm spares, swapping a link, keeping a session at the survivors, shadows
 - ``spec``          ``SpecLoop``: speculative chunk scheduling and the greedy accept rule (pure)
 - ``drafters``      drafters that propose tokens for verify chunks (n-gram, a draft model)
 - ``chat``          chat messages -> token ids with the model's template, content always literal

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass, fields
 
 import trio
 
@@ -95,51 +96,26 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         raise ModelError(f"cannot load the tokenizer of {resolved.path}: {str(exc).splitlines()[0]}") from exc
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
-    conversation = None
-    if config.session_file is not None:
-        from swarm.coordinator.conversation import Conversation
-
-        conversation = Conversation.open(config.session_file, model=resolved.name, model_digest=digest,
-                                         chat=config.chat)
-        prompt_ids = conversation.prompt_ids(tokenizer, prompt)
-    else:
-        prompt_ids = encode_prompt(tokenizer, prompt, config.chat)
-    if not prompt_ids:
-        raise ConfigError("the prompt is empty after tokenization")
+    prompt_ids, conversation = _prompt_ids(config, resolved.name, digest, tokenizer, prompt)
     stop = eos_ids(resolved.path, tokenizer)
     drafter = make_drafter(config.spec.draft, target_vocab=vocab_size(resolved.path), sampling=config.sampling)
     # the default key is anyone's: a second coordinator (or `swarm serve`) running beside takes the next slot
     key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key", fallback=config.key_path is None)
     job = None
     if config.receipt_dir is not None:  # checked before any work, so a finished job always gets its receipt
-        _check_writable(config.receipt_dir)
+        check_receipt_dir(config.receipt_dir)
         job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()}
 
-    route_s = None
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
-        if config.bootstrap:  # no ring file: read the swarm's records and route
-            from swarm.config import cache_root as _cache_root
-            from swarm.discovery.client import discover_ring
-            from swarm.discovery.dht import open_dht
-            from swarm.weights.identify import model_id as weights_model_id
-
-            model_id = await trio.to_thread.run_sync(weights_model_id, resolved.path, _cache_root() / "manifests")
-            dht = await nursery.start(run_dht, host, config.bootstrap)
-            found = await discover_ring(dht, config.ring.model, model_id, num_layers,
-                                        context_tokens=len(prompt_ids) + config.max_new_tokens)
-            route_s = found.seconds
-            ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
-                              model_id=model_id)
-            ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
-        else:
-            ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
+        ring, route_s = await _ring_client(config, host, nursery, resolved.path, num_layers, len(prompt_ids))
         await ring.connect(num_layers, digest, nursery)
         stream = Detokenizer(tokenizer)
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.update(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
-        out, timing = await decode(ring, prompt_ids, config.max_new_tokens, stop, on_ids, config.spec, drafter,
-                                   config.sampling, config.wire_dtype, heal=config.heal, job=job,
-                                   shadow=config.shadow, prefix_cache=config.prefix_cache)
+        options = DecodeOptions(config.max_new_tokens, stop, config.spec, drafter, config.sampling, config.wire_dtype,
+                                heal=config.heal, job=job, shadow=config.shadow, prefix_cache=config.prefix_cache)
+        decoded = await decode(ring, prompt_ids, options, on_ids=on_ids)
+        out, timing = decoded.output_ids, decoded.as_record()
         if on_text:
             on_text(stream.update(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
@@ -165,6 +141,51 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
                                               model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
                                               output_ids=out, ring=ring_entries, record=timing)
     return result
+
+
+def _prompt_ids(config: CoordinatorConfig, model_name: str, digest: str, tokenizer,
+                prompt: str) -> tuple[list[int], object]:
+    """The prompt's token ids for ``generate``, and the conversation it continues (``--session``) or None.
+
+    Raises:
+        ConfigError: the prompt is empty after tokenization (or see ``encode_prompt``, ``Conversation.open``).
+    """
+    conversation = None
+    if config.session_file is not None:
+        from swarm.coordinator.conversation import Conversation
+
+        conversation = Conversation.open(config.session_file, model=model_name, model_digest=digest,
+                                         chat=config.chat)
+        prompt_ids = conversation.prompt_ids(tokenizer, prompt)
+    else:
+        prompt_ids = encode_prompt(tokenizer, prompt, config.chat)
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty after tokenization")
+    return prompt_ids, conversation
+
+
+async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num_layers: int,
+                       prompt_len: int) -> tuple[RingClient, float | None]:
+    """A RingClient (not connected yet) over the ring file, or with ``--bootstrap`` over a route read
+    from the swarm's records (the DHT client runs in ``nursery``; heals may look there too).
+
+    Returns:
+        (the client, seconds the routing took or None without ``--bootstrap``).
+    """
+    if not config.bootstrap:
+        return RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s), None
+    from swarm.config import cache_root as _cache_root
+    from swarm.discovery.client import discover_ring
+    from swarm.weights.identify import model_id as weights_model_id
+
+    model_id = await trio.to_thread.run_sync(weights_model_id, model_path, _cache_root() / "manifests")
+    dht = await nursery.start(run_dht, host, config.bootstrap)
+    found = await discover_ring(dht, config.ring.model, model_id, num_layers,
+                                context_tokens=prompt_len + config.max_new_tokens)
+    ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
+                      model_id=model_id)
+    ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
+    return ring, found.seconds
 
 
 async def swarm_may_serve(model: str, bootstrap: tuple[str, ...]) -> None:
@@ -207,7 +228,12 @@ async def run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None
         await trio.sleep_forever()
 
 
-def _check_writable(directory) -> None:
+def check_receipt_dir(directory) -> None:
+    """Make sure receipts can be written to ``directory`` (created if missing), before any work.
+
+    Raises:
+        ConfigError: it is not a directory, cannot be created, or is not writable.
+    """
     import os
     from pathlib import Path
 
@@ -282,7 +308,7 @@ class RingOps:
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
-        reports = await self.ring.probe(session, 2 * self.ring.heartbeat_s)
+        reports = await self.ring.net.probe(session, 2 * self.ring.heartbeat_s)
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
     async def settle(self) -> None:
@@ -291,10 +317,10 @@ class RingOps:
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         ring, session = self.ring, self.state["session"]
-        shadow = ring.shadowed.get(session, {}).pop(tuple(layers), None)
+        shadow = ring.repair.shadowed.get(session, {}).pop(tuple(layers), None)
         if shadow is not None:  # the spare that shadowed this stage, if it still answers
-            ring.shadows.pop(tuple(layers), None)
-            state = await ring.shadow_state(session, shadow, 2 * ring.heartbeat_s)
+            ring.repair.shadows.pop(tuple(layers), None)
+            state = await ring.repair.shadow_state(session, shadow, 2 * ring.heartbeat_s)
             if state != "lost":
                 name = shadow.info.peer_id
                 self._shadow = name if state == "shadow" else ""
@@ -305,8 +331,8 @@ class RingOps:
             log.warning("heal.shadow_unusable layers=[%d, %d) peer=%s: looking for another spare", *layers,
                         shadow.info.peer_id)
             self._shadow_note = f"the shadow {shadow.info.peer_id} did not answer"
-            await ring.drop_links([shadow])
-        link = await self.ring.prepare_spare(index, layers)
+            await ring.net.drop([shadow])
+        link = await self.ring.repair.prepare_spare(index, layers)
         chain = [link] if link is not None else None
         if chain is None and self.ring.discovery is not None:
             chain = await self._spare_from_swarm(index, tuple(layers))
@@ -337,7 +363,7 @@ class RingOps:
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
-                | {s.info.peer_id for s in self.ring.shadows.values()},
+                | {s.info.peer_id for s in self.ring.repair.shadows.values()},
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None)
         except NoRoute as exc:
@@ -345,10 +371,10 @@ class RingOps:
             return None
         chain = []
         for hop in hops:
-            link = await self.ring.prepare_spare(index + len(chain), hop.layers,
+            link = await self.ring.repair.prepare_spare(index + len(chain), hop.layers,
                                                  spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
             if link is None:
-                await self.ring.drop_links(chain)
+                await self.ring.net.drop(chain)
                 return None
             chain.append(link)
         if len(chain) > 1:
@@ -359,44 +385,44 @@ class RingOps:
     async def swap(self, index: int, spare) -> list[str]:
         self._replaced = self.peer_of(index)
         self._shadow = spare if spare == self._shadow else ""
-        return self.ring.swap(index, self._spares.pop(spare))
+        return self.ring.repair.swap(index, self._spares.pop(spare))
 
     async def prepare_shadows(self) -> int:
         """Find a warm spare for every ring position that has none shadowing it yet (the ring file's
         spares, then the DHT's holders when the ring was routed there: one stage holding the whole
-        range), dial and check it; they are kept in ``ring.shadows`` for the sessions to come.
+        range), dial and check it; they are kept in ``ring.repair.shadows`` for the sessions to come.
         Returns how many positions have a shadow."""
         ring = self.ring
         for index, info in enumerate(ring.infos):
             layers = tuple(info.layers)
-            if layers in ring.shadows and ring.shadows[layers].generation not in ring._lost_gens:
+            if layers in ring.repair.shadows and ring.repair.shadows[layers].generation not in ring.net.lost_gens:
                 continue
-            before = list(ring.spares)
-            link = await ring.prepare_spare(index, layers)
+            before = list(ring.repair.spares)
+            link = await ring.repair.prepare_spare(index, layers)
             if link is None:  # a spare that cannot be reached now is tried again at a heal
-                ring.spares = before
+                ring.repair.spares = before
             if link is None and ring.discovery is not None:
                 chain = await self._spare_from_swarm(index, layers)
                 if chain and len(chain) > 1:  # a chain cannot shadow one stage: it stays unused
-                    await ring.drop_links(chain)
+                    await ring.net.drop(chain)
                 link = chain[0] if chain and len(chain) == 1 else None
             if link is not None:
-                ring.shadows[layers] = link
+                ring.repair.shadows[layers] = link
                 log.info("shadow.ready layers=[%d, %d) peer=%s", *layers, link.info.peer_id)
-        return sum(tuple(i.layers) in ring.shadows for i in ring.infos)
+        return sum(tuple(i.layers) in ring.repair.shadows for i in ring.infos)
 
     def peer_of(self, index: int) -> str:
         return self.ring.links[index].info.peer_id
 
     async def repair(self, index: int, count: int, replay) -> str | None:
-        """Keep the session at the survivors (``RingClient.repair_session``): the replacement at
+        """Keep the session at the survivors (``RingRepair.repair_session``): the replacement at
         ``[index, index + count)`` rebuilds positions ``[0, len(prefix) - 1)`` alone, the last one
         goes round the ring in :meth:`resume`. Returns None, or why not (logged; a full replay follows)."""
         loop, session = self.loop, self.state["session"]
         if list(replay.prefix) != loop.seq[: len(replay.prefix)] or len(replay.prefix) != loop.committed_len - 1:
             raise ConfigError("internal: the replay plan and the generation state disagree")
         keep = loop.resume()
-        why = await self.ring.repair_session(
+        why = await self.ring.repair.repair_session(
             session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],
             replaced=self._replaced, max_len=self.state["max_len"],
             sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"],
@@ -404,7 +430,7 @@ class RingOps:
         if why is not None:
             log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
             return why
-        done = self.ring.last_repair
+        done = self.ring.repair.last_repair
         log.info("heal.kept stage=%d kept_positions=%d mode=%s refilled=%d: survivors keep their KV caches", index,
                  keep, done["mode"], done["refill_tokens"])
         return Kept(done["mode"], done["refill_tokens"], done["shadow_fallback"] or self._shadow_note)
@@ -442,12 +468,110 @@ class RingOps:
 HEALABLE = (StageLost,)
 
 
-async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                 on_ids=None, spec: SpecConfig | None = None, drafter=None,
-                 sampling: SamplingParams | None = None, wire_dtype: str | None = None,
-                 heal: bool = True, job: dict | None = None, should_stop=None,
-                 shadow: bool = False, prefix_cache: bool = False, on_open=None) -> tuple[list[int], dict]:
-    """Generate over a connected ring, speculatively when a drafter and ``spec.k`` are given.
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How ``decode`` generates: its limits, speculation, sampling, wire dtype, heals, receipts and
+    prefix reuse. Validated on construction.
+
+    Attributes:
+        max_new_tokens: stop after this many new tokens (>= 0; capped by the ring's context, which
+            the result reports as ``context_limited``).
+        stop_ids: stop after emitting one of these token ids.
+        spec: K, depth, prefill chunk (None: plain decoding, K = 0, depth 1).
+        drafter: a ``swarm.coordinator.spec.Drafter`` (None: none).
+        sampling: temperature / top-k / top-p / seed (None: greedy). The tail draws the token of
+            every position with noise keyed by (seed, position) (``swarm.model.sampling``), and
+            drafts are verified by exact match against it: the output is the same for any drafter,
+            K and depth, and is an exact sample of the model.
+        wire_dtype: dtype of hidden states between stages (None: each stage's own dtype). Narrower
+            dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
+            and recorded as ``wire_lossy`` in the result.
+        heal: recover onto spares (default); False fails on the first lost stage.
+        job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
+            the signed stage receipts are collected (``swarm.receipts``). None: no digests.
+        shadow: (with ``heal``) open the session also at a warm spare for each stage that has one,
+            as a shadow its predecessor mirrors every forward frame to (the coordinator the head's
+            token ids): a heal onto it then refills (almost) nothing (``replay: "shadow"``). Costs
+            each spare the compute of its stage and each predecessor one more copy of every frame
+            on its uplink; a slow or dead shadow is dropped, never slowing the ring. Default off.
+        prefix_cache: offer the prompt to the stages' prefix caches: the prefill starts after the
+            leading positions every stage still holds from an earlier session of this coordinator
+            (``cached_tokens``), and at the end each stage keeps the KV of prompt + output for the
+            next one (a chat's next turn). Same output bits as without (resumed == fresh).
+    Raises:
+        ConfigError: ``max_new_tokens`` is negative.
+    """
+
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    spec: SpecConfig | None = None
+    drafter: object | None = None
+    sampling: SamplingParams | None = None
+    wire_dtype: str | None = None
+    heal: bool = True
+    job: dict | None = None
+    shadow: bool = False
+    prefix_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+        if self.spec is None:
+            object.__setattr__(self, "spec", SpecConfig())
+        if self.sampling is None:
+            object.__setattr__(self, "sampling", SamplingParams())
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What ``decode`` produced and how it went.
+
+    Attributes:
+        output_ids: the new token ids (committed output; the prompt not included).
+        tokens_per_s: decode rate after the first token (None with fewer than two tokens).
+        ttft_s: seconds from the start to the first new token (None: stopped before it).
+        cached_tokens: leading prompt positions every stage took from its prefix cache.
+        total_s: seconds from the start to the last result.
+        context_limited: ``max_new_tokens`` was capped by the ring's maximum context.
+        stopped: ``should_stop`` ended the generation.
+        sampling: the sampling settings as sent on the wire (``SamplingParams.to_wire``).
+        wire_dtype: the wire dtype, ``"stage"`` for each stage's own.
+        wire_lossy: a stage's hidden states crossed the wire in a narrower dtype than its own.
+        kernels_proven: every stage's start-up check proved row-invariant kernels.
+        heal_events: ``HealEvent.as_dict()`` of each heal, in order.
+        spec: drafter name, k, depth, prefill_chunk and the speculation statistics.
+        receipt_parts: with a job: stage_receipts (ring order, None where missing), problems, sent
+            and received digests, segments, collect_s; else None.
+    """
+
+    output_ids: list[int]
+    tokens_per_s: float | None
+    ttft_s: float | None
+    cached_tokens: int
+    total_s: float
+    context_limited: bool
+    stopped: bool
+    sampling: dict
+    wire_dtype: str
+    wire_lossy: bool
+    kernels_proven: bool
+    heal_events: list[dict]
+    spec: dict
+    receipt_parts: dict | None = None
+
+    def as_record(self) -> dict:
+        """The result record as a dict, without ``output_ids`` (what ``generate``'s JSON and a job
+        receipt's ``record`` carry), ``receipt_parts`` only with a job."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("output_ids", "receipt_parts")}
+        if self.receipt_parts is not None:
+            record["receipt_parts"] = self.receipt_parts
+        return record
+
+
+async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions, *, on_ids=None,
+                 should_stop=None, on_open=None) -> DecodeResult:
+    """Generate over a connected ring, speculatively when ``options`` gives a drafter and ``spec.k``.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
     decode sends verify chunks ``[last committed] + K drafts`` with up to ``spec.depth`` in flight
@@ -463,46 +587,77 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     Args:
         ring: a RingClient after ``connect``.
         prompt_ids: the prompt's token ids (non-empty).
-        max_new_tokens: stop after this many new tokens; stop_ids: stop after emitting one of these.
+        options: limits, speculation, sampling, wire dtype, heals, job, shadows, prefix reuse.
         on_ids: called with the full list of new ids after each commit (for streaming).
-        spec: K, depth, prefill chunk (default: plain decoding, K = 0, depth 1).
-        drafter: a ``swarm.coordinator.spec.Drafter`` (default: none).
-        sampling: temperature / top-k / top-p / seed (default greedy). The tail draws the token of
-            every position with noise keyed by (seed, position) (``swarm.model.sampling``), and
-            drafts are verified by exact match against it: the output is the same for any drafter,
-            K and depth, and is an exact sample of the model.
-        wire_dtype: dtype of hidden states between stages (None: each stage's own dtype). Narrower
-            dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
-            and recorded as ``wire_lossy`` in the result.
-        heal: recover onto spares (default); False fails on the first lost stage.
-        job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
-            the signed stage receipts are collected (``swarm.receipts``). None: no digests.
         should_stop: called with the new ids after the session opened and after every result (also
             a prefill chunk's, so a long prefill stops within one chunk); True ends the generation
-            there (e.g. a stop string appeared, or the client left). ``stopped`` in the record says so.
+            there (e.g. a stop string appeared, or the client left). ``stopped`` in the result says so.
         on_open: called once the session is open at every stage (the ring admitted it), before
             the prefill (``swarm serve`` sends a streaming response's status only then).
-        shadow: (with ``heal``) open the session also at a warm spare for each stage that has one,
-            as a shadow its predecessor mirrors every forward frame to (the coordinator the head's
-            token ids): a heal onto it then refills (almost) nothing (``replay: "shadow"``). Costs
-            each spare the compute of its stage and each predecessor one more copy of every frame
-            on its uplink; a slow or dead shadow is dropped, never slowing the ring. Default off.
-        prefix_cache: offer the prompt to the stages' prefix caches: the prefill starts after the
-            leading positions every stage still holds from an earlier session of this coordinator
-            (``cached_tokens``), and at the end each stage keeps the KV of prompt + output for the
-            next one (a chat's next turn). Same output bits as without (resumed == fresh).
     Returns:
-        (new token ids, dict with tokens_per_s (decode), ttft_s, total_s, cached_tokens, context_limited, sampling,
-        wire_dtype, wire_lossy, spec stats, heal_events; with ``job`` also ``receipt_parts``:
-        stage_receipts (ring order, None where missing), problems, sent and received digests,
-        collect_s).
+        a DecodeResult (``as_record()`` gives the dict ``--json`` prints).
     Raises:
         ContextOverflow: the prompt does not fit the ring's context (checked before anything is sent;
             a generation that would outgrow it is capped instead, ``context_limited``). StageLost,
             HopTimeout, RemoteError;
         swarm.heal.NoSpare / ReplayMismatch / HealError when a heal is impossible.
     """
-    spec = spec or SpecConfig()
+    spec, sampling, job = options.spec, options.sampling, options.job
+    budget = _context_budget(ring, prompt_ids, options.max_new_tokens)
+    loop = SpecLoop(prompt_ids, budget, options.stop_ids, options.drafter or NoDrafter(), k=spec.k, depth=spec.depth,
+                    prefill_chunk=spec.prefill_chunk)
+    state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
+             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": options.wire_dtype,
+             "job": job, "prefix_cache": options.prefix_cache}
+    ops = RingOps(ring, loop, state)
+    shadowed = options.heal and options.shadow and await ops.prepare_shadows() > 0
+    heal_events: list[HealEvent] = []
+
+    async def recover(exc: StageLost) -> bool:
+        return await _recover(ops, plan_replay(prompt_ids, loop.output), exc, heal_events)
+
+    t0 = time.perf_counter()
+    keep = None
+    try:  # from the open on: a session opened at only some stages is closed there in the end too
+        cached = await _open_session(ring, loop, state, prompt_ids, options, shadowed, recover)
+        if on_open is not None:
+            on_open()
+        t_first, stopped = await _drive(ring, loop, state, options.heal, recover, on_ids, should_stop)
+        t_end = time.perf_counter()
+        parts = await _receipt_parts(ring, state["session"]) if job is not None else None
+        if options.prefix_cache:
+            keep = list(prompt_ids) + list(loop.output)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await ring.close_session(state["session"], keep=keep)
+    out = loop.output
+    decode_s = t_end - t_first if t_first is not None else 0.0  # None: stopped before the first token
+    return DecodeResult(
+        output_ids=out,
+        tokens_per_s=(len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
+        ttft_s=t_first - t0 if t_first is not None else None,
+        cached_tokens=cached,
+        total_s=t_end - t0,
+        context_limited=budget < options.max_new_tokens,
+        stopped=stopped,
+        sampling=sampling.to_wire(),
+        wire_dtype=options.wire_dtype or "stage",
+        wire_lossy=any(wire.is_lossy(options.wire_dtype, i.dtype) for i in ring.infos),
+        kernels_proven=all(i.rows_proven for i in ring.infos),
+        heal_events=[e.as_dict() for e in heal_events],
+        spec={"draft": getattr(options.drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
+              "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
+        receipt_parts=parts,
+    )
+
+
+def _context_budget(ring: RingClient, prompt_ids: list[int], max_new_tokens: int) -> int:
+    """How many new tokens fit the ring's context after the prompt (at most ``max_new_tokens``);
+    warns about stages whose kernels are unproven.
+
+    Raises:
+        ContextOverflow: the prompt alone does not fit (nothing was sent).
+    """
     max_ctx = min(i.max_ctx for i in ring.infos)
     if len(prompt_ids) >= max_ctx:
         raise ContextOverflow(f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {max_ctx} "
@@ -515,110 +670,97 @@ async def decode(ring: RingClient, prompt_ids: list[int], max_new_tokens: int, s
     if unproven:
         log.warning("kernels.unproven stages=%s: their start-up check failed, so speculative or healed output may "
                     "differ from plain greedy in the last bits (see those stages' logs)", unproven)
-    loop = SpecLoop(prompt_ids, budget, frozenset(stop_ids), drafter or NoDrafter(), k=spec.k, depth=spec.depth,
-                    prefill_chunk=spec.prefill_chunk)
-    sampling = sampling or SamplingParams()
-    state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
-             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": wire_dtype, "job": job,
-             "prefix_cache": prefix_cache}
-    ops = RingOps(ring, loop, state)
-    shadowed = heal and shadow and await ops.prepare_shadows() > 0
-    heal_events: list[HealEvent] = []
+    return budget
 
-    async def recover(exc: StageLost) -> bool:
-        """Heal after ``exc`` (run_recovery); False when the re-check found every stage answering."""
-        detected = time.monotonic()
-        log.warning("heal.start cause=%s", exc)
-        event = await run_recovery(ops, plan_replay(prompt_ids, loop.output), detected, str(exc))
-        if event is None:
-            return False
-        log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
-                    "replay_tokens=%d survivor_tokens=%d replay_s=%.2f total_s=%.2f%s", event.stage,
-                    *event.layers, event.spare, event.replay, event.detect_s, event.swap_s,
-                    event.replay_tokens, event.survivor_tokens, event.replay_s, event.total_s,
-                    f" fallback={event.fallback}" if event.fallback else "")
-        heal_events.append(event)
-        return True
 
-    t0 = time.perf_counter()
-    cached = 0
+async def _recover(ops: RingOps, replay, exc: StageLost, heal_events: list[HealEvent]) -> bool:
+    """Heal after ``exc`` (``run_recovery``) and append the event to ``heal_events``; False when the
+    re-check found every stage answering (nothing was replaced)."""
+    detected = time.monotonic()
+    log.warning("heal.start cause=%s", exc)
+    event = await run_recovery(ops, replay, detected, str(exc))
+    if event is None:
+        return False
+    log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
+                "replay_tokens=%d survivor_tokens=%d replay_s=%.2f total_s=%.2f%s", event.stage,
+                *event.layers, event.spare, event.replay, event.detect_s, event.swap_s,
+                event.replay_tokens, event.survivor_tokens, event.replay_s, event.total_s,
+                f" fallback={event.fallback}" if event.fallback else "")
+    heal_events.append(event)
+    return True
+
+
+async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_ids: list[int],
+                        options: DecodeOptions, shadowed: bool, recover) -> int:
+    """Open the generation's session at every stage (healing a stage found lost meanwhile).
+
+    Returns:
+        the leading prompt positions taken from the stages' prefix caches (``cached_tokens``).
+    """
+    try:
+        reused = await ring.open_session(state["session"], state["max_len"], state["sampling"], options.wire_dtype,
+                                         job=options.job, shadow=shadowed,
+                                         prefix_ids=list(prompt_ids) if options.prefix_cache else None)
+        cached = min(reused, len(prompt_ids) - 1)
+        loop.skip_prefix(cached)
+        return cached
+    except HEALABLE as exc:
+        # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
+        # tail first, so some stages may hold the session: the heal's reset closes it there, opens a
+        # fresh one on the healed ring (a replacement holds no prefix: nothing is reused), and the
+        # prefill runs from position 0 (nothing committed)
+        if not options.heal:
+            raise
+        if not await recover(exc):
+            log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
+                        "replaced; the session could not be opened", exc)
+            raise
+        return 0
+
+
+async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, recover, on_ids,
+                 should_stop) -> tuple[float | None, bool]:
+    """Send the loop's chunks and commit the tail's results until the loop is done or ``should_stop``
+    says so, healing lost stages (with ``heal``).
+
+    Returns:
+        (``time.perf_counter()`` of the first new token or None, whether ``should_stop`` ended it).
+    """
     t_first = None
-    stopped = False
-    keep = None
-    try:  # from the open on: a session opened at only some stages is closed there in the end too
+    while not loop.done:
+        if should_stop is not None and should_stop(loop.output):
+            return t_first, True
         try:
-            reused = await ring.open_session(state["session"], state["max_len"], state["sampling"], wire_dtype,
-                                             job=job, shadow=shadowed,
-                                             prefix_ids=list(prompt_ids) if prefix_cache else None)
-            cached = min(reused, len(prompt_ids) - 1)
-            loop.skip_prefix(cached)
+            for chunk in loop.next_chunks():
+                await ring.send_chunk(state["session"], chunk)
+            msg = await ring.next_result(state["session"])
         except HEALABLE as exc:
-            # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
-            # tail first, so some stages may hold the session: the heal's reset closes it there, opens a
-            # fresh one on the healed ring (a replacement holds no prefix: nothing is reused), and the
-            # prefill runs from position 0 (nothing committed)
             if not heal:
                 raise
-            if not await recover(exc):
-                log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
-                            "replaced; the session could not be opened", exc)
-                raise
-        if on_open is not None:
-            on_open()
-        while not loop.done:
-            if should_stop is not None and should_stop(loop.output):
-                stopped = True
-                break
-            try:
-                for chunk in loop.next_chunks():
-                    await ring.send_chunk(state["session"], chunk)
-                msg = await ring.next_result(state["session"])
-            except HEALABLE as exc:
-                if not heal:
-                    raise
-                if not await recover(exc):  # re-checked: every stage answers and moves again (a pause)
-                    log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
-                                "replaced, generation goes on", exc)
-                continue
-            epoch = loop.epoch
-            new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
-            if loop.epoch != epoch and not loop.done:
-                await ring.cancel(state["session"], loop.epoch)
-            if new:
-                t_first = t_first or time.perf_counter()
-                if on_ids:
-                    on_ids(loop.output)
-        t_end = time.perf_counter()
-        parts = None
-        if job is not None:  # the session that finished the job (after a heal: the replayed one)
-            t_collect = time.perf_counter()
-            stage_receipts, problems = await ring.collect_receipts(state["session"])
-            sent, received = ring.ledgers[state["session"]]
-            parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
-                     "received": received.as_dict(), "segments": list(ring.segments.get(state["session"], [])),
-                     "collect_s": time.perf_counter() - t_collect}
-            for p in problems:
-                log.warning("receipt.missing %s", p)
-        if prefix_cache:
-            keep = list(prompt_ids) + list(loop.output)
-    finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await ring.close_session(state["session"], keep=keep)
-    out = loop.output
-    decode_s = t_end - t_first if t_first is not None else 0.0  # None: stopped before the first token
-    return out, {
-        "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else None,
-        "ttft_s": t_first - t0 if t_first is not None else None,
-        "cached_tokens": cached,
-        "total_s": t_end - t0,
-        "context_limited": budget < max_new_tokens,
-        "stopped": stopped,
-        "sampling": sampling.to_wire(),
-        "wire_dtype": wire_dtype or "stage",
-        "wire_lossy": any(wire.is_lossy(wire_dtype, i.dtype) for i in ring.infos),
-        "kernels_proven": all(i.rows_proven for i in ring.infos),
-        "heal_events": [e.as_dict() for e in heal_events],
-        "spec": {"draft": getattr(drafter, "name", "none"), "k": spec.k, "depth": spec.depth,
-                 "prefill_chunk": spec.prefill_chunk, **loop.stats.as_dict()},
-        **({"receipt_parts": parts} if parts is not None else {}),
-    }
+            if not await recover(exc):  # re-checked: every stage answers and moves again (a pause)
+                log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
+                            "replaced, generation goes on", exc)
+            continue
+        epoch = loop.epoch
+        new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+        if loop.epoch != epoch and not loop.done:
+            await ring.cancel(state["session"], loop.epoch)
+        if new:
+            t_first = t_first or time.perf_counter()
+            if on_ids:
+                on_ids(loop.output)
+    return t_first, False
+
+
+async def _receipt_parts(ring: RingClient, session: str) -> dict:
+    """The stages' signed receipts of ``session`` (the one that finished the job: after a heal, the
+    replayed one) and this client's digests of what it sent and received (``write_job_receipt``)."""
+    t_collect = time.perf_counter()
+    stage_receipts, problems = await ring.collect_receipts(session)
+    sent, received = ring.ledgers[session]
+    parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
+             "received": received.as_dict(), "segments": list(ring.segments.get(session, [])),
+             "collect_s": time.perf_counter() - t_collect}
+    for p in problems:
+        log.warning("receipt.missing %s", p)
+    return parts

@@ -1,31 +1,35 @@
 """The coordinator's links to the stages of a ring: dialing, the info check, the frames they send.
 
-Owns: ``StageInfo`` (what a stage reported about itself), ``_Link`` (the two streams to one stage:
+Owns: ``StageInfo`` (what a stage reported about itself), ``Link`` (the two streams to one stage:
 data for forward frames, session replies and the tail's results; control for cancel and progress
-probes, so they overtake queued data), dialing a stage and checking its ``info`` against the ring
-file (range, model, PeerId; the ranges tile ``[0, L)``), one reader task per stream funnelling
-``(stage, generation, frame)`` into one channel, and receiving from it (a frame's stage is where
-its connection sits in the ring now): frames of replaced connections are dropped, a closed stream
-or an error frame is raised as ``StageLost`` or ``RemoteError`` naming the stage.
+probes, so they overtake queued data) and ``RingLinks``: the links in ring order, dialing a stage
+and checking its ``info`` against the ring file (range, model, PeerId), one reader task per stream
+funnelling ``(stage, generation, frame)`` into one channel, receiving from it (a frame's stage is
+where its connection sits in the ring now): frames of replaced connections are dropped, a closed
+stream or an error frame is raised as ``StageLost`` or ``RemoteError`` naming the stage, and
+``probe`` (every stage asked for its progress on a session over the control streams, in parallel;
+a stage whose stream is gone or that stays silent is reported unreachable, as the
+``swarm.heal.StageReport`` the pure heal logic reads).
 
-``LinksMixin`` is mixed into :class:`swarm.coordinator.ring.RingClient`, which sets up the state it uses
-(``host``, ``ring``, timeouts, ``links``, the channel, generations, ``ledgers``); ``connect``
-replaces an unreachable stage through ``prepare_spare`` (:mod:`swarm.coordinator.probe`). May import:
-trio, ``swarm.transport`` (through the host), ``swarm.wire``, ``swarm.receipts``, ``swarm.config``,
-``swarm.ranges``, ``swarm.errors``.
+``RingLinks`` is composed into :class:`swarm.coordinator.ring.RingClient` (as ``net``) and handed
+to its repair (:mod:`swarm.coordinator.repair`); what it needs from the client is passed in: the
+host, the ring file, the timeouts, a hook for the tail's results (the receipt ledger) and the epoch
+of a session's last repair (older error frames are stale). May import: trio, ``swarm.transport``
+(through the host), ``swarm.wire``, ``swarm.heal``, ``swarm.config``, ``swarm.errors``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import trio
 
-from swarm import receipts, wire
+from swarm import wire
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed, SwarmError
-from swarm.ranges import check_tiling
+from swarm.heal import StageReport
 from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
@@ -52,8 +56,10 @@ class StageInfo:
 
 
 @dataclass
-class _Link:
-    """The coordinator's two streams to one stage."""
+class Link:
+    """The coordinator's two streams to one stage: ``data`` (forward frames, session replies, the
+    tail's results) and ``control`` (cancel, progress probes), its ``info``, and the ``generation``
+    that tags the frames its reader tasks deliver."""
 
     spec: StageSpec
     data: object
@@ -62,8 +68,36 @@ class _Link:
     generation: int
 
 
-class LinksMixin:
-    """Dialing, checking and reading the links to every stage (see the module docstring)."""
+class RingLinks:
+    """The links to every stage of one ring, in ring order, and the one channel their frames arrive on.
+
+    Args:
+        host: a running SwarmHost (dials the stages). ring: the ring file.
+        hop_timeout_s: longest wait for one answer of a stage. connect_timeout_s: deadline for a dial.
+        model_id: when set (routes from the DHT), every stage must report this weights id.
+        on_tail_result: called with every ``result`` frame the current tail sends (also stale ones),
+            before it is queued (the client's receipt ledger).
+        repaired_epoch: a session's epoch at its last repair (-1: none): error frames of older
+            epochs are stale and ignored.
+    """
+
+    def __init__(self, host, ring: RingSpec, *, hop_timeout_s: float, connect_timeout_s: float,
+                 model_id: str | None = None, on_tail_result=None, repaired_epoch=None):
+        self.host = host
+        self.ring = ring
+        self.hop_timeout_s = hop_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.model_id = model_id
+        self.on_tail_result = on_tail_result or (lambda msg: None)
+        self.repaired_epoch = repaired_epoch or (lambda session: -1)
+        self.links: list[Link] = []
+        self.lost_gens: set[int] = set()  # connections whose stream ended (a shadow's is not in the ring)
+        self.num_layers = 0
+        self.model_digest = ""
+        self.nursery = None  # runs the reader tasks (and the client's head mirrors); set by ``start``
+        self._generation = 0
+        self._deferred: deque = deque()
+        self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
 
     # ---- views ----------------------------------------------------------------------------------
 
@@ -72,51 +106,23 @@ class LinksMixin:
         return [link.info for link in self.links]
 
     @property
-    def streams(self) -> list:
-        return [link.data for link in self.links]
-
-    @property
-    def control(self) -> list:
-        return [link.control for link in self.links]
-
-    @property
     def stage_specs(self) -> list[StageSpec]:
         return [link.spec for link in self.links]
 
     # ---- connecting -----------------------------------------------------------------------------
 
-    async def connect(self, num_layers: int, model_digest: str, nursery, use_spares: bool = False) -> list[StageInfo]:
-        """Dial every stage, ask for its info, and check the ring. With ``use_spares``, a stage that
-        cannot be reached is replaced by a spare of the ring file holding its layers, if any.
+    def start(self, num_layers: int, model_digest: str, nursery) -> None:
+        """Set what every stage must report (``num_layers``, the model's manifest digest) and the
+        nursery the reader tasks run in; before the first ``dial``."""
+        self.num_layers, self.model_digest, self.nursery = num_layers, model_digest, nursery
 
-        Raises:
-            StageLost / HopTimeout: a stage is unreachable (names its addr).
-            ConfigError: a stage serves other layers or another model, or the ranges do not tile.
-        """
-        check_tiling([s.layers for s in self.ring.stages], num_layers)
-        self._num_layers, self._model_digest, self._nursery = num_layers, model_digest, nursery
-        for i, spec in enumerate(self.ring.stages):
-            try:
-                self.links.append(await self._link(i, spec))
-            except StageLost:
-                if not use_spares:
-                    raise
-                spare = await self.prepare_spare(i, (spec.layers.start, spec.layers.end))
-                if spare is None:
-                    raise
-                log.warning("ring.connect_spare index=%d layers=%s unreachable=%s spare=%s", i, spec.layers,
-                            spec.addr, spare.info.peer_id)
-                self.links.append(spare)
-        return self.infos
-
-    async def aclose(self) -> None:
-        """Close every stream to the ring and its shadows (a stage drops the sessions they opened). Never raises."""
-        await self.drop_links(self.links + list(self.shadows.values()))
-
-    def healed_ring(self) -> RingSpec:
-        """The ring as it stands now (after any heal) and the spares not used yet."""
-        return RingSpec(model=self.ring.model, stages=tuple(self.stage_specs),
-                        spares=tuple(self.spares) + tuple(link.spec for link in self.shadows.values()))
+    async def drop(self, links) -> None:
+        """Close the streams of ``links`` (e.g. a prepared chain that fell apart). Never raises."""
+        with trio.CancelScope(shield=True):
+            for link in links:
+                for stream in (link.data, link.control):
+                    with trio.move_on_after(1.0):
+                        await stream.aclose()
 
     async def stage_info(self, index: int) -> dict:
         """Stage ``index``'s ``info_ok`` frame now (its load, kernels and ``hops``, docs/protocol.md).
@@ -128,9 +134,9 @@ class LinksMixin:
         """
         link = self.links[index]
         await link.control.send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-        return await self._expect(index, "info_ok", gen=link.generation)
+        return await self.expect(index, "info_ok", gen=link.generation)
 
-    async def _link(self, index: int, spec: StageSpec) -> _Link:
+    async def dial(self, index: int, spec: StageSpec) -> Link:
         """Dial ``spec`` (data + control streams), check its info, start its readers."""
         streams = []
         for _ in range(2):
@@ -143,18 +149,18 @@ class LinksMixin:
         self._generation += 1
         gen = self._generation
         for stream in streams:
-            self._nursery.start_soon(self._pump, index, gen, stream)
-        # one request in flight at a time: _expect keeps frames that answer something else
+            self.nursery.start_soon(self._pump, index, gen, stream)
+        # one request in flight at a time: expect keeps frames that answer something else
         await streams[0].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-        msg = await self._expect(index, "info_ok", gen=gen)
+        msg = await self.expect(index, "info_ok", gen=gen)
         got = tuple(msg["layers"])
         if not got[0] <= spec.layers.start < spec.layers.end <= got[1]:  # a stage serves any sub-range of its block
             raise ConfigError(f"stage {index} at {spec.addr} serves layers [{got[0]}, {got[1]}) but the ring file "
                               f"says {spec.layers}")
-        if msg["num_layers"] != self._num_layers or msg["model_digest"] != self._model_digest:
+        if msg["num_layers"] != self.num_layers or msg["model_digest"] != self.model_digest:
             raise ConfigError(f"stage {index} at {spec.addr} serves model {msg['model']!r} "
                               f"({msg['num_layers']} layers, digest {msg['model_digest'][:12]}) but the ring file "
-                              f"names {self.ring.model!r} ({self._num_layers} layers, digest {self._model_digest[:12]})")
+                              f"names {self.ring.model!r} ({self.num_layers} layers, digest {self.model_digest[:12]})")
         if msg["peer_id"] != spec.peer_id:
             raise ConfigError(f"stage {index} at {spec.addr} answered as PeerId {msg['peer_id']}")
         if self.model_id is not None and msg.get("model_id") != self.model_id:
@@ -164,33 +170,28 @@ class LinksMixin:
         info = StageInfo(index, spec.addr, msg["peer_id"], (spec.layers.start, spec.layers.end), msg["model"],
                          msg["model_digest"], msg["max_ctx"], msg["dtype"],
                          rows_proven=not isinstance(kernels, dict) or kernels.get("rows_ok") is not False, block=got)
-        return _Link(spec, streams[0], streams[1], info, gen)
+        return Link(spec, streams[0], streams[1], info, gen)
 
     async def _pump(self, index: int, gen: int, stream) -> None:
         while True:
             try:
                 msg = await stream.recv()
             except (StreamClosed, ProtocolError) as exc:
-                self._lost_gens.add(gen)
+                self.lost_gens.add(gen)
                 await self._send_ch.send((index, gen, {"type": "_lost", "reason": str(exc)}))
                 return
-            if msg.get("type") == "result" and self._where(gen) == len(self.links) - 1:
-                ledger = self.ledgers.get(msg.get("session"))
-                if ledger is not None:  # every result the tail sent, in order, also stale ones
-                    try:
-                        ledger[1].add(receipts.result_item(msg))
-                    except KeyError:
-                        pass  # malformed: next_result's validation reports it
+            if msg.get("type") == "result" and self.where(gen) == len(self.links) - 1:
+                self.on_tail_result(msg)  # every result the tail sent, in order, also stale ones
             await self._send_ch.send((index, gen, msg))
 
     # ---- receiving ------------------------------------------------------------------------------
 
-    def _where(self, gen: int) -> int | None:
+    def where(self, gen: int) -> int | None:
         """The ring position of the connection ``gen`` now (positions move when a chain of stages
         replaces one), or None when it is not part of the ring (replaced, or still being set up)."""
         return next((i for i, link in enumerate(self.links) if link.generation == gen), None)
 
-    async def _next(self, timeout_s: float, gen: int | None = None) -> tuple[int, dict]:
+    async def next(self, timeout_s: float, gen: int | None = None) -> tuple[int, dict]:
         """The next frame of a current connection; with ``gen``, only of that connection (one being
         set up), keeping the others' frames for later. Frames of replaced connections are dropped."""
         kept: list = []
@@ -202,7 +203,7 @@ class LinksMixin:
                     else:
                         item = await self._recv_ch.receive()
                     index, g, msg = item
-                    where = self._where(g)
+                    where = self.where(g)
                     if gen is not None:
                         if g == gen:
                             return index if where is None else where, msg
@@ -214,17 +215,20 @@ class LinksMixin:
             self._deferred.extendleft(reversed(kept))
         raise HopTimeout(f"no answer from the ring within {timeout_s:.1f} s")
 
-    def _stage_spec(self, index: int):
+    def stage_spec(self, index: int):
         """The StageSpec at ring position ``index``: its link's, else the ring file's; None when a
         heal's chain put more stages at work than the ring listed (``index`` past both)."""
         if index < len(self.links):
             return self.links[index].spec
         return self.ring.stages[index] if index < len(self.ring.stages) else None
 
-    def _raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
+    def raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
+        """Raise what ``msg`` from stage ``index`` says went wrong: its stream closed (StageLost) or
+        it answered an error for ``session`` (StageLost when ``unavailable``, else RemoteError);
+        errors of other sessions or of epochs before the session's last repair are ignored."""
         if msg.get("type") not in ("_lost", "error"):
             return
-        spec = self._stage_spec(index)
+        spec = self.stage_spec(index)
         name = f"stage {index} {spec.layers}" if spec is not None else f"stage {index} (of a replacement chain)"
         if msg.get("type") == "_lost":
             raise StageLost(f"{name} at {spec.addr if spec else '?'} closed the connection: {msg['reason']}")
@@ -232,7 +236,7 @@ class LinksMixin:
             log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
             return
         if msg.get("type") == "error" and isinstance(msg.get("epoch"), int) and \
-                msg["epoch"] < self.repaired_epoch.get(session or "", -1):
+                msg["epoch"] < self.repaired_epoch(session or ""):
             log.debug("error.ignored stage=%d session=%s epoch=%d (before the heal that repaired it): %s", index,
                       session, msg["epoch"], msg.get("reason"))
             return
@@ -240,10 +244,73 @@ class LinksMixin:
             exc = StageLost if msg.get("code") == "unavailable" else RemoteError
             raise exc(f"{name} refused: {msg.get('reason')}")
 
-    async def _expect(self, index: int, kind: str, session: str | None = None, gen: int | None = None) -> dict:
+    async def expect(self, index: int, kind: str, session: str | None = None, gen: int | None = None) -> dict:
+        """The next ``kind`` frame (of ``session``, if given) from stage ``index``, validated; with
+        ``gen``, only that connection's frames are read (one being set up).
+
+        Raises:
+            StageLost / RemoteError (see ``raise_for``); HopTimeout: nothing within ``hop_timeout_s``.
+        """
         while True:
-            i, msg = await self._next(self.hop_timeout_s, gen)
-            self._raise_for(i, msg, session)
+            i, msg = await self.next(self.hop_timeout_s, gen)
+            self.raise_for(i, msg, session)
             if i == index and msg.get("type") == kind and (session is None or msg.get("session") == session):
                 return wire.validate(msg)
             log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
+
+    async def expect_from(self, link: Link, kind: str, session: str, timeout_s: float) -> dict:
+        """The next ``kind`` frame of ``session`` from ``link`` (not necessarily in the ring), within
+        ``timeout_s``; other frames of that connection are dropped, of others kept.
+
+        Raises:
+            HopTimeout; StageLost (its stream ended); RemoteError (it answered an error)."""
+        deadline = trio.current_time() + timeout_s
+        while True:
+            _, msg = await self.next(max(0.0, deadline - trio.current_time()), link.generation)
+            if msg.get("type") == "_lost":
+                raise StageLost(f"shadow {link.info.peer_id} closed the connection: {msg.get('reason')}")
+            if msg.get("type") == "error" and msg.get("session") in (None, session):
+                raise RemoteError(f"shadow {link.info.peer_id} refused: {msg.get('reason')}")
+            if msg.get("type") == kind and msg.get("session") == session:
+                return wire.validate(msg)
+            if trio.current_time() >= deadline:
+                raise HopTimeout(f"no {kind} from shadow {link.info.peer_id} within {timeout_s:.1f} s")
+
+    async def probe(self, session: str, timeout_s: float) -> list[StageReport]:
+        """Ask every stage for its progress on ``session`` (control streams, in parallel).
+
+        A stage whose stream is gone, or that does not answer within ``timeout_s``, is unreachable.
+        Frames that arrive meanwhile are kept for later.
+        """
+        lost: set[int] = set()
+        replies: dict[int, dict] = {}
+        for i, link in enumerate(self.links):
+            try:
+                await link.control.send(wire.frame("progress", session=session), timeout_s=timeout_s)
+            except SwarmError:
+                lost.add(i)
+        kept = []
+        with trio.move_on_after(timeout_s):
+            while len(lost) + len(replies) < len(self.links):
+                if self._deferred:
+                    index, g, msg = self._deferred.popleft()
+                else:
+                    index, g, msg = await self._recv_ch.receive()
+                index = self.where(g)
+                if index is None:
+                    continue
+                if msg.get("type") == "progress_ok" and msg.get("session") == session:
+                    replies[index] = msg
+                else:
+                    if msg.get("type") == "_lost":
+                        lost.add(index)
+                    kept.append((index, g, msg))
+        self._deferred.extend(kept)
+        reports = []
+        for i in range(len(self.links)):
+            m = replies.get(i)
+            if i in lost or m is None:  # gone: its stream failed; else silent (maybe paused)
+                reports.append(StageReport(i, False, gone=i in lost))
+            else:
+                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy"))))
+        return reports

@@ -8,32 +8,36 @@ still answer in ``GAP_S``, not at the hop timeout), cancels stale epochs on the
 control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
 keeping its own digests of what it sent to the head and received from the tail (``ledgers``).
 
-Its links (dialing, the ring check, the reader tasks) come from :mod:`swarm.coordinator.links`, probes,
-spares and swaps from :mod:`swarm.coordinator.probe`. May import: trio, ``swarm.wire``,
-``swarm.receipts``, ``swarm.config``, ``swarm.errors``, this package.
+Composed of two objects with their own state: ``net``, a :class:`swarm.coordinator.links.RingLinks`
+(the links in ring order: dialing, the ring check, the reader tasks, receiving, progress probes), and
+``repair``, a :class:`swarm.coordinator.repair.RingRepair` (spares, swaps, repairs that keep the
+survivors' session, shadows). This client keeps the per-session books (``returned``, ``sent``,
+``ledgers``, ``segments``, ``repaired_epoch``, ``prefixed``) and hands them to those two explicitly.
+May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.config``, ``swarm.heal``,
+``swarm.ranges``, ``swarm.errors``, this package.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 import trio
 
 from swarm import receipts, wire
-from swarm.config import RingSpec, StageSpec
+from swarm.config import RingSpec
 from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError
 from swarm.heal import Probe, locate_failure
-from swarm.coordinator.links import LinksMixin, _Link
-from swarm.coordinator.probe import ProbeMixin
+from swarm.ranges import check_tiling
+from swarm.coordinator.links import Link, RingLinks, StageInfo
+from swarm.coordinator.repair import RingRepair
 
 log = logging.getLogger(__name__)
 
 GAP_S = 5.0  # a gap in the chain of progress this long, every stage still answering, is a broken hop
 
 
-class RingClient(LinksMixin, ProbeMixin):
+class RingClient:
     """Streams from the coordinator to every stage of a ring, and the frames they send back.
 
     Args:
@@ -42,26 +46,20 @@ class RingClient(LinksMixin, ProbeMixin):
         connect_timeout_s: deadline for dialing a stage.
         heartbeat_s: silence after which stages are probed; a probe unanswered this long marks
             the stage unreachable.
+        batch: open sessions that stages may pack with other sessions (swarm serve).
+        model_id: when set (routes from the DHT), every stage must report this weights id.
     """
 
     def __init__(self, host, ring: RingSpec, hop_timeout_s: float, connect_timeout_s: float,
                  heartbeat_s: float = 1.0, batch: bool = False, model_id: str | None = None):
         self.host = host
-        self.model_id = model_id  # when set (routes from the DHT), every stage must report this weights id
+        self.model_id = model_id
         self.discovery = None  # (SwarmDHT, model id, records read when routing) for a routed ring: heals look there
-        self.batch = batch  # open sessions that stages may pack with other sessions (swarm serve)
+        self.batch = batch
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.heartbeat_s = heartbeat_s
-        self.links: list[_Link] = []
-        self.spares: list[StageSpec] = list(ring.spares)
-        self._num_layers = 0
-        self._model_digest = ""
-        self._nursery = None
-        self._generation = 0
-        self._deferred: deque = deque()
-        self._send_ch, self._recv_ch = trio.open_memory_channel(1024)
         self.returned: dict[str, int] = {}  # session -> highest chunk id with a result
         self.sent: dict[str, int] = {}  # session -> highest chunk id sent to the head
         # session -> (digest of forward frames sent to the head, of result frames from the tail),
@@ -71,15 +69,74 @@ class RingClient(LinksMixin, ProbeMixin):
         # the tail), and the epoch of the last such repair (errors of older epochs are stale)
         self.segments: dict[str, list[dict]] = {}
         self.repaired_epoch: dict[str, int] = {}
-        # warm spares shadowing ring positions (layer range -> link, kept across sessions), the shadows
-        # each session opened (session -> layer range -> link), and the coordinator's mirror of the token
-        # ids it sends to the head, to the head's shadow (session -> swarm.mirror.Mirror)
-        self.shadows: dict[int, _Link] = {}
-        self.shadowed: dict[str, dict[int, _Link]] = {}
-        self.head_mirrors: dict = {}
-        self._lost_gens: set[int] = set()  # connections whose stream ended (a shadow's is not in the ring)
-        self.last_repair: dict = {}  # how the last repair_session rebuilt the replacement (see there)
         self.prefixed: set[str] = set()  # sessions opened with a prefix: a replacement stage gets one too
+        self.net = RingLinks(host, ring, hop_timeout_s=hop_timeout_s, connect_timeout_s=connect_timeout_s,
+                             model_id=model_id, on_tail_result=self._ledger_result,
+                             repaired_epoch=lambda session: self.repaired_epoch.get(session, -1))
+        self.repair = RingRepair(self.net, host, ring.spares, open_at=self.open_at, ledgers=self.ledgers,
+                                 segments=self.segments, repaired_epoch=self.repaired_epoch, batch=batch)
+
+    @property
+    def links(self) -> list[Link]:
+        """The links to the stages, in ring order (after any heal)."""
+        return self.net.links
+
+    @property
+    def infos(self) -> list[StageInfo]:
+        """What each stage of the ring reported about itself, in ring order (after any heal)."""
+        return self.net.infos
+
+    def _ledger_result(self, msg: dict) -> None:
+        """Add a result frame the tail sent to its session's received ledger (sessions with a job)."""
+        ledger = self.ledgers.get(msg.get("session"))
+        if ledger is not None:
+            try:
+                ledger[1].add(receipts.result_item(msg))
+            except KeyError:
+                pass  # malformed: next_result's validation reports it
+
+    # ---- connecting -----------------------------------------------------------------------------
+
+    async def connect(self, num_layers: int, model_digest: str, nursery, use_spares: bool = False) -> list[StageInfo]:
+        """Dial every stage, ask for its info, and check the ring. With ``use_spares``, a stage that
+        cannot be reached is replaced by a spare of the ring file holding its layers, if any.
+
+        Raises:
+            StageLost / HopTimeout: a stage is unreachable (names its addr).
+            ConfigError: a stage serves other layers or another model, or the ranges do not tile.
+        """
+        check_tiling([s.layers for s in self.ring.stages], num_layers)
+        self.net.start(num_layers, model_digest, nursery)
+        for i, spec in enumerate(self.ring.stages):
+            try:
+                self.links.append(await self.net.dial(i, spec))
+            except StageLost:
+                if not use_spares:
+                    raise
+                spare = await self.repair.prepare_spare(i, (spec.layers.start, spec.layers.end))
+                if spare is None:
+                    raise
+                log.warning("ring.connect_spare index=%d layers=%s unreachable=%s spare=%s", i, spec.layers,
+                            spec.addr, spare.info.peer_id)
+                self.links.append(spare)
+        return self.infos
+
+    async def aclose(self) -> None:
+        """Close every stream to the ring and its shadows (a stage drops the sessions they opened). Never raises."""
+        await self.net.drop(self.links + list(self.repair.shadows.values()))
+
+    def healed_ring(self) -> RingSpec:
+        """The ring as it stands now (after any heal) and the spares not used yet."""
+        return RingSpec(model=self.ring.model, stages=tuple(self.net.stage_specs),
+                        spares=tuple(self.repair.spares) + tuple(link.spec for link in self.repair.shadows.values()))
+
+    async def stage_info(self, index: int) -> dict:
+        """Stage ``index``'s ``info_ok`` frame now (``RingLinks.stage_info``; only between sessions).
+
+        Raises:
+            StageLost / HopTimeout: the stage does not answer.
+        """
+        return await self.net.stage_info(index)
 
     # ---- sessions and chunks --------------------------------------------------------------------
 
@@ -100,12 +157,12 @@ class RingClient(LinksMixin, ProbeMixin):
         """
         if job is not None:
             self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
-        opened = await self.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
+        opened = await self.repair.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
         mirrors = {i - 1: (link.spec.addr, link.info.layers[1]) for i, link in opened.items() if i > 0}
         reused = await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job,
                                     mirrors=mirrors, prefix_ids=[] if opened and prefix_ids is not None else prefix_ids)
         if 0 in opened:
-            self.start_head_mirror(session, opened[0])
+            self.repair.start_head_mirror(session, opened[0])
         self.returned[session] = -1
         self.sent[session] = -1
         return reused
@@ -118,7 +175,7 @@ class RingClient(LinksMixin, ProbeMixin):
         import hashlib
 
         upstream = [[x.peer_id, list(x.layers), x.dtype] for x in self.infos[:index]]
-        text = repr([self._model_digest, wire_dtype or "stage", upstream])
+        text = repr([self.net.model_digest, wire_dtype or "stage", upstream])
         return hashlib.sha256(text.encode()).hexdigest()
 
     async def open_at(self, positions, session: str, max_len: int, sampling: dict | None = None,
@@ -170,7 +227,7 @@ class RingClient(LinksMixin, ProbeMixin):
         return min(reused, default=0)
 
     async def _expect_alive(self, index: int, kind: str, session: str) -> dict:
-        """``_expect``, probing the stages after every ``heartbeat_s`` of silence as ``next_result``
+        """``RingLinks.expect``, probing the stages after every ``heartbeat_s`` of silence as ``next_result``
         does: a stage that stops answering (frozen) is StageLost in seconds, not a HopTimeout after
         ``hop_timeout_s``.
 
@@ -184,7 +241,7 @@ class RingClient(LinksMixin, ProbeMixin):
                                               " while opening the session")
             if i is None:
                 continue  # every stage answered the probe
-            self._raise_for(i, msg, session)
+            self.net.raise_for(i, msg, session)
             if i == index and msg.get("type") == kind and msg.get("session") == session:
                 return wire.validate(msg)
             log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
@@ -205,16 +262,7 @@ class RingClient(LinksMixin, ProbeMixin):
         self.ledgers.pop(session, None)
         self.segments.pop(session, None)
         self.repaired_epoch.pop(session, None)
-        mirror = self.head_mirrors.pop(session, None)
-        if mirror is not None:
-            mirror.drop("the session ended", quiet=True)
-        for link in self.shadowed.pop(session, {}).values():
-            if link.generation not in self._lost_gens:
-                with trio.move_on_after(timeout_s):
-                    try:
-                        await link.data.send(wire.frame("close", session=session), timeout_s=timeout_s)
-                    except SwarmError:
-                        pass
+        await self.repair.forget(session, timeout_s)
 
     async def send_chunk(self, session: str, chunk) -> None:
         """Send one chunk (``swarm.coordinator.spec.Chunk``) to the head stage; do not wait for its result.
@@ -231,9 +279,8 @@ class RingClient(LinksMixin, ProbeMixin):
             await head.data.send(msg, timeout_s=self.hop_timeout_s)
         except StreamClosed as exc:  # the head died: as in open_at, a heal can replace it
             raise StageLost(f"stage 0 {head.spec.layers} at {head.spec.addr} closed the connection: {exc}") from exc
-        mirror = self.head_mirrors.get(session)
-        if mirror is not None:  # the head's shadow gets the same token ids (its own bounded queue)
-            mirror.post(chunk.epoch, chunk.pos, tokens=list(chunk.tokens))
+        # the head's shadow gets the same token ids (its own bounded queue)
+        self.repair.post_to_head_shadow(session, chunk.epoch, chunk.pos, list(chunk.tokens))
         self.sent[session] = max(self.sent.get(session, -1), chunk.chunk_id)
         ledger = self.ledgers.get(session)
         if ledger is not None:
@@ -259,7 +306,7 @@ class RingClient(LinksMixin, ProbeMixin):
         deadline = time.monotonic() + timeout_s
         while len(got) + len(problems) < len(self.links):
             try:
-                i, msg = await self._next(max(0.0, deadline - time.monotonic()))
+                i, msg = await self.net.next(max(0.0, deadline - time.monotonic()))
             except HopTimeout:
                 break
             kind = msg.get("type")
@@ -306,7 +353,7 @@ class RingClient(LinksMixin, ProbeMixin):
                     raise StageLost(f"stage {failure.index} {link.spec.layers} at {link.spec.addr}: {failure.reason} "
                                     f"for {time.monotonic() - gap_since:.1f} s (a broken hop)") from None
                 continue
-            self._raise_for(i, msg, session)
+            self.net.raise_for(i, msg, session)
             if i == tail and msg.get("type") == "result" and msg.get("session") == session:
                 msg = wire.validate(msg)
                 self.returned[session] = max(self.returned.get(session, -1), msg["chunk"])
@@ -322,13 +369,13 @@ class RingClient(LinksMixin, ProbeMixin):
             HopTimeout: the deadline passed though every stage answers (``waiting`` names what).
         """
         try:
-            return await self._next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
+            return await self.net.next(min(self.heartbeat_s, max(0.0, deadline - time.monotonic())))
         except HopTimeout:
             if time.monotonic() >= deadline:
                 raise HopTimeout(f"{waiting} within {self.hop_timeout_s:.1f} s, though every stage answers "
                                  "heartbeats") from None
         # a probe gets twice the heartbeat: a loaded machine must not look like a dead stage
-        reports = await self.probe(session, 2 * self.heartbeat_s)
+        reports = await self.net.probe(session, 2 * self.heartbeat_s)
         lost = [r.index for r in reports if not r.reachable]
         if lost:
             link = self.links[lost[0]]

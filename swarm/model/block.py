@@ -279,20 +279,7 @@ class LayerBlock(torch.nn.Module):
         span = self.check_span(span)
         head, tail = span.start == 0, span.end == self.num_layers
         layers = self.layers[span.start - self.layer_range.start: span.end - self.layer_range.start]
-        segs, xs, off = [], [], 0
-        for cache, pos, x in rows:
-            if head:
-                if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.long:
-                    raise ValueError(f"layers {span} start the model and need (1, T) int64 token ids")
-            elif x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
-                raise ValueError(f"layers {span} need (1, T, {self.hidden_size}) hidden states")
-            t = x.shape[1]
-            segs.append(_Segment(cache, pos, t, off))
-            xs.append(x)
-            off += t
-        if logits_rows is not None and (len(logits_rows) != len(segs)
-                                        or any(not 0 <= n <= s.t for n, s in zip(logits_rows, segs))):
-            raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
+        segs, xs = self._pack(rows, span, head, logits_rows)
         begun = []
         try:
             for seg in segs:
@@ -326,6 +313,30 @@ class LayerBlock(torch.nn.Module):
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
+
+    def _pack(self, rows: list, span: LayerRange, head: bool,
+              logits_rows: list[int] | None) -> tuple[list[_Segment], list[torch.Tensor]]:
+        """Check ``forward_batch``'s rows and place them in the packed sequence: one ``_Segment`` per
+        entry (its cache, pos, T_i and offset), and the inputs in order.
+
+        Raises:
+            ValueError: a row of the wrong kind or shape for ``span``, or ``logits_rows`` that does not fit.
+        """
+        segs, xs, off = [], [], 0
+        for cache, pos, x in rows:
+            if head:
+                if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.long:
+                    raise ValueError(f"layers {span} start the model and need (1, T) int64 token ids")
+            elif x.dim() != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
+                raise ValueError(f"layers {span} need (1, T, {self.hidden_size}) hidden states")
+            t = x.shape[1]
+            segs.append(_Segment(cache, pos, t, off))
+            xs.append(x)
+            off += t
+        if logits_rows is not None and (len(logits_rows) != len(segs)
+                                        or any(not 0 <= n <= s.t for n, s in zip(logits_rows, segs))):
+            raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
+        return segs, xs
 
     def _layers(self, h, rope, position_ids, plan, layers) -> torch.Tensor:
         """The decoder layers ``layers`` over the packed (1, N, D) rows."""

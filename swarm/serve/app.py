@@ -327,7 +327,7 @@ async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
     """
     from transformers import AutoTokenizer
 
-    from swarm.coordinator.generation import _check_writable
+    from swarm.coordinator.generation import check_receipt_dir
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
 
@@ -340,7 +340,7 @@ async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
     if config.receipt_dir is not None:  # checked before listening: every answered request gets its receipt
-        _check_writable(config.receipt_dir)
+        check_receipt_dir(config.receipt_dir)
     if config.dashboard_receipts is not None and not Path(config.dashboard_receipts).is_dir():
         raise ConfigError(f"--dashboard-receipts {config.dashboard_receipts}: not a directory")
     return _Model(resolved, tokenizer, num_layers, digest)

@@ -74,7 +74,7 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     Raises:
         SwarmError: from the ring (see ``map_error``).
     """
-    from swarm.coordinator.generation import decode
+    from swarm.coordinator.generation import DecodeOptions, decode
     from swarm.coordinator.drafters import make_drafter
 
     detok = Detok(state.tokenizer, req.stop)
@@ -104,11 +104,11 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     state.active += 1
     healthy = False
     try:
-        detok.ids, detok.record = await decode(client, req.prompt_ids, req.max_tokens, state.stop_ids, on_ids,
-                                               state.config.spec, drafter, req.sampling, state.config.wire_dtype,
-                                               prefix_cache=state.config.prefix_cache, job=job, on_open=on_open,
-                                               should_stop=lambda ids: detok.hit or (stop is not None and
-                                                                                     stop.is_set()))
+        options = DecodeOptions(req.max_tokens, state.stop_ids, state.config.spec, drafter, req.sampling,
+                                state.config.wire_dtype, prefix_cache=state.config.prefix_cache, job=job)
+        decoded = await decode(client, req.prompt_ids, options, on_ids=on_ids, on_open=on_open,
+                               should_stop=lambda ids: detok.hit or (stop is not None and stop.is_set()))
+        detok.ids, detok.record = decoded.output_ids, decoded.as_record()
         healthy = True
         if detok.record.get("heal_events"):
             state.ring = client.healed_ring()  # new ring clients start from the healed ring

@@ -294,25 +294,8 @@ async def open_host(
         _probe_bindable(maddr)
     announce = [_parse_announce_addr(a) for a in announce_addrs]
     _route_libp2p_logs()
-    if batched:
-        dataplane.check_version()
-    noise = dataplane.BatchedNoiseTransport if batched else NoiseTransport
-    host = new_host(
-        key_pair=key_pair,
-        sec_opt={
-            TProtocol(NOISE_PROTOCOL_ID): noise(
-                key_pair, noise_privkey=create_x25519_key_pair().private_key
-            )
-        },
-        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-        listen_addrs=maddrs,
-        transports=[TCP()],
-        connection_config=_connection_config(health_check_interval_s),
-        announce_addrs=announce or None,
-    )
-    # new_host takes no retry option; the swarm reads this attribute on every dial.
-    host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
-    _keep_busy_connections(host.get_network())
+    host = _new_libp2p_host(key_pair, maddrs, announce, dial_retries=dial_retries,
+                            health_check_interval_s=health_check_interval_s, batched=batched)
     async with host.run(maddrs):
         network = host.get_network()
         # The auto-connector dials every peer in the peerstore until it holds ~150
@@ -339,6 +322,32 @@ async def open_host(
                     for listener in list(network.listeners.values()):
                         await listener.close()
     log.info("host.stop peer=%s", peer_id_of(key_pair))
+
+
+def _new_libp2p_host(key_pair: KeyPair, maddrs: list, announce: list, *, dial_retries: int,
+                     health_check_interval_s: float | None, batched: bool):
+    """The libp2p host ``open_host`` runs (not started): TCP, Noise only (batched or libp2p's own),
+    Yamux only, ``dial_retries`` extra dials per connect, busy connections kept."""
+    if batched:
+        dataplane.check_version()
+    noise = dataplane.BatchedNoiseTransport if batched else NoiseTransport
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={
+            TProtocol(NOISE_PROTOCOL_ID): noise(
+                key_pair, noise_privkey=create_x25519_key_pair().private_key
+            )
+        },
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=maddrs,
+        transports=[TCP()],
+        connection_config=_connection_config(health_check_interval_s),
+        announce_addrs=announce or None,
+    )
+    # new_host takes no retry option; the swarm reads this attribute on every dial.
+    host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
+    _keep_busy_connections(host.get_network())
+    return host
 
 
 INBOUND_CAP = 10_000_000

@@ -340,17 +340,7 @@ async def fetch_weights(host, peers: Sequence[str], *, name: str, layers, root: 
                     check = FileVerifier("config.json", *files_doc["config.json"])
                     await _fetch_one(stream, "config.json", dest, check, out)
                 want, optional = _plan(dest, out.manifest, layers, files_doc)
-            for file in list(want):
-                if file not in peer_files and file not in held:
-                    continue  # this peer does not hold it: the next one may
-                verifier = (ShardVerifier(file, out.manifest.shards[file], out.manifest.tensors)
-                            if file in out.manifest.shards else FileVerifier(file, *files_doc[file]))
-                try:
-                    await _fetch_one(stream, file, dest, verifier, out)
-                except _NotHeld as e:
-                    out.failures.append(f"{addr}: {file}: {e}")
-                    continue
-                want.remove(file)
+            await _fetch_held(stream, want, held, peer_files, dest, files_doc, out)
             if not [f for f in want if f not in optional]:
                 break
         except WeightsMismatch as e:
@@ -366,6 +356,32 @@ async def fetch_weights(host, peers: Sequence[str], *, name: str, layers, root: 
     if want is None:
         out.missing = ["config.json"]
         return out
+    _finish(out, dest, want, optional, name=name, peers=peers, files_doc=files_doc)
+    return out
+
+
+async def _fetch_held(stream: _PeerStream, want: list[str], held: list[str], peer_files: dict, dest: Path,
+                      files_doc: dict, out: PeerFetch) -> None:
+    """Fetch, verified, each file of ``want`` this peer holds (shards in ``held``, small files in
+    ``peer_files``), removing it from ``want``; a file the peer turns out not to hold is recorded in
+    ``out.failures`` and left for the next peer."""
+    for file in list(want):
+        if file not in peer_files and file not in held:
+            continue  # this peer does not hold it: the next one may
+        verifier = (ShardVerifier(file, out.manifest.shards[file], out.manifest.tensors)
+                    if file in out.manifest.shards else FileVerifier(file, *files_doc[file]))
+        try:
+            await _fetch_one(stream, file, dest, verifier, out)
+        except _NotHeld as e:
+            out.failures.append(f"{stream.addr}: {file}: {e}")
+            continue
+        want.remove(file)
+
+
+def _finish(out: PeerFetch, dest: Path, want: list[str], optional: set[str], *, name: str, peers: Sequence[str],
+            files_doc: dict) -> None:
+    """Record in ``out`` what is still missing after every peer was tried; when nothing required is,
+    write the directory's sidecar and set ``out.path``."""
     out.missing = [f for f in want if f not in optional]
     if [f for f in want if f in optional]:
         log.warning("weights.fetch.optional_missing files=%s", [f for f in want if f in optional])
@@ -374,7 +390,6 @@ async def fetch_weights(host, peers: Sequence[str], *, name: str, layers, root: 
         out.path = dest
         log.info("weights.fetch.done dir=%s model_id=%s bytes=%d seconds=%.2f mb_per_s=%.1f", dest,
                  out.model_id[:16], out.fetched_bytes, out.seconds, out.fetched_bytes / max(out.seconds, 1e-9) / 1e6)
-    return out
 
 
 def _check_reply(reply: dict, addr: str, name: str,

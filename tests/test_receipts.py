@@ -31,8 +31,8 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key
 from swarm.transport.framing import decode_body, encode_frame
 from swarm.transport.identity import peer_id_of, public_key_of_peer, sign
-from tests.conftest import make_synthetic, reference_greedy
-from tests.ring_util import ring_generate, start_ring
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.ring import ring_generate, start_ring
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
 RANGES = [(0, 1), (1, 3), (3, 4)]

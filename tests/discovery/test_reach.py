@@ -9,8 +9,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.discovery.dht import open_dht
 from swarm.discovery.reach import MAX_PORTS, PROTOCOL_ID, check_reachable, tcp_ports
 from swarm.transport.host import open_host
-from tests.conftest import free_port
-from tests.transport.util import run
+from tests.support.net import free_port
+from tests.support.transport import run
 
 
 

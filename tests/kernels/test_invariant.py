@@ -13,7 +13,7 @@ from swarm.kernels.check import check_block
 from swarm.model.block import load_block
 from swarm.model.cache import KVCache
 from swarm.ranges import LayerRange
-from tests.conftest import FAMILY_CONFIGS
+from tests.support.models import FAMILY_CONFIGS
 
 # widths that are not multiples of any vector length, so tails and alignment show
 ODD = {"gpt2": dict(n_embd=40, n_inner=172)}

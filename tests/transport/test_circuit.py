@@ -14,7 +14,7 @@ from swarm.transport import circuit as circuit_mod
 from swarm.transport.circuit import circuit_addr, hold_reservations, is_circuit, relay_part
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
-from tests.transport.util import run
+from tests.support.transport import run
 
 ECHO = "/swarm/test-echo/1"
 

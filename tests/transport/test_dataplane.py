@@ -14,7 +14,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from swarm.errors import HopTimeout, StreamClosed
 from swarm.transport import dataplane, open_host
 from swarm.transport.dataplane import BatchedNoiseReadWriter, BulkYamuxStream
-from tests.transport.util import run
+from tests.support.transport import run
 
 PROTO = "/test/dataplane/1"
 LOOP = ["/ip4/127.0.0.1/tcp/0"]

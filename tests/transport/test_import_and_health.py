@@ -16,7 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.errors import ConfigError, StreamClosed
 from swarm.transport import open_host
 
-from .util import run, trio_test
+from tests.support.transport import run, trio_test
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -6,7 +6,7 @@ import trio
 
 from swarm.transport.relay import open_relay, relay_addr, target_of
 
-from .util import trio_test
+from tests.support.transport import trio_test
 
 
 async def echo_server(task_status=trio.TASK_STATUS_IGNORED):
@@ -68,7 +68,7 @@ async def test_redial_when_the_old_path_died() -> None:
 
     from swarm.transport import open_host
 
-    from .test_host import ECHO, echo
+    from tests.support.transport import ECHO, echo
 
     async with open_host(create_new_key_pair()) as a, open_host(create_new_key_pair()) as b:
         a.set_handler(ECHO, echo)

@@ -25,9 +25,9 @@ from swarm.weights.manifest import tensor_manifest
 from swarm.weights.identify import model_id
 from swarm.weights.peer import PROTOCOL_ID, WeightsServer, fetch_weights
 from swarm.weights.store import SIDECAR
-from tests.conftest import run_cli
-from tests.transport.util import run
-from tests.weights.util import LyingServer, client_host, flip_byte, reshard, shards_of, weights_peer
+from tests.support.cli import run_cli
+from tests.support.transport import run
+from tests.support.weights import LyingServer, client_host, flip_byte, reshard, shards_of, weights_peer
 
 NAME = "tiny-llama"
 MIDDLE = LayerRange(1, 3)

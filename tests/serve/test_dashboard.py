@@ -63,7 +63,7 @@ def plot_points(dom: str, plot_id: str) -> int:
 
 
 def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir, chromium, tmp_path):
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
         server = Server(ring.ring_spec(), tmp_path)
@@ -96,7 +96,7 @@ def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir
 
 
 def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(synthetic, chromium, tmp_path):
-    from tests.ring_util import job_receipt
+    from tests.support.ring import job_receipt
 
     model = synthetic("llama")
     receipts = tmp_path / "receipts"
@@ -131,7 +131,7 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     import signal
 
     from swarm.config import RingSpec, StageSpec
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     with LocalRing(str(stories_dir), [*RANGES, RANGES[1]], tmp_path, threads=1,
                    extra_args=["--dtype", "float32"]) as ring:
@@ -152,7 +152,7 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
                     os.killpg(victim.pid, signal.SIGKILL)
             assert pieces > 10
             dom, log = browse(chromium, server.url + "/dashboard", tmp_path, "healed")
-            from tests.test_metrics import scrape
+            from tests.support.metrics import scrape
 
             m = scrape(server.url + "/metrics")
         finally:
@@ -303,7 +303,7 @@ def test_an_unchanged_receipt_directory_is_not_verified_again_on_every_poll(synt
     a file that changed (tampered after a first poll) is verified again and fails."""
     from swarm import dashboard
     from swarm import receipts as receipts_mod
-    from tests.ring_util import job_receipt
+    from tests.support.ring import job_receipt
 
     receipts = tmp_path / "receipts"
     path = Path(job_receipt(synthetic("llama"), tmp_path, [(0, 2), (2, 4)], [1, 5, 9, 3], receipts)["path"])

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,33 +13,12 @@ import yaml
 
 from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
-from tests.conftest import reference_greedy, run_cli
+from tests.support.cli import run_cli
+from tests.support.models import reference_greedy
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time"
-
-
-def run_swarm(*args: str, timeout: float = 180, env: dict | None = None, cwd: Path | None = None
-              ) -> subprocess.CompletedProcess:
-    """Run `python -m swarm ...` in its own process group; kill the whole group if it overruns.
-
-    Runs in ``cwd`` (default: the test's isolated $SWARM_CACHE), so default ``receipts/`` land there."""
-    cwd = cwd or Path(os.environ["SWARM_CACHE"])
-    cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"swarm {' '.join(args)} timed out; stderr: {err[-2000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +165,7 @@ def test_demo_heals_onto_a_shadow(stories_dir, tmp_path):
     """`swarm demo --spares --shadow --kill-stage 1`: the spare shadowed the stage, the heal refilled
     nothing, the ids equal greedy, the spare finished the job, and `swarm receipts verify` accepts the
     job receipt, which carries the spare's receipt. (The heal without a shadow, survivors kept, is
-    the same CLI path; tests/test_heal_ring.py runs it.)"""
+    the same CLI path; tests/coordinator/test_heal_ring.py runs it.)"""
     res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
                     "--max-new-tokens", "20", "--json", "--dtype", "float32", "--spares", "--shadow",
                     "--kill-stage", "1", "--kill-after", "6", "--receipt-dir", str(tmp_path / "rc"))

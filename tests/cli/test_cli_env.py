@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGBsvJXCXAMMAPkEZx2LZw3A8j5WE93ZWPvuBeKbtZktW"
 
@@ -105,7 +105,7 @@ def test_a_read_only_cache_is_one_line_naming_swarm_cache(stories_dir, tmp_path,
     ro.mkdir()
     ro.chmod(0o555)
     env = {k: v for k, v in os.environ.items() if k != "SWARM_CACHE"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     if how == "home":
         env["HOME"] = str(ro)
     else:
@@ -182,7 +182,7 @@ def test_coordinate_beside_another_holder_of_the_default_key_uses_its_own(storie
     takes coordinator-2.key, says so, and generates as it would alone."""
     from swarm.cli.launch import LocalRing
     from swarm.ranges import LayerRange
-    from tests.conftest import reference_greedy
+    from tests.support.models import reference_greedy
 
     keys = Path(os.environ["SWARM_CACHE"]) / "keys"
     with LocalRing(str(stories_dir), [LayerRange(0, 2), LayerRange(2, 5)], tmp_path / "stage-keys", threads=1,

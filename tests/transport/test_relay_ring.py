@@ -30,7 +30,8 @@ from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
 from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import free_port, reference_greedy
+from tests.support.models import reference_greedy
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.slow
 

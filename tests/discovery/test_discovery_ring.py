@@ -30,8 +30,9 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
 from swarm.weights.identify import model_id
-from tests.conftest import free_port, make_synthetic, reference_greedy
-from tests.test_cli import run_swarm
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.net import free_port
+from tests.support.cli import run_swarm
 
 pytestmark = pytest.mark.slow
 
@@ -229,7 +230,7 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
     import openai
 
     from swarm.config import RingSpec
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     model = _other_weights(stories_dir, tmp_path / "own", factor=1.02)  # only these stages hold it
     boot = swarm_net["boot"].addr

@@ -20,7 +20,7 @@ import trio
 from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 from swarm.serve.app import serve_api
-from tests.conftest import reference_greedy
+from tests.support.models import reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -361,7 +361,7 @@ def test_swarm_serve_command(stories_ring, stories_dir, tmp_path):
 
     import yaml
 
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     ring_file = tmp_path / "ring.yaml"
     ring_file.write_text(yaml.safe_dump(stories_ring.ring_spec().to_dict()))

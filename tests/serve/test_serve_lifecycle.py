@@ -25,7 +25,7 @@ import yaml
 
 from swarm.config import SpecConfig
 from swarm.serve.app import Shutdown, serve_api
-from tests.ring_util import start_ring
+from tests.support.ring import start_ring
 
 RANGES = [(0, 2), (2, 4), (4, 5)]
 PROMPT = "Once upon a time"

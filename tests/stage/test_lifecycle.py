@@ -20,7 +20,7 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.identity import peer_id_of
 from swarm.wire import PROTOCOL_ID
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -33,6 +33,8 @@ def metrics_ring(stories_dir, tmp_path_factory):
         yield ring
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring, tmp_path):
     ring = metrics_ring  # nothing has used these stages yet
     urls = [sp.ready["metrics_url"] for sp in ring.stages]
@@ -81,6 +83,7 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring
                         f"{{model=stories260k}}{{peer_id={sp.ready['peer_id']}}}": 1}, info
 
 
+@pytest.mark.process
 def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
     server = stories_ring_metrics
     for _ in range(2):
@@ -103,6 +106,7 @@ def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
     assert "Once upon" not in text  # no prompt text in metrics
 
 
+@pytest.mark.process
 def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
     """Tokens, inter-token gaps and the dashboard's tokens/s move while a long answer streams, not
     only when it ends."""
@@ -136,6 +140,7 @@ def stories_ring_metrics(metrics_ring, tmp_path_factory):
         server.stop()
 
 
+@pytest.mark.process
 def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts(metrics_ring, tmp_path):
     """``--receipt-dir``: each request's job receipt is saved and verifies; a receipt tampered with
     afterwards is counted once as a verification failure (by its check) when the dashboard reads it."""

@@ -14,6 +14,8 @@ from swarm.coordinator.generation import generate
 from swarm.errors import ConfigError, collapse
 from tests.support.ring import start_ring
 
+pytestmark = pytest.mark.ring
+
 QUESTIONS = ["Name a color.", "And another one?", "Which is darker?", "Say it in French.", "Thanks, bye."]
 
 

@@ -30,6 +30,8 @@ from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 from tests.support.ring import LOOPBACK
 
+pytestmark = pytest.mark.ring
+
 RANGES = [(0, 1), (1, 3), (3, 4)]
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 12, 13]
 NEW = 24

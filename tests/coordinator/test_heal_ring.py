@@ -26,7 +26,7 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]

@@ -27,6 +27,8 @@ from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 from tests.coordinator.test_heal_kept import PROMPT, RANGES, start_stages
 
+pytestmark = pytest.mark.ring
+
 NEW = 24
 
 

@@ -5,6 +5,8 @@ import pytest
 from tests.support.models import FAMILY_CONFIGS, reference_greedy
 from tests.support.ring import run_inprocess
 
+pytestmark = pytest.mark.ring
+
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
 SPLITS = {
     1: [(0, 4)],

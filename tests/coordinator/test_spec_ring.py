@@ -17,6 +17,8 @@ from tests.support.models import make_synthetic, reference_greedy
 from tests.support.stats import chi2_critical
 from tests.support.ring import run_inprocess
 
+pytestmark = pytest.mark.ring
+
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
 RANGES = [(0, 1), (1, 3), (3, 4)]
 

@@ -18,6 +18,8 @@ from swarm.transport.identity import peer_id_of
 from tests.support.dht import MODEL, OTHER, signed_record
 from tests.support.transport import run
 
+pytestmark = pytest.mark.ring
+
 
 async def _boot(stack: AsyncExitStack, **kw):
     host = await stack.enter_async_context(open_host(create_new_key_pair()))

@@ -47,6 +47,7 @@ async def _swarm(stack: AsyncExitStack, n_servers: int, client_clock=time.time):
     return keys, boot, servers, client
 
 
+@pytest.mark.ring
 def test_announce_and_find_fresh_records():
     async def main():
         async with AsyncExitStack() as stack:
@@ -66,6 +67,7 @@ def test_announce_and_find_fresh_records():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_forged_and_expired_records_are_never_returned():
     async def main():
         async with AsyncExitStack() as stack:
@@ -91,6 +93,7 @@ def test_forged_and_expired_records_are_never_returned():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_bootstrap_errors_are_one_clear_line():
     async def main():
         async with AsyncExitStack() as stack:
@@ -115,6 +118,7 @@ def test_bootstrap_errors_are_one_clear_line():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_rtt_to_a_peer():
     async def main():
         async with AsyncExitStack() as stack:
@@ -125,6 +129,7 @@ def test_rtt_to_a_peer():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_announcer_republishes_draining_at_once_with_a_higher_seq():
     from swarm.discovery.announce import Announcer
 
@@ -156,6 +161,7 @@ def test_announcer_republishes_draining_at_once_with_a_higher_seq():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_clients_stay_out_of_routing_tables():
     """A client-mode node that queried the swarm is never handed out as a DHT peer (libp2p 0.8.1
     adds every peer opening a DHT stream; swarm keeps only those that serve the protocol)."""

@@ -21,7 +21,7 @@ from swarm.weights.identify import model_id
 from tests.support.models import reference_greedy
 from tests.support.cli import run_swarm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 
 
 def _leave(boot_addr: str, mid: str, n: int) -> list[str]:

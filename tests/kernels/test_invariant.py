@@ -28,7 +28,8 @@ MODES = [("float32", "fma"), ("float32", "rows"), ("bfloat16", "rows")]
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 @pytest.mark.parametrize("dtype,mode", MODES)
-@pytest.mark.parametrize("tile", [1, 2])
+# tile 2 proves twice the rows at about three times the cost: it runs in `make test`, not in the unit tier
+@pytest.mark.parametrize("tile", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_family_proves_row_invariance(synthetic, family, dtype, mode, tile):
     if mode == "fma" and not FMA_OK:
         pytest.skip(f"the fma kernels cannot run here: {FMA_WHY}")
@@ -156,6 +157,7 @@ def test_fma_kernels_give_the_same_bits_on_any_number_of_threads():
     assert torch.equal(side[0], results[0][1])
 
 
+@pytest.mark.process
 def test_kernels_can_be_turned_off_and_say_why():
     """SWARM_KERNELS=rows (and any machine without AVX2+FMA or a C compiler) gives the rows mode,
     with the reason; loading a block there says so."""
@@ -293,6 +295,7 @@ def test_fma_norm_and_silu_are_each_rows_own_and_match_torch():
         fma.rms_norm(x, w[:-1], 1e-5)
 
 
+@pytest.mark.process
 @needs_fma
 def test_the_kernel_build_takes_a_compiler_command_line_and_says_why_it_failed(tmp_path, monkeypatch):
     """CC is split like a shell word list; a damaged cached library is built again; a compiler that

@@ -6,7 +6,7 @@ import torch
 from swarm.errors import ConfigError, ContextOverflow, ModelError, ProtocolError
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from tests.support.models import FAMILY_CONFIGS, reference_greedy
+from tests.support.models import FAMILY_CONFIGS, chained_greedy, reference_greedy
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
 SPLITS = {1: [(0, 4)], 2: [(0, 3), (3, 4)], 3: [(0, 1), (1, 3), (3, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}

@@ -22,7 +22,7 @@ from swarm.ranges import LayerRange
 from swarm.serve.app import serve_api
 from tests.support.models import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 

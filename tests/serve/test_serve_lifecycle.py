@@ -27,6 +27,8 @@ from swarm.config import SpecConfig
 from swarm.serve.app import Shutdown, serve_api
 from tests.support.ring import start_ring
 
+pytestmark = [pytest.mark.ring, pytest.mark.process]
+
 RANGES = [(0, 2), (2, 4), (4, 5)]
 PROMPT = "Once upon a time"
 

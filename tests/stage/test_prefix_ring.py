@@ -22,6 +22,8 @@ from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host
 from tests.support.ring import LOOPBACK, start_ring
 
+pytestmark = pytest.mark.ring
+
 RANGES = [(0, 1), (1, 3), (3, 4)]
 FIRST = [1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 12, 13, 14, 15]
 TURNS = [FIRST, [21, 22, 23], [31, 32, 33, 34], [41, 42], [51, 52, 53]]  # 5 turns: each appends to the history

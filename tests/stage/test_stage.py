@@ -16,6 +16,8 @@ from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 from tests.support.ring import LOOPBACK, ring_generate, start_ring
 
+pytestmark = pytest.mark.ring
+
 PROMPT = [1, 5, 9, 3, 7, 2, 8]
 
 

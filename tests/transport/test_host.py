@@ -23,6 +23,8 @@ from swarm.errors import ConfigError, FrameTooLarge, HopTimeout, ProtocolError, 
 from swarm.transport import FramedStream, SwarmHost, open_host
 from tests.support.transport import ECHO, echo, run, trio_test
 
+pytestmark = pytest.mark.ring
+
 SINK = "/swarm-test/sink/1"
 
 

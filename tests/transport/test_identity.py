@@ -94,6 +94,7 @@ def _hold(path: Path):
     return proc
 
 
+@pytest.mark.process
 def test_a_key_is_held_by_one_process(tmp_path: Path) -> None:
     from swarm.transport.identity import KeyInUse, claim_key, key_holder, release_keys
 

@@ -32,7 +32,7 @@ from swarm.ranges import LayerRange
 from tests.support.models import reference_greedy
 from tests.support.natlab import NatLab
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]

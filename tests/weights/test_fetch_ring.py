@@ -15,6 +15,8 @@ from swarm.weights.store import SIDECAR
 from tests.support.models import reference_greedy
 from tests.support.ring import ring_generate
 
+pytestmark = [pytest.mark.ring, pytest.mark.process]
+
 PROMPT = [1, 403, 407, 261, 378, 300, 265]
 
 

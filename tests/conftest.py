@@ -1,8 +1,6 @@
 """Shared fixtures: the shared real model, seeded synthetic models of each supported family, the
-converted SmolLM2, an isolated swarm cache; and the test tiers (markers, see ``pytest_collection_modifyitems``).
-
-Helpers that tests import live in ``tests/support/``.
-"""
+converted SmolLM2, an isolated swarm cache. Helpers that tests import live in ``tests/support/``;
+the tiers (markers ``ring``, ``process``, ``slow``, ``gpu``) are declared in pyproject.toml."""
 
 from __future__ import annotations
 

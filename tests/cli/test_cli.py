@@ -48,11 +48,14 @@ def test_coordinate_matches_transformers(stories_ring, stories_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ring
 @pytest.mark.process
 def test_coordinate_streams_text(stories_ring, stories_dir, tmp_path):
     ring = write_ring(tmp_path / "ring.yaml", stories_dir, [(s.addr, f"{s.layers.start}:{s.layers.end}")
                                                              for s in stories_ring.stages])
-    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "12")
+    # the command in this process (a real `swarm coordinate` process runs in the test above): what it
+    # prints is the point here, not a second interpreter importing torch
+    res = run_cli("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "12")
     assert res.returncode == 0, res.stderr
     assert "there was" in res.stdout and "tokens/s decode" in res.stderr
 
@@ -250,10 +253,11 @@ def test_demo_smollm2_matches_transformers(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ring
 @pytest.mark.process
 def test_one_token_json_is_valid(stories_ring, stories_dir, tmp_path):
     ring = write_ring(tmp_path / "ring.yaml", stories_dir, _stages(stories_ring))
-    res = run_swarm("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "1", "--json")
+    res = run_cli("coordinate", "--ring", str(ring), "--prompt", PROMPT, "--max-new-tokens", "1", "--json")
     assert res.returncode == 0, res.stderr
     assert "NaN" not in res.stdout
     out = json.loads(res.stdout)

@@ -65,7 +65,6 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["swarm", *args], code, out.getvalue(), err.getvalue())
 
 
-
 def run_swarm(*args: str, timeout: float = 180, env: dict | None = None, cwd: Path | None = None
               ) -> subprocess.CompletedProcess:
     """Run `python -m swarm ...` in its own process group; kill the whole group if it overruns.

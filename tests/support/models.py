@@ -32,7 +32,6 @@ def make_synthetic(family: str, out_dir: Path, dtype: str = "float64", seed: int
     return out_dir
 
 
-
 def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype: str) -> list[int]:
     """Single-process transformers ``generate(do_sample=False)`` new ids: the exactness reference."""
     import torch
@@ -42,7 +41,6 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
-
 
 
 def chained_greedy(blocks, prompt, new_tokens):

@@ -24,8 +24,8 @@ from swarm.errors import ReceiptInvalid, StreamClosed, collapse
 from swarm.mirror import Mirror
 from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host
-from tests.support.models import reference_greedy
 from tests.coordinator.test_heal_kept import PROMPT, RANGES, start_stages
+from tests.support.models import reference_greedy
 
 pytestmark = pytest.mark.ring
 

@@ -14,8 +14,8 @@ from swarm.coordinator.drafters import ModelDrafter, NgramDrafter
 from swarm.coordinator.spec import NoDrafter
 from swarm.wire import PROTOCOL_ID
 from tests.support.models import make_synthetic, reference_greedy
-from tests.support.stats import chi2_critical
 from tests.support.ring import run_inprocess
+from tests.support.stats import chi2_critical
 
 pytestmark = pytest.mark.ring
 

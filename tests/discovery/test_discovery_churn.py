@@ -18,8 +18,8 @@ from swarm.ranges import LayerRange
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
 from swarm.weights.identify import model_id
-from tests.support.models import reference_greedy
 from tests.support.cli import run_swarm
+from tests.support.models import reference_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 

@@ -30,9 +30,9 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
 from swarm.weights.identify import model_id
+from tests.support.cli import run_swarm
 from tests.support.models import make_synthetic, reference_greedy
 from tests.support.net import free_port
-from tests.support.cli import run_swarm
 
 pytestmark = pytest.mark.slow
 

@@ -1,11 +1,11 @@
 # make demo: set up .venv and run a three-stage ring on loopback with SmolLM2-135M-Instruct.
-# make test: set up .venv and run the test suite.
+# make test: set up .venv and run the test suite; make test-unit: only the pure tier (no sockets, no processes).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-unit test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: $(STAMP)
 	$(VENV)/bin/swarm demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# the pure tier: tests that start no libp2p host, server or child process (markers in pyproject.toml)
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not ring and not process and not slow and not gpu"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -1,6 +1,6 @@
 """Stages behind NAT: a relayed ring against the same ring after hole punching, in a NAT lab.
 
-Builds the lab of ``tests/natlab.py`` (network namespaces: two home routers that keep source ports
+Builds the lab of ``tests/support/natlab.py`` (network namespaces: two home routers that keep source ports
 and drop unsolicited inbound, a public segment with a ``swarm relay``; needs root, ``ip`` and
 ``iptables``) and a ring of stories260k: A [0, 2) behind router 1, B [2, 4) behind router 2,
 C [4, 5) public; the client runs in the public segment and names A and B only by their circuit
@@ -93,7 +93,7 @@ def main() -> None:
     from swarm.config import RingSpec, StageSpec
     from swarm.cli.launch import BootstrapNode, LocalRing
     from swarm.ranges import LayerRange
-    from tests.natlab import NatLab
+    from tests.support.natlab import NatLab
 
     why = NatLab.unavailable()
     if why:

@@ -27,7 +27,8 @@ from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key
 from swarm.transport.framing import FrameDecoder, encode_frame
 from swarm.transport.identity import peer_id_of
-from tests.conftest import reference_greedy
+from tests.support.models import reference_greedy
+from tests.support.streams import MemStream, NoNetwork
 
 EXAMPLES = int(os.environ.get("SWARM_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -142,32 +143,6 @@ def test_validators_are_total(msg, head, kv_len):
 
 
 # ---- a stage under fire -------------------------------------------------------------------------
-
-
-class MemStream:
-    """An in-memory stand-in for a FramedStream: remembers what the stage sends."""
-
-    def __init__(self, peer: str):
-        self.remote_peer_id = peer
-        self.sent: list[dict] = []
-        self.closed = False
-
-    async def send(self, msg, timeout_s=None):
-        encode_frame(msg)  # what the stage sends must be a valid frame
-        self.sent.append(msg)
-
-    async def aclose(self):
-        self.closed = True
-
-
-class NoNetwork:
-    def __init__(self, peer_id):
-        self.peer_id = peer_id
-
-    async def open_stream(self, *a, **k):
-        from swarm.errors import StageLost
-
-        raise StageLost("no network in the fuzz test")
 
 
 @pytest.fixture(scope="module")

@@ -227,6 +227,7 @@ def test_first_failure_during_prefill_replays_the_prompt():
     assert event.replay_tokens == 3  # no driver to check
 
 
+@pytest.mark.process
 def test_heal_imports_no_torch_trio_or_libp2p():
     code = "import sys, swarm.heal; bad = [m for m in ('torch', 'trio', 'libp2p') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

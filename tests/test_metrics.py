@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.coordinator.generation import DecodeOptions, RingClient, decode
 from swarm.errors import RemoteError, collapse
@@ -16,24 +15,12 @@ from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
+from tests.support.metrics import scrape
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378, 383, 286, 261]
 NEW = 6
 LONG = [1] + [403, 407, 261, 378, 383, 286, 261] * 3  # 22 positions: more than a short chunk (16)
-
-
-def scrape(url: str) -> dict:
-    """{sample name with sorted labels: value} of one /metrics page (parsed by prometheus_client)."""
-    text = httpx.get(url, timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "le")
-            if "le" in s.labels:
-                key += f"[le={s.labels['le']}]"
-            out[key] = s.value
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +33,8 @@ def metrics_ring(stories_dir, tmp_path_factory):
         yield ring
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring, tmp_path):
     ring = metrics_ring  # nothing has used these stages yet
     urls = [sp.ready["metrics_url"] for sp in ring.stages]
@@ -94,6 +83,7 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring
                         f"{{model=stories260k}}{{peer_id={sp.ready['peer_id']}}}": 1}, info
 
 
+@pytest.mark.process
 def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
     server = stories_ring_metrics
     for _ in range(2):
@@ -116,6 +106,7 @@ def test_serve_exports_requests_tokens_and_latencies(stories_ring_metrics):
     assert "Once upon" not in text  # no prompt text in metrics
 
 
+@pytest.mark.process
 def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
     """Tokens, inter-token gaps and the dashboard's tokens/s move while a long answer streams, not
     only when it ends."""
@@ -140,7 +131,7 @@ def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
 
 @pytest.fixture(scope="module")
 def stories_ring_metrics(metrics_ring, tmp_path_factory):
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     server = Server(metrics_ring.ring_spec(), tmp_path_factory.mktemp("serve-key"))
     try:
@@ -149,13 +140,14 @@ def stories_ring_metrics(metrics_ring, tmp_path_factory):
         server.stop()
 
 
+@pytest.mark.process
 def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts(metrics_ring, tmp_path):
     """``--receipt-dir``: each request's job receipt is saved and verifies; a receipt tampered with
     afterwards is counted once as a verification failure (by its check) when the dashboard reads it."""
     import json
 
     from swarm import receipts
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     out = tmp_path / "receipts"
     server = Server(metrics_ring.ring_spec(), tmp_path, receipt_dir=out)

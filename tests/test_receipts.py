@@ -31,8 +31,8 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key
 from swarm.transport.framing import decode_body, encode_frame
 from swarm.transport.identity import peer_id_of, public_key_of_peer, sign
-from tests.conftest import make_synthetic, reference_greedy
-from tests.ring_util import ring_generate, start_ring
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.ring import ring_generate, start_ring
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
 RANGES = [(0, 1), (1, 3), (3, 4)]
@@ -80,6 +80,7 @@ def test_signature_verifies_with_pynacl_from_the_peer_id_alone(tmp_path):
     assert not receipts.signature_ok({**doc, "sig": doc["sig"][:-2]}, pid)
 
 
+@pytest.mark.process
 def test_receipts_module_does_not_load_torch():
     code = "import sys, swarm.receipts, swarm.cli.watch; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -134,6 +135,7 @@ def jobs(model_dir, tmp_path_factory):
     return docs, outs, key_dir
 
 
+@pytest.mark.ring
 def test_real_ring_receipt_verifies(jobs, model_dir):
     (doc, _), (out, _), _ = jobs
     assert out == reference_greedy(model_dir, PROMPT, NEW, "float64")  # receipts change nothing
@@ -152,6 +154,7 @@ def test_real_ring_receipt_verifies(jobs, model_dir):
     assert r[0]["wire_dtype"] == "float64" and r[2]["wire_dtype"] == "token_ids"
 
 
+@pytest.mark.ring
 def test_weight_digests_match_a_local_copy_and_not_another_model(jobs, model_dir, tmp_path):
     (doc, _), _, _ = jobs
     local = {tuple(a): weights_digest(model_dir, block_tensor_names(model_dir, LayerRange(*a))) for a in RANGES}
@@ -294,6 +297,7 @@ def t_float_layers(doc, old, kd):
     _resign_job(doc, kd)
 
 
+@pytest.mark.ring
 @pytest.mark.parametrize("tamper,check,stage", [
     (t_stage_sig, "signature", 1),
     (t_job_sig, "job signature", None),
@@ -329,6 +333,7 @@ def test_tampering_fails_with_the_right_reason(jobs, tamper, check, stage):
     assert (err.value.check, err.value.stage) == (check, stage), str(err.value)
 
 
+@pytest.mark.ring
 @pytest.mark.parametrize("events, ok", [
     ([{"stage": 1, "spares": [1, 2]}], True),  # a chain of two stages took position 1
     ([{"stage": 0, "spares": [0, 1]}, {"stage": 2, "spare": 2}], True),
@@ -359,6 +364,7 @@ def test_heal_events_with_chains_match_the_final_ring(jobs, events, ok):
         assert err.value.check == "heal"
 
 
+@pytest.mark.ring
 def test_a_replayed_job_fails_in_a_batch(jobs, tmp_path):
     (doc, old), _, _ = jobs
     for name, d in (("a", doc), ("b", old), ("c", doc)):
@@ -368,6 +374,7 @@ def test_a_replayed_job_fails_in_a_batch(jobs, tmp_path):
     assert isinstance(res[2][1], ReceiptInvalid) and res[2][1].check == "nonce"
 
 
+@pytest.mark.ring
 def test_the_same_file_twice_is_not_a_replay(jobs, tmp_path):
     (doc, _), _, _ = jobs
     (tmp_path / "a.json").write_text(json.dumps(doc))
@@ -384,6 +391,7 @@ def test_garbage_is_refused_not_crashed_on(tmp_path):
         assert isinstance(res, ReceiptInvalid) and res.check == "schema"
 
 
+@pytest.mark.ring
 def test_stage_refuses_a_receipt_for_a_session_without_a_job(model_dir, tmp_path):
     from swarm.transport import open_host
     from swarm.wire import PROTOCOL_ID
@@ -452,6 +460,7 @@ def test_id_prove_refuses_a_readable_or_missing_key(tmp_path, capsys):
     assert "unsafe mode 0640" in capsys.readouterr().err
 
 
+@pytest.mark.ring
 def test_receipts_verify_and_watch_cli(jobs, tmp_path, capsys):
     from swarm.cli.main import main
 
@@ -485,6 +494,7 @@ def _paths(node, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
+@pytest.mark.ring
 def test_random_mutations_fail_closed(jobs):
     """Any value anywhere replaced by junk: always ReceiptInvalid, never a crash or a pass."""
     import random
@@ -510,6 +520,7 @@ def test_random_mutations_fail_closed(jobs):
             receipts.verify_job(d)
 
 
+@pytest.mark.ring
 def test_watch_scanner_sees_new_changed_and_removed_receipts(jobs, tmp_path):
     from swarm.cli.watch import Scanner
 

@@ -365,6 +365,7 @@ def test_placement_takes_a_weakest_window(swarm, fit_layers):
     assert min(capacity[start:end]) == min(min(capacity[s:s + width]) for s in range(num_layers - width + 1))
 
 
+@pytest.mark.process
 def test_routing_imports_no_torch_trio_or_libp2p():
     code = "import sys, swarm.routing; bad = [m for m in ('torch', 'trio', 'libp2p') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

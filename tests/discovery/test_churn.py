@@ -15,8 +15,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.discovery.dht import open_dht
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
-from tests.discovery.test_dht import MODEL, OTHER, _value
-from tests.transport.util import run
+from tests.support.dht import MODEL, OTHER, signed_record
+from tests.support.transport import run
+
+pytestmark = pytest.mark.ring
 
 
 async def _boot(stack: AsyncExitStack, **kw):
@@ -38,7 +40,7 @@ async def _depart(boot_addr: str, n: int, *, model=MODEL, layers=(0, 5), state="
     for _ in range(n):
         key = create_new_key_pair()
         async with open_host(key) as host, open_dht(host, server=True, bootstrap=[boot_addr]) as dht:
-            await dht.announce(_value(key, model=model, layers=layers, state=state), model)
+            await dht.announce(signed_record(key, model=model, layers=layers, state=state), model)
         gone.append(peer_id_of(key))
     return gone
 
@@ -54,7 +56,7 @@ def test_a_live_stage_is_found_after_25_stages_left():
             for server in (True, False):  # a reachable stage, and one in client mode (--dht-client)
                 key = create_new_key_pair()
                 node = await _node(stack, addr, server=server, key=key)
-                await node.announce(_value(key, layers=(0, 5)), MODEL)
+                await node.announce(signed_record(key, layers=(0, 5)), MODEL)
                 live[peer_id_of(key)] = server
             reader = await _node(stack, addr, server=False)
             for provider_key in (MODEL, None):  # the model's key and the all-stages key (`swarm peers`)
@@ -74,7 +76,7 @@ def test_a_live_stage_is_found_after_40_killed_stages_of_other_ranges_and_models
             gone_other = await _depart(addr, 20, model=OTHER, layers=(0, 3), state="online")
             key = create_new_key_pair()
             node = await _node(stack, addr, server=False, key=key)
-            await node.announce(_value(key, layers=(1, 3)), MODEL)
+            await node.announce(signed_record(key, layers=(1, 3)), MODEL)
             reader = await _node(stack, addr, server=False)
             records = await reader.find_records(MODEL, timeout_s=10)
             assert peer_id_of(key) in {r.peer_id for r in records}

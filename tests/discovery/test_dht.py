@@ -12,22 +12,12 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.addrs import without_peer_id
 from swarm.discovery import dht as dht_mod
 from swarm.discovery.dht import ALL_STAGES_KEY, DiscoveryError, open_dht, pin_protocol
-from swarm.discovery.records import StageRecord, record_key, sign_record
+from swarm.discovery.records import record_key
 from swarm.errors import ConfigError
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
-from tests.transport.util import run
-
-MODEL = "ab" * 32
-OTHER = "cd" * 32
-
-
-def _value(key, model=MODEL, layers=(0, 3), seq=1, ttl=120.0, **over):
-    pid = peer_id_of(key)
-    rec = StageRecord(peer_id=pid, model_id=model, model_name="m", num_layers=5, layers=layers,
-                      addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), seq=seq, expires_at=time.time() + ttl, **over)
-    return sign_record(key, rec)
-
+from tests.support.dht import MODEL, OTHER, signed_record
+from tests.support.transport import run
 
 def test_protocol_is_pinned_in_every_kad_module():
     import libp2p.kad_dht.common as common
@@ -58,50 +48,53 @@ async def _swarm(stack: AsyncExitStack, n_servers: int, client_clock=time.time):
     return keys, boot, servers, client
 
 
+@pytest.mark.ring
 def test_announce_and_find_fresh_records():
     async def main():
         async with AsyncExitStack() as stack:
             keys, boot, servers, client = await _swarm(stack, 3)
-            await servers[0].announce(_value(keys[1], layers=(0, 3)), MODEL)
-            await servers[1].announce(_value(keys[2], layers=(2, 5)), MODEL)
-            await servers[2].announce(_value(keys[3], model=OTHER), OTHER)
+            await servers[0].announce(signed_record(keys[1], layers=(0, 3)), MODEL)
+            await servers[1].announce(signed_record(keys[2], layers=(2, 5)), MODEL)
+            await servers[2].announce(signed_record(keys[3], model=OTHER), OTHER)
             found = await client.find_records(MODEL)
             assert [(r.peer_id, r.layers) for r in found] == sorted(
                 [(peer_id_of(keys[1]), (0, 3)), (peer_id_of(keys[2]), (2, 5))])
             assert [r.peer_id for r in await client.find_records(OTHER)] == [peer_id_of(keys[3])]
             assert len(await client.find_records(None)) == 3  # the all-stages key
             # a republish with a higher seq is what the next read returns (no stale local copy)
-            await servers[0].announce(_value(keys[1], layers=(0, 3), seq=2, state="draining"), MODEL)
+            await servers[0].announce(signed_record(keys[1], layers=(0, 3), seq=2, state="draining"), MODEL)
             again = {r.peer_id: r for r in await client.find_records(MODEL)}
             assert again[peer_id_of(keys[1])].seq == 2 and again[peer_id_of(keys[1])].state == "draining"
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_forged_and_expired_records_are_never_returned():
     async def main():
         async with AsyncExitStack() as stack:
             skew = [0.0]  # the client's clock runs ahead to see records expire without sleeping
             keys, boot, servers, client = await _swarm(stack, 3, client_clock=lambda: time.time() + skew[0])
             honest, forger = keys[1], keys[2]
-            await servers[0].announce(_value(honest), MODEL)
+            await servers[0].announce(signed_record(honest), MODEL)
             # the forger announces a record naming the honest stage's PeerId but signed by itself:
             # the validator refuses it on put, at every node, and on read
             with pytest.raises(Exception):
-                await servers[1].dht.put_value(record_key(peer_id_of(honest)), _value(forger))
+                await servers[1].dht.put_value(record_key(peer_id_of(honest)), signed_record(forger))
             # a record for another model provided under MODEL's key is dropped by the reader
-            await servers[1].dht.put_value(record_key(peer_id_of(forger)), _value(forger, model=OTHER))
+            await servers[1].dht.put_value(record_key(peer_id_of(forger)), signed_record(forger, model=OTHER))
             await servers[1].dht.provide(MODEL)
             found = await client.find_records(MODEL)
             assert [r.peer_id for r in found] == [peer_id_of(honest)]
             # a record that expires is gone for readers even though remote nodes still hold it
             short = keys[3]
-            await servers[2].announce(_value(short, ttl=60), MODEL)
+            await servers[2].announce(signed_record(short, ttl=60), MODEL)
             assert peer_id_of(short) in [r.peer_id for r in await client.find_records(MODEL)]
             skew[0] = 61.0
             assert [r.peer_id for r in await client.find_records(MODEL)] == [peer_id_of(honest)]
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_bootstrap_errors_are_one_clear_line():
     async def main():
         async with AsyncExitStack() as stack:
@@ -126,6 +119,7 @@ def test_bootstrap_errors_are_one_clear_line():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_rtt_to_a_peer():
     async def main():
         async with AsyncExitStack() as stack:
@@ -136,6 +130,7 @@ def test_rtt_to_a_peer():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_announcer_republishes_draining_at_once_with_a_higher_seq():
     from swarm.discovery.announce import Announcer
 
@@ -167,13 +162,14 @@ def test_announcer_republishes_draining_at_once_with_a_higher_seq():
     run(main, timeout_s=30)
 
 
+@pytest.mark.ring
 def test_clients_stay_out_of_routing_tables():
     """A client-mode node that queried the swarm is never handed out as a DHT peer (libp2p 0.8.1
     adds every peer opening a DHT stream; swarm keeps only those that serve the protocol)."""
     async def main():
         async with AsyncExitStack() as stack:
             keys, boot, servers, client = await _swarm(stack, 2)
-            await servers[0].announce(_value(keys[1]), MODEL)
+            await servers[0].announce(signed_record(keys[1]), MODEL)
             assert await client.find_records(MODEL)
             client_id = client.host.libp2p_host.get_id()
             for node in (boot, *servers):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 
+import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.discovery.dht import open_dht
 from swarm.discovery.reach import MAX_PORTS, PROTOCOL_ID, check_reachable, tcp_ports
 from swarm.transport.host import open_host
-from tests.conftest import free_port
-from tests.transport.util import run
+from tests.support.net import free_port
+from tests.support.transport import run
 
 
 
@@ -19,6 +20,7 @@ def test_tcp_ports_of_multiaddrs():
                       "/ip4/1.2.3.4/udp/9", "garbage", "/dns4/a.example/tcp/7"]) == [4001, 5, 7]
 
 
+@pytest.mark.ring
 def test_dial_back_tells_reachable_from_unreachable():
     async def main():
         async with AsyncExitStack() as stack:
@@ -49,6 +51,7 @@ def test_dial_back_tells_reachable_from_unreachable():
     run(main, timeout_s=60)
 
 
+@pytest.mark.ring
 def test_unknown_when_no_node_can_answer():
     async def main():
         async with AsyncExitStack() as stack:
@@ -62,6 +65,7 @@ def test_unknown_when_no_node_can_answer():
     run(main, timeout_s=60)
 
 
+@pytest.mark.ring
 def test_malformed_requests_get_an_error_and_the_server_stays_up():
     async def main():
         async with AsyncExitStack() as stack:

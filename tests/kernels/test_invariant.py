@@ -13,7 +13,7 @@ from swarm.kernels.check import check_block
 from swarm.model.block import load_block
 from swarm.model.cache import KVCache
 from swarm.ranges import LayerRange
-from tests.conftest import FAMILY_CONFIGS
+from tests.support.models import FAMILY_CONFIGS
 
 # widths that are not multiples of any vector length, so tails and alignment show
 ODD = {"gpt2": dict(n_embd=40, n_inner=172)}
@@ -28,7 +28,8 @@ MODES = [("float32", "fma"), ("float32", "rows"), ("bfloat16", "rows")]
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 @pytest.mark.parametrize("dtype,mode", MODES)
-@pytest.mark.parametrize("tile", [1, 2])
+# tile 2 proves twice the rows at about three times the cost: it runs in `make test`, not in the unit tier
+@pytest.mark.parametrize("tile", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_family_proves_row_invariance(synthetic, family, dtype, mode, tile):
     if mode == "fma" and not FMA_OK:
         pytest.skip(f"the fma kernels cannot run here: {FMA_WHY}")
@@ -66,6 +67,7 @@ def test_the_proof_fails_where_plain_gemms_break_speculation(synthetic, dtype, m
 
 
 @needs_fma
+@pytest.mark.slow  # SmolLM2's widths: the costliest proof of the file; `make test` runs it
 def test_the_proof_fails_where_the_fma_gemm_is_swapped_for_a_blas_gemm(synthetic, monkeypatch):
     """The fma mode's proof is no formality: with the BLAS's GEMM in place of the fma kernel's, a
     5-row chunk's rows stop matching decode rows, and the stage falls back to rows mode, proven."""
@@ -105,7 +107,9 @@ def test_fma_linear_gives_a_row_the_same_bits_for_any_number_of_rows(k, n):
 
 
 @needs_fma
-@pytest.mark.parametrize("h,hkv,dh,window,s", [(9, 3, 64, None, 150), (4, 4, 13, None, 23), (8, 2, 16, 5, 23),
+# SmolLM2's heads (9, 3, 64) over 150 keys cost the most: in `make test`, not in the unit tier
+@pytest.mark.parametrize("h,hkv,dh,window,s", [pytest.param(9, 3, 64, None, 150, marks=pytest.mark.slow),
+                                              (4, 4, 13, None, 23), (8, 2, 16, 5, 23),
                                               (8, 1, 16, 70, 150), (6, 3, 8, None, 130)])
 def test_fma_attention_is_each_rows_decode_step(h, hkv, dh, window, s):
     """Every query row of a chunk gets the bits of a decode step at its position, over its own keys
@@ -156,6 +160,7 @@ def test_fma_kernels_give_the_same_bits_on_any_number_of_threads():
     assert torch.equal(side[0], results[0][1])
 
 
+@pytest.mark.process
 def test_kernels_can_be_turned_off_and_say_why():
     """SWARM_KERNELS=rows (and any machine without AVX2+FMA or a C compiler) gives the rows mode,
     with the reason; loading a block there says so."""
@@ -293,6 +298,7 @@ def test_fma_norm_and_silu_are_each_rows_own_and_match_torch():
         fma.rms_norm(x, w[:-1], 1e-5)
 
 
+@pytest.mark.process
 @needs_fma
 def test_the_kernel_build_takes_a_compiler_command_line_and_says_why_it_failed(tmp_path, monkeypatch):
     """CC is split like a shell word list; a damaged cached library is built again; a compiler that

@@ -6,23 +6,10 @@ import torch
 from swarm.errors import ConfigError, ContextOverflow, ModelError, ProtocolError
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from tests.conftest import FAMILY_CONFIGS, reference_greedy
+from tests.support.models import FAMILY_CONFIGS, chained_greedy, reference_greedy
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
 SPLITS = {1: [(0, 4)], 2: [(0, 3), (3, 4)], 3: [(0, 1), (1, 3), (3, 4)], 4: [(0, 1), (1, 2), (2, 3), (3, 4)]}
-
-
-def chained_greedy(blocks, prompt, new_tokens):
-    caches = [b.new_cache() for b in blocks]
-    out, pos, toks = [], 0, list(prompt)
-    while len(out) < new_tokens:
-        h = None
-        for b, c in zip(blocks, caches):
-            h = b.forward(c, pos, token_ids=torch.tensor([toks])) if b.is_head else b.forward(c, pos, hidden=h)
-        pos += len(toks)
-        toks = [int(h[0, -1].argmax())]
-        out.append(toks[0])
-    return out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

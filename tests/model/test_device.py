@@ -6,7 +6,7 @@ import torch
 from swarm.errors import ConfigError
 from swarm.model.block import load_block, pick_device, pick_dtype
 from swarm.ranges import LayerRange
-from tests.model.test_block import chained_greedy
+from tests.support.models import chained_greedy
 
 
 def test_auto_device_and_dtype_on_cpu():

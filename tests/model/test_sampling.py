@@ -8,7 +8,7 @@ import torch
 from swarm.config import SamplingParams
 from swarm.errors import ConfigError
 from swarm.model.sampling import position_key, sample, target_distribution
-from tests.conftest import chi2_critical
+from tests.support.stats import chi2_critical
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 

@@ -15,7 +15,7 @@ from swarm.transport import circuit as circuit_mod
 from swarm.transport.circuit import circuit_addr, hold_reservations, is_circuit, relay_part
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
-from tests.transport.util import run
+from tests.support.transport import run
 
 ECHO = "/swarm/test-echo/1"
 
@@ -51,6 +51,7 @@ async def _lab(stack: AsyncExitStack):
     return relay, dest, src
 
 
+@pytest.mark.ring
 def test_frames_cross_a_relay_that_sets_no_data_or_time_cap():
     async def main():
         async with AsyncExitStack() as stack:
@@ -76,6 +77,7 @@ def test_frames_cross_a_relay_that_sets_no_data_or_time_cap():
     run(main, timeout_s=120)
 
 
+@pytest.mark.ring
 def test_a_second_circuit_to_the_same_peer_survives_the_first_closing():
     """libp2p 0.8.1 keyed circuits by peer: closing the older one reset the newer one."""
     async def main():
@@ -99,6 +101,7 @@ def test_a_second_circuit_to_the_same_peer_survives_the_first_closing():
     run(main, timeout_s=120)
 
 
+@pytest.mark.ring
 def test_no_reservation_and_no_relay_are_clear_errors():
     async def main():
         async with AsyncExitStack() as stack:
@@ -117,6 +120,7 @@ def test_no_reservation_and_no_relay_are_clear_errors():
     run(main, timeout_s=60)
 
 
+@pytest.mark.ring
 def test_a_relay_restart_is_followed_by_a_new_reservation_at_once():
     """libp2p renews a reservation only near its expiry (~59 min): after a relay restart the node
     would be unreachable that long. keep_reservation reserves again as soon as the connection is gone."""
@@ -149,6 +153,7 @@ def test_a_relay_restart_is_followed_by_a_new_reservation_at_once():
     run(main, timeout_s=120)
 
 
+@pytest.mark.ring
 def test_a_relayed_stream_moves_to_the_punched_direct_connection_in_order():
     """DCUtR finds a direct path (on loopback: at once), and the stream the source opened through
     the relay moves onto it at a frame boundary while frames flow both ways: none lost, none
@@ -189,6 +194,7 @@ def test_a_relayed_stream_moves_to_the_punched_direct_connection_in_order():
     run(main, timeout_s=60)
 
 
+@pytest.mark.ring
 def test_a_move_under_a_stream_of_frames_in_flight_both_ways_keeps_order():
     async def main():
         async with AsyncExitStack() as stack:

@@ -14,7 +14,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from swarm.errors import HopTimeout, StreamClosed
 from swarm.transport import dataplane, open_host
 from swarm.transport.dataplane import BatchedNoiseReadWriter, BulkYamuxStream
-from tests.transport.util import run
+from tests.support.transport import run
 
 PROTO = "/test/dataplane/1"
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
@@ -36,6 +36,7 @@ async def _echo(stream):
         await stream.send(msg, timeout_s=30)
 
 
+@pytest.mark.ring
 @pytest.mark.parametrize("client_batched, server_batched", [(True, False), (False, True), (True, True)])
 def test_batched_and_stock_hosts_exchange_every_size_exactly(client_batched, server_batched):
     payloads = [os.urandom(n) for n in SIZES]
@@ -117,6 +118,7 @@ class FlipProxy:
                 await dst.aclose()
 
 
+@pytest.mark.ring
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_flipped_byte_fails_only_its_connection_promptly(batched):
     async def main():

@@ -12,7 +12,7 @@ import trio
 from swarm.errors import FrameTooLarge, HopTimeout, ProtocolError, StreamClosed
 from swarm.transport import FrameDecoder, FramedStream, decode_body, decode_length_prefix, encode_frame
 
-from .util import ScriptedRaw, trio_test
+from tests.support.transport import ScriptedRaw, trio_test
 
 
 def _framed(raw: ScriptedRaw, max_frame_bytes: int = 1 << 20) -> FramedStream:

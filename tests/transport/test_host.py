@@ -22,10 +22,10 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from swarm.addrs import without_peer_id
 from swarm.errors import ConfigError, FrameTooLarge, HopTimeout, ProtocolError, StageLost, StreamClosed
 from swarm.transport import FramedStream, SwarmHost, open_host
+from tests.support.transport import ECHO, echo, run, trio_test
 
-from .util import run, trio_test
+pytestmark = pytest.mark.ring
 
-ECHO = "/swarm-test/echo/1"
 SINK = "/swarm-test/sink/1"
 
 
@@ -33,16 +33,6 @@ SINK = "/swarm-test/sink/1"
 async def two_hosts() -> AsyncIterator[tuple[SwarmHost, SwarmHost]]:
     async with open_host(create_new_key_pair()) as a, open_host(create_new_key_pair()) as b:
         yield a, b
-
-
-async def echo(stream: FramedStream) -> None:
-    try:
-        while True:
-            msg = await stream.recv()
-            msg["server_saw_peer"] = stream.remote_peer_id
-            await stream.send(msg, timeout_s=5)
-    except StreamClosed:
-        pass
 
 
 class Sink:

@@ -94,6 +94,7 @@ def _hold(path: Path):
     return proc
 
 
+@pytest.mark.process
 def test_a_key_is_held_by_one_process(tmp_path: Path) -> None:
     from swarm.transport.identity import KeyInUse, claim_key, key_holder, release_keys
 
@@ -123,7 +124,7 @@ def test_an_unwritable_key_directory_names_swarm_cache(tmp_path: Path) -> None:
     from swarm.transport.identity import claim_key, release_keys
 
     if os.geteuid() == 0:
-        pytest.skip("root writes anywhere; tests/test_cli_env.py covers this with CAP_DAC_OVERRIDE dropped")
+        pytest.skip("root writes anywhere; tests/cli/test_cli_env.py covers this with CAP_DAC_OVERRIDE dropped")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)

@@ -16,7 +16,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from swarm.errors import ConfigError, StreamClosed
 from swarm.transport import open_host
 
-from .util import run, trio_test
+from tests.support.transport import run, trio_test
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -39,6 +39,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.process
 def test_import_does_not_load_torch_or_numpy() -> None:
     code = (
         "import sys, swarm.transport\n"
@@ -48,6 +49,7 @@ def test_import_does_not_load_torch_or_numpy() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, check=True, timeout=60)
 
 
+@pytest.mark.ring
 def test_health_monitor_turns_a_frozen_peer_into_stream_closed() -> None:
     run(_frozen_peer_scenario, timeout_s=9.5)  # child start ~1 s + detection ~2.5 s
 
@@ -78,6 +80,7 @@ async def _frozen_peer_scenario() -> None:
             await child.wait()
 
 
+@pytest.mark.ring
 @trio_test
 async def test_health_interval_must_be_positive() -> None:
     with pytest.raises(ConfigError):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from swarm.transport.relay import open_relay, relay_addr, target_of
-
-from .util import trio_test
+from tests.support.transport import trio_test
 
 
 async def echo_server(task_status=trio.TASK_STATUS_IGNORED):
@@ -18,6 +18,7 @@ async def echo_server(task_status=trio.TASK_STATUS_IGNORED):
     await trio.serve_tcp(handler, 0, host="127.0.0.1", task_status=task_status)  # loopback only
 
 
+@pytest.mark.ring
 @trio_test
 async def test_bytes_order_and_delay() -> None:
     async with trio.open_nursery() as nursery:
@@ -38,6 +39,7 @@ async def test_bytes_order_and_delay() -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.ring
 @trio_test
 async def test_rate_limit_serialises() -> None:
     async with trio.open_nursery() as nursery:
@@ -61,6 +63,7 @@ def test_addr_rewrite() -> None:
     assert target_of(a) == ("127.0.0.1", 4001)
 
 
+@pytest.mark.ring
 @trio_test
 async def test_redial_when_the_old_path_died() -> None:
     """A connection whose relay went away is replaced by a dial over the new address."""
@@ -68,7 +71,7 @@ async def test_redial_when_the_old_path_died() -> None:
 
     from swarm.transport import open_host
 
-    from .test_host import ECHO, echo
+    from tests.support.transport import ECHO, echo
 
     async with open_host(create_new_key_pair()) as a, open_host(create_new_key_pair()) as b:
         a.set_handler(ECHO, echo)

@@ -25,9 +25,9 @@ from swarm.weights.manifest import tensor_manifest
 from swarm.weights.identify import model_id
 from swarm.weights.peer import PROTOCOL_ID, WeightsServer, fetch_weights
 from swarm.weights.store import SIDECAR
-from tests.conftest import run_cli
-from tests.transport.util import run
-from tests.weights.util import LyingServer, client_host, flip_byte, reshard, shards_of, weights_peer
+from tests.support.cli import run_cli
+from tests.support.transport import run
+from tests.support.weights import LyingServer, client_host, flip_byte, reshard, shards_of, weights_peer
 
 NAME = "tiny-llama"
 MIDDLE = LayerRange(1, 3)
@@ -56,6 +56,7 @@ def _same_block(a: Path, b: Path, layers: LayerRange) -> None:
     assert torch.equal(x.forward(x.new_cache(16), 0, hidden=hidden), y.forward(y.new_cache(16), 0, hidden=hidden))
 
 
+@pytest.mark.ring
 def test_fetches_only_its_shards_and_equals_the_source(source, tmp_path):
     async def main():
         async with weights_peer(WeightsServer(source, NAME)) as addr:
@@ -78,6 +79,7 @@ def test_fetches_only_its_shards_and_equals_the_source(source, tmp_path):
     assert not list(got.path.glob(".incoming-*"))
 
 
+@pytest.mark.ring
 def test_without_layers_only_the_manifest_and_small_files_come_then_the_placed_block(source, tmp_path):
     """A stage placing itself (no --layers) first gets what placement needs, no shard; its memory
     fit reads the manifest's shapes; once placed, the same directory gets only that block's shards."""
@@ -97,6 +99,7 @@ def test_without_layers_only_the_manifest_and_small_files_come_then_the_placed_b
     assert block.path == meta.path and shards_of(block.path) == MIDDLE_SHARDS
 
 
+@pytest.mark.ring
 def test_tampered_peer_is_detected_and_the_next_peer_serves(source, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(source, bad)
@@ -123,6 +126,7 @@ def test_tampered_peer_is_detected_and_the_next_peer_serves(source, tmp_path):
     _same_block(dest, source, MIDDLE)
 
 
+@pytest.mark.ring
 def test_peer_without_the_tensors_is_skipped(source, tmp_path):
     partial = tmp_path / "partial"  # a stage that fetched layers [0, 2) only
     async def seed():
@@ -142,6 +146,7 @@ def test_peer_without_the_tensors_is_skipped(source, tmp_path):
     assert model_id(partial) == model_id(source)
 
 
+@pytest.mark.ring
 def test_unreachable_and_wrong_peers_fall_through(source, tmp_path):
     dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -178,6 +183,7 @@ def test_circuit_addresses_are_refused(tmp_path):
     assert done.returncode == 1 and done.stdout.startswith("SWARM_STAGE_FATAL") and "relay" in done.stdout
 
 
+@pytest.mark.ring
 def test_bad_requests_leave_the_server_serving(source, tmp_path):
     async def main():
         async with weights_peer(WeightsServer(source, NAME)) as addr, client_host() as host:
@@ -204,6 +210,7 @@ def test_bad_requests_leave_the_server_serving(source, tmp_path):
     assert got.path is not None  # the same server still serves a well-formed fetch
 
 
+@pytest.mark.ring
 def test_warm_restart_reverifies_and_fetches_nothing(source, tmp_path, monkeypatch):
     monkeypatch.setenv("SWARM_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "cache" / "weights"
@@ -226,6 +233,7 @@ def test_warm_restart_reverifies_and_fetches_nothing(source, tmp_path, monkeypat
     assert "model-00003-of-00006.safetensors" not in shards_of(first)
 
 
+@pytest.mark.ring
 def test_sidecar_records_source_and_manifest(source, tmp_path):
     async def main():
         async with weights_peer(WeightsServer(source, NAME)) as addr:
@@ -248,6 +256,7 @@ def test_wire_writes_fill_one_noise_message():
     assert WRITE_BYTES <= yamux.MAX_MESSAGE_SIZE - yamux.HEADER_SIZE  # Yamux does not cut it again
 
 
+@pytest.mark.process
 def test_fetch_path_does_not_import_torch():
     import subprocess
     import sys

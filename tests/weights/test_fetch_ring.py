@@ -12,8 +12,10 @@ import trio
 from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
 from swarm.weights.store import SIDECAR
-from tests.conftest import reference_greedy
-from tests.ring_util import ring_generate
+from tests.support.models import reference_greedy
+from tests.support.ring import ring_generate
+
+pytestmark = [pytest.mark.ring, pytest.mark.process]
 
 PROMPT = [1, 403, 407, 261, 378, 300, 265]
 

@@ -20,7 +20,7 @@ from swarm.stage.acquire import acquire_model
 from swarm.weights.hub import fetch_from_hub
 from swarm.weights.identify import load_manifest, model_id
 from swarm.weights.store import WeightsManifest, local_layout
-from tests.weights.util import flip_byte, reshard, shards_of
+from tests.support.weights import flip_byte, reshard, shards_of
 
 REPO = "org/tiny"
 SHA = "c0ffee" + "0" * 34

@@ -12,7 +12,9 @@ from swarm.config import CoordinatorConfig, SpecConfig
 from swarm.coordinator.conversation import Conversation
 from swarm.coordinator.generation import generate
 from swarm.errors import ConfigError, collapse
-from tests.ring_util import start_ring
+from tests.support.ring import start_ring
+
+pytestmark = pytest.mark.ring
 
 QUESTIONS = ["Name a color.", "And another one?", "Which is darker?", "Say it in French.", "Thanks, bye."]
 

@@ -27,7 +27,9 @@ from swarm.config import SpecConfig
 from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from swarm.serve.lifecycle import Shutdown
-from tests.ring_util import start_ring
+from tests.support.ring import start_ring
+
+pytestmark = [pytest.mark.ring, pytest.mark.process]
 
 RANGES = [(0, 2), (2, 4), (4, 5)]
 PROMPT = "Once upon a time"

@@ -1,4 +1,5 @@
-"""Shared helpers for transport tests: a deadline-wrapped trio.run and a scriptable raw stream."""
+"""Helpers for tests on real hosts and streams: a deadline-wrapped trio.run, a scriptable raw stream,
+an echo protocol handler."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any
 
 import trio
 
+from swarm.errors import StreamClosed
+from swarm.transport import FramedStream
+
 TEST_DEADLINE_S = 8.0
+ECHO = "/swarm-test/echo/1"
 
 
 def run(async_fn: Callable[..., Awaitable[Any]], *args: Any, timeout_s: float = TEST_DEADLINE_S) -> Any:
@@ -79,3 +84,14 @@ class ScriptedRaw:
     async def reset(self) -> None:
         self.reset_called = True
         self._changed.set()
+
+
+async def echo(stream: FramedStream) -> None:
+    """Protocol handler: send every frame back with ``server_saw_peer`` added, until the stream closes."""
+    try:
+        while True:
+            msg = await stream.recv()
+            msg["server_saw_peer"] = stream.remote_peer_id
+            await stream.send(msg, timeout_s=5)
+    except StreamClosed:
+        pass

@@ -20,7 +20,7 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.identity import peer_id_of
 from swarm.wire import PROTOCOL_ID
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def line(res, kind):
     return json.loads(found.split(" ", 1)[1])
 
 
+@pytest.mark.process
 def test_check_ok_and_fatal(synthetic, tmp_path):
     """Real processes for the OK line (exit 0) and one FATAL line (exit 2), side by side; the other
     checks in this process (``run_cli``): most of a ``--check`` process is importing torch."""
@@ -89,6 +90,7 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
         assert reason in line(res, "FATAL")["reason"], (args, res.stdout)
 
 
+@pytest.mark.process
 def test_usage_errors_still_print_a_fatal_line(synthetic, tmp_path):
     for args, code in ((["--threads", "abc"], 1), (["--threads", "abc", "--check"], 2), (["--layers", "-1:2"], 1)):
         res = swarm("stage", "--model", str(synthetic("llama")), "--layers", "0:2", *args)
@@ -99,6 +101,7 @@ def test_usage_errors_still_print_a_fatal_line(synthetic, tmp_path):
     assert res.returncode == 1 and "exceeds the model's maximum context" in line(res, "FATAL")["reason"]
 
 
+@pytest.mark.process
 def test_secrets_stay_out_of_argv_and_logs(synthetic, tmp_path):
     canary = "hf_canary_0123456789abcdef"
     import argparse
@@ -148,6 +151,7 @@ def one_stage(model, tmp_path, *extra):
                      extra_args=["--dtype", "float64", *extra], startup_timeout_s=120)
 
 
+@pytest.mark.process
 def test_ready_line_and_sigterm_on_an_idle_stage(synthetic, tmp_path):
     with one_stage(synthetic("llama"), tmp_path, "--max-ctx", "64") as ring:
         sp = ring.stages[0]
@@ -166,6 +170,8 @@ async def _open(host, addr, sid):
     return s, await s.recv(timeout_s=10)
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_sigterm_lets_running_sessions_finish(synthetic, tmp_path):
     with one_stage(synthetic("llama"), tmp_path) as ring:
         sp = ring.stages[0]
@@ -191,6 +197,8 @@ def test_sigterm_lets_running_sessions_finish(synthetic, tmp_path):
         assert sp.proc.wait(timeout=10) == 0
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_drain_timeout_fails_the_rest_with_a_reason(synthetic, tmp_path):
     with one_stage(synthetic("llama"), tmp_path, "--drain-timeout-s", "1") as ring:
         sp = ring.stages[0]
@@ -216,6 +224,8 @@ def test_drain_timeout_fails_the_rest_with_a_reason(synthetic, tmp_path):
         assert time.monotonic() - t_drained < 2  # exits right after DRAINED
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_drain_request_only_from_an_admin(synthetic, tmp_path):
     admin = load_or_create_key(tmp_path / "admin.key")
     with one_stage(synthetic("llama"), tmp_path, "--admin", peer_id_of(admin)) as ring:

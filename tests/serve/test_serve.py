@@ -21,9 +21,9 @@ from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
 from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
-from tests.conftest import reference_greedy
+from tests.support.models import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 
@@ -362,7 +362,7 @@ def test_swarm_serve_command(stories_ring, stories_dir, tmp_path):
 
     import yaml
 
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     ring_file = tmp_path / "ring.yaml"
     ring_file.write_text(yaml.safe_dump(stories_ring.ring_spec().to_dict()))

@@ -28,8 +28,10 @@ from swarm.stage.daemon import serve
 from swarm.stage.server import StageServer
 from swarm.stage.session import SentLog
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import reference_greedy
-from tests.ring_util import LOOPBACK
+from tests.support.models import reference_greedy
+from tests.support.ring import LOOPBACK
+
+pytestmark = pytest.mark.ring
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 12, 13]
@@ -38,7 +40,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from tests.conftest import make_synthetic
+    from tests.support.models import make_synthetic
 
     return make_synthetic("llama", tmp_path_factory.mktemp("llama-kept"))
 
@@ -222,7 +224,7 @@ def test_repair_is_refused_without_the_state_it_needs(model, tmp_path):
     it kept (no_state), and, with --heal-log-mb 0, any resend. The log is reserved with the KV."""
     from swarm import wire
     from swarm.wire import PROTOCOL_ID
-    from tests.ring_util import start_ring
+    from tests.support.ring import start_ring
 
     async def main():
         with trio.fail_after(60):

@@ -30,8 +30,9 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
 from swarm.weights.identify import model_id
-from tests.conftest import free_port, make_synthetic, reference_greedy
-from tests.test_cli import run_swarm
+from tests.support.cli import run_swarm
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +104,7 @@ def _peer(stage) -> str:
     return stage.ready["peer_id"]
 
 
+@pytest.mark.process
 def test_coordinate_names_only_the_model_and_routes_around_the_relay_and_the_lure(swarm_net, stories_dir):
     ring = swarm_net["ring"]
     proc = run_swarm("coordinate", "--model", str(stories_dir), "--bootstrap", swarm_net["boot"].addr,
@@ -123,6 +125,7 @@ def test_coordinate_names_only_the_model_and_routes_around_the_relay_and_the_lur
     assert result["receipt"]["verified"] is True, result["receipt"]  # sub-range hops sign their sub-range digests
 
 
+@pytest.mark.process
 def test_peers_shows_coverage_and_errors_are_one_line(swarm_net, stories_dir):
     boot = swarm_net["boot"].addr
     proc = run_swarm("peers", "--bootstrap", boot, "--model", str(stories_dir), "--json")
@@ -159,6 +162,7 @@ def _state_with_models(url: str, n: int) -> dict:
         time.sleep(0.5)
 
 
+@pytest.mark.process
 def test_the_dashboard_alone_shows_the_swarms_layer_coverage_from_the_dht(swarm_net, stories_dir, tmp_path):
     """`swarm dashboard --bootstrap` (no server) reads every model's records from the DHT:
     stories260k's coverage per layer, and the lure as a second model. (`swarm serve --bootstrap`'s
@@ -187,6 +191,7 @@ def test_the_dashboard_alone_shows_the_swarms_layer_coverage_from_the_dht(swarm_
     assert "2 models announce" in alone["status"] and alone["dht"] is True
 
 
+@pytest.mark.process
 def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     model = make_synthetic("llama", tmp_path / "synth", dtype="float32", seed=3, num_hidden_layers=6)
     boot = swarm_net["boot"].addr
@@ -212,6 +217,7 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
     assert holders.stages[1].ready["dht_mode"] == "client" and holders.stages[1].ready["reachable"] is False
 
 
+@pytest.mark.process
 def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, stories_dir, tmp_path):
     """`swarm serve --model --bootstrap`: its dashboard shows every model's coverage from the DHT.
     The middle stage of its route crashes and its volunteer restarts it (same key, so the same
@@ -229,7 +235,7 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
     import openai
 
     from swarm.config import RingSpec
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     model = _other_weights(stories_dir, tmp_path / "own", factor=1.02)  # only these stages hold it
     boot = swarm_net["boot"].addr
@@ -300,6 +306,7 @@ def _health_once_at(url: str, addr: str, within_s: float = 20.0) -> dict:
         time.sleep(0.5)
 
 
+@pytest.mark.process
 def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
     """P fills the gap [2, 4); R joins at [2, 4) too; then the only holder of [0, 2) dies. P's
     re-check finds that leaving [2, 4) opens no gap and that [0, 2) is empty: it drains, prints
@@ -338,6 +345,8 @@ def test_a_placed_stage_moves_to_a_gap_that_opens_later(swarm_net, tmp_path):
             assert again["layers"] == [0, 2] and again["peer_id"] == p.ready["peer_id"]
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stories_dir, tmp_path):
     """Ring A [0, 1) -> E [1, 4) -> C [4, 5) by hand, no spares. SIGKILL E: no live stage outside the
     ring holds all of [1, 4), so the heal splices a chain from the DHT (A2 for the front, the relayed
@@ -396,6 +405,8 @@ def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stori
     assert res["verified"], res
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, stories_dir, tmp_path):
     """No spares anywhere: the replacement comes from the DHT; ids equal the uninterrupted run."""
     ring_procs = swarm_net["ring"]

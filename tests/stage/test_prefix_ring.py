@@ -20,7 +20,9 @@ from swarm.errors import collapse
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host
-from tests.ring_util import LOOPBACK, start_ring
+from tests.support.ring import LOOPBACK, start_ring
+
+pytestmark = pytest.mark.ring
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
 FIRST = [1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 12, 13, 14, 15]
@@ -232,7 +234,7 @@ def test_a_corrupted_block_at_one_stage_is_recomputed_and_the_ids_stay_exact(syn
 def test_a_heal_during_a_resumed_request_stays_exact(synthetic, tmp_path, victim):
     """Turn 2 reuses turn 1's prefix; a stage dies mid-answer and a spare (no prefix) takes over: the
     predecessor's log of sent states does not reach back past the reuse, so the heal replays in full."""
-    from tests.test_heal_kept import start_stages
+    from tests.coordinator.test_heal_kept import start_stages
 
     model = synthetic("llama")
     [(fresh, _)], _ = converse(model, tmp_path / "fresh", prefix_cache=False, turns=TURNS[:2])

@@ -1,7 +1,7 @@
 """The dashboard (issue 18) in a real browser: headless Chromium loads `swarm serve`'s /dashboard over
 a live 3-stage ring, and `swarm dashboard --receipts DIR` over a verified and a tampered receipt.
 
-Chromium is Debian's `chromium` (`.ci/run` installs it from the package cache when missing); the
+Chromium is Debian's `chromium` (`.ci/run` installs it with apt-get when missing); the
 tests skip with a message saying so where it is not installed. Screenshots are kept in the tests'
 temporary directories (the path is printed) for people to look at.
 """
@@ -62,8 +62,9 @@ def plot_points(dom: str, plot_id: str) -> int:
     return m.group(1).count('class="point"') if m else -1
 
 
+@pytest.mark.process
 def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir, chromium, tmp_path):
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
         server = Server(ring.ring_spec(), tmp_path)
@@ -95,8 +96,10 @@ def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir
     assert phone.count('class="stage-row"') == 3
 
 
+@pytest.mark.ring
+@pytest.mark.process
 def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(synthetic, chromium, tmp_path):
-    from tests.ring_util import job_receipt
+    from tests.support.ring import job_receipt
 
     model = synthetic("llama")
     receipts = tmp_path / "receipts"
@@ -125,13 +128,14 @@ def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(syn
     assert re.search(r'title="job signature: ', dom)  # the check's whole message on hover
 
 
+@pytest.mark.process
 def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     """A stage is SIGKILLed mid-answer; the request heals onto the spare, and the page lists the heal."""
     import os
     import signal
 
     from swarm.config import RingSpec, StageSpec
-    from tests.test_serve import Server
+    from tests.serve.test_serve import Server
 
     with LocalRing(str(stories_dir), [*RANGES, RANGES[1]], tmp_path, threads=1,
                    extra_args=["--dtype", "float32"]) as ring:
@@ -152,7 +156,7 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
                     os.killpg(victim.pid, signal.SIGKILL)
             assert pieces > 10
             dom, log = browse(chromium, server.url + "/dashboard", tmp_path, "healed")
-            from tests.test_metrics import scrape
+            from tests.support.metrics import scrape
 
             m = scrape(server.url + "/metrics")
         finally:
@@ -263,6 +267,7 @@ def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
     return json.loads(html.unescape(out.group(1)))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("font", ["", "monospace", "serif"])  # the page's font, and wider ones a phone may use
 def test_at_a_phone_width_nothing_overflows_and_peer_ids_stay_in_their_circles(chromium, tmp_path, font):
     got = probe(chromium, tmp_path, [served_state(3.2)], font)
@@ -271,12 +276,14 @@ def test_at_a_phone_width_nothing_overflows_and_peer_ids_stay_in_their_circles(c
     assert got["rate"] == "3.2", got
 
 
+@pytest.mark.process
 def test_recent_jobs_says_how_to_get_receipts_listed(chromium, tmp_path):
     assert "--receipt-dir" in probe(chromium, tmp_path, [served_state(0.0)])["jobs_hint"]
     assert probe(chromium, tmp_path / "2", [served_state(0.0, receipts="/srv/r")])["jobs_hint"] == \
         "no job receipts in /srv/r yet"
 
 
+@pytest.mark.process
 def test_the_headline_never_shows_a_stale_rate_when_the_state_cannot_be_read(chromium, tmp_path):
     """The page showed 0.0 tok/s while its state said 3.2: a poll that fails must not leave the last
     number up as if it were current."""
@@ -298,12 +305,13 @@ def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():
     assert bare["coverage"] == [1, 1, 0, 0, 1] and bare["uncovered"] == [[2, 4]]
 
 
+@pytest.mark.ring
 def test_an_unchanged_receipt_directory_is_not_verified_again_on_every_poll(synthetic, tmp_path, monkeypatch):
     """The page polls every second: the same files give the last verdicts without verifying again;
     a file that changed (tampered after a first poll) is verified again and fails."""
     from swarm import dashboard
     from swarm import receipts as receipts_mod
-    from tests.ring_util import job_receipt
+    from tests.support.ring import job_receipt
 
     receipts = tmp_path / "receipts"
     path = Path(job_receipt(synthetic("llama"), tmp_path, [(0, 2), (2, 4)], [1, 5, 9, 3], receipts)["path"])

@@ -18,10 +18,10 @@ from swarm.ranges import LayerRange
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
 from swarm.weights.identify import model_id
-from tests.conftest import reference_greedy
-from tests.test_cli import run_swarm
+from tests.support.cli import run_swarm
+from tests.support.models import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 
 
 def _leave(boot_addr: str, mid: str, n: int) -> list[str]:

@@ -1,5 +1,5 @@
 """The client side of the NAT lab test, run inside the lab's public namespace by
-``tests/test_nat_lab.py`` (``python -m tests.nat_client CONFIG.json``); prints one JSON line.
+``tests/transport/test_nat_lab.py`` (``python -m tests.support.nat_client CONFIG.json``); prints one JSON line.
 
 CONFIG: ``{"ring": ring file, "model": dir, "prompt": ids, "new": n, "mode": "punch" | "relayed",
 "relay_pid": pid, "key": path}``. Both modes generate once through the ring (relayed at first).

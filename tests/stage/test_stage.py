@@ -13,8 +13,10 @@ from swarm import wire
 from swarm.errors import StageLost, StreamClosed, SwarmError
 from swarm.wire import PROTOCOL_ID
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import reference_greedy
-from tests.ring_util import LOOPBACK, ring_generate, start_ring
+from tests.support.models import reference_greedy
+from tests.support.ring import LOOPBACK, ring_generate, start_ring
+
+pytestmark = pytest.mark.ring
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGBsvJXCXAMMAPkEZx2LZw3A8j5WE93ZWPvuBeKbtZktW"
 
@@ -66,6 +66,7 @@ def test_a_taken_port_is_one_line_before_anything_loads(taken_port, tmp_path, fo
     assert len([ln for ln in said.splitlines() if "cannot listen" in ln]) == 1
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_taken_port_in_a_real_process_has_no_traceback(taken_port, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "swarm", "serve", "--ring", _ring(tmp_path, "/no/such/model"),
@@ -97,6 +98,7 @@ def _run_readonly(args: list[str], env: dict, timeout: float = 120) -> subproces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["home", "swarm_cache"])
 @pytest.mark.parametrize("cmd", ["model-import", "coordinate", "serve", "stage", "peers"])
@@ -105,7 +107,7 @@ def test_a_read_only_cache_is_one_line_naming_swarm_cache(stories_dir, tmp_path,
     ro.mkdir()
     ro.chmod(0o555)
     env = {k: v for k, v in os.environ.items() if k != "SWARM_CACHE"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     if how == "home":
         env["HOME"] = str(ro)
     else:
@@ -129,6 +131,7 @@ def test_a_read_only_cache_is_one_line_naming_swarm_cache(stories_dir, tmp_path,
     assert len(said.splitlines()) == 1, said
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["coordinate", "serve"])
 def test_a_swarm_without_the_model_refuses_before_converting(tmp_path, cmd):
@@ -160,6 +163,7 @@ def _hold_key(path: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("key", ["default", "explicit"])
 def test_a_stage_refuses_a_key_another_process_holds(stories_dir, tmp_path, key):
     path = Path(os.environ["SWARM_CACHE"]) / "keys" / "stage-0-2.key" if key == "default" else tmp_path / "s.key"
@@ -176,13 +180,14 @@ def test_a_stage_refuses_a_key_another_process_holds(stories_dir, tmp_path, key)
     assert f"key file {path} is in use by pid {holder.pid}" in reason and "--key FILE" in reason
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_coordinate_beside_another_holder_of_the_default_key_uses_its_own(stories_dir, tmp_path):
     """`swarm coordinate` beside a running `swarm serve` (both default to coordinator.key): the second
     takes coordinator-2.key, says so, and generates as it would alone."""
     from swarm.cli.launch import LocalRing
     from swarm.ranges import LayerRange
-    from tests.conftest import reference_greedy
+    from tests.support.models import reference_greedy
 
     keys = Path(os.environ["SWARM_CACHE"]) / "keys"
     with LocalRing(str(stories_dir), [LayerRange(0, 2), LayerRange(2, 5)], tmp_path / "stage-keys", threads=1,

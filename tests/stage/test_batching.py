@@ -18,9 +18,9 @@ from swarm.ranges import LayerRange
 from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key
 from swarm.transport.identity import peer_id_of
-from tests.conftest import FAMILY_CONFIGS
-from tests.ring_util import ring_generate, start_ring
-from tests.test_fuzz import MemStream, NoNetwork
+from tests.support.models import FAMILY_CONFIGS
+from tests.support.ring import ring_generate, start_ring
+from tests.support.streams import MemStream, NoNetwork
 
 TILE = 2  # the stage default (--batch-tile)
 PROMPTS = [5, 9, 1, 13]  # prompt lengths of four sessions

@@ -1,6 +1,6 @@
 """Stages behind home routers (issue 15's acceptance), in a NAT lab of network namespaces.
 
-``tests/natlab.py`` builds two NAT routers in front of two hosts, and a public segment with a
+``tests/support/natlab.py`` builds two NAT routers in front of two hosts, and a public segment with a
 ``swarm relay``, one public stage and the client. The ring is A (behind NAT 1) -> B (behind NAT
 2, the middle) -> C (public): A and B are reachable only through their circuits on the relay,
 so every hop that touches them starts relayed, and A -> B has a NAT on both ends.
@@ -29,16 +29,16 @@ import yaml
 from swarm.config import RingSpec, StageSpec
 from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.ranges import LayerRange
-from tests.conftest import reference_greedy
-from tests.natlab import NatLab
+from tests.support.models import reference_greedy
+from tests.support.natlab import NatLab
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]
 NEW = 24
 SETTLE_S = 5.0  # after the client's own streams moved, the stages' hop (A -> B) gets this long before the relay dies
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def _run_lab(stories_dir, tmp_path, random_ports: bool) -> dict:
                     "ring": str(ring_file), "model": str(stories_dir), "prompt": PROMPT, "new": NEW,
                     "mode": "relayed" if random_ports else "punch", "relay_pid": relay.proc.pid,
                     "key": str(tmp_path / "client.key"), "ip": lab.PUB_IP, "settle_s": SETTLE_S}))
-                proc = subprocess.run([*lab.ns_exec("pub"), sys.executable, "-m", "tests.nat_client", str(config)],
+                proc = subprocess.run([*lab.ns_exec("pub"), sys.executable, "-m", "tests.support.nat_client", str(config)],
                                       cwd=ROOT, capture_output=True, text=True, timeout=300)
                 assert proc.returncode == 0, proc.stderr[-3000:]
                 return json.loads(proc.stdout.strip().splitlines()[-1])

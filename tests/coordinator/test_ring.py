@@ -2,8 +2,10 @@
 
 import pytest
 
-from tests.conftest import FAMILY_CONFIGS, reference_greedy
-from tests.ring_util import run_inprocess
+from tests.support.models import FAMILY_CONFIGS, reference_greedy
+from tests.support.ring import run_inprocess
+
+pytestmark = pytest.mark.ring
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
 SPLITS = {
@@ -57,7 +59,7 @@ def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_pa
     from swarm.errors import collapse
     from swarm.model.resolve import model_manifest_digest
     from swarm.transport import load_or_create_key, open_host
-    from tests.ring_util import LOOPBACK, start_ring
+    from tests.support.ring import LOOPBACK, start_ring
 
     prompt, new = [1, 403, 407, 261, 378], 40
     ref = reference_greedy(stories_dir, prompt, new, "float32")

@@ -13,8 +13,11 @@ from swarm.config import SpecConfig
 from swarm.coordinator.drafters import ModelDrafter, NgramDrafter
 from swarm.coordinator.spec import NoDrafter
 from swarm.wire import PROTOCOL_ID
-from tests.conftest import chi2_critical, make_synthetic, reference_greedy
-from tests.ring_util import run_inprocess
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.ring import run_inprocess
+from tests.support.stats import chi2_critical
+
+pytestmark = pytest.mark.ring
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4, 5, 9, 3]
 RANGES = [(0, 1), (1, 3), (3, 4)]
@@ -130,7 +133,7 @@ def test_stories260k_speculation(stories_dir, stories_reference, stories_draft, 
 def test_stale_epoch_frame_never_touches_the_cache(target, tmp_path):
     """Inject a frame of an old epoch into a stage: it is dropped before computing."""
     from swarm.transport import load_or_create_key, open_host
-    from tests.ring_util import LOOPBACK, start_ring
+    from tests.support.ring import LOOPBACK, start_ring
 
     async def main():
         with trio.fail_after(60):
@@ -166,7 +169,7 @@ def test_speculation_through_delaying_relays(target, reference, tmp_path):
 
     from swarm.config import RingSpec, StageSpec
     from swarm.transport.relay import open_relay, relay_addr, target_of
-    from tests.ring_util import ring_generate, start_ring
+    from tests.support.ring import ring_generate, start_ring
 
     async def main():
         with trio.fail_after(90):
@@ -331,7 +334,7 @@ def test_smollm2_bfloat16_speculation_is_greedy_bit_for_bit(smollm2_dir, tmp_pat
     on an Intel CPU). Row-invariant stages make every (K, depth) give greedy's ids."""
     from transformers import AutoTokenizer
 
-    from tests.ring_util import ring_generate, start_ring
+    from tests.support.ring import ring_generate, start_ring
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     text = ("Repeat this sentence exactly, then continue the story: The quick brown fox jumps over the lazy dog "

@@ -24,15 +24,17 @@ from swarm.errors import ReceiptInvalid, StreamClosed, collapse
 from swarm.mirror import Mirror
 from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import reference_greedy
-from tests.test_heal_kept import PROMPT, RANGES, start_stages
+from tests.coordinator.test_heal_kept import PROMPT, RANGES, start_stages
+from tests.support.models import reference_greedy
+
+pytestmark = pytest.mark.ring
 
 NEW = 24
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from tests.conftest import make_synthetic
+    from tests.support.models import make_synthetic
 
     return make_synthetic("llama", tmp_path_factory.mktemp("llama-shadow"))
 

@@ -24,9 +24,9 @@ from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
 from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
-from tests.conftest import reference_greedy
+from tests.support.models import reference_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]

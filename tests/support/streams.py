@@ -1,0 +1,33 @@
+"""Stand-ins for a stage driven directly by a test: an in-memory FramedStream, a host with no network."""
+
+from __future__ import annotations
+
+from swarm.transport.framing import encode_frame
+
+
+class MemStream:
+    """An in-memory stand-in for a FramedStream: remembers what the stage sends."""
+
+    def __init__(self, peer: str):
+        self.remote_peer_id = peer
+        self.sent: list[dict] = []
+        self.closed = False
+
+    async def send(self, msg, timeout_s=None):
+        encode_frame(msg)  # what the stage sends must be a valid frame
+        self.sent.append(msg)
+
+    async def aclose(self):
+        self.closed = True
+
+
+class NoNetwork:
+    """A stage's host that has no network: every dial fails with StageLost."""
+
+    def __init__(self, peer_id):
+        self.peer_id = peer_id
+
+    async def open_stream(self, *a, **k):
+        from swarm.errors import StageLost
+
+        raise StageLost("no network in the fuzz test")

@@ -131,7 +131,7 @@ def test_tokens_are_counted_while_a_request_runs(stories_ring_metrics):
 
 @pytest.fixture(scope="module")
 def stories_ring_metrics(metrics_ring, tmp_path_factory):
-    from tests.serve.test_serve import Server
+    from tests.support.serve import Server
 
     server = Server(metrics_ring.ring_spec(), tmp_path_factory.mktemp("serve-key"))
     try:
@@ -147,7 +147,7 @@ def test_serve_with_a_receipt_dir_signs_every_request_and_counts_failed_receipts
     import json
 
     from swarm import receipts
-    from tests.serve.test_serve import Server
+    from tests.support.serve import Server
 
     out = tmp_path / "receipts"
     server = Server(metrics_ring.ring_spec(), tmp_path, receipt_dir=out)

@@ -5,7 +5,7 @@ coordinator swaps in the spare, the predecessor resends the hidden states it sen
 the token ids, for a lost head), only the spare computes them, and one position goes round the ring
 to check the driver token. The ids equal an uninterrupted run, the heal event says
 ``survivors_kept``, and the job receipt verifies with the neighbours' digests closed at the heal.
-Real processes: tests/test_heal_ring.py.
+Real processes: tests/coordinator/test_heal_ring.py.
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ import pytest
 import trio
 
 from swarm import receipts
-from swarm.config import RingSpec, SpecConfig, StageConfig, StageSpec
+from swarm.config import RingSpec, SpecConfig
 from swarm.coordinator.generation import DecodeOptions, RingClient, decode, write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
-from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
-from swarm.ranges import LayerRange
 from swarm.stage.daemon import serve
-from swarm.stage.server import StageServer
 from swarm.stage.session import SentLog
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
-from tests.support.ring import LOOPBACK
+from tests.support.ring import LOOPBACK, start_stages
 
 pytestmark = pytest.mark.ring
 
@@ -43,27 +40,6 @@ def model(tmp_path_factory):
     from tests.support.models import make_synthetic
 
     return make_synthetic("llama", tmp_path_factory.mktemp("llama-kept"))
-
-
-async def _serve_in_scope(server, key, scope_box, task_status=trio.TASK_STATUS_IGNORED):
-    with trio.CancelScope() as scope:
-        scope_box.append(scope)
-        await serve(server, key, LOOPBACK, task_status=task_status)
-
-
-async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str, **stage_kwargs):
-    """One in-process stage per range, each in its own cancel scope (cancelled = the stage is gone);
-    ``stage_kwargs`` go to every StageConfig."""
-    digest = model_manifest_digest(model_dir)
-    out = []
-    for a, b in ranges:
-        r = LayerRange(a, b)
-        block = load_block(model_dir, r, dtype="float64", device="cpu")
-        server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, model_dir.name, digest)
-        scopes: list = []
-        ready = await nursery.start(_serve_in_scope, server, load_or_create_key(key_dir / f"{tag}{a}-{b}.key"), scopes)
-        out.append((StageSpec(addr=ready["addrs"][0], layers=r), server, scopes[0]))
-    return out
 
 
 def heal_inprocess(model_dir: Path, tmp_path: Path, victim: int, *, kill_at: int = 8, spec_config=None,

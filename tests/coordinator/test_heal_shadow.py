@@ -5,7 +5,7 @@ predecessor (the coordinator, for a head) mirrors every forward frame to it as r
 the heal it is promoted with (almost) nothing to refill. The ids equal an uninterrupted run, the
 heal event says ``shadow``, and the job receipt verifies (the mirrored frames are in the chain).
 A shadow whose mirror was dropped, or that stopped answering, falls back to the refill path.
-Real processes: tests/test_heal_ring.py.
+Real processes: tests/coordinator/test_heal_ring.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from swarm.errors import ReceiptInvalid, StreamClosed, collapse
 from swarm.mirror import Mirror
 from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host
-from tests.coordinator.test_heal_kept import PROMPT, RANGES, start_stages
+from tests.coordinator.test_heal_kept import PROMPT, RANGES
+from tests.support.ring import start_stages
 from tests.support.models import reference_greedy
 
 pytestmark = pytest.mark.ring

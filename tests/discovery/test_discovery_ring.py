@@ -235,7 +235,7 @@ def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, storie
     import openai
 
     from swarm.config import RingSpec
-    from tests.serve.test_serve import Server
+    from tests.support.serve import Server
 
     model = _other_weights(stories_dir, tmp_path / "own", factor=1.02)  # only these stages hold it
     boot = swarm_net["boot"].addr

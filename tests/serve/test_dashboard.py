@@ -64,7 +64,7 @@ def plot_points(dom: str, plot_id: str) -> int:
 
 @pytest.mark.process
 def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir, chromium, tmp_path):
-    from tests.serve.test_serve import Server
+    from tests.support.serve import Server
 
     with LocalRing(str(stories_dir), RANGES, tmp_path, threads=1, extra_args=["--dtype", "float32"]) as ring:
         server = Server(ring.ring_spec(), tmp_path)
@@ -135,7 +135,7 @@ def test_a_heal_shows_on_the_timeline(stories_dir, chromium, tmp_path):
     import signal
 
     from swarm.config import RingSpec, StageSpec
-    from tests.serve.test_serve import Server
+    from tests.support.serve import Server
 
     with LocalRing(str(stories_dir), [*RANGES, RANGES[1]], tmp_path, threads=1,
                    extra_args=["--dtype", "float32"]) as ring:

@@ -7,10 +7,8 @@ wheel) the chat tests, since stories260k's tokenizer has no chat template.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,53 +17,12 @@ import trio
 
 from swarm.cli.launch import LocalRing
 from swarm.ranges import LayerRange
-from swarm.serve.app import serve_api
-from swarm.serve.config import ServeConfig
 from tests.support.models import reference_greedy
+from tests.support.serve import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
-
-
-class Server:
-    """``serve_api`` in a thread with its own trio loop; ``stop()`` cancels it."""
-
-    def __init__(self, spec, key_dir: Path, **serve_kwargs):
-        self.box: dict = {}
-        self.serve_kwargs = serve_kwargs  # more ServeConfig fields (e.g. dashboard_receipts)
-        self.thread = threading.Thread(target=self._run, args=(spec, key_dir), daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 120
-        while "info" not in self.box and "error" not in self.box:
-            assert time.monotonic() < end, "the server did not start"
-            time.sleep(0.05)
-        if "error" in self.box:
-            raise self.box["error"]
-        self.url = self.box["info"]["url"]
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def _run(self, spec, key_dir):
-        async def main():
-            async with trio.open_nursery() as nursery:
-                self.box["token"] = trio.lowlevel.current_trio_token()
-                self.box["scope"] = nursery.cancel_scope
-                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **self.serve_kwargs)
-                self.box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
-                                                                                     task_status=task_status))
-
-        try:
-            trio.run(main)
-        except BaseException as exc:  # reported to the test thread
-            self.box["error"] = exc
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=30).json()
-
-    def stop(self):
-        if "scope" in self.box:
-            trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
-        self.thread.join(20)
 
 
 @pytest.fixture(scope="module")

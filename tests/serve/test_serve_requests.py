@@ -1,6 +1,6 @@
 """`swarm serve`'s request handling, in process: the real Starlette app of ``build_app`` over the
 real stories260k tokenizer and no ring. Every request here is answered before a ring would be used
-(refused, parsed, or a route that needs none), so none is needed; `tests/test_serve.py` drives
+(refused, parsed, or a route that needs none), so none is needed; `tests/serve/test_serve.py` drives
 generation through a real ring.
 
 Chat requests use stories260k's tokenizer with a Llama-2-style chat template, which refuses

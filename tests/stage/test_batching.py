@@ -19,7 +19,6 @@ from swarm.stage.server import StageServer
 from swarm.transport import load_or_create_key
 from swarm.transport.identity import peer_id_of
 from tests.support.models import FAMILY_CONFIGS
-from tests.support.ring import ring_generate, start_ring
 from tests.support.streams import MemStream, NoNetwork
 
 TILE = 2  # the stage default (--batch-tile)

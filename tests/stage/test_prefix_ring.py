@@ -234,7 +234,7 @@ def test_a_corrupted_block_at_one_stage_is_recomputed_and_the_ids_stay_exact(syn
 def test_a_heal_during_a_resumed_request_stays_exact(synthetic, tmp_path, victim):
     """Turn 2 reuses turn 1's prefix; a stage dies mid-answer and a spare (no prefix) takes over: the
     predecessor's log of sent states does not reach back past the reuse, so the heal replays in full."""
-    from tests.coordinator.test_heal_kept import start_stages
+    from tests.support.ring import start_stages
 
     model = synthetic("llama")
     [(fresh, _)], _ = converse(model, tmp_path / "fresh", prefix_cache=False, turns=TURNS[:2])

@@ -1,6 +1,6 @@
 """swarm.stage.scheduler, pure: which chunks one step computes (pick_rows), whether a long
 prompt's slice is the small shared one (long_chunk_shares) and the checks of a chunk before it is
-queued (chunk_input), as plain tables of cases. The step itself runs in tests/test_batching.py."""
+queued (chunk_input), as plain tables of cases. The step itself runs in tests/stage/test_batching.py."""
 
 from __future__ import annotations
 

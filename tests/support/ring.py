@@ -107,3 +107,24 @@ def job_receipt(model_dir: Path, key_dir: Path, ranges, prompt: list[int], recei
         return trio.run(main)
     except BaseExceptionGroup as group:
         raise collapse(group) from None
+
+
+async def serve_in_scope(server, key, scope_box, task_status=trio.TASK_STATUS_IGNORED):
+    with trio.CancelScope() as scope:
+        scope_box.append(scope)
+        await serve(server, key, LOOPBACK, task_status=task_status)
+
+
+async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str, **stage_kwargs):
+    """One in-process stage per range, each in its own cancel scope (cancelled = the stage is gone);
+    ``stage_kwargs`` go to every StageConfig."""
+    digest = model_manifest_digest(model_dir)
+    out = []
+    for a, b in ranges:
+        r = LayerRange(a, b)
+        block = load_block(model_dir, r, dtype="float64", device="cpu")
+        server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, model_dir.name, digest)
+        scopes: list = []
+        ready = await nursery.start(serve_in_scope, server, load_or_create_key(key_dir / f"{tag}{a}-{b}.key"), scopes)
+        out.append((StageSpec(addr=ready["addrs"][0], layers=r), server, scopes[0]))
+    return out

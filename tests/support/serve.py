@@ -1,0 +1,54 @@
+"""``swarm serve`` for tests: the real server (``serve_api``) in a thread with its own trio loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import trio
+
+from swarm.serve.app import serve_api
+from swarm.serve.config import ServeConfig
+
+
+class Server:
+    """``serve_api`` in a thread with its own trio loop; ``stop()`` cancels it."""
+
+    def __init__(self, spec, key_dir: Path, **serve_kwargs):
+        self.box: dict = {}
+        self.serve_kwargs = serve_kwargs  # more ServeConfig fields (e.g. dashboard_receipts)
+        self.thread = threading.Thread(target=self._run, args=(spec, key_dir), daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 120
+        while "info" not in self.box and "error" not in self.box:
+            assert time.monotonic() < end, "the server did not start"
+            time.sleep(0.05)
+        if "error" in self.box:
+            raise self.box["error"]
+        self.url = self.box["info"]["url"]
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def _run(self, spec, key_dir):
+        async def main():
+            async with trio.open_nursery() as nursery:
+                self.box["token"] = trio.lowlevel.current_trio_token()
+                self.box["scope"] = nursery.cancel_scope
+                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **self.serve_kwargs)
+                self.box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
+                                                                                     task_status=task_status))
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the test thread
+            self.box["error"] = exc
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def stop(self):
+        if "scope" in self.box:
+            trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
+        self.thread.join(20)

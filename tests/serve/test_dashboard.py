@@ -309,7 +309,7 @@ def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():
 def test_an_unchanged_receipt_directory_is_not_verified_again_on_every_poll(synthetic, tmp_path, monkeypatch):
     """The page polls every second: the same files give the last verdicts without verifying again;
     a file that changed (tampered after a first poll) is verified again and fails."""
-    from swarm import dashboard
+    from swarm.serve import dashboard
     from swarm import receipts as receipts_mod
     from tests.support.ring import job_receipt
 

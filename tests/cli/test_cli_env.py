@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.support.cli import run_cli
+from tests.support.transport import hold_key
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGBsvJXCXAMMAPkEZx2LZw3A8j5WE93ZWPvuBeKbtZktW"
 
@@ -153,21 +154,11 @@ def test_a_swarm_without_the_model_refuses_before_converting(tmp_path, cmd):
     assert not (cache / "models").exists()  # nothing converted
 
 
-def _hold_key(path: Path) -> subprocess.Popen:
-    """Another running swarm process (as `swarm serve` or a stage would) holding the key at ``path``."""
-    code = ("import sys; from swarm.transport.identity import claim_key; claim_key(sys.argv[1]); "
-            "print('held', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
 @pytest.mark.process
 @pytest.mark.parametrize("key", ["default", "explicit"])
 def test_a_stage_refuses_a_key_another_process_holds(stories_dir, tmp_path, key):
     path = Path(os.environ["SWARM_CACHE"]) / "keys" / "stage-0-2.key" if key == "default" else tmp_path / "s.key"
-    holder = _hold_key(path)
+    holder = hold_key(path)
     try:
         args = [] if key == "default" else ["--key", str(path)]
         res = run_cli("stage", "--model", str(stories_dir), "--layers", "0:2", *args)
@@ -195,7 +186,7 @@ def test_coordinate_beside_another_holder_of_the_default_key_uses_its_own(storie
         ring_file = tmp_path / "ring.yaml"
         ring_file.write_text(yaml.safe_dump({"model": str(stories_dir), "stages": [
             {"addr": s.addr, "layers": f"{s.layers.start}:{s.layers.end}"} for s in ring.stages]}))
-        holder = _hold_key(keys / "coordinator.key")
+        holder = hold_key(keys / "coordinator.key")
         try:
             res = run_cli("coordinate", "--ring", str(ring_file), "--prompt", "Once upon a time",
                           "--max-new-tokens", "12", "--json", "--no-receipt")

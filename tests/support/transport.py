@@ -1,10 +1,13 @@
 """Helpers for tests on real hosts and streams: a deadline-wrapped trio.run, a scriptable raw stream,
-an echo protocol handler."""
+an echo protocol handler, another process holding a node key."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -95,3 +98,14 @@ async def echo(stream: FramedStream) -> None:
             await stream.send(msg, timeout_s=5)
     except StreamClosed:
         pass
+
+
+def hold_key(path: Path) -> subprocess.Popen:
+    """Another running swarm process (as ``swarm serve`` or a stage would) holding the key at ``path``
+    (``claim_key``); returned once it holds it. Closing its stdin ends it."""
+    code = ("import sys; from swarm.transport.identity import claim_key; claim_key(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc

@@ -12,6 +12,7 @@ from libp2p.identity_utils import load_identity
 
 from swarm.errors import IdentityError
 from swarm.transport import load_or_create_key, peer_id_of, public_key_of_peer, sign, verify_peer_signature
+from tests.support.transport import hold_key
 
 
 def test_created_0600_in_new_dirs_and_peer_id_stable(tmp_path: Path) -> None:
@@ -81,25 +82,12 @@ def test_sign_verify_from_peer_id_alone(tmp_path: Path) -> None:
     assert not verify_peer_signature("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", data, sig)
 
 
-def _hold(path: Path):
-    """A separate process that claims ``path`` and waits; returns it once the key is held."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from swarm.transport.identity import claim_key; claim_key(sys.argv[1]); "
-            "print('held', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
 @pytest.mark.process
 def test_a_key_is_held_by_one_process(tmp_path: Path) -> None:
     from swarm.transport.identity import KeyInUse, claim_key, key_holder, release_keys
 
     path = tmp_path / "keys" / "stage-0-2.key"
-    holder = _hold(path)
+    holder = hold_key(path)
     try:
         assert key_holder(path).startswith(str(holder.pid))
         with pytest.raises(KeyInUse) as info:  # an explicit or identity-bearing key: refused, naming the holder

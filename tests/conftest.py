@@ -24,6 +24,16 @@ def _need_shared(path: Path) -> Path:
     pytest.skip(f"{path} not present (a fresh clone has no ../shared)")
 
 
+def pytest_configure(config):
+    """In a pytest-xdist worker (``make test`` runs three side by side on two cores), torch computes
+    on one thread: three workers each spinning two OpenMP threads made CPU-bound tests 5-10x slower.
+    Tests that compare thread counts set them explicitly; stage processes take ``--threads``."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """../shared/models/stories260k: a real pretrained 5-layer Llama (skips without ../shared)."""

@@ -26,7 +26,9 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
+# serial: a heal is decided on the clock (heartbeats, hop timeouts, a 3 s pause that must not count
+# as lost), so these run alone in `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process, pytest.mark.serial]
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]

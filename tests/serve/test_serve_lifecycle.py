@@ -133,6 +133,7 @@ def until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
 # ---- 3: one huge request never freezes the others -----------------------------------------------
 
 
+@pytest.mark.serial
 def test_a_huge_request_is_refused_before_the_work_and_never_stalls_the_others(ring_factory):
     """A 10 MB body is refused (413) before parsing, a 5 MB prompt (under the body limit) before
     tokenizing (400, it cannot fit 512 tokens), as are a chat of 300 long messages and a prompt
@@ -187,6 +188,7 @@ def test_a_huge_request_is_refused_before_the_work_and_never_stalls_the_others(r
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_tokenizing_long_prompts_runs_off_the_event_loop(smollm2_dir, tmp_path, monkeypatch):
     """SmolLM2 (one in-process stage): four chats of 650,000 characters each, under the character
     bound (8,192 positions x 81) so each is really templated and tokenized (~0.6 s apiece, ~150,000
@@ -289,6 +291,7 @@ def test_a_stream_the_ring_refuses_gets_503_with_retry_after(ring_factory):
 # ---- 7: keep-alives while a stream waits; a client leaving a long prefill -----------------------
 
 
+@pytest.mark.serial
 def test_a_waiting_stream_sends_keepalives(ring_factory):
     """A slow prefill, and a stream queued behind --max-concurrency: SSE comments arrive at least
     every keepalive_s (0.3 s here) until the tokens do; the stream then ends normally."""
@@ -319,6 +322,7 @@ def test_a_waiting_stream_sends_keepalives(ring_factory):
     assert max(gaps([t0] + [t for t, _ in queued])) < 0.9
 
 
+@pytest.mark.serial
 def test_a_client_leaving_during_a_long_prefill_frees_its_session_at_once(ring_factory):
     """A ~450-token prompt in 16-position chunks through slow stages (a prefill of many seconds):
     the client hangs up once the session is open, and every stage drops the session within a
@@ -362,6 +366,7 @@ def _reap(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_sigterm_drains_in_flight_requests_then_exits_0(ring_factory, tmp_path):
     """SIGTERM with three requests in flight: new requests get 503 + Retry-After and /health says
     draining; the short stream finishes normally; at --drain-timeout-s the long stream gets an
@@ -414,8 +419,8 @@ def test_ctrl_c_ends_streams_with_an_error_event_and_exits_0(ring_factory, tmp_p
             for line in res.iter_lines():
                 if line:
                     lines.append(line)
-                if len(lines) == 3:
-                    os.kill(proc.pid, signal.SIGINT)
+                    if len(lines) == 3:  # one Ctrl-C (a second would stop at once, by design)
+                        os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
     finally:

@@ -81,6 +81,7 @@ async def test_frames_both_ways_with_peer_ids_and_bound_addrs() -> None:
         await ba.aclose()
 
 
+@pytest.mark.serial
 @trio_test
 async def test_16mib_round_trip_is_fast() -> None:
     async with two_hosts() as (a, b):

@@ -1,0 +1,120 @@
+"""Openable receipts on a real ring (in-process stages, libp2p loopback): after a job, window k of every
+stage opens, checks against that stage's signed receipt, and stage i's opened output rows are stage
+i + 1's opened input rows; an unknown, evicted or out-of-range job gets a clear error, and the stage
+keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from swarm import audit, receipts
+from swarm.config import SpecConfig
+from swarm.coordinator.drafters import NgramDrafter
+from swarm.errors import AuditFailed, collapse
+from swarm.transport import load_or_create_key, open_host
+from tests.support.models import make_synthetic, reference_greedy
+from tests.support.ring import LOOPBACK, ring_generate, start_ring
+
+pytestmark = pytest.mark.ring
+
+RANGES = [(0, 1), (1, 3), (3, 4)]
+PROMPT = [1 + (i * 7) % 50 for i in range(70)]  # 70 positions of prompt: windows 0 and 1 of 64
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_synthetic("llama", tmp_path_factory.mktemp("audit-model"), "float64")
+
+
+async def _job(spec, model_dir, key_dir, job_id: str, **kw) -> tuple[list[int], list[dict]]:
+    job = {"id": job_id, "nonce": receipts.new_nonce()}
+    info: dict = {}
+    out = await ring_generate(spec, model_dir, 4, PROMPT, NEW, key_dir, info=info, job=job, **kw)
+    return out, info["receipt_parts"]["stage_receipts"]
+
+
+async def _refusal(host, addr, receipt, window) -> AuditFailed:
+    with pytest.raises(AuditFailed) as err:
+        await audit.open_window(host, addr, receipt, window, timeout_s=10)
+    assert err.value.check == "refused"
+    return err.value
+
+
+def _run(main):
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+
+
+@pytest.mark.slow
+def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
+    """Speculation (n-gram, K=4, depth 2) rolls rows back mid-job; the opened rows are the last ones."""
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(180):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model_dir, RANGES, tmp_path)
+                out, stage_receipts = await _job(spec, model_dir, tmp_path, "job-a",
+                                                 spec_config=SpecConfig(draft="ngram", k=4, depth=2),
+                                                 drafter=NgramDrafter())
+                got["out"] = out
+                addrs = [s.addr for s in spec.stages]
+                async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
+                    got["windows"] = [r["windows"] for r in stage_receipts]
+                    got["openings"] = [[await audit.open_window(host, a, r, k, timeout_s=10)
+                                        for k in range(r["windows"]["leaves"])]
+                                       for a, r in zip(addrs, stage_receipts)]
+                    r0 = stage_receipts[0]
+                    got["unknown"] = await _refusal(host, addrs[0], {**r0, "job_id": "no-such-job"}, 0)
+                    got["past_end"] = await _refusal(host, addrs[0], r0, r0["windows"]["leaves"])
+                    # the stage serves on: another job after the refusals
+                    got["again"], _ = await _job(spec, model_dir, tmp_path, "job-b")
+                got["answered"] = [s.audits.answered for s in servers]
+                nursery.cancel_scope.cancel()
+
+    _run(main)
+    assert got["out"] == reference_greedy(model_dir, PROMPT, NEW, "float64") == got["again"]
+    positions = len(PROMPT) + NEW - 1  # the last token is never fed back
+    for w in got["windows"]:
+        assert w["size"] == 64 and w["positions"] >= positions and w["leaves"] == 2
+    for i, stage in enumerate(got["openings"]):
+        assert [o.window for o in stage] == [0, 1] and [o.start for o in stage] == [0, 64]
+        ins = [x for o in stage for x in o.inputs()]
+        outs = [x for o in stage for x in o.outputs()]
+        assert all(x is not None for x in ins[:positions]), f"stage {i} lacks input rows"
+        if i == 0:  # the head's input rows are the token ids it was fed
+            assert ins[:positions] == audit.token_rows(PROMPT + got["out"][:-1])
+        if i < len(RANGES) - 1:
+            nxt = [x for o in got["openings"][i + 1] for x in o.inputs()]
+            assert outs[:positions] == nxt[:positions], f"stage {i}'s outputs are not stage {i + 1}'s inputs"
+        else:  # the tail's output rows are the token after each row it answered for
+            assert outs[len(PROMPT) - 1:positions] == audit.token_rows(got["out"])  # row p: the token at p + 1
+    assert "no_job" in str(got["unknown"]) and "is not known to this stage" in str(got["unknown"])
+    assert got["unknown"].code == "no_job"
+    assert got["past_end"].code == "bad_request" and "there is no window 2" in str(got["past_end"])
+    assert got["answered"] == [2, 2, 2]
+
+
+def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):
+    """With no retention budget a job is never kept: its audit says so, and the stage goes on."""
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, RANGES[:1] + [(1, 4)], tmp_path,
+                                           audit_retention_mb=0.0)
+                _, stage_receipts = await _job(spec, model_dir, tmp_path, "job-e")
+                async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
+                    got["evicted"] = await _refusal(host, spec.stages[1].addr, stage_receipts[1], 0)
+                got["again"], _ = await _job(spec, model_dir, tmp_path, "job-f")
+                nursery.cancel_scope.cancel()
+
+    _run(main)
+    assert got["evicted"].code == "no_job" and "evicted" in str(got["evicted"])
+    assert "--audit-retention-mb" in str(got["evicted"])
+    assert got["again"] == reference_greedy(model_dir, PROMPT, NEW, "float64")

@@ -176,6 +176,7 @@ def test_a_receipt_without_windows_or_signature_cannot_be_audited(signed, tmp_pa
     assert err.value.check == "signature"
 
 
+@pytest.mark.process
 def test_the_module_does_not_load_torch():
     import subprocess
     import sys

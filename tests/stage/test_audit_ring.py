@@ -49,7 +49,6 @@ def _run(main):
         raise collapse(group) from None
 
 
-@pytest.mark.slow
 def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
     """Speculation (n-gram, K=4, depth 2) rolls rows back mid-job; the opened rows are the last ones."""
     got: dict = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
 from swarm import audit
 from swarm.stage.audit import RateLimit
@@ -56,3 +57,70 @@ def test_the_rate_limit_is_per_requester_and_refills():
     assert [limit.allow("a", 100.0) for _ in range(4)] == [True, True, True, False]  # refills to the burst only
     with pytest.raises(ValueError):
         RateLimit(0, 1)
+
+
+class _Stream:
+    remote_peer_id = "12D3KooWauditor"
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, msg, timeout_s=None):
+        self.sent.append((trio.current_time(), msg))
+
+
+def _audits(tmp_path, busy, limit=None):
+    from swarm import receipts, wire
+    from swarm.stage.audit import Audits
+    from swarm.transport import load_or_create_key
+    from swarm.transport.identity import peer_id_of, sign
+
+    key = load_or_create_key(tmp_path / "stage.key")
+    store = RetentionStore(1 << 20)
+    c = commitment(10)
+    body = receipts.StageLedger("job", "n" * 32).body(
+        session="s", coordinator="c", peer_id=peer_id_of(key), model="m", model_digest="d", range_digest="r",
+        layers=[0, 1], num_layers=2, dtype="float32", wire_dtype="float32", positions=10, windows=c.field())
+    receipt = receipts.sign_receipt(body, lambda d: sign(key, d))
+    store.put("s", "job", receipt, c)
+    audits = Audits(store, "[0, 1)", key=lambda: key, peer_id=lambda: peer_id_of(key), busy=busy,
+                    error=lambda reason, code, session=None: wire.error_frame(reason, code, session), limit=limit)
+    return audits, receipt
+
+
+def test_an_audit_waits_for_the_scheduler_and_answers_a_checked_opening(tmp_path):
+    """Low priority: while the scheduler has work the answer waits (up to YIELD_S), then it is sent."""
+    import trio.testing
+
+    from swarm.stage import audit as stage_audit
+
+    state = {"busy_until": 0.2}
+
+    async def main():
+        audits, receipt = _audits(tmp_path, busy=lambda: trio.current_time() < state["busy_until"])
+        stream = _Stream()
+        await audits.answer(stream, {"session": "s", "job": "job", "window": 1})
+        (at, msg), = stream.sent
+        assert msg["type"] == "audit_ok" and at >= 0.2
+        assert audit.check_opening(receipt, msg["opening"], 1).start == 4
+        state["busy_until"] = 1e9  # busy for ever: answered after YIELD_S all the same
+        t0 = trio.current_time()
+        await audits.answer(stream, {"session": "s", "job": "job", "window": 0})
+        assert stream.sent[-1][1]["type"] == "audit_ok"
+        assert stage_audit.YIELD_S <= stream.sent[-1][0] - t0 < stage_audit.YIELD_S + 0.1
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_audit_refusals_are_error_frames(tmp_path):
+    async def main():
+        audits, _ = _audits(tmp_path, busy=lambda: False, limit=RateLimit(rate_per_s=0.001, burst=2))
+        stream = _Stream()
+        for window in (5, 0):
+            await audits.answer(stream, {"session": "s", "job": "job", "window": window})
+        await audits.answer(stream, {"session": "s", "job": "other", "window": 0})  # the limit is spent now
+        codes = [m.get("code", m["type"]) for _, m in stream.sent]
+        assert codes == ["bad_request", "audit_ok", "rate_limited"]
+        assert "no window 5" in stream.sent[0][1]["reason"] and "too many audit requests" in stream.sent[2][1]["reason"]
+
+    trio.run(main)

@@ -104,12 +104,19 @@ def input_rows(msg: dict) -> tuple[str, list[bytes]]:
 
 class WindowLog:
     """The rows one stage computed for one job's session, by absolute position (see the module
-    docstring, "Which rows"). Grows with the session (at most its ``max_len`` positions); the
-    retention store keeps a finished job's log for audits."""
+    docstring, "Which rows"); the retention store keeps a finished job's log for audits.
 
-    def __init__(self) -> None:
+    Args:
+        max_bytes: the most it may hold (the stage's ``--audit-retention-mb``: a bigger log could never
+            be retained). Past it the log drops its rows for good (``broken`` says why) and the
+            receipt commits to no windows.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 62) -> None:
         self.rows: list[Row] = []
         self.nbytes = 0
+        self.max_bytes = max_bytes
+        self.broken = ""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -124,6 +131,8 @@ class WindowLog:
             out_kind, outs: the output rows' kind and bytes; ``outs`` is aligned to the end of
                 ``ins`` (the tail answers the last rows only) and may be None (nothing was sent on).
         """
+        if self.broken:
+            return
         if pos < len(self.rows):
             self.nbytes -= sum(_row_bytes(r) for r in self.rows[pos:])
             del self.rows[pos:]
@@ -135,6 +144,9 @@ class WindowLog:
             row = (in_kind, bytes(data), out_kind if out is not None else None, out)
             self.rows.append(row)
             self.nbytes += _row_bytes(row)
+        if self.nbytes > self.max_bytes:
+            self.broken = f"its rows up to position {len(self.rows)} pass {self.max_bytes} bytes (--audit-retention-mb)"
+            self.rows, self.nbytes = [], 0
 
     def record_chunk(self, msg: dict, output: Any) -> None:
         """Record a computed ``forward``/``refill`` frame ``msg`` and what was sent for it.

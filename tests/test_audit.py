@@ -59,6 +59,16 @@ def test_the_tail_answers_only_the_last_rows_and_gaps_are_absent_rows():
     assert log.rows[5] == ("float32", b"\x04" * 12, None, None)
 
 
+def test_a_log_past_its_budget_drops_its_rows_for_good():
+    log = audit.WindowLog(max_bytes=3 * (4 + 12 + 48))
+    log.record_chunk({"pos": 0, "tokens": [1, 2, 3]}, hidden([1, 2, 3]))
+    assert len(log) == 3 and not log.broken
+    log.record_chunk({"pos": 3, "tokens": [4]}, hidden([4]))
+    assert len(log) == 0 and log.nbytes == 0 and "--audit-retention-mb" in log.broken
+    log.record_chunk({"pos": 0, "tokens": [1]}, hidden([1]))  # a rollback does not revive it
+    assert len(log) == 0
+
+
 def _commit(n: int, size: int) -> tuple[list, audit.Commitment]:
     log = audit.WindowLog()
     for pos in range(0, n, 5):  # chunks of 5 rows straddle windows of 4

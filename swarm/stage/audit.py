@@ -76,6 +76,11 @@ class Audits:
         self.answered = 0
         self._thread = trio.CapacityLimiter(1)  # openings are built one at a time, off the trio thread
 
+    def new_log(self) -> audit.WindowLog | None:
+        """A job session's :class:`swarm.audit.WindowLog`, bounded by the retention budget; None
+        with ``--audit-retention-mb 0`` (no rows are copied, receipts commit to no windows)."""
+        return audit.WindowLog(self.store.max_bytes) if self.store.max_bytes > 0 else None
+
     def retain(self, sess, receipt: dict, commitment: audit.Commitment) -> None:
         """Keep a signed receipt's commitment (the signer calls this) for later audits."""
         self.store.put(sess.session_id, sess.ledger.job_id, receipt, commitment)

@@ -32,7 +32,6 @@ from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
 from swarm.mirror import Mirror
 from swarm.ranges import LayerRange
-from swarm.audit import WindowLog
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
 from swarm.stage.outbox import Outboxes, try_send
 from swarm.stage.audit import Audits
@@ -320,7 +319,7 @@ class StageServer:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
             job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
-            session.ledger, session.windows = receipts.StageLedger(job_id, nonce), WindowLog()
+            session.ledger, session.windows = receipts.StageLedger(job_id, nonce), self.audits.new_log()
         if msg.get("sampling") is not None:
             session.sampling = _sampling_of(msg["sampling"])
         if next_addr is not None:

@@ -65,7 +65,8 @@ class ReceiptSigner:
         """
         b, sid = self.block, sess.session_id
         tail = sess.is_tail(b.num_layers)
-        commitment = None if sess.windows is None else audit.Commitment(sess.windows.snapshot(), self.window)
+        log_ = sess.windows  # absent without --audit-retention-mb, broken when the job outgrew it
+        commitment = None if log_ is None or log_.broken else audit.Commitment(log_.snapshot(), self.window)
         body = sess.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),

@@ -99,21 +99,28 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
 
 
 def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):
-    """With no retention budget a job is never kept: its audit says so, and the stage goes on."""
+    """A stage whose retention holds one job evicts the older job for the newer: the older one's audit
+    says so, the newer one still opens, and the stage goes on."""
     got: dict = {}
 
     async def main():
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
-                spec, _ = await start_ring(nursery, model_dir, RANGES[:1] + [(1, 4)], tmp_path,
-                                           audit_retention_mb=0.0)
-                _, stage_receipts = await _job(spec, model_dir, tmp_path, "job-e")
+                spec, servers = await start_ring(nursery, model_dir, [(0, 1), (1, 4)], tmp_path)
+                _, first = await _job(spec, model_dir, tmp_path, "job-e")
+                store = servers[1].audits.store
+                store.max_bytes = store.nbytes + 1  # room for one job of this size (--audit-retention-mb)
+                _, second = await _job(spec, model_dir, tmp_path, "job-f")
+                got["kept"] = len(store)
                 async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
-                    got["evicted"] = await _refusal(host, spec.stages[1].addr, stage_receipts[1], 0)
-                got["again"], _ = await _job(spec, model_dir, tmp_path, "job-f")
+                    got["evicted"] = await _refusal(host, spec.stages[1].addr, first[1], 0)
+                    got["opened"] = await audit.open_window(host, spec.stages[1].addr, second[1], 1, timeout_s=10)
+                got["again"], _ = await _job(spec, model_dir, tmp_path, "job-g")
                 nursery.cancel_scope.cancel()
 
     _run(main)
+    assert got["kept"] == 1
     assert got["evicted"].code == "no_job" and "evicted" in str(got["evicted"])
     assert "--audit-retention-mb" in str(got["evicted"])
+    assert got["opened"].job_id == "job-f" and got["opened"].window == 1
     assert got["again"] == reference_greedy(model_dir, PROMPT, NEW, "float64")

@@ -88,6 +88,13 @@ def _audits(tmp_path, busy, limit=None):
     return audits, receipt
 
 
+def test_no_retention_budget_keeps_no_rows(tmp_path):
+    audits, _ = _audits(tmp_path, busy=lambda: False)
+    assert audits.new_log().max_bytes == audits.store.max_bytes
+    audits.store.max_bytes = 0  # --audit-retention-mb 0: receipts commit to no windows, nothing is copied
+    assert audits.new_log() is None
+
+
 def test_an_audit_waits_for_the_scheduler_and_answers_a_checked_opening(tmp_path):
     """Low priority: while the scheduler has work the answer waits (up to YIELD_S), then it is sent."""
     import trio.testing

@@ -12,6 +12,7 @@ from swarm import audit, receipts
 from swarm.config import SpecConfig
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import AuditFailed, collapse
+from swarm.stage.membership import record_fields
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import make_synthetic, reference_greedy
 from tests.support.ring import LOOPBACK, ring_generate, start_ring
@@ -64,6 +65,7 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
                 addrs = [s.addr for s in spec.stages]
                 async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
                     got["windows"] = [r["windows"] for r in stage_receipts]
+                    got["stage_receipts"] = stage_receipts
                     got["openings"] = [[await audit.open_window(host, a, r, k, timeout_s=10)
                                         for k in range(r["windows"]["leaves"])]
                                        for a, r in zip(addrs, stage_receipts)]
@@ -73,6 +75,7 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
                     # the stage serves on: another job after the refusals
                     got["again"], _ = await _job(spec, model_dir, tmp_path, "job-b")
                 got["answered"] = [s.audits.answered for s in servers]
+                got["records"] = [_record_round_trip(s) for s in servers]
                 nursery.cancel_scope.cancel()
 
     _run(main)
@@ -96,6 +99,18 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
     assert got["unknown"].code == "no_job"
     assert got["past_end"].code == "bad_request" and "there is no window 2" in str(got["past_end"])
     assert got["answered"] == [2, 2, 2]
+    # the class a stage announces on the DHT (its whole block, solo tile) is the one its receipts sign
+    assert [r["repro"] for r in got["records"]] == [w["repro"] for w in got["stage_receipts"]]
+
+
+def _record_round_trip(server):
+    """The stage's DHT record fields, signed and opened as a reader would."""
+    from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
+
+    fields = record_fields(server, "ab" * 32, 1.0)
+    rec = StageRecord(peer_id=server.host.peer_id, rtt_ms={}, seq=1, expires_at=1000.0, **fields)
+    opened = open_record(record_key(rec.peer_id), sign_record(server.key, rec), now=999.0)
+    return {"repro": opened.repro}
 
 
 def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):

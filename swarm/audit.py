@@ -46,7 +46,6 @@ leaf by the path to the root its receipt signed.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -370,8 +369,8 @@ async def request_window(stream, receipt: dict, window: int, *, timeout_s: float
         exc.code = answer.get("code")
         raise exc
     if not (isinstance(answer, dict) and answer.get("type") == "audit_ok"):
-        raise _audit_fail("schema", f"the stage answered {str(answer.get('type') if isinstance(answer, dict) else answer)[:40]!r}, "
-                                    "not audit_ok")
+        kind = answer.get("type") if isinstance(answer, dict) else answer
+        raise _audit_fail("schema", f"the stage answered {str(kind)[:40]!r}, not audit_ok")
     return check_opening(receipt, answer.get("opening"), window)
 
 
@@ -386,10 +385,3 @@ async def open_window(host, addr: str, receipt: dict, window: int, *, timeout_s:
     finally:
         await stream.aclose()
 
-
-def rows_digest(rows: list[bytes | None]) -> str:
-    """BLAKE2b-256 hex over a list of row bytes (None rows count as empty and marked): what an
-    auditor compares after recomputing a window."""
-    h = hashlib.blake2b(digest_size=32, person=b"swarm-rows/1")
-    h.update(msgpack.packb(list(rows), use_bin_type=True))
-    return h.hexdigest()

@@ -73,7 +73,8 @@ def _commit(n: int, size: int) -> tuple[list, audit.Commitment]:
     log = audit.WindowLog()
     for pos in range(0, n, 5):  # chunks of 5 rows straddle windows of 4
         t = min(5, n - pos)
-        log.record_chunk({"pos": pos, "tokens": list(range(pos, pos + t))}, hidden([p % 256 for p in range(pos, pos + t)]))
+        ids = list(range(pos, pos + t))
+        log.record_chunk({"pos": pos, "tokens": ids}, hidden([p % 256 for p in ids]))
     return log.snapshot(), audit.Commitment(log.snapshot(), size)
 
 

@@ -8,7 +8,9 @@ why not: ``no_job`` (unknown or evicted job), ``bad_request`` (no such window), 
 An audit is low priority: it is answered on the asker's own stream, never by the scheduler; it
 waits (up to ``YIELD_S``) while the scheduler has work, and builds the opening in a worker thread
 of its own, so live decode steps are not delayed by it. Each requester PeerId has a token bucket
-(:class:`RateLimit`, pure: the clock is an argument). May import: trio, ``swarm.audit``,
+(:class:`RateLimit`, pure: the clock is an argument). Anyone may ask: an opening reveals the
+window's rows (at the head, the prompt's token ids), so who may audit is for the auditor's issue to
+settle (issue 29, item 3). May import: trio, ``swarm.audit``,
 ``swarm.wire``, ``swarm.transport.identity`` (lazily), this package's ``retention``.
 """
 

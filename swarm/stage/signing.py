@@ -67,6 +67,8 @@ class ReceiptSigner:
         tail = sess.is_tail(b.num_layers)
         log_ = sess.windows  # absent without --audit-retention-mb, broken when the job outgrew it
         commitment = None if log_ is None or log_.broken else audit.Commitment(log_.snapshot(), self.window)
+        if log_ is not None and log_.broken:
+            log.warning("receipt.no_windows session=%s job=%s reason=%s", sid, sess.ledger.job_id, log_.broken)
         body = sess.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),

@@ -139,3 +139,25 @@ def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):
     assert "--audit-retention-mb" in str(got["evicted"])
     assert got["opened"].job_id == "job-f" and got["opened"].window == 1
     assert got["again"] == reference_greedy(model_dir, PROMPT, NEW, "float64")
+
+
+def test_a_job_larger_than_the_retention_commits_to_no_windows(model_dir, tmp_path):
+    """A job whose rows outgrow --audit-retention-mb is signed without a window root (an audit of it
+    cannot be answered, and says the job is unknown), with its class, and generation is untouched."""
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, [(0, 4)], tmp_path, audit_retention_mb=0.001)
+                got["out"], (got["receipt"],) = await _job(spec, model_dir, tmp_path, "job-big")
+                async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
+                    with_root = {**got["receipt"], "windows": {"size": 64, "positions": 1, "leaves": 1,
+                                                               "root": "00" * 32}}
+                    got["refused"] = await _refusal(host, spec.stages[0].addr, with_root, 0)
+                nursery.cancel_scope.cancel()
+
+    _run(main)
+    assert "windows" not in got["receipt"] and got["receipt"]["repro"]["id"].startswith("rc1-")
+    assert got["refused"].code == "no_job" and "not known" in str(got["refused"])
+    assert got["out"] == reference_greedy(model_dir, PROMPT, NEW, "float64")

@@ -94,6 +94,38 @@ def hidden_rows(tensor: dict) -> tuple[str, list[bytes]]:
     return str(tensor.get("dtype")), rows
 
 
+def token_ids(rows: list[bytes]) -> list[int]:
+    """The token ids of rows of kind ``tokens`` / ``token_ids`` (inverse of :func:`token_rows`).
+
+    Raises:
+        ValueError: a row that is not 4 bytes (or absent).
+    """
+    if not all(isinstance(r, (bytes, bytearray)) and len(r) == 4 for r in rows):
+        raise ValueError("token rows must be 4 bytes each")
+    return [struct.unpack("<I", r)[0] for r in rows]
+
+
+def tensor_map(kind: str, rows: list[bytes], hidden_size: int) -> dict:
+    """A (1, T, D) wire tensor map of hidden-state rows (inverse of :func:`hidden_rows`), for
+    ``swarm.wire.decode_tensor``: what an auditor feeds the block it re-runs.
+
+    Args:
+        kind: the rows' wire dtype name; rows: T row byte strings (float8: each ending in its scale).
+        hidden_size: D.
+    Raises:
+        ValueError: no rows, an absent row, or rows of unequal length.
+    """
+    if not rows or not all(isinstance(r, (bytes, bytearray)) for r in rows) or len({len(r) for r in rows}) != 1:
+        raise ValueError("hidden rows must be present and of one length")
+    out = {"dtype": kind, "shape": [1, len(rows), hidden_size]}
+    if kind == "float8_e4m3fn":
+        out["data"] = b"".join(bytes(r[:-4]) for r in rows)
+        out["scale"] = b"".join(bytes(r[-4:]) for r in rows)
+    else:
+        out["data"] = b"".join(bytes(r) for r in rows)
+    return out
+
+
 def input_rows(msg: dict) -> tuple[str, list[bytes]]:
     """A ``forward``/``refill`` frame's input rows: ``("tokens", ...)`` or ``(dtype, ...)``."""
     if "tokens" in msg:

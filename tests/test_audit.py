@@ -36,6 +36,18 @@ def test_rows_are_the_exact_wire_bytes_of_each_position():
         audit.hidden_rows({**hidden([1], "float8_e4m3fn"), "scale": b"xx"})
 
 
+@pytest.mark.parametrize("scale", [False, True])
+def test_rows_turn_back_into_the_frame_they_came_from(scale):
+    m = hidden([3, 4, 5], "float8_e4m3fn" if scale else "float32", scale=scale)
+    kind, rows = audit.hidden_rows(m)
+    assert audit.tensor_map(kind, rows, D) == m
+    assert audit.token_ids(audit.token_rows([0, 7, 2**31 - 1])) == [0, 7, 2**31 - 1]
+    with pytest.raises(ValueError, match="present and of one length"):
+        audit.tensor_map(kind, rows[:1] + [None], D)
+    with pytest.raises(ValueError, match="4 bytes"):
+        audit.token_ids([b"abc"])
+
+
 def test_the_log_keeps_the_last_rows_computed_at_each_position():
     log = audit.WindowLog()
     log.record_chunk({"pos": 0, "tokens": [5, 6, 7]}, hidden([1, 2, 3]))

@@ -6,6 +6,7 @@ keeps serving."""
 from __future__ import annotations
 
 import pytest
+import torch
 import trio
 
 from swarm import audit, receipts
@@ -101,6 +102,31 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
     assert got["answered"] == [2, 2, 2]
     # the class a stage announces on the DHT (its whole block, solo tile) is the one its receipts sign
     assert [r["repro"] for r in got["records"]] == [w["repro"] for w in got["stage_receipts"]]
+    # what an audit does with the openings: re-run each stage's block on its opened inputs, here in the
+    # same class (same process, machine and weights), and get the opened outputs bit for bit
+    for (a, b), stage in zip(RANGES, got["openings"]):
+        assert _recompute(model_dir, a, b, stage, positions) == [x for o in stage for x in o.outputs()][:positions]
+
+
+def _recompute(model_dir, start: int, end: int, openings, positions: int) -> list:
+    """The output rows of layers [start, end) on the opened input rows [0, positions), as the stage
+    would send them (one chunk: row invariance makes the chunking irrelevant)."""
+    from swarm import wire
+    from swarm.model.block import load_block
+    from swarm.ranges import LayerRange
+
+    block = load_block(model_dir, LayerRange(start, end), dtype="float64", device="cpu")
+    rows = [r for o in openings for r in o.rows][:positions]
+    kind, ins = rows[0][0], [r[1] for r in rows]
+    if kind == "tokens":
+        x = torch.tensor([audit.token_ids(ins)], dtype=torch.long)
+    else:
+        x = wire.decode_tensor(audit.tensor_map(kind, ins, block.hidden_size))
+    (y,) = block.forward_batch([(block.new_cache(positions), 0, x)])
+    if end == 4:  # the tail: the greedy token after each row it answered for (from the prompt's last row)
+        answered = positions - (len(PROMPT) - 1)
+        return [None] * (len(PROMPT) - 1) + audit.token_rows(y[0, -answered:].argmax(dim=-1).tolist())
+    return audit.hidden_rows(wire.encode_tensor(y))[1]
 
 
 def _record_round_trip(server):

@@ -78,7 +78,7 @@ def _fma_source_digest() -> str:
     return hashlib.sha256(fma.SOURCE.read_bytes() + " ".join(fma.FLAGS).encode()).hexdigest()[:16]
 
 
-def kernel_facts(mode: str, tile: int = 1, threads: int | None = None) -> dict:
+def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: bool = True) -> dict:
     """The kernel mode and the constants a row's bits depend on.
 
     In the ``rows`` mode torch's thread count is one of them: measured 2026-12-03 on a 2-core AMD EPYC
@@ -91,6 +91,7 @@ def kernel_facts(mode: str, tile: int = 1, threads: int | None = None) -> dict:
         tile: rows per GEMM of the session (``rows`` mode only: packed sessions' ``--batch-tile``;
             the fma kernels give a row the same bits at any packing).
         threads: torch's thread count for the ``rows`` mode (default: ``torch.get_num_threads()``).
+        cpu: the block runs on the CPU; on a GPU the CPU thread count is no fact.
     Raises:
         ValueError: an unknown mode or a tile below 1.
     """
@@ -101,9 +102,11 @@ def kernel_facts(mode: str, tile: int = 1, threads: int | None = None) -> dict:
     if mode == "fma":
         return {"mode": "fma", "source": _fma_source_digest(), "key_block": 64, "norm_tile": invariant.TILE_ROWS}
     if mode == "rows":
-        return {"mode": "rows", "tile": tile, "threads": threads or torch.get_num_threads(),
-                "column_block": invariant.COLUMN_BLOCK,
-                "column_block_min_bytes": invariant.COLUMN_BLOCK_MIN_BYTES}
+        out = {"mode": "rows", "tile": tile, "column_block": invariant.COLUMN_BLOCK,
+               "column_block_min_bytes": invariant.COLUMN_BLOCK_MIN_BYTES}
+        if cpu:
+            out["threads"] = threads or torch.get_num_threads()
+        return out
     raise ValueError(f"unknown kernel mode {mode!r}")
 
 
@@ -124,5 +127,5 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
     if not (mode == "rows" and device.type == "cpu"):
         facts.pop("cpu_vendor")
     facts.update(schema=repro.SCHEMA, dtype=str(block.dtype).removeprefix("torch."),
-                 kernel=kernel_facts(mode, tile), weights=block.digest_of(span))
+                 kernel=kernel_facts(mode, tile, cpu=device.type == "cpu"), weights=block.digest_of(span))
     return repro.make(facts)

@@ -94,6 +94,12 @@ def test_a_sub_range_class_names_its_own_weights(synthetic):
     assert part.facts["weights"] == block.digest_of(LayerRange(1, 2)) != whole.facts["weights"]
 
 
+def test_the_thread_count_is_a_fact_of_the_rows_mode_on_the_cpu_only():
+    assert facts.kernel_facts("rows", 1, threads=3)["threads"] == 3
+    assert "threads" not in facts.kernel_facts("rows", 1, threads=3, cpu=False)
+    assert "threads" not in facts.kernel_facts("fma", 1, threads=3)
+
+
 def test_bad_kernel_facts_are_refused():
     with pytest.raises(ValueError, match="unknown kernel mode"):
         facts.kernel_facts("turbo")

@@ -12,12 +12,15 @@ The shared core, at the top of ``swarm/``:
 - ``routing``     choosing a route (a chain of stages) and spares, pure   (core)
 - ``files``       writing a file atomically (temp file + rename)          (stdlib only)
 - ``addrs``       multiaddr strings: the PeerId an address names, pure    (stdlib only)
+- ``merkle``      RFC 6962 hash trees: roots, inclusion paths, checks     (stdlib only)
+- ``repro``       reproducibility classes: facts in, class id out, pure  (stdlib only)
 - ``config``      the frozen per-role configs, the cache root             (core, transport)
 - ``receipts``    receipt schema, signing, verification                   (core, transport)
 - ``wire``        tensor <-> bytes, frame schema and validation           (core, transport)
 - ``listen``      binding a TCP port before anything loads                (core, transport)
 - ``mirror``      a hop's copy of its input sent to a shadow              (core, transport)
 - ``metrics``     Prometheus plumbing shared by stage and serve           (core, transport)
+- ``audit``       openable receipts: window leaves, openings, the client  (core, transport)
 
 The parts, in packages:
 

@@ -53,6 +53,8 @@ class StageConfig:
     # --kv-budget-mb (live sessions always come first); 0: no prefix cache
     prefix_cache_mb: float = 512.0
     prefix_block: int = 32  # positions per prefix block (reuse is in whole blocks)
+    # recent jobs' input and output rows kept for audits (swarm.audit), oldest evicted first; 0: none
+    audit_retention_mb: float = 256.0
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus /metrics endpoint; None: none
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
@@ -136,6 +138,9 @@ class StageConfig:
             raise ConfigError(f"--kv-budget-mb must be a positive, finite number of MiB, got {self.kv_budget_mb}")
         if self.heal_log_mb is not None and not 0 <= self.heal_log_mb < 2**40:
             raise ConfigError(f"--heal-log-mb must be a finite number of MiB >= 0, got {self.heal_log_mb}")
+        if not 0 <= self.audit_retention_mb < 2**40:  # also refuses NaN and inf
+            raise ConfigError(f"--audit-retention-mb must be a finite number of MiB >= 0, got "
+                              f"{self.audit_retention_mb}")
         for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 1),
                                  ("--prefill-slice", self.prefill_slice, 1),
                                  ("--prefill-slice-shared", self.prefill_slice_shared, 1)):

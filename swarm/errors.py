@@ -100,6 +100,14 @@ class ReceiptInvalid(SwarmError):
     """A receipt failed verification (signature, tiling, digest chain, nonce, token digest)."""
 
 
+class AuditFailed(SwarmError):
+    """A stage's opening of a window did not check (``.check``: receipt, schema, mismatch, signature,
+    path) or the stage refused it (``refused``, with the stage's error ``.code``)."""
+
+    check = ""
+    code = None
+
+
 def collapse(exc: BaseException) -> BaseException:
     """The first SwarmError (or KeyboardInterrupt) inside nested exception groups, else ``exc``.
 

@@ -14,6 +14,13 @@ range, the compute and wire dtypes, the positions computed, and two rolling BLAK
 the coordinator). Payload items are msgpack arrays of the frame's exact wire bytes (see
 ``forward_item`` / ``result_item``): the hidden-state bytes as sent, not a re-encoding.
 
+Two optional fields (added to schema 1 without a bump: a receipt without them verifies as before,
+and a verifier that predates them ignores them, while the signature covers them): ``repro``, the
+stage's reproducibility class (``swarm.repro``: its id and the facts the stage's bits depend on),
+and ``windows``, ``{"size", "positions", "leaves", "root"}``: the RFC 6962 Merkle root over one leaf
+per window of ``size`` positions, each leaf the exact input and output row bytes of those positions
+(``swarm.audit``), so one window can be opened and checked with a short proof.
+
 **Job receipt** (``swarm/job-receipt/1``): written by the coordinator and signed with its key. It
 holds the prompt digest, the output ids and their digest, the ring (PeerIds, multiaddrs, ranges),
 every stage receipt, the coordinator's own digests of what it sent to the head and received from
@@ -226,10 +233,12 @@ class StageLedger:
 
     def body(self, *, session: str, coordinator: str, peer_id: str, model: str, model_digest: str,
              range_digest: str, layers: list[int], num_layers: int, dtype: str, wire_dtype: str,
-             positions: int, reused: int = 0) -> dict:
+             positions: int, reused: int = 0, repro: dict | None = None, windows: dict | None = None) -> dict:
         """The unsigned stage receipt (see the module docstring for the fields). ``reused``: positions
         ``[0, reused)`` this stage took from its prefix cache instead of computing them in this session
-        (the receipt then vouches only for the frames it received and sent)."""
+        (the receipt then vouches only for the frames it received and sent). ``repro``: the stage's
+        reproducibility class (``swarm.repro``, ``{"id", "facts"}``); ``windows``: the Merkle
+        commitment to its rows per window (``swarm.audit.Commitment.field``)."""
         return {
             "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,
             "coordinator": coordinator,
@@ -239,6 +248,8 @@ class StageLedger:
             "output": self.output.as_dict(), "started_ms": self.started_ms, "ended_ms": now_ms(),
             **({"segments": [dict(x) for x in self.segments]} if self.segments else {}),
             **({"reused": reused} if reused else {}),
+            **({"repro": repro} if repro is not None else {}),
+            **({"windows": windows} if windows is not None else {}),
         }
 
 
@@ -344,7 +355,7 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
     Raises:
         ReceiptInvalid: with ``.check`` (schema, signature, job signature, missing stage, peer id,
             ranges, layer range, job id, nonce, model digest, chain, output digest, heal,
-            range digest) and ``.stage`` (ring index, or None for job-level checks).
+            range digest, repro, windows) and ``.stage`` (ring index, or None for job-level checks).
     """
     try:
         return _verify_job(job, expect_model_digest, expect_range_digests)
@@ -406,6 +417,7 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
         if r["model_digest"] != job["model_digest"]:
             raise _fail("model digest", f"stage served model {r['model_digest'][:16]}..., the job names "
                                         f"{job['model_digest'][:16]}...", i)
+        _check_openable(r, i)
     links = [("the coordinator", job["coordinator_sent"])] + [(f"stage {i}", r["output"]) for i, r in enumerate(receipts)]
     sinks = [r["input"] for r in receipts] + [job["coordinator_received"]]
     for i, ((src, sent), got) in enumerate(zip(links, sinks)):
@@ -431,6 +443,31 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
                                         f"{str(r.get('range_digest'))[:16]}..., the local model's to {want[:16]}...", i)
     return Verified(job["job_id"], job["model"], len(receipts), len(job["output_ids"]), job.get("tokens_per_s"),
                     len(job.get("heal_events") or []))
+
+
+def _check_openable(r: dict, i: int) -> None:
+    """A stage receipt's optional ``repro`` (a class whose id is the digest of its facts, naming the
+    receipt's own weights and dtype) and ``windows`` (a well-formed Merkle commitment: as many
+    leaves as windows of ``size`` over ``positions``). Receipts from before these fields pass."""
+    from swarm import repro
+
+    if "repro" in r:
+        try:
+            cls = repro.parse(r["repro"])
+        except ValueError as exc:
+            raise _fail("repro", str(exc), i) from None
+        for fact, field_name in (("weights", "range_digest"), ("dtype", "dtype")):
+            if cls.facts.get(fact) != r.get(field_name):
+                raise _fail("repro", f"the class names {fact} {str(cls.facts.get(fact))[:16]}, the receipt's "
+                                     f"{field_name} is {str(r.get(field_name))[:16]}", i)
+    if "windows" in r:
+        w = r["windows"]
+        ints = isinstance(w, dict) and all(type(w.get(k)) is int and w[k] >= 0 for k in ("size", "positions", "leaves"))
+        root = w.get("root") if isinstance(w, dict) else None
+        if not (ints and w["size"] >= 1 and isinstance(root, str) and len(root) == 64
+                and w["leaves"] == -(-w["positions"] // w["size"])):
+            raise _fail("windows", "the window commitment must be {size >= 1, positions, leaves = "
+                                   "ceil(positions / size), root: 64 hex digits}", i)
 
 
 def _check_heal_events(events: Any, slots: list[str]) -> None:

@@ -77,6 +77,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "receipt": {"session": _STR},  # flows head -> tail behind the session's frames
     "receipt_ok": {"session": _STR, "receipt": _DICT},  # each stage's signed receipt, to the coordinator
     "error": {"reason": _STR, "code": _STR},
+    # anyone -> a stage (low priority, rate-limited per PeerId): open window `window` of the job `job`
+    # of `session` (swarm.audit); the answer's opening holds the window's rows, Merkle path, signature
+    "audit": {"session": _STR, "job": _STR, "window": _INT},
+    "audit_ok": {"session": _STR, "job": _STR, "window": _INT, "opening": _DICT},
     "drain": {},  # from an --admin peer: drain and exit
     "drain_ok": {"sessions": _INT},
 }
@@ -150,7 +154,8 @@ def error_frame(reason: str, code: str = "bad_request", session: str | None = No
     """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable,
     forbidden (the sender is not the peer this session or stage accepts that frame from), busy (the
     KV budget is full), no_state (a ``repair`` asks for state the stage does not hold: the session's
-    KV or the hidden states it sent)."""
+    KV or the hidden states it sent), no_job (an ``audit`` names a job the stage does not hold: never
+    seen, or evicted from its retention), rate_limited (too many ``audit`` requests from that PeerId)."""
     out = frame("error", reason=reason, code=code)
     if session is not None:
         out["session"] = session
@@ -337,7 +342,15 @@ _CHECKS: dict[str, tuple[Callable[[dict], None], ...]] = {
     "forward": (_check_session, _check_rows, _check_logits_from),
     "refill": (_check_session, _check_rows),
     "result": (_check_session, _check_logits_from),
+    "audit": (_check_session, lambda msg: _check_job_id(msg)),
+    "audit_ok": (_check_session, lambda msg: _check_job_id(msg)),
 }
+
+
+def _check_job_id(msg: dict) -> None:
+    """An ``audit`` frame's ``job``: a job id as an ``open`` frame's ``job.id`` (1..128 characters)."""
+    if not 0 < len(msg["job"]) <= MAX_SESSION_CHARS:
+        raise ProtocolError(f"{msg['type']} frame field 'job' must be a job id of 1..{MAX_SESSION_CHARS} characters")
 
 
 MAX_PREFIX_NS_CHARS = 128

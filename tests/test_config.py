@@ -39,3 +39,22 @@ def test_bad_values_are_the_config_errors_of_the_class():
         SpecConfig.from_args(argparse.Namespace(draft="none", k=65, depth=1, prefill_chunk=1))
     with pytest.raises(AttributeError, match="top_p"):
         SamplingParams.from_args(argparse.Namespace(temperature=0.0, top_k=0, seed=0))
+
+
+def test_stage_audit_retention_is_checked_and_stated_in_help():
+    import argparse
+
+    from swarm.cli.main import build_parser
+    from swarm.config import StageConfig
+    from swarm.ranges import LayerRange
+
+    assert StageConfig(model="m", layers=LayerRange(0, 1)).audit_retention_mb == 256.0
+    assert StageConfig(model="m", layers=LayerRange(0, 1), audit_retention_mb=0).audit_retention_mb == 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--audit-retention-mb must be a finite number of MiB >= 0"):
+            StageConfig(model="m", layers=LayerRange(0, 1), audit_retention_mb=bad)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = sub.choices["stage"].format_help()
+    assert "--audit-retention-mb" in text and "default 256" in text
+    args = build_parser().parse_args(["stage", "--model", "m", "--audit-retention-mb", "64"])
+    assert args.audit_retention_mb == 64.0

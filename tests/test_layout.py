@@ -16,8 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "swarm"
 
 # the shared core at the top of swarm/
-CORE = {"errors", "ranges", "heal", "routing", "files", "addrs"}  # pure: the standard library and each other
-CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics"}  # may use the transport
+# pure: the standard library and each other
+CORE = {"errors", "ranges", "heal", "routing", "files", "addrs", "merkle", "repro"}
+CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "audit"}  # may use the transport
 # group -> the groups it may import besides its own (every module may import the ``swarm`` package itself)
 MAY_IMPORT = {
     "core": set(),

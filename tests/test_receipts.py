@@ -152,6 +152,24 @@ def test_real_ring_receipt_verifies(jobs, model_dir):
     assert doc["prompt_digest"] == receipts.ids_digest(PROMPT)
     assert doc["spec"]["k"] == 4 and doc["tokens_per_s"] > 0
     assert r[0]["wire_dtype"] == "float64" and r[2]["wire_dtype"] == "token_ids"
+    # openable: each receipt names its reproducibility class and commits to its windows of rows
+    for x in r:
+        assert x["repro"]["facts"]["weights"] == x["range_digest"] and x["repro"]["id"].startswith("rc1-")
+        w = x["windows"]
+        assert w["size"] == 64 and w["positions"] >= len(PROMPT) + NEW - 1 and w["leaves"] == 1
+        assert len(w["root"]) == 64
+
+
+@pytest.mark.ring
+def test_receipts_from_before_openable_receipts_still_verify(jobs):
+    """Stage receipts without ``repro`` and ``windows`` (signed by a stage that predates them) pass."""
+    (doc, _), _, key_dir = jobs
+    doc = copy.deepcopy(doc)
+    for i, r in enumerate(doc["stage_receipts"]):
+        del r["repro"], r["windows"]
+        _resign_stage(doc, i, key_dir)
+    _resign_job(doc, key_dir)
+    assert receipts.verify_job(doc).stages == 3
 
 
 @pytest.mark.ring
@@ -297,8 +315,39 @@ def t_float_layers(doc, old, kd):
     _resign_job(doc, kd)
 
 
+def t_repro_forged_id(doc, old, kd):
+    doc["stage_receipts"][1]["repro"]["facts"]["torch"] = "0.0.1"  # the id no longer digests the facts
+    _resign_stage(doc, 1, kd)
+    _resign_job(doc, kd)
+
+
+def t_repro_other_weights(doc, old, kd):
+    from swarm import repro
+
+    facts = {**doc["stage_receipts"][1]["repro"]["facts"], "weights": "00" * 32}
+    doc["stage_receipts"][1]["repro"] = repro.make(facts).as_dict()  # a valid class, for other weights
+    _resign_stage(doc, 1, kd)
+    _resign_job(doc, kd)
+
+
+def t_windows_leaf_count(doc, old, kd):
+    doc["stage_receipts"][2]["windows"]["leaves"] += 1
+    _resign_stage(doc, 2, kd)
+    _resign_job(doc, kd)
+
+
+def t_windows_root(doc, old, kd):
+    doc["stage_receipts"][0]["windows"]["root"] = "zz"
+    _resign_stage(doc, 0, kd)
+    _resign_job(doc, kd)
+
+
 @pytest.mark.ring
 @pytest.mark.parametrize("tamper,check,stage", [
+    (t_repro_forged_id, "repro", 1),
+    (t_repro_other_weights, "repro", 1),
+    (t_windows_leaf_count, "windows", 2),
+    (t_windows_root, "windows", 0),
     (t_stage_sig, "signature", 1),
     (t_job_sig, "job signature", None),
     (t_edit_without_resign, "signature", 1),

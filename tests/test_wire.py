@@ -188,3 +188,25 @@ def test_close_keep_and_open_ok_reused_checked():
     for bad in (-1, 1.5, "3", True):
         with pytest.raises(ProtocolError, match="reused"):
             wire.validate(wire.frame("open_ok", session="s", reused=bad))
+
+
+@pytest.mark.parametrize("msg,err", [
+    ({"session": "s", "job": "j", "window": 0}, None),
+    ({"session": "s", "job": "j"}, "lacks field 'window'"),
+    ({"session": "s", "job": "j", "window": -1}, "out of range"),
+    ({"session": "s", "job": "j", "window": True}, "has type bool"),
+    ({"session": "s", "job": "", "window": 0}, "job id of 1..128"),
+    ({"session": "s", "job": "j" * 129, "window": 0}, "job id of 1..128"),
+    ({"session": "", "job": "j", "window": 0}, "session id"),
+])
+def test_audit_frame_checked(msg, err):
+    frame = wire.frame("audit", **msg)
+    if err is None:
+        assert wire.validate(frame) is frame
+    else:
+        with pytest.raises(ProtocolError, match=err):
+            wire.validate(frame)
+    ok = wire.frame("audit_ok", session="s", job="j", window=0, opening={})
+    assert wire.validate(ok) is ok
+    with pytest.raises(ProtocolError, match="opening"):
+        wire.validate(wire.frame("audit_ok", session="s", job="j", window=0))

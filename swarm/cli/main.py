@@ -88,6 +88,10 @@ def _stage_parser(sub) -> None:
                      help="MiB of the hidden states it sent on that a session keeps, so a heal that replaces its "
                           "successor resends them instead of replaying through every stage; reserved with the KV "
                           "cache (default: up to the session's max_len positions; 0: keep none)")
+    lim.add_argument("--audit-retention-mb", type=float, default=256.0,
+                     help="MiB of recent jobs' input and output rows kept in memory, so an auditor can open any "
+                          "window of a signed receipt (an 'audit' request); the oldest jobs are evicted first and "
+                          "an audit of an evicted job is refused (default 256; 0: keep none)")
     lim.add_argument("--prefix-cache-mb", type=float, default=512.0,
                      help="MiB of finished sessions' KV kept as reusable prefix blocks, so a prompt that starts "
                           "like an earlier one of the same coordinator (a chat's next turn, a shared system prompt) "
@@ -485,7 +489,7 @@ def cmd_stage(args) -> int:
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
-                         metrics_listen=args.metrics_listen,
+                         audit_retention_mb=args.audit_retention_mb, metrics_listen=args.metrics_listen,
                          session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,

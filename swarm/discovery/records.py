@@ -1,9 +1,9 @@
 """Signed stage records: what a stage announces on the DHT, and the checks every reader applies.
 
 Owns: ``StageRecord`` (one stage's announcement: model id, layer range, addrs, load, measured
-throughput and RTTs, sequence number, expiry), its canonical encoding, signing with the stage's
+throughput and RTTs, sequence number, expiry, reproducibility class), its canonical encoding, signing with the stage's
 node key, ``open_record`` (the validator's checks) and ``select_record`` (which of two values for
-one key wins). May import: stdlib, msgpack, ``swarm.errors``, ``swarm.transport.identity``
+one key wins). May import: stdlib, msgpack, ``swarm.errors``, ``swarm.repro``, ``swarm.transport.identity``
 (PyNaCl). No torch, no trio, no clock: time is an argument.
 
 A record lives under ``/swarm-stage/<PeerId>`` and is signed by that PeerId's ed25519 key, so a
@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import msgpack
 
+from swarm import repro
 from swarm.errors import SwarmError
 from swarm.transport.identity import peer_id_of, sign, verify_peer_signature
 
@@ -74,6 +75,9 @@ class StageRecord:
         rtt_ms: ``{peer_id: round-trip ms}`` it measured to holders of the layers after its block.
         seq: sequence number; a newer record has a higher one.
         expires_at: unix seconds after which readers reject it.
+        repro: its reproducibility class for its whole block (``swarm.repro``: ``{"id", "facts"}``,
+            the id checked against the facts by every reader), so an auditor finds the stages whose
+            bits it may compare; empty in records of stages that predate it.
     """
 
     peer_id: str
@@ -95,6 +99,7 @@ class StageRecord:
     rtt_ms: dict = field(default_factory=dict)
     seq: int = 0
     expires_at: float = 0.0
+    repro: dict = field(default_factory=dict)  # {"id", "facts"}: its reproducibility class; {}: not stated
 
     def to_body(self) -> bytes:
         """Canonical msgpack bytes of the record (the signed part)."""
@@ -104,6 +109,9 @@ class StageRecord:
         d["rtt_ms"] = {k: float(v) for k, v in sorted(self.rtt_ms.items())}
         d["v"] = RECORD_VERSION
         return msgpack.packb(dict(sorted(d.items())), use_bin_type=True)
+
+
+_FIELDS = frozenset(StageRecord.__dataclass_fields__)
 
 
 def record_key(peer_id: str) -> str:
@@ -159,7 +167,9 @@ def open_record(key: str, value: bytes, *, now: float, accept_models: frozenset[
             raise RecordInvalid("unknown record version")
         d["layers"] = tuple(d["layers"])
         d["addrs"], d["relay_addrs"] = tuple(d["addrs"]), tuple(d["relay_addrs"])
-        record = StageRecord(**d)
+        # fields a later version added are ignored (the signature covers them all): a newer stage's
+        # record still opens here. Records before ``repro`` lacked it, and open with its default.
+        record = StageRecord(**{k: v for k, v in d.items() if k in _FIELDS})
     except RecordInvalid:
         raise
     except (ValueError, TypeError, KeyError, msgpack.exceptions.ExtraData) as e:
@@ -217,6 +227,11 @@ def _check_types(r: StageRecord) -> None:
     for x in (r.throughput_tps, r.expires_at):
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
             raise bad("numbers")
+    if r.repro != {}:
+        try:
+            repro.parse(r.repro)
+        except ValueError as exc:
+            raise bad(f"repro ({exc})") from None
     if not isinstance(r.rtt_ms, dict) or len(r.rtt_ms) > 64 or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
             for k, v in r.rtt_ms.items()):

@@ -7,6 +7,8 @@
   attention for ``LayerBlock``), fixed-width tiles for the norms and activations fma.c lacks, the
   rotary table, and the SDPA backends a CUDA stage allows.
 - ``check``: ``check_block``, the start-up proof of that property on a stage's own block.
+- ``facts``: the facts a block's bits depend on (device, ISA, BLAS, versions, dtype, kernel mode and
+  its constants, weights digest) as a reproducibility class (``swarm.repro``).
 
 Not here yet: batch-invariant Triton kernels and CUDA graphs for GPU stages (issues 12 and 26,
 which need a GPU to build and measure; CUDA stages run the rows mode), quantized wire kernels.

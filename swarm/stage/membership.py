@@ -91,6 +91,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
         "kv_bytes_per_token_layer": per_pos // max(1, len(b.layers)), "sessions": len(server.sessions),
         "state": "draining" if server.draining or server.drain_requested.is_set() else "online",
         "version": __version__, "throughput_tps": round(float(throughput_tps), 3),
+        "repro": server.signer.repro_class().as_dict(),  # what an auditor compares bits within
     }
 
 

@@ -7,7 +7,8 @@ reported to the coordinator of every session sending to it, which keep their sta
 ``repair``); posting a computed chunk's output (the tail's ``result`` to the coordinator, else
 ``forward`` hidden states to the successor, kept in the session's ``SentLog`` and copied to its
 mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
-the session's receipt ledger in posting order; a heal's ``refill`` passed on within the stages
+the session's receipt ledger in posting order and its input and output rows kept in the session's
+``swarm.audit.WindowLog`` (the receipt's window root); a heal's ``refill`` passed on within the stages
 replacing a lost range); and the successor streams (one persistent stream per successor
 address, dialed once under a lock per address, read for the errors a successor sends back); and
 the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes.run_mirror`).
@@ -141,11 +142,14 @@ class Outboxes:
         if msg["type"] == "refill":  # a heal's resent positions: KV only, on within the replacement
             if not tail and sess.sent_log is not None:
                 sess.sent_log.record(msg["pos"], payload)  # a later heal of the successor resends them
-            if sess.span.end < msg["until"]:
+            onward = sess.span.end < msg["until"]
+            if onward:
                 sent = wire.frame("refill", hidden=payload, **{k: msg[k] for k in ("session", "epoch", "pos", "until")})
                 self.post(sess.next_stream, sess, sent)
                 if sess.ledger is not None:
                     sess.ledger.output.add(receipts.refill_item(sent))
+            if sess.windows is not None:
+                sess.windows.record_chunk(msg, payload if onward else None)
             return
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
         if tail:
@@ -162,6 +166,8 @@ class Outboxes:
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them
             sess.ledger.output.add(item)
+        if sess.windows is not None:  # the rows behind the receipt's window root (swarm.audit)
+            sess.windows.record_chunk(msg, payload)
 
     def post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
         """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow

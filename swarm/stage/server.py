@@ -2,8 +2,8 @@
 
 Owns: ``StageServer``: its ``info``, the task per inbound stream (frames read in order, each
 validated, an invalid one answered with an error naming the problem), the dispatch of ``info``,
-``drain``, ``open``, ``forward``, ``refill``, ``repair``, ``receipt``, ``cancel``, ``progress`` and
-``close`` frames, and
+``drain``, ``open``, ``forward``, ``refill``, ``repair``, ``receipt``, ``cancel``, ``progress``,
+``close`` and ``audit`` frames, and
 the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
 ``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
 ``--session-ttl-s``; the drain; ``open`` with ``mirror`` starts that mirror,
@@ -14,9 +14,10 @@ The server wires together objects of this package, one concern each, each given 
 ``scheduler.Scheduler`` (steps, the compute, kernel proofs), ``outbox.Outboxes`` (ordered sending,
 successor streams, mirrors), ``signing.ReceiptSigner`` (the stage receipt), ``admission`` (the open
 frame's checks and the KV budget, with ``Reservations``), ``repair.Repairs`` (a heal's ``repair``)
-and ``reuse.PrefixReuse`` (the prefix cache); ``session`` holds the per-session state, ``daemon``
+``reuse.PrefixReuse`` (the prefix cache) and ``audit.Audits`` (recent jobs' rows kept in a
+``retention.RetentionStore``, ``audit`` requests answered); ``session`` holds the per-session state, ``daemon``
 the process around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``,
-``swarm.config``, ``swarm.errors``, ``swarm.mirror``, the modules of this package.
+``swarm.config``, ``swarm.errors``, ``swarm.mirror``, ``swarm.audit``, the modules of this package.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from swarm.mirror import Mirror
 from swarm.ranges import LayerRange
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
 from swarm.stage.outbox import Outboxes, try_send
+from swarm.stage.audit import Audits
 from swarm.stage.repair import Repairs
+from swarm.stage.retention import RetentionStore
 from swarm.stage.scheduler import TIMING_FIELDS, Scheduler, chunk_input
 from swarm.stage.session import Job, SentLog, Session, session_of
 from swarm.stage.signing import ReceiptSigner
@@ -69,7 +72,11 @@ class StageServer:
                                  dial=lambda addr: self.host.open_stream(addr, PROTOCOL_ID,
                                                                          timeout_s=self.config.hop_timeout_s),
                                  spawn=lambda fn, *args: self.nursery.start_soon(fn, *args))
-        self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post)
+        self.audits = Audits(RetentionStore(int(config.audit_retention_mb * 2**20)), block.layer_range,
+                             key=lambda: self.key, peer_id=lambda: self.host.peer_id,
+                             busy=lambda: self.scheduler.busy(), error=self._error)  # audit.py: openings
+        self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post,
+                                    tile_of=lambda s: self.scheduler.tile_of(s), retain=self.audits.retain)
         self.scheduler = Scheduler(config, block, self.sessions, self.timing, fail=self._fail_later,
                                    emit=self.outboxes.emit, metrics=self.metrics,  # proves the kernels
                                    sign_receipt=lambda sess: self.signer.sign(sess, self.key, self.host.peer_id))
@@ -83,15 +90,8 @@ class StageServer:
         self.move_to: LayerRange | None = None  # set by a rebalance: restart on this block after the drain
         self.announcer = None  # swarm.discovery.announce.Announcer while the stage announces
         self.reachable: bool | None = None  # what the dial-back found (None: not asked, or no answer)
-        self.reuse = None  # swarm.stage.reuse.PrefixReuse: finished sessions' KV as reusable blocks
-        self.prefix = None  # its PrefixStore
-        if config.prefix_cache_mb > 0:
-            from swarm.stage.reuse import PrefixReuse
-
-            self.reuse = PrefixReuse(config.prefix_cache_mb, config.prefix_block,
-                                     lambda: self.config.kv_budget_bytes, self.reservations, block,
-                                     self.scheduler.limiter, self.scheduler.tile_of)
-            self.prefix = self.reuse.store
+        self.reuse = _prefix_reuse(self)  # swarm.stage.reuse.PrefixReuse: finished sessions' KV, or None
+        self.prefix = None if self.reuse is None else self.reuse.store  # its PrefixStore
         if config.max_ctx is not None:
             if config.max_ctx > block.max_ctx:
                 raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
@@ -131,7 +131,7 @@ class StageServer:
             batching={"max_batch_rows": self.scheduler.max_batch_rows, "batch_tile": self.scheduler.tile or 0,
                       "prefill_slice": self.config.prefill_slice,
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
-            kernels=self.kernels,
+            kernels=self.kernels, repro=self.signer.repro_class().as_dict(),
             prefix_cache=self.prefix_stats(),
             hops=[s.hop_state() for s in list(self.outboxes.successors.values()) if not s.closed],
             timing=dict(self.timing),
@@ -208,6 +208,8 @@ class StageServer:
             await self.repairs.repair(stream, msg)
         elif kind == "receipt":
             await self._receipt(stream, msg)
+        elif kind == "audit":  # anyone may ask (rate-limited); answered on its own stream, off the hot path
+            await self.audits.answer(stream, msg)
         elif kind in ("cancel", "progress", "close"):
             sess = self.sessions.get(msg["session"])
             if sess is not None and stream.remote_peer_id != sess.coordinator:
@@ -317,7 +319,7 @@ class StageServer:
             session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
         if msg.get("job") is not None:
             job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
-            session.ledger = receipts.StageLedger(job_id, nonce)
+            session.ledger, session.windows = receipts.StageLedger(job_id, nonce), self.audits.new_log()
         if msg.get("sampling") is not None:
             session.sampling = _sampling_of(msg["sampling"])
         if next_addr is not None:
@@ -438,6 +440,17 @@ class StageServer:
         for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
             del self.sessions[sid]
             log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+def _prefix_reuse(server: StageServer):
+    """The server's ``PrefixReuse`` (``--prefix-cache-mb`` > 0), else None."""
+    config = server.config
+    if config.prefix_cache_mb <= 0:
+        return None
+    from swarm.stage.reuse import PrefixReuse
+
+    return PrefixReuse(config.prefix_cache_mb, config.prefix_block, lambda: server.config.kv_budget_bytes,
+                       server.reservations, server.block, server.scheduler.limiter, server.scheduler.tile_of)
 
 
 def _sampling_of(fields: dict):

@@ -120,6 +120,7 @@ class Session:
     frames_out: int = 0
     errors: list = field(default_factory=list)
     ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
+    windows: object = None  # swarm.audit.WindowLog with the ledger: the rows behind the receipt's Merkle root
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
     last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills

@@ -3,13 +3,16 @@
 Owns: signing the stage receipt of a session (job id, nonce, model and range digests, layer range,
 dtypes, positions, this stage's PeerId, and the rolling digests of every frame received and sent,
 kept in the session's ``receipts.StageLedger``: the server adds each forward frame received, the
-outbox each frame posted), posting it to the coordinator and passing the request on to the
+outbox each frame posted; the stage's reproducibility class, ``swarm.kernels.facts``; the Merkle
+root over the session's windows of rows, ``swarm.audit.Commitment``, whose rows it hands to the
+retention store for audits), posting it to the coordinator and passing the request on to the
 successor behind the session's frames. The schema and canonical bytes live in ``swarm.receipts``.
 
 :class:`ReceiptSigner` holds what every receipt of this stage names (the block, model name and
 digest) and the count signed; it is given the key and PeerId per receipt (the host's, known once
 the stage serves) and a ``post(stream, sess, frame)`` callback (the outbox). May import:
-``swarm.receipts``, ``swarm.wire``, ``swarm.transport.identity`` (lazily), this package's ``session``.
+``swarm.receipts``, ``swarm.audit``, ``swarm.wire``, ``swarm.kernels.facts`` and
+``swarm.transport.identity`` (lazily), this package's ``session``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from swarm import receipts, wire
+from swarm import audit, receipts, wire
 from swarm.stage.session import Session
 
 log = logging.getLogger(__name__)
@@ -32,9 +35,22 @@ class ReceiptSigner:
         post: ``post(stream, sess, frame)`` queues a frame on a stream's outbox, in order.
     """
 
-    def __init__(self, block, model_name: str, model_digest: str, post: Callable[..., None]) -> None:
+    def __init__(self, block, model_name: str, model_digest: str, post: Callable[..., None], *,
+                 tile_of: Callable[[Session], int] = lambda sess: 1,
+                 retain: Callable[[Session, dict, object], None] | None = None,
+                 window: int = audit.WINDOW_POSITIONS) -> None:
         self.block, self.model_name, self.model_digest, self._post = block, model_name, model_digest, post
+        self._tile_of, self._retain, self.window = tile_of, retain, window
         self.signed = 0  # receipts signed (metrics)
+
+    def repro_class(self, sess: Session | None = None):
+        """The reproducibility class this stage signs for ``sess`` (its span and GEMM tile), or for
+        the whole block at tile 1 (``info``, the DHT record): :func:`swarm.kernels.facts.stage_class`."""
+        from swarm.kernels.facts import stage_class
+
+        if sess is None:
+            return stage_class(self.block)
+        return stage_class(self.block, sess.span, self._tile_of(sess))
 
     def sign(self, sess: Session, key, peer_id: str) -> None:
         """Sign this stage's receipt for the session, post it to the coordinator, pass the request on.
@@ -49,16 +65,23 @@ class ReceiptSigner:
         """
         b, sid = self.block, sess.session_id
         tail = sess.is_tail(b.num_layers)
+        log_ = sess.windows  # absent without --audit-retention-mb, broken when the job outgrew it
+        commitment = None if log_ is None or log_.broken else audit.Commitment(log_.snapshot(), self.window)
+        if log_ is not None and log_.broken:
+            log.warning("receipt.no_windows session=%s job=%s reason=%s", sid, sess.ledger.job_id, log_.broken)
         body = sess.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
-            positions=sess.positions, reused=sess.reused)
+            positions=sess.positions, reused=sess.reused, repro=self.repro_class(sess).as_dict(),
+            windows=None if commitment is None else commitment.field())
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(key, data))
         self.signed += 1
+        if commitment is not None and self._retain is not None:
+            self._retain(sess, signed, commitment)  # the rows an audit opens, kept after the session ends
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
         self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))

@@ -104,3 +104,38 @@ def test_select_prefers_highest_valid_seq(key):
     assert select_record(k, [b"junk", old], now=NOW) == 1
     later = sign_record(key, dataclasses.replace(_record(key, seq=3), expires_at=NOW + 200))
     assert select_record(k, [old, later], now=NOW) == 1
+
+
+REPRO_FACTS = {"schema": "swarm/repro/1", "device": "cpu", "isa": "x86_64 AVX2", "blas": "mkl 2024.2",
+               "torch": "2.13.0", "dtype": "float32", "kernel": {"mode": "fma"}, "weights": "ef" * 32}
+
+
+def _signed_body(key, body: dict) -> bytes:
+    """A value signed over ``body`` as given (what another swarm version would publish)."""
+    from swarm.discovery import records
+    from swarm.transport.identity import sign
+
+    raw = msgpack.packb(dict(sorted(body.items())), use_bin_type=True)
+    return msgpack.packb({"body": raw, "sig": sign(key, records._SIGN_DOMAIN + raw)}, use_bin_type=True)
+
+
+def test_the_reproducibility_class_travels_and_is_checked(key):
+    from swarm import repro
+
+    cls = repro.make(REPRO_FACTS).as_dict()
+    rec = _record(key, repro=cls)
+    value = sign_record(key, rec)
+    assert open_record(record_key(rec.peer_id), value, now=NOW).repro == cls
+    assert len(value) - len(sign_record(key, _record(key))) < 600  # the record stays small
+    forged = _record(key, repro={**cls, "id": "rc1-0000000000000000"})
+    with pytest.raises(RecordInvalid, match="repro .*not the digest of its facts"):
+        open_record(record_key(rec.peer_id), sign_record(key, forged), now=NOW)
+
+
+def test_old_records_and_newer_fields_still_open(key):
+    rec = _record(key)
+    body = msgpack.unpackb(rec.to_body())
+    del body["repro"]  # a record of a stage that predates the class
+    assert open_record(record_key(rec.peer_id), _signed_body(key, body), now=NOW).repro == {}
+    body["a_later_field"] = [1, 2]  # a field of a later version: ignored, the rest opens
+    assert open_record(record_key(rec.peer_id), _signed_body(key, body), now=NOW) == rec

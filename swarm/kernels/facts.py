@@ -1,0 +1,131 @@
+"""The facts a block's output bits depend on, read off this machine: its reproducibility class.
+
+Owns: :func:`machine_facts` (device, ISA, CPU vendor, BLAS, library versions: read once per
+process) and :func:`stage_class` (those facts plus the block's dtype, kernel mode and its
+constants, and the weights digest of the span a session runs), turned into a
+:class:`swarm.repro.ReproClass`. The canonical form, the id and ``comparable`` are pure and live in
+``swarm.repro``. May import torch, the shared core; no networking.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+from swarm import repro
+
+
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _blas(config: str) -> str:
+    """``mkl 2024.2``, ``openblas``, ... from ``torch.__config__.show()``."""
+    name = re.search(r"BLAS_INFO=([\w.-]+)", config)
+    blas = name.group(1) if name else "unknown"
+    if blas == "mkl":
+        version = re.search(r"Math Kernel Library Version ([\d.]+)", config)
+        if version:
+            blas += f" {version.group(1)}"
+    elif blas == "open":  # torch writes BLAS_INFO=open for OpenBLAS
+        blas = "openblas"
+    return blas
+
+
+@functools.lru_cache(maxsize=None)
+def machine_facts(device_type: str = "cpu", device_index: int = 0) -> dict:
+    """What this process's arithmetic rests on besides the block: device, ISA, BLAS, versions.
+
+    Args:
+        device_type: ``cpu`` or ``cuda`` (the block's device type); ``device_index``: the GPU.
+    Returns:
+        ``{"device", "isa", "cpu_vendor", "blas", "torch", "transformers"[, "cuda"]}`` (JSON values).
+    """
+    import transformers
+
+    config = torch.__config__.show()
+    facts = {
+        "isa": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
+        "cpu_vendor": _cpu_vendor(),
+        "blas": _blas(config),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device_index)
+        facts["device"] = f"cuda {torch.cuda.get_device_name(device_index)} sm{major}{minor}"
+        facts["cuda"] = torch.version.cuda or "unknown"
+    else:
+        facts["device"] = device_type
+    return facts
+
+
+@functools.lru_cache(maxsize=None)
+def _fma_source_digest() -> str:
+    from swarm.kernels import fma
+
+    return hashlib.sha256(fma.SOURCE.read_bytes() + " ".join(fma.FLAGS).encode()).hexdigest()[:16]
+
+
+def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: bool = True) -> dict:
+    """The kernel mode and the constants a row's bits depend on.
+
+    In the ``rows`` mode torch's thread count is one of them: measured 2026-12-03 on a 2-core AMD EPYC
+    (torch 2.13, MKL 2024.2), check_block's sessions at SmolLM2's widths gave other bits at 1, 2 and 4
+    threads (the same bits at the same count, run after run). The fma kernels' threads only share out
+    disjoint outputs (``swarm.kernels.fma``), so there it is no fact (tests/kernels/test_facts.py).
+
+    Args:
+        mode: the block's ``kernel_mode``: ``fma`` or ``rows``.
+        tile: rows per GEMM of the session (``rows`` mode only: packed sessions' ``--batch-tile``;
+            the fma kernels give a row the same bits at any packing).
+        threads: torch's thread count for the ``rows`` mode (default: ``torch.get_num_threads()``).
+        cpu: the block runs on the CPU; on a GPU the CPU thread count is no fact.
+    Raises:
+        ValueError: an unknown mode or a tile below 1.
+    """
+    from swarm.kernels import invariant
+
+    if tile < 1:
+        raise ValueError(f"tile must be at least 1, got {tile}")
+    if mode == "fma":
+        return {"mode": "fma", "source": _fma_source_digest(), "key_block": 64, "norm_tile": invariant.TILE_ROWS}
+    if mode == "rows":
+        out = {"mode": "rows", "tile": tile, "column_block": invariant.COLUMN_BLOCK,
+               "column_block_min_bytes": invariant.COLUMN_BLOCK_MIN_BYTES}
+        if cpu:
+            out["threads"] = threads or torch.get_num_threads()
+        return out
+    raise ValueError(f"unknown kernel mode {mode!r}")
+
+
+def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
+    """The reproducibility class of ``block`` running ``span`` (default: its whole range) at ``tile``.
+
+    Args:
+        block: a loaded ``LayerBlock`` (its ``device``, ``dtype``, ``kernel_mode``, ``digest_of``).
+        span: the ``LayerRange`` a session runs; its weights digest is part of the class.
+        tile: the session's rows per GEMM (see :func:`kernel_facts`).
+    Returns:
+        The :class:`swarm.repro.ReproClass`. The CPU vendor is a fact only in the ``rows`` mode on a
+        CPU (the BLAS's code paths differ by vendor); fma.c's arithmetic is fixed by its source.
+    """
+    device = torch.device(block.device)
+    facts = dict(machine_facts(device.type, device.index or 0))
+    mode = getattr(block, "kernel_mode", "rows")
+    if not (mode == "rows" and device.type == "cpu"):
+        facts.pop("cpu_vendor")
+    facts.update(schema=repro.SCHEMA, dtype=str(block.dtype).removeprefix("torch."),
+                 kernel=kernel_facts(mode, tile, cpu=device.type == "cpu"), weights=block.digest_of(span))
+    return repro.make(facts)

@@ -1,0 +1,164 @@
+"""Reproducibility classes: the facts a stage's output bits depend on, and a short id for them.
+
+Owns: the canonical form of those facts, the class id (a digest of it), reading a class off the
+wire or a record (:func:`parse`, which recomputes the id), and :func:`comparable`, the one question
+an audit asks before it compares two stages' bits. Pure: facts in, id out; the standard library
+only. Gathering the facts needs torch and lives with the kernels (``swarm.kernels.facts``).
+
+Why a class: a stage's arithmetic is row-invariant and proven at start-up (``swarm.kernels.check``),
+so an honest stage's output is a function of its input, its weights and the arithmetic it runs.
+Two stages that run the same arithmetic on the same weights give the same bits; an audit compares
+bit for bit only then. Across classes it says "not comparable" (never "cheated").
+
+Facts (JSON values; see ``swarm.kernels.facts.stage_facts`` for where each comes from):
+
+- ``schema``: ``swarm/repro/1``.
+- ``device``: ``cpu``, or ``cuda <GPU name> sm<major><minor>``.
+- ``isa``: the CPU architecture and torch's vector dispatch level (``x86_64 AVX2``): torch's own
+  element-wise kernels (rotary tables, residual adds) are compiled per level.
+- ``cpu_vendor``: only where the kernel mode rests on a vendor library (the ``rows`` mode on a CPU
+  runs the BLAS, whose code paths differ by vendor), else absent.
+- ``blas``: torch's BLAS and its version (``mkl 2024.2``); ``torch``, ``transformers``: versions.
+- ``cuda``: the CUDA version, on a GPU only.
+- ``dtype``: the compute dtype (``float32``).
+- ``kernel``: the kernel mode and the constants its bits depend on: ``fma`` with the digest of
+  ``fma.c``, its key block and the norm tile; ``rows`` with the session's GEMM tile, torch's thread
+  count (the BLAS's bits change with it) and the LM head's column block.
+- ``weights``: the digest of the tensors the stage runs for its range (the receipt's ``range_digest``).
+
+The id: ``rc1-`` + the first 16 hex digits of BLAKE2b-256 over the canonical JSON of the facts
+(sorted keys, no spaces, ASCII). The facts travel with the id, so a person can read why two
+classes differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA = "swarm/repro/1"
+ID_PREFIX = "rc1-"
+REQUIRED = ("schema", "device", "isa", "blas", "torch", "dtype", "kernel", "weights")
+MAX_FACTS_CHARS = 2048  # a record or a receipt stays small
+
+
+def _canonical(facts: dict) -> bytes:
+    return json.dumps(facts, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def class_id(facts: dict) -> str:
+    """The id of a set of facts: ``rc1-`` + 16 hex digits (BLAKE2b-256 of the canonical JSON).
+
+    Raises:
+        ValueError / TypeError: the facts hold a value JSON cannot encode.
+    """
+    digest = hashlib.blake2b(_canonical(facts), digest_size=32, person=b"swarm-repro/1").hexdigest()
+    return ID_PREFIX + digest[:16]
+
+
+@dataclass(frozen=True)
+class ReproClass:
+    """A reproducibility class: its id and the facts it digests."""
+
+    id: str
+    facts: dict
+
+    def as_dict(self) -> dict:
+        """``{"id", "facts"}``: the form in ``info``, records and receipts."""
+        return {"id": self.id, "facts": dict(self.facts)}
+
+
+def make(facts: dict) -> ReproClass:
+    """The class of ``facts`` after checking them.
+
+    Raises:
+        ValueError: a required fact is missing, ``schema`` is not ``swarm/repro/1``, or the facts
+            are not JSON values or too long (more than 2048 characters of canonical JSON).
+    """
+    if not isinstance(facts, dict):
+        raise ValueError("reproducibility facts must be a map")
+    missing = [k for k in REQUIRED if k not in facts]
+    if missing:
+        raise ValueError(f"reproducibility facts lack {', '.join(missing)}")
+    if facts["schema"] != SCHEMA:
+        raise ValueError(f"reproducibility facts of schema {facts['schema']!r}, not {SCHEMA}")
+    try:
+        size = len(_canonical(facts))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"reproducibility facts are not JSON values: {exc}") from None
+    if size > MAX_FACTS_CHARS:
+        raise ValueError(f"reproducibility facts take {size} characters, more than {MAX_FACTS_CHARS}")
+    return ReproClass(class_id(facts), dict(facts))
+
+
+def parse(doc: Any) -> ReproClass:
+    """A class as it travels (``{"id", "facts"}``), checked: the id must be the facts' digest.
+
+    Raises:
+        ValueError: not such a map, facts that :func:`make` refuses, or an id that does not match.
+    """
+    if not isinstance(doc, dict) or not isinstance(doc.get("id"), str) or not isinstance(doc.get("facts"), dict):
+        raise ValueError("a reproducibility class must be a map of 'id' (string) and 'facts' (map)")
+    cls = make(doc["facts"])
+    if cls.id != doc["id"]:
+        raise ValueError(f"reproducibility class id {doc['id'][:24]!r} is not the digest of its facts ({cls.id})")
+    return cls
+
+
+class Comparison:
+    """The answer of :func:`comparable`: true when two stages' bits may be compared; ``reason``
+    says why not (``"not comparable: torch 2.13.0 vs 2.12.0"``), empty when they may."""
+
+    __slots__ = ("ok", "reason", "differences")
+
+    def __init__(self, differences: list[tuple[str, Any, Any]]) -> None:
+        self.differences = differences
+        self.ok = not differences
+        self.reason = "" if self.ok else "not comparable: " + "; ".join(
+            f"{name} {_show(a)} vs {_show(b)}" for name, a, b in differences)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return f"Comparison({'comparable' if self.ok else self.reason!r})"
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "(none)"
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+def _flatten(facts: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in facts.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def comparable(a: ReproClass | dict, b: ReproClass | dict) -> Comparison:
+    """Whether two stages' outputs may be compared bit for bit: the same class (same facts).
+
+    Args:
+        a, b: classes, or their travelling form ``{"id", "facts"}`` (checked with :func:`parse`).
+    Returns:
+        A :class:`Comparison`, true when the ids match; else its ``reason`` names every fact that
+        differs (``weights``, ``torch``, ``kernel.mode``, ...), or why a class could not be read.
+    """
+    try:
+        ca = a if isinstance(a, ReproClass) else parse(a)
+        cb = b if isinstance(b, ReproClass) else parse(b)
+    except ValueError as exc:
+        return Comparison([("class", str(exc), "a valid class")])
+    if ca.id == cb.id:
+        return Comparison([])
+    fa, fb = _flatten(ca.facts), _flatten(cb.facts)
+    diffs = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    return Comparison(diffs or [("id", ca.id, cb.id)])

@@ -1,0 +1,123 @@
+"""The stage's side of an audit: keeping recent jobs' rows and answering ``audit`` requests.
+
+Owns: :class:`Audits`: handing each signed receipt's window commitment to the retention store
+(:mod:`swarm.stage.retention`), and answering an ``audit`` frame (session, job, window) with
+``audit_ok`` carrying the window's rows, its Merkle path and the stage's signature
+(:func:`swarm.audit.opening_body`, :func:`swarm.audit.sign_opening`), or an error frame that says
+why not: ``no_job`` (unknown or evicted job), ``bad_request`` (no such window), ``rate_limited``.
+An audit is low priority: it is answered on the asker's own stream, never by the scheduler; it
+waits (up to ``YIELD_S``) while the scheduler has work, and builds the opening in a worker thread
+of its own, so live decode steps are not delayed by it. Each requester PeerId has a token bucket
+(:class:`RateLimit`, pure: the clock is an argument). Anyone may ask: an opening reveals the
+window's rows (at the head, the prompt's token ids), so who may audit is for the auditor's issue to
+settle (issue 29, item 3). May import: trio, ``swarm.audit``,
+``swarm.wire``, ``swarm.transport.identity`` (lazily), this package's ``retention``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from swarm import audit, wire
+from swarm.stage.retention import RetentionStore
+
+log = logging.getLogger(__name__)
+
+RATE_PER_S = 20.0  # audit requests per second one PeerId may make, sustained
+BURST = 64  # ... and at once (an auditor opening every window of a job up to the one it checks)
+YIELD_S = 0.5  # an audit waits at most this long for the scheduler to have nothing queued
+MAX_PEERS = 4096  # buckets kept; beyond, full ones (idle requesters) are forgotten
+
+
+class RateLimit:
+    """A token bucket per requester: ``rate_per_s`` sustained, ``burst`` at once.
+
+    Raises:
+        ValueError: a rate or burst that is not positive.
+    """
+
+    def __init__(self, rate_per_s: float = RATE_PER_S, burst: int = BURST) -> None:
+        if not (rate_per_s > 0 and burst >= 1):
+            raise ValueError(f"audit rate must be > 0 and burst >= 1, got {rate_per_s} and {burst}")
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, time of that count)
+
+    def allow(self, peer: str, now: float) -> bool:
+        """Take one token of ``peer``'s bucket at time ``now`` (seconds, any monotonic clock)."""
+        tokens, then = self._buckets.get(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - then) * self.rate_per_s)
+        ok = tokens >= 1.0
+        self._buckets[peer] = (tokens - 1.0 if ok else tokens, now)
+        if len(self._buckets) > MAX_PEERS:
+            for p, (t, at) in list(self._buckets.items()):
+                if t + (now - at) * self.rate_per_s >= self.burst:
+                    del self._buckets[p]
+        return ok
+
+
+class Audits:
+    """Retention and ``audit`` answers (see the module docstring).
+
+    Args:
+        store: the :class:`RetentionStore` (``--audit-retention-mb``).
+        layer_range: the block's layers, for error reasons.
+        key: ``key()`` the node's ed25519 KeyPair; ``peer_id``: ``peer_id()`` its PeerId.
+        busy: ``busy()`` whether the scheduler has work queued or computing.
+        error: ``error(reason, code, session)`` builds a counted error frame (the server's).
+        limit: the per-requester :class:`RateLimit`.
+    """
+
+    def __init__(self, store: RetentionStore, layer_range, *, key: Callable[[], object], peer_id: Callable[[], str],
+                 busy: Callable[[], bool], error: Callable[..., dict], limit: RateLimit | None = None) -> None:
+        self.store, self.layer_range = store, layer_range
+        self._key, self._peer_id, self._busy, self._error = key, peer_id, busy, error
+        self.limit = limit or RateLimit()
+        self.answered = 0
+        self._thread = trio.CapacityLimiter(1)  # openings are built one at a time, off the trio thread
+
+    def new_log(self) -> audit.WindowLog | None:
+        """A job session's :class:`swarm.audit.WindowLog`, bounded by the retention budget; None
+        with ``--audit-retention-mb 0`` (no rows are copied, receipts commit to no windows)."""
+        return audit.WindowLog(self.store.max_bytes) if self.store.max_bytes > 0 else None
+
+    def retain(self, sess, receipt: dict, commitment: audit.Commitment) -> None:
+        """Keep a signed receipt's commitment (the signer calls this) for later audits."""
+        self.store.put(sess.session_id, sess.ledger.job_id, receipt, commitment)
+
+    async def answer(self, stream, msg: dict) -> None:
+        """Answer a validated ``audit`` frame on ``stream`` (see the module docstring)."""
+        sid, job, k, peer = msg["session"], msg["job"], msg["window"], stream.remote_peer_id
+        if not self.limit.allow(peer, trio.current_time()):
+            log.warning("audit.rate_limited peer=%s session=%s job=%s", peer, sid, job)
+            await stream.send(self._error(f"stage {self.layer_range}: too many audit requests from {peer} "
+                                          f"(at most {self.limit.rate_per_s:g}/s); retry later", "rate_limited", sid))
+            return
+        entry = self.store.get(sid, job)
+        if entry is None:
+            why = ("was evicted from this stage's retention (--audit-retention-mb)" if self.store.evicted(sid, job)
+                   else "is not known to this stage")
+            await stream.send(self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} {why}",
+                                          "no_job", sid))
+            return
+        leaves = len(entry.commitment.tree)
+        if k >= leaves:
+            await stream.send(self._error(f"stage {self.layer_range}: job {job!r} has {leaves} windows of "
+                                          f"{entry.commitment.size} positions; there is no window {k}",
+                                          "bad_request", sid))
+            return
+        with trio.move_on_after(YIELD_S):  # live sessions first: wait for a moment with nothing queued
+            while self._busy():
+                await trio.sleep(0.002)
+        opening = await trio.to_thread.run_sync(self._opening, entry, k, limiter=self._thread)
+        self.answered += 1
+        log.info("audit.answered peer=%s session=%s job=%s window=%d", peer, sid, job, k)
+        await stream.send(wire.frame("audit_ok", session=sid, job=job, window=k, opening=opening))
+
+    def _opening(self, entry, k: int) -> dict:
+        from swarm.transport.identity import sign
+
+        key = self._key()
+        return audit.sign_opening(audit.opening_body(entry.receipt, entry.commitment, k), lambda data: sign(key, data))

@@ -142,17 +142,20 @@ async def _acquire_unless(pool: ClientPool, stop: trio.Event | None) -> RingClie
     if stop.is_set():
         return None
     got: list = []
-    async with trio.open_nursery() as nursery:
-        async def take():
-            got.append(await pool.acquire())
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            async def take():
+                got.append(await pool.acquire())
+                nursery.cancel_scope.cancel()
 
-        async def leave():
-            await stop.wait()
-            nursery.cancel_scope.cancel()
+            async def leave():
+                await stop.wait()
+                nursery.cancel_scope.cancel()
 
-        nursery.start_soon(take)
-        nursery.start_soon(leave)
+            nursery.start_soon(take)
+            nursery.start_soon(leave)
+    except BaseExceptionGroup as group:  # the pool's own error (no route: a 503 naming why), not a 500
+        raise collapse(group) from None
     return got[0] if got else None
 
 

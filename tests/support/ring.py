@@ -78,9 +78,9 @@ def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dt
     return trio.run(main)
 
 
-async def signed_job(spec: RingSpec, model_dir: Path, key_dir: Path, prompt: list[int], receipt_dir: Path,
+async def signed_job(ring_spec: RingSpec, model_dir: Path, key_dir: Path, prompt: list[int], receipt_dir: Path,
                      new_tokens: int = 6, **decode_kwargs) -> dict:
-    """One job with receipts on the running ring ``spec``; returns ``write_job_receipt``'s result plus
+    """One job with receipts on the running ring ``ring_spec``; returns ``write_job_receipt``'s result plus
     ``doc`` (the signed job receipt) and ``output_ids``. ``decode_kwargs``: more ``DecodeOptions`` fields."""
     import json
 
@@ -88,9 +88,9 @@ async def signed_job(spec: RingSpec, model_dir: Path, key_dir: Path, prompt: lis
     from swarm.coordinator.generation import write_job_receipt
 
     key = load_or_create_key(key_dir / "coord.key")
-    num_layers = spec.stages[-1].layers.end
+    num_layers = ring_spec.stages[-1].layers.end
     async with open_host(key, [LOOPBACK]) as host, trio.open_nursery() as inner:
-        ring = RingClient(host, spec, 30.0, 10.0)
+        ring = RingClient(host, ring_spec, 30.0, 10.0)
         digest = model_manifest_digest(model_dir)
         await ring.connect(num_layers, digest, inner)
         job = {"id": receipts.new_nonce()[:32], "nonce": receipts.new_nonce()}

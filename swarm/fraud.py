@@ -52,7 +52,7 @@ SCHEMA = "swarm/fraud-proof/1"
 _TAG = b"swarm-fraud-proof/1\n"
 DEFAULT_RATE = 0.05  # audited share of an identity's sessions once it is past its first ones
 FIRST_SESSIONS = 20  # an identity's first sessions an auditor sees are all audited
-MAX_PROOF_BYTES = 1 << 20  # a proof larger than this is not read (DHT values and files stay bounded)
+MAX_PROOF_BYTES = 1_000_000  # a proof larger than this is not read (a DHT record holds at most 1 MiB)
 
 
 # ---- selection ----------------------------------------------------------------------------------
@@ -248,7 +248,8 @@ def check_proof(proof: Any) -> Claim:
     if not same:
         raise refused("another class", f"the auditor ran class {mine.id}, the stage signed {theirs.id}: {same.reason}")
     try:
-        sig_ok = verify_peer_signature(proof["auditor"], canonical(claim_body(proof), _TAG), bytes.fromhex(proof["sig"]))
+        claim = canonical(claim_body(proof), _TAG)
+        sig_ok = verify_peer_signature(proof["auditor"], claim, bytes.fromhex(proof["sig"]))
     except (ValueError, TypeError):
         sig_ok = False
     if not sig_ok:

@@ -6,8 +6,9 @@ a warm spare with idle time): it picks receipts by a hash of the signed job rece
 (``swarm.model.recompute``) within a comparable class, and turns a mismatch into a fraud proof
 (``swarm.fraud``); :func:`swarm.auditor.judge.verify_proof` re-checks a proof with the weights.
 
-Modules: ``judge`` (pure with torch: blocks by range, a stage's opened rows judged, a proof
-re-checked), ``run`` (the networked auditor: fetch, judge, tally, publish).
+Modules: ``judge`` (with torch, no networking: blocks by range, a stage's opened rows judged, a
+proof re-checked), ``run`` (the networked auditor: fetch, judge, tally, publish), ``exclusions``
+(who routing, heals and placement shut out: identities with a proof this process re-ran).
 
 May import: the shared core, the transport, kernels, discovery, weights, model (never stage,
 coordinator or serve). Imported by stage, coordinator, serve and cli.

@@ -164,8 +164,8 @@ def judge(block, receipt: dict, openings: list, raw: list[dict], pred: tuple | N
                                       recomputed=got[q], auditor_class=mine.as_dict(), auditor=auditor, sign=sign,
                                       created_ms=now_ms)
             return Verdict(**base, outcome="failed", positions=compared, proof=proof,
-                           reason=f"position {q}: the stage's output row is not what layers "
-                                  f"[{receipt['layers'][0]}, {receipt['layers'][1]}) compute on its input (class {mine.id})")
+                           reason=f"position {q}: the stage's output row is not what layers [{receipt['layers'][0]}, "
+                                  f"{receipt['layers'][1]}) compute on its input (class {mine.id})")
     return Verdict(**base, outcome="passed", positions=compared,
                    reason=f"{compared} output rows of {len(openings)} windows reproduced bit for bit (class {mine.id})")
 
@@ -183,8 +183,8 @@ class ProofCheck:
     note: str = ""
 
     def line(self) -> str:
-        return (f"VALID proof: stage {self.accused} [{self.layers[0]}, {self.layers[1]}) sent an output row at position "
-                f"{self.position} of job {self.job_id[:16]} that its layers do not compute on its input"
+        return (f"VALID proof: stage {self.accused} [{self.layers[0]}, {self.layers[1]}) sent an output row at "
+                f"position {self.position} of job {self.job_id[:16]} that its layers do not compute on its input"
                 + (f" ({self.note})" if self.note else ""))
 
 

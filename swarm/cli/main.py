@@ -406,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     _peers_parser(sub)
     _identity_parsers(sub)
     _receipts_parser(sub)
+    from swarm.cli.audit import add_parser as _audit_parser
+
+    _audit_parser(sub)
     _verbose_after_subcommands(parser)
     return parser
 
@@ -431,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
-    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo", "dashboard"):
+    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo", "dashboard", "audit"):
         import swarm.transport.host as transport_host  # importing libp2p resets its level: re-applied per host
 
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
@@ -441,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
+                    "audit": _cmd_audit,
                     "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
@@ -753,6 +757,12 @@ def cmd_keygen(args) -> int:
     print(peer_id_of(key))
     print(f"swarm keygen: wrote {path} (mode 0600)", file=sys.stderr)
     return 0
+
+
+def _cmd_audit(args) -> int:
+    from swarm.cli.audit import cmd_audit
+
+    return cmd_audit(args)
 
 
 def cmd_id(args) -> int:

@@ -10,8 +10,9 @@ Kinds (``KINDS``):
 - ``skip``: one layer of the block skipped (its residual stream passes through; the output stays
   plausible);
 - ``replay``: another session's output at the same positions and shape sent instead of this one's (the
-  first session is computed honestly and remembered);
-- ``ulp``: one value of one position of one session moved by one unit in the last place;
+  first output of each position and shape is computed honestly and remembered);
+- ``ulp``: one value of one position of one session moved by one unit in the last place (``session=None``:
+  of every session, as a benchmark's per-session cheat of the smallest size);
 - ``intermittent``: honest for its first ``honest_first`` (20) sessions, then garbage in 1 of
   ``one_in`` (20) sessions, picked by a seeded RNG.
 
@@ -32,7 +33,7 @@ class Cheat:
     """A block's ``forward_batch`` that cheats (see the module docstring). ``cheated`` counts the
     sessions it altered; ``sessions`` the sessions it saw."""
 
-    def __init__(self, block, kind: str, *, seed: int = 0, layer: int = 0, session: int = 0, position: int = 3,
+    def __init__(self, block, kind: str, *, seed: int = 0, layer: int = 0, session: int | None = 0, position: int = 3,
                  honest_first: int = 20, one_in: int = 20) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown cheat {kind!r}; one of {KINDS}")
@@ -50,6 +51,12 @@ class Cheat:
     def sessions(self) -> int:
         return len(self._numbers)
 
+    def unseen(self) -> bool:
+        """Count a session this stage served that nobody computes here (a benchmark that re-runs only the
+        sessions an auditor picks); returns whether the double would have cheated in it."""
+        marker = object()
+        return self.cheats_in(self._number(marker))
+
     def _number(self, cache) -> int:
         if id(cache) not in self._numbers:
             self._numbers[id(cache)] = (len(self._numbers), cache)
@@ -58,7 +65,7 @@ class Cheat:
     def cheats_in(self, n: int) -> bool:
         """Whether session ``n`` (0-based) is one this double cheats in."""
         if self.kind == "ulp":
-            return n == self.session
+            return self.session is None or n == self.session
         if self.kind == "replay":
             return n > 0
         if self.kind == "intermittent":
@@ -77,11 +84,13 @@ class Cheat:
         out = []
         for (cache, pos, x), y, n, lie in zip(rows, ys, numbers, lying):
             key = (pos, tuple(y.shape))
+            if self.kind == "replay" and key not in self._seen:
+                self._seen[key], lie = y.clone(), False  # nothing to replay yet: remember this one
             if lie:
-                self.cheated.add(n)
-                y = self._alter(y, pos, key)
-            elif self.kind == "replay":
-                self._seen.setdefault(key, y.clone())
+                altered = self._alter(y, pos, key)
+                if not torch.equal(altered, y):
+                    self.cheated.add(n)
+                y = altered
             out.append(y)
         return out
 

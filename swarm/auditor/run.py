@@ -7,7 +7,9 @@ of its predecessor on one stream each (``swarm.audit.request_window``: the stage
 priority and rate-limits each requester), re-runs the block in a worker thread
 (:func:`swarm.auditor.judge.judge`) and counts audited / passed / failed per PeerId. A stage that
 refuses or does not answer within ``timeout_s`` fails its audit (no proof: there is nothing to
-re-run). Each fraud proof goes to ``publish(proof)`` (the DHT, a file). May import trio, the shared
+re-run); a ``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
+times), since the limit is the stage protecting its live sessions. Each fraud proof goes to
+``publish(proof)`` (the DHT, a file). May import trio, the shared
 core, the transport, ``swarm.auditor.judge``.
 """
 
@@ -23,6 +25,9 @@ from swarm.auditor.judge import Blocks, Verdict, judge
 from swarm.errors import AuditFailed, HopTimeout, StreamClosed, SwarmError
 
 log = logging.getLogger(__name__)
+
+RATE_LIMIT_PAUSE_S = 1.0  # after a stage's rate_limited answer (its bucket refills at 20/s)
+RATE_LIMIT_WAITS = 30  # ... at most this many times per stage and job, then it counts as refused
 
 
 class Auditor:
@@ -119,14 +124,20 @@ class Auditor:
 
         stream = await self.host.open_stream(addr, wire.PROTOCOL_ID, timeout_s=self.timeout_s)
         try:
-            got = []
-            for k in range(last + 1):
+            got: list[dict] = []
+            waits = 0
+            while len(got) <= last:
+                k = len(got)
                 await stream.send(wire.frame("audit", session=receipt["session"], job=receipt["job_id"], window=k),
                                   timeout_s=self.timeout_s)
                 answer = await stream.recv(timeout_s=self.timeout_s)
                 if isinstance(answer, dict) and answer.get("type") == "audit_ok":
                     audit.check_opening(receipt, answer.get("opening"), k)
                     got.append(answer["opening"])
+                    continue
+                if isinstance(answer, dict) and answer.get("code") == "rate_limited" and waits < RATE_LIMIT_WAITS:
+                    waits += 1  # the stage protects its live sessions: ask again later, never count it against it
+                    await trio.sleep(RATE_LIMIT_PAUSE_S)
                     continue
                 reason = answer.get("reason") if isinstance(answer, dict) else answer
                 exc = AuditFailed(f"refused: window {k}: {str(reason)[:200]}")

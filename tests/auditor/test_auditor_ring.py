@@ -34,7 +34,8 @@ def _run(main):
         raise collapse(group) from None
 
 
-def _audit(model_dir, tmp_path, kind: str | None, jobs: int = 1, stage: int = 1, auditor_dtype=None, **cheat_kw):
+def _audit(model_dir, tmp_path, kind: str | None, jobs: int = 1, stage: int = 1, auditor_dtype=None, limit=None,
+           **cheat_kw):
     """Run ``jobs`` jobs on a ring whose stage ``stage`` cheats (``kind``; None: honest), audit every stage
     of every job at rate 1 over all windows; returns {verdicts: [[Verdict per stage] per job], outputs}."""
     got: dict = {"verdicts": [], "outputs": []}
@@ -45,6 +46,8 @@ def _audit(model_dir, tmp_path, kind: str | None, jobs: int = 1, stage: int = 1,
                 spec, servers = await start_ring(nursery, model_dir, RANGES, tmp_path)
                 if kind is not None:
                     got["double"] = cheat(servers[stage].block, kind, **cheat_kw)
+                for s in servers if limit is not None else ():
+                    s.audits.limit = limit
                 blocks = _Blocks(model_dir, auditor_dtype)
                 key = load_or_create_key(tmp_path / "auditor.key")
                 async with open_host(key, [LOOPBACK]) as host:
@@ -101,7 +104,10 @@ def test_replay_and_intermittent_cheats_are_caught_in_the_sessions_they_cheat(mo
 
 @pytest.mark.slow
 def test_honest_ring_passes_and_forged_proofs_are_refused_with_the_reason(model_dir, tmp_path):
-    got = _audit(model_dir, tmp_path, None, jobs=1)
+    from swarm.stage.audit import RateLimit
+
+    # stages that answer one audit request at a time (burst 1, 2/s): the auditor waits, it never fails them
+    got = _audit(model_dir, tmp_path, None, jobs=1, limit=RateLimit(rate_per_s=2.0, burst=1))
     assert [v.outcome for v in got["verdicts"][0]] == ["passed"] * 3
     # every position's row re-run; the tail answered only from the prompt's last row on (8 new tokens)
     assert [(v.positions, v.windows) for v in got["verdicts"][0]] == [(77, 2), (77, 2), (8, 2)]

@@ -4,7 +4,9 @@
   stages :func:`swarm.fraud.pick` picks at ``--rate`` (every stage of an identity's first
   ``--first-sessions`` sessions), over the network (``swarm.auditor.run.Auditor``), print one line per
   stage, write each fraud proof to ``--proofs DIR`` (``<accused>-<job>.proof``) and, with
-  ``--bootstrap``, publish it on the DHT under the accused PeerId. Exit 1 when a stage failed.
+  ``--bootstrap``, publish it on the DHT under the accused PeerId; ``--tally FILE`` adds the counts
+  audited / passed / failed per stage to a JSON file ``swarm peers --audits`` shows. Exit 1 when a
+  stage failed.
 - ``swarm audit verify PROOF... --model DIR``: re-check proofs in one pass each
   (``swarm.auditor.judge.verify_proof``): ``VALID ...`` or ``REFUSED (reason): ...``; exit 0 only when
   every proof holds.
@@ -36,6 +38,8 @@ def add_parser(sub) -> None:
     r.add_argument("--key", type=Path, help="the auditor's node key (default: the cache's keys/auditor.key)")
     r.add_argument("--bootstrap", action="append", default=[], help="publish proofs on the DHT via this node")
     r.add_argument("--timeout-s", type=float, default=30.0, help="per audit request (default 30 s)")
+    r.add_argument("--tally", type=Path, help="add this run's audited / passed / failed per stage to this JSON file "
+                                              "(read by `swarm peers --audits`)")
     v = asub.add_parser("verify", help="re-check fraud proofs with local weights (exit 0 if all hold)")
     v.add_argument("proofs", nargs="+", type=Path, help="proof files (*.proof)")
     v.add_argument("--model", required=True, help="local model directory holding the accused's layers")
@@ -124,5 +128,33 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
             for v in verdicts:
                 print(v.line())
                 failed += v.outcome in ("failed", "refused")
+        if args.tally:
+            add_tally(args.tally, auditor.tally)
     print(f"{failed} stage(s) failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def add_tally(path: Path, tally: dict) -> dict:
+    """Add ``{PeerId: {audited, passed, failed}}`` to the JSON file at ``path`` (created if absent);
+    returns the sum.
+
+    Raises:
+        ConfigError: the file holds something else than such a map, or cannot be written.
+    """
+    from swarm.files import write_atomic
+
+    try:
+        old = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
+    if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
+        raise ConfigError(f"{path} is not an audit tally ({{PeerId: {{audited, passed, failed}}}})")
+    for peer, counts in tally.items():
+        mine = old.setdefault(peer, {"audited": 0, "passed": 0, "failed": 0})
+        for k in ("audited", "passed", "failed"):
+            mine[k] = int(mine.get(k, 0)) + counts[k]
+    try:
+        write_atomic(path, json.dumps(old, indent=1, sort_keys=True))
+    except OSError as exc:
+        raise ConfigError(f"cannot write the audit tally {path}: {exc}") from None
+    return old

@@ -44,7 +44,8 @@ def test_a_cheating_stage_is_caught_published_and_shut_out_by_clients_and_placem
             assert first["receipt"]["verified"], first["receipt"]  # receipts alone cannot see the cheat
             t0 = time.monotonic()
             run = run_swarm("audit", "run", first["receipt"]["path"], "--model", str(stories_dir), "--bootstrap",
-                            boot.addr, "--proofs", str(tmp_path / "proofs"), "--key", str(tmp_path / "aud.key"))
+                            boot.addr, "--proofs", str(tmp_path / "proofs"), "--key", str(tmp_path / "aud.key"),
+                            "--rate", "1", "--tally", str(tmp_path / "tally.json"))
             assert run.returncode == 1, run.stderr[-2000:]
             assert f"FAILED stage {cheater[:16]}" in run.stdout and "proof published on the DHT" in run.stdout
             # a stage that places itself counts only honest coverage: the cheater's layers are uncovered
@@ -54,6 +55,12 @@ def test_a_cheating_stage_is_caught_published_and_shut_out_by_clients_and_placem
                 assert any("audit.excluded" in ln and cheater in ln for ln in placed.stages[0].stderr_tail)
                 second = _coordinate(stories_dir, boot.addr, tmp_path / "receipts")
                 took_s = time.monotonic() - t0
+                peers = run_swarm("peers", "--bootstrap", boot.addr, "--model", str(stories_dir), "--audits",
+                                  str(tmp_path / "tally.json"))
+    assert peers.returncode == 0, peers.stderr[-2000:]
+    rows = {ln.split()[0]: ln for ln in peers.stdout.splitlines() if ln.strip().startswith("..")}
+    assert rows[".." + cheater[-12:]].endswith("1/0/1, proof verified"), peers.stdout
+    assert sum(ln.endswith("1/1/0") for ln in rows.values()) == 2, peers.stdout  # the honest stages it audited
     used = {e["peer_id"] for e in second["ring"]}
     assert cheater not in used and [e["layers"] for e in second["ring"]] == [[0, 2], [2, 4], [4, 5]]
     assert second["output_ids"] == reference_greedy(stories_dir, second["prompt_ids"], NEW, "float32")

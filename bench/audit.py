@@ -3,10 +3,12 @@
 Prints one JSON object:
 
 - ``cheats``: per cheat kind of tests/support/cheats.py and per rate ``s`` (5%, 10%), over
-  ``--trials`` seeded trials: ``caught_fraction_within_n`` (caught within the ``n`` sessions where
-  the theory 1-(1-s)^n first reaches 95%: 59 at 5%, 29 at 10%), the theory at that ``n``,
-  ``sessions_until_caught`` (median, mean, p95: sessions of the cheating identity up to the one whose
-  audit caught it) and ``detected_per_audited_cheat`` (audits of a cheated session that failed it);
+  ``--trials`` seeded trials: ``caught_fraction_within_n`` (caught within the first ``n`` cheated
+  sessions, where the theory 1-(1-s)^n first reaches 95%: 59 at 5%, 29 at 10%), the theory at that
+  ``n``, ``cheated_sessions_until_caught`` (median, mean, p95: cheated sessions up to and including
+  the one whose audit caught it), ``sessions_until_caught`` (all the identity's sessions, honest ones
+  too) and ``detected_per_audited_cheat`` (audits of a cheated session that failed it). Every kind
+  sees the same seeded draws (common random numbers), so kinds caught at every audit agree exactly;
 - ``false_accusations``: failed verdicts over ``--honest`` audited sessions of an honest stage (must be 0);
 - ``auditor_cost``: seconds per audited position (the re-run and the checks of the openings) over the
   stage's own decode seconds per position;
@@ -20,7 +22,7 @@ on signed job receipts; ``swarm.auditor.judge.judge``, which re-runs the block a
 [1, 3)), without the network: a session is a prompt chunk and a few decode steps of seeded random
 tokens, and only sessions the hash picks are computed (the others only advance the cheat's session
 count). ``ulp`` changes one value at one position in every session (the smallest per-session cheat);
-``replay`` sends the first computed session's outputs in every later one. The steady cheats run at the bare rate (no first-sessions rule, to compare with the theory);
+``replay`` computes its first session (honestly) and sends its outputs in every later one. The steady cheats run at the bare rate (no first-sessions rule, to compare with the theory);
 ``intermittent`` runs with the default 100% audit of an identity's first 20 sessions, which it evades
 by being honest for exactly those.
 
@@ -57,6 +59,15 @@ PRED, STAGE = LayerRange(0, 1), LayerRange(1, 3)
 PROMPT_LEN, DECODE = 12, 4
 
 
+def _key(name: str):
+    """A fixed ed25519 identity per role, so the trials' job signatures and draws repeat run after run."""
+    import hashlib
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    return create_new_key_pair(hashlib.sha256(b"bench/audit " + name.encode()).digest())
+
+
 class Sim:
     """One predecessor and one audited stage (optionally cheating), signing receipts as stages do."""
 
@@ -64,8 +75,7 @@ class Sim:
         self.pred = load_block(MODEL, PRED, dtype="float32", device="cpu")
         self.stage = load_block(MODEL, STAGE, dtype="float32", device="cpu")
         self.double = cheat(self.stage, kind, seed=seed, position=PROMPT_LEN + 1, session=None) if kind else None
-        self.pkey, self.skey = load_or_create_key(keys / "pred.key"), load_or_create_key(keys / "stage.key")
-        self.coord = load_or_create_key(keys / "coord.key")
+        self.pkey, self.skey, self.coord = _key("pred"), _key("stage"), _key("coordinator")
         self.rng = torch.Generator().manual_seed(seed)
 
     def job_sig(self, trial: int, n: int) -> str:
@@ -109,38 +119,47 @@ def audit_once(sim: Sim, auditor_block, akey, job: str):
 def trials(kind: str, rate: float, count: int, keys: Path, blocks: Blocks, akey) -> dict:
     first = fraud.FIRST_SESSIONS if kind == "intermittent" else 0
     cap = 20000 if kind == "intermittent" else 2000
-    until, audited_cheats, detected, proofs_ok = [], 0, 0, 0
+    until, sessions, audited_cheats, detected, proofs_ok = [], [], 0, 0, 0
     auditor_block = blocks.get(STAGE.as_list(), "float32")
     for t in range(count):
         sim = Sim(keys, kind, seed=1000 * t + int(rate * 100))
         peer = peer_id_of(sim.skey)
+        if kind == "replay":  # the replayer's first session is computed (honestly): what it replays later
+            sim.session(f"t{t}-first")
+        cheats = 0  # cheated sessions so far
         for n in range(cap):
             choice = fraud.pick(sim.job_sig(t, n), peer, 1, rate=rate, seen=n, first_sessions=first)
             if not choice.audit:
-                sim.double.unseen()
+                cheats += sim.double.unseen()
                 continue
-            before = len(sim.double.cheated)
             v = audit_once(sim, auditor_block, akey, f"t{t}-n{n}")
-            cheated = len(sim.double.cheated) > before
+            cheated = sim.double.sessions - 1 in sim.double.cheated
+            cheats += cheated
             audited_cheats += cheated
             if v.outcome == "failed":
                 detected += cheated
                 verify_proof(v.proof, blocks)  # raises if the proof would not hold
                 proofs_ok += 1
-                until.append(n + 1)
+                until.append(cheats)
+                sessions.append(n + 1)
                 break
         else:
             until.append(math.inf)
     n_theory = math.ceil(math.log(0.05) / math.log(1 - rate))
-    finite = sorted(u for u in until if u != math.inf)
     return {"rate": rate, "trials": count, "n": n_theory, "theory": round(1 - (1 - rate) ** n_theory, 4),
             "caught_fraction_within_n": round(sum(u <= n_theory for u in until) / count, 4),
-            "caught_fraction": round(len(finite) / count, 4),
-            "sessions_until_caught": {"median": statistics.median(finite) if finite else None,
-                                      "mean": round(statistics.fmean(finite), 2) if finite else None,
-                                      "p95": finite[int(0.95 * (len(finite) - 1))] if finite else None},
+            "caught_fraction": round(sum(u != math.inf for u in until) / count, 4),
+            "cheated_sessions_until_caught": _spread([u for u in until if u != math.inf]),
+            "sessions_until_caught": _spread(sessions),
             "detected_per_audited_cheat": round(detected / audited_cheats, 4) if audited_cheats else None,
-            "proofs_verified": proofs_ok, "first_sessions": first}
+            "audited_cheats": audited_cheats, "proofs_verified": proofs_ok, "first_sessions": first}
+
+
+def _spread(xs: list) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {"median": None, "mean": None, "p95": None}
+    return {"median": statistics.median(xs), "mean": round(statistics.fmean(xs), 2), "p95": xs[int(0.95 * (len(xs) - 1))]}
 
 
 def honest(count: int, keys: Path, blocks: Blocks, akey) -> dict:
@@ -237,7 +256,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        blocks, akey = Blocks(MODEL), load_or_create_key(tmp / "auditor.key")
+        blocks, akey = Blocks(MODEL), _key("auditor")
         out = {"bench": "audit", "model": "stories260k", "simulated": __doc__.split("What is simulated")[1]
                .split("Usage:")[0].strip().replace("\n", " "), "cheats": {}}
         for kind in args.kinds.split(","):

@@ -88,7 +88,7 @@ class Cheat:
                 self._seen[key], lie = y.clone(), False  # nothing to replay yet: remember this one
             if lie:
                 altered = self._alter(y, pos, key)
-                if not torch.equal(altered, y):
+                if self.kind in ("bf16", "skip") or not torch.equal(altered, y):  # those two lied in the run
                     self.cheated.add(n)
                 y = altered
             out.append(y)

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     r.add_argument("--model", required=True, help="local model directory holding the layers to re-run")
     r.add_argument("--rate", type=float, default=0.05, help="share of an identity's sessions audited (default 0.05)")
     r.add_argument("--first-sessions", type=int, default=20,
-                   help="an identity's first sessions seen by this auditor are all audited (default 20)")
+                   help="an identity's first sessions seen are all audited (default 20; counted within one run "
+                        "of this command)")
     r.add_argument("--all-windows", action="store_true", help="open every window (default: the picked one and "
                                                                 "those before it, which its KV cache needs)")
     r.add_argument("--proofs", type=Path, default=Path("proofs"), help="directory for fraud proofs (default proofs/)")

@@ -22,7 +22,8 @@ on signed job receipts; ``swarm.auditor.judge.judge``, which re-runs the block a
 [1, 3)), without the network: a session is a prompt chunk and a few decode steps of seeded random
 tokens, and only sessions the hash picks are computed (the others only advance the cheat's session
 count). ``ulp`` changes one value at one position in every session (the smallest per-session cheat);
-``replay`` computes its first session (honestly) and sends its outputs in every later one. The steady cheats run at the bare rate (no first-sessions rule, to compare with the theory);
+``replay`` computes its first session (honestly) and sends its outputs in every later one. The steady
+cheats run at the bare rate (no first-sessions rule, to compare with the theory);
 ``intermittent`` runs with the default 100% audit of an identity's first 20 sessions, which it evades
 by being honest for exactly those.
 
@@ -159,7 +160,8 @@ def _spread(xs: list) -> dict:
     xs = sorted(xs)
     if not xs:
         return {"median": None, "mean": None, "p95": None}
-    return {"median": statistics.median(xs), "mean": round(statistics.fmean(xs), 2), "p95": xs[int(0.95 * (len(xs) - 1))]}
+    p95 = xs[int(0.95 * (len(xs) - 1))]
+    return {"median": statistics.median(xs), "mean": round(statistics.fmean(xs), 2), "p95": p95}
 
 
 def honest(count: int, keys: Path, blocks: Blocks, akey) -> dict:

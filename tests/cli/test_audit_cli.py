@@ -1,4 +1,5 @@
-"""`swarm audit` on bad input: one line saying what is wrong, no traceback, exit code 1 (a refused proof, or a ConfigError)."""
+"""`swarm audit` on bad input: one line saying what is wrong, no traceback, exit code 1 (a refused
+proof, or a ConfigError)."""
 
 from __future__ import annotations
 

@@ -69,6 +69,10 @@ class Exclusions:
             self._judged[digest] = self.refused[peer] = line
             log.warning("audit.proof_refused accused=%s %s", peer, line)
             return
+        except Exception:  # a task root: a fault re-running someone's document must not stop routing
+            log.exception("audit.proof_check_failed accused=%s; not excluded", peer)
+            self._judged[digest] = "the check failed"
+            return
         self._judged[digest] = "valid"
         self.verified[peer] = check
         log.warning("audit.excluded peer=%s layers=%s job=%s: %s", peer, list(check.layers), check.job_id,

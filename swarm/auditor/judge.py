@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm import fraud, repro
-from swarm.errors import ConfigError, ProofRefused
+from swarm.errors import ConfigError, ProofRefused, SwarmError
 from swarm.ranges import LayerRange
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,11 @@ def judge(block, receipt: dict, openings: list, raw: list[dict], pred: tuple | N
     if unbound:
         return Verdict(**base, outcome="unauditable", reason=unbound)
     out_kind = next((r[2] for r in rows.values() if r[2] is not None), None)
-    got = recompute(block, [(rows[q][0], rows[q][1]) for q in range(end)], out_kind,
-                    span=LayerRange(*receipt["layers"]), tile=tile)
+    try:
+        got = recompute(block, [(rows[q][0], rows[q][1]) for q in range(end)], out_kind,
+                        span=LayerRange(*receipt["layers"]), tile=tile)
+    except (ValueError, TypeError, SwarmError) as exc:  # the stage signed rows that are not rows of its layers
+        return Verdict(**base, outcome="failed", reason=f"its signed rows do not decode as its layers' input: {exc}")
     compared = 0
     for q in range(end):
         claimed = rows[q][3]
@@ -194,8 +197,9 @@ def verify_proof(proof: dict, blocks: Blocks) -> ProofCheck:
 
     Raises:
         ProofRefused: the proof does not hold (``.reason``: see ``swarm.fraud``; ``not comparable``
-            when this machine cannot run the receipt's class; ``honest stage framed``, with
-            ``.against`` the auditor, when the re-run gives the stage's own row).
+            when this machine cannot run the receipt's class; ``malformed`` when the signed rows do not
+            decode; ``honest stage framed``, with ``.against`` the auditor, when the re-run gives the
+            stage's own row).
     """
     from swarm.model.recompute import recompute
 
@@ -208,7 +212,10 @@ def verify_proof(proof: dict, blocks: Blocks) -> ProofCheck:
     _, tile, why = class_for(block, claim.receipt)
     if why:
         raise fraud.refused("not comparable", why)
-    got = recompute(block, list(claim.inputs), claim.out_kind, span=LayerRange(*layers), tile=tile)[claim.position]
+    try:
+        got = recompute(block, list(claim.inputs), claim.out_kind, span=LayerRange(*layers), tile=tile)[claim.position]
+    except (ValueError, TypeError, IndexError, SwarmError) as exc:  # rows the accused signed that do not decode
+        raise fraud.refused("malformed", f"the opened rows cannot be re-run on layers {list(layers)}: {exc}") from None
     if got == claim.claimed:
         raise fraud.refused("honest stage framed", f"layers {list(layers)} compute the stage's own output row at "
                                                    f"position {claim.position}: this is evidence against the auditor "

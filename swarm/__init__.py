@@ -21,6 +21,7 @@ The shared core, at the top of ``swarm/``:
 - ``mirror``      a hop's copy of its input sent to a shadow              (core, transport)
 - ``metrics``     Prometheus plumbing shared by stage and serve           (core, transport)
 - ``audit``       openable receipts: window leaves, openings, the client  (core, transport)
+- ``fraud``       audit selection by hash, fraud proofs and their check   (core, transport)
 
 The parts, in packages:
 
@@ -29,6 +30,8 @@ The parts, in packages:
 - ``discovery``   the DHT, signed stage records, clocks, the bootstrap node (core, transport; no torch)
 - ``weights``     getting and verifying a stage's tensors, model ids      (core, transport; no torch)
 - ``model``       model resolution, layer blocks, KV cache, sampling      (core, kernels, weights; no networking)
+- ``auditor``     re-running other stages' opened work, judging proofs   (core, transport, kernels,
+                  discovery, weights, model)
 - ``stage``       the stage daemon                                        (everything above)
 - ``coordinator`` the client: generation, the ring client, heal, speculation (everything above; not stage)
 - ``serve``       the OpenAI-compatible HTTP API and the dashboard        (everything above and coordinator)

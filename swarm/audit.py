@@ -271,6 +271,11 @@ def _leaf_of(opening: dict) -> bytes:
     return merkle.leaf_hash(leaf_data(opening["window"], opening["start"], opening["rows"]))
 
 
+def opening_leaf(opening: dict) -> bytes:
+    """The leaf hash (32 bytes) of an opening's window, rows and start (what its path proves)."""
+    return _leaf_of(opening)
+
+
 def sign_opening(body: dict, sign) -> dict:
     """``body`` with ``sig``: hex of ``sign(bytes)`` over the signed part (see the module docstring)."""
     return {**body, "sig": sign(_signed_part(body, _leaf_of(body))).hex()}

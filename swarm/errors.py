@@ -108,6 +108,15 @@ class AuditFailed(SwarmError):
     code = None
 
 
+class ProofRefused(SwarmError):
+    """A fraud proof did not hold (``swarm.fraud``): ``.reason`` (malformed, signature, opening, wrong
+    window, input not bound, another class, honest stage framed, not comparable) and ``.against``: the
+    auditor whose signed claim is then evidence against it (a framing), else None."""
+
+    reason = ""
+    against = None
+
+
 def collapse(exc: BaseException) -> BaseException:
     """The first SwarmError (or KeyboardInterrupt) inside nested exception groups, else ``exc``.
 

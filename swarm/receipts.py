@@ -21,6 +21,11 @@ and ``windows``, ``{"size", "positions", "leaves", "root"}``: the RFC 6962 Merkl
 per window of ``size`` positions, each leaf the exact input and output row bytes of those positions
 (``swarm.audit``), so one window can be opened and checked with a short proof.
 
+The tail's receipt also carries ``answers`` (optional in the same way): ``{"from": p0, "ids": [...]}``,
+the token id it last sent after each position from its first answered one (null where it sent none),
+so a client holding the tail's signed receipt can prove what the ring answered even if its
+coordinator lies: ``verify_job`` checks the job's output ids against it (check ``answers``).
+
 **Job receipt** (``swarm/job-receipt/1``): written by the coordinator and signed with its key. It
 holds the prompt digest, the output ids and their digest, the ring (PeerIds, multiaddrs, ranges),
 every stage receipt, the coordinator's own digests of what it sent to the head and received from
@@ -233,12 +238,14 @@ class StageLedger:
 
     def body(self, *, session: str, coordinator: str, peer_id: str, model: str, model_digest: str,
              range_digest: str, layers: list[int], num_layers: int, dtype: str, wire_dtype: str,
-             positions: int, reused: int = 0, repro: dict | None = None, windows: dict | None = None) -> dict:
+             positions: int, reused: int = 0, repro: dict | None = None, windows: dict | None = None,
+             answers: dict | None = None) -> dict:
         """The unsigned stage receipt (see the module docstring for the fields). ``reused``: positions
         ``[0, reused)`` this stage took from its prefix cache instead of computing them in this session
         (the receipt then vouches only for the frames it received and sent). ``repro``: the stage's
         reproducibility class (``swarm.repro``, ``{"id", "facts"}``); ``windows``: the Merkle
-        commitment to its rows per window (``swarm.audit.Commitment.field``)."""
+        commitment to its rows per window (``swarm.audit.Commitment.field``); ``answers``: the tail's
+        token ids by position (``{"from", "ids"}``)."""
         return {
             "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,
             "coordinator": coordinator,
@@ -250,6 +257,7 @@ class StageLedger:
             **({"reused": reused} if reused else {}),
             **({"repro": repro} if repro is not None else {}),
             **({"windows": windows} if windows is not None else {}),
+            **({"answers": answers} if answers is not None else {}),
         }
 
 
@@ -355,7 +363,7 @@ def verify_job(job: Any, *, expect_model_digest: str | None = None,
     Raises:
         ReceiptInvalid: with ``.check`` (schema, signature, job signature, missing stage, peer id,
             ranges, layer range, job id, nonce, model digest, chain, output digest, heal,
-            range digest, repro, windows) and ``.stage`` (ring index, or None for job-level checks).
+            range digest, repro, windows, answers) and ``.stage`` (ring index, or None for job-level checks).
     """
     try:
         return _verify_job(job, expect_model_digest, expect_range_digests)
@@ -430,6 +438,8 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
         raise _fail("schema", "output_ids must be token ids (integers in [0, 2^31))")
     if ids_digest(job["output_ids"]) != job["output_digest"]:
         raise _fail("output digest", "the output ids do not match output_digest")
+    if receipts and "answers" in receipts[-1]:
+        _check_answers(receipts[-1]["answers"], job, len(receipts) - 1)
     _check_heal_events(job.get("heal_events") or [], [s["peer_id"] for s in ring])
     _check_segments(job.get("heal_events") or [], [s["peer_id"] for s in ring], receipts,
                     job.get("coordinator_segments", []))
@@ -443,6 +453,24 @@ def _verify_job(job: Any, expect_model_digest: str | None, expect_range_digests:
                                         f"{str(r.get('range_digest'))[:16]}..., the local model's to {want[:16]}...", i)
     return Verified(job["job_id"], job["model"], len(receipts), len(job["output_ids"]), job.get("tokens_per_s"),
                     len(job.get("heal_events") or []))
+
+
+def _check_answers(answers: Any, job: dict, i: int) -> None:
+    """The tail's signed answers must be the job's output ids: output id ``k`` is the token the tail sent
+    after position ``prompt_tokens - 1 + k``. Positions it did not answer in the session that finished
+    the job (a heal replayed them as input) are skipped; the last output id must be answered."""
+    ok = isinstance(answers, dict) and type(answers.get("from")) is int and answers["from"] >= 0 \
+        and isinstance(answers.get("ids"), list) and type(job.get("prompt_tokens")) is int
+    if not ok or not all(t is None or (type(t) is int and t >= 0) for t in answers["ids"]):
+        raise _fail("answers", "the tail's answers must be {from: position, ids: [token id or null, ...]}", i)
+    out, first = job["output_ids"], job["prompt_tokens"] - 1 - answers["from"]
+    for k, t in enumerate(out):
+        j = first + k
+        got = answers["ids"][j] if 0 <= j < len(answers["ids"]) else None
+        if (got is None and k == len(out) - 1) or (got is not None and got != t):
+            raise _fail("answers", f"output id {k} is {t}, but the tail signed "
+                                   f"{'no answer' if got is None else got} at position {job['prompt_tokens'] - 1 + k}"
+                                   " (the coordinator's output is not what the ring answered)", i)
 
 
 def _check_openable(r: dict, i: int) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "swarm"
 # the shared core at the top of swarm/
 # pure: the standard library and each other
 CORE = {"errors", "ranges", "heal", "routing", "files", "addrs", "merkle", "repro"}
-CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "audit"}  # may use the transport
+CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "audit", "fraud"}  # may use the transport
 # group -> the groups it may import besides its own (every module may import the ``swarm`` package itself)
 MAY_IMPORT = {
     "core": set(),
@@ -28,11 +28,12 @@ MAY_IMPORT = {
     "discovery": {"core", "core_io", "transport"},
     "weights": {"core", "core_io", "transport"},
     "model": {"core", "core_io", "kernels", "weights"},  # no networking of its own
-    "stage": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model"},
-    "coordinator": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model"},
-    "serve": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "coordinator"},
-    "cli": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "stage", "coordinator",
-            "serve"},
+    "auditor": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model"},
+    "stage": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "auditor"},
+    "coordinator": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "auditor"},
+    "serve": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "auditor", "coordinator"},
+    "cli": {"core", "core_io", "transport", "kernels", "discovery", "weights", "model", "auditor", "stage",
+            "coordinator", "serve"},
     "main": {"cli"},
 }
 

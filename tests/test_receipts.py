@@ -173,6 +173,20 @@ def test_receipts_from_before_openable_receipts_still_verify(jobs):
 
 
 @pytest.mark.ring
+def test_the_tails_signed_answers_are_the_output_ids(jobs):
+    """Output id k is the tail's answer after position prompt - 1 + k; positions it did not answer in the
+    session that finished the job (a heal replayed them as input) are skipped."""
+    (doc, _), (out, _), key_dir = jobs
+    a = doc["stage_receipts"][2]["answers"]
+    assert a["from"] == len(PROMPT) - 1 and a["ids"][:NEW] == out
+    doc = copy.deepcopy(doc)
+    doc["stage_receipts"][2]["answers"]["ids"][:3] = [None] * 3
+    _resign_stage(doc, 2, key_dir)
+    _resign_job(doc, key_dir)
+    assert receipts.verify_job(doc).new_tokens == NEW
+
+
+@pytest.mark.ring
 def test_weight_digests_match_a_local_copy_and_not_another_model(jobs, model_dir, tmp_path):
     (doc, _), _, _ = jobs
     local = {tuple(a): weights_digest(model_dir, block_tensor_names(model_dir, LayerRange(*a))) for a in RANGES}
@@ -261,6 +275,25 @@ def t_replayed_nonce(doc, old, kd):  # stage 1's honest receipt from an earlier 
 
 def t_output_id(doc, old, kd):
     doc["output_ids"][3] += 1
+    _resign_job(doc, kd)
+
+
+def t_output_id_rewritten(doc, old, kd):  # a coordinator that lies about the output, digest and all
+    doc["output_ids"][3] += 1
+    doc["output_digest"] = receipts.ids_digest(doc["output_ids"])
+    _resign_job(doc, kd)
+
+
+def t_answers_malformed(doc, old, kd):
+    doc["stage_receipts"][2]["answers"]["from"] = -1
+    _resign_stage(doc, 2, kd)
+    _resign_job(doc, kd)
+
+
+def t_last_answer_missing(doc, old, kd):  # the tail never sent the last output id
+    a = doc["stage_receipts"][2]["answers"]
+    a["ids"][len(doc["output_ids"]) - 1] = None
+    _resign_stage(doc, 2, kd)
     _resign_job(doc, kd)
 
 
@@ -362,6 +395,9 @@ def t_windows_root(doc, old, kd):
     (t_replayed_nonce, "nonce", 1),
     (t_output_id, "output digest", None),
     (t_output_id_unsigned, "job signature", None),
+    (t_output_id_rewritten, "answers", 2),
+    (t_answers_malformed, "answers", 2),
+    (t_last_answer_missing, "answers", 2),
     (t_job_id, "job id", 2),
     (t_model_digest, "model digest", 0),
     (t_heal_spare, "heal", None),

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from swarm.errors import SwarmError, collapse
+from swarm.errors import ConfigError, SwarmError, collapse
 from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -252,6 +252,8 @@ def _peers_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--key", type=Path, help="identity key (default: $SWARM_CACHE/keys/client.key)")
     p.add_argument("--timeout-s", type=float, default=5.0, help="deadline for reading records (default 5)")
+    p.add_argument("--audits", type=Path, metavar="FILE",
+                   help="an auditor's tally (`swarm audit run --tally FILE`): audited / passed / failed per stage")
 
 
 def _demo_parser(sub) -> None:
@@ -406,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     _peers_parser(sub)
     _identity_parsers(sub)
     _receipts_parser(sub)
+    from swarm.cli.audit import add_parser as _audit_parser
+
+    _audit_parser(sub)
     _verbose_after_subcommands(parser)
     return parser
 
@@ -431,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     # libp2p logs expected failures (a refused dial, a failed handshake) at ERROR with
     # multi-line detail; swarm reports them itself in one line. Show them with -v.
     logging.getLogger("libp2p").setLevel(level if args.verbose else logging.CRITICAL)
-    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo", "dashboard"):
+    if args.cmd in ("stage", "coordinate", "serve", "bootstrap", "relay", "peers", "demo", "dashboard", "audit"):
         import swarm.transport.host as transport_host  # importing libp2p resets its level: re-applied per host
 
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
@@ -441,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
+                    "audit": _cmd_audit,
                     "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
@@ -603,10 +609,13 @@ def cmd_peers(args) -> int:
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
             async with open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
                 records, report = await dht.read_records(model_id, timeout_s=args.timeout_s)
-                return records, report, await probe_rtts(dht, records), dht.clock()
+                proofs = await _proofs_of(dht, records, args.model)
+                return records, report, await probe_rtts(dht, records), dht.clock(), proofs
 
-    records, report, rtts, now = trio.run(main)
-    summary = summarize(records, rtts, now=now, probed=True, not_listed=report.describe() if report.dropped else "")
+    records, report, rtts, now, proofs = trio.run(main)
+    audits = _audit_column(args.audits, proofs)
+    summary = summarize(records, rtts, now=now, probed=True, not_listed=report.describe() if report.dropped else "",
+                        audits=audits)
     if args.json:
         print(json.dumps(summary))
     elif not records:
@@ -617,6 +626,46 @@ def cmd_peers(args) -> int:
     else:
         print(render(summary))
     return 0
+
+
+async def _proofs_of(dht, records, model) -> dict[str, str]:
+    """PeerId -> the state of the fraud proof against it on the DHT: ``verified`` (re-run on the local
+    ``--model``), ``refused: ...``, or ``on the DHT`` (checked without weights only)."""
+    from swarm.auditor.exclusions import Exclusions
+    from swarm.auditor.judge import Blocks
+
+    blocks = None
+    if model:
+        from swarm.model.resolve import resolve_model
+
+        blocks = Blocks(resolve_model(model).path)
+    shut_out = Exclusions(blocks)
+    peers = [r.peer_id for r in records]
+    await shut_out.excluded(dht, peers)
+    out = {p: "verified" for p in shut_out.verified}
+    out.update({p: "refused: " + why for p, why in shut_out.refused.items()})
+    if blocks is None:  # nothing re-run: say which stages have a proof that checks without weights
+        for p in peers:
+            if await dht.read_proof(p) is not None:
+                out[p] = "on the DHT"
+    return out
+
+
+def _audit_column(path: Path | None, proofs: dict[str, str]) -> dict[str, dict]:
+    """PeerId -> ``{audited, passed, failed, proof}`` from an auditor's tally file and the DHT's proofs."""
+    out: dict[str, dict] = {}
+    if path is not None:
+        try:
+            tally = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
+        if not isinstance(tally, dict):
+            raise ConfigError(f"{path} is not an audit tally")
+        for peer, counts in tally.items():
+            out[peer] = {k: int(counts.get(k, 0)) for k in ("audited", "passed", "failed")} | {"proof": None}
+    for peer, state in proofs.items():
+        out.setdefault(peer, {"audited": None, "passed": None, "failed": None})["proof"] = state
+    return out
 
 
 def cmd_demo(args) -> int:
@@ -753,6 +802,12 @@ def cmd_keygen(args) -> int:
     print(peer_id_of(key))
     print(f"swarm keygen: wrote {path} (mode 0600)", file=sys.stderr)
     return 0
+
+
+def _cmd_audit(args) -> int:
+    from swarm.cli.audit import cmd_audit
+
+    return cmd_audit(args)
 
 
 def cmd_id(args) -> int:

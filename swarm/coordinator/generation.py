@@ -178,13 +178,18 @@ async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num
     from swarm.discovery.client import discover_ring
     from swarm.weights.identify import model_id as weights_model_id
 
+    from swarm.auditor.exclusions import Exclusions
+    from swarm.auditor.judge import Blocks
+
     model_id = await trio.to_thread.run_sync(weights_model_id, model_path, _cache_root() / "manifests")
     dht = await nursery.start(run_dht, host, config.bootstrap)
+    shut_out = Exclusions(Blocks(model_path))  # a fraud proof is re-run on the local weights before it counts
     found = await discover_ring(dht, config.ring.model, model_id, num_layers,
-                                context_tokens=prompt_len + config.max_new_tokens)
+                                context_tokens=prompt_len + config.max_new_tokens, shut_out=shut_out)
     ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                       model_id=model_id)
     ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
+    ring.shut_out = shut_out
     return ring, found.seconds
 
 
@@ -365,7 +370,7 @@ class RingOps:
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
                 | {s.info.peer_id for s in self.ring.repair.shadows.values()},
                 context_tokens=self.state["max_len"],
-                known=known[0] if known else None)
+                known=known[0] if known else None, shut_out=self.ring.shut_out)
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
             return None

@@ -55,6 +55,7 @@ class RingClient:
         self.host = host
         self.model_id = model_id
         self.discovery = None  # (SwarmDHT, model id, records read when routing) for a routed ring: heals look there
+        self.shut_out = None  # swarm.auditor.exclusions.Exclusions: stages with a verified fraud proof, never used
         self.batch = batch
         self.ring = ring
         self.hop_timeout_s = hop_timeout_s

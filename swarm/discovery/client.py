@@ -86,7 +86,7 @@ def ring_of(model: str, hops: Sequence[Hop]) -> RingSpec:
 
 
 async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: int, *, context_tokens: int = 0,
-                        exclude: frozenset[str] = frozenset(), timeout_s: float = 5.0) -> Discovered:
+                        exclude: frozenset[str] = frozenset(), timeout_s: float = 5.0, shut_out=None) -> Discovered:
     """Read the swarm's records of a model and choose a route over them.
 
     Args:
@@ -97,6 +97,8 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
         context_tokens: prompt + new tokens the session may reach (stages without KV room for it
             are skipped).
         exclude: PeerIds not to use.
+        shut_out: ``await shut_out.excluded(dht, peer_ids)`` names the stages this reader verified a
+            fraud proof against (``swarm.auditor.exclusions.Exclusions``); they are not used either.
     Returns:
         Discovered (the ring to connect to, and what the choice rested on).
     Raises:
@@ -112,7 +114,9 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
     if not records:
         raise ConfigError(f"no live stage of model {model} (id {model_id[:16]}) announces on the swarm: "
                           f"{report.describe()}")
-    rtts = await probe_rtts(dht, records)
+    if shut_out is not None:
+        exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in records])
+    rtts = await probe_rtts(dht, [r for r in records if r.peer_id not in exclude])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     try:
         route = plan_route(holders, num_layers, client_rtt_ms=rtts, context_tokens=context_tokens, exclude=exclude)
@@ -129,15 +133,18 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
 async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], *, prev_peer: str | None,
                            next_peer: str | None, exclude: frozenset[str], context_tokens: int = 0,
                            timeout_s: float = 5.0, known: Sequence[StageRecord] | None = None,
-                           _records: Sequence[StageRecord] | None = None) -> tuple[Hop, ...]:
+                           _records: Sequence[StageRecord] | None = None, shut_out=None) -> tuple[Hop, ...]:
     """The cheapest reachable chain of stages that can take over layers ``lost`` of a route.
 
     Args:
         known: records read earlier (at routing time): tried first, so a heal costs a few RTT
             probes instead of a DHT read; None or no usable one reads the DHT afresh.
+        shut_out: as for :func:`discover_ring`: stages with a verified fraud proof are not taken.
     Raises:
         NoRoute: no reachable, online stage outside ``exclude`` covers the lost range.
     """
+    if shut_out is not None:
+        exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in known or ()])
     if known:
         try:
             return await find_replacement(dht, model_id, lost, prev_peer=prev_peer, next_peer=next_peer,
@@ -145,8 +152,10 @@ async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], 
                                           known=None, _records=[r for r in known if r.peer_id not in exclude])
         except NoRoute as e:
             log.info("route.replacement_not_in_known lost=[%d, %d) reason=%s; reading the DHT", *lost, e)
-    records = list(_records) if _records is not None else [
-        r for r in await dht.find_records(model_id, timeout_s=timeout_s) if r.peer_id not in exclude]
+    records = list(_records) if _records is not None else await dht.find_records(model_id, timeout_s=timeout_s)
+    if shut_out is not None and _records is None:
+        exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in records])
+    records = [r for r in records if r.peer_id not in exclude]
     rtts = await probe_rtts(dht, [r for r in records if _could_cover(r, lost)])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     hops = plan_replacement(holders, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,

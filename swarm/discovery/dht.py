@@ -6,7 +6,10 @@ when none answers), the node's clock offset from the swarm's (``swarm.discovery.
 (a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
 no node stored it), reading fresh, validated, de-duplicated records with a report of the providers
 that were not live (``read_records``), and timing round trips to peers.
-May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.transport``,
+Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<accused PeerId>``: every
+node checks one without weights before storing it (``publish_proof``, ``read_proof``); excluding the
+accused is for a reader that re-ran the proof (``swarm.auditor.exclusions``).
+May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.fraud``, ``swarm.transport``,
 ``swarm.discovery.records``, ``.providers``, ``.clock``. No torch.
 
 Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, issue 14):
@@ -53,6 +56,7 @@ NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
+PROOF_NAMESPACE = "swarm-proof"
 ALL_STAGES_KEY = hashlib.sha256(b"swarm/all-stages/1").hexdigest()  # every stage provides it: `swarm peers`
 _KAD_MODULES = ("common", "kad_dht", "provider_store", "value_store", "peer_routing")
 
@@ -112,7 +116,39 @@ def _validator(clock: Callable[[], float], accept_models: frozenset[str] | None)
         def select(self, key: str, values: list[bytes]) -> int:
             return select_record(key, values, now=clock())
 
-    return NamespacedValidator({NAMESPACE: StageRecordValidator()}, strict_validation=True)
+    class ProofValidator(Validator):
+        """Fraud proofs under ``/swarm-proof/<accused>``: a node stores only a proof whose signatures,
+        openings and binding check (``swarm.fraud.check_proof``: no weights) and that accuses the key's
+        PeerId. Any of several valid proofs serves (the first)."""
+
+        def validate(self, key: str, value: bytes) -> None:
+            check_proof_value(key, value)
+
+        def select(self, key: str, values: list[bytes]) -> int:
+            return 0
+
+    return NamespacedValidator({NAMESPACE: StageRecordValidator(), PROOF_NAMESPACE: ProofValidator()},
+                               strict_validation=True)
+
+
+def proof_key(peer_id: str) -> str:
+    """The DHT key of the fraud proof against a PeerId: ``/swarm-proof/<peer_id>``."""
+    return f"/{PROOF_NAMESPACE}/{peer_id}"
+
+
+def check_proof_value(key: str, value: bytes) -> dict:
+    """The proof stored at ``key``, checked without weights (``swarm.fraud.check_proof``).
+
+    Raises:
+        ProofRefused: it does not check, or accuses another PeerId than the key names.
+    """
+    from swarm import fraud
+
+    proof = fraud.decode(value)
+    fraud.check_proof(proof)
+    if key != proof_key(proof["accused"]):
+        raise fraud.refused("malformed", f"a proof against {proof['accused']} stored under {key}")
+    return proof
 
 
 def parse_bootstrap(addr: str):
@@ -248,6 +284,59 @@ class SwarmDHT:
         if asked and not stored:
             raise RecordRefused(asked)
         return stored
+
+    async def publish_proof(self, value: bytes, accused: str, timeout_s: float = 10.0) -> int:
+        """Put a fraud proof (``swarm.fraud.encode``) under ``/swarm-proof/<accused>`` (checked here first).
+
+        Returns:
+            How many remote DHT nodes stored it.
+        Raises:
+            ProofRefused: the proof does not check (never published).
+        """
+        key = proof_key(accused)
+        check_proof_value(key, value)
+        tally = [0, 0]
+        with trio.move_on_after(timeout_s):
+            kb = key.encode()
+            self.dht.value_store.put(kb, value)
+            store = self.dht.value_store
+
+            async def send(peer) -> bool:
+                return await store._store_at_peer(peer, kb, value) or await store._get_from_peer(peer, kb) == value
+
+            await self._spread(kb, send, tally)
+        log.info("dht.proof_published accused=%s stored=%d asked=%d", accused, *tally)
+        return tally[0]
+
+    async def read_proof(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
+        """A proof against ``peer_id`` that checks without weights, from this node's store or the bootstrap
+        nodes (where every publish stores it), else the network; None when there is none."""
+        key = proof_key(peer_id)
+        kb = key.encode()
+        values: list[bytes] = []
+        local = self.dht.value_store.store.get(kb)
+        if local is not None:
+            values.append(local[0].value)
+
+        async def from_peer(peer) -> None:
+            try:
+                with trio.move_on_after(timeout_s):
+                    got = await self.dht.value_store._get_from_peer(peer, kb)
+                    if got is not None:
+                        values.append(got)
+            except Exception as e:  # unreachable or not serving: another node may hold it
+                log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer, e)
+
+        async with trio.open_nursery() as nursery:
+            for info in self.bootstrap:
+                nursery.start_soon(from_peer, info.peer_id)
+        for v in values:
+            try:
+                check_proof_value(key, v)
+                return v
+            except SwarmError as e:
+                log.info("dht.proof_rejected accused=%s reason=%s", peer_id, e)
+        return None
 
     async def _spread(self, kb: bytes, send, tally: list[int] | None = None) -> None:
         """Run ``send(peer) -> bool`` at the bootstrap nodes at once and at the closest nodes to

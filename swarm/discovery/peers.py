@@ -43,7 +43,7 @@ def _coverage_bar(counts: list[int]) -> str:
 
 
 def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float], *, now: float | None = None,
-              probed: bool = False, not_listed: str = "") -> dict:
+              probed: bool = False, not_listed: str = "", audits: Mapping[str, dict] | None = None) -> dict:
     """The JSON document of ``swarm peers --json``: ``{"models": [{model_id, name, num_layers,
     coverage, uncovered, stages: [...]}], "not_listed": str}``, models sorted by id, stages by range.
 
@@ -55,6 +55,8 @@ def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float], *, no
         probed: every record's stage was pinged: one absent from ``rtt_ms`` did not answer
             (``"answered": false``) and is not counted in ``coverage``. False: ``answered`` is None.
         not_listed: a line on the providers whose records were not valid (``ReadReport.describe``).
+        audits: PeerId -> ``{audited, passed, failed, proof}`` (an auditor's tally; the state of the fraud
+            proof against it on the DHT): each stage's ``audit`` (None where nothing is known).
     """
     models: dict[str, list[StageRecord]] = {}
     for r in records:
@@ -68,12 +70,20 @@ def summarize(records: Sequence[StageRecord], rtt_ms: Mapping[str, float], *, no
                    "free_kv_mib": round(r.free_kv_bytes / 2**20, 1), "dtype": r.dtype, "device": r.device,
                    "version": r.version, "rtt_ms": None if r.peer_id not in rtt_ms else round(rtt_ms[r.peer_id], 2),
                    "answered": (r.peer_id in rtt_ms) if probed else None,
-                   "expires_in_s": None if now is None else round(r.expires_at - now, 1)}
+                   "expires_in_s": None if now is None else round(r.expires_at - now, 1),
+                   "audit": (audits or {}).get(r.peer_id)}
                   for r in sorted(recs, key=lambda r: (r.layers, r.peer_id))]
         names = sorted({r.model_name for r in recs})
         out.append({"model_id": model_id, "name": names[0] if len(names) == 1 else names, "num_layers": num_layers,
                     "coverage": counts, "uncovered": uncovered(counts), "stages": stages})
     return {"models": out, "not_listed": not_listed}
+
+
+def _audit_text(a: dict | None) -> str:
+    if not a:
+        return "-"
+    counts = "-" if a.get("audited") is None else f"{a['audited']}/{a['passed']}/{a['failed']}"
+    return counts + (f", proof {a['proof']}" if a.get("proof") else "")
 
 
 def render(summary: dict) -> str:
@@ -90,13 +100,13 @@ def render(summary: dict) -> str:
         if m["uncovered"]:
             lines.append("  uncovered " + ", ".join(f"[{a}, {b})" for a, b in m["uncovered"]))
         lines.append(f"  {'peer':<14} {'layers':<10} {'state':<9} {'tok/s':>8} {'sess':>5} {'free KV MiB':>12} "
-                     f"{'rtt ms':>9} {'expires':>8}  device")
+                     f"{'rtt ms':>9} {'expires':>8}  device  audited/passed/failed")
         for s in m["stages"]:
             rtt = ("no answer" if s.get("answered") is False else "-") if s["rtt_ms"] is None else f"{s['rtt_ms']:.1f}"
             expires = "-" if s.get("expires_in_s") is None else f"{s['expires_in_s']:.0f} s"
             lines.append(f"  ..{s['peer_id'][-12:]:<12} [{s['layers'][0]}, {s['layers'][1]}){'':<{max(0, 6 - len(str(s['layers'][0])) - len(str(s['layers'][1])))}}"
                          f" {s['state']:<9} {s['throughput_tps']:>8.1f} {s['sessions']:>5} {s['free_kv_mib']:>12.1f} "
-                         f"{rtt:>9} {expires:>8}  {s['device']}/{s['dtype']}")
+                         f"{rtt:>9} {expires:>8}  {s['device']}/{s['dtype']}  {_audit_text(s.get('audit'))}")
         if silent:
             lines.append("  'no answer': the stage did not answer a ping from here (it may have died: its record "
                          "stays until 'expires' unless it republishes)")

@@ -66,10 +66,25 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
                                 max_ctx=config.max_ctx))
     async with open_host(key, [config.listen]) as host:
         async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
-            records = await dht.find_records(model_id)
+            records = await _trusted(dht, await dht.find_records(model_id), _shut_out(model_dir))
     window = plan_placement(holders_of(records), num_layers, min(fit, num_layers))
     log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d", *window, fit, len(records))
     return LayerRange(*window)
+
+
+def _shut_out(model_dir):
+    """The stage's :class:`swarm.auditor.exclusions.Exclusions`: proofs re-run on its own model directory."""
+    from swarm.auditor.exclusions import Exclusions
+    from swarm.auditor.judge import Blocks
+
+    return Exclusions(Blocks(model_dir))
+
+
+async def _trusted(dht, records: list, shut_out, me: str | None = None) -> list:
+    """``records`` without the stages this stage verified a fraud proof against: placement counts only
+    honest coverage, so a new stage fills the layers of a cheater it shut out."""
+    excluded = await shut_out.excluded(dht, [r.peer_id for r in records if r.peer_id != me])
+    return [r for r in records if r.peer_id not in excluded]
 
 
 def record_fields(server, model_id: str, throughput_tps: float) -> dict:
@@ -147,10 +162,11 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
             nursery.start_soon(on_drain)
             if placed and config.rebalance_s > 0:
                 b = server.block
+                shut_out = _shut_out(b.model_dir)
                 while not server.drain_requested.is_set():
                     await trio.sleep(config.rebalance_s)
                     try:
-                        records = await dht.find_records(model_id)
+                        records = await _trusted(dht, await dht.find_records(model_id), shut_out, server.host.peer_id)
                         target = should_move(holders_of(records), server.host.peer_id, b.num_layers, len(b.layers))
                     except SwarmError as exc:  # e.g. our own record not readable right now: next time
                         log.info("placement.recheck_failed error=%s", exc)

@@ -31,7 +31,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.errors import ProtocolError, StreamClosed, SwarmError
-from swarm.stage.session import Session, session_of
+from swarm.stage.session import Session, record_answers, session_of
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ class _Outbox:
     recv: object
     dead: bool = False  # the stream is closed or lost: drop what is queued
     done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
+
+
+def _rows_of(msg: dict) -> int:
+    """Positions of a validated forward frame: its token ids, or the T of its (1, T, D) hidden states."""
+    return len(msg["tokens"]) if "tokens" in msg else int(msg["hidden"]["shape"][1])
 
 
 async def try_send(stream, msg: dict) -> None:
@@ -153,6 +158,7 @@ class Outboxes:
             return
         meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
         if tail:
+            record_answers(sess.answers, msg["pos"], _rows_of(msg), payload)  # the ids its receipt signs
             sent = wire.frame("result", token_ids=payload, **meta)
             self.post(sess.reply, sess, sent, msg["chunk"])
             item = receipts.result_item(sent)

@@ -135,6 +135,7 @@ class Session:
     mirror: object = None  # swarm.mirror.Mirror: copies of the forwards sent on, to the successor's shadow
     prefix_ns: str | None = None  # the prefix-cache namespace (open frame named a prefix), else None
     reused: int = 0  # positions [0, reused) of the KV cache came from the prefix cache at open
+    answers: list = field(default_factory=list)  # the tail's token id after each position (None: not answered)
 
     @property
     def is_head(self) -> bool:
@@ -144,6 +145,15 @@ class Session:
     def is_tail(self, num_layers: int) -> bool:
         """Its layers end the model: the output is token ids for the coordinator."""
         return self.span.end == num_layers
+
+
+def record_answers(answers: list, pos: int, rows: int, ids: list[int]) -> None:
+    """Keep the tail's answers for a chunk of ``rows`` positions at ``pos``: ``ids`` answer its last
+    rows. Every answer from ``pos`` on is dropped first (a rollback), as in ``swarm.audit.WindowLog``,
+    so afterwards position ``p`` holds the id the tail last sent after it: what its receipt signs."""
+    del answers[pos:]
+    answers.extend([None] * (pos - len(answers)))
+    answers.extend([None] * (rows - len(ids)) + [int(i) for i in ids])
 
 
 def session_of(msg) -> str | None:

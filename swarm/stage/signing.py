@@ -75,7 +75,7 @@ class ReceiptSigner:
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions, reused=sess.reused, repro=self.repro_class(sess).as_dict(),
-            windows=None if commitment is None else commitment.field())
+            windows=None if commitment is None else commitment.field(), answers=_answers(sess) if tail else None)
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(key, data))
@@ -87,3 +87,11 @@ class ReceiptSigner:
         self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))
         if not tail:
             self._post(sess.next_stream, sess, wire.frame("receipt", session=sid))
+
+
+def _answers(sess: Session) -> dict:
+    """The tail's signed answers: ``{"from": p0, "ids": [...]}``, the token id it last sent after each
+    position from ``p0`` (its first answered position) on; null where it sent none (see
+    ``swarm.receipts``: a client proves with it what the ring answered)."""
+    first = next((p for p, t in enumerate(sess.answers) if t is not None), len(sess.answers))
+    return {"from": first, "ids": list(sess.answers[first:])}

@@ -33,3 +33,15 @@ def test_without_probes_every_online_record_counts():
     (m,) = summarize(records, {})["models"]
     assert m["coverage"] == [1, 1, 1, 1] and all(s["answered"] is None for s in m["stages"])
     assert "no answer" not in render({"models": [m]})
+
+
+def test_audits_per_stage_are_shown_from_the_tally_and_the_dht():
+    records = [_rec("peerA", (0, 2)), _rec("peerCHEAT", (2, 4)), _rec("peerNEW", (2, 4))]
+    audits = {"peerA": {"audited": 3, "passed": 3, "failed": 0, "proof": None},
+              "peerCHEAT": {"audited": 2, "passed": 1, "failed": 1, "proof": "verified"}}
+    doc = summarize(records, {}, audits=audits)
+    stages = {s["peer_id"]: s for s in doc["models"][0]["stages"]}
+    assert stages["peerCHEAT"]["audit"] == audits["peerCHEAT"] and stages["peerNEW"]["audit"] is None
+    lines = {ln.split()[0]: ln for ln in render(doc).splitlines() if ln.strip().startswith("..")}
+    assert lines["..peerA"].endswith("3/3/0") and lines["..peerCHEAT"].endswith("2/1/1, proof verified")
+    assert lines["..peerNEW"].endswith(" -") and "audited/passed/failed" in render(doc)

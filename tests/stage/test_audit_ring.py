@@ -187,3 +187,38 @@ def test_a_job_larger_than_the_retention_commits_to_no_windows(model_dir, tmp_pa
     assert "windows" not in got["receipt"] and got["receipt"]["repro"]["id"].startswith("rc1-")
     assert got["refused"].code == "no_job" and "not known" in str(got["refused"])
     assert got["out"] == reference_greedy(model_dir, PROMPT, NEW, "float64")
+
+
+def test_the_tail_signs_the_ids_it_answered_and_a_lying_coordinator_is_caught(model_dir, tmp_path):
+    """Speculation rolls rows back; the tail's signed answers are still the job's output ids, and a job
+    receipt whose coordinator changed an output id (re-signed, digest fixed up) fails verification."""
+    import json
+
+    from swarm.transport.identity import sign
+    from tests.support.ring import signed_job
+
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, RANGES, tmp_path)
+                got["res"] = await signed_job(spec, model_dir, tmp_path, PROMPT, tmp_path / "r", NEW,
+                                              spec=SpecConfig(draft="ngram", k=4, depth=2), drafter=NgramDrafter())
+                nursery.cancel_scope.cancel()
+
+    _run(main)
+    doc, out = got["res"]["doc"], got["res"]["output_ids"]
+    assert got["res"]["verified"] and doc["ring"] and len(out) == NEW
+    answers = doc["stage_receipts"][-1]["answers"]
+    assert answers["from"] == len(PROMPT) - 1
+    assert answers["ids"][:NEW] == out and "answers" not in doc["stage_receipts"][0]
+    key = load_or_create_key(tmp_path / "coord.key")
+    lie = json.loads(json.dumps(doc))
+    lie["output_ids"][3] = (lie["output_ids"][3] + 1) % 97
+    lie["output_digest"] = receipts.ids_digest(lie["output_ids"])
+    lie = receipts.sign_receipt(lie, lambda data: sign(key, data))
+    with pytest.raises(receipts.ReceiptInvalid) as err:
+        receipts.verify_job(lie)
+    assert err.value.check == "answers" and "output id 3" in str(err.value)
+    assert "not what the ring answered" in str(err.value)

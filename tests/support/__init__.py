@@ -2,6 +2,7 @@
 
 - ``models``: seeded tiny models of each family (``make_synthetic``, ``FAMILY_CONFIGS``), the
   single-process greedy reference (``reference_greedy``) and a chained-blocks greedy loop.
+- ``cheats``: cheating stages as test doubles of a block's forward (issue 29's cheats).
 - ``stats``: ``chi2_critical`` for the sampling tests.
 - ``cli``: the ``swarm`` command in this process (``run_cli``) or as a child process (``run_swarm``).
 - ``net``: ``free_port``.

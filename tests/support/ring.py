@@ -78,28 +78,42 @@ def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dt
     return trio.run(main)
 
 
+async def signed_job(ring_spec: RingSpec, model_dir: Path, key_dir: Path, prompt: list[int], receipt_dir: Path,
+                     new_tokens: int = 6, **decode_kwargs) -> dict:
+    """One job with receipts on the running ring ``ring_spec``; returns ``write_job_receipt``'s result plus
+    ``doc`` (the signed job receipt) and ``output_ids``. ``decode_kwargs``: more ``DecodeOptions`` fields."""
+    import json
+
+    from swarm import receipts
+    from swarm.coordinator.generation import write_job_receipt
+
+    key = load_or_create_key(key_dir / "coord.key")
+    num_layers = ring_spec.stages[-1].layers.end
+    async with open_host(key, [LOOPBACK]) as host, trio.open_nursery() as inner:
+        ring = RingClient(host, ring_spec, 30.0, 10.0)
+        digest = model_manifest_digest(model_dir)
+        await ring.connect(num_layers, digest, inner)
+        job = {"id": receipts.new_nonce()[:32], "nonce": receipts.new_nonce()}
+        decoded = await decode(ring, prompt, DecodeOptions(new_tokens, job=job, **decode_kwargs))
+        out, rec = decoded.output_ids, decoded.as_record()
+        res = write_job_receipt(receipt_dir, key, job, rec.pop("receipt_parts"), model=Path(model_dir).name,
+                                model_digest=digest, num_layers=num_layers, prompt_ids=prompt,
+                                output_ids=out, ring=[i.entry() for i in ring.infos], record=rec)
+        inner.cancel_scope.cancel()
+    res["doc"] = json.loads(Path(res["path"]).read_text())
+    res["output_ids"] = out
+    return res
+
+
 def job_receipt(model_dir: Path, key_dir: Path, ranges, prompt: list[int], receipt_dir: Path, new_tokens: int = 6,
                 **stage_kwargs) -> dict:
     """Run one job with receipts on a fresh in-process ring; return ``write_job_receipt``'s result
     (``path`` of the signed job receipt, ``verified``)."""
-    from swarm import receipts
-    from swarm.coordinator.generation import write_job_receipt
 
     async def main():
         async with trio.open_nursery() as nursery:
             spec, _ = await start_ring(nursery, model_dir, ranges, key_dir, **stage_kwargs)
-            key = load_or_create_key(key_dir / "coord.key")
-            async with open_host(key, [LOOPBACK]) as host, trio.open_nursery() as inner:
-                ring = RingClient(host, spec, 30.0, 10.0)
-                digest = model_manifest_digest(model_dir)
-                await ring.connect(ranges[-1][1], digest, inner)
-                job = {"id": receipts.new_nonce()[:32], "nonce": receipts.new_nonce()}
-                decoded = await decode(ring, prompt, DecodeOptions(new_tokens, job=job))
-                out, rec = decoded.output_ids, decoded.as_record()
-                res = write_job_receipt(receipt_dir, key, job, rec.pop("receipt_parts"), model=Path(model_dir).name,
-                                        model_digest=digest, num_layers=ranges[-1][1], prompt_ids=prompt,
-                                        output_ids=out, ring=[i.entry() for i in ring.infos], record=rec)
-                inner.cancel_scope.cancel()
+            res = await signed_job(spec, model_dir, key_dir, prompt, receipt_dir, new_tokens)
             nursery.cancel_scope.cancel()
         return res
 

@@ -1,0 +1,275 @@
+"""Compute audits: how fast each cheat is caught, false accusations, what an audit costs (issue 29).
+
+Prints one JSON object:
+
+- ``cheats``: per cheat kind of tests/support/cheats.py and per rate ``s`` (5%, 10%), over
+  ``--trials`` seeded trials: ``caught_fraction_within_n`` (caught within the first ``n`` cheated
+  sessions, where the theory 1-(1-s)^n first reaches 95%: 59 at 5%, 29 at 10%), the theory at that
+  ``n``, ``cheated_sessions_until_caught`` (median, mean, p95: cheated sessions up to and including
+  the one whose audit caught it), ``sessions_until_caught`` (all the identity's sessions, honest ones
+  too) and ``detected_per_audited_cheat`` (audits of a cheated session that failed it). Every kind
+  sees the same seeded draws (common random numbers), so kinds caught at every audit agree exactly;
+- ``false_accusations``: failed verdicts over ``--honest`` audited sessions of an honest stage (must be 0);
+- ``auditor_cost``: seconds per audited position (the re-run and the checks of the openings) over the
+  stage's own decode seconds per position;
+- ``ring``: decode tokens/s of a real in-process ring (libp2p on loopback) with and without a client
+  opening windows of its earlier jobs at the stage's rate limit, side by side, interleaved.
+
+What is simulated (``simulated``): the detection trials and false accusations run the product's audit
+code (``swarm.audit`` window logs, commitments, signed openings and their checks; ``swarm.fraud.pick``
+on signed job receipts; ``swarm.auditor.judge.judge``, which re-runs the block and builds the proof;
+``verify_proof`` on every proof) on in-process stories260k blocks (predecessor [0, 1), audited stage
+[1, 3)), without the network: a session is a prompt chunk and a few decode steps of seeded random
+tokens, and only sessions the hash picks are computed (the others only advance the cheat's session
+count). ``ulp`` changes one value at one position in every session (the smallest per-session cheat);
+``replay`` computes its first session (honestly) and sends its outputs in every later one. The steady
+cheats run at the bare rate (no first-sessions rule, to compare with the theory);
+``intermittent`` runs with the default 100% audit of an identity's first 20 sessions, which it evades
+by being honest for exactly those.
+
+Usage: python bench/audit.py [--trials 200] [--honest 1000] [--tokens 48] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from swarm import audit, fraud, receipts, wire  # noqa: E402
+from swarm.auditor.judge import Blocks, judge, verify_proof  # noqa: E402
+from swarm.kernels.facts import stage_class  # noqa: E402
+from swarm.model.block import load_block  # noqa: E402
+from swarm.ranges import LayerRange  # noqa: E402
+from swarm.transport.identity import load_or_create_key, peer_id_of, sign  # noqa: E402
+from tests.support.cheats import KINDS, cheat  # noqa: E402
+
+MODEL = ROOT.parent / "shared" / "models" / "stories260k"
+PRED, STAGE = LayerRange(0, 1), LayerRange(1, 3)
+PROMPT_LEN, DECODE = 12, 4
+
+
+def _key(name: str):
+    """A fixed ed25519 identity per role, so the trials' job signatures and draws repeat run after run."""
+    import hashlib
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    return create_new_key_pair(hashlib.sha256(b"bench/audit " + name.encode()).digest())
+
+
+class Sim:
+    """One predecessor and one audited stage (optionally cheating), signing receipts as stages do."""
+
+    def __init__(self, keys: Path, kind: str | None, seed: int):
+        self.pred = load_block(MODEL, PRED, dtype="float32", device="cpu")
+        self.stage = load_block(MODEL, STAGE, dtype="float32", device="cpu")
+        self.double = cheat(self.stage, kind, seed=seed, position=PROMPT_LEN + 1, session=None) if kind else None
+        self.pkey, self.skey, self.coord = _key("pred"), _key("stage"), _key("coordinator")
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def job_sig(self, trial: int, n: int) -> str:
+        body = {"schema": receipts.JOB_SCHEMA, "trial": trial, "session": n}
+        return receipts.sign_receipt(body, lambda d: sign(self.coord, d))["sig"]
+
+    def session(self, job: str) -> tuple:
+        """Compute one session at both stages; return each one's (signed receipt, raw openings, openings)."""
+        n = PROMPT_LEN + DECODE
+        ids = torch.randint(1, 500, (n,), generator=self.rng).tolist()
+        pc, sc = self.pred.new_cache(n), self.stage.new_cache(n)
+        logs = (audit.WindowLog(), audit.WindowLog())
+        chunks = [(0, PROMPT_LEN)] + [(PROMPT_LEN + i, 1) for i in range(DECODE)]
+        for pos, t in chunks:
+            (h,) = self.pred.forward_batch([(pc, pos, torch.tensor([ids[pos:pos + t]]))])
+            hmap = wire.encode_tensor(h)
+            logs[0].record_chunk({"pos": pos, "tokens": ids[pos:pos + t]}, hmap)
+            (y,) = self.stage.forward_batch([(sc, pos, wire.decode_tensor(hmap))])
+            logs[1].record_chunk({"pos": pos, "hidden": hmap}, wire.encode_tensor(y))
+        return tuple(self._signed(b, key, log, job) for b, key, log in
+                     ((self.pred, self.pkey, logs[0]), (self.stage, self.skey, logs[1])))
+
+    def _signed(self, block, key, log, job: str):
+        c = audit.Commitment(log.snapshot())
+        body = receipts.StageLedger(job, "n" * 32).body(
+            session="s-" + job, coordinator="c", peer_id=peer_id_of(key), model="stories260k", model_digest="d",
+            range_digest=block.digest_of(), layers=block.layer_range.as_list(), num_layers=block.num_layers,
+            dtype="float32", wire_dtype="float32", positions=len(log), repro=stage_class(block).as_dict(),
+            windows=c.field())
+        r = receipts.sign_receipt(body, lambda d: sign(key, d))
+        raw = [audit.sign_opening(audit.opening_body(r, c, k), lambda d: sign(key, d)) for k in range(len(c.tree))]
+        return r, raw, [audit.check_opening(r, o, k) for k, o in enumerate(raw)]
+
+
+def audit_once(sim: Sim, auditor_block, akey, job: str):
+    (pr, praw, pop), (sr, sraw, sop) = sim.session(job)
+    return judge(auditor_block, sr, sop, sraw, (pr, pop, praw), sampled=False, auditor=peer_id_of(akey),
+                 sign=lambda d: sign(akey, d), now_ms=0)
+
+
+def trials(kind: str, rate: float, count: int, keys: Path, blocks: Blocks, akey) -> dict:
+    first = fraud.FIRST_SESSIONS if kind == "intermittent" else 0
+    cap = 20000 if kind == "intermittent" else 2000
+    until, sessions, audited_cheats, detected, proofs_ok = [], [], 0, 0, 0
+    auditor_block = blocks.get(STAGE.as_list(), "float32")
+    for t in range(count):
+        sim = Sim(keys, kind, seed=1000 * t + int(rate * 100))
+        peer = peer_id_of(sim.skey)
+        if kind == "replay":  # the replayer's first session is computed (honestly): what it replays later
+            sim.session(f"t{t}-first")
+        cheats = 0  # cheated sessions so far
+        for n in range(cap):
+            choice = fraud.pick(sim.job_sig(t, n), peer, 1, rate=rate, seen=n, first_sessions=first)
+            if not choice.audit:
+                cheats += sim.double.unseen()
+                continue
+            v = audit_once(sim, auditor_block, akey, f"t{t}-n{n}")
+            cheated = sim.double.sessions - 1 in sim.double.cheated
+            cheats += cheated
+            audited_cheats += cheated
+            if v.outcome == "failed":
+                detected += cheated
+                verify_proof(v.proof, blocks)  # raises if the proof would not hold
+                proofs_ok += 1
+                until.append(cheats)
+                sessions.append(n + 1)
+                break
+        else:
+            until.append(math.inf)
+    n_theory = math.ceil(math.log(0.05) / math.log(1 - rate))
+    return {"rate": rate, "trials": count, "n": n_theory, "theory": round(1 - (1 - rate) ** n_theory, 4),
+            "caught_fraction_within_n": round(sum(u <= n_theory for u in until) / count, 4),
+            "caught_fraction": round(sum(u != math.inf for u in until) / count, 4),
+            "cheated_sessions_until_caught": _spread([u for u in until if u != math.inf]),
+            "sessions_until_caught": _spread(sessions),
+            "detected_per_audited_cheat": round(detected / audited_cheats, 4) if audited_cheats else None,
+            "audited_cheats": audited_cheats, "proofs_verified": proofs_ok, "first_sessions": first}
+
+
+def _spread(xs: list) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {"median": None, "mean": None, "p95": None}
+    p95 = xs[int(0.95 * (len(xs) - 1))]
+    return {"median": statistics.median(xs), "mean": round(statistics.fmean(xs), 2), "p95": p95}
+
+
+def honest(count: int, keys: Path, blocks: Blocks, akey) -> dict:
+    sim = Sim(keys, None, seed=7)
+    block = blocks.get(STAGE.as_list(), "float32")
+    failed = sum(audit_once(sim, block, akey, f"h{i}").outcome != "passed" for i in range(count))
+    return {"audited_sessions": count, "false_accusations": failed}
+
+
+def cost(keys: Path, blocks: Blocks, akey, positions: int = 64) -> dict:
+    """Seconds per position: the stage decoding one position at a time vs an auditor re-running them."""
+    sim = Sim(keys, None, seed=3)
+    x = wire.decode_tensor(wire.encode_tensor(torch.randn(1, positions, sim.stage.hidden_size)))
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        c = sim.stage.new_cache(positions)
+        for p in range(positions):
+            sim.stage.forward_batch([(c, p, x[:, p:p + 1])])
+    decode_s = (time.perf_counter() - t0) / (reps * positions)
+    global PROMPT_LEN, DECODE
+    saved = PROMPT_LEN, DECODE
+    PROMPT_LEN, DECODE = positions - 8, 8
+    block = blocks.get(STAGE.as_list(), "float32")
+    spent = []
+    try:
+        for i in range(reps):
+            (pr, praw, pop), (sr, sraw, sop) = sim.session(f"c{i}")
+            t0 = time.perf_counter()
+            judge(block, sr, sop, sraw, (pr, pop, praw), sampled=False, auditor=peer_id_of(akey),
+                  sign=lambda d: sign(akey, d), now_ms=0)
+            spent.append((time.perf_counter() - t0) / positions)
+    finally:
+        PROMPT_LEN, DECODE = saved
+    audit_s = statistics.median(spent)
+    return {"stage_decode_s_per_position": round(decode_s, 6), "auditor_s_per_position": round(audit_s, 6),
+            "fraction": round(audit_s / decode_s, 4), "positions": positions}
+
+
+async def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
+    """Decode tokens/s of an in-process 2-stage ring, alternating runs without and with a client that
+    keeps opening windows of earlier jobs (at most the stage's audit rate limit)."""
+    from swarm.auditor.run import Auditor
+    from tests.support.ring import LOOPBACK, signed_job, start_ring
+    from swarm.transport import open_host
+
+    runs = {"off": [], "on": []}
+    prompt = list(range(5, 5 + 70))
+    async with trio.open_nursery() as nursery:
+        spec, _ = await start_ring(nursery, MODEL, [(0, 2), (2, 5)], tmp, dtype="float32")
+        first = await signed_job(spec, MODEL, tmp, prompt, tmp / "r", tokens)
+        akey = load_or_create_key(tmp / "aud.key")
+        async with open_host(akey, [LOOPBACK]) as host:
+            opener = Auditor(host, akey, Blocks(MODEL), rate=1.0, all_windows=True)
+            for mode in ["off", "on", "on", "off"] * rounds:
+                stop = trio.Event()
+                if mode == "on":
+                    nursery.start_soon(_keep_opening, opener, first["doc"], stop)
+                res = await signed_job(spec, MODEL, tmp, prompt, tmp / "r", tokens)
+                stop.set()
+                runs[mode].append(res["doc"]["tokens_per_s"])
+        nursery.cancel_scope.cancel()
+    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+    return {"tokens_per_s_without_audits": round(off, 2), "tokens_per_s_with_audits": round(on, 2),
+            "change_pct": round(100 * (on - off) / off, 2), "runs": runs, "tokens": tokens,
+            "note": "with audits: an auditor client in the same process opens every window of every stage of an "
+                    "earlier job once a second during the run (each job audited in full: 20x the default 5%); "
+                    "the re-runs happen on the auditor's machine, not here; stages, coordinator and auditor share "
+                    "one Python process on 2 cores"}
+
+
+async def _keep_opening(opener, job: dict, stop: trio.Event) -> None:
+    from swarm.errors import SwarmError
+
+    while not stop.is_set():
+        for r, entry in zip(job["stage_receipts"], job["ring"]):
+            try:
+                await opener._open(entry["addr"], r, r["windows"]["leaves"] - 1)
+            except SwarmError as exc:  # a refusal (the rate limit) is the stage protecting itself
+                print(f"audit refused: {exc}", file=sys.stderr)
+        with trio.move_on_after(1.0):
+            await stop.wait()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--honest", type=int, default=1000)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        blocks, akey = Blocks(MODEL), _key("auditor")
+        out = {"bench": "audit", "model": "stories260k", "simulated": __doc__.split("What is simulated")[1]
+               .split("Usage:")[0].strip().replace("\n", " "), "cheats": {}}
+        for kind in args.kinds.split(","):
+            out["cheats"][kind] = [trials(kind, s, args.trials, tmp, blocks, akey) for s in (0.05, 0.10)]
+        out["false_accusations"] = honest(args.honest, tmp, blocks, akey)
+        out["auditor_cost"] = cost(tmp, blocks, akey)
+        out["ring"] = trio.run(_ring_run, args.tokens, args.rounds, tmp)
+    out["seconds"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Who a reader of the swarm shuts out: identities against which it verified a fraud proof itself.
+
+Owns: :class:`Exclusions`. Routing, heals and placement ask it which of the stages they found to leave
+out (``excluded``): it reads the proof against each from the DHT (``SwarmDHT.read_proof``: values
+anyone can write, checked without weights by every DHT node), re-checks it with this process's own
+weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and only then excludes. A proof it
+cannot re-run (no local weights of the range, another class) excludes nobody; a refused proof is
+logged with the reason, and when it framed an honest stage, as evidence against its auditor
+(``refused``). Verdicts are kept per proof (by digest), so a proof is re-run once. May import trio,
+the shared core, ``swarm.auditor.judge``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+
+import trio
+
+from swarm import fraud
+from swarm.auditor.judge import Blocks, ProofCheck, verify_proof
+from swarm.errors import ProofRefused
+
+log = logging.getLogger(__name__)
+
+
+class Exclusions:
+    """Identities shut out on verified evidence (see the module docstring).
+
+    Args:
+        blocks: this process's weights (:class:`Blocks`), or None: then no proof can be re-run and
+            nobody is excluded (logged once per proof).
+        timeout_s: for reading the proofs of one batch of PeerIds.
+    """
+
+    def __init__(self, blocks: Blocks | None, timeout_s: float = 5.0) -> None:
+        self.blocks, self.timeout_s = blocks, timeout_s
+        self.verified: dict[str, ProofCheck] = {}  # PeerId -> the proof that held
+        self.refused: dict[str, str] = {}  # PeerId -> why the proof against it was refused
+        self._judged: dict[str, str] = {}  # proof digest -> "valid" / the refusal line
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def excluded(self, dht, peer_ids: Iterable[str]) -> frozenset[str]:
+        """The PeerIds among ``peer_ids`` (and earlier ones) with a proof this process verified."""
+        todo = [p for p in set(peer_ids) if p not in self.verified]
+        with trio.move_on_after(self.timeout_s):
+            async with trio.open_nursery() as nursery:
+                for peer in todo:
+                    nursery.start_soon(self._check, dht, peer)
+        return frozenset(self.verified)
+
+    async def _check(self, dht, peer: str) -> None:
+        value = await dht.read_proof(peer)
+        if value is None:
+            return
+        digest = hashlib.blake2b(value, digest_size=16).hexdigest()
+        if digest in self._judged:
+            return
+        if self.blocks is None:
+            self._judged[digest] = "no local weights to re-run the proof"
+            log.warning("audit.proof_unchecked accused=%s: no local weights to re-run it; not excluded", peer)
+            return
+        try:
+            check = await trio.to_thread.run_sync(verify_proof, fraud.decode(value), self.blocks,
+                                                  limiter=self._limiter)
+        except ProofRefused as exc:
+            line = str(exc) + (f" (evidence against auditor {exc.against})" if exc.against else "")
+            self._judged[digest] = self.refused[peer] = line
+            log.warning("audit.proof_refused accused=%s %s", peer, line)
+            return
+        except Exception:  # a task root: a fault re-running someone's document must not stop routing
+            log.exception("audit.proof_check_failed accused=%s; not excluded", peer)
+            self._judged[digest] = "the check failed"
+            return
+        self._judged[digest] = "valid"
+        self.verified[peer] = check
+        log.warning("audit.excluded peer=%s layers=%s job=%s: %s", peer, list(check.layers), check.job_id,
+                    check.line())

@@ -1,0 +1,168 @@
+"""The networked auditor: pick a job's stages to audit, open their windows, judge, tally, publish proofs.
+
+Owns: :class:`Auditor`. Given a verified job receipt (``swarm.receipts.verify_job``), for each stage
+it decides by :func:`swarm.fraud.pick` (the rate ``s``, 100% for an identity's first sessions seen),
+opens windows ``0 .. k`` of the stage (``k`` the picked window, or every window) and the same windows
+of its predecessor on one stream each (``swarm.audit.request_window``: the stage answers them at low
+priority and rate-limits each requester), re-runs the block in a worker thread
+(:func:`swarm.auditor.judge.judge`) and counts audited / passed / failed per PeerId. A stage that
+refuses or does not answer within ``timeout_s`` fails its audit (no proof: there is nothing to
+re-run); a ``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
+times), since the limit is the stage protecting its live sessions. Each fraud proof goes to
+``publish(proof)`` (the DHT, a file). May import trio, the shared
+core, the transport, ``swarm.auditor.judge``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from swarm import audit, fraud, receipts
+from swarm.auditor.judge import Blocks, Verdict, judge
+from swarm.errors import AuditFailed, HopTimeout, StreamClosed, SwarmError
+
+log = logging.getLogger(__name__)
+
+RATE_LIMIT_PAUSE_S = 1.0  # after a stage's rate_limited answer (its bucket refills at 20/s)
+RATE_LIMIT_WAITS = 30  # ... at most this many times per stage and job, then it counts as refused
+
+
+class Auditor:
+    """Audits stages' work on jobs (see the module docstring).
+
+    Args:
+        host: a ``swarm.transport`` host (``open_stream``, ``peer_id``); key: its ed25519 KeyPair (signs proofs).
+        blocks: the :class:`Blocks` it re-runs.
+        rate: ``s``, the audited share of sessions in [0, 1]; first_sessions: sessions of a new identity
+            audited at 100%.
+        all_windows: open every window (else the picked window and those before it, which its KV needs).
+        timeout_s: per request; publish: ``await publish(proof)`` for each fraud proof.
+    """
+
+    def __init__(self, host, key, blocks: Blocks, *, rate: float = fraud.DEFAULT_RATE,
+                 first_sessions: int = fraud.FIRST_SESSIONS, all_windows: bool = False, timeout_s: float = 30.0,
+                 publish: Callable[[dict], Awaitable[None]] | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"the audit rate must be in [0, 1], got {rate}")
+        self.host, self.key, self.blocks = host, key, blocks
+        self.rate, self.first_sessions, self.all_windows, self.timeout_s = rate, first_sessions, all_windows, timeout_s
+        self.publish = publish
+        self.seen: dict[str, int] = {}  # sessions of each PeerId this auditor has seen (audited or not)
+        self.tally: dict[str, dict] = {}  # PeerId -> {"audited", "passed", "failed"}
+        self.proofs: list[dict] = []
+        self._limiter = trio.CapacityLimiter(1)  # one re-run at a time, off the trio thread
+
+    async def audit_job(self, job: dict) -> list[Verdict]:
+        """Audit the stages of one job the hash picks.
+
+        Args:
+            job: a signed job receipt (its ``ring`` gives each stage's address).
+        Returns:
+            One :class:`Verdict` per stage (``skipped`` where not picked).
+        Raises:
+            ReceiptInvalid: the job receipt does not verify (nothing is audited on a broken chain).
+        """
+        receipts.verify_job(job)
+        out = []
+        stage_receipts, ring = job["stage_receipts"], job["ring"]
+        for i, r in enumerate(stage_receipts):
+            peer = r["peer_id"]
+            leaves = (r.get("windows") or {}).get("leaves")
+            choice = fraud.pick(job["sig"], peer, leaves, rate=self.rate, seen=self.seen.get(peer, 0),
+                                first_sessions=self.first_sessions)
+            self.seen[peer] = self.seen.get(peer, 0) + 1
+            if not choice.audit:
+                out.append(Verdict(peer, tuple(r["layers"]), r["job_id"], "skipped",
+                                   f"not picked (draw {choice.draw:.3f} >= rate {choice.rate:g})"))
+                continue
+            last = leaves - 1 if self.all_windows and leaves else choice.window
+            pred = (stage_receipts[i - 1], ring[i - 1]["addr"]) if i > 0 else None
+            verdict = await self.audit_stage(r, ring[i]["addr"], last, pred, sampled=_sampled(job))
+            self._count(verdict)
+            if verdict.proof is not None and self.publish is not None:
+                await self.publish(verdict.proof)
+            out.append(verdict)
+        return out
+
+    async def audit_stage(self, receipt: dict, addr: str, last: int | None, pred: tuple | None, *,
+                          sampled: bool = False) -> Verdict:
+        """Open windows ``0 .. last`` of one stage (and of its predecessor ``(receipt, addr)``), re-run, judge."""
+        base = (receipt["peer_id"], tuple(receipt["layers"]), receipt["job_id"])
+        if last is None:
+            return Verdict(*base, "unauditable", "the receipt commits to no windows (--audit-retention-mb 0, or the "
+                                                 "job outgrew it)")
+        try:
+            raw = await self._open(addr, receipt, last)
+        except (AuditFailed, HopTimeout, StreamClosed, SwarmError, OSError) as exc:
+            return Verdict(*base, "refused", f"the stage did not open its windows: {exc}")
+        pred_part = None
+        if pred is not None:
+            try:
+                pred_raw = await self._open(pred[1], pred[0], last)
+            except (AuditFailed, HopTimeout, StreamClosed, SwarmError, OSError) as exc:
+                return Verdict(*base, "unauditable", f"its predecessor did not open the windows that bind its input: "
+                                                     f"{exc}")
+            pred_part = (pred[0], [audit.check_opening(pred[0], o, k) for k, o in enumerate(pred_raw)], pred_raw)
+        openings = [audit.check_opening(receipt, o, k) for k, o in enumerate(raw)]
+        try:
+            block = self.blocks.get(receipt["layers"], receipt.get("dtype", "float32"))
+        except SwarmError as exc:
+            return Verdict(*base, "not comparable", f"not comparable: this auditor cannot load the range ({exc})")
+        from swarm.transport.identity import sign
+
+        return await trio.to_thread.run_sync(
+            lambda: judge(block, receipt, openings, raw, pred_part, sampled=sampled, auditor=self.host.peer_id,
+                          sign=lambda data: sign(self.key, data), now_ms=receipts.now_ms()),
+            limiter=self._limiter)
+
+    async def _open(self, addr: str, receipt: dict, last: int) -> list[dict]:
+        """The signed opening maps of windows 0 .. last, each checked, on one stream."""
+        from swarm import wire
+
+        stream = await self.host.open_stream(addr, wire.PROTOCOL_ID, timeout_s=self.timeout_s)
+        try:
+            got: list[dict] = []
+            waits = 0
+            while len(got) <= last:
+                k = len(got)
+                await stream.send(wire.frame("audit", session=receipt["session"], job=receipt["job_id"], window=k),
+                                  timeout_s=self.timeout_s)
+                answer = await stream.recv(timeout_s=self.timeout_s)
+                if isinstance(answer, dict) and answer.get("type") == "audit_ok":
+                    audit.check_opening(receipt, answer.get("opening"), k)
+                    got.append(answer["opening"])
+                    continue
+                if isinstance(answer, dict) and answer.get("code") == "rate_limited" and waits < RATE_LIMIT_WAITS:
+                    waits += 1  # the stage protects its live sessions: ask again later, never count it against it
+                    await trio.sleep(RATE_LIMIT_PAUSE_S)
+                    continue
+                reason = answer.get("reason") if isinstance(answer, dict) else answer
+                exc = AuditFailed(f"refused: window {k}: {str(reason)[:200]}")
+                exc.check = "refused"
+                raise exc
+            return got
+        finally:
+            await stream.aclose()
+
+    def _count(self, v: Verdict) -> None:
+        if v.outcome not in ("passed", "failed", "refused"):
+            return
+        t = self.tally.setdefault(v.peer_id, {"audited": 0, "passed": 0, "failed": 0})
+        t["audited"] += 1
+        t["passed" if v.outcome == "passed" else "failed"] += 1
+        if v.proof is not None:
+            self.proofs.append(v.proof)
+        log.info("audit.%s peer=%s layers=%s job=%s reason=%s", v.outcome.replace(" ", "_"), v.peer_id,
+                 list(v.layers), v.job_id, v.reason)
+
+
+def _sampled(job: dict) -> bool:
+    """Whether the job drew its tokens by sampling (its record's temperature is not 0)."""
+    s = job.get("sampling")
+    return isinstance(s, dict) and s.get("temperature", 0) != 0
+
+
+__all__ = ["Auditor"]

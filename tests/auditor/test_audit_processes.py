@@ -17,7 +17,8 @@ from swarm.ranges import LayerRange
 from tests.support.cli import run_swarm
 from tests.support.models import reference_greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.process]
+# serial: the acceptance times the exclusion (within 60 s of the audit), so it runs alone in `make test`
+pytestmark = [pytest.mark.slow, pytest.mark.process, pytest.mark.serial]
 
 NEW = 12
 

@@ -27,7 +27,7 @@ cheats run at the bare rate (no first-sessions rule, to compare with the theory)
 ``intermittent`` runs with the default 100% audit of an identity's first 20 sessions, which it evades
 by being honest for exactly those.
 
-Usage: python bench/audit.py [--trials 200] [--honest 1000] [--tokens 48] [--rounds 3]
+Usage: python bench/audit.py [--trials 200] [--honest 1000] [--tokens 48] [--rounds 3] [--parts trials,honest,cost,ring]
 """
 
 from __future__ import annotations
@@ -253,7 +253,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--parts", default="trials,honest,cost,ring",
+                    help="which parts to run (comma-separated): the cheats' trials, the honest sessions, the "
+                         "auditor's cost, the ring's tokens/s with and without audits (default: all)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"trials", "honest", "cost", "ring"}:
+        ap.error(f"--parts takes trials, honest, cost and ring, got {args.parts!r}")
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -261,11 +267,14 @@ def main(argv=None) -> int:
         blocks, akey = Blocks(MODEL), _key("auditor")
         out = {"bench": "audit", "model": "stories260k", "simulated": __doc__.split("What is simulated")[1]
                .split("Usage:")[0].strip().replace("\n", " "), "cheats": {}}
-        for kind in args.kinds.split(","):
+        for kind in args.kinds.split(",") if "trials" in parts else []:
             out["cheats"][kind] = [trials(kind, s, args.trials, tmp, blocks, akey) for s in (0.05, 0.10)]
-        out["false_accusations"] = honest(args.honest, tmp, blocks, akey)
-        out["auditor_cost"] = cost(tmp, blocks, akey)
-        out["ring"] = trio.run(_ring_run, args.tokens, args.rounds, tmp)
+        if "honest" in parts:
+            out["false_accusations"] = honest(args.honest, tmp, blocks, akey)
+        if "cost" in parts:
+            out["auditor_cost"] = cost(tmp, blocks, akey)
+        if "ring" in parts:
+            out["ring"] = trio.run(_ring_run, args.tokens, args.rounds, tmp)
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out))
     return 0

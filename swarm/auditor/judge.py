@@ -82,6 +82,8 @@ def class_for(block, receipt: dict) -> tuple[repro.ReproClass | None, int, str]:
     Returns:
         ``(class, tile, reason)``: ``reason`` is empty when the class is the receipt's, else a line
         starting ``not comparable:`` (``class`` None when the receipt's class does not read).
+    In the ``rows`` mode this process's torch thread count becomes the receipt's (a fact of that
+    class, and the auditor's to choose): an auditor on 2 threads re-runs a 1-thread stage's work.
     """
     from swarm.kernels.facts import stage_class
 
@@ -97,6 +99,12 @@ def class_for(block, receipt: dict) -> tuple[repro.ReproClass | None, int, str]:
             block.set_kernel_mode(mode)
         except ConfigError as exc:
             return None, tile, f"not comparable: this machine cannot run the {mode} kernels ({exc})"
+    threads = kernel.get("threads")
+    if mode == "rows" and isinstance(threads, int) and 0 < threads <= 1024:
+        import torch
+
+        if torch.get_num_threads() != threads:  # a free choice of the auditor's: the BLAS's bits follow the
+            torch.set_num_threads(threads)  # thread count in the rows mode, so re-run at the stage's
     span = LayerRange(*receipt["layers"])
     mine = stage_class(block, block.check_span(span), max(1, tile))
     same = repro.comparable(theirs, mine)

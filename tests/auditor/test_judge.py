@@ -57,3 +57,24 @@ def test_an_auditor_fails_a_stage_whose_signed_rows_do_not_decode(model_dir):
     v = judge(block, r, openings, raw, None, sampled=False, auditor=peer_id_of(auditor),
               sign=lambda d: sign(auditor, d), now_ms=1)
     assert v.outcome == "failed" and v.proof is None and "do not decode" in v.reason
+
+
+def test_an_auditor_on_other_threads_re_runs_a_rows_stage_at_its_thread_count(model_dir):
+    """In the rows mode torch's thread count is a fact of the class (the BLAS's bits follow it). Before:
+    an auditor on 2 threads said "not comparable: kernel.threads 1 vs 2" about every 1-thread stage."""
+    import torch
+
+    from swarm.auditor.judge import class_for
+
+    block = Blocks(model_dir).get([0, 1], "float64")
+    block.set_kernel_mode("rows")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        stage = {"repro": stage_class(block, LayerRange(0, 1)).as_dict(), "layers": [0, 1]}
+        assert stage["repro"]["facts"]["kernel"]["threads"] == 1
+        torch.set_num_threads(2)
+        mine, _, why = class_for(block, stage)
+        assert why == "" and mine.id == stage["repro"]["id"] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

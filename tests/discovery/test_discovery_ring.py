@@ -218,6 +218,9 @@ def test_a_stage_without_layers_fills_the_gap(swarm_net, tmp_path):
 
 
 @pytest.mark.process
+# serial: under three workers' load a heal after the reroute met "no session at stage [4, 5)" (a 502) once
+# in two runs: a race between the restarted stage's reopen and the heal, open in the session's note
+@pytest.mark.serial
 def test_serve_heals_onto_a_stage_restarted_under_the_same_key(swarm_net, stories_dir, tmp_path):
     """`swarm serve --model --bootstrap`: its dashboard shows every model's coverage from the DHT.
     The middle stage of its route crashes and its volunteer restarts it (same key, so the same

@@ -26,9 +26,9 @@ from swarm.coordinator.ring import RingClient
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy
 
-# serial: a heal is decided on the clock (heartbeats, hop timeouts, a 3 s pause that must not count
-# as lost), so these run alone in `make test`
-pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
+# `serial` below: tests that hold a stage to a clock (a 3 s pause that must not count as lost, commit
+# gaps under 2 s, survivors closing sessions within 10 s) run alone in `make test`
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
 PROMPT = [1, 403, 407, 261, 378]
@@ -272,6 +272,7 @@ def test_sigstop_frozen_stage_heals(pool, tmp_path, reference):
     assert event["stage"] == 1 and "heartbeat" in event["errors"][0]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("pause_s", [3.0])  # the reported case; tests/test_heal.py tables the sequences
 def test_a_short_pause_never_swaps_out_a_healthy_stage(pool, tmp_path, reference, pause_s):
     """SIGSTOP the head for a few seconds, then SIGCONT it, with a spare for every range: either the
@@ -312,6 +313,7 @@ def test_sigkill_heals_onto_a_shadow_with_speculation_depth(pool, tmp_path, refe
     receipts.verify_job(rec["job_receipt"])
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("shadow_sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
 def test_a_lost_shadow_changes_nothing_and_the_heal_falls_back_to_refill(pool, tmp_path, reference, shadow_sig):
     """The shadow is frozen (or killed) after 3 tokens, before the middle stage is killed: the ring
@@ -485,6 +487,7 @@ def test_a_stage_lost_between_requests_heals_at_an_open_that_offered_a_prefix(po
     receipts.verify_job(rec["job_receipt"])
 
 
+@pytest.mark.serial
 def test_a_stage_lost_between_requests_without_a_spare_fails_clearly(pool, tmp_path):
     with pytest.raises(NoSpare, match=r"stage 1 holding layers \[2, 4\) is lost .*no warm spare"):
         open_heal_run(pool, tmp_path, spare=False)

@@ -50,6 +50,7 @@ def test_import_does_not_load_torch_or_numpy() -> None:
 
 
 @pytest.mark.ring
+@pytest.mark.serial  # a child's start and the detection within 9.5 s
 def test_health_monitor_turns_a_frozen_peer_into_stream_closed() -> None:
     run(_frozen_peer_scenario, timeout_s=9.5)  # child start ~1 s + detection ~2.5 s
 

@@ -590,6 +590,7 @@ def cmd_bootstrap(args) -> int:
 def cmd_peers(args) -> int:
     import trio
 
+    from swarm.auditor.tally import audit_column
     from swarm.config import cache_root
     from swarm.discovery.client import probe_rtts
     from swarm.discovery.dht import open_dht
@@ -613,7 +614,7 @@ def cmd_peers(args) -> int:
                 return records, report, await probe_rtts(dht, records), dht.clock(), proofs
 
     records, report, rtts, now, proofs = trio.run(main)
-    audits = _audit_column(args.audits, proofs)
+    audits = audit_column(args.audits, proofs)
     summary = summarize(records, rtts, now=now, probed=True, not_listed=report.describe() if report.dropped else "",
                         audits=audits)
     if args.json:
@@ -648,23 +649,6 @@ async def _proofs_of(dht, records, model) -> dict[str, str]:
         for p in peers:
             if await dht.read_proof(p) is not None:
                 out[p] = "on the DHT"
-    return out
-
-
-def _audit_column(path: Path | None, proofs: dict[str, str]) -> dict[str, dict]:
-    """PeerId -> ``{audited, passed, failed, proof}`` from an auditor's tally file and the DHT's proofs."""
-    out: dict[str, dict] = {}
-    if path is not None:
-        try:
-            tally = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
-        if not isinstance(tally, dict):
-            raise ConfigError(f"{path} is not an audit tally")
-        for peer, counts in tally.items():
-            out[peer] = {k: int(counts.get(k, 0)) for k in ("audited", "passed", "failed")} | {"proof": None}
-    for peer, state in proofs.items():
-        out.setdefault(peer, {"audited": None, "passed": None, "failed": None})["proof"] = state
     return out
 
 

@@ -327,6 +327,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
                    help="list the job receipts in DIR (verified or failed, and which check) on /dashboard "
                         "(default: --receipt-dir)")
+    p.add_argument("--audits", type=Path, metavar="FILE",
+                   help="an auditor's tally (`swarm audit run --tally FILE`): /dashboard shows audited / passed / "
+                        "failed per stage, next to the state of the fraud proof against it")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages on ORIGIN (scheme://host[:port], or * for any) call the API from a "
                         "browser: CORS headers and preflight answers (repeatable; default none: same origin only)")
@@ -673,7 +676,7 @@ def cmd_serve(args) -> int:
         hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, max_concurrency=args.max_concurrency,
         bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache, receipt_dir=args.receipt_dir,
         dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin))
+        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits)
     from swarm.listen import bind_tcp
 
     sock = bind_tcp(config.host, config.port)  # before anything loads: a taken port fails at once

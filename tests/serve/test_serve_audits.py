@@ -188,3 +188,14 @@ def test_an_unreadable_tally_fails_before_serve_listens(stories_dir, tmp_path):
     config = ServeConfig(port=0, key_path=tmp_path / "coord.key", audit_tally=bad)
     with pytest.raises(ConfigError, match="--audits: .* is not an audit tally"):
         trio.run(serve_api, RingSpec(model=str(stories_dir), stages=()), config)
+
+
+def test_swarm_serve_audits_names_the_flag_of_a_file_that_is_no_tally(stories_dir, tmp_path):
+    from tests.support.cli import run_cli
+
+    bad = tmp_path / "tally.json"
+    bad.write_text('{"A": 3}')
+    ring = tmp_path / "ring.yaml"  # never dialled: the tally is read with the model, before the ring
+    ring.write_text(f"model: {stories_dir}\nstages:\n- {{addr: /ip4/127.0.0.1/tcp/9/p2p/12D3KooWx, layers: '0:5'}}\n")
+    out = run_cli("serve", "--ring", str(ring), "--port", "0", "--key", str(tmp_path / "k.key"), "--audits", str(bad))
+    assert out.returncode != 0 and f"--audits: {bad} is not an audit tally" in out.stderr, out.stderr[-2000:]

@@ -8,7 +8,9 @@ a warm spare with idle time): it picks receipts by a hash of the signed job rece
 
 Modules: ``judge`` (with torch, no networking: blocks by range, a stage's opened rows judged, a
 proof re-checked), ``run`` (the networked auditor: fetch, judge, tally, publish), ``exclusions``
-(who routing, heals and placement shut out: identities with a proof this process re-ran).
+(who routing, heals and placement shut out: identities with a proof this process re-ran), ``tally``
+(the tally file: audited / passed / failed per stage, written by ``swarm audit run``, read by
+``swarm peers`` and ``swarm serve``).
 
 May import: the shared core, the transport, kernels, discovery, weights, model (never stage,
 coordinator or serve). Imported by stage, coordinator, serve and cli.

@@ -6,8 +6,9 @@ anyone can write, checked without weights by every DHT node), re-checks it with 
 weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and only then excludes. A proof it
 cannot re-run (no local weights of the range, another class) excludes nobody; a refused proof is
 logged with the reason, and when it framed an honest stage, as evidence against its auditor
-(``refused``). Verdicts are kept per proof (by digest), so a proof is re-run once. May import trio,
-the shared core, ``swarm.auditor.judge``.
+(``refused``); ``judged(peer)`` says which of these befell the proof against a stage (the dashboard).
+Verdicts are kept per proof (by digest), so a proof is re-run once. May import trio, the shared core,
+``swarm.auditor.judge``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Exclusions:
         self.blocks, self.timeout_s = blocks, timeout_s
         self.verified: dict[str, ProofCheck] = {}  # PeerId -> the proof that held
         self.refused: dict[str, str] = {}  # PeerId -> why the proof against it was refused
+        self.unchecked: dict[str, str] = {}  # PeerId -> why the proof against it could not be re-run
         self._judged: dict[str, str] = {}  # proof digest -> "valid" / the refusal line
         self._limiter = trio.CapacityLimiter(1)
 
@@ -50,6 +52,17 @@ class Exclusions:
                     nursery.start_soon(self._check, dht, peer)
         return frozenset(self.verified)
 
+    def judged(self, peer: str) -> dict | None:
+        """What this process made of the proof against ``peer`` (read by an earlier ``excluded``):
+        ``{"proof": "excluded", "why": the verified proof's line}``, ``{"proof": "refused", "why": the
+        reason}``, ``{"proof": "unchecked", "why": ...}`` (it could not re-run it), or None (no proof read)."""
+        if peer in self.verified:
+            return {"proof": "excluded", "why": self.verified[peer].line()}
+        for state, why in (("refused", self.refused), ("unchecked", self.unchecked)):
+            if peer in why:
+                return {"proof": state, "why": why[peer]}
+        return None
+
     async def _check(self, dht, peer: str) -> None:
         value = await dht.read_proof(peer)
         if value is None:
@@ -58,7 +71,7 @@ class Exclusions:
         if digest in self._judged:
             return
         if self.blocks is None:
-            self._judged[digest] = "no local weights to re-run the proof"
+            self._judged[digest] = self.unchecked[peer] = "no local weights to re-run the proof"
             log.warning("audit.proof_unchecked accused=%s: no local weights to re-run it; not excluded", peer)
             return
         try:
@@ -71,7 +84,7 @@ class Exclusions:
             return
         except Exception:  # a task root: a fault re-running someone's document must not stop routing
             log.exception("audit.proof_check_failed accused=%s; not excluded", peer)
-            self._judged[digest] = "the check failed"
+            self._judged[digest] = self.unchecked[peer] = "the check failed"
             return
         self._judged[digest] = "valid"
         self.verified[peer] = check

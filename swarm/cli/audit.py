@@ -130,32 +130,8 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
                 print(v.line())
                 failed += v.outcome in ("failed", "refused")
         if args.tally:
+            from swarm.auditor.tally import add_tally
+
             add_tally(args.tally, auditor.tally)
     print(f"{failed} stage(s) failed", file=sys.stderr)
     return 1 if failed else 0
-
-
-def add_tally(path: Path, tally: dict) -> dict:
-    """Add ``{PeerId: {audited, passed, failed}}`` to the JSON file at ``path`` (created if absent);
-    returns the sum.
-
-    Raises:
-        ConfigError: the file holds something else than such a map, or cannot be written.
-    """
-    from swarm.files import write_atomic
-
-    try:
-        old = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
-    if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
-        raise ConfigError(f"{path} is not an audit tally ({{PeerId: {{audited, passed, failed}}}})")
-    for peer, counts in tally.items():
-        mine = old.setdefault(peer, {"audited": 0, "passed": 0, "failed": 0})
-        for k in ("audited", "passed", "failed"):
-            mine[k] = int(mine.get(k, 0)) + counts[k]
-    try:
-        write_atomic(path, json.dumps(old, indent=1, sort_keys=True))
-    except OSError as exc:
-        raise ConfigError(f"cannot write the audit tally {path}: {exc}") from None
-    return old

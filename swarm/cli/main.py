@@ -327,6 +327,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
                    help="list the job receipts in DIR (verified or failed, and which check) on /dashboard "
                         "(default: --receipt-dir)")
+    p.add_argument("--audits", type=Path, metavar="FILE",
+                   help="an auditor's tally (`swarm audit run --tally FILE`): /dashboard shows audited / passed / "
+                        "failed per stage, next to the state of the fraud proof against it")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages on ORIGIN (scheme://host[:port], or * for any) call the API from a "
                         "browser: CORS headers and preflight answers (repeatable; default none: same origin only)")
@@ -590,6 +593,7 @@ def cmd_bootstrap(args) -> int:
 def cmd_peers(args) -> int:
     import trio
 
+    from swarm.auditor.tally import audit_column
     from swarm.config import cache_root
     from swarm.discovery.client import probe_rtts
     from swarm.discovery.dht import open_dht
@@ -613,7 +617,7 @@ def cmd_peers(args) -> int:
                 return records, report, await probe_rtts(dht, records), dht.clock(), proofs
 
     records, report, rtts, now, proofs = trio.run(main)
-    audits = _audit_column(args.audits, proofs)
+    audits = audit_column(args.audits, proofs)
     summary = summarize(records, rtts, now=now, probed=True, not_listed=report.describe() if report.dropped else "",
                         audits=audits)
     if args.json:
@@ -651,23 +655,6 @@ async def _proofs_of(dht, records, model) -> dict[str, str]:
     return out
 
 
-def _audit_column(path: Path | None, proofs: dict[str, str]) -> dict[str, dict]:
-    """PeerId -> ``{audited, passed, failed, proof}`` from an auditor's tally file and the DHT's proofs."""
-    out: dict[str, dict] = {}
-    if path is not None:
-        try:
-            tally = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
-        if not isinstance(tally, dict):
-            raise ConfigError(f"{path} is not an audit tally")
-        for peer, counts in tally.items():
-            out[peer] = {k: int(counts.get(k, 0)) for k in ("audited", "passed", "failed")} | {"proof": None}
-    for peer, state in proofs.items():
-        out.setdefault(peer, {"audited": None, "passed": None, "failed": None})["proof"] = state
-    return out
-
-
 def cmd_demo(args) -> int:
     from swarm.cli.demo import run_demo
 
@@ -689,7 +676,7 @@ def cmd_serve(args) -> int:
         hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, max_concurrency=args.max_concurrency,
         bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache, receipt_dir=args.receipt_dir,
         dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin))
+        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits)
     from swarm.listen import bind_tcp
 
     sock = bind_tcp(config.host, config.port)  # before anything loads: a taken port fails at once

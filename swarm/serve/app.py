@@ -248,7 +248,9 @@ async def serve_api(ring: RingSpec, config: ServeConfig | None = None, *, listen
 
     A taken port thus fails at once, in one line, before the model, the tokenizer or the ring are
     touched. With ``config.bootstrap`` (and a RingSpec naming only the model) the ring is routed from
-    the swarm's DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it.
+    the swarm's DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it;
+    neither routing, rerouting nor heals take a stage against which a fraud proof on the DHT held when
+    re-run on the local weights (``swarm.auditor.exclusions``; a forged proof is refused and logged).
 
     ``task_status.started`` gets ``{"url", "model", "ring"}`` once listening. At most
     ``max_concurrency`` requests run on the ring at once; more wait for a free slot. With
@@ -297,24 +299,46 @@ async def _serve_api(ring: RingSpec, config: ServeConfig, sock: socket.socket, s
     model = await _load_model(ring, config)
     key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key",
                        fallback=config.key_path is None)
+    shut_out = _exclusions(model.resolved.path) if config.bootstrap else None
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
-        ring, discovery, infos = await _check_ring(p2p, nursery, ring, model, config)
+        ring, discovery, infos = await _check_ring(p2p, nursery, ring, model, config, shut_out)
         resolved, max_ctx = model.resolved, min(i.max_ctx for i in infos)
         state = ServeState(config=config, ring=ring, host=p2p, nursery=nursery, tokenizer=model.tokenizer,
                            model_id=resolved.name, model_dir=resolved.path, num_layers=model.num_layers,
                            model_digest=model.digest, stop_ids=eos_ids(resolved.path, model.tokenizer),
                            max_ctx=max_ctx, vocab_size=vocab_size(resolved.path), key=key, discovery=discovery,
-                           max_prompt_chars=max_prompt_chars(model.tokenizer, max_ctx))
-        if discovery is not None:  # the dashboard's layer coverage comes from the DHT
+                           max_prompt_chars=max_prompt_chars(model.tokenizer, max_ctx), shut_out=shut_out)
+        if discovery is not None:  # the dashboard's layer coverage (and the proofs it shows) come from the DHT
             from swarm.serve.dashboard import SwarmCoverage
 
-            state.coverage = SwarmCoverage(discovery[0])
+            state.coverage = SwarmCoverage(discovery[0], judge=_proof_judge(state))
             await nursery.start(state.coverage.run)
         state.pool = ClientPool(state, config.max_concurrency)
         from swarm.serve.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(state)
         return await _listen(state, sock, [i.entry() for i in infos], shutdown, task_status)
+
+
+def _exclusions(model_dir: Path):
+    """The server's ``swarm.auditor.exclusions.Exclusions`` (one per process): a fraud proof read from
+    the DHT shuts a stage out of routing, rerouting and heals only once re-run on ``model_dir``."""
+    from swarm.auditor.exclusions import Exclusions
+    from swarm.auditor.judge import Blocks
+
+    return Exclusions(Blocks(model_dir))
+
+
+def _proof_judge(state: ServeState):
+    """The coverage reader's hook: the proof against every stage of the served model (if any) judged
+    by the server's ``shut_out`` each time the records are read, so the dashboard shows proofs
+    published after routing too."""
+    dht, weights_id = state.discovery[0], state.discovery[1]
+
+    async def judge(records) -> None:
+        await state.shut_out.excluded(dht, [r.peer_id for r in records if r.model_id == weights_id])
+
+    return judge
 
 
 async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
@@ -343,13 +367,21 @@ async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
         check_receipt_dir(config.receipt_dir)
     if config.dashboard_receipts is not None and not Path(config.dashboard_receipts).is_dir():
         raise ConfigError(f"--dashboard-receipts {config.dashboard_receipts}: not a directory")
+    if config.audit_tally is not None:  # a tally that cannot be read fails now, not on the dashboard
+        from swarm.auditor.tally import read_tally
+
+        try:
+            read_tally(config.audit_tally)
+        except ConfigError as exc:
+            raise ConfigError(f"--audits: {exc}") from None
     return _Model(resolved, tokenizer, num_layers, digest)
 
 
-async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, model: _Model, config: ServeConfig
-                      ) -> tuple[RingSpec, tuple[SwarmDHT, str, tuple] | None, list[StageInfo]]:
+async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, model: _Model, config: ServeConfig,
+                      shut_out=None) -> tuple[RingSpec, tuple[SwarmDHT, str, tuple] | None, list[StageInfo]]:
     """The ring, whole, before we listen: routed from the swarm's DHT (with ``bootstrap``; the DHT
-    runs in ``nursery`` from now on), then every stage connected once (spares in for the lost ones).
+    runs in ``nursery`` from now on; the stages ``shut_out`` verified a fraud proof against left out),
+    then every stage connected once (spares in for the lost ones).
 
     Returns:
         (the ring as healed, (dht, weights id, records) when routed else None, each stage's info).
@@ -367,10 +399,11 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
 
         weights_id = await trio.to_thread.run_sync(weights_model_id, model.resolved.path, cache_root() / "manifests")
         dht = await nursery.start(run_dht, p2p, config.bootstrap)
-        found = await discover_ring(dht, ring.model, weights_id, model.num_layers)
+        found = await discover_ring(dht, ring.model, weights_id, model.num_layers, shut_out=shut_out)
         ring, discovery = found.ring, (dht, weights_id, found.records)
     probe = RingClient(p2p, ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                        model_id=discovery[1] if discovery else None)
+    probe.shut_out = shut_out
     async with trio.open_nursery() as probe_nursery:
         try:
             infos = await probe.connect(model.num_layers, model.digest, probe_nursery, use_spares=True)

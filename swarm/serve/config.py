@@ -41,6 +41,8 @@ class ServeConfig:
         max_body_mb: a larger request body is refused (413) unread, MiB.
         drain_timeout_s: on SIGTERM, how long requests in flight may finish.
         cors_origins: browser origins (``scheme://host[:port]`` or ``*``) allowed to call the API.
+        audit_tally: an auditor's tally file (``--audits``; ``swarm.auditor.tally``): the dashboard shows
+            audited / passed / failed per stage.
     Raises:
         ConfigError: a value out of range, naming its flag.
     """
@@ -62,6 +64,7 @@ class ServeConfig:
     max_body_mb: float = DEFAULT_MAX_BODY_MB
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     cors_origins: tuple[str, ...] = ()
+    audit_tally: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

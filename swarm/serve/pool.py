@@ -71,6 +71,7 @@ class ClientPool:
         client = RingClient(st.host, st.ring, cfg.hop_timeout_s, cfg.connect_timeout_s, cfg.heartbeat_s, batch=True,
                             model_id=st.discovery[1] if st.discovery else None)
         client.discovery = st.discovery  # heals may take a replacement from the DHT
+        client.shut_out = st.shut_out  # ... but never a stage with a fraud proof this server re-ran
         try:
             await client.connect(st.num_layers, st.model_digest, st.nursery, use_spares=True)
         except BaseException:
@@ -79,7 +80,8 @@ class ClientPool:
         return client
 
     async def _reroute(self, cause: StageLost) -> None:
-        """A new route from the DHT for the clients opened from now on (``swarm.discovery.client``).
+        """A new route from the DHT for the clients opened from now on (``swarm.discovery.client``),
+        leaving out the stages the server's ``shut_out`` verified a fraud proof against.
 
         Raises:
             StageLost: the swarm has no route now (names why), so the request is a 503.
@@ -89,7 +91,7 @@ class ClientPool:
         st = self.state
         dht, weights_id = st.discovery[0], st.discovery[1]
         try:
-            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers)
+            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out)
         except ConfigError as exc:
             raise StageLost(f"{cause}; and no new route: {exc}") from None
         st.ring, st.discovery = found.ring, (dht, weights_id, found.records)

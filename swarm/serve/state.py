@@ -1,8 +1,9 @@
 """``ServeState``: what every request of ``swarm serve`` shares while the server runs.
 
 Owns: the ring (replaced when a request healed it or the pool rerouted), the host and the server's
-nursery, the tokenizer and what the ring reported of the model, the settings (``ServeConfig``), the
-client pool, metrics, and the request lifecycle's counters (requests in flight, the drain).
+nursery, whom routing shuts out (fraud proofs it re-ran), the tokenizer and what the ring reported of
+the model, the settings (``ServeConfig``), the client pool, metrics, and the request lifecycle's
+counters (requests in flight, the drain).
 May import: ``swarm.config``, ``swarm.serve.config``; types of other modules only for annotations.
 """
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from libp2p.crypto.keys import KeyPair
     from transformers import PreTrainedTokenizerBase
 
+    from swarm.auditor.exclusions import Exclusions
     from swarm.discovery.dht import SwarmDHT
     from swarm.discovery.records import StageRecord
     from swarm.serve.dashboard import SwarmCoverage
@@ -58,6 +60,8 @@ class ServeState:
     pool: ClientPool | None = None
     metrics: ServeMetrics | None = None
     coverage: SwarmCoverage | None = None  # the DHT's records, read in the background (with discovery)
+    # with discovery: the stages with a fraud proof re-run on this server's weights (never routed to)
+    shut_out: Exclusions | None = None
     active: int = 0  # requests on the ring now
     served: int = 0  # requests that ran on the ring so far
     cached_tokens: int = 0  # prompt positions all requests so far took from the prefix caches

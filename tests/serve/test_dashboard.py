@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -220,11 +221,11 @@ def served_state(tokens_per_s: float, receipts: str | None = None) -> dict:
             "receipts": receipts}
 
 
-def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
+@contextmanager
+def state_server(answers: list):
     """Serve the real dashboard page with ``answers`` as its successive /dashboard/state replies (a
-    dict is answered as JSON, an int as that HTTP status; the last one repeats), load it in a
-    390 px wide frame (its font switched to ``font`` after the first draw, if given), and return what
-    the probe measured there."""
+    dict is answered as JSON, an int as that HTTP status; the last one repeats), and the probe page at
+    /probe; yields the base URL."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -253,12 +254,19 @@ def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        dom, log = browse(chromium, f"http://127.0.0.1:{server.server_address[1]}/probe?font={font}", tmp_path, "probe",
-                          width=800, height=900, budget_ms=8000)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def probe(chromium: str, tmp_path: Path, answers: list, font: str = "") -> dict:
+    """Load the probe page (the dashboard in a 390 px wide frame, its font switched to ``font`` after the
+    first draw, if given) over ``answers`` (as ``state_server``), and return what it measured there."""
+    with state_server(answers) as url:
+        dom, log = browse(chromium, f"{url}/probe?font={font}", tmp_path, "probe", width=800, height=900,
+                          budget_ms=8000)
     assert console_errors(log) == [], console_errors(log)
     import html
 
@@ -289,6 +297,25 @@ def test_the_headline_never_shows_a_stale_rate_when_the_state_cannot_be_read(chr
     number up as if it were current."""
     got = probe(chromium, tmp_path, [served_state(3.2), 500])
     assert got["rate"] == "-" and "cannot reach the server" in got["status"] and "500" in got["status"], got
+
+
+@pytest.mark.process
+def test_the_stage_table_shows_audits_and_the_stages_shut_out(chromium, tmp_path):
+    state = served_state(1.0)
+    state["stages"][0]["audit"] = {"proof": None, "why": None, "audited": 3, "passed": 3, "failed": 0}
+    state["stages"][2]["audit"] = {"proof": "refused", "why": "REFUSED (honest stage framed): ...", "audited": 1,
+                                   "passed": 1, "failed": 0}
+    state.update(shut_out=[{"peer_id": "12D3KooWCheater", "layers": [2, 4], "why": "VALID proof: stage X ..."}],
+                 audits="/srv/audits.json", audits_error=None)
+    with state_server([state]) as url:
+        dom, log = browse(chromium, url + "/dashboard", tmp_path, "audits")
+    assert console_errors(log) == [], console_errors(log)
+    cells = re.findall(r'<td class="audit ([a-z]+)"(?: title="([^"]*)")?>([^<]*)</td>', dom)
+    assert [(c, text) for c, _, text in cells] == [("ok", "3/3/0"), ("num", "-"), ("warn", "1/1/0, proof refused"),
+                                                   ("bad", "proof verified: excluded")], cells
+    assert cells[2][1].startswith("REFUSED (honest stage framed)") and cells[3][1].startswith("VALID proof")
+    assert dom.count('class="stage-row"') == 3 and dom.count('class="excluded-row"') == 1
+    assert "audits: audited/passed/failed from /srv/audits.json" in dom
 
 
 def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():

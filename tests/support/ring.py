@@ -142,3 +142,33 @@ async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str
         ready = await nursery.start(serve_in_scope, server, load_or_create_key(key_dir / f"{tag}{a}-{b}.key"), scopes)
         out.append((StageSpec(addr=ready["addrs"][0], layers=r), server, scopes[0]))
     return out
+
+
+async def start_announced(nursery, model_dir: Path, layers: tuple[int, int], key_path: Path, bootstrap: str,
+                          model_id: str, throughput_tps: float, dtype: str = "float32"):
+    """One in-process stage that announces its signed record on the swarm's DHT (joined through
+    ``bootstrap``, in client mode), claiming ``throughput_tps`` (routing prefers the higher), in its
+    own cancel scope (cancelled = the stage is gone, its record left to expire).
+
+    Returns:
+        (READY's payload, the StageServer, its cancel scope).
+    """
+    from functools import partial
+
+    from swarm.stage.membership import announce
+
+    r = LayerRange(*layers)
+    config = StageConfig(model=str(model_dir), layers=r, bootstrap=(bootstrap,), dht_client=True)
+    block = load_block(model_dir, r, dtype=dtype, device="cpu")
+    server = StageServer(config, block, Path(model_dir).name, model_manifest_digest(model_dir))
+    server.model_id = model_id
+    membership = partial(announce, config=config, model_id=model_id, throughput_tps=throughput_tps, placed=False)
+    scopes: list = []
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED):
+        with trio.CancelScope() as scope:
+            scopes.append(scope)
+            await serve(server, load_or_create_key(key_path), LOOPBACK, membership=membership, task_status=task_status)
+
+    ready = await nursery.start(run)
+    return ready, server, scopes[0]

@@ -4,14 +4,16 @@ Owns: the page, and the JSON it polls every second (``state``): the ring as a pi
 layer ranges, PeerIds, state, sessions, KV memory), layer coverage per model (how many stages hold
 each layer: from the swarm's DHT when there is one, else from the ring and its spares), tokens/s
 and latency (time to first token, inter-token) over the last two minutes, the recent jobs with
-their receipt verdicts (verified, or failed and which check), and heal events. ``swarm serve``
-serves it at ``/dashboard`` (state from its ring and metrics); ``swarm dashboard --receipts DIR``
-and/or ``--bootstrap ADDR`` serves it alone, over a receipt directory and the swarm's coverage.
+their receipt verdicts (verified, or failed and which check), heal events, and audits per stage
+(the fraud proof against it as the server judged it: excluded / refused / none; audited / passed /
+failed from ``--audits``' tally file). ``swarm serve`` serves it at ``/dashboard`` (state from its
+ring and metrics); ``swarm dashboard --receipts DIR`` and/or ``--bootstrap ADDR`` serves it alone,
+over a receipt directory and the swarm's coverage.
 
 Nothing sensitive reaches the page: no prompt text, token ids or key material; PeerIds and
 addresses are public by nature. It binds where its server binds: keep that private.
 
-May import: trio, starlette (lazily), ``swarm.receipts``, ``swarm.discovery``.
+May import: trio, starlette (lazily), ``swarm.receipts``, ``swarm.discovery``, ``swarm.auditor.tally``.
 """
 
 from __future__ import annotations
@@ -110,8 +112,10 @@ class SwarmCoverage:
     read (None before the first); ``error``: why the last read failed, or None. One read sees at
     most the 256 providers a DHT node keeps per key (``SwarmDHT.find_records``)."""
 
-    def __init__(self, dht, every_s: float = 5.0, timeout_s: float = 5.0):
-        self.dht, self.every_s, self.timeout_s = dht, every_s, timeout_s
+    def __init__(self, dht, every_s: float = 5.0, timeout_s: float = 5.0, judge=None):
+        """``judge``: ``await judge(records)`` after each read (``swarm serve``: the fraud proofs against
+        its model's stages judged, for the stage table)."""
+        self.dht, self.every_s, self.timeout_s, self.judge = dht, every_s, timeout_s, judge
         self.models: list[dict] | None = None
         self.error: str | None = None
         self.read_at: float | None = None
@@ -132,6 +136,8 @@ class SwarmCoverage:
                                 "uncovered": m["uncovered"], "holders": len(m["stages"]), "source": "dht"}
                                for m in summarize(records, {})["models"]]
                 self.error, self.read_at = None, time.time()
+                if self.judge is not None:
+                    await self.judge(records)
             except SwarmError as exc:
                 if self.error != str(exc):
                     log.warning("dashboard.coverage_unread reason=%s", exc)
@@ -161,11 +167,14 @@ async def serve_state(state) -> dict:
     coverage = state.coverage.state() if state.coverage is not None else {
         "models": [ring_coverage(state.ring, state.model_id, state.num_layers,
                                  frozenset(s["index"] for s in stages if not s["ok"]))], "coverage_error": None}
+    audits = await audit_state(state, [s["peer_id"] for s in stages])
     return {
         "model": state.model_id, "num_layers": state.num_layers,
         "status": "ok" if all(s["ok"] for s in stages) else "degraded",
-        "stages": [{k: s.get(k) for k in ("index", "layers", "peer_id", "ok", "error", "sessions", "kv_bytes",
-                                          "latency_ms")} for s in stages],
+        "stages": [{**{k: s.get(k) for k in ("index", "layers", "peer_id", "ok", "error", "sessions", "kv_bytes",
+                                             "latency_ms")}, "audit": audits["per_stage"].get(s["peer_id"])}
+                   for s in stages],
+        "shut_out": audits["shut_out"], "audits": audits["tally"], "audits_error": audits["error"],
         "tokens_per_s": sum(n for _, n in recent) / 10.0,
         "rate_series": rate_series(arrivals, now),
         "latency_series": latency_series(finished, now),
@@ -176,6 +185,35 @@ async def serve_state(state) -> dict:
         "receipts": str(listed) if listed else None,  # None: the page says
         # how to get receipts listed (--receipt-dir)
     }
+
+
+async def audit_state(state, peer_ids: list[str]) -> dict:
+    """What the dashboard shows of audits (``swarm serve``): per stage of the ring, the fraud proof
+    against it as the server's ``shut_out`` judged it and the counts of ``--audits`` (its tally file,
+    read with ``swarm.auditor.tally.read_tally``), and the stages shut out.
+
+    Returns:
+        ``{"per_stage": {PeerId: {"proof": "excluded" | "refused" | "unchecked" | None, "why",
+        "audited", "passed", "failed"} (counts None without a tally entry)}, "shut_out": [{"peer_id",
+        "layers", "why"}], "tally": the file or None, "error": why the file could not be read, or None}``.
+    """
+    from swarm.auditor.tally import COUNTS, read_tally
+    from swarm.errors import ConfigError
+
+    path, tally, error = state.config.audit_tally, {}, None
+    if path is not None:
+        try:  # in a thread: a file read must not hold up the server's event loop
+            tally = await trio.to_thread.run_sync(read_tally, path)
+        except ConfigError as exc:  # e.g. rewritten by an auditor just now: shown, next poll reads again
+            error = str(exc)
+    shut_out = state.shut_out
+    per_stage = {}
+    for peer in peer_ids:
+        judged = (shut_out.judged(peer) if shut_out is not None and peer else None) or {"proof": None, "why": None}
+        per_stage[peer] = {**judged, **(tally.get(peer) or {k: None for k in COUNTS})}
+    excluded = [{"peer_id": p, "layers": list(c.layers), "why": c.line()}
+                for p, c in (shut_out.verified.items() if shut_out is not None else ())]
+    return {"per_stage": per_stage, "shut_out": excluded, "tally": str(path) if path else None, "error": error}
 
 
 def receipts_app(directory, coverage: SwarmCoverage | None = None):

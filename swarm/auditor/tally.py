@@ -1,0 +1,70 @@
+"""An auditor's tally file: ``{PeerId: {audited, passed, failed}}`` as JSON, summed over runs.
+
+Owns: the file format, its writer (``add_tally``: ``swarm audit run --tally FILE``) and its reader
+(``read_tally``: ``swarm peers --audits FILE``, ``swarm serve --audits FILE``), and ``audit_column``,
+the per-stage ``{audited, passed, failed, proof}`` both of those readers show. May import: the shared
+core (``swarm.errors``, ``swarm.files``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from swarm.errors import ConfigError
+
+COUNTS = ("audited", "passed", "failed")
+
+
+def read_tally(path: Path) -> dict[str, dict[str, int]]:
+    """The tally in ``path``: PeerId -> ``{audited, passed, failed}`` (a missing count reads 0).
+
+    Raises:
+        ConfigError: the file cannot be read, or holds something else than such a map.
+    """
+    try:
+        tally = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the audit tally {path}: {exc}") from None
+    if not isinstance(tally, dict) or not all(isinstance(v, dict) for v in tally.values()):
+        raise ConfigError(f"{path} is not an audit tally ({{PeerId: {{audited, passed, failed}}}})")
+    try:
+        return {str(peer): {k: int(counts.get(k, 0)) for k in COUNTS} for peer, counts in tally.items()}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not an audit tally: a count is not a number ({exc})") from None
+
+
+def add_tally(path: Path, tally: dict) -> dict:
+    """Add ``{PeerId: {audited, passed, failed}}`` to the JSON file at ``path`` (created if absent);
+    returns the sum.
+
+    Raises:
+        ConfigError: the file holds something else than such a map, or cannot be written.
+    """
+    from swarm.files import write_atomic
+
+    old = read_tally(path) if Path(path).exists() else {}
+    for peer, counts in tally.items():
+        mine = old.setdefault(peer, {k: 0 for k in COUNTS})
+        for k in COUNTS:
+            mine[k] += counts[k]
+    try:
+        write_atomic(path, json.dumps(old, indent=1, sort_keys=True))
+    except OSError as exc:
+        raise ConfigError(f"cannot write the audit tally {path}: {exc}") from None
+    return old
+
+
+def audit_column(path: Path | None, proofs: dict[str, str]) -> dict[str, dict]:
+    """PeerId -> ``{audited, passed, failed, proof}`` from an auditor's tally file (None: no counts) and
+    the state of the fraud proof against each stage (``proofs``: PeerId -> a one-line state).
+
+    Raises:
+        ConfigError: as :func:`read_tally`.
+    """
+    out: dict[str, dict] = {}
+    for peer, counts in (read_tally(path) if path is not None else {}).items():
+        out[peer] = {**counts, "proof": None}
+    for peer, state in proofs.items():
+        out.setdefault(peer, {k: None for k in COUNTS})["proof"] = state
+    return out

@@ -310,26 +310,10 @@ class SwarmDHT:
 
     async def read_proof(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
         """A proof against ``peer_id`` that checks without weights, from this node's store or the bootstrap
-        nodes (where every publish stores it), else the network; None when there is none."""
+        nodes (where every publish stores it); None when there is none."""
         key = proof_key(peer_id)
-        kb = key.encode()
-        values: list[bytes] = []
-        local = self.dht.value_store.store.get(kb)
-        if local is not None:
-            values.append(local[0].value)
-
-        async def from_peer(peer) -> None:
-            try:
-                with trio.move_on_after(timeout_s):
-                    got = await self.dht.value_store._get_from_peer(peer, kb)
-                    if got is not None:
-                        values.append(got)
-            except Exception as e:  # unreachable or not serving: another node may hold it
-                log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer, e)
-
-        async with trio.open_nursery() as nursery:
-            for info in self.bootstrap:
-                nursery.start_soon(from_peer, info.peer_id)
+        local = self.dht.value_store.store.get(key.encode())
+        values = ([] if local is None else [local[0].value]) + await self._from_bootstrap(key, timeout_s)
         for v in values:
             try:
                 check_proof_value(key, v)
@@ -503,11 +487,9 @@ class SwarmDHT:
             peerstore.add_addrs(info.peer_id, info.addrs, 600)
         return sorted(found)
 
-    async def _fresh_value(self, key: str) -> bytes | None:
-        """The best valid value of ``key`` that the bootstrap nodes (asked first, where every
-        announce stores it) or else the network lookup hold; this node's own copy is set aside
-        for the read and kept when nothing fresher is found."""
-        store = self.dht.value_store.store
+    async def _from_bootstrap(self, key: str, timeout_s: float) -> list[bytes]:
+        """The values of ``key`` the bootstrap nodes hold (asked at once, ``timeout_s`` each; a node
+        that is unreachable or holds none adds nothing)."""
         kb = key.encode()
         values: list[bytes] = []
 
@@ -515,7 +497,7 @@ class SwarmDHT:
             try:
                 # a libp2p node resets requests beyond 12 in flight: a read of many records queues here
                 async with self._bootstrap_slots:
-                    with trio.move_on_after(QUERY_TIMEOUT_S):
+                    with trio.move_on_after(timeout_s):
                         got = await self.dht.value_store._get_from_peer(peer_id, kb)
                         if got is not None:
                             values.append(got)
@@ -525,6 +507,15 @@ class SwarmDHT:
         async with trio.open_nursery() as nursery:
             for info in self.bootstrap:
                 nursery.start_soon(from_peer, info.peer_id)
+        return values
+
+    async def _fresh_value(self, key: str) -> bytes | None:
+        """The best valid value of ``key`` that the bootstrap nodes (asked first, where every
+        announce stores it) or else the network lookup hold; this node's own copy is set aside
+        for the read and kept when nothing fresher is found."""
+        store = self.dht.value_store.store
+        kb = key.encode()
+        values = await self._from_bootstrap(key, QUERY_TIMEOUT_S)
         if not any(self._valid(key, v) for v in values):
             saved = store.pop(kb, None)
             got = None

@@ -25,13 +25,17 @@ def _need_shared(path: Path) -> Path:
 
 
 def pytest_configure(config):
-    """In a pytest-xdist worker (``make test`` runs three side by side on two cores), torch computes
+    """Child processes fork from a zygote (below). In a pytest-xdist worker (``make test`` runs three side by side on two cores), torch computes
     on one thread: three workers each spinning two OpenMP threads made CPU-bound tests 5-10x slower.
     Tests that compare thread counts set them explicitly; stage processes take ``--threads``."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    # swarm child processes (stages, bootstrap nodes, `swarm coordinate`...) fork from one zygote per
+    # test process that imported torch, transformers and libp2p once (swarm.cli.zygote): about 100
+    # stage processes otherwise spend ~9 s of CPU each on imports. SWARM_ZYGOTE=0 starts each fresh.
+    os.environ.setdefault("SWARM_ZYGOTE", "1")
 
 
 @pytest.fixture(scope="session")

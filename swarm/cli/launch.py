@@ -19,10 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import StageLost, SwarmError
 from swarm.ranges import LayerRange
+
+if TYPE_CHECKING:
+    from swarm.cli.zygote import ZygoteProcess
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class StageProcess:
     """A running stage child: its process, READY payload, and collected stderr tail."""
 
     layers: LayerRange
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ZygoteProcess
     ready: dict | None = None
     lines: "queue.Queue[str | None]" = field(default_factory=queue.Queue)
     stderr_tail: list[str] = field(default_factory=list)
@@ -103,10 +107,8 @@ class LocalRing:
             name = (f"stage-auto-{i}" if r is None else f"stage-{r.start}-{r.end}" if self.ranges.count(r) == 1
                     else f"stage-{i}-{r.start}-{r.end}")
             key = self.key_dir / f"{name}.key"
-            argv = self.per_stage_prefix.get(i, []) + stage_command(
-                self.model, r, key, self.threads, self.extra_args + self.per_stage_args.get(i, []))
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            argv = stage_command(self.model, r, key, self.threads, self.extra_args + self.per_stage_args.get(i, []))
+            proc = start_swarm(argv[3:], env, self.per_stage_prefix.get(i))
             sp = StageProcess(r, proc)
             threading.Thread(target=_pump, args=(proc.stdout, sp.lines, None), daemon=True).start()
             threading.Thread(target=_pump, args=(proc.stderr, None, sp.stderr_tail), daemon=True).start()
@@ -159,6 +161,28 @@ class LocalRing:
                 sp.proc.wait()
 
 
+def start_swarm(args: list[str], env: dict, prefix: list[str] | None = None, cwd: str | Path | None = None):
+    """Start ``swarm ARGS`` as a child in its own session, stdout and stderr piped as text.
+
+    With ``SWARM_ZYGOTE=1`` in this process's environment (the test suite sets it) the child is a
+    fork of this process's zygote (:mod:`swarm.cli.zygote`), which has torch, transformers and
+    libp2p imported already; otherwise, and whenever the zygote cannot start it as a fresh process
+    would, or ``prefix`` (a command to run it under) is given, ``python -m swarm ARGS``; in ``cwd``
+    (default: ours).
+    Returns: a ``subprocess.Popen`` or a ``ZygoteProcess`` (pid, stdout, stderr, poll, wait, kill).
+    """
+    from swarm.cli import zygote
+
+    if zygote.enabled() and not prefix:
+        parent = zygote.shared_zygote()
+        proc = parent.spawn(args, env, cwd) if parent is not None else None
+        if proc is not None:
+            return proc
+    return subprocess.Popen([*(prefix or []), sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent, cwd=cwd)
+
+
 def _die_with_parent() -> None:
     """In the child before exec: on Linux, get SIGTERM when the launcher dies, even by SIGKILL,
     so no stage outlives a killed demo or test."""
@@ -206,7 +230,7 @@ class BootstrapNode:
             raise ValueError(f"role must be bootstrap or relay, got {role!r}")
         self.key_path, self.startup_timeout_s, self.env = Path(key_path), startup_timeout_s, env
         self.role, self.listen, self.prefix = role, listen, list(prefix or [])
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ZygoteProcess | None = None
         self.ready: dict = {}
 
     @property
@@ -216,10 +240,7 @@ class BootstrapNode:
     def __enter__(self) -> BootstrapNode:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        argv = [*self.prefix, sys.executable, "-m", "swarm", self.role, "--key", str(self.key_path),
-                "--listen", self.listen]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = start_swarm([self.role, "--key", str(self.key_path), "--listen", self.listen], env, self.prefix)
         sp = StageProcess(LayerRange(0, 1), self.proc)
         threading.Thread(target=_pump, args=(self.proc.stdout, sp.lines, None), daemon=True).start()
         threading.Thread(target=_pump, args=(self.proc.stderr, None, sp.stderr_tail), daemon=True).start()

@@ -445,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if "transformers" in sys.modules:  # imported already (a zygote's fork): the variable came too late
+            sys.modules["transformers"].logging.set_verbosity_error()
     try:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,

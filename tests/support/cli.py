@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from swarm.cli.launch import start_swarm
+
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``swarm ARGS`` run in this process (``swarm.cli.main.main``) as ``python -m swarm ARGS`` runs it:
@@ -72,8 +74,7 @@ def run_swarm(*args: str, timeout: float = 180, env: dict | None = None, cwd: Pa
     Runs in ``cwd`` (default: the test's isolated $SWARM_CACHE), so default ``receipts/`` land there."""
     cwd = cwd or Path(os.environ["SWARM_CACHE"])
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
+    proc = start_swarm(list(args), {**os.environ, **(env or {})}, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -22,7 +22,7 @@ from swarm.config import SpecConfig
 from swarm.coordinator.generation import DecodeOptions, decode
 from swarm.discovery.client import discover_ring
 from swarm.discovery.dht import open_dht
-from swarm.cli.launch import BootstrapNode, LocalRing
+from swarm.cli.launch import BootstrapNode, LocalRing, start_swarm
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
@@ -168,13 +168,10 @@ def test_the_dashboard_alone_shows_the_swarms_layer_coverage_from_the_dht(swarm_
     stories260k's coverage per layer, and the lure as a second model. (`swarm serve --bootstrap`'s
     own dashboard is checked in the restarted-stage test below.)"""
     import re
-    import subprocess
-    import sys
 
     boot = swarm_net["boot"].addr
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", "dashboard", "--bootstrap", boot, "--port", "0",
-                             "--key", str(tmp_path / "dash.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = start_swarm(["dashboard", "--bootstrap", boot, "--port", "0", "--key", str(tmp_path / "dash.key")],
+                       dict(os.environ))
     try:
         line = proc.stdout.readline()
         url = re.search(r"(http://\S+)/dashboard", line).group(1)

@@ -9,16 +9,16 @@ temporary directories (the path is printed) for people to look at.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from swarm.cli.launch import LocalRing
+from swarm.cli.launch import LocalRing, start_swarm
 from swarm.ranges import LayerRange
 
 RANGES = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 5)]
@@ -109,8 +109,7 @@ def test_the_receipts_dashboard_names_the_failed_check_of_a_tampered_receipt(syn
     doc["output_ids"] = list(doc["output_ids"])
     doc["output_ids"][0] = (doc["output_ids"][0] + 1) % 97  # the answer changed after signing
     (receipts / "tampered.json").write_text(json.dumps(doc))
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", "dashboard", "--receipts", str(receipts), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_swarm(["dashboard", "--receipts", str(receipts), "--port", "0"], dict(os.environ))
     try:
         line = proc.stdout.readline()
         url = re.search(r"(http://\S+/dashboard)", line).group(1)

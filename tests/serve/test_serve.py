@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from swarm.cli.launch import LocalRing
+from swarm.cli.launch import LocalRing, start_swarm
 from swarm.ranges import LayerRange
 from tests.support.models import reference_greedy
 from tests.support.serve import Server
@@ -314,8 +314,6 @@ def test_swarm_serve_command(stories_ring, stories_dir, tmp_path):
     """The command itself, on the module's ring (beside the in-thread server's sessions)."""
     import os
     import signal
-    import subprocess
-    import sys
 
     import yaml
 
@@ -323,9 +321,8 @@ def test_swarm_serve_command(stories_ring, stories_dir, tmp_path):
 
     ring_file = tmp_path / "ring.yaml"
     ring_file.write_text(yaml.safe_dump(stories_ring.ring_spec().to_dict()))
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", "serve", "--ring", str(ring_file), "--port", "0",
-                             "--key", str(tmp_path / "c.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = start_swarm(["serve", "--ring", str(ring_file), "--port", "0", "--key", str(tmp_path / "c.key")],
+                       dict(os.environ))
     try:
         line = proc.stdout.readline()
         assert line.startswith("swarm serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ import pytest
 import trio
 import yaml
 
+from swarm.cli.launch import start_swarm
 from swarm.config import SpecConfig
 from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
@@ -351,9 +351,8 @@ def test_a_client_leaving_during_a_long_prefill_frees_its_session_at_once(ring_f
 def _serve_process(ring: Ring, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
     ring_file = tmp_path / "ring.yaml"
     ring_file.write_text(yaml.safe_dump(ring.spec.to_dict()))
-    proc = subprocess.Popen([sys.executable, "-m", "swarm", "serve", "--ring", str(ring_file), "--port", "0",
-                             "--key", str(tmp_path / "c.key"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_swarm(["serve", "--ring", str(ring_file), "--port", "0", "--key", str(tmp_path / "c.key"), *args],
+                       dict(os.environ))
     line = proc.stdout.readline()
     assert line.startswith("swarm serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
     return proc, line.split()[2].removesuffix("/v1")

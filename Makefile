@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/swarm demo
 
-# TEST_WORKERS pytest-xdist workers, one test file each (the suite mostly waits on sockets and child
-# processes, so three keep two cores busy); then the tests marked `serial` (they assert wall-clock
-# latency) alone
+# TEST_WORKERS pytest-xdist workers, one test file each, the longest files first (tests/conftest.py;
+# the suite mostly waits on sockets and child processes, so three keep two cores busy); then the
+# tests marked `serial` (they assert wall-clock latency) alone
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=25
 	$(PY) -m pytest -q -m serial --durations=10
 
 # the pure tier: tests that start no libp2p host, server or child process (markers in pyproject.toml)

@@ -36,6 +36,63 @@ def pytest_configure(config):
     # test process that imported torch, transformers and libp2p once (swarm.cli.zygote): about 100
     # stage processes otherwise spend ~9 s of CPU each on imports. SWARM_ZYGOTE=0 starts each fresh.
     os.environ.setdefault("SWARM_ZYGOTE", "1")
+    if (os.environ["SWARM_ZYGOTE"] == "1" and not os.environ.get("PYTEST_XDIST_WORKER")
+            and getattr(config.option, "numprocesses", None)):
+        # the xdist controller starts one zygote for all its workers (they find it in
+        # SWARM_ZYGOTE_SOCKET once it listens; a worker that needs one sooner starts its own)
+        import threading
+
+        from swarm.cli import zygote
+
+        shared = zygote.Zygote()
+        os.environ[zygote.SOCKET_ENV] = str(shared.path)
+        config.add_cleanup(shared.close)
+        threading.Thread(target=_start_quietly, args=(shared,), daemon=True).start()
+
+
+def _start_quietly(shared) -> None:
+    try:
+        shared.start()
+    except OSError as exc:
+        print(f"conftest: no shared zygote ({exc}); workers start their own", flush=True)
+
+
+# the test files that take longest (seconds under `make test`, 2-core AMD EPYC, 2026-12-03), longest
+# first: `make test` hands whole files to its workers in collection order (--no-loadscope-reorder), so
+# these start first and no worker is left with a long file while the others sit idle at the end
+LONGEST_FIRST = (
+    "coordinator/test_spec_ring.py",  # 186
+    "transport/test_nat_lab.py",  # 88
+    "discovery/test_churn.py",  # 84
+    "cli/test_cli_env.py",  # 83
+    "serve/test_dashboard.py",  # 81
+    "coordinator/test_ring.py",  # 75
+    "model/test_resolve.py",  # 74
+    "discovery/test_discovery_ring.py",  # 67
+    "cli/test_cli.py",  # 66
+    "weights/test_fetch_ring.py",  # 60
+    "serve/test_serve.py",  # 58
+    "coordinator/test_conversation.py",  # 57
+    "stage/test_lifecycle.py",  # 52
+    "auditor/test_auditor_ring.py",  # 42
+    "kernels/test_invariant.py",  # 42
+    "coordinator/test_heal_ring.py",  # 42
+    "serve/test_serve_lifecycle.py",  # 38
+    "discovery/test_discovery_churn.py",  # 37
+    "cli/test_zygote.py",  # 37
+    "stage/test_prefix_ring.py",  # 32
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (``LONGEST_FIRST``), the rest in their usual order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        rel = Path(str(item.fspath)).resolve().relative_to(REPO / "tests").as_posix()
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)
 
 
 @pytest.fixture(scope="session")

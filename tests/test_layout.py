@@ -204,3 +204,9 @@ def test_importing_a_role_package_imports_nothing(package):
     a package's ``__init__`` is its map, not a re-export hub."""
     tree = ast.parse(read_tree()[package])
     assert [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] == []
+
+
+def test_the_longest_first_list_names_test_files_that_exist():
+    from tests.conftest import LONGEST_FIRST, REPO
+
+    assert [name for name in LONGEST_FIRST if not (REPO / "tests" / name).is_file()] == []

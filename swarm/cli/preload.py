@@ -167,7 +167,14 @@ def _zygote_main(path: str) -> int:
               file=sys.stderr, flush=True)
         return 1
     request = _serve(path, import_env(before), added)
-    if request is None:
+    if request is None:  # the launcher is gone, maybe by SIGKILL: remove what it could not
+        sock = Path(path)
+        sock.unlink(missing_ok=True)
+        if sock.parent.name.startswith("swarm-zygote-"):
+            try:
+                sock.parent.rmdir()
+            except OSError:
+                pass
         return 0
     args = _become(request)
     from swarm.cli.main import main

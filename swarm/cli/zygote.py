@@ -257,9 +257,11 @@ def shared_zygote() -> Zygote | None:
             if inherited and Path(inherited).is_socket():
                 _shared = Zygote(path=inherited)
                 return _shared
+            fresh = Zygote()
             try:
-                _shared = Zygote().start()
+                _shared = fresh.start()
             except OSError as exc:
+                fresh.close()
                 print(f"swarm: starting child processes without a zygote: {exc}", file=sys.stderr)
                 _shared = None
                 return None

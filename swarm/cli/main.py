@@ -445,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         transport_host.LIBP2P_LOG_LEVEL = level if args.verbose else logging.CRITICAL
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        if "transformers" in sys.modules:  # imported already (a zygote's fork): the variable came too late
-            sys.modules["transformers"].logging.set_verbosity_error()
+    if "transformers" in sys.modules:  # imported already (a zygote's fork): apply what its import would have read
+        verbosity = sys.modules["transformers"].utils.logging
+        verbosity.set_verbosity(verbosity.log_levels.get(os.environ.get("TRANSFORMERS_VERBOSITY", ""), logging.WARNING))
     try:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,

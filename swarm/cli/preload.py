@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from swarm.cli.zygote import SOCKET_ENV, import_env
+from swarm.cli.zygote import SOCKET_ENV, import_env, refusal
 
 # what the zygote imports before it forks: the heavy part of every swarm command that computes or dials
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "libp2p", "trio", "swarm.cli.main",
@@ -72,13 +72,13 @@ def _serve(path: str, mine: dict, added: dict) -> dict | None:
             request = json.loads(data)
             if len(fds) != 3:
                 raise ValueError(f"expected 3 descriptors, got {len(fds)}")
-            differ = sorted(set(mine.items()) ^ set(import_env(request["env"]).items()))
+            refused = refusal(mine, added, request["env"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             print(f"refused a malformed request: {exc}", file=sys.stderr, flush=True)
             conn.close()
             continue
-        if differ:
-            _answer(conn, {"refused": f"import-time environment differs: {sorted({k for k, _ in differ})}"})
+        if refused:
+            _answer(conn, {"refused": refused})
             conn.close()
             for fd in fds:
                 os.close(fd)

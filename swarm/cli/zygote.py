@@ -51,9 +51,26 @@ log = logging.getLogger(__name__)
 ZYGOTE_ENV = "SWARM_ZYGOTE"
 
 
+# ... except those that `swarm.cli.main.main` applies itself when the library is imported already
+APPLIED_BY_MAIN = ("TRANSFORMERS_VERBOSITY",)
+
+
 def import_env(env: dict) -> dict:
-    """The part of ``env`` that libraries read at import time (see ``IMPORT_TIME_ENV``)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    """The part of ``env`` that libraries read at import time (see ``IMPORT_TIME_ENV``, ``APPLIED_BY_MAIN``)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_BY_MAIN}
+
+
+def refusal(mine: dict, added: dict, env: dict) -> str | None:
+    """Why a zygote that imported with environment ``mine`` (its import-time part), its imports having
+    added ``added``, cannot stand in for a fresh process with environment ``env``; None when it can.
+
+    A variable that a process's own imports set (torch sets ``TORCHINDUCTOR_CACHE_DIR``) is in the
+    environment of every launcher that imported them; with the value the imports give it, it
+    changes nothing.
+    """
+    theirs = {k: v for k, v in import_env(env).items() if added.get(k) != v}
+    differ = sorted({k for k, _ in set(import_env(mine).items()) ^ set(theirs.items())})
+    return f"import-time environment differs: {differ}" if differ else None
 
 
 class ZygoteProcess:

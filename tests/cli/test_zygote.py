@@ -80,6 +80,19 @@ def test_an_import_time_variable_that_differs_gets_a_fresh_process(parent, tmp_p
         assert proc.returncode == 0
 
 
+def test_what_the_imports_set_themselves_is_no_difference():
+    """torch's import sets TORCHINDUCTOR_CACHE_DIR: a launcher that imported torch passes it on, and a
+    zygote started from a launcher that had not must still take its requests."""
+    mine, added = {"HOME": "/h", "PATH": "/bin"}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}
+    assert zygote.refusal(mine, added, {"HOME": "/h", "PATH": "/usr/bin", "SWARM_CACHE": "/c"}) is None
+    assert zygote.refusal(mine, added, {"HOME": "/h", "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}) is None
+    assert "TORCHINDUCTOR_CACHE_DIR" in zygote.refusal(mine, added, {"HOME": "/h", "TORCHINDUCTOR_CACHE_DIR": "/x"})
+    assert "HOME" in zygote.refusal(mine, added, {"HOME": "/other"})
+    assert "HF_HOME" in zygote.refusal(mine, added, {"HOME": "/h", "HF_HOME": "/hf"})
+    # a `swarm` command without -v sets TRANSFORMERS_VERBOSITY=error for its children; main applies it
+    assert zygote.refusal(mine, added, {"HOME": "/h", "TRANSFORMERS_VERBOSITY": "error"}) is None
+
+
 def test_children_go_when_the_process_that_asked_for_them_goes(parent, tmp_path):
     """A launcher killed by SIGKILL leaves no stage behind, whether it attached to a zygote or started one."""
     script = textwrap.dedent(f"""

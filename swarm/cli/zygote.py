@@ -78,7 +78,8 @@ class ZygoteProcess:
 
     Attributes: ``pid``, ``args`` (the argv it stands for), ``stdout``/``stderr`` (text streams when
     piped, else None), ``returncode`` (None while it runs; negative: killed by that signal; -255:
-    the zygote went away before it reported the exit).
+    the zygote went away before it reported the exit). Unlike a ``Popen``, dropping the handle ends
+    the child (its connection to the zygote closes, and the zygote takes that as the launcher gone).
     """
 
     def __init__(self, pid: int, args: list[str], conn: socket.socket, stdout, stderr):

@@ -25,8 +25,9 @@ def _need_shared(path: Path) -> Path:
 
 
 def pytest_configure(config):
-    """Child processes fork from a zygote (below). In a pytest-xdist worker (``make test`` runs three side by side on two cores), torch computes
-    on one thread: three workers each spinning two OpenMP threads made CPU-bound tests 5-10x slower.
+    """Child processes fork from a zygote (below). In a pytest-xdist worker (``make test`` runs three
+    side by side on two cores), torch computes on one thread: three workers each spinning two OpenMP
+    threads made CPU-bound tests 5-10x slower.
     Tests that compare thread counts set them explicitly; stage processes take ``--threads``."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch

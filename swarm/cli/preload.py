@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from swarm.cli.launch import _die_with_parent
 from swarm.cli.zygote import SOCKET_ENV, import_env, refusal
 
 # what the zygote imports before it forks: the heavy part of every swarm command that computes or dials
@@ -137,12 +138,9 @@ def _become(request: dict) -> list[str]:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: go with the zygote
-        if os.getppid() == 1:  # the zygote died before the line above
-            os._exit(1)
+    _die_with_parent()  # go with the zygote, as a plain child goes with its launcher
+    if os.getppid() == 1:  # the zygote died before the line above
+        os._exit(1)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])

@@ -47,12 +47,10 @@ from pathlib import Path
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS",
                    "GOTO", "CUDA", "NVIDIA", "PYTHON", "LD_", "XDG_", "HOME", "TMPDIR", "LIBP2P", "TOKENIZERS",
                    "SAFETENSORS", "TRITON", "NUMPY")
-log = logging.getLogger(__name__)
-ZYGOTE_ENV = "SWARM_ZYGOTE"
-
-
 # ... except those that `swarm.cli.main.main` applies itself when the library is imported already
 APPLIED_BY_MAIN = ("TRANSFORMERS_VERBOSITY",)
+ZYGOTE_ENV = "SWARM_ZYGOTE"
+log = logging.getLogger(__name__)
 
 
 def import_env(env: dict) -> dict:
@@ -87,6 +85,8 @@ class ZygoteProcess:
         self.stdout, self.stderr = stdout, stderr
         self.returncode: int | None = None
         self._lock = threading.Lock()
+        self._readers: list[threading.Thread] | None = None
+        self._output: dict = {}
 
     def _collect(self, timeout: float | None) -> int | None:
         if self.returncode is not None:
@@ -130,20 +130,20 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
-        """Read both pipes to their end and wait (like ``Popen.communicate`` without input)."""
-        out: dict = {}
+        """Read both pipes to their end and wait (like ``Popen.communicate`` without input); after a
+        TimeoutExpired, a second call goes on with the same readers (no output is lost)."""
+        if self._readers is None:
+            def drain(name, stream):
+                self._output[name] = stream.read() if stream is not None else None
 
-        def drain(name, stream):
-            out[name] = stream.read() if stream is not None else None
-
-        readers = [threading.Thread(target=drain, args=(n, s), daemon=True)
-                   for n, s in (("out", self.stdout), ("err", self.stderr))]
-        for t in readers:
-            t.start()
+            self._readers = [threading.Thread(target=drain, args=(n, s), daemon=True)
+                             for n, s in (("out", self.stdout), ("err", self.stderr))]
+            for t in self._readers:
+                t.start()
         self.wait(timeout)
-        for t in readers:
+        for t in self._readers:
             t.join(timeout)
-        return out.get("out"), out.get("err")
+        return self._output.get("out"), self._output.get("err")
 
 
 class Zygote:

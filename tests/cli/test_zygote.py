@@ -70,6 +70,16 @@ def test_a_long_lived_child_is_signalled_killed_and_reaped(parent, tmp_path):
     assert _gone(proc.pid, 5)
 
 
+def test_communicate_after_a_timeout_loses_no_output(parent, tmp_path):
+    env = {**parent.env, "SWARM_CACHE": str(tmp_path)}
+    proc = parent.spawn(["bootstrap", "--key", str(tmp_path / "b.key"), "--listen", "/ip4/127.0.0.1/tcp/0"], env)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)  # it serves until killed: the READY line is read meanwhile
+    proc.kill()
+    out, _ = proc.communicate(timeout=10)
+    assert "SWARM_BOOTSTRAP_READY " in out and proc.returncode == -signal.SIGKILL
+
+
 def test_an_import_time_variable_that_differs_gets_a_fresh_process(parent, tmp_path):
     env = {**parent.env, "HF_HOME": str(tmp_path / "hf")}
     assert parent.spawn(["keygen", "--out", str(tmp_path / "k.key")], env) is None

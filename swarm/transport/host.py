@@ -316,12 +316,26 @@ async def open_host(
                 yield SwarmHost(host, nursery, key_pair, circuits, migrator, bulk=batched)
             finally:
                 nursery.cancel_scope.cancel()
-                # libp2p 0.8.1 leaves its listening sockets open when the host stops: a node
-                # restarted in the same process (or a test) could not listen on its port again
+                # libp2p 0.8.1 leaves its connections and listening sockets open when the host
+                # stops: a peer never saw this host go (a client that connected again with the same
+                # key was refused by the peer's per-peer connection limit after 8 runs in one
+                # process), and a node restarted in the same process could not listen on its port
                 with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    await _close_connections(network)
                     for listener in list(network.listeners.values()):
                         await listener.close()
     log.info("host.stop peer=%s", peer_id_of(key_pair))
+
+
+async def _close_connections(network) -> None:
+    """Close every connection of ``network`` (a libp2p Swarm): Yamux says GO_AWAY, the socket
+    closes, so each peer drops the connection at once instead of holding it until a timeout."""
+    for peer, conns in list(network.connections.items()):
+        for conn in list(conns):
+            try:
+                await conn.close()
+            except Exception as exc:  # noqa: BLE001 - a connection already broken is closed enough
+                log.debug("host.close_conn peer=%s error=%r", peer, exc)
 
 
 def _new_libp2p_host(key_pair: KeyPair, maddrs: list, announce: list, *, dial_retries: int,

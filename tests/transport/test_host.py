@@ -351,3 +351,22 @@ async def _many_inbound() -> None:
             for first, b in enumerate(dialers):
                 nursery.start_soon(dial_in_turn, b, first)
     assert sorted(done) == list(range(INBOUND))
+
+
+@trio_test
+async def test_a_closed_host_leaves_no_connection_behind_at_its_peer() -> None:
+    """A client that runs again with the same key (``swarm coordinate`` with its node key, a test's
+    coordinator) gets a new connection each time: the host it closed must close its connections, or
+    the peer holds them all and refuses the 9th (libp2p 0.8.1's per-peer limit is 8)."""
+    key = create_new_key_pair()
+    async with open_host(create_new_key_pair()) as a:
+        a.set_handler(ECHO, echo)
+        network = a.libp2p_host.get_network()
+        for i in range(10):
+            async with open_host(key) as b:
+                s = await b.open_stream(a.addrs()[0], ECHO, timeout_s=5)
+                await s.send({"i": i})
+                assert (await s.recv(timeout_s=5))["i"] == i
+            with trio.fail_after(5):
+                while network.get_connections(b.libp2p_host.get_id()):
+                    await trio.sleep(0.02)

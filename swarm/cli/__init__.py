@@ -10,6 +10,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``watch``   ``swarm receipts watch``: a live table of jobs as receipts arrive
 - ``output``  what the commands print for a person: streamed text, rates, receipts
 - ``audit``   ``swarm audit run`` (audit jobs' stages, write and publish fraud proofs) and ``swarm audit verify``
+- ``plan``    ``swarm plan``: bytes per layer and per token of KV at each dtype, a split of the layers over cards
 
 Rule: may import anything in swarm; nothing in swarm imports it (``swarm.__main__`` aside).
 Importing this package imports nothing.

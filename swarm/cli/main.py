@@ -74,6 +74,9 @@ def _stage_parser(sub) -> None:
     sw.add_argument("--mem-budget-mb", type=float,
                     help="without --layers: memory for weights + one full-context KV cache (default: half of the "
                          "free memory)")
+    sw.add_argument("--max-memory", metavar="SIZE",
+                    help="--mem-budget-mb as a size: 12GB (10^9 bytes), 12GiB (2^30), 512MB (`swarm plan` shows "
+                         "what a layer costs)")
     sw.add_argument("--announce-interval-s", type=float, default=60.0, help="republish the record this often (60)")
     sw.add_argument("--record-ttl-s", type=float, default=120.0, help="each published record is valid this long (120)")
     sw.add_argument("--rebalance-s", type=float, default=300.0,
@@ -414,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     from swarm.cli.audit import add_parser as _audit_parser
 
     _audit_parser(sub)
+    from swarm.cli.plan import add_parser as _plan_parser
+
+    _plan_parser(sub)
     _verbose_after_subcommands(parser)
     return parser
 
@@ -452,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
-                    "audit": _cmd_audit,
+                    "audit": _cmd_audit, "plan": _cmd_plan,
                     "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
         except BaseExceptionGroup as group:
@@ -491,10 +497,15 @@ def cmd_stage(args) -> int:
 
     layers = LayerRange.parse(args.layers) if args.layers is not None else None
     if layers is None and args.check:
-        from swarm.errors import ConfigError
-
         raise ConfigError("--check needs --layers (the block to check)")
     key = args.key or cache_root() / "keys" / (f"stage-{layers.start}-{layers.end}.key" if layers else "stage-auto.key")
+    mem_budget_mb = args.mem_budget_mb
+    if args.max_memory is not None:
+        from swarm.model.plan import parse_size
+
+        if mem_budget_mb is not None:
+            raise ConfigError("give --max-memory or --mem-budget-mb, not both (they are the same budget)")
+        mem_budget_mb = parse_size(args.max_memory) / 2**20
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          key_fallback=args.key is None and layers is None,
                          dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
@@ -510,7 +521,7 @@ def cmd_stage(args) -> int:
                          bootstrap=tuple(args.bootstrap),
                          announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
                          relays=tuple(args.relay), hole_punch=not args.no_hole_punch,
-                         fit_layers=args.fit_layers, mem_budget_mb=args.mem_budget_mb,
+                         fit_layers=args.fit_layers, mem_budget_mb=mem_budget_mb,
                          announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
                          rebalance_s=args.rebalance_s, fetch_from=tuple(args.fetch_from), model_id=args.model_id)
     from swarm.stage.daemon import run_check, run_stage
@@ -798,6 +809,12 @@ def _cmd_audit(args) -> int:
     from swarm.cli.audit import cmd_audit
 
     return cmd_audit(args)
+
+
+def _cmd_plan(args) -> int:
+    from swarm.cli.plan import cmd_plan
+
+    return cmd_plan(args)
 
 
 def cmd_id(args) -> int:

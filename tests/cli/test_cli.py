@@ -285,7 +285,7 @@ def test_model_import_hub_id_offline_is_clear():
 
 @pytest.mark.slow
 @pytest.mark.process
-@pytest.mark.parametrize("sub", ["stage", "coordinate", "demo", "model", "keygen", "id", "receipts", "audit"])
+@pytest.mark.parametrize("sub", ["stage", "coordinate", "demo", "model", "keygen", "id", "receipts", "audit", "plan"])
 def test_help(sub):
     res = run_swarm(sub, "--help", timeout=60)
     assert res.returncode == 0 and "usage: swarm" in res.stdout

@@ -1,0 +1,162 @@
+"""Weight-only quantized GEMMs held quantized: int8 per output channel, int4 in groups, through torch's own ops.
+
+Owns: :func:`quantize` (a float ``(N, K)`` weight to a :class:`QuantWeight`), :func:`dequantize`
+(the float weight it stands for, for references), :func:`linear_rows` (``x @ W^T + b`` in fixed
+``tile``-row calls, as :func:`swarm.kernels.invariant.linear_rows` does for float weights) and
+:func:`usable` (whether this torch has the ops, and why not).
+
+Schemes (the bytes ``swarm plan`` counts for them):
+
+- ``int8``: symmetric per output row: ``scale = max|w_row| / 127``, ``q = round(w / scale)`` in
+  [-127, 127]; held as int8 ``(N, K)`` plus a bfloat16 scale per row; multiplied by
+  ``torch._weight_int8pack_mm``.
+- ``int4``: asymmetric per group of ``g`` consecutive inputs of a row (``g`` = the largest of 128, 64,
+  32 dividing K): ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], the value
+  ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` (the layout of gpt-fast and torchao's
+  int4 weight-only CPU path); held packed two to a byte (``torch._convert_weight_to_int4pack_for_cpu``)
+  with bfloat16 scales and zeros; multiplied by ``torch._weight_int4pack_mm_for_cpu``.
+
+Activations are bfloat16: measured 2026-12-03 on the 2-core AMD EPYC (torch 2.13, 1 thread, a
+1536 x 576 weight), ``_weight_int8pack_mm`` took 35 us for one bfloat16 row and 794 us for one float32
+row (float32 linear: 75 us; bfloat16 linear: 93 us); ``_weight_int4pack_mm_for_cpu`` 36 us for one
+bfloat16 row, 93 us for five. Both gave a row the same bits alone and among five rows there; a stage
+proves that on its own weights and hardware at start-up (``swarm.kernels.check.check_block``), and
+every call here has one fixed shape per tile regardless.
+
+May import torch; no networking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEMES = ("int8", "int4")
+INT4_GROUPS = (128, 64, 32)
+INT4_INNER_K_TILES = 2
+COMPUTE_DTYPE = torch.bfloat16
+
+
+INT4_ROWS = 16  # torch's int4 CPU packing takes N a multiple of this
+
+
+def int4_group(k: int) -> int | None:
+    """The int4 group size for rows of ``k`` inputs: the largest of ``INT4_GROUPS`` dividing ``k``, or
+    None (the weight stays unquantized)."""
+    return next((g for g in INT4_GROUPS if k % g == 0), None)
+
+
+def takes(scheme: str, n: int, k: int) -> bool:
+    """Whether ``scheme`` holds an ``(n, k)`` weight (int4: ``k`` a multiple of 32, ``n`` of 16);
+    a weight it does not take stays in the compute dtype."""
+    return scheme == "int8" or (int4_group(k) is not None and n % INT4_ROWS == 0)
+
+
+def scheme_bytes(scheme: str, n: int, k: int) -> int | None:
+    """Bytes of an ``(n, k)`` weight held in ``scheme``; None where the scheme does not take it
+    (:func:`takes`)."""
+    if scheme == "int8":
+        return n * k + n * 2
+    if scheme == "int4":
+        return n * k // 2 + (k // int4_group(k)) * n * 2 * 2 if takes(scheme, n, k) else None
+    raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+
+
+@dataclass
+class QuantWeight:
+    """A weight held quantized. ``data``: int8 ``(N, K)`` (int8) or the packed int4 tensor (int4);
+    ``scales``: bfloat16 ``(N,)`` (int8) or ``(K / group, N, 2)`` scales and zeros (int4)."""
+
+    scheme: str
+    n: int
+    k: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    group: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def usable() -> tuple[bool, str]:
+    """Whether this torch has the CPU ops (True, "") or why not (False, reason)."""
+    missing = [op for op in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+               if not hasattr(torch, op)]
+    if missing:
+        return False, f"torch {torch.__version__} has no {', '.join(missing)}"
+    return True, ""
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantWeight | None:
+    """``weight`` (N, K), any float dtype, on the CPU, quantized to ``scheme``; None where the scheme
+    does not take it (:func:`takes`).
+
+    Raises:
+        ValueError: an unknown scheme or a weight that is not 2-D.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+    if weight.dim() != 2:
+        raise ValueError(f"a quantized weight is 2-D (N, K), got {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if scheme == "int8":
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return QuantWeight("int8", n, k, q, scale.to(COMPUTE_DTYPE).contiguous())
+    if not takes(scheme, n, k):
+        return None
+    g = int4_group(k)
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
+    scales = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
+    return QuantWeight("int4", n, k, packed, scales.to(COMPUTE_DTYPE).contiguous(), g)
+
+
+def dequantize(q: QuantWeight) -> torch.Tensor:
+    """The float32 ``(N, K)`` weight ``q`` stands for: what :func:`linear_rows` multiplies by, up to its
+    rounding of products to bfloat16."""
+    if q.scheme == "int8":
+        return q.data.to(torch.float32) * q.scales.to(torch.float32)[:, None]
+    eye = torch.eye(q.k, dtype=COMPUTE_DTYPE)
+    return _mm(eye, q).to(torch.float32).t().contiguous()
+
+
+def _mm(a: torch.Tensor, q: QuantWeight) -> torch.Tensor:
+    if q.scheme == "int8":
+        return torch._weight_int8pack_mm(a, q.data, q.scales)
+    return torch._weight_int4pack_mm_for_cpu(a, q.data, q.group, q.scales)
+
+
+def linear_rows(x: torch.Tensor, q: QuantWeight, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``x @ W^T + bias`` for (M, K) bfloat16 rows as fixed ``(tile, K)`` calls on fresh copies (the last
+    zero-padded), so a row's bits never depend on its neighbours' count or values.
+
+    Args:
+        x: (M, K) rows, bfloat16, on the CPU. q: the quantized (N, K) weight. bias: (N,) or None.
+        tile: rows per call, >= 1.
+    Returns:
+        (M, N) bfloat16, a new tensor.
+    Raises:
+        ValueError: ``x`` is not bfloat16 (2-D) or its width is not ``q.k``.
+    """
+    if x.dim() != 2 or x.shape[1] != q.k or x.dtype != COMPUTE_DTYPE:
+        raise ValueError(f"quantized rows are ({q.k},) {COMPUTE_DTYPE}; got {tuple(x.shape)} {x.dtype}")
+    m = x.shape[0]
+    outs = []
+    for i in range(0, m, tile):
+        part = x[i:i + tile]
+        a = x.new_zeros((tile, q.k))
+        a[:part.shape[0]] = part
+        y = _mm(a, q)[:part.shape[0]]
+        outs.append(y if bias is None else y + bias)
+    if not outs:
+        return x.new_empty((0, q.n))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+

@@ -72,7 +72,7 @@ class StageServer:
                                  dial=lambda addr: self.host.open_stream(addr, PROTOCOL_ID,
                                                                          timeout_s=self.config.hop_timeout_s),
                                  spawn=lambda fn, *args: self.nursery.start_soon(fn, *args))
-        self.audits = Audits(RetentionStore(int(config.audit_retention_mb * 2**20)), block.layer_range,
+        self.audits = Audits(_retention(config), block.layer_range,
                              key=lambda: self.key, peer_id=lambda: self.host.peer_id,
                              busy=lambda: self.scheduler.busy(), error=self._error)  # audit.py: openings
         self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post,
@@ -440,6 +440,20 @@ class StageServer:
         for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
             del self.sessions[sid]
             log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+def _retention(config: StageConfig) -> RetentionStore:
+    """The retention store of ``--audit-retention-mb``, spilling to ``--audit-retention-dir`` (cleaned now).
+
+    Raises:
+        ConfigError: the spill directory cannot be created, cleaned or written.
+    """
+    try:
+        return RetentionStore(int(config.audit_retention_mb * 2**20), config.audit_retention_dir,
+                              int(config.audit_retention_disk_mb * 2**20))
+    except OSError as exc:
+        raise ConfigError(f"--audit-retention-dir {config.audit_retention_dir}: cannot keep spilled rows there: "
+                          f"{exc}") from None
 
 
 def _prefix_reuse(server: StageServer):

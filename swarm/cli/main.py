@@ -95,8 +95,8 @@ def _stage_parser(sub) -> None:
     lim.add_argument("--audit-retention-dir", type=Path, metavar="DIR",
                      help="spill jobs evicted from --audit-retention-mb to files in DIR (written to a temporary "
                           "file, then renamed), read back when an audit opens one, oldest deleted first past "
-                          "--audit-retention-disk-mb; spill files already in DIR are deleted at start-up "
-                          "(default: no spill, evicted jobs are forgotten)")
+                          "--audit-retention-disk-mb; spill files already in DIR are deleted at start-up, so give "
+                          "each stage its own DIR (default: no spill, evicted jobs are forgotten)")
     lim.add_argument("--audit-retention-disk-mb", type=float, default=1024.0,
                      help="MiB of spill files --audit-retention-dir may hold (default 1024)")
     aud = p.add_argument_group("auditor role (re-run other stages' work on offered jobs in idle time)")

@@ -112,6 +112,11 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
                     got["not_role"] = await _ask(other, spec.stages[0].addr, wire.frame("audit_offer", job=job))
                     got["still_up"] = (await _ask(other, aud_addr, wire.frame("info")))["type"]
                 got["proofs"] = list(role.proofs)
+                from prometheus_client import generate_latest
+
+                from swarm.stage.metrics import StageMetrics
+
+                got["metrics"] = generate_latest(StageMetrics(auditor).registry).decode()
                 nursery.cancel_scope.cancel()
 
     try:
@@ -137,6 +142,9 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
     assert got["junk"]["code"] == "bad_request" and "does not verify" in got["junk"]["reason"]
     assert got["not_role"]["code"] == "unavailable" and "--audit-rate 0" in got["not_role"]["reason"]
     assert got["still_up"] == "info_ok"
+    for line in ("swarm_stage_auditor_audited_total 3.0", "swarm_stage_auditor_failed_total 1.0",
+                 "swarm_stage_auditor_passed_total 2.0", "swarm_stage_auditor_waiting 0.0"):
+        assert line in got["metrics"], got["metrics"]
 
 
 def _role(**kw) -> AuditorRole:

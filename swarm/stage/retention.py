@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,10 +247,3 @@ def read_spilled(path: Path, session: str, job_id: str) -> Retained:
                                f"({str(signed)[:16]}...): the file was altered")
     return Retained(doc["receipt"], commitment)
 
-
-def spill_usable(directory: Path) -> None:
-    """Raise OSError now when ``directory`` cannot hold spill files (created if missing)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".probe-{os.getpid()}.ret.part"
-    probe.write_bytes(b"")
-    probe.unlink()

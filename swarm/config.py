@@ -55,6 +55,13 @@ class StageConfig:
     prefix_block: int = 32  # positions per prefix block (reuse is in whole blocks)
     # recent jobs' input and output rows kept for audits (swarm.audit), oldest evicted first; 0: none
     audit_retention_mb: float = 256.0
+    # ... and evicted from memory to this directory (bounded by audit_retention_disk_mb); None: no spill
+    audit_retention_dir: Path | None = None
+    audit_retention_disk_mb: float = 1024.0
+    # the auditor role (swarm.stage.auditing): audit offered jobs' stages at this rate while idle; 0: off
+    audit_rate: float = 0.0
+    audit_tally: Path | None = None  # add the role's audited / passed / failed to this JSON file
+    audit_queue: int = 64  # offered jobs waiting for idle time; past it the oldest is dropped
     session_ttl_s: float = 600.0  # an idle session is dropped after this long
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus /metrics endpoint; None: none
     drain_timeout_s: float = 30.0  # on SIGTERM / drain: how long running sessions may finish
@@ -141,6 +148,19 @@ class StageConfig:
         if not 0 <= self.audit_retention_mb < 2**40:  # also refuses NaN and inf
             raise ConfigError(f"--audit-retention-mb must be a finite number of MiB >= 0, got "
                               f"{self.audit_retention_mb}")
+        if not 0 <= self.audit_retention_disk_mb < 2**40:
+            raise ConfigError(f"--audit-retention-disk-mb must be a finite number of MiB >= 0, got "
+                              f"{self.audit_retention_disk_mb}")
+        if self.audit_retention_dir is not None and self.audit_retention_mb <= 0:
+            raise ConfigError("--audit-retention-dir needs --audit-retention-mb > 0 (jobs reach the disk when "
+                              "evicted from memory)")
+        if not 0 <= self.audit_rate <= 1:  # also refuses NaN
+            raise ConfigError(f"--audit-rate must be in [0, 1], got {self.audit_rate}")
+        if isinstance(self.audit_queue, bool) or not isinstance(self.audit_queue, int) or \
+                not 1 <= self.audit_queue <= 4096:
+            raise ConfigError(f"--audit-queue must be an integer in [1, 4096], got {self.audit_queue!r}")
+        if self.audit_tally is not None and self.audit_rate <= 0:
+            raise ConfigError("--audit-tally needs --audit-rate > 0 (the auditor role writes it)")
         for flag, value, low in (("--max-batch-rows", self.max_batch_rows, 1), ("--batch-tile", self.batch_tile, 1),
                                  ("--prefill-slice", self.prefill_slice, 1),
                                  ("--prefill-slice-shared", self.prefill_slice_shared, 1)):

@@ -81,6 +81,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     # of `session` (swarm.audit); the answer's opening holds the window's rows, Merkle path, signature
     "audit": {"session": _STR, "job": _STR, "window": _INT},
     "audit_ok": {"session": _STR, "job": _STR, "window": _INT, "opening": _DICT},
+    # a coordinator -> a stage in the auditor role (--audit-rate > 0; fire-and-forget, low priority): the
+    # signed job receipt `job` of a job it coordinated, for the stage to audit in idle time (swarm.stage.auditing);
+    # the answer says whether it was queued and how many offers wait there
+    "audit_offer": {"job": _DICT},
+    "audit_offer_ok": {"job": _STR, "queued": _INT, "waiting": _INT},
     "drain": {},  # from an --admin peer: drain and exit
     "drain_ok": {"sessions": _INT},
 }
@@ -155,7 +160,8 @@ def error_frame(reason: str, code: str = "bad_request", session: str | None = No
     forbidden (the sender is not the peer this session or stage accepts that frame from), busy (the
     KV budget is full), no_state (a ``repair`` asks for state the stage does not hold: the session's
     KV or the hidden states it sent), no_job (an ``audit`` names a job the stage does not hold: never
-    seen, or evicted from its retention), rate_limited (too many ``audit`` requests from that PeerId)."""
+    seen, or evicted from its retention), rate_limited (too many ``audit`` or ``audit_offer`` requests from
+    that PeerId)."""
     out = frame("error", reason=reason, code=code)
     if session is not None:
         out["session"] = session

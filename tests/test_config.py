@@ -58,3 +58,33 @@ def test_stage_audit_retention_is_checked_and_stated_in_help():
     assert "--audit-retention-mb" in text and "default 256" in text
     args = build_parser().parse_args(["stage", "--model", "m", "--audit-retention-mb", "64"])
     assert args.audit_retention_mb == 64.0
+
+
+def test_stage_auditor_role_and_retention_spill_are_checked_and_stated_in_help(tmp_path):
+    import argparse
+
+    from swarm.cli.main import build_parser
+    from swarm.config import StageConfig
+    from swarm.ranges import LayerRange
+
+    def stage(**kw):
+        return StageConfig(model="m", layers=LayerRange(0, 1), **kw)
+
+    assert stage().audit_rate == 0 and stage().audit_retention_dir is None
+    assert stage(audit_rate=0.5, audit_tally=tmp_path / "t.json").audit_rate == 0.5
+    for kw, msg in (({"audit_rate": 1.5}, "--audit-rate must be in"), ({"audit_rate": float("nan")}, "--audit-rate"),
+                    ({"audit_tally": tmp_path / "t.json"}, "--audit-tally needs --audit-rate"),
+                    ({"audit_rate": 0.1, "audit_queue": 0}, "--audit-queue must be"),
+                    ({"audit_retention_disk_mb": -1.0}, "--audit-retention-disk-mb must be"),
+                    ({"audit_retention_dir": tmp_path, "audit_retention_mb": 0}, "--audit-retention-dir needs")):
+        with pytest.raises(ConfigError, match=msg):
+            stage(**kw)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["stage"].format_help().split())
+    for flag in ("--audit-rate S", "--audit-tally FILE", "--audit-queue", "--audit-retention-dir DIR",
+                 "--audit-retention-disk-mb"):
+        assert flag in text
+    assert "default 0: off" in text and "deleted at start-up" in text and "default 1024" in text
+    args = build_parser().parse_args(["stage", "--model", "m", "--audit-rate", "0.2", "--audit-retention-dir",
+                                      str(tmp_path), "--audit-retention-disk-mb", "8"])
+    assert (args.audit_rate, args.audit_retention_dir, args.audit_retention_disk_mb) == (0.2, tmp_path, 8.0)

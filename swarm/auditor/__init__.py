@@ -10,7 +10,8 @@ Modules: ``judge`` (with torch, no networking: blocks by range, a stage's opened
 proof re-checked), ``run`` (the networked auditor: fetch, judge, tally, publish), ``exclusions``
 (who routing, heals and placement shut out: identities with a proof this process re-ran), ``tally``
 (the tally file: audited / passed / failed per stage, written by ``swarm audit run``, read by
-``swarm peers`` and ``swarm serve``).
+``swarm peers`` and ``swarm serve``), ``offers`` (a coordinator offering its signed job receipt to
+auditor-role stages: ``swarm stage --audit-rate``, whose side is ``swarm.stage.auditing``).
 
 May import: the shared core, the transport, kernels, discovery, weights, model (never stage,
 coordinator or serve). Imported by stage, coordinator, serve and cli.

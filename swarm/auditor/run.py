@@ -40,16 +40,23 @@ class Auditor:
             audited at 100%.
         all_windows: open every window (else the picked window and those before it, which its KV needs).
         timeout_s: per request; publish: ``await publish(proof)`` for each fraud proof.
+        covers: ``covers(stage receipt)`` whether this auditor audits that stage (a stage's auditor role:
+            the stages whose layers lie within its own); None: every stage. Others are ``skipped`` and not
+            counted as seen.
+        wait_idle: awaited before each stage's audit, each window request and each re-run (a stage's
+            auditor role pauses there while it has live sessions of its own); None: never waits.
     """
 
     def __init__(self, host, key, blocks: Blocks, *, rate: float = fraud.DEFAULT_RATE,
                  first_sessions: int = fraud.FIRST_SESSIONS, all_windows: bool = False, timeout_s: float = 30.0,
-                 publish: Callable[[dict], Awaitable[None]] | None = None) -> None:
+                 publish: Callable[[dict], Awaitable[None]] | None = None,
+                 covers: Callable[[dict], bool] | None = None,
+                 wait_idle: Callable[[], Awaitable[None]] | None = None) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the audit rate must be in [0, 1], got {rate}")
         self.host, self.key, self.blocks = host, key, blocks
         self.rate, self.first_sessions, self.all_windows, self.timeout_s = rate, first_sessions, all_windows, timeout_s
-        self.publish = publish
+        self.publish, self.covers, self._wait_idle = publish, covers, wait_idle
         self.seen: dict[str, int] = {}  # sessions of each PeerId this auditor has seen (audited or not)
         self.tally: dict[str, dict] = {}  # PeerId -> {"audited", "passed", "failed"}
         self.proofs: list[dict] = []
@@ -70,6 +77,10 @@ class Auditor:
         stage_receipts, ring = job["stage_receipts"], job["ring"]
         for i, r in enumerate(stage_receipts):
             peer = r["peer_id"]
+            if self.covers is not None and not self.covers(r):
+                out.append(Verdict(peer, tuple(r["layers"]), r["job_id"], "skipped",
+                                   "not within this auditor's layers"))
+                continue
             leaves = (r.get("windows") or {}).get("leaves")
             choice = fraud.pick(job["sig"], peer, leaves, rate=self.rate, seen=self.seen.get(peer, 0),
                                 first_sessions=self.first_sessions)
@@ -80,6 +91,7 @@ class Auditor:
                 continue
             last = leaves - 1 if self.all_windows and leaves else choice.window
             pred = (stage_receipts[i - 1], ring[i - 1]["addr"]) if i > 0 else None
+            await self.wait_idle()
             verdict = await self.audit_stage(r, ring[i]["addr"], last, pred, sampled=_sampled(job))
             self._count(verdict)
             if verdict.proof is not None and self.publish is not None:
@@ -113,6 +125,7 @@ class Auditor:
             return Verdict(*base, "not comparable", f"not comparable: this auditor cannot load the range ({exc})")
         from swarm.transport.identity import sign
 
+        await self.wait_idle()
         return await trio.to_thread.run_sync(
             lambda: judge(block, receipt, openings, raw, pred_part, sampled=sampled, auditor=self.host.peer_id,
                           sign=lambda data: sign(self.key, data), now_ms=receipts.now_ms()),
@@ -128,6 +141,7 @@ class Auditor:
             waits = 0
             while len(got) <= last:
                 k = len(got)
+                await self.wait_idle()
                 await stream.send(wire.frame("audit", session=receipt["session"], job=receipt["job_id"], window=k),
                                   timeout_s=self.timeout_s)
                 answer = await stream.recv(timeout_s=self.timeout_s)
@@ -146,6 +160,11 @@ class Auditor:
             return got
         finally:
             await stream.aclose()
+
+    async def wait_idle(self) -> None:
+        """Return when the auditor may go on (at once without ``wait_idle``)."""
+        if self._wait_idle is not None:
+            await self._wait_idle()
 
     def _count(self, v: Verdict) -> None:
         if v.outcome not in ("passed", "failed", "refused"):

@@ -95,6 +95,26 @@ def _stage_parser(sub) -> None:
                      help="MiB of recent jobs' input and output rows kept in memory, so an auditor can open any "
                           "window of a signed receipt (an 'audit' request); the oldest jobs are evicted first and "
                           "an audit of an evicted job is refused (default 256; 0: keep none)")
+    lim.add_argument("--audit-retention-dir", type=Path, metavar="DIR",
+                     help="spill jobs evicted from --audit-retention-mb to files in DIR (written to a temporary "
+                          "file, then renamed), read back when an audit opens one, oldest deleted first past "
+                          "--audit-retention-disk-mb; spill files already in DIR are deleted at start-up, so give "
+                          "each stage its own DIR (default: no spill, evicted jobs are forgotten)")
+    lim.add_argument("--audit-retention-disk-mb", type=float, default=1024.0,
+                     help="MiB of spill files --audit-retention-dir may hold (default 1024)")
+    aud = p.add_argument_group("auditor role (re-run other stages' work on offered jobs in idle time)")
+    aud.add_argument("--audit-rate", type=float, default=0.0, metavar="S",
+                     help="take the auditor role: accept job receipts coordinators offer (audit_offer), and while "
+                          "this stage has no live session, audit the offered jobs' stages whose layers lie within "
+                          "its own, at rate S (picked by a hash of the signed job receipt; every session of an "
+                          "identity's first 20); announced in its info and DHT record. With --bootstrap, fraud "
+                          "proofs go on the DHT (default 0: off, offers are refused)")
+    aud.add_argument("--audit-tally", type=Path, metavar="FILE",
+                     help="with --audit-rate: add the role's audited / passed / failed per stage to this JSON file "
+                          "after each job (the format of `swarm audit run --tally`)")
+    aud.add_argument("--audit-queue", type=int, default=64,
+                     help="with --audit-rate: offered jobs waiting for idle time; past it the oldest is dropped "
+                          "and counted (default 64)")
     lim.add_argument("--prefix-cache-mb", type=float, default=512.0,
                      help="MiB of finished sessions' KV kept as reusable prefix blocks, so a prompt that starts "
                           "like an earlier one of the same coordinator (a chat's next turn, a shared system prompt) "
@@ -513,6 +533,9 @@ def cmd_stage(args) -> int:
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
                          audit_retention_mb=args.audit_retention_mb, metrics_listen=args.metrics_listen,
+                         audit_retention_dir=args.audit_retention_dir,
+                         audit_retention_disk_mb=args.audit_retention_disk_mb, audit_rate=args.audit_rate,
+                         audit_tally=args.audit_tally, audit_queue=args.audit_queue,
                          session_ttl_s=args.session_ttl_s,
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,

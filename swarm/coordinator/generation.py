@@ -119,9 +119,15 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         if on_text:
             on_text(stream.update(out, final=True))
         infos = ring.infos  # after any heal: the ring that finished the job
+        ring_entries = [i.entry() for i in infos]
+        parts = timing.pop("receipt_parts", None)
+        receipt = None
+        if job is not None:  # signed, then offered to auditor-role stages while the host is still up
+            receipt = write_job_receipt(config.receipt_dir, key, job, parts, model=resolved.name,
+                                        model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
+                                        output_ids=out, ring=ring_entries, record=timing)
+            await offer_for_audit(host, receipt, ring.discovery, config.ring.spares)
         nursery.cancel_scope.cancel()
-    ring_entries = [i.entry() for i in infos]
-    parts = timing.pop("receipt_parts", None)
     result = {
         "text": tokenizer.decode(out, skip_special_tokens=True),
         "prompt_ids": prompt_ids,
@@ -136,11 +142,34 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
     if conversation is not None:
         conversation.record(prompt, prompt_ids, out, result["text"])
         result["session_file"] = str(conversation.path)
-    if job is not None:
-        result["receipt"] = write_job_receipt(config.receipt_dir, key, job, parts, model=resolved.name,
-                                              model_digest=digest, num_layers=num_layers, prompt_ids=prompt_ids,
-                                              output_ids=out, ring=ring_entries, record=timing)
+    if receipt is not None:
+        result["receipt"] = receipt
     return result
+
+
+async def offer_for_audit(host, receipt: dict, discovery, spares=()) -> dict:
+    """Offer a verified job receipt (``write_job_receipt``'s result) to the auditor-role stages this
+    coordinator knows: the DHT records it routed with (``discovery``: (dht, model id, records) or None) and
+    the ring file's ``spares`` (``swarm.auditor.offers``; bounded in time, never raises).
+
+    Returns:
+        ``{addr: outcome}`` (empty when there is nobody to offer it to, or the receipt did not verify).
+    """
+    import json
+    from pathlib import Path
+
+    from swarm.auditor.offers import auditor_targets, offer_job
+
+    if not receipt.get("verified"):
+        return {}
+    try:
+        doc = json.loads(Path(receipt["path"]).read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("audit.offer_skipped path=%s error=%s", receipt["path"], exc)
+        return {}
+    records = [r for r in discovery[2] if r.model_id == discovery[1]] if discovery else []
+    targets = auditor_targets(doc, records, spares)
+    return await offer_job(host, doc, targets) if targets else {}
 
 
 def _prompt_ids(config: CoordinatorConfig, model_name: str, digest: str, tokenizer,

@@ -78,6 +78,8 @@ class StageRecord:
         repro: its reproducibility class for its whole block (``swarm.repro``: ``{"id", "facts"}``,
             the id checked against the facts by every reader), so an auditor finds the stages whose
             bits it may compare; empty in records of stages that predate it.
+        audit_rate: the rate of its auditor role (``swarm stage --audit-rate``: it accepts ``audit_offer``
+            frames and audits the offered jobs' stages within its layers while idle); 0: no auditor role.
     """
 
     peer_id: str
@@ -100,6 +102,7 @@ class StageRecord:
     seq: int = 0
     expires_at: float = 0.0
     repro: dict = field(default_factory=dict)  # {"id", "facts"}: its reproducibility class; {}: not stated
+    audit_rate: float = 0.0  # its auditor role's rate; 0: none (records before the role lack it)
 
     def to_body(self) -> bytes:
         """Canonical msgpack bytes of the record (the signed part)."""
@@ -224,6 +227,8 @@ def _check_types(r: StageRecord) -> None:
             raise bad("strings")
     if not r.addrs and not r.relay_addrs:
         raise bad("addrs (none)")
+    if not isinstance(r.audit_rate, (int, float)) or isinstance(r.audit_rate, bool) or not 0 <= r.audit_rate <= 1:
+        raise bad("audit_rate")
     for x in (r.throughput_tps, r.expires_at):
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
             raise bad("numbers")

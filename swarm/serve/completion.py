@@ -129,6 +129,12 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
                                    gaps=gaps)
     if job is not None and parts is not None:
         record["receipt"] = await _save_receipt(state, job, parts, req.prompt_ids, out, ring_entries, record)
+        if record["receipt"] is not None and state.host is not None and state.nursery is not None:
+            from swarm.coordinator.generation import offer_for_audit
+
+            # fire-and-forget, in the server's nursery: the answer never waits for auditors
+            state.nursery.start_soon(offer_for_audit, state.host, record["receipt"], state.discovery,
+                                     state.ring.spares)
     tail = detok.update(out, final=True)
     if tail and on_text:
         on_text(tail)

@@ -29,7 +29,9 @@ Layout (each module's docstring says what it owns and may import):
 - ``signing``    ``ReceiptSigner``: the stage receipt, signing the session's rolling digests, its
                  reproducibility class and the Merkle root over its windows of rows
 - ``audit``      ``Audits``: recent jobs' rows handed to retention, ``audit`` requests answered (rate-limited)
-- ``retention``  ``RetentionStore``: signed receipts and window commitments of recent jobs, bounded in bytes
+- ``retention``  ``RetentionStore``: signed receipts and window commitments of recent jobs, bounded in bytes,
+                 spilled to ``--audit-retention-dir`` when evicted from memory
+- ``auditing``   ``AuditorRole`` (``--audit-rate``): offered job receipts queued, audited in idle time
 - ``repair``     ``Repairs``: a heal's ``repair``, re-pointing a surviving session or promoting a shadow
 - ``prefix``     the prefix store: KV blocks of prompts kept for the next session
 - ``reuse``      ``PrefixReuse``: the store's budget, reuse at open and keeping at close
@@ -40,6 +42,6 @@ Layout (each module's docstring says what it owns and may import):
 - ``daemon``     the process: ``serve``, ``run_stage``, ``run_check``, lifecycle lines, SIGTERM drain
 
 Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
-``model``; never ``coordinator`` (its peer), ``serve`` or ``cli``. Only ``cli`` imports it. Importing this package imports nothing (so the weights fetch path
+``model``, ``auditor``; never ``coordinator`` (its peer), ``serve`` or ``cli``. Only ``cli`` imports it. Importing this package imports nothing (so the weights fetch path
 through ``acquire`` stays free of torch).
 """

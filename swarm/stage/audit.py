@@ -22,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from swarm import audit, wire
-from swarm.stage.retention import RetentionStore
+from swarm.stage.retention import RetentionCorrupt, RetentionStore
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,16 @@ class Audits:
             await stream.send(self._error(f"stage {self.layer_range}: too many audit requests from {peer} "
                                           f"(at most {self.limit.rate_per_s:g}/s); retry later", "rate_limited", sid))
             return
-        entry = self.store.get(sid, job)
+        try:
+            entry = self.store.get(sid, job)  # a spilled job is read back from --audit-retention-dir
+        except RetentionCorrupt as exc:
+            log.warning("audit.retention_corrupt peer=%s session=%s job=%s reason=%s", peer, sid, job, exc)
+            await stream.send(self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} cannot be "
+                                          f"opened: {exc}", "no_job", sid))
+            return
         if entry is None:
-            why = ("was evicted from this stage's retention (--audit-retention-mb)" if self.store.evicted(sid, job)
-                   else "is not known to this stage")
+            why = ("was evicted from this stage's retention (--audit-retention-mb, --audit-retention-disk-mb)"
+                   if self.store.evicted(sid, job) else "is not known to this stage")
             await stream.send(self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} {why}",
                                           "no_job", sid))
             return

@@ -56,6 +56,8 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         serve_weights(host, b.model_dir, server.model_name, cache_root() / "manifests")  # /swarm/weights/1.0.0
         nursery.start_soon(server.expire_idle)
         nursery.start_soon(server.scheduler.run)
+        if server.auditing.on:
+            nursery.start_soon(_run_auditor, server, host)
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                  "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx}
         if relays:
@@ -74,6 +76,23 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
             if httpd is not None:
                 httpd.shutdown()
                 httpd.server_close()
+
+
+async def _run_auditor(server: StageServer, host) -> None:
+    """The auditor role's task (``--audit-rate``): re-runs from the stage's own model directory, and with
+    ``--bootstrap`` publishes each fraud proof on the DHT the stage announces on."""
+    from swarm import fraud
+    from swarm.auditor.judge import Blocks
+
+    async def publish(proof: dict) -> None:
+        if server.announcer is None:
+            return
+        stored = await server.announcer.dht.publish_proof(fraud.encode(proof), proof["accused"])
+        log.warning("audit.proof_published accused=%s nodes=%d", proof["accused"], stored)
+
+    b = server.block
+    await server.auditing.run(host, server.key, Blocks(b.model_dir, b.device.type), host.peer_id, publish=publish,
+                              timeout_s=server.config.hop_timeout_s)
 
 
 def _serve_metrics(server: StageServer, listen: str):

@@ -107,6 +107,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
         "state": "draining" if server.draining or server.drain_requested.is_set() else "online",
         "version": __version__, "throughput_tps": round(float(throughput_tps), 3),
         "repro": server.signer.repro_class().as_dict(),  # what an auditor compares bits within
+        "audit_rate": float(config.audit_rate),  # its auditor role: coordinators offer it their job receipts
     }
 
 

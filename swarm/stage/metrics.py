@@ -87,6 +87,22 @@ class _StageCollector:
         yield refused
         yield _counter("swarm_stage_repairs", "Heal repairs applied to surviving sessions", s.repairs.applied)
         yield _counter("swarm_stage_receipts_signed", "Stage receipts signed", s.signer.signed)
+        store = s.audits.store
+        yield _gauge("swarm_stage_audit_retained_bytes", "Recent jobs' rows kept for audits in memory", store.nbytes)
+        yield _gauge("swarm_stage_audit_spilled_bytes", "... and in --audit-retention-dir", store.disk_bytes)
+        role = s.auditing
+        if role.on:  # the auditor role (--audit-rate): its tally over the stages it audited
+            st = role.stats()
+            for name, what in (("audited", "Stages of offered jobs this stage audited"),
+                               ("passed", "... that reproduced bit for bit"),
+                               ("failed", "... that did not, or refused to open their windows")):
+                yield _counter(f"swarm_stage_auditor_{name}", what, st[name])
+            yield _counter("swarm_stage_auditor_offers", "Job offers queued", st["offers"])
+            yield _counter("swarm_stage_auditor_offers_dropped", "Queued offers dropped for room (--audit-queue)",
+                           st["dropped"])
+            yield _gauge("swarm_stage_auditor_waiting", "Offered jobs waiting for idle time", st["waiting"])
+            yield _gauge("swarm_stage_auditor_paused", "1 while the auditor waits for live sessions to end",
+                         int(st["paused"]))
         prefix = s.prefix_stats()
         if prefix is not None:
             yield _gauge("swarm_stage_prefix_cache_blocks", "Prefix-cache blocks held", prefix["blocks"])

@@ -3,7 +3,7 @@
 Owns: ``StageServer``: its ``info``, the task per inbound stream (frames read in order, each
 validated, an invalid one answered with an error naming the problem), the dispatch of ``info``,
 ``drain``, ``open``, ``forward``, ``refill``, ``repair``, ``receipt``, ``cancel``, ``progress``,
-``close`` and ``audit`` frames, and
+``close``, ``audit`` and ``audit_offer`` frames, and
 the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
 ``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
 ``--session-ttl-s``; the drain; ``open`` with ``mirror`` starts that mirror,
@@ -15,7 +15,8 @@ The server wires together objects of this package, one concern each, each given 
 successor streams, mirrors), ``signing.ReceiptSigner`` (the stage receipt), ``admission`` (the open
 frame's checks and the KV budget, with ``Reservations``), ``repair.Repairs`` (a heal's ``repair``)
 ``reuse.PrefixReuse`` (the prefix cache) and ``audit.Audits`` (recent jobs' rows kept in a
-``retention.RetentionStore``, ``audit`` requests answered); ``session`` holds the per-session state, ``daemon``
+``retention.RetentionStore``, ``audit`` requests answered), ``auditing.AuditorRole`` (``--audit-rate``:
+offered jobs audited in idle time); ``session`` holds the per-session state, ``daemon``
 the process around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``,
 ``swarm.config``, ``swarm.errors``, ``swarm.mirror``, ``swarm.audit``, the modules of this package.
 """
@@ -35,6 +36,7 @@ from swarm.ranges import LayerRange
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
 from swarm.stage.outbox import Outboxes, try_send
 from swarm.stage.audit import Audits
+from swarm.stage.auditing import AuditorRole
 from swarm.stage.repair import Repairs
 from swarm.stage.retention import RetentionStore
 from swarm.stage.scheduler import TIMING_FIELDS, Scheduler, chunk_input
@@ -72,9 +74,13 @@ class StageServer:
                                  dial=lambda addr: self.host.open_stream(addr, PROTOCOL_ID,
                                                                          timeout_s=self.config.hop_timeout_s),
                                  spawn=lambda fn, *args: self.nursery.start_soon(fn, *args))
-        self.audits = Audits(RetentionStore(int(config.audit_retention_mb * 2**20)), block.layer_range,
+        self.audits = Audits(_retention(config), block.layer_range,
                              key=lambda: self.key, peer_id=lambda: self.host.peer_id,
                              busy=lambda: self.scheduler.busy(), error=self._error)  # audit.py: openings
+        self.auditing = AuditorRole(config.audit_rate, block.layer_range, model_digest,  # auditing.py: offers
+                                    live=lambda: len(self.sessions), error=self._error,
+                                    allowed=config.allow_coordinators, queue_len=config.audit_queue,
+                                    tally_path=config.audit_tally)
         self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post,
                                     tile_of=lambda s: self.scheduler.tile_of(s), retain=self.audits.retain)
         self.scheduler = Scheduler(config, block, self.sessions, self.timing, fail=self._fail_later,
@@ -133,6 +139,9 @@ class StageServer:
                       "prefill_slice_shared": self.config.prefill_slice_shared, **self.stats},
             kernels=self.kernels, repro=self.signer.repro_class().as_dict(),
             prefix_cache=self.prefix_stats(),
+            auditor=self.auditing.stats() if self.auditing.on else None,
+            retention={"jobs": len(self.audits.store), "bytes": self.audits.store.nbytes,
+                       "spilled_bytes": self.audits.store.disk_bytes, "evictions": self.audits.store.evictions},
             hops=[s.hop_state() for s in list(self.outboxes.successors.values()) if not s.closed],
             timing=dict(self.timing),
         )
@@ -210,6 +219,8 @@ class StageServer:
             await self._receipt(stream, msg)
         elif kind == "audit":  # anyone may ask (rate-limited); answered on its own stream, off the hot path
             await self.audits.answer(stream, msg)
+        elif kind == "audit_offer":  # the auditor role: a coordinator's job receipt, queued for idle time
+            await self.auditing.offer(stream, msg, self.host.peer_id)
         elif kind in ("cancel", "progress", "close"):
             sess = self.sessions.get(msg["session"])
             if sess is not None and stream.remote_peer_id != sess.coordinator:
@@ -440,6 +451,20 @@ class StageServer:
         for sid in [sid for sid, s in self.sessions.items() if s.reply is stream]:
             del self.sessions[sid]
             log.info("session.dropped session=%s reason=coordinator-stream-closed", sid)
+
+
+def _retention(config: StageConfig) -> RetentionStore:
+    """The retention store of ``--audit-retention-mb``, spilling to ``--audit-retention-dir`` (cleaned now).
+
+    Raises:
+        ConfigError: the spill directory cannot be created, cleaned or written.
+    """
+    try:
+        return RetentionStore(int(config.audit_retention_mb * 2**20), config.audit_retention_dir,
+                              int(config.audit_retention_disk_mb * 2**20))
+    except OSError as exc:
+        raise ConfigError(f"--audit-retention-dir {config.audit_retention_dir}: cannot keep spilled rows there: "
+                          f"{exc}") from None
 
 
 def _prefix_reuse(server: StageServer):

@@ -167,6 +167,40 @@ def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):
     assert got["again"] == reference_greedy(model_dir, PROMPT, NEW, "float64")
 
 
+def test_a_job_evicted_to_the_retention_dir_still_opens_and_the_dir_is_cleaned_at_start(model_dir, tmp_path):
+    """--audit-retention-dir: the older job leaves memory for a file, an audit of it is answered from the
+    file (the same signed rows), and a stage started on the directory again deletes the file."""
+    spill = tmp_path / "spill"
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model_dir, [(0, 1), (1, 4)], tmp_path,
+                                                 audit_retention_dir=spill, audit_retention_disk_mb=64)
+                _, first = await _job(spec, model_dir, tmp_path, "job-s")
+                store = servers[1].audits.store
+                store.max_bytes = store.nbytes + 1  # room for one job of this size in memory
+                _, second = await _job(spec, model_dir, tmp_path, "job-t")
+                got["files"] = sorted(p.name for p in spill.iterdir())
+                got["in_memory"], got["spilled"] = len(store._jobs), store.spilled
+                async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
+                    got["opened"] = [await audit.open_window(host, spec.stages[1].addr, first[1], k, timeout_s=10)
+                                     for k in (0, 1)]
+                got["reloaded"] = store.reloaded
+                nursery.cancel_scope.cancel()
+
+    _run(main)
+    assert got["in_memory"] == 1 and got["spilled"] >= 1 and len(got["files"]) >= 1
+    assert all(name.endswith(".ret") for name in got["files"])
+    assert [o.job_id for o in got["opened"]] == ["job-s"] * 2 and got["opened"][1].window == 1
+    assert got["reloaded"] == 1  # read once, both windows answered from it
+    from swarm.stage.retention import RetentionStore
+
+    RetentionStore(1 << 20, spill, 1 << 20)  # a stage starting on the directory
+    assert not any(p.name.endswith(".ret") for p in spill.iterdir())
+
+
 def test_a_job_larger_than_the_retention_commits_to_no_windows(model_dir, tmp_path):
     """A job whose rows outgrow --audit-retention-mb is signed without a window root (an audit of it
     cannot be answered, and says the job is unknown), with its class, and generation is untouched."""

@@ -145,10 +145,11 @@ async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str
 
 
 async def start_announced(nursery, model_dir: Path, layers: tuple[int, int], key_path: Path, bootstrap: str,
-                          model_id: str, throughput_tps: float, dtype: str = "float32"):
+                          model_id: str, throughput_tps: float, dtype: str = "float32", **config_kw):
     """One in-process stage that announces its signed record on the swarm's DHT (joined through
     ``bootstrap``, in client mode), claiming ``throughput_tps`` (routing prefers the higher), in its
-    own cancel scope (cancelled = the stage is gone, its record left to expire).
+    own cancel scope (cancelled = the stage is gone, its record left to expire). ``config_kw``: more
+    StageConfig fields (e.g. ``audit_rate``).
 
     Returns:
         (READY's payload, the StageServer, its cancel scope).
@@ -158,7 +159,7 @@ async def start_announced(nursery, model_dir: Path, layers: tuple[int, int], key
     from swarm.stage.membership import announce
 
     r = LayerRange(*layers)
-    config = StageConfig(model=str(model_dir), layers=r, bootstrap=(bootstrap,), dht_client=True)
+    config = StageConfig(model=str(model_dir), layers=r, bootstrap=(bootstrap,), dht_client=True, **config_kw)
     block = load_block(model_dir, r, dtype=dtype, device="cpu")
     server = StageServer(config, block, Path(model_dir).name, model_manifest_digest(model_dir))
     server.model_id = model_id

@@ -7,6 +7,8 @@
   attention for ``LayerBlock``), fixed-width tiles for the norms and activations fma.c lacks, the
   rotary table, and the SDPA backends a CUDA stage allows.
 - ``check``: ``check_block``, the start-up proof of that property on a stage's own block.
+- ``quant``: weight-only int8 and int4 weights held quantized, multiplied by torch's own CPU ops in
+  fixed-shape bfloat16 row calls.
 - ``facts``: the facts a block's bits depend on (device, ISA, BLAS, versions, dtype, kernel mode and
   its constants, weights digest) as a reproducibility class (``swarm.repro``).
 

@@ -145,6 +145,10 @@ def _silu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 INTERPRETED = type(_linear_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET was set at import
+# triton.language's own helpers (tl.sum, tl.sigmoid...) are decorated when triton.language is first
+# imported (transformers imports it): set after that, TRITON_INTERPRET gives interpreted kernels that
+# call compiled helpers, which fails at the first call
+_HELPERS_INTERPRETED = type(getattr(getattr(tl, "standard", None), "sum", None)).__name__ == "InterpretedFunction"
 
 # Under the interpreter tl.dot is numpy's matmul (OpenBLAS), which gives a row other bits in another
 # row slot of the same tile (measured 2026-12-04 on the AMD EPYC, OpenBLAS 0.3.31: 22 of 32 rows of a
@@ -159,6 +163,9 @@ _EXPLICIT_TILE_PRODUCT = INTERPRETED
 def available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether these kernels run for a block on ``device`` in ``dtype``, and why not when they do not."""
     name = str(dtype).removeprefix("torch.")
+    if INTERPRETED != _HELPERS_INTERPRETED:
+        return False, ("TRITON_INTERPRET changed after triton.language was imported (transformers imports it): "
+                       "set it before the process starts")
     if device.type == "cuda":
         if dtype not in DTYPES:
             return False, f"they take float32, bfloat16 or float16, this block is {name}"

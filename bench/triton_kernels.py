@@ -2,12 +2,12 @@
 
 For each GEMM width (SmolLM2-135M's MLP up projection, a ~1B Llama's) and row count M (a decode
 row, a verify chunk of 5, prefill slices of 64 and 512 rows), the time of ``triton_ops.linear`` and
-of ``F.linear`` (cuBLAS) over all M rows at once, and of the rows mode's M one-row calls; for
-attention over a session of ``--keys`` cached positions, T query rows of ``triton_ops.attention``
+of ``F.linear`` (``torch_ms``: cuBLAS on a GPU) over all M rows at once, and of the rows mode's M
+one-row calls; for attention over a session of ``--keys`` cached positions, T query rows of ``triton_ops.attention``
 against T one-row SDPA calls (the rows mode). Each figure is the median of ``--repeat`` timed calls
 after a warm-up (which also compiles the Triton kernels). ``rows_match`` says whether every row of
 the M-row call has the bits of the same row computed alone (the batch-invariance the stage relies
-on); for cuBLAS it is a measurement, not a promise.
+on); for torch it is a measurement, not a promise.
 
 Prints one JSON object (and writes it to --out). Usage on a GPU: python bench/triton_kernels.py
 A CPU smoke run under Triton's interpreter (tiny shapes, slow):
@@ -60,10 +60,10 @@ def bench_linear(k: int, n: int, ms: list[int], device, dtype, repeat: int) -> l
         out.append({
             "k": k, "n": n, "m": m,
             "triton_ms": _time_ms(lambda: triton_ops.linear(x, w), device, repeat),
-            "cublas_ms": _time_ms(lambda: F.linear(x, w), device, repeat),
+            "torch_ms": _time_ms(lambda: F.linear(x, w), device, repeat),
             "rows_mode_ms": _time_ms(lambda: [F.linear(x[i:i + 1].clone(), w) for i in range(m)], device, repeat),
             "triton_rows_match": _rows_match(tri, lambda i: triton_ops.linear(x[i:i + 1].clone(), w)[0]),
-            "cublas_rows_match": _rows_match(stock, lambda i: F.linear(x[i:i + 1].clone(), w)[0]),
+            "torch_rows_match": _rows_match(stock, lambda i: F.linear(x[i:i + 1].clone(), w)[0]),
         })
     return out
 

@@ -197,5 +197,6 @@ def _machine() -> list[str]:
              here.parent / "model" / "block.py", here.parent / "model" / "cache.py"]
     source = hashlib.sha256(b"".join(p.read_bytes() for p in files if p.exists())).hexdigest()
     triton_ops = sys.modules.get("swarm.kernels.triton_ops")
-    kernels = "" if triton_ops is None else f"triton {triton_ops.triton.__version__} interpreted {triton_ops.INTERPRETED}"
+    kernels = "" if triton_ops is None else \
+        f"triton {triton_ops.triton.__version__} interpreted {triton_ops.INTERPRETED}"
     return [platform.machine(), cpu, gpu, torch.__version__, torch.__config__.show(), source, kernels]

@@ -176,7 +176,7 @@ def available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
         return False, ("Triton has no CPU backend; TRITON_INTERPRET=1 (set before the stage starts) runs its "
                        "interpreter, slowly, for tests")
     if dtype != torch.float32:
-        return False, f"Triton's interpreter multiplies float32 tiles only (numpy has no bfloat16), this block is {name}"
+        return False, f"Triton's interpreter multiplies float32 tiles only (numpy has no bfloat16), not {name}"
     return True, ""
 
 

@@ -34,6 +34,7 @@ without it). May import torch, triton; no networking.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import torch
@@ -205,9 +206,16 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+# The interpreter patches triton.language's functions for the length of a launch, so two threads
+# launching at once (two stages of one process, each computing in its worker thread) break each
+# other's kernels: interpreted launches take turns. Compiled launches need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _launch(kernel, grid, *args, **kwargs):
     if INTERPRETED:  # the interpreter takes no launch options
-        return kernel[grid](*args, **kwargs)
+        with _INTERPRETER_LOCK:
+            return kernel[grid](*args, **kwargs)
     return kernel[grid](*args, **kwargs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 

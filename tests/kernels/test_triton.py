@@ -233,6 +233,39 @@ def test_a_triton_block_that_breaks_the_contract_falls_back_to_rows(synthetic, m
     assert fallback and "from=triton to=rows" in fallback[0] and "differs when chunked" in fallback[0]
 
 
+@interpreted
+@pytest.mark.ring
+def test_a_ring_of_triton_stages_gives_transformers_tokens_and_speculation_changes_none(synthetic, tmp_path,
+                                                                                        monkeypatch):
+    """Two in-process stages over libp2p in the triton mode (each proves it at start-up and reports it in
+    its kernels info): greedy == transformers' greedy, and n-gram speculation (verify chunks of 4
+    rows, two in flight, rollbacks) == greedy."""
+    import trio
+
+    from swarm.config import SpecConfig
+    from swarm.coordinator.drafters import NgramDrafter
+    from tests.support.ring import ring_generate, start_ring
+
+    monkeypatch.setenv("SWARM_KERNELS", "triton")
+    model = synthetic("llama", "float32", **SMALL)
+    prompt = [1, 5, 9, 3, 7, 2, 1, 5, 9]
+    want = reference_greedy(model, prompt, 8, "float32")
+
+    async def main():
+        with trio.fail_after(240):
+            async with trio.open_nursery() as nursery:
+                spec, servers = await start_ring(nursery, model, [(0, 1), (1, 2)], tmp_path, "float32")
+                greedy = await ring_generate(spec, model, 2, prompt, 8, tmp_path)
+                fast = await ring_generate(spec, model, 2, prompt, 8, tmp_path, drafter=NgramDrafter(),
+                                           spec_config=SpecConfig(draft="ngram", k=3, depth=2))
+                nursery.cancel_scope.cancel()
+        return greedy, fast, [(s.kernels["mode"], s.kernels["rows_ok"]) for s in servers]
+
+    greedy, fast, kernels = trio.run(main)
+    assert kernels == [("triton", True), ("triton", True)]
+    assert greedy == want and fast == greedy
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cuda_kernels_give_a_row_the_same_bits_in_any_call(dtype):

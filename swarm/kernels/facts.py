@@ -87,9 +87,11 @@ def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: b
     disjoint outputs (``swarm.kernels.fma``), so there it is no fact (tests/kernels/test_facts.py).
 
     Args:
-        mode: the block's ``kernel_mode``: ``fma`` or ``rows``.
+        mode: the block's ``kernel_mode``: ``fma``, ``triton`` or ``rows``.
         tile: rows per GEMM of the session (``rows`` mode only: packed sessions' ``--batch-tile``;
-            the fma kernels give a row the same bits at any packing).
+            the fma and triton kernels give a row the same bits at any packing). The triton mode
+            names its own GEMM tile, key block and launch configuration
+            (:func:`swarm.kernels.triton_ops.describe`), so an audit compares only within them.
         threads: torch's thread count for the ``rows`` mode (default: ``torch.get_num_threads()``).
         cpu: the block runs on the CPU; on a GPU the CPU thread count is no fact.
     Raises:
@@ -101,6 +103,10 @@ def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: b
         raise ValueError(f"tile must be at least 1, got {tile}")
     if mode == "fma":
         return {"mode": "fma", "source": _fma_source_digest(), "key_block": 64, "norm_tile": invariant.TILE_ROWS}
+    if mode == "triton":
+        from swarm.kernels import triton_ops
+
+        return {"mode": "triton", **triton_ops.describe(), "norm_tile": invariant.TILE_ROWS}
     if mode == "rows":
         out = {"mode": "rows", "tile": tile, "column_block": invariant.COLUMN_BLOCK,
                "column_block_min_bytes": invariant.COLUMN_BLOCK_MIN_BYTES}
@@ -119,7 +125,8 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
         tile: the session's rows per GEMM (see :func:`kernel_facts`).
     Returns:
         The :class:`swarm.repro.ReproClass`. The CPU vendor is a fact only in the ``rows`` mode on a
-        CPU (the BLAS's code paths differ by vendor); fma.c's arithmetic is fixed by its source.
+        CPU (the BLAS's code paths differ by vendor); fma.c's arithmetic is fixed by its source, the
+        triton kernels' by their source, tiles and Triton's version on the GPU the device names.
     """
     device = torch.device(block.device)
     facts = dict(machine_facts(device.type, device.index or 0))

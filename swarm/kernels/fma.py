@@ -19,7 +19,8 @@ computed by the same code whichever thread takes it, so the thread count (:func:
 torch's) never changes a bit.
 
 :func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler,
-``SWARM_KERNELS`` unset, ``auto`` or ``fma``; ``rows`` turns them off), with the reason when not.
+``SWARM_KERNELS`` unset, ``auto`` or ``fma``; ``rows`` or ``triton`` turns them off), with the reason
+when not.
 ``CC`` names the compiler (split like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.
 """
 
@@ -158,10 +159,10 @@ def available() -> tuple[bool, str]:
     """Whether the kernels run on this machine (built on first call), and why not when they do not."""
     global _lib, _reason
     choice = os.environ.get("SWARM_KERNELS", "").strip().lower()  # read every time: a test or a stage may set it
-    if choice == "rows":
-        return False, "SWARM_KERNELS=rows"
+    if choice in ("rows", "triton"):
+        return False, f"SWARM_KERNELS={choice}"
     if choice not in ("", "auto", "fma"):
-        return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, rows"
+        return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, triton, rows"
     with _lock:
         if _reason is None:
             _lib, _reason = _build()

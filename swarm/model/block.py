@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,8 +149,10 @@ class LayerBlock(torch.nn.Module):
         self._span_digests: dict[LayerRange, str] = {}
         self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
         # "fma": swarm/kernels/fma.c's batch-invariant GEMM and attention (float32 on an AVX2+FMA CPU),
-        # whole chunks per call; "rows": stock torch ops, one GEMV and one attention call per row.
-        # load_block picks it; the stage's start-up proof may fall back to "rows" (set_kernel_mode).
+        # whole chunks per call; "triton": the same contract in Triton kernels (CUDA; on the CPU only
+        # under Triton's interpreter, for tests); "rows": stock torch ops, one GEMV and one attention
+        # call per row. load_block picks it (pick_kernel_mode); the stage's start-up proof may fall back
+        # to "rows" (set_kernel_mode).
         self.kernel_mode = "rows"
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
@@ -160,18 +163,20 @@ class LayerBlock(torch.nn.Module):
                 _per_token(mod, self)
 
     def set_kernel_mode(self, mode: str) -> None:
-        """Choose the arithmetic of every later forward: ``fma`` or ``rows`` (see ``kernel_mode``).
+        """Choose the arithmetic of every later forward: ``fma``, ``triton`` or ``rows`` (see ``kernel_mode``).
 
         Raises:
-            ConfigError: ``fma`` where those kernels cannot run (not float32 on the CPU, or no
-            AVX2+FMA CPU or C compiler: the reason is in the message).
+            ConfigError: ``fma`` or ``triton`` where those kernels cannot run (fma: not float32 on the
+            CPU, or no AVX2+FMA CPU or C compiler; triton: not importable, not CUDA nor Triton's
+            interpreter, another dtype: the reason is in the message).
         """
-        if mode == "fma":
-            ok, reason = fma_kernels_usable(self.device, self.dtype)
+        if mode in ("fma", "triton"):
+            usable = fma_kernels_usable if mode == "fma" else triton_kernels_usable
+            ok, reason = usable(self.device, self.dtype)
             if not ok:
-                raise ConfigError(f"the fma kernels cannot run for layers {self.layer_range}: {reason}")
+                raise ConfigError(f"the {mode} kernels cannot run for layers {self.layer_range}: {reason}")
         elif mode != "rows":
-            raise ConfigError(f"unknown kernel mode {mode!r}: use fma or rows")
+            raise ConfigError(f"unknown kernel mode {mode!r}: use fma, triton or rows")
         self.kernel_mode = mode
 
     def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
@@ -411,17 +416,21 @@ def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
     plan = kwargs.pop("swarm_plan", None)
     if plan is None:  # not called from LayerBlock.forward_batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if plan.block.kernel_mode == "fma":
-        return _fma_attention(plan, module, query, kwargs), None
+    if plan.block.kernel_mode in ("fma", "triton"):
+        return _chunk_attention(plan, module, query, kwargs), None
     outs = [invariant.attention_rows(sdpa_attention_forward, module, query[:, :, s.off:s.off + s.t], s.keys,
                                      s.values, s.pos, plan.block._mask, **kwargs) for s in plan.segs]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
-def _fma_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Each session's query rows against its own cache in one call of the batch-invariant kernel
-    (:func:`swarm.kernels.fma.attention`). query: (1, H, N, Dh); returns (1, N, H, Dh)."""
-    from swarm.kernels import fma
+def _chunk_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Each session's query rows against its own cache in one call of the block's batch-invariant
+    kernel (:func:`swarm.kernels.fma.attention` or :func:`swarm.kernels.triton_ops.attention`, one
+    signature). query: (1, H, N, Dh); returns (1, N, H, Dh)."""
+    if plan.block.kernel_mode == "fma":
+        from swarm.kernels import fma as kernels
+    else:
+        from swarm.kernels import triton_ops as kernels
 
     scaling = kwargs.get("scaling")
     if scaling is None:
@@ -430,7 +439,7 @@ def _fma_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> to
         scaling = query.shape[-1] ** -0.5
     window = plan.block._window(module)
     rows = query[0].transpose(0, 1)  # (N, H, Dh), token-major
-    outs = [fma.attention(rows[s.off:s.off + s.t], s.keys[0].transpose(0, 1), s.values[0].transpose(0, 1), s.pos,
+    outs = [kernels.attention(rows[s.off:s.off + s.t], s.keys[0].transpose(0, 1), s.values[0].transpose(0, 1), s.pos,
                           scaling, window) for s in plan.segs]
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0)
 
@@ -442,6 +451,43 @@ def fma_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, 
     from swarm.kernels import fma
 
     return fma.available()
+
+
+def triton_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether a block on ``device`` in ``dtype`` can run the triton kernels, and why not
+    (``SWARM_KERNELS`` set to another mode, triton not importable, neither CUDA nor its interpreter)."""
+    choice = os.environ.get("SWARM_KERNELS", "").strip().lower()
+    if choice in ("rows", "fma"):
+        return False, f"SWARM_KERNELS={choice}"
+    if choice not in ("", "auto", "triton"):
+        return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, triton, rows"
+    try:
+        from swarm.kernels import triton_ops
+    except ImportError as exc:
+        return False, f"triton cannot be imported ({exc})"
+    return triton_ops.available(device, dtype)
+
+
+def pick_kernel_mode(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """The kernel mode a block on ``device`` in ``dtype`` starts in, and why not a batch-invariant one.
+
+    ``SWARM_KERNELS``: unset or ``auto`` picks ``triton`` on CUDA and ``fma`` for float32 on the CPU;
+    ``triton`` or ``fma`` asks for that mode (``triton`` runs on the CPU only under Triton's
+    interpreter); ``rows`` turns both off. Where the wanted mode cannot run: ``rows``.
+
+    Returns:
+        ``(mode, reason)``: ``reason`` is empty unless a batch-invariant mode was wanted and cannot
+        run, else it names that mode and says why (``the triton kernels cannot run: ...``).
+    """
+    choice = os.environ.get("SWARM_KERNELS", "").strip().lower()
+    if choice == "triton" or (choice in ("", "auto") and device.type == "cuda"):
+        ok, why = triton_kernels_usable(device, dtype)
+        return ("triton", "") if ok else ("rows", f"the triton kernels cannot run: {why}")
+    ok, why = fma_kernels_usable(device, dtype)
+    if ok:
+        return "fma", ""
+    wanted = choice not in ("", "auto", "rows") or (device.type == "cpu" and dtype == torch.float32)
+    return "rows", f"the fma kernels cannot run: {why}" if wanted else ""
 
 
 def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
@@ -466,6 +512,13 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
                 held[2] = weight if linear and weight.is_contiguous() else held[1].t().contiguous()
             out = fma.linear(x.reshape(-1, x.shape[-1]), held[2], params.get("bias"))
             return out.reshape(*lead, out.shape[-1])
+        if block.kernel_mode == "triton":
+            from swarm.kernels import triton_ops
+
+            if held[2] is None:
+                held[2] = weight if linear and weight.is_contiguous() else held[1].t().contiguous()
+            out = triton_ops.linear(x.reshape(-1, x.shape[-1]), held[2], params.get("bias"))
+            return out.reshape(*lead, out.shape[-1])
         out = invariant.linear_rows(x.reshape(-1, x.shape[-1]), held[1], params.get("bias"), tile)
         return out.reshape(*lead, out.shape[-1])
 
@@ -480,8 +533,8 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
     """Route a norm or activation module through row-invariant arithmetic while ``block._tile`` is
     set: vectorized kernels give a tensor's tail elements (scalar loop) other bits, and a reduction
     may split by shape, so where a row sits in the packed tensor must not decide how it is computed.
-    fma mode: the Llama-family RMSNorms and SiLU run in ``fma.c`` over all rows at once, other norms
-    and activations in fixed 16-row tiles; rows mode: one call per token."""
+    fma (triton) mode: the Llama-family RMSNorms and SiLU run in ``fma.c`` (Triton kernels) over all
+    rows at once, other norms and activations in fixed 16-row tiles; rows mode: one call per token."""
     from swarm.kernels import fma
 
     plain = module.forward
@@ -497,6 +550,14 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
                 return fma.rms_norm(x, module.weight, module.variance_epsilon)
             if silu:
                 return fma.silu(x)
+            return invariant.per_tile(plain, x)
+        if block.kernel_mode == "triton":
+            from swarm.kernels import triton_ops
+
+            if rms:
+                return triton_ops.rms_norm(x, module.weight, module.variance_epsilon)
+            if silu:
+                return triton_ops.silu(x)
             return invariant.per_tile(plain, x)
         return invariant.per_token(plain, x)
 
@@ -617,11 +678,10 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
-    usable, why = fma_kernels_usable(dev, dt)
-    block.kernel_mode = "fma" if usable else "rows"
-    if not usable and dev.type == "cpu" and dt == torch.float32:
-        log.warning("kernels.rows layers=%s: the batch-invariant fma kernels are unavailable (%s); every chunk "
-                    "runs one row at a time, exact but slower", layer_range, why)
+    block.kernel_mode, why = pick_kernel_mode(dev, dt)
+    if why:
+        log.warning("kernels.rows layers=%s: %s; every chunk runs one row at a time, exact but slower",
+                    layer_range, why)
     block.range_digest = weights_digest(model_dir, block.loaded_tensors)  # signed in every receipt
     block.model_dir = model_dir
     log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s kernels=%s range_digest=%s", layer_range,

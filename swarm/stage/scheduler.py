@@ -11,8 +11,8 @@ except a step of short chunks whose recent compute is below ``--inline-step-ms``
 trio thread (the thread round trip would cost more than the responsiveness it buys);
 the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
 (:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
-session that may be packed, with a fallback from the block's fma kernel mode to rows where the
-proof fails. In the fma mode every step's rows over the same layers share one forward (the
+session that may be packed, with a fallback from the block's fma or triton kernel mode to rows
+where the proof fails. In the fma and triton modes every step's rows over the same layers share one forward (the
 kernels give a row the same bits in any forward, and the start-up proof covers packing); in the
 rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row GEMMs)
 and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
@@ -378,10 +378,10 @@ class Scheduler:
         encode_s = 0.0
         out = []
         block = self.block
-        # the fma kernels give a row the same bits in any forward (proven at start-up with packing),
-        # so there every session's rows over the same layers share one pass over the weights; in the
-        # rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
-        fma = block.kernel_mode == "fma"
+        # the fma and triton kernels give a row the same bits in any forward (proven at start-up with
+        # packing), so there every session's rows over the same layers share one pass over the weights;
+        # in the rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
+        packs = block.kernel_mode in ("fma", "triton")
         groups: dict = {}  # packed rows share a forward only with rows over the same layers
         entries = [(s, j, j.msg["pos"], j.x) for s, j in small]
         if piece is not None:
@@ -389,7 +389,7 @@ class Scheduler:
             n = min(slice_rows, j.x.shape[1] - j.done)
             entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + n]))
         for s, j, pos, x in entries:
-            if fma or s.batch:
+            if packs or s.batch:
                 groups.setdefault(s.span, []).append((s, j, pos, x))
             else:  # alone, one GEMV per row
                 y = block.forward_batch([(s.cache, pos, x)], tile=self.tile_of(s),
@@ -466,7 +466,7 @@ def _prove_kernels(block) -> dict:
     Returns:
         ``{"rows_ok", "reason", "check_s", "mode"}`` for ``info_ok`` (``kernels``): rows_ok False means
         this stage cannot promise that a verify chunk or a replay gives decode's bits; mode is the
-        block's ``kernel_mode`` after the proof (``fma``, or ``rows`` after a fallback).
+        block's ``kernel_mode`` after the proof (``fma`` or ``triton``, or ``rows`` after a fallback).
     """
     from swarm.config import cache_root
     from swarm.kernels.check import check_block_once

@@ -326,4 +326,4 @@ def test_the_kernel_build_takes_a_compiler_command_line_and_says_why_it_failed(t
     assert ok == "False" and "false could not build fma.c: exit status 1" in why
     assert not list((tmp_path / "kernels").glob("*.tmp"))
     monkeypatch.setenv("SWARM_KERNELS", "row")
-    assert fma.available() == (False, "SWARM_KERNELS='row' is not one of auto, fma, rows")
+    assert fma.available() == (False, "SWARM_KERNELS='row' is not one of auto, fma, triton, rows")

@@ -41,6 +41,7 @@ class StageConfig:
     threads: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantize: str | None = None  # int8 / int4: Linear weights held quantized (swarm.kernels.quant)
     hop_timeout_s: float = 30.0
     allow_coordinators: tuple[str, ...] = ()  # PeerIds that may open sessions; empty: anyone
     admins: tuple[str, ...] = ()  # PeerIds that may send a drain request
@@ -92,6 +93,8 @@ class StageConfig:
         return None if self.kv_budget_mb is None else int(self.kv_budget_mb * 2**20)
 
     def __post_init__(self) -> None:
+        if self.quantize is not None and self.quantize not in ("int8", "int4"):
+            raise ConfigError(f"--quantize {self.quantize!r} is not one of int8, int4")
         if not self.model:
             raise ConfigError("--model is required")
         if self.layers is None and not self.bootstrap:

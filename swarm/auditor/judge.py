@@ -62,18 +62,32 @@ class Blocks:
         self.model_dir, self.device = Path(model_dir), device
         self._blocks: dict = {}
 
-    def get(self, layers, dtype: str):
-        """The block of ``layers`` ([start, end)) in ``dtype``.
+    def get(self, layers, dtype: str, quantize: str | None = None):
+        """The block of ``layers`` ([start, end)) in ``dtype``, its weights held as ``quantize`` (int8, int4
+        or None: as loaded).
 
         Raises:
-            ModelError / ConfigError: the model directory lacks the range, or a bad dtype.
+            ModelError / ConfigError: the model directory lacks the range, a bad dtype or quantization.
         """
         from swarm.model.block import load_block
 
-        key = (tuple(layers), dtype)
+        key = (tuple(layers), dtype, quantize)
         if key not in self._blocks:
-            self._blocks[key] = load_block(self.model_dir, LayerRange(*layers), dtype=dtype, device=self.device)
+            self._blocks[key] = load_block(self.model_dir, LayerRange(*layers), dtype=dtype, device=self.device,
+                                           quantize=quantize)
         return self._blocks[key]
+
+    def for_receipt(self, receipt: dict):
+        """The block a stage receipt's session ran: its layers, dtype and, from its class, quantization."""
+        return self.get(receipt["layers"], receipt.get("dtype", "float32"), quantized(receipt))
+
+
+def quantized(receipt: dict) -> str | None:
+    """The quantization scheme a receipt's class names (None: weights as loaded, or no class)."""
+    facts = receipt.get("repro", {}).get("facts", {}) if isinstance(receipt.get("repro"), dict) else {}
+    quant = facts.get("quant") if isinstance(facts, dict) else None
+    scheme = quant.get("scheme") if isinstance(quant, dict) else None
+    return scheme if isinstance(scheme, str) else None
 
 
 def class_for(block, receipt: dict) -> tuple[repro.ReproClass | None, int, str]:
@@ -214,7 +228,7 @@ def verify_proof(proof: dict, blocks: Blocks) -> ProofCheck:
     claim = fraud.check_proof(proof)
     layers = tuple(claim.receipt["layers"])
     try:
-        block = blocks.get(layers, claim.receipt.get("dtype", "float32"))
+        block = blocks.for_receipt(claim.receipt)
     except Exception as exc:  # a missing range or dtype: say so, never crash on someone else's document
         raise fraud.refused("not comparable", f"cannot load layers {list(layers)}: {exc}") from None
     _, tile, why = class_for(block, claim.receipt)

@@ -120,7 +120,7 @@ class Auditor:
             pred_part = (pred[0], [audit.check_opening(pred[0], o, k) for k, o in enumerate(pred_raw)], pred_raw)
         openings = [audit.check_opening(receipt, o, k) for k, o in enumerate(raw)]
         try:
-            block = self.blocks.get(receipt["layers"], receipt.get("dtype", "float32"))
+            block = self.blocks.for_receipt(receipt)
         except SwarmError as exc:
             return Verdict(*base, "not comparable", f"not comparable: this auditor cannot load the range ({exc})")
         from swarm.transport.identity import sign

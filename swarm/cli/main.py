@@ -36,6 +36,11 @@ def _stage_parser(sub) -> None:
                    help="CPU threads for this process's compute (default: torch's, the machine's cores); a "
                         "stage in the fma kernel mode gives them to swarm's kernels and keeps torch at one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="hold the decoder layers' Linear weights (and an untied LM head's) quantized: int8 per "
+                        "output row or int4 in groups, multiplied by torch's own CPU ops in bfloat16 (about 0.26x / "
+                        "0.14x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; the "
+                        "start-up proof covers it; a weight whose shape the scheme does not take stays bfloat16")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
     p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
@@ -528,7 +533,8 @@ def cmd_stage(args) -> int:
         mem_budget_mb = parse_size(args.max_memory) / 2**20
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          key_fallback=args.key is None and layers is None,
-                         dtype=args.dtype, device=args.device, hop_timeout_s=args.hop_timeout_s,
+                         dtype=args.dtype, device=args.device, quantize=args.quantize,
+                         hop_timeout_s=args.hop_timeout_s,
                          allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
                          max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
                          prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,

@@ -1,6 +1,6 @@
 """``swarm plan``: what a model costs in memory per layer and per token of KV, and how its layers split over cards.
 
-``swarm plan MODEL [--gpus 24GB,24GB,12GB] [--dtype bfloat16] [--ctx 4096] [--sessions 1] [--reserve 1GB]
+``swarm plan MODEL [--gpus 24GB,24GB,12GB] [--dtype bfloat16|int8|int4] [--ctx 4096] [--sessions 1] [--reserve 1GB]
 [--json]``. ``MODEL`` is a model directory (shapes from its safetensors headers: the bytes a stage
 loads), a directory or file holding only ``config.json`` (shapes from transformers' model on the meta
 device, nothing downloaded), or a built-in name / GGUF as ``--model`` takes it. Prints, for each dtype,
@@ -23,8 +23,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="bytes per layer and per token of KV; a split of the layers over cards",
                        description="Memory per layer and per token of KV at each dtype, and a split of the model's "
                                    "layers over a list of cards (contiguous blocks in the order given, in proportion "
-                                   "to what each card holds). Float dtypes are what a stage loads; int8 and int4 are "
-                                   "estimates for weight-only quantization, which a stage cannot load yet.")
+                                   "to what each card holds). Float dtypes are what a stage loads with --dtype, int8 "
+                                   "and int4 what it holds with --quantize (CPU only).")
     p.add_argument("model", help="a model directory, a directory or file with config.json alone (e.g. a 70B "
                                  "config: nothing is downloaded), a .gguf file or a built-in name (smollm2-135m)")
     p.add_argument("--gpus", metavar="SIZES",
@@ -58,7 +58,7 @@ def cmd_plan(args) -> int:
            "dtypes": {d: {"layer_bytes": f.layer, "head_extra_bytes": f.head, "tail_extra_bytes": f.tail,
                           "model_bytes": f.total, "kv_bytes_per_token_layer": f.kv_token_layer,
                           "kv_bytes_per_token": f.kv_token_layer * f.num_layers,
-                          "estimate": d in plan.QUANTIZED} for d, f in fps.items()}}
+                          "quantized": d in plan.QUANTIZED} for d, f in fps.items()}}
     failure = None
     if args.gpus:
         cards = [plan.parse_size(s) for s in args.gpus.split(",") if s.strip()]
@@ -111,7 +111,7 @@ def _print(out: dict, fps: dict) -> None:
     print(f"{'dtype':<10}{'per layer':>12}{'first stage +':>15}{'last stage +':>14}{'model':>12}"
           f"{'KV/token/layer':>16}{'KV/token':>12}")
     for d, f in fps.items():
-        mark = " (estimate)" if out["dtypes"][d]["estimate"] else ""
+        mark = " (--quantize, CPU)" if out["dtypes"][d]["quantized"] else ""
         print(f"{d:<10}{human(f.layer):>12}{human(f.head):>15}{human(f.tail):>14}{human(f.total):>12}"
               f"{human(f.kv_token_layer):>16}{human(f.kv_token_layer * f.num_layers):>12}{mark}")
     split = out.get("split")

@@ -152,7 +152,8 @@ def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
     import json
 
     key = (getattr(block, "range_digest", "") or str(id(block)), str(block.layer_range), str(block.dtype),
-           str(block.device), tile, torch.get_num_threads(), getattr(block, "kernel_mode", "rows"))
+           str(block.device), tile, torch.get_num_threads(), getattr(block, "kernel_mode", "rows"),
+           getattr(block, "quantize", None) or "")
     if key in _REPORTS:
         return _REPORTS[key]
     path = None

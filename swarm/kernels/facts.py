@@ -135,4 +135,9 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
         facts.pop("cpu_vendor")
     facts.update(schema=repro.SCHEMA, dtype=str(block.dtype).removeprefix("torch."),
                  kernel=kernel_facts(mode, tile, cpu=device.type == "cpu"), weights=block.digest_of(span))
+    quant = getattr(block, "quantize", None)
+    if quant is not None:  # weights held quantized (swarm.kernels.quant): the scheme and torch's ops decide the bits
+        from swarm.kernels import quant as quant_ops
+
+        facts["quant"] = {"scheme": quant, "int4_groups": list(quant_ops.INT4_GROUPS), "int8_k": quant_ops.INT8_K}
     return repro.make(facts)

@@ -47,19 +47,29 @@ def int4_group(k: int) -> int | None:
     return next((g for g in INT4_GROUPS if k % g == 0), None)
 
 
+INT8_K = 16  # torch 2.13's int8 CPU kernel reads a row's inputs in 16s: at other K it reads past the row
+
+
 def takes(scheme: str, n: int, k: int) -> bool:
-    """Whether ``scheme`` holds an ``(n, k)`` weight (int4: ``k`` a multiple of 32, ``n`` of 16);
-    a weight it does not take stays in the compute dtype."""
-    return scheme == "int8" or (int4_group(k) is not None and n % INT4_ROWS == 0)
+    """Whether ``scheme`` holds an ``(n, k)`` weight (int8: ``k`` a multiple of 16; int4: ``k`` of 32,
+    ``n`` of 16); a weight it does not take stays in the compute dtype. Measured 2026-12-03 (torch
+    2.13, AMD EPYC): ``_weight_int8pack_mm`` on a row of 8 mod 16 inputs read past it (NaN from the
+    memory after the row, a different garbage each run)."""
+    if scheme == "int8":
+        return k % INT8_K == 0
+    return int4_group(k) is not None and n % INT4_ROWS == 0
 
 
 def scheme_bytes(scheme: str, n: int, k: int) -> int | None:
     """Bytes of an ``(n, k)`` weight held in ``scheme``; None where the scheme does not take it
     (:func:`takes`)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
+    if not takes(scheme, n, k):
+        return None
     if scheme == "int8":
         return n * k + n * 2
-    if scheme == "int4":
-        return n * k // 2 + (k // int4_group(k)) * n * 2 * 2 if takes(scheme, n, k) else None
+    return n * k // 2 + (k // int4_group(k)) * n * 2 * 2
     raise ValueError(f"unknown quantization {scheme!r} (known: {', '.join(SCHEMES)})")
 
 
@@ -102,12 +112,12 @@ def quantize(weight: torch.Tensor, scheme: str) -> QuantWeight | None:
         raise ValueError(f"a quantized weight is 2-D (N, K), got {tuple(weight.shape)}")
     w = weight.detach().to(torch.float32)
     n, k = w.shape
+    if not takes(scheme, n, k):
+        return None
     if scheme == "int8":
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         return QuantWeight("int8", n, k, q, scale.to(COMPUTE_DTYPE).contiguous())
-    if not takes(scheme, n, k):
-        return None
     g = int4_group(k)
     wg = w.reshape(n, k // g, g)
     lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)

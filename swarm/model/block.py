@@ -154,6 +154,7 @@ class LayerBlock(torch.nn.Module):
         # call per row. load_block picks it (pick_kernel_mode); the stage's start-up proof may fall back
         # to "rows" (set_kernel_mode).
         self.kernel_mode = "rows"
+        self.quantize: str | None = None  # int8 / int4: Linear weights held quantized (load_block's quantize)
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
         for mod in owned:
@@ -501,6 +502,12 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
+        q = module.__dict__.get("swarm_quant")
+        if q is not None:  # held quantized: fixed-shape row calls of torch's own op, inside forward_batch or not
+            from swarm.kernels import quant
+
+            out = quant.linear_rows(x.reshape(-1, x.shape[-1]), q, params.get("bias"), tile or 1)
+            return out.reshape(*x.shape[:-1], q.n)
         if tile is None:
             return plain(x)
         weight = params["weight"]
@@ -624,7 +631,7 @@ def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[st
 
 
 def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
-               device: str = "auto", progress: bool = False) -> LayerBlock:
+               device: str = "auto", progress: bool = False, quantize: str | None = None) -> LayerBlock:
     """Load layers ``[start, end)`` (and embedding / norm + LM head where owned) from ``model_dir``.
 
     Only the tensors of the owned modules are read, through safetensors' mmap.
@@ -634,6 +641,9 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         layer_range: the layers to hold; must lie in ``[0, L)``.
         dtype: auto|float32|bfloat16|float16|float64. device: auto|cpu|cuda|mps.
         progress: show a progress bar while reading tensors.
+        quantize: ``int8`` or ``int4``: hold the decoder layers' Linear weights (and an untied LM
+            head's) quantized (:mod:`swarm.kernels.quant`; a weight the scheme does not take stays in
+            the compute dtype); the block computes in bfloat16 on the CPU. None: as loaded.
     Returns:
         A LayerBlock in eval mode.
     Raises:
@@ -648,6 +658,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     family = FAMILIES[config.model_type]
     layer_range.check_within(config.num_hidden_layers)
     dev = pick_device(device)
+    if quantize is not None:
+        dtype = _quantized_dtype(quantize, dtype, dev)
     dt = pick_dtype(dtype, dev)
 
     modules, wanted, base = _plan(model_dir, config, family, layer_range)
@@ -678,6 +690,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
+    if quantize is not None:
+        _quantize_block(block, quantize, tied=bool(getattr(config, "tie_word_embeddings", False)))
     block.kernel_mode, why = pick_kernel_mode(dev, dt)
     if why:
         log.warning("kernels.rows layers=%s: %s; every chunk runs one row at a time, exact but slower",
@@ -687,6 +701,46 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s kernels=%s range_digest=%s", layer_range,
              len(block.loaded_tensors), block.loaded_bytes, dt, dev, block.kernel_mode, block.range_digest[:16])
     return block
+
+
+def _quantized_dtype(scheme: str, dtype: str, device: torch.device) -> str:
+    """The dtype a block quantized to ``scheme`` computes in (bfloat16), checked against ``dtype``.
+
+    Raises:
+        ConfigError: an unknown scheme, a device other than the CPU, a dtype other than bfloat16, or a
+            torch without the ops.
+    """
+    from swarm.kernels import quant
+
+    if scheme not in quant.SCHEMES:
+        raise ConfigError(f"--quantize {scheme!r} is not one of {', '.join(quant.SCHEMES)}")
+    if device.type != "cpu":
+        raise ConfigError(f"quantized weights run on the CPU for now (torch's int8/int4 CPU ops), not {device}")
+    if dtype not in ("auto", "bfloat16"):
+        raise ConfigError(f"quantized weights compute in bfloat16; --dtype {dtype} cannot go with --quantize")
+    ok, why = quant.usable()
+    if not ok:
+        raise ConfigError(f"--quantize {scheme}: {why}")
+    return "bfloat16"
+
+
+def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
+    """Hold the block's decoder-layer Linear weights, and its LM head unless tied to the embedding,
+    quantized to ``scheme``; ``loaded_bytes`` becomes what is held."""
+    from swarm.kernels import quant
+
+    targets = [m for m in block.layers.modules() if isinstance(m, torch.nn.Linear)]
+    if block.lm_head is not None and not tied and isinstance(block.lm_head, torch.nn.Linear):
+        targets.append(block.lm_head)
+    for mod in targets:
+        w = mod.weight
+        q = quant.quantize(w, scheme)
+        if q is None:
+            continue  # the scheme does not take this shape: it stays in bfloat16
+        mod.__dict__["swarm_quant"] = q
+        block.loaded_bytes += q.nbytes - w.numel() * w.element_size()
+        mod.weight = torch.nn.Parameter(w.new_empty((0,)), requires_grad=False)  # the float copy is freed
+    block.quantize = scheme
 
 
 def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> None:

@@ -8,10 +8,9 @@ and :func:`split` (contiguous blocks over an ordered list of cards, as many laye
 memory allows, in proportion to what each card can hold: the memory-weighted partitioning exo and
 Petals users know), and :func:`parse_size` (``24GB``, ``512MiB``).
 
-Float dtypes are the bytes a stage loads (``swarm stage --dtype``). ``int8`` and ``int4`` are
-estimates for weight-only quantization of the decoder layers' and LM head's matrices (int8: one
-byte per weight and a bfloat16 scale per output row; int4: half a byte per weight and a bfloat16
-scale and zero point per group of 128), the rest in bfloat16; a stage cannot load them yet.
+Float dtypes are the bytes a stage loads (``swarm stage --dtype``); ``int8`` and ``int4`` the bytes it
+holds with ``--quantize`` (:mod:`swarm.kernels.quant`: the decoder layers' Linear weights and an untied
+LM head's where the scheme takes their shape, everything else in bfloat16).
 
 May import: the shared core, ``swarm.weights`` (selection, headers), torch and transformers (meta
 device only).
@@ -134,24 +133,29 @@ def _meta_shapes(config_dir: Path, config: dict) -> dict:
     return shapes
 
 
-def _quantized(name: str, shape: tuple, dtype: str) -> float:
-    """Estimated bytes of one tensor under weight-only ``dtype`` (module docstring)."""
+def _quantized(name: str, shape: tuple, dtype: str, config: dict) -> int:
+    """Bytes of one tensor in a block loaded with ``quantize=dtype``: a decoder layer's Linear weight or an
+    untied LM head's held as :mod:`swarm.kernels.quant` holds it where the scheme takes its shape, anything
+    else in bfloat16 (GPT-2's Conv1D layers stay bfloat16)."""
+    from swarm.kernels import quant
+    from swarm.weights.families import FAMILIES
+
+    family = FAMILIES.get(config.get("model_type"))
     numel = math.prod(shape)
-    matrix = len(shape) == 2 and (".layers." in name or ".h." in name or name.startswith("lm_head."))
-    if not matrix:
-        return numel * 2
-    rows, cols = shape
-    if dtype == "int8":
-        return numel + rows * 2
-    return numel / 2 + rows * math.ceil(cols / INT4_GROUP) * 4
+    linear = (family is not None and config.get("model_type") != "gpt2" and len(shape) == 2
+              and name.endswith(".weight")
+              and (name.startswith(f"{family.base}.{family.layers}.") or name.startswith(f"{family.lm_head}.")))
+    held = quant.scheme_bytes(dtype, *shape) if linear else None
+    return numel * 2 if held is None else held
 
 
-def tensor_bytes(name: str, shape: tuple, dtype: str) -> float:
-    """Bytes of one tensor held in ``dtype`` (one of ``DTYPES``)."""
+def tensor_bytes(name: str, shape: tuple, dtype: str, config: dict | None = None) -> int:
+    """Bytes of one tensor held in ``dtype`` (one of ``DTYPES``; the quantized ones need the model's
+    parsed ``config``)."""
     if dtype in FLOAT_BYTES:
         return math.prod(shape) * FLOAT_BYTES[dtype]
     if dtype in QUANTIZED:
-        return _quantized(name, shape, dtype)
+        return _quantized(name, shape, dtype, config or {})
     raise ConfigError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
 
 
@@ -165,7 +169,7 @@ def range_bytes(model: ModelShapes, layers: LayerRange, dtype: str) -> int:
     from swarm.weights.select import select_tensors
 
     names = select_tensors(model.shapes, model.config, layers)
-    return int(round(sum(tensor_bytes(n, model.shapes[n], dtype) for n in names)))
+    return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names)
 
 
 def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
@@ -224,10 +228,10 @@ def footprint(model: ModelShapes, dtype: str) -> Footprint:
 
     def extras(a: int, b: int) -> int:
         names = select_tensors(model.shapes, model.config, LayerRange(a, b))
-        return int(round(sum(tensor_bytes(n, model.shapes[n], dtype) for n in names if not n.startswith(layer_prefix))))
+        return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names if not n.startswith(layer_prefix))
 
     mid = f"{layer_prefix}{num // 2}."
-    layer = int(round(sum(tensor_bytes(n, s, dtype) for n, s in model.shapes.items() if n.startswith(mid))))
+    layer = sum(tensor_bytes(n, s, dtype, model.config) for n, s in model.shapes.items() if n.startswith(mid))
     whole = extras(0, num)
     head, tail = (extras(0, 1), extras(num - 1, num)) if num > 1 else (whole, 0)
     return Footprint(dtype, num, layer, head, tail, whole, kv_bytes_per_token_layer(model.config, dtype))

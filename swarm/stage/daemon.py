@@ -184,7 +184,7 @@ def run_stage(config: StageConfig) -> int:
             if config.fetch_from:  # placed on the peers' manifest: now fetch that block's shards
                 resolved = acquire_model(config, key)
         block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
-                           progress=sys.stderr.isatty())
+                           progress=sys.stderr.isatty(), quantize=config.quantize)
         digest = model_manifest_digest(resolved.path)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})

@@ -83,7 +83,12 @@ def preflight(config: StageConfig) -> dict:
     config.layers.check_within(num_layers)
     names = block_tensor_names(resolved.path, config.layers)
     device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
+    if config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
+        from swarm.model.block import _quantized_dtype
+
+        dtype = pick_dtype(_quantized_dtype(config.quantize, config.dtype, device), device)
+    else:
+        dtype = pick_dtype(config.dtype, device)
     if device.type == "mps" and dtype == torch.float64:
         raise ConfigError("float64 is not supported on MPS: use --dtype float32")
     index = tensor_index(resolved.path)
@@ -102,6 +107,10 @@ def preflight(config: StageConfig) -> dict:
         for d in entry.get("shape", []):
             numel *= int(d)
         weights += numel * itemsize
+    if config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
+        from swarm.model.plan import model_shapes, range_bytes
+
+        weights = range_bytes(model_shapes(resolved.path), config.layers, config.quantize)
     max_ctx = int(getattr(model_config, "max_position_embeddings", 0) or getattr(model_config, "n_positions", 0)
                   or 4096)
     if config.max_ctx is not None and config.max_ctx > max_ctx:
@@ -124,7 +133,8 @@ def preflight(config: StageConfig) -> dict:
         "model": resolved.name, "model_path": str(resolved.path), "family": model_config.model_type,
         "model_digest": model_manifest_digest(resolved.path), "num_layers": num_layers,
         "layers": config.layers.as_list(), "tensors": len(names), "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."), "max_ctx": max_ctx, "weights_bytes": weights,
+        "dtype": str(dtype).removeprefix("torch."), "quantize": config.quantize, "max_ctx": max_ctx,
+        "weights_bytes": weights,
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
         "memory_available_bytes": available, **_check_key(config.key_path),
     }

@@ -123,7 +123,7 @@ def test_a_tied_head_counts_once_for_a_whole_model(tmp_path, monkeypatch) -> Non
 def test_the_command_prints_tables_and_a_split(llama70b, capsys) -> None:
     assert main(["plan", str(llama70b), "--gpus", "24GB,24GB,12GB", "--dtype", "int4"]) == 0
     out = capsys.readouterr().out
-    assert "80 layers (shapes from config)" in out and "(estimate)" in out
+    assert "80 layers (shapes from config)" in out and "(--quantize, CPU)" in out
     assert "--layers 0:" in out and ":80 " in out
     assert main(["plan", str(llama70b), "--gpus", "24GB,24GB,12GB", "--dtype", "int4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -27,7 +27,7 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
     specs, servers = [], []
     for a, b in ranges:
         r = LayerRange(a, b)
-        block = load_block(model_dir, r, dtype=dtype, device="cpu")
+        block = load_block(model_dir, r, dtype=dtype, device="cpu", quantize=stage_kwargs.get("quantize"))
         server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, Path(model_dir).name, digest)
         ready = await nursery.start(serve, server, load_or_create_key(key_dir / f"s{a}-{b}.key"), LOOPBACK)
         specs.append(StageSpec(addr=ready["addrs"][0], layers=r))

@@ -92,8 +92,8 @@ class QuantWeight:
 
 def usable() -> tuple[bool, str]:
     """Whether this torch has the CPU ops (True, "") or why not (False, reason)."""
-    missing = [op for op in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
-               if not hasattr(torch, op)]
+    ops = ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+    missing = [op for op in ops if not hasattr(torch, op)]
     if missing:
         return False, f"torch {torch.__version__} has no {', '.join(missing)}"
     return True, ""

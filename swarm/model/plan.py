@@ -228,7 +228,8 @@ def footprint(model: ModelShapes, dtype: str) -> Footprint:
 
     def extras(a: int, b: int) -> int:
         names = select_tensors(model.shapes, model.config, LayerRange(a, b))
-        return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names if not n.startswith(layer_prefix))
+        return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names
+                   if not n.startswith(layer_prefix))
 
     mid = f"{layer_prefix}{num // 2}."
     layer = sum(tensor_bytes(n, s, dtype, model.config) for n, s in model.shapes.items() if n.startswith(mid))

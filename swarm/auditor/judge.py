@@ -79,7 +79,9 @@ class Blocks:
 
     def for_receipt(self, receipt: dict):
         """The block a stage receipt's session ran: its layers, dtype and, from its class, quantization."""
-        return self.get(receipt["layers"], receipt.get("dtype", "float32"), quantized(receipt))
+        scheme = quantized(receipt)
+        layers, dtype = receipt["layers"], receipt.get("dtype", "float32")
+        return self.get(layers, dtype) if scheme is None else self.get(layers, dtype, scheme)
 
 
 def quantized(receipt: dict) -> str | None:

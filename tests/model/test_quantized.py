@@ -106,3 +106,13 @@ def test_a_quantized_ring_is_one_process_with_the_same_weights_and_speculation_i
     greedy, speculative = trio.run(main)
     assert greedy == reference == speculative
     assert len(dense) == len(reference)
+
+
+def test_an_auditor_loads_the_scheme_a_receipt_names(tiny) -> None:
+    from swarm.auditor.judge import Blocks
+
+    block = _blocks(tiny, "int4", [(1, 3)])[0]
+    receipt = {"layers": [1, 3], "dtype": "bfloat16", "repro": stage_class(block).as_dict()}
+    again = Blocks(tiny).for_receipt(receipt)
+    assert again.quantize == "int4" and stage_class(again).id == stage_class(block).id
+    assert Blocks(tiny).for_receipt({"layers": [1, 3], "dtype": "bfloat16"}).quantize is None

@@ -139,5 +139,5 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
     if quant is not None:  # weights held quantized (swarm.kernels.quant): the scheme and torch's ops decide the bits
         from swarm.kernels import quant as quant_ops
 
-        facts["quant"] = {"scheme": quant, "int4_groups": list(quant_ops.INT4_GROUPS), "int8_k": quant_ops.INT8_K}
+        facts["quant"] = {"scheme": quant, "int4_group": quant_ops.INT4_GROUP, "int8_k": quant_ops.INT8_K}
     return repro.make(facts)

@@ -669,14 +669,18 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     for full, (_, _, src) in wanted.items():
         by_file.setdefault(index[src], []).append(full)
     bar = _progress(len(wanted), progress, f"loading layers {layer_range}")
+    held: dict[str, torch.nn.Parameter] = {}  # file tensor -> its parameter: a tied LM head shares the embedding's
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for full in names:
                 module, pname, src = wanted[full]
-                tensor = f.get_tensor(src).to(device=dev, dtype=dt)
-                _assign(module, pname, tensor)
-                block.loaded_tensors.append(src)
-                block.loaded_bytes += tensor.numel() * tensor.element_size()
+                if src in held:  # read once, held once (a stage holding head and tail of a tied model)
+                    _assign(module, pname, held[src])
+                else:
+                    tensor = f.get_tensor(src).to(device=dev, dtype=dt)
+                    held[src] = _assign(module, pname, tensor)
+                    block.loaded_tensors.append(src)
+                    block.loaded_bytes += tensor.numel() * tensor.element_size()
                 if bar:
                     bar.update(1)
     if bar:
@@ -743,7 +747,13 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
     block.quantize = scheme
 
 
-def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> None:
+def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.nn.Parameter:
+    """Set ``module``'s parameter ``pname`` to ``tensor`` (a Parameter is used as it is, so two modules
+    may share one); returns the parameter.
+
+    Raises:
+        ModelError: the shapes differ.
+    """
     owner = module
     *path, leaf = pname.split(".")
     for part in path:
@@ -751,7 +761,9 @@ def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> None:
     old = getattr(owner, leaf)
     if tuple(old.shape) != tuple(tensor.shape):
         raise ModelError(f"tensor {pname} has shape {tuple(tensor.shape)}, expected {tuple(old.shape)}")
-    setattr(owner, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    param = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False)
+    setattr(owner, leaf, param)
+    return param
 
 
 def _progress(total: int, enabled: bool, desc: str):

@@ -60,7 +60,7 @@ def test_a_row_has_its_bits_alone_and_among_others_in_one_row_calls(scheme) -> N
 
 def test_int4_needs_a_group_that_divides_k_and_bad_input_is_refused() -> None:
     assert quant.quantize(_weight(8, 40), "int4") is None and quant.scheme_bytes("int4", 8, 40) is None
-    assert quant.int4_group(576) == 64 and quant.int4_group(1536) == 128 and quant.int4_group(96) == 32
+    assert quant.int4_group(576) == quant.int4_group(96) == 32
     with pytest.raises(ValueError, match="unknown quantization"):
         quant.quantize(_weight(8, 64), "int3")
     with pytest.raises(ValueError, match="2-D"):
@@ -92,4 +92,4 @@ def test_held_bytes_are_a_fraction_of_float32() -> None:
     n, k = 1536, 576
     dense = n * k * 4
     assert quant.scheme_bytes("int8", n, k) / dense < 0.26
-    assert quant.scheme_bytes("int4", n, k) / dense < 0.15
+    assert quant.scheme_bytes("int4", n, k) / dense < 0.16  # half a byte a weight, 4 bytes of scale and zero per 32

@@ -12,8 +12,9 @@ Prints one JSON object:
 - ``false_accusations``: failed verdicts over ``--honest`` audited sessions of an honest stage (must be 0);
 - ``auditor_cost``: seconds per audited position (the re-run and the checks of the openings) over the
   stage's own decode seconds per position;
-- ``ring``: decode tokens/s of a real in-process ring (libp2p on loopback) with and without a client
-  opening windows of its earlier jobs at the stage's rate limit, side by side, interleaved.
+- ``ring``: decode tokens/s of a 2-stage ring of ``swarm stage`` processes (libp2p on loopback) with
+  and without an auditor process opening windows of an earlier job at the stages' rate limit, side by
+  side, interleaved.
 
 What is simulated (``simulated``): the detection trials and false accusations run the product's audit
 code (``swarm.audit`` window logs, commitments, signed openings and their checks; ``swarm.fraud.pick``
@@ -52,7 +53,7 @@ from swarm.auditor.judge import Blocks, judge, verify_proof  # noqa: E402
 from swarm.kernels.facts import stage_class  # noqa: E402
 from swarm.model.block import load_block  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
-from swarm.transport.identity import load_or_create_key, peer_id_of, sign  # noqa: E402
+from swarm.transport.identity import peer_id_of, sign  # noqa: E402
 from tests.support.cheats import KINDS, cheat  # noqa: E402
 
 MODEL = ROOT.parent / "shared" / "models" / "stories260k"
@@ -201,49 +202,75 @@ def cost(keys: Path, blocks: Blocks, akey, positions: int = 64) -> dict:
             "fraction": round(audit_s / decode_s, 4), "positions": positions}
 
 
-async def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
-    """Decode tokens/s of an in-process 2-stage ring, alternating runs without and with a client that
-    keeps opening windows of earlier jobs (at most the stage's audit rate limit)."""
-    from swarm.auditor.run import Auditor
-    from tests.support.ring import LOOPBACK, signed_job, start_ring
-    from swarm.transport import open_host
+def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
+    """Decode tokens/s of a 2-stage ring of ``swarm stage`` processes, alternating runs without and with
+    an auditor process that keeps opening windows of an earlier job (at most the stages' audit rate limit)."""
+    import subprocess
+
+    from swarm.cli.launch import LocalRing
+    from tests.support.ring import signed_job
 
     runs = {"off": [], "on": []}
     prompt = list(range(5, 5 + 70))
-    async with trio.open_nursery() as nursery:
-        spec, _ = await start_ring(nursery, MODEL, [(0, 2), (2, 5)], tmp, dtype="float32")
-        first = await signed_job(spec, MODEL, tmp, prompt, tmp / "r", tokens)
-        akey = load_or_create_key(tmp / "aud.key")
-        async with open_host(akey, [LOOPBACK]) as host:
-            opener = Auditor(host, akey, Blocks(MODEL), rate=1.0, all_windows=True)
-            for mode in ["off", "on", "on", "off"] * rounds:
-                stop = trio.Event()
-                if mode == "on":
-                    nursery.start_soon(_keep_opening, opener, first["doc"], stop)
-                res = await signed_job(spec, MODEL, tmp, prompt, tmp / "r", tokens)
-                stop.set()
-                runs[mode].append(res["doc"]["tokens_per_s"])
-        nursery.cancel_scope.cancel()
-    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
-    return {"tokens_per_s_without_audits": round(off, 2), "tokens_per_s_with_audits": round(on, 2),
-            "change_pct": round(100 * (on - off) / off, 2), "runs": runs, "tokens": tokens,
-            "note": "with audits: an auditor client in the same process opens every window of every stage of an "
-                    "earlier job once a second during the run (each job audited in full: 20x the default 5%); "
-                    "the re-runs happen on the auditor's machine, not here; stages, coordinator and auditor share "
-                    "one Python process on 2 cores"}
-
-
-async def _keep_opening(opener, job: dict, stop: trio.Event) -> None:
-    from swarm.errors import SwarmError
-
-    while not stop.is_set():
-        for r, entry in zip(job["stage_receipts"], job["ring"]):
+    with LocalRing(str(MODEL), [LayerRange(0, 2), LayerRange(2, 5)], tmp / "keys", threads=1,
+                   extra_args=["--dtype", "float32"]) as ring:
+        spec = ring.ring_spec()
+        first = trio.run(signed_job, spec, MODEL, tmp, prompt, tmp / "r", tokens)
+        job = tmp / "first-job.json"
+        job.write_text(json.dumps(first["doc"]))
+        for mode in ["off", "on", "on", "off"] * rounds:
+            opener = None
+            if mode == "on":
+                opener = subprocess.Popen([sys.executable, __file__, "--open-loop", str(job)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                seen = []
+                for line in opener.stderr:  # wait until it is opening windows (its imports take seconds)
+                    seen.append(line)
+                    if line.startswith("opened"):
+                        break
+                else:
+                    raise RuntimeError(f"the auditor process opened nothing: {''.join(seen)[-500:]}")
             try:
-                await opener._open(entry["addr"], r, r["windows"]["leaves"] - 1)
-            except SwarmError as exc:  # a refusal (the rate limit) is the stage protecting itself
-                print(f"audit refused: {exc}", file=sys.stderr)
-        with trio.move_on_after(1.0):
-            await stop.wait()
+                res = trio.run(signed_job, spec, MODEL, tmp, prompt, tmp / "r", tokens)
+            finally:
+                if opener is not None:
+                    opener.terminate()
+                    opener.communicate(timeout=30)
+            runs[mode].append(res["doc"]["tokens_per_s"])
+    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+    # each "on" run sits next to an "off" run (off, on, on, off): their ratio cancels the machine's drift
+    paired = [a / b for a, b in zip(runs["on"], runs["off"])]
+    return {"tokens_per_s_without_audits": round(off, 2), "tokens_per_s_with_audits": round(on, 2),
+            "change_pct": round(100 * (on - off) / off, 2),
+            "paired_ratio_median": round(statistics.median(paired), 4),
+            "paired_ratio_geomean": round(statistics.geometric_mean(paired), 4),
+            "paired_ratios": [round(r, 3) for r in paired], "runs": runs, "tokens": tokens,
+            "note": "stages are `swarm stage` processes (1 thread each), the coordinator this process; with audits "
+                    "an auditor process opens every window of every stage of an earlier job once a second during "
+                    "the run (each job audited in full: 20x the default 5%); its checks and re-runs are its own "
+                    "CPU, here on the same 2 cores"}
+
+
+async def _open_loop(job_path: Path) -> None:
+    """``--open-loop``: keep opening every window of every stage of a job until terminated (the auditor
+    process of the ring part)."""
+    from swarm.auditor.run import Auditor
+    from swarm.errors import SwarmError
+    from swarm.transport import open_host
+    from tests.support.ring import LOOPBACK
+
+    job = json.loads(job_path.read_text())
+    akey = _key("opener")
+    async with open_host(akey, [LOOPBACK]) as host:
+        opener = Auditor(host, akey, Blocks(MODEL), rate=1.0, all_windows=True)
+        while True:
+            for r, entry in zip(job["stage_receipts"], job["ring"]):
+                try:
+                    await opener._open(entry["addr"], r, r["windows"]["leaves"] - 1)
+                    print("opened", r["windows"]["leaves"], "windows", file=sys.stderr, flush=True)
+                except SwarmError as exc:  # a refusal (the rate limit) is the stage protecting itself
+                    print(f"audit refused: {exc}", file=sys.stderr, flush=True)
+            await trio.sleep(1.0)
 
 
 def main(argv=None) -> int:
@@ -253,10 +280,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--open-loop", type=Path, metavar="JOB", help=argparse.SUPPRESS)  # the ring part's auditor
     ap.add_argument("--parts", default="trials,honest,cost,ring",
                     help="which parts to run (comma-separated): the cheats' trials, the honest sessions, the "
                          "auditor's cost, the ring's tokens/s with and without audits (default: all)")
     args = ap.parse_args(argv)
+    if args.open_loop:
+        try:
+            trio.run(_open_loop, args.open_loop)
+        except KeyboardInterrupt:
+            pass
+        return 0
     parts = set(args.parts.split(","))
     if not parts <= {"trials", "honest", "cost", "ring"}:
         ap.error(f"--parts takes trials, honest, cost and ring, got {args.parts!r}")
@@ -274,7 +308,7 @@ def main(argv=None) -> int:
         if "cost" in parts:
             out["auditor_cost"] = cost(tmp, blocks, akey)
         if "ring" in parts:
-            out["ring"] = trio.run(_ring_run, args.tokens, args.rounds, tmp)
+            out["ring"] = _ring_run(args.tokens, args.rounds, tmp)
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out))
     return 0

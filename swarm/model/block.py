@@ -20,6 +20,7 @@ import torch
 from swarm.errors import ConfigError, ModelError
 from swarm.kernels import invariant
 from swarm.kernels.invariant import RotaryTable
+from swarm.model import moe
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -96,6 +97,8 @@ def load_config(model_dir: Path):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelError(f"{cfg_path}: {name} must be a positive integer, got {value!r}")
     config._attn_implementation = RAGGED_ATTENTION
+    if config.model_type in moe.MOE_FAMILIES:  # transformers' loop over experts (swarm.model.moe runs it per token)
+        config._experts_implementation = "eager"
     return config
 
 
@@ -157,10 +160,17 @@ class LayerBlock(torch.nn.Module):
         self.quantize: str | None = None  # int8 / int4: Linear weights held quantized (load_block's quantize)
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
+        in_moe: set[int] = set()  # modules inside a sparse-MoE block, which runs once per token (swarm.model.moe)
+        for mod in self.layers.modules():
+            if moe.is_moe_block(mod):
+                moe.per_token_moe(mod)
+                in_moe.update(id(m) for m in mod.modules() if m is not mod)
+            elif moe.is_router(mod):
+                moe.stable_router(mod)
         for mod in owned:
             if invariant.is_gemm(mod):
                 _tiled(mod, self)
-            elif invariant.is_activation(mod) or invariant.is_norm(mod):
+            elif (invariant.is_activation(mod) or invariant.is_norm(mod)) and id(mod) not in in_moe:
                 _per_token(mod, self)
 
     def set_kernel_mode(self, mode: str) -> None:
@@ -358,8 +368,14 @@ class LayerBlock(torch.nn.Module):
 
     def _window(self, attn) -> int | None:
         """Sliding window of attention module ``attn`` in positions, or None: Qwen2/Qwen3 set it per
-        layer on the module, Mistral only in the config."""
-        return attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        layer on the module (a config with ``layer_types`` gives the others full attention, whatever
+        its ``sliding_window``: Qwen2-MoE's default is 0 there), Mistral and Mixtral only in the config."""
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window or None
+        types, index = getattr(self.config, "layer_types", None), getattr(attn, "layer_idx", None)
+        if types and index is not None and types[index] != "sliding_attention":
+            return None
+        return getattr(self.config, "sliding_window", None) or None
 
     def _mask(self, attn, pos: int, t: int) -> torch.Tensor | None:
         """Boolean (1, 1, T, S + T) mask for attention module ``attn``, True = attend; None where
@@ -532,7 +548,8 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     module.forward = forward
 
 
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm", "MixtralRMSNorm",
+             "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
 SILUS = ("SiLUActivation", "SiLU")
 
 
@@ -603,15 +620,21 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
 
     index = tensor_index(model_dir)
     tied_name = f"{family.base}.{family.embed}.weight"
-    wanted: dict[str, tuple[torch.nn.Module, str, str]] = {}  # file tensor name -> (module, param name, file)
+    # full param name -> (module, param name, file tensor name, or (kind, names) of per-expert tensors fused)
+    wanted: dict[str, tuple] = {}
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     for prefix, module in owned.items():
         for pname, _ in module.named_parameters():
             full = f"{prefix}.{pname}"
             src = full
             if full not in index and full == f"{family.lm_head}.weight" and getattr(config, "tie_word_embeddings", False):
                 src = tied_name  # tied LM head: the tail reads the embedding matrix
-            if src not in index:
-                raise ModelError(f"{model_dir} lacks tensor {src!r} needed by layers {layer_range}")
+            elif full not in index and experts:
+                src = (moe.expert_sources(prefix, pname, experts, index) or moe.renamed_source(prefix, pname, index)
+                       or src)
+            missing = [n for n in moe.sources_of(src) if n not in index]
+            if missing:
+                raise ModelError(f"{model_dir} lacks tensor {missing[0]!r} needed by layers {layer_range}")
             wanted[full] = (module, pname, src)
 
     return modules, wanted, base
@@ -627,7 +650,7 @@ def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[st
     config = load_config(model_dir)
     layer_range.check_within(config.num_hidden_layers)
     _, wanted, _ = _plan(model_dir, config, FAMILIES[config.model_type], layer_range)
-    return {src for _, _, src in wanted.values()}
+    return {name for _, _, src in wanted.values() for name in moe.sources_of(src)}
 
 
 def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
@@ -666,8 +689,10 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
     by_file: dict[Path, list[str]] = {}
+    fused = {full: src for full, (_, _, src) in wanted.items() if not isinstance(src, str)}
     for full, (_, _, src) in wanted.items():
-        by_file.setdefault(index[src], []).append(full)
+        if full not in fused:
+            by_file.setdefault(index[src], []).append(full)
     bar = _progress(len(wanted), progress, f"loading layers {layer_range}")
     held: dict[str, torch.nn.Parameter] = {}  # file tensor -> its parameter: a tied LM head shares the embedding's
     for path, names in by_file.items():
@@ -683,6 +708,18 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                     block.loaded_bytes += tensor.numel() * tensor.element_size()
                 if bar:
                     bar.update(1)
+    for full, (kind, names) in fused.items():  # per-expert checkpoint tensors, stacked as the module holds them
+        module, pname, _ = wanted[full]
+        if kind == "gate_up":
+            parts = [[_read(index, n) for n in pair] for pair in names]
+        else:
+            parts = [_read(index, n) for n in names]
+        tensor = moe.fuse(kind, parts).to(device=dev, dtype=dt)
+        _assign(module, pname, tensor)
+        block.loaded_tensors.extend(moe.sources_of((kind, names)))
+        block.loaded_bytes += tensor.numel() * tensor.element_size()
+        if bar:
+            bar.update(1)
     if bar:
         bar.close()
     if family.rotary:
@@ -745,6 +782,14 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
         block.loaded_bytes += q.nbytes - w.numel() * w.element_size()
         mod.weight = torch.nn.Parameter(w.new_empty((0,)), requires_grad=False)  # the float copy is freed
     block.quantize = scheme
+
+
+def _read(index: dict, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint, by name (``index``: name -> shard path)."""
+    from safetensors import safe_open
+
+    with safe_open(str(index[name]), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
 
 
 def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.nn.Parameter:

@@ -136,14 +136,15 @@ def _meta_shapes(config_dir: Path, config: dict) -> dict:
 def _quantized(name: str, shape: tuple, dtype: str, config: dict) -> int:
     """Bytes of one tensor in a block loaded with ``quantize=dtype``: a decoder layer's Linear weight or an
     untied LM head's held as :mod:`swarm.kernels.quant` holds it where the scheme takes its shape, anything
-    else in bfloat16 (GPT-2's Conv1D layers stay bfloat16)."""
+    else in bfloat16 (GPT-2's Conv1D layers, and a mixture-of-experts model's routers and routed experts,
+    which are no Linear modules, stay bfloat16)."""
     from swarm.kernels import quant
     from swarm.weights.families import FAMILIES
 
     family = FAMILIES.get(config.get("model_type"))
     numel = math.prod(shape)
     linear = (family is not None and config.get("model_type") != "gpt2" and len(shape) == 2
-              and name.endswith(".weight")
+              and name.endswith(".weight") and ".experts." not in name and not name.endswith(".gate.weight")
               and (name.startswith(f"{family.base}.{family.layers}.") or name.startswith(f"{family.lm_head}.")))
     held = quant.scheme_bytes(dtype, *shape) if linear else None
     return numel * 2 if held is None else held

@@ -39,5 +39,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
     "phi3": _LLAMA_LIKE,
+    # sparse mixture-of-experts families (swarm.model.moe): the same paths, experts under each layer
+    "mixtral": _LLAMA_LIKE,
+    "qwen2_moe": _LLAMA_LIKE,
+    "qwen3_moe": _LLAMA_LIKE,
     "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
 }

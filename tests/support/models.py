@@ -17,7 +17,20 @@ FAMILY_CONFIGS = {
     "phi3": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, pad_token_id=0),
     "gpt2": dict(n_embd=32, n_layer=4, n_head=4, vocab_size=97, n_positions=128, bos_token_id=0, eos_token_id=0),
+    # sparse mixture-of-experts families (swarm.model.moe); no EOS, so generate never stops early
+    "mixtral": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, num_local_experts=4,
+                    num_experts_per_tok=2, eos_token_id=None),
+    "qwen2_moe": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                      decoder_sparse_step=1, norm_topk_prob=False, eos_token_id=None),
+    "qwen3_moe": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, head_dim=8, max_position_embeddings=128, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1, norm_topk_prob=True,
+                      eos_token_id=None),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_synthetic(family: str, out_dir: Path, dtype: str = "float64", seed: int = 0, **overrides) -> Path:
@@ -38,6 +51,8 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    if getattr(model.config, "_experts_implementation", None) is not None:  # MoE: the loop over experts (any dtype)
+        model.config._experts_implementation = "eager"
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,133 @@
+"""Mixture-of-experts layers, exact by construction: per-token expert blocks, stable routing, fused expert weights.
+
+Owns: what a block needs beyond a dense family to run transformers' own sparse-MoE modules (Mixtral,
+Qwen2-MoE with its shared expert, Qwen3-MoE) so that a row's bits never depend on its neighbours:
+
+- :func:`is_moe_block`, :func:`per_token_moe`: transformers computes a sparse-MoE block by grouping
+  the tokens routed to each expert into one GEMM, so a row's expert output depends on how many other
+  rows chose the same expert (a BLAS gives an M-row GEMM other bits than a GEMV). Here the whole block
+  runs once per token: every row takes exactly the calls a one-token decode step takes (routing, its
+  experts in ascending expert order, as transformers adds them, the shared expert), whatever shares
+  the forward.
+- :func:`stable_router`: the top-k routers pick experts by a stable sort of the routing probabilities
+  (descending score, then ascending expert index), so a tie always goes to the lower index (torch's
+  ``topk`` does not promise which of two equal scores it returns); without ties it returns what
+  transformers' router returns (the same softmax, normalisation and casts).
+- :func:`expert_sources`, :func:`fuse`: checkpoints store experts one by one
+  (``block_sparse_moe.experts.E.w1/w3/w2`` in Mixtral's, ``mlp.experts.E.gate_proj/up_proj/down_proj``
+  in Qwen's), while transformers' modules hold them fused (``mlp.experts.gate_up_proj`` (E, 2F, D) and
+  ``mlp.experts.down_proj`` (E, D, F)); a stage reads the per-expert tensors of its own layers and
+  stacks them (what transformers' checkpoint conversion does for these families on load).
+
+Source of the routing rule and layouts: the families' transformers implementations
+(``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``conversion_mapping``).
+Not here: gpt-oss (attention sinks, alternating sliding windows, clamped SwiGLU experts with biases) and
+DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing); those families are refused.
+May import torch; no networking.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swarm.kernels.invariant import canonical
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def is_moe_block(module: torch.nn.Module) -> bool:
+    """True for a sparse-MoE block of the supported families (``MixtralSparseMoeBlock``, ...)."""
+    return type(module).__name__.endswith("SparseMoeBlock")
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """True for the top-k routers of the supported families (``MixtralTopKRouter``, ...)."""
+    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+
+
+def per_token_moe(module: torch.nn.Module) -> None:
+    """Run ``module`` (a sparse-MoE block) once per token: (B, T, D) in, the T one-token calls
+    concatenated out; a one-token input is the call itself."""
+    plain = module.forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        b, t, d = hidden_states.shape
+        if b * t == 1:
+            return plain(canonical(hidden_states))
+        rows = hidden_states.reshape(b * t, 1, 1, d)
+        return torch.cat([plain(canonical(rows[i])) for i in range(b * t)]).reshape(b, t, d)
+
+    module.forward = forward
+
+
+def stable_router(module: torch.nn.Module) -> None:
+    """Replace a top-k router's expert choice by a stable sort (ties: the lower expert index wins).
+
+    Mixtral's router (no ``norm_topk_prob``) normalises the top-k probabilities and returns them in
+    float32; Qwen's normalise when ``norm_topk_prob`` and cast back to the logits' dtype, as
+    transformers' routers do. Returns (logits, top-k weights, top-k expert indices), as they do.
+    """
+    qwen = hasattr(module, "norm_topk_prob")
+
+    def forward(hidden_states: torch.Tensor):
+        h = hidden_states.reshape(-1, module.hidden_dim)
+        logits = F.linear(h, module.weight)
+        probs = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float)
+        ordered = torch.sort(probs, dim=-1, descending=True, stable=True)
+        top_v, top_i = ordered.values[..., :module.top_k], ordered.indices[..., :module.top_k]
+        if not qwen or module.norm_topk_prob:
+            top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+        if qwen:
+            top_v = top_v.to(logits.dtype)
+        return logits, top_v, top_i
+
+    module.forward = forward
+
+
+def expert_sources(prefix: str, pname: str, num_experts: int, index) -> tuple[str, list] | None:
+    """The checkpoint tensors a fused expert parameter is made of, or None when it is not one.
+
+    Args:
+        prefix: the layer's module path (``model.layers.3``). pname: the parameter's path in the layer
+            (``mlp.experts.gate_up_proj``). num_experts: E. index: the checkpoint's tensor names.
+    Returns:
+        ``("gate_up", [[gate_0, up_0], ...])`` or ``("down", [down_0, ...])`` in expert order, named as
+        the checkpoint names them (Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen's
+        ``mlp.experts.E.gate_proj/up_proj/down_proj``); None for other parameters or when the
+        checkpoint holds neither layout.
+    """
+    if not pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return None
+    layouts = [(f"{prefix}.block_sparse_moe.experts", ("w1", "w3", "w2")),
+               (f"{prefix}.{pname.rsplit('.', 1)[0]}", ("gate_proj", "up_proj", "down_proj"))]
+    for base, (gate, up, down) in layouts:
+        if f"{base}.0.{gate}.weight" in index:
+            if pname.endswith("gate_up_proj"):
+                return "gate_up", [[f"{base}.{e}.{gate}.weight", f"{base}.{e}.{up}.weight"] for e in range(num_experts)]
+            return "down", [f"{base}.{e}.{down}.weight" for e in range(num_experts)]
+    return None
+
+
+def renamed_source(prefix: str, pname: str, index) -> str | None:
+    """Mixtral's checkpoint name of a router weight the module holds as ``mlp.gate.weight``
+    (``block_sparse_moe.gate.weight``), if the checkpoint has it."""
+    if pname == "mlp.gate.weight" and f"{prefix}.block_sparse_moe.gate.weight" in index:
+        return f"{prefix}.block_sparse_moe.gate.weight"
+    return None
+
+
+def fuse(kind: str, tensors: list) -> torch.Tensor:
+    """Stack per-expert tensors as transformers' fused parameters hold them: ``gate_up``: for each
+    expert ``cat(gate, up)`` along the output dim, stacked (E, 2F, D); ``down``: stacked (E, D, F)."""
+    if kind == "gate_up":
+        return torch.stack([torch.cat(pair, dim=0) for pair in tensors])
+    return torch.stack(tensors)
+
+
+def sources_of(src) -> list[str]:
+    """The checkpoint tensor names behind one planned parameter (a name, or a fused one's sources)."""
+    if isinstance(src, str):
+        return [src]
+    kind, names = src
+    return [n for pair in names for n in pair] if kind == "gate_up" else list(names)

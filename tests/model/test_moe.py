@@ -1,0 +1,119 @@
+"""Sparse mixture-of-experts families (``swarm.model.moe``): per-expert weights fused, stable routing,
+per-token expert blocks; every contract on MoE blocks, with routing ties forced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from swarm.config import SpecConfig
+from swarm.coordinator.drafters import NgramDrafter
+from swarm.kernels.check import check_block
+from swarm.model import moe
+from swarm.model.block import block_tensor_names, load_block
+from swarm.ranges import LayerRange
+from tests.support.models import MOE_FAMILIES, chained_greedy, make_synthetic
+from tests.support.ring import ring_generate, start_ring
+
+PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
+RANGES = [(0, 1), (1, 3), (3, 4)]
+
+
+def _tied_routes(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of ``model_dir`` whose routers give experts 0 and 1 (and 2 and 3) the same scores for
+    every token: each pair's router rows made equal, so every choice between them is a tie."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            w = layer.mlp.gate.weight
+            w[1].copy_(w[0])
+            w[3].copy_(w[2])
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_a_tie_goes_to_the_lower_expert_index() -> None:
+    class Router(torch.nn.Module):  # shaped like transformers' top-k routers
+        def __init__(self, qwen: bool):
+            super().__init__()
+            self.top_k, self.hidden_dim = 2, 4
+            self.weight = torch.nn.Parameter(torch.tensor([[1.0, 0, 0, 0], [2, 0, 0, 0], [2, 0, 0, 0], [2, 0, 0, 0]]))
+            if qwen:
+                self.norm_topk_prob = False
+
+    for qwen in (False, True):
+        router = Router(qwen)
+        moe.stable_router(router)
+        _, weights, chosen = router(torch.tensor([[1.0, 0, 0, 0]]))
+        assert chosen.tolist() == [[1, 2]]  # experts 1, 2 and 3 tie: the two lowest indices, in order
+        assert weights[0, 0] == weights[0, 1]
+        if not qwen:  # Mixtral normalises the top-k weights
+            assert torch.allclose(weights.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_block_reads_only_its_layers_experts_and_passes_the_proof(family, tmp_path) -> None:
+    d = make_synthetic(family, tmp_path / family, dtype="float32")
+    block = load_block(d, LayerRange(1, 3), dtype="float32", device="cpu")
+    names = block_tensor_names(d, LayerRange(1, 3))
+    assert set(block.loaded_tensors) == names
+    assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in names)
+    assert any(".experts.3." in n for n in names)  # the per-expert tensors of the checkpoint, fused on load
+    assert check_block(block).ok and check_block(block, 2).ok
+
+
+def test_the_proof_fails_on_a_non_invariant_moe_path(tmp_path) -> None:
+    """An expert block whose chunk rows come out one ulp off their one-token bits (as transformers'
+    grouped expert GEMMs can) must fail the start-up proof."""
+    d = make_synthetic("mixtral", tmp_path / "m", dtype="float32")
+    block = load_block(d, LayerRange(1, 3), dtype="float32", device="cpu")
+    assert check_block(block, 2).ok
+    for layer in block.layers:
+        wrapped = layer.mlp.forward
+
+        def by_width(x, wrapped=wrapped):
+            y = wrapped(x)
+            return y if x.shape[1] == 1 else torch.nextafter(y, torch.full_like(y, float("inf")))
+
+        layer.mlp.forward = by_width
+    report = check_block(block, 2)
+    assert not report.ok and "differs" in report.reason
+
+
+@pytest.mark.ring
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_forced_ties_keep_ring_one_process_speculative_and_packed_alike(family, tmp_path) -> None:
+    d = _tied_routes(make_synthetic(family, tmp_path / "src", dtype="float64"), tmp_path / "tied")
+    blocks = [load_block(d, LayerRange(a, b), dtype="float64", device="cpu") for a, b in RANGES]
+    reference = chained_greedy(blocks, PROMPT, 10)
+    assert all(check_block(b, 2).ok for b in blocks)
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, d, RANGES, tmp_path)
+                greedy = await ring_generate(spec, d, 4, PROMPT, 10, tmp_path)
+                speculative = await ring_generate(spec, d, 4, PROMPT, 10, tmp_path, drafter=NgramDrafter(),
+                                                  spec_config=SpecConfig(draft="ngram", k=3, depth=2))
+                nursery.cancel_scope.cancel()
+        return greedy, speculative
+
+    greedy, speculative = trio.run(main)
+    assert greedy == reference == speculative
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_swarm_plan_counts_what_a_moe_block_holds(family, tmp_path) -> None:
+    from swarm.model import plan
+
+    d = make_synthetic(family, tmp_path / family, dtype="float32")
+    model = plan.model_shapes(d)
+    for scheme, dtype in (("float32", "float32"), ("int8", "auto")):
+        quantize = None if scheme == "float32" else scheme
+        block = load_block(d, LayerRange(1, 3), dtype=dtype, device="cpu", quantize=quantize)
+        assert block.loaded_bytes == plan.range_bytes(model, LayerRange(1, 3), scheme)

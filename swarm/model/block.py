@@ -431,11 +431,13 @@ def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plan = kwargs.pop("swarm_plan", None)
+    sinks = getattr(module, "sinks", None) is not None  # gpt-oss: a learned sink logit per head (moe.sink_attention)
+    attend = moe.sink_attention if sinks else sdpa_attention_forward
     if plan is None:  # not called from LayerBlock.forward_batch
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if plan.block.kernel_mode in ("fma", "triton"):
+        return attend(module, query, key, value, attention_mask, **kwargs)
+    if plan.block.kernel_mode in ("fma", "triton") and not sinks:  # those kernels have no sinks: rows for gpt-oss
         return _chunk_attention(plan, module, query, kwargs), None
-    outs = [invariant.attention_rows(sdpa_attention_forward, module, query[:, :, s.off:s.off + s.t], s.keys,
+    outs = [invariant.attention_rows(attend, module, query[:, :, s.off:s.off + s.t], s.keys,
                                      s.values, s.pos, plan.block._mask, **kwargs) for s in plan.segs]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 

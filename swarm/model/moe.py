@@ -21,8 +21,11 @@ Qwen2-MoE with its shared expert, Qwen3-MoE) so that a row's bits never depend o
 
 Source of the routing rule and layouts: the families' transformers implementations
 (``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``conversion_mapping``).
-Not here: gpt-oss (attention sinks, alternating sliding windows, clamped SwiGLU experts with biases) and
-DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing); those families are refused.
+- :func:`sink_attention`: gpt-oss's attention with a learned sink logit per head, for one query row at
+  a time (the fma and triton kernels have none, so gpt-oss attention always runs per row); its
+  alternating sliding windows are the modules' own ``sliding_window``.
+
+Not here: DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing); that family is refused.
 May import torch; no networking.
 """
 
@@ -33,12 +36,14 @@ import torch.nn.functional as F
 
 from swarm.kernels.invariant import canonical
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def is_moe_block(module: torch.nn.Module) -> bool:
-    """True for a sparse-MoE block of the supported families (``MixtralSparseMoeBlock``, ...)."""
-    return type(module).__name__.endswith("SparseMoeBlock")
+    """True for a sparse-MoE block of the supported families (``MixtralSparseMoeBlock``, ...,
+    ``GptOssMLP``)."""
+    name = type(module).__name__
+    return name.endswith("SparseMoeBlock") or name == "GptOssMLP"
 
 
 def is_router(module: torch.nn.Module) -> bool:
@@ -56,7 +61,10 @@ def per_token_moe(module: torch.nn.Module) -> None:
         if b * t == 1:
             return plain(canonical(hidden_states))
         rows = hidden_states.reshape(b * t, 1, 1, d)
-        return torch.cat([plain(canonical(rows[i])) for i in range(b * t)]).reshape(b, t, d)
+        outs = [plain(canonical(rows[i])) for i in range(b * t)]
+        if isinstance(outs[0], tuple):  # gpt-oss returns (hidden states, router scores)
+            return (torch.cat([o[0] for o in outs]).reshape(b, t, d), torch.cat([o[1] for o in outs]))
+        return torch.cat(outs).reshape(b, t, d)
 
     module.forward = forward
 
@@ -69,6 +77,15 @@ def stable_router(module: torch.nn.Module) -> None:
     transformers' routers do. Returns (logits, top-k weights, top-k expert indices), as they do.
     """
     qwen = hasattr(module, "norm_topk_prob")
+    if getattr(module, "bias", None) is not None:  # gpt-oss: top-k of the biased logits, softmax over those
+        def forward_logits(hidden_states: torch.Tensor):
+            logits = F.linear(hidden_states, module.weight, module.bias)
+            ordered = torch.sort(logits, dim=-1, descending=True, stable=True)
+            top_v, top_i = ordered.values[..., :module.top_k], ordered.indices[..., :module.top_k]
+            return logits, torch.nn.functional.softmax(top_v, dim=1, dtype=top_v.dtype), top_i
+
+        module.forward = forward_logits
+        return
 
     def forward(hidden_states: torch.Tensor):
         h = hidden_states.reshape(-1, module.hidden_dim)
@@ -131,3 +148,18 @@ def sources_of(src) -> list[str]:
         return [src]
     kind, names = src
     return [n for pair in names for n in pair] if kind == "gate_up" else list(names)
+
+
+def sink_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """gpt-oss attention (transformers' ``eager_attention_forward`` of that family: a sink logit per head
+    joins each row's softmax and is dropped after it) with a boolean mask (True = attend, as the block's
+    masks are) turned into the additive mask that function adds. Shapes as transformers' attention
+    functions: query (B, H, T, Dh), key/value (B, Hkv, S, Dh); returns ((B, T, H, Dh), weights)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill(~attention_mask,
+                                                                                          float("-inf"))
+    if scaling is None:
+        scaling = module.scaling
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)

@@ -144,7 +144,8 @@ def _quantized(name: str, shape: tuple, dtype: str, config: dict) -> int:
     family = FAMILIES.get(config.get("model_type"))
     numel = math.prod(shape)
     linear = (family is not None and config.get("model_type") != "gpt2" and len(shape) == 2
-              and name.endswith(".weight") and ".experts." not in name and not name.endswith(".gate.weight")
+              and name.endswith(".weight") and ".experts." not in name
+              and not name.endswith((".gate.weight", ".router.weight"))
               and (name.startswith(f"{family.base}.{family.layers}.") or name.startswith(f"{family.lm_head}.")))
     held = quant.scheme_bytes(dtype, *shape) if linear else None
     return numel * 2 if held is None else held

@@ -43,5 +43,6 @@ FAMILIES: dict[str, Family] = {
     "mixtral": _LLAMA_LIKE,
     "qwen2_moe": _LLAMA_LIKE,
     "qwen3_moe": _LLAMA_LIKE,
+    "gpt_oss": _LLAMA_LIKE,
     "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
 }

@@ -30,9 +30,11 @@ def _tied_routes(model_dir: Path, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
     with torch.no_grad():
         for layer in model.model.layers:
-            w = layer.mlp.gate.weight
-            w[1].copy_(w[0])
-            w[3].copy_(w[2])
+            router = getattr(layer.mlp, "gate", None) or layer.mlp.router  # gpt-oss: a biased router
+            for p in (router.weight, getattr(router, "bias", None)):
+                if p is not None:
+                    p[1].copy_(p[0])
+                    p[3].copy_(p[2])
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -63,7 +65,8 @@ def test_a_block_reads_only_its_layers_experts_and_passes_the_proof(family, tmp_
     names = block_tensor_names(d, LayerRange(1, 3))
     assert set(block.loaded_tensors) == names
     assert all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in names)
-    assert any(".experts.3." in n for n in names)  # the per-expert tensors of the checkpoint, fused on load
+    # Mixtral's and Qwen's checkpoints hold experts one by one (fused on load), gpt-oss's fused already
+    assert any((".experts.3." if family != "gpt_oss" else ".experts.gate_up_proj") in n for n in names)
     assert check_block(block).ok and check_block(block, 2).ok
 
 

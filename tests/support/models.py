@@ -29,8 +29,12 @@ FAMILY_CONFIGS = {
                       num_key_value_heads=2, vocab_size=97, head_dim=8, max_position_embeddings=128, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1, norm_topk_prob=True,
                       eos_token_id=None),
+    "gpt_oss": dict(hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, vocab_size=97, max_position_embeddings=128,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=4, eos_token_id=None,
+                    pad_token_id=0),  # layers alternate sliding and full attention (the config's default)
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def make_synthetic(family: str, out_dir: Path, dtype: str = "float64", seed: int = 0, **overrides) -> Path:

@@ -571,19 +571,15 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if block._tile is None:
             return plain(x)
-        if block.kernel_mode == "fma":
+        if block.kernel_mode in ("fma", "triton"):  # one interface: rms_norm(x, weight, eps), silu(x)
+            if block.kernel_mode == "fma":
+                kernels = fma
+            else:
+                from swarm.kernels import triton_ops as kernels
             if rms:
-                return fma.rms_norm(x, module.weight, module.variance_epsilon)
+                return kernels.rms_norm(x, module.weight, module.variance_epsilon)
             if silu:
-                return fma.silu(x)
-            return invariant.per_tile(plain, x)
-        if block.kernel_mode == "triton":
-            from swarm.kernels import triton_ops
-
-            if rms:
-                return triton_ops.rms_norm(x, module.weight, module.variance_epsilon)
-            if silu:
-                return triton_ops.silu(x)
+                return kernels.silu(x)
             return invariant.per_tile(plain, x)
         return invariant.per_token(plain, x)
 

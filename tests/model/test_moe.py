@@ -7,16 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 
-from swarm.config import SpecConfig
-from swarm.coordinator.drafters import NgramDrafter
 from swarm.kernels.check import check_block
 from swarm.model import moe
 from swarm.model.block import block_tensor_names, load_block
 from swarm.ranges import LayerRange
 from tests.support.models import MOE_FAMILIES, chained_greedy, make_synthetic
-from tests.support.ring import ring_generate, start_ring
+from tests.support.ring import greedy_and_speculative
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
 RANGES = [(0, 1), (1, 3), (3, 4)]
@@ -96,17 +93,7 @@ def test_forced_ties_keep_ring_one_process_speculative_and_packed_alike(family, 
     reference = chained_greedy(blocks, PROMPT, 10)
     assert all(check_block(b, 2).ok for b in blocks)
 
-    async def main():
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                spec, _ = await start_ring(nursery, d, RANGES, tmp_path)
-                greedy = await ring_generate(spec, d, 4, PROMPT, 10, tmp_path)
-                speculative = await ring_generate(spec, d, 4, PROMPT, 10, tmp_path, drafter=NgramDrafter(),
-                                                  spec_config=SpecConfig(draft="ngram", k=3, depth=2))
-                nursery.cancel_scope.cancel()
-        return greedy, speculative
-
-    greedy, speculative = trio.run(main)
+    greedy, speculative = greedy_and_speculative(d, RANGES, PROMPT, 10, tmp_path)
     assert greedy == reference == speculative
 
 

@@ -6,10 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 
-from swarm.config import SpecConfig, StageConfig
-from swarm.coordinator.drafters import NgramDrafter
+from swarm.config import StageConfig
 from swarm.errors import ConfigError
 from swarm.kernels import quant
 from swarm.kernels.check import check_block
@@ -19,7 +17,7 @@ from swarm.model.block import load_block
 from swarm.ranges import LayerRange
 from swarm.stage.preflight import preflight
 from tests.support.models import chained_greedy, make_synthetic
-from tests.support.ring import ring_generate, start_ring
+from tests.support.ring import greedy_and_speculative
 
 pytestmark = pytest.mark.skipif(not quant.usable()[0], reason=quant.usable()[1] or "usable")
 
@@ -91,21 +89,9 @@ def test_quantization_needs_bfloat16_on_the_cpu(tiny) -> None:
 def test_a_quantized_ring_is_one_process_with_the_same_weights_and_speculation_is_greedy(tiny, scheme,
                                                                                            tmp_path) -> None:
     reference = chained_greedy(_blocks(tiny, scheme), PROMPT, 10)
-    dense = chained_greedy(_blocks(tiny, None), PROMPT, 10)
 
-    async def main():
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                spec, _ = await start_ring(nursery, tiny, RANGES, tmp_path, dtype="auto", quantize=scheme)
-                greedy = await ring_generate(spec, tiny, 4, PROMPT, 10, tmp_path)
-                speculative = await ring_generate(spec, tiny, 4, PROMPT, 10, tmp_path, drafter=NgramDrafter(),
-                                                  spec_config=SpecConfig(draft="ngram", k=3, depth=2))
-                nursery.cancel_scope.cancel()
-        return greedy, speculative
-
-    greedy, speculative = trio.run(main)
+    greedy, speculative = greedy_and_speculative(tiny, RANGES, PROMPT, 10, tmp_path, dtype="auto", quantize=scheme)
     assert greedy == reference == speculative
-    assert len(dense) == len(reference)
 
 
 def test_an_auditor_loads_the_scheme_a_receipt_names(tiny) -> None:

@@ -61,6 +61,29 @@ async def ring_generate(spec: RingSpec, model_dir: Path, num_layers: int, prompt
     return out
 
 
+def greedy_and_speculative(model_dir: Path, ranges, prompt: list[int], new_tokens: int, key_dir: Path,
+                           dtype: str = "float64", **stage_kwargs) -> tuple[list[int], list[int]]:
+    """On one in-process ring (``stage_kwargs`` go to every stage), greedy ids, then n-gram speculative
+    ids (k 3, depth 2) of the same prompt."""
+    from swarm.config import SpecConfig
+    from swarm.coordinator.drafters import NgramDrafter
+
+    num_layers = ranges[-1][1]
+
+    async def main():
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, ranges, key_dir, dtype, **stage_kwargs)
+                greedy = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir)
+                speculative = await ring_generate(spec, model_dir, num_layers, prompt, new_tokens, key_dir,
+                                                  drafter=NgramDrafter(),
+                                                  spec_config=SpecConfig(draft="ngram", k=3, depth=2))
+                nursery.cancel_scope.cancel()
+        return greedy, speculative
+
+    return trio.run(main)
+
+
 def run_inprocess(model_dir: Path, ranges, prompt, new_tokens, key_dir: Path, dtype="float64", num_layers=None,
                   stop_ids=frozenset(), spec_config=None, drafter=None, info=None, **decode_kwargs):
     """Start an in-process ring, generate, tear everything down; returns the new ids."""

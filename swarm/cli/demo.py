@@ -57,7 +57,7 @@ def _run_demo(args, say, spec_config, sampling, sock) -> int:
     ranges = even_split(num_layers, args.stages)
     say(f"swarm demo: {resolved.name} ({num_layers} layers) on {args.stages} stages: "
         + ", ".join(str(r) for r in ranges))
-    extra = ["--dtype", args.dtype]
+    extra = ["--dtype", args.dtype] + (["--quantize", args.quantize] if args.quantize else [])
     for addr in args.bootstrap:  # the demo's stages also join that swarm and announce themselves
         extra += ["--bootstrap", addr]
     procs = len(ranges) * (2 if args.spares else 1)

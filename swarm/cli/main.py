@@ -295,6 +295,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="every stage holds its Linear weights quantized (`swarm stage --quantize`; CPU, bfloat16)")
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--serve", action="store_true",

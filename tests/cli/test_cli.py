@@ -337,6 +337,24 @@ def test_demo_kill_without_spares_names_the_lost_range(stories_dir):
     assert "layers [4, 5) is lost" in res.stderr and "no warm spare" in res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.process
+def test_demo_with_quantized_stages_gives_one_process_ids(stories_dir):
+    """`swarm demo --quantize int8`: three stage processes holding int8 weights give the ids of one
+    process running the same quantized blocks."""
+    from swarm.model.block import load_block
+    from swarm.ranges import LayerRange
+    from tests.support.models import chained_greedy
+
+    res = run_swarm("demo", "--model", str(stories_dir), "--stages", "3", "--no-chat", "--prompt", PROMPT,
+                    "--max-new-tokens", "12", "--quantize", "int8", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    blocks = [load_block(stories_dir, LayerRange(*r["layers"]), device="cpu", quantize="int8") for r in out["ring"]]
+    ids = out["output_ids"]
+    assert ids and ids == chained_greedy(blocks, out["prompt_ids"], 12)[:len(ids)]  # the demo may stop at EOS
+
+
 def test_a_log_line_never_lands_inside_streamed_text(capsys):
     """swarm demo --spares --kill-stage: a heal's log line must start on its own line, not mid-word."""
     import logging

@@ -154,7 +154,7 @@ class Auditor:
                     await trio.sleep(RATE_LIMIT_PAUSE_S)
                     continue
                 reason = answer.get("reason") if isinstance(answer, dict) else answer
-                exc = AuditFailed(f"refused: window {k}: {str(reason)[:200]}")
+                exc = AuditFailed(f"refused: window {k}: {str(reason)[:600]}")
                 exc.check = "refused"
                 raise exc
             return got

@@ -38,8 +38,8 @@ def _stage_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="hold the decoder layers' Linear weights (and an untied LM head's) quantized: int8 per "
-                        "output row or int4 in groups, multiplied by torch's own CPU ops in bfloat16 (about 0.26x / "
-                        "0.14x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; the "
+                        "output row or int4 in groups of 32, multiplied by torch's own CPU ops in bfloat16 (about "
+                        "0.25x / 0.16x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; the "
                         "start-up proof covers it; a weight whose shape the scheme does not take stays bfloat16")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
@@ -532,6 +532,8 @@ def cmd_stage(args) -> int:
 
         if mem_budget_mb is not None:
             raise ConfigError("give --max-memory or --mem-budget-mb, not both (they are the same budget)")
+        if layers is not None:
+            raise ConfigError("--max-memory sizes a stage that picks its layers: drop it or drop --layers")
         mem_budget_mb = parse_size(args.max_memory) / 2**20
     config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
                          key_fallback=args.key is None and layers is None,

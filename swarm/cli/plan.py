@@ -61,7 +61,10 @@ def cmd_plan(args) -> int:
                           "quantized": d in plan.QUANTIZED} for d, f in fps.items()}}
     failure = None
     if args.gpus:
-        cards = [plan.parse_size(s) for s in args.gpus.split(",") if s.strip()]
+        entries = [e.strip() for e in args.gpus.split(",")]
+        if not all(entries):
+            raise ConfigError(f"--gpus {args.gpus!r} has an empty entry: give sizes like 24GB,24GB,12GB")
+        cards = [plan.parse_size(e) for e in entries]
         reserve = plan.parse_size(args.reserve, zero=True)
         fp = fps[args.dtype]
         try:
@@ -79,10 +82,20 @@ def cmd_plan(args) -> int:
                          "free_bytes": p_.capacity - weights - kv - (reserve if p_.layers else 0)})
         out["split"] = {"dtype": args.dtype, "reserve_bytes": reserve, "kv_tokens_per_stage": kv_tokens,
                         "stages": rows, "fits": failure is None, **({"error": failure} if failure else {})}
+    notes = []
+    if args.gpus and args.dtype in plan.QUANTIZED:
+        notes.append(f"{args.dtype} stages run on the CPU for now (swarm stage --quantize): the split is of CPU memory")
+    quant_cfg = model.config.get("quantization_config")
+    if isinstance(quant_cfg, dict):
+        notes.append(f"this checkpoint is quantized ({quant_cfg.get('quant_method', 'unknown method')}), which the "
+                     "stage's loader does not read: the figures are for float weights")
+    out["notes"] = notes
     if args.json:
         print(json.dumps(out))
     else:
         _print(out, fps)
+        for note in notes:
+            print(f"note: {note}")
     if failure:
         print(f"swarm plan: error: {failure}", file=sys.stderr)
         return 1

@@ -678,7 +678,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     config = load_config(model_dir)
     family = FAMILIES[config.model_type]
     layer_range.check_within(config.num_hidden_layers)
-    dev = pick_device(device)
+    dev = pick_device("cpu" if quantize is not None and device == "auto" else device)  # quantized: the CPU's ops
     if quantize is not None:
         dtype = _quantized_dtype(quantize, dtype, dev)
     dt = pick_dtype(dtype, dev)
@@ -771,15 +771,21 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
     targets = [m for m in block.layers.modules() if isinstance(m, torch.nn.Linear)]
     if block.lm_head is not None and not tied and isinstance(block.lm_head, torch.nn.Linear):
         targets.append(block.lm_head)
+    kept = 0
     for mod in targets:
         w = mod.weight
         q = quant.quantize(w, scheme)
         if q is None:
-            continue  # the scheme does not take this shape: it stays in bfloat16
+            kept += 1  # the scheme does not take this shape: it stays in bfloat16
+            continue
         mod.__dict__["swarm_quant"] = q
         block.loaded_bytes += q.nbytes - w.numel() * w.element_size()
         mod.weight = torch.nn.Parameter(w.new_empty((0,)), requires_grad=False)  # the float copy is freed
     block.quantize = scheme
+    if kept:
+        log.warning("quantize.kept_bfloat16 layers=%s scheme=%s weights=%d of %d: %s does not take their shapes "
+                    "(int8: inputs a multiple of 16; int4: inputs of 32, outputs of 16)", block.layer_range, scheme,
+                    kept, len(targets), scheme)
 
 
 def _read(index: dict, name: str) -> torch.Tensor:

@@ -107,10 +107,10 @@ def model_shapes(path: Path | str) -> ModelShapes:
         shapes = {name: tuple(int(d) for d in headers.setdefault(shard, read_header(shard))[name]["shape"])
                   for name, shard in index.items()}
         return ModelShapes(shapes, config, "safetensors")
-    return ModelShapes(_meta_shapes(cfg_path.parent, config), config, "config")
+    return ModelShapes(_meta_shapes(cfg_path, config), config, "config")
 
 
-def _meta_shapes(config_dir: Path, config: dict) -> dict:
+def _meta_shapes(cfg_path: Path, config: dict) -> dict:
     """{name: shape} of transformers' model for ``config`` on the meta device; a tied LM head is left
     out, as a checkpoint leaves it out (the tail then reads the embedding)."""
     import torch
@@ -126,7 +126,7 @@ def _meta_shapes(config_dir: Path, config: dict) -> dict:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # transformers raises many types for a bad config
-        raise ModelError(f"cannot build the model of {config_dir / 'config.json'}: {exc}") from exc
+        raise ModelError(f"cannot build the model of {cfg_path}: {exc}") from exc
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):
         shapes = {n: s for n, s in shapes.items() if not n.startswith("lm_head.")}
@@ -272,6 +272,10 @@ def split(fp: Footprint, cards: list[int], *, kv_tokens: int, reserve: int = 0) 
     """
     if not cards:
         raise ConfigError("no cards to split over: give --gpus, e.g. --gpus 24GB,24GB,12GB")
+    small = [i for i, c in enumerate(cards) if c <= reserve]
+    if small:
+        raise ConfigError(f"--reserve {human(reserve)} leaves nothing of card {small[0]} ({human(cards[small[0]])}): "
+                          "give a smaller --reserve")
     room = [c - reserve for c in cards]
 
     def fill(f: float) -> list[int]:
@@ -294,7 +298,7 @@ def split(fp: Footprint, cards: list[int], *, kv_tokens: int, reserve: int = 0) 
             f"the {fp.num_layers} layers in {fp.dtype} do not fit these cards in this order: "
             f"{left} {'layer is' if left == 1 else 'layers are'} left over; the model needs about {human(need)} "
             f"with {kv_tokens} KV positions per stage and {human(reserve)} kept per card, the cards have "
-            f"{human(sum(cards))}; add cards, take a smaller dtype, or fewer --ctx/--sessions")
+            f"{human(sum(cards))}; add cards, take a smaller dtype, or fewer --ctx/--sessions (or a smaller --reserve)")
     lo, hi = 0.0, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2

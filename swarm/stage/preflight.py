@@ -82,7 +82,7 @@ def preflight(config: StageConfig) -> dict:
     num_layers = model_config.num_hidden_layers
     config.layers.check_within(num_layers)
     names = block_tensor_names(resolved.path, config.layers)
-    device = pick_device(config.device)
+    device = pick_device("cpu" if config.quantize is not None and config.device == "auto" else config.device)
     if config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
         from swarm.model.block import _quantized_dtype
 
@@ -107,6 +107,7 @@ def preflight(config: StageConfig) -> dict:
         for d in entry.get("shape", []):
             numel *= int(d)
         weights += numel * itemsize
+    _check_retention_dir(config.audit_retention_dir)
     if config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
         from swarm.model.plan import model_shapes, range_bytes
 
@@ -138,6 +139,25 @@ def preflight(config: StageConfig) -> dict:
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
         "memory_available_bytes": available, **_check_key(config.key_path),
     }
+
+
+def _check_retention_dir(path: Path | None) -> None:
+    """``--audit-retention-dir`` must be a writable directory, or creatable in one (nothing is created here).
+
+    Raises:
+        ConfigError: it is something else, or nothing could be written there.
+    """
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe == path and not path.is_dir():
+        raise ConfigError(f"--audit-retention-dir {path}: cannot keep spilled rows there: it is not a directory")
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--audit-retention-dir {path}: cannot keep spilled rows there: {probe} is not a "
+                          "writable directory")
 
 
 def _fetched_weights(config: StageConfig):

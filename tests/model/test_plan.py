@@ -157,3 +157,26 @@ def test_stage_max_memory_is_the_memory_budget(capsys) -> None:
     assert "is not a size" in capsys.readouterr().out
     assert main(["stage", "--model", "x", "--max-memory", "1GB", "--mem-budget-mb", "100"]) != 0
     assert "not both" in capsys.readouterr().out
+
+
+def test_split_refusals_name_the_cause(llama70b, capsys) -> None:
+    fp = plan.footprint(plan.model_shapes(llama70b), "bfloat16")
+    with pytest.raises(ConfigError, match=r"--reserve 30 GB leaves nothing of card 0"):
+        plan.split(fp, [24 * 10**9], kv_tokens=1, reserve=30 * 10**9)
+    assert main(["plan", str(llama70b), "--gpus", "24GB,,24GB"]) == 1
+    assert "empty entry" in capsys.readouterr().err
+    assert main(["plan", str(llama70b), "--gpus", "24GB,24GB,12GB", "--dtype", "int4"]) == 0
+    assert "note: int4 stages run on the CPU" in capsys.readouterr().out
+
+
+def test_a_bad_config_file_is_named_as_given(tmp_path, capsys) -> None:
+    bad = tmp_path / "neg.json"
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "vocab_size": 10}))
+    assert main(["plan", str(bad)]) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_max_memory_sizes_only_a_stage_that_picks_its_layers(capsys) -> None:
+    assert main(["stage", "--model", "x", "--layers", "0:1", "--max-memory", "1GB"]) != 0
+    assert "drop --layers" in capsys.readouterr().out

@@ -144,3 +144,28 @@ def test_an_audit_of_a_spilled_job_is_answered_and_a_corrupt_one_refused(tmp_pat
         assert gone["code"] == "no_job" and "was evicted" in gone["reason"]
 
     trio.run(main)
+
+
+def test_check_refuses_a_retention_dir_the_stage_could_not_use(tmp_path, monkeypatch) -> None:
+    """`swarm stage --check` says what the real start would: a file, or a place nothing can be written."""
+    from swarm.config import StageConfig
+    from swarm.errors import ConfigError
+    from swarm.ranges import LayerRange
+    from swarm.stage.preflight import preflight
+    from tests.support.models import make_synthetic
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = make_synthetic("llama", tmp_path / "m", dtype="float32")
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+
+    def check(where):
+        return preflight(StageConfig(model=str(model), layers=LayerRange(0, 1), device="cpu",
+                                     key_path=tmp_path / "k.key", audit_retention_dir=where))
+
+    with pytest.raises(ConfigError, match="not a directory"):
+        check(a_file)
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        check(a_file / "below")
+    assert check(tmp_path / "new" / "spill")["weights_bytes"] > 0  # creatable: fine, and nothing is created
+    assert not (tmp_path / "new").exists()

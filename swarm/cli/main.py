@@ -39,7 +39,8 @@ def _stage_parser(sub) -> None:
     p.add_argument("--quantize", choices=["int8", "int4"],
                    help="hold the decoder layers' Linear weights (and an untied LM head's) quantized: int8 per "
                         "output row or int4 in groups of 32, multiplied by torch's own CPU ops in bfloat16 (about "
-                        "0.25x / 0.16x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; the "
+                        "0.25x / 0.16x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; "
+                        "the "
                         "start-up proof covers it; a weight whose shape the scheme does not take stays bfloat16")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -706,18 +707,24 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                     block.loaded_bytes += tensor.numel() * tensor.element_size()
                 if bar:
                     bar.update(1)
-    for full, (kind, names) in fused.items():  # per-expert checkpoint tensors, stacked as the module holds them
-        module, pname, _ = wanted[full]
-        if kind == "gate_up":
-            parts = [[_read(index, n) for n in pair] for pair in names]
-        else:
-            parts = [_read(index, n) for n in names]
-        tensor = moe.fuse(kind, parts).to(device=dev, dtype=dt)
-        _assign(module, pname, tensor)
-        block.loaded_tensors.extend(moe.sources_of((kind, names)))
-        block.loaded_bytes += tensor.numel() * tensor.element_size()
-        if bar:
-            bar.update(1)
+    with ExitStack() as shards:  # per-expert checkpoint tensors, stacked as the module holds them
+        opened: dict[Path, object] = {}  # each shard opened (its header parsed) once, not once per expert
+
+        def read(name: str) -> torch.Tensor:
+            path = index[name]
+            if path not in opened:
+                opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            return opened[path].get_tensor(name)
+
+        for full, (kind, names) in fused.items():
+            module, pname, _ = wanted[full]
+            parts = [[read(n) for n in pair] for pair in names] if kind == "gate_up" else [read(n) for n in names]
+            tensor = moe.fuse(kind, parts).to(device=dev, dtype=dt)
+            _assign(module, pname, tensor)
+            block.loaded_tensors.extend(moe.sources_of((kind, names)))
+            block.loaded_bytes += tensor.numel() * tensor.element_size()
+            if bar:
+                bar.update(1)
     if bar:
         bar.close()
     if family.rotary:
@@ -786,14 +793,6 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
         log.warning("quantize.kept_bfloat16 layers=%s scheme=%s weights=%d of %d: %s does not take their shapes "
                     "(int8: inputs a multiple of 16; int4: inputs of 32, outputs of 16)", block.layer_range, scheme,
                     kept, len(targets), scheme)
-
-
-def _read(index: dict, name: str) -> torch.Tensor:
-    """One tensor of the checkpoint, by name (``index``: name -> shard path)."""
-    from safetensors import safe_open
-
-    with safe_open(str(index[name]), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
 
 
 def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.nn.Parameter:

@@ -30,7 +30,6 @@ from swarm.ranges import LayerRange
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZED = ("int8", "int4")
 DTYPES = tuple(FLOAT_BYTES) + QUANTIZED
-INT4_GROUP = 128
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")

@@ -145,12 +145,13 @@ def main() -> None:
                 print(json.dumps({"progress": name, "prompt_tokens": len(ids), **entry[name]}), file=sys.stderr)
             result["prompts"].append(entry)
     result["in_process"] = in_process(model, model_dir)
-    result["cpu"] = _cpu()
+    result["cpu"] = cpu_name()
     result["date"] = time.strftime("%Y-%m-%d")
     print(json.dumps(result, indent=1))
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo) and torch's thread count now (also bench/quantized.py's)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.prefill import cpu_name  # noqa: E402
 from swarm.model.block import load_block, model_num_layers  # noqa: E402
 from swarm.model.resolve import resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
@@ -44,13 +44,6 @@ from swarm.ranges import LayerRange  # noqa: E402
 TEXT = ROOT / "tests" / "data" / "quality.txt"
 SCHEMES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
            "int4": ("auto", "int4")}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def decode_rate(block, prompt: list[int], tokens: int) -> tuple[float, list[int]]:

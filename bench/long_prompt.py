@@ -5,7 +5,10 @@ First the short request alone ("Hi", 16 new tokens, greedy, streamed) a few time
 prompt (default 4032 tokens, streamed, 16 new tokens) and, once its prefill is under way, the same
 short request beside it. Prints one JSON object: short_alone_s (median wall time from request to
 the last event), short_beside_long_s, ratio, long_prompt_tokens, long_ttft_s, long_total_s, and the
-stages' scheduler counters. Usage: python bench/long_prompt.py [--long-tokens 4032] [--rounds 3]
+stages' scheduler counters; then, in this process, one transformers forward over the long prompt's
+chat-templated ids with 2 torch threads (the 3 stages' 1 thread each share this machine's cores), its
+seconds beside the ring's time to first token, and the CPU's name.
+Usage: python bench/long_prompt.py [--long-tokens 4032] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.prefill import cpu_name, reference_ttft  # noqa: E402
 from swarm.config import RingSpec  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
@@ -95,6 +99,7 @@ async def run(args) -> dict:
                 health = (await client.get(url + "/health", timeout=60)).json()
             nursery.cancel_scope.cancel()
     a, b = statistics.median(alone), statistics.median(beside) if beside else None
+    reference_s, reference_tokens = await trio.to_thread.run_sync(reference_long, resolved.path, tokenizer, long_content)
     return {
         "model": "smollm2-135m", "stages": 3, "threads_per_stage": 1, "stage_args": args.stage_args,
         "short_new_tokens": args.short_tokens, "long_prompt_tokens": args.long_tokens,
@@ -102,8 +107,23 @@ async def run(args) -> dict:
         "ratio": round(b / a, 2) if b else None, "target_ratio": 2.0,
         "alone_runs": [round(x, 3) for x in alone], "beside_runs": [round(x, 3) for x in beside],
         "long_ttft_s": round(long_result.get("ttft_s") or 0, 2), "long_total_s": round(long_total, 2),
+        "long_chat_tokens": reference_tokens, "transformers_2_thread_long_s": round(reference_s, 2),
+        "long_ttft_vs_transformers": round(reference_s / (long_result.get("ttft_s") or float("inf")), 3),
+        "cpu": cpu_name(),
         "stage_batching": [s.get("batching") for s in health["stages"]],
     }
+
+
+def reference_long(model_dir: Path, tokenizer, content: str) -> tuple[float, int]:
+    """One transformers forward over the long request's chat-templated ids, 2 threads: (seconds, tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seconds, _ = reference_ttft(model, ids, threads=2)
+    return seconds, len(ids)
 
 
 def main() -> None:

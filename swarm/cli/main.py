@@ -149,6 +149,12 @@ def _stage_parser(sub) -> None:
                      help="positions of a long prompt computed per step while other sessions have work waiting "
                           "(default 2): a row costs about what a decode step costs, so a short request beside a "
                           "long prompt keeps most of its speed while the long prompt goes on more slowly")
+    bat.add_argument("--no-prefill-piggyback", dest="prefill_piggyback", action="store_false",
+                     help="by default, while another session's decode row is due (within two of its own gaps "
+                          "between rows), a long prompt's slice waits for it and rides along in its step "
+                          "(Sarathi-Serve's stall-free batching), so the row never queues behind a slice and "
+                          "stages sharing a machine do not compete; with this flag the slices also run alone "
+                          "in between: the long prompt finishes sooner, the other sessions' rows wait more")
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step while no other session has work "
                           "waiting (default 128)")
@@ -551,6 +557,7 @@ def cmd_stage(args) -> int:
                          drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
                          batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
                          prefill_slice_shared=args.prefill_slice_shared,
+                         prefill_piggyback=args.prefill_piggyback,
                          batch_wait_ms=args.batch_wait_ms, inline_step_ms=args.inline_step_ms,
                          bootstrap=tuple(args.bootstrap),
                          announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,

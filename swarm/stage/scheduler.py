@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 BATCH_CHUNK_MAX = 16  # chunks of at most this many positions are decode/verify rows: batched across sessions
 MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator keeps a few in flight)
 ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
+DUE_GAPS = 2.0  # a decoder's next row is due within this many of its last gaps between rows ...
+DUE_SLACK_S = 0.02  # ... plus this (jitter of a ring round trip), seconds
+FIRST_GAP_S = 0.25  # the gap assumed for a decoder that has sent only one short chunk, seconds
 TIMING_FIELDS = ("chunks", "parse_s", "picked", "queue_s", "steps", "to_thread_s", "compute_s", "encode_s",
                  "from_thread_s", "frames_out", "outbox_s", "send_s", "inline_steps")
 """The stage's always-on timing counters (``info_ok`` ``timing``, docs/protocol.md): cumulative since
@@ -119,6 +122,36 @@ def long_chunk_shares(short_picked: bool, others: Iterable[tuple[float, int]], n
     return short_picked or any(now - active < ACTIVE_S and rows <= BATCH_CHUNK_MAX for active, rows in others)
 
 
+def decoder_due(others: Iterable[tuple[float, float]], now: float) -> float | None:
+    """Until when a long prompt's slice waits for another session's decode row to ride along.
+
+    Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024) computes a prompt's chunks only
+    inside the steps that carry the decode rows, so a decode row never queues behind a prompt's
+    step. In a ring a decoder's row is at this stage only one step in every ring round trip; a
+    slice computed alone in between is a step the row may arrive during (and, where stages share a
+    machine, compute the other stages' rows compete with). So while another session's next row is
+    due (its last short chunk arrived less than ``DUE_GAPS`` of its own gaps between short chunks
+    ago, plus ``DUE_SLACK_S``), the long chunk waits for that row and goes with it; a decoder that
+    went quiet (finished, or slower than its gaps said) stops holding it back at once.
+
+    Args:
+        others: ``(last_short, short_gap)`` of every other live session: trio clock seconds its last
+            short chunk arrived (0: none yet) and seconds between its last two short chunks (0:
+            only one so far, taken as ``FIRST_GAP_S``).
+        now: the trio clock, seconds.
+    Returns:
+        The trio clock time until which the long chunk waits, or None when no decoder is due.
+    """
+    due = None
+    for last, gap in others:
+        if not last:
+            continue
+        until = last + DUE_GAPS * min(gap or FIRST_GAP_S, ACTIVE_S) + DUE_SLACK_S
+        if until > now and (due is None or until > due):
+            due = until
+    return due
+
+
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
 
@@ -184,7 +217,8 @@ class Scheduler:
         self._work = trio.Event()  # set when a job is queued
         self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
         self.max_batch_rows = config.max_batch_rows
-        self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0}
+        self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0,
+                      "prefill_waits": 0}
         self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
         self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
         self.limiter = trio.CapacityLimiter(1)  # one thread computes on the block (or its caches) at a time
@@ -198,7 +232,12 @@ class Scheduler:
         """Queue a checked chunk (or receipt request) behind the session's others and wake the loop."""
         job.queued_at = time.perf_counter()
         if job.x is not None:
-            sess.last_rows = job.x.shape[1]
+            rows = job.x.shape[1]
+            if rows <= BATCH_CHUNK_MAX and not sess.shadow:  # a decode/verify row: note when the next one is due
+                now = trio.current_time()
+                sess.short_gap = now - sess.last_short if sess.last_short and sess.last_rows <= BATCH_CHUNK_MAX else 0.0
+                sess.last_short = now
+            sess.last_rows = rows
         sess.queue.append(job)
         sess.busy = True  # until its queue is empty: a probe during a long step sees it
         self._runq.setdefault(id(sess), sess)
@@ -233,6 +272,15 @@ class Scheduler:
         piece = None if picked.long is None else ready[picked.long]
         if not small and piece is None:
             return False  # a chunk queued meanwhile has set self._work again
+        if piece is not None and not small and self.config.prefill_piggyback:
+            due = decoder_due([(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]],
+                              trio.current_time())
+            if due is not None:  # wait for the decoder's row and go with it (or until it is overdue)
+                self.stats["prefill_waits"] += 1
+                self._work = trio.Event()
+                with trio.move_on_at(due):
+                    await self._work.wait()
+                return True
         if piece is not None:
             others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
             shared = long_chunk_shares(bool(small), others, trio.current_time())

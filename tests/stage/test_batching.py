@@ -150,9 +150,11 @@ def _server(model, layers, keys, **kwargs):
     return server
 
 
-def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=None, batch: bool = True):
+def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=None, batch: bool = True,
+           row_gap_s: float = 0.0):
     """Feed each session's prompt, then decode its tokens one at a time, all sessions at once, through
-    the stage's real frame handler and scheduler. ``sessions``: sid -> (prompt ids, new tokens)."""
+    the stage's real frame handler and scheduler. ``sessions``: sid -> (prompt ids, new tokens);
+    ``row_gap_s``: a pause before each next row (the rest of a ring's round trip)."""
     c = MemStream(peer_id_of(coord))
     if steps_log is not None:
         compute = server.scheduler._compute_step
@@ -180,6 +182,7 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
             assert got[-1]["type"] == "result", got[-1]
             out.append(got[-1]["token_ids"][-1])
             pos, feed = pos + len(feed), [out[-1]]
+            await trio.sleep(row_gap_s)
         await server.handle_frame(c, wire.frame("close", session=sid))
         return out
 
@@ -244,6 +247,33 @@ def test_a_long_prompt_yields_to_sessions_with_work_waiting(synthetic, tmp_path)
     shared = [w for (small, _), w in zip([e for e in log if e[1] and e[1][0] == "long"], widths) if small]
     assert shared and set(shared) == {2}, log  # beside the short session's rows: 2 rows a step
     assert 32 in widths or done[-1] + 32 >= 60, widths  # and full slices once it is alone
+
+
+@pytest.mark.parametrize("piggyback", [True, False])
+def test_a_long_prompt_rides_along_with_a_decoding_sessions_rows(synthetic, tmp_path, piggyback):
+    """While another session decodes (its next row due), a long prompt's slices wait for its rows and
+    go in their steps, never alone (Sarathi-Serve's stall-free batching; --no-prefill-piggyback turns it
+    off); once that session is gone, full slices. Every session still gets its solo tokens."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    rng = random.Random(6)
+    sessions = {"short": ([rng.randrange(97) for _ in range(3)], 12),
+                "long": ([rng.randrange(97) for _ in range(120)], 2)}
+    log: list = []
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=32, prefill_slice_shared=2,
+                     prefill_piggyback=piggyback)
+    together = _drive(server, coord, sessions, steps_log=log, row_gap_s=0.02)  # the row is away 20 ms
+    for sid, job in sessions.items():
+        assert _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=32), coord, {sid: job}) == \
+            {sid: together[sid]}, sid
+    decoding = [i for i, (small, _) in enumerate(log) if any(sid == "short" and pos > 0 for sid, pos, _ in small)]
+    during = [small for small, piece in log[decoding[0]:decoding[-1]] if piece and piece[0] == "long"]
+    assert during, log  # the long prompt went on while the short session decoded
+    alone = [small for small in during if not small]
+    if piggyback:
+        assert not alone and server.stats["prefill_waits"] > 0, log
+    else:
+        assert alone and server.stats["prefill_waits"] == 0, log  # slices alone between its rows
 
 
 def test_two_prompts_go_at_full_slices_and_yield_only_to_a_decoding_session(synthetic, tmp_path):

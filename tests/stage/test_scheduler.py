@@ -11,8 +11,9 @@ import pytest
 
 from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
-from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input,
-                                   long_chunk_shares, pick_rows)
+from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_SLACK_S, FIRST_GAP_S, MAX_QUEUED,
+                                   SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due, long_chunk_shares,
+                                   pick_rows)
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
 
@@ -50,6 +51,20 @@ NOW = 100.0
 ])
 def test_long_chunk_shares(short_picked, others, shared):
     assert long_chunk_shares(short_picked, others, NOW) is shared
+
+
+@pytest.mark.parametrize("others, due", [
+    ([], None),  # nobody else: the slice goes now
+    ([(0.0, 0.0)], None),  # a session that has not decoded yet (a prompt)
+    ([(NOW - 0.05, 0.1)], NOW - 0.05 + DUE_GAPS * 0.1 + DUE_SLACK_S),  # its next row is due: wait for it
+    ([(NOW - 0.5, 0.1)], None),  # five gaps late: it went quiet, the slice goes
+    ([(NOW - 0.1, 0.0)], NOW - 0.1 + DUE_GAPS * FIRST_GAP_S + DUE_SLACK_S),  # one row so far: the first gap
+    ([(NOW - 1.0, 60.0)], NOW - 1.0 + DUE_GAPS * ACTIVE_S + DUE_SLACK_S),  # a gap past ACTIVE_S counts as ACTIVE_S
+    ([(NOW - 0.01, 0.1), (NOW - 0.2, 0.2)], NOW - 0.2 + DUE_GAPS * 0.2 + DUE_SLACK_S),  # the latest due of all
+])
+def test_decoder_due(others, due):
+    got = decoder_due(others, NOW)
+    assert got == (None if due is None else pytest.approx(due))
 
 
 def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):

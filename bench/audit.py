@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -202,6 +203,12 @@ def cost(keys: Path, blocks: Blocks, akey, positions: int = 64) -> dict:
             "fraction": round(audit_s / decode_s, 4), "positions": positions}
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
     """Decode tokens/s of a 2-stage ring of ``swarm stage`` processes, alternating runs without and with
     an auditor process that keeps opening windows of an earlier job (at most the stages' audit rate limit)."""
@@ -211,6 +218,7 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
     from tests.support.ring import signed_job
 
     runs = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}  # the stages' CPU milliseconds per token of each run (machine noise hardly moves it)
     prompt = list(range(5, 5 + 70))
     with LocalRing(str(MODEL), [LayerRange(0, 2), LayerRange(2, 5)], tmp / "keys", threads=1,
                    extra_args=["--dtype", "float32"]) as ring:
@@ -232,8 +240,10 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
                         break
                 else:
                     raise RuntimeError(f"the auditor process opened nothing: {''.join(seen)[-500:]}")
+            before = sum(_cpu_s(sp.proc.pid) for sp in ring.stages)
             try:
                 res = trio.run(signed_job, spec, MODEL, tmp, prompt, tmp / "r", tokens)
+                cpu[mode].append(1000 * (sum(_cpu_s(sp.proc.pid) for sp in ring.stages) - before) / tokens)
             finally:
                 if opener is not None:
                     opener.terminate()
@@ -247,6 +257,10 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
             "paired_ratio_median": round(statistics.median(paired), 4),
             "paired_ratio_geomean": round(statistics.geometric_mean(paired), 4),
             "paired_ratios": [round(r, 3) for r in paired], "runs": runs, "tokens": tokens,
+            "stages_cpu_ms_per_token_without_audits": round(statistics.median(cpu["off"]), 4),
+            "stages_cpu_ms_per_token_with_audits": round(statistics.median(cpu["on"]), 4),
+            "stages_cpu_change_pct": round(100 * (statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1), 2),
+            "cpu_runs": {k: [round(x, 4) for x in v] for k, v in cpu.items()},
             "note": "stages are `swarm stage` processes (1 thread each), the coordinator this process; with audits "
                     "an auditor process (nice 19: its own checks stand for another machine's) opens every window of "
                     "every stage of an earlier job once a second during the run (each job audited in full: 20x the "

@@ -153,6 +153,11 @@ def _quantized(name: str, shape: tuple, dtype: str, config: dict) -> int:
 def tensor_bytes(name: str, shape: tuple, dtype: str, config: dict | None = None) -> int:
     """Bytes of one tensor held in ``dtype`` (one of ``DTYPES``; the quantized ones need the model's
     parsed ``config``)."""
+    from swarm.weights.families import FAMILIES
+
+    family = FAMILIES.get((config or {}).get("model_type"))
+    if family is not None and family.keeps_float32(name):  # DeepSeek-V3's router: float32 in any dtype
+        return math.prod(shape) * 4
     if dtype in FLOAT_BYTES:
         return math.prod(shape) * FLOAT_BYTES[dtype]
     if dtype in QUANTIZED:
@@ -173,16 +178,31 @@ def range_bytes(model: ModelShapes, layers: LayerRange, dtype: str) -> int:
     return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names)
 
 
-def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
-    """KV cache bytes one position costs in one layer: keys and values of every KV head, in the
-    compute dtype (bfloat16 for quantized weights)."""
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    hidden = config.get("hidden_size") or config.get("n_embd")
+def kv_elements_per_token_layer(config) -> int:
+    """Elements one position takes in one layer's KV cache, for a parsed config.json (dict) or a
+    transformers config: keys and values of every KV head (``2 * Hkv * Dh``), or for multi-head latent
+    attention (DeepSeek-V3) the cached latent and rotary key (``kv_lora_rank + qk_rope_head_dim``:
+    :mod:`swarm.model.mla`).
+
+    Raises:
+        ModelError: the config states no heads or hidden size.
+    """
+    get = config.get if isinstance(config, dict) else (lambda name: getattr(config, name, None))
+    if get("kv_lora_rank"):  # multi-head latent attention caches the latent, not per-head K and V
+        return int(get("kv_lora_rank")) + int(get("qk_rope_head_dim") or 0)
+    heads = get("num_attention_heads") or get("n_head")
+    hidden = get("hidden_size") or get("n_embd")
     if not heads or not hidden:
         raise ModelError("config.json states no num_attention_heads / hidden_size")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    return 2 * int(kv_heads) * int(head_dim) * FLOAT_BYTES.get(dtype, 2)
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or hidden // heads
+    return 2 * int(kv_heads) * int(head_dim)
+
+
+def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
+    """KV cache bytes one position costs in one layer (:func:`kv_elements_per_token_layer`), in the
+    compute dtype (bfloat16 for quantized weights)."""
+    return kv_elements_per_token_layer(config) * FLOAT_BYTES.get(dtype, 2)
 
 
 @dataclass(frozen=True)

@@ -207,11 +207,13 @@ def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Footprint:
-    """Per-layer bytes of a model in one dtype: ``layer`` (one decoder layer), ``head`` (what the first
-    stage holds besides its layers: embeddings), ``tail`` (what the last stage holds besides its layers:
-    final norm and LM head, or the embedding a tied head reads), ``whole`` (what one stage holding every
-    layer holds besides them: a tied embedding counts once), ``kv_token_layer`` (KV bytes per position
-    per layer)."""
+    """Per-layer bytes of a model in one dtype: ``layer`` (the largest decoder layer), ``head`` (what the
+    first stage holds besides its layers: embeddings), ``tail`` (what the last stage holds besides its
+    layers: final norm and LM head, or the embedding a tied head reads), ``whole`` (what one stage holding
+    every layer holds besides them: a tied embedding counts once), ``kv_token_layer`` (KV bytes per
+    position per layer), ``per_layer`` (each decoder layer's bytes, in order: DeepSeek-V3's first
+    ``first_k_dense_replace`` layers are dense, far smaller than its MoE layers; empty: every layer is
+    ``layer``)."""
 
     dtype: str
     num_layers: int
@@ -220,26 +222,33 @@ class Footprint:
     tail: int
     whole: int
     kv_token_layer: int
+    per_layer: tuple[int, ...] = ()
+
+    def layers_bytes(self, layers: LayerRange) -> int:
+        """Weight bytes of the decoder layers ``layers`` (no head or tail extras)."""
+        if self.per_layer:
+            return sum(self.per_layer[layers.start:layers.end])
+        return len(layers) * self.layer
 
     def stage_bytes(self, layers: LayerRange, kv_tokens: int) -> int:
         """Weights plus the KV of ``kv_tokens`` positions of a stage holding ``layers``."""
-        n = len(layers)
         if layers.start == 0 and layers.end == self.num_layers:
             extra = self.whole
         else:
             extra = (self.head if layers.start == 0 else 0) + (self.tail if layers.end == self.num_layers else 0)
-        return n * (self.layer + kv_tokens * self.kv_token_layer) + extra
+        return self.layers_bytes(layers) + len(layers) * kv_tokens * self.kv_token_layer + extra
 
     @property
     def total(self) -> int:
         """Weight bytes of the whole model."""
-        return self.num_layers * self.layer + self.whole
+        return self.layers_bytes(LayerRange(0, self.num_layers)) + self.whole
 
 
 def footprint(model: ModelShapes, dtype: str) -> Footprint:
     """The :class:`Footprint` of ``model`` in ``dtype``, from the stage's own tensor selection
-    (``select_tensors``): the head's and tail's extras are what a stage there loads beyond its layers.
-    Layers are taken as alike (the middle one is measured); :func:`range_bytes` is exact for any range."""
+    (``select_tensors``): the head's and tail's extras are what a stage there loads beyond its layers,
+    each layer's bytes are its own tensors' (tensors of layers past ``L``, such as DeepSeek-V3's
+    multi-token-prediction layer, are no stage's); :func:`range_bytes` is exact for any range."""
     from swarm.weights.families import FAMILIES
     from swarm.weights.select import select_tensors
 
@@ -252,11 +261,15 @@ def footprint(model: ModelShapes, dtype: str) -> Footprint:
         return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names
                    if not n.startswith(layer_prefix))
 
-    mid = f"{layer_prefix}{num // 2}."
-    layer = sum(tensor_bytes(n, s, dtype, model.config) for n, s in model.shapes.items() if n.startswith(mid))
+    per_layer = [0] * num
+    for n, s in model.shapes.items():
+        index = n[len(layer_prefix):].split(".", 1)[0] if n.startswith(layer_prefix) else ""
+        if index.isdigit() and int(index) < num:
+            per_layer[int(index)] += tensor_bytes(n, s, dtype, model.config)
     whole = extras(0, num)
     head, tail = (extras(0, 1), extras(num - 1, num)) if num > 1 else (whole, 0)
-    return Footprint(dtype, num, layer, head, tail, whole, kv_bytes_per_token_layer(model.config, dtype))
+    return Footprint(dtype, num, max(per_layer, default=0), head, tail, whole,
+                     kv_bytes_per_token_layer(model.config, dtype), tuple(per_layer))
 
 
 @dataclass(frozen=True)

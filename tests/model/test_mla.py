@@ -59,7 +59,16 @@ def _decode(blocks, caches, pos: int, ids: list[int], new_tokens: int):
     return out, rows
 
 
-def test_the_cache_holds_latents_and_every_count_of_kv_bytes_agrees(synthetic) -> None:
+def _preflight(model: Path, layers: LayerRange, dtype: str, key: Path) -> dict:
+    """The stage's own preflight (its SWARM_STAGE_OK payload) for ``layers`` of ``model``."""
+    from swarm.config import StageConfig
+    from swarm.stage.preflight import preflight
+
+    return preflight(StageConfig(model=str(model), layers=layers, dtype=dtype, device="cpu", key_path=key))
+
+
+def test_the_cache_holds_latents_and_every_count_of_kv_bytes_agrees(synthetic, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # preflight sets it; restored afterwards
     model = synthetic("deepseek_v3", "float32")
     block = load_block(model, LayerRange(1, 3), dtype="float32", device="cpu")
     cache = block.new_cache(64)
@@ -72,11 +81,14 @@ def test_the_cache_holds_latents_and_every_count_of_kv_bytes_agrees(synthetic) -
     config = json.loads((model / "config.json").read_text())
     assert plan.kv_bytes_per_token_layer(config, "float32") == LATENT * 4
     assert plan.kv_bytes_per_token_layer(config, "bfloat16") == LATENT * 2
+    assert _preflight(model, LayerRange(1, 3), "float32", tmp_path / "k")["kv_bytes_per_position"] == 2 * LATENT * 4
 
 
-def test_the_router_stays_float32_in_a_bfloat16_block_as_transformers_keeps_it(synthetic) -> None:
+def test_the_router_stays_float32_in_a_bfloat16_block_as_transformers_keeps_it(synthetic, tmp_path,
+                                                                                monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = synthetic("deepseek_v3", "float32")
     block = load_block(model, LayerRange(1, 2), dtype="bfloat16", device="cpu")
     gate = block.layers[0].mlp.gate
@@ -84,7 +96,8 @@ def test_the_router_stays_float32_in_a_bfloat16_block_as_transformers_keeps_it(s
     assert block.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     ref = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).model.layers[1].mlp.gate
     assert ref.weight.dtype == torch.float32 and torch.equal(ref.weight, gate.weight)
-    assert block.loaded_bytes == plan.range_bytes(plan.model_shapes(model), LayerRange(1, 2), "bfloat16")
+    assert block.loaded_bytes == plan.range_bytes(plan.model_shapes(model), LayerRange(1, 2), "bfloat16") \
+        == _preflight(model, LayerRange(1, 2), "bfloat16", tmp_path / "k")["weights_bytes"]
 
 
 def test_swarm_plan_counts_dense_and_moe_layers_apart(synthetic) -> None:
@@ -121,6 +134,8 @@ def test_resumed_from_a_stored_prefix_equals_fresh_with_ties(tied) -> None:
     """Exactness contract 5 on the latent cache: a session resumed from another's stored prefix blocks
     (the stage's PrefixStore copies the latent rows) gives the bits of a fresh prefill."""
     blocks = _blocks(tied)
+    for layer in (*blocks[1].layers, *blocks[2].layers):  # every choice is a tie: groups 0-2, experts 0-5
+        assert layer.mlp.gate(torch.randn(4, CONFIG["hidden_size"]))[2].tolist() == [[0, 1, 2]] * 4
     ids = (PROMPT * 3)[:20]  # one whole block of 16 positions to reuse
     first = [b.new_cache(64) for b in blocks]
     _step(blocks, first, 0, ids)

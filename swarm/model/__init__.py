@@ -8,6 +8,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``sampling``  keyed sampling: the token at position n drawn with noise keyed by (seed, n)
 - ``recompute`` a block re-run on a stage's opened input rows: the rows it should have sent (audits)
 - ``moe``       sparse mixture-of-experts blocks run per token, stable routing, per-expert weights fused
+- ``mla``       multi-head latent attention (DeepSeek-V3): latents cached, attention one row at a time
 - ``plan``      memory planning: bytes per layer and per token of KV, splits of the layers over cards
 
 Rule: may import the shared core, ``kernels`` and ``weights``; torch, transformers, safetensors,

@@ -21,7 +21,7 @@ import torch
 from swarm.errors import ConfigError, ModelError
 from swarm.kernels import invariant
 from swarm.kernels.invariant import RotaryTable
-from swarm.model import moe
+from swarm.model import mla, moe
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -168,6 +168,10 @@ class LayerBlock(torch.nn.Module):
                 in_moe.update(id(m) for m in mod.modules() if m is not mod)
             elif moe.is_router(mod):
                 moe.stable_router(mod)
+            elif moe.is_grouped_router(mod):
+                moe.grouped_router(mod)
+            elif mla.is_mla(mod):  # latents cached; each session's expanded in _ragged_attention
+                mla.defer_expansion(mod, lambda: self._tile is not None)
         for mod in owned:
             if invariant.is_gemm(mod):
                 _tiled(mod, self)
@@ -193,15 +197,14 @@ class LayerBlock(torch.nn.Module):
 
     def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers, or those of
-        ``span``), B = 1: ``2 * layers * Hkv * Dh * itemsize`` (the cache grows lazily up to
-        ``max_len`` of these)."""
-        c = self.config
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        ``span``), B = 1: ``layers * kv_elements_per_token_layer * itemsize`` (``2 * Hkv * Dh``, or a
+        DeepSeek-V3 latent's ``kv_lora_rank + qk_rope_head_dim``: :mod:`swarm.model.plan`); the cache
+        grows lazily up to ``max_len`` of these."""
+        from swarm.model.plan import kv_elements_per_token_layer
+
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         n_layers = len(self.layers) if span is None else span.end - span.start
-        return 2 * n_layers * kv_heads * head_dim * itemsize
+        return n_layers * kv_elements_per_token_layer(self.config) * itemsize
 
     def check_span(self, span: LayerRange | None) -> LayerRange:
         """The layers a session runs: ``span`` (any sub-range of this block), or the whole block.
@@ -436,6 +439,10 @@ def _ragged_attention(module, query, key, value, attention_mask, **kwargs):
     attend = moe.sink_attention if sinks else sdpa_attention_forward
     if plan is None:  # not called from LayerBlock.forward_batch
         return attend(module, query, key, value, attention_mask, **kwargs)
+    if mla.is_mla(module):  # DeepSeek-V3: the caches hold latents; K and V widths differ: rows in every mode
+        outs = [mla.attention(attend, module, query[:, :, s.off:s.off + s.t], s.keys, s.values, s.pos,
+                              plan.block._mask, **kwargs) for s in plan.segs]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
     if plan.block.kernel_mode in ("fma", "triton") and not sinks:  # those kernels have no sinks: rows for gpt-oss
         return _chunk_attention(plan, module, query, kwargs), None
     outs = [invariant.attention_rows(attend, module, query[:, :, s.off:s.off + s.t], s.keys,
@@ -552,7 +559,7 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm", "MixtralRMSNorm",
-             "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
+             "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
 SILUS = ("SiLUActivation", "SiLU")
 
 
@@ -623,7 +630,7 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
     wanted: dict[str, tuple] = {}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     for prefix, module in owned.items():
-        for pname, _ in module.named_parameters():
+        for pname in [n for n, _ in module.named_parameters()] + _persistent_buffers(module, prefix, index):
             full = f"{prefix}.{pname}"
             src = full
             if full not in index and full == f"{family.lm_head}.weight" and getattr(config, "tie_word_embeddings", False):
@@ -637,6 +644,18 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
             wanted[full] = (module, pname, src)
 
     return modules, wanted, base
+
+
+def _persistent_buffers(module: torch.nn.Module, prefix: str, index) -> list[str]:
+    """Names of ``module``'s persistent buffers the checkpoint holds (DeepSeek-V3's router
+    ``e_score_correction_bias``); non-persistent ones (rotary tables) are computed, never read."""
+    out = []
+    for name, _ in module.named_buffers():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = _get(module, owner_path) if owner_path else module
+        if leaf not in owner._non_persistent_buffers_set and f"{prefix}.{name}" in index:
+            out.append(name)
+    return out
 
 
 def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[str]:
@@ -701,7 +720,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 if src in held:  # read once, held once (a stage holding head and tail of a tied model)
                     _assign(module, pname, held[src])
                 else:
-                    tensor = f.get_tensor(src).to(device=dev, dtype=dt)
+                    keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
+                    tensor = f.get_tensor(src).to(device=dev, dtype=torch.float32 if keep else dt)
                     held[src] = _assign(module, pname, tensor)
                     block.loaded_tensors.append(src)
                     block.loaded_bytes += tensor.numel() * tensor.element_size()
@@ -797,7 +817,7 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
 
 def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.nn.Parameter:
     """Set ``module``'s parameter ``pname`` to ``tensor`` (a Parameter is used as it is, so two modules
-    may share one); returns the parameter.
+    may share one), or its persistent buffer ``pname``; returns the parameter (or the buffer).
 
     Raises:
         ModelError: the shapes differ.
@@ -809,6 +829,9 @@ def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.
     old = getattr(owner, leaf)
     if tuple(old.shape) != tuple(tensor.shape):
         raise ModelError(f"tensor {pname} has shape {tuple(tensor.shape)}, expected {tuple(old.shape)}")
+    if leaf in owner._buffers:  # a persistent buffer stays a buffer
+        owner._buffers[leaf] = tensor
+        return tensor
     param = tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False)
     setattr(owner, leaf, param)
     return param

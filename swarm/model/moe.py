@@ -1,7 +1,8 @@
 """Mixture-of-experts layers, exact by construction: per-token expert blocks, stable routing, fused expert weights.
 
 Owns: what a block needs beyond a dense family to run transformers' own sparse-MoE modules (Mixtral,
-Qwen2-MoE with its shared expert, Qwen3-MoE) so that a row's bits never depend on its neighbours:
+Qwen2-MoE with its shared expert, Qwen3-MoE, gpt-oss, DeepSeek-V3 with its shared experts) so that a
+row's bits never depend on its neighbours:
 
 - :func:`is_moe_block`, :func:`per_token_moe`: transformers computes a sparse-MoE block by grouping
   the tokens routed to each expert into one GEMM, so a row's expert output depends on how many other
@@ -13,19 +14,30 @@ Qwen2-MoE with its shared expert, Qwen3-MoE) so that a row's bits never depend o
   (descending score, then ascending expert index), so a tie always goes to the lower index (torch's
   ``topk`` does not promise which of two equal scores it returns); without ties it returns what
   transformers' router returns (the same softmax, normalisation and casts).
+- :func:`grouped_router`: DeepSeek-V3's router (sigmoid scores, ``e_score_correction_bias`` added for
+  the choice only, experts in ``n_group`` groups of which the ``topk_group`` with the highest sums of
+  their two best biased scores stay eligible, then the top ``num_experts_per_tok`` of those, weights
+  from the unbiased scores, normalised when ``norm_topk_prob``, times ``routed_scaling_factor``): both
+  choices by a stable sort (descending score, then ascending group / expert index), and the chosen
+  experts listed in that order, so the normalising sum adds them in a fixed order too (transformers'
+  ``topk(sorted=False)`` promises no order). The experts themselves are added in ascending expert
+  index (transformers' loop), the shared experts after them. Dense layers before
+  ``first_k_dense_replace`` are plain MLPs (no routing). Its attention is :mod:`swarm.model.mla`.
 - :func:`expert_sources`, :func:`fuse`: checkpoints store experts one by one
   (``block_sparse_moe.experts.E.w1/w3/w2`` in Mixtral's, ``mlp.experts.E.gate_proj/up_proj/down_proj``
   in Qwen's), while transformers' modules hold them fused (``mlp.experts.gate_up_proj`` (E, 2F, D) and
   ``mlp.experts.down_proj`` (E, D, F)); a stage reads the per-expert tensors of its own layers and
   stacks them (what transformers' checkpoint conversion does for these families on load).
-
-Source of the routing rule and layouts: the families' transformers implementations
-(``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``conversion_mapping``).
 - :func:`sink_attention`: gpt-oss's attention with a learned sink logit per head, for one query row at
   a time (the fma and triton kernels have none, so gpt-oss attention always runs per row); its
   alternating sliding windows are the modules' own ``sliding_window``.
 
-Not here: DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing); that family is refused.
+Source of the routing rule and layouts: the families' transformers implementations
+(``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``modeling_deepseek_v3``,
+``conversion_mapping``); DeepSeek-V3's checkpoints name experts as Qwen's do.
+
+Not here: DeepSeek-V3's FP8 checkpoints (``weight_scale_inv`` blocks; tests use float checkpoints written
+by transformers) and its multi-token-prediction layer (``model.layers.61``, never in a stage's range).
 May import torch; no networking.
 """
 
@@ -36,19 +48,25 @@ import torch.nn.functional as F
 
 from swarm.kernels.invariant import canonical
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
 def is_moe_block(module: torch.nn.Module) -> bool:
     """True for a sparse-MoE block of the supported families (``MixtralSparseMoeBlock``, ...,
-    ``GptOssMLP``)."""
+    ``GptOssMLP``, ``DeepseekV3MoE``)."""
     name = type(module).__name__
-    return name.endswith("SparseMoeBlock") or name == "GptOssMLP"
+    return name.endswith("SparseMoeBlock") or name in ("GptOssMLP", "DeepseekV3MoE")
 
 
 def is_router(module: torch.nn.Module) -> bool:
-    """True for the top-k routers of the supported families (``MixtralTopKRouter``, ...)."""
+    """True for the top-k routers of the supported families (``MixtralTopKRouter``, ...), not the
+    grouped one (:func:`is_grouped_router`)."""
     return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+
+
+def is_grouped_router(module: torch.nn.Module) -> bool:
+    """True for DeepSeek-V3's grouped sigmoid router (``DeepseekV3TopkRouter``)."""
+    return hasattr(module, "e_score_correction_bias") and hasattr(module, "num_group") and hasattr(module, "top_k")
 
 
 def per_token_moe(module: torch.nn.Module) -> None:
@@ -98,6 +116,33 @@ def stable_router(module: torch.nn.Module) -> None:
         if qwen:
             top_v = top_v.to(logits.dtype)
         return logits, top_v, top_i
+
+    module.forward = forward
+
+
+def grouped_router(module: torch.nn.Module) -> None:
+    """Replace DeepSeek-V3's router choice by stable sorts (ties: the lower group, then the lower expert
+    index wins); without ties it picks what transformers' ``DeepseekV3TopkRouter`` picks, with the same
+    float32 arithmetic. Returns (logits, top-k weights, top-k expert indices) as that router does, the
+    experts in choice order (highest biased score first)."""
+
+    def forward(hidden_states: torch.Tensor):
+        h = hidden_states.view(-1, module.hidden_dim)
+        logits = F.linear(h.type(torch.float32), module.weight.type(torch.float32))
+        scores = logits.sigmoid()
+        biased = scores + module.e_score_correction_bias
+        per_group = biased.view(-1, module.num_group, module.num_experts // module.num_group)
+        best_two = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :2]
+        group_scores = best_two.sum(dim=-1)  # (N, n_group); two values: their order never changes the sum
+        groups = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[..., :module.topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep.unsqueeze(-1).expand_as(per_group).reshape(-1, module.num_experts)
+        eligible = biased.masked_fill(~keep, float("-inf"))
+        top_i = torch.sort(eligible, dim=-1, descending=True, stable=True).indices[..., :module.top_k]
+        top_v = scores.gather(1, top_i)
+        if module.norm_topk_prob:
+            top_v = top_v / (top_v.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, top_v * module.routed_scaling_factor, top_i
 
     module.forward = forward
 

@@ -153,6 +153,11 @@ def _quantized(name: str, shape: tuple, dtype: str, config: dict) -> int:
 def tensor_bytes(name: str, shape: tuple, dtype: str, config: dict | None = None) -> int:
     """Bytes of one tensor held in ``dtype`` (one of ``DTYPES``; the quantized ones need the model's
     parsed ``config``)."""
+    from swarm.weights.families import FAMILIES
+
+    family = FAMILIES.get((config or {}).get("model_type"))
+    if family is not None and family.keeps_float32(name):  # DeepSeek-V3's router: float32 in any dtype
+        return math.prod(shape) * 4
     if dtype in FLOAT_BYTES:
         return math.prod(shape) * FLOAT_BYTES[dtype]
     if dtype in QUANTIZED:
@@ -173,25 +178,42 @@ def range_bytes(model: ModelShapes, layers: LayerRange, dtype: str) -> int:
     return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names)
 
 
-def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
-    """KV cache bytes one position costs in one layer: keys and values of every KV head, in the
-    compute dtype (bfloat16 for quantized weights)."""
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    hidden = config.get("hidden_size") or config.get("n_embd")
+def kv_elements_per_token_layer(config) -> int:
+    """Elements one position takes in one layer's KV cache, for a parsed config.json (dict) or a
+    transformers config: keys and values of every KV head (``2 * Hkv * Dh``), or for multi-head latent
+    attention (DeepSeek-V3) the cached latent and rotary key (``kv_lora_rank + qk_rope_head_dim``:
+    :mod:`swarm.model.mla`).
+
+    Raises:
+        ModelError: the config states no heads or hidden size.
+    """
+    get = config.get if isinstance(config, dict) else (lambda name: getattr(config, name, None))
+    if get("kv_lora_rank"):  # multi-head latent attention caches the latent, not per-head K and V
+        return int(get("kv_lora_rank")) + int(get("qk_rope_head_dim") or 0)
+    heads = get("num_attention_heads") or get("n_head")
+    hidden = get("hidden_size") or get("n_embd")
     if not heads or not hidden:
         raise ModelError("config.json states no num_attention_heads / hidden_size")
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    return 2 * int(kv_heads) * int(head_dim) * FLOAT_BYTES.get(dtype, 2)
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or hidden // heads
+    return 2 * int(kv_heads) * int(head_dim)
+
+
+def kv_bytes_per_token_layer(config: dict, dtype: str) -> int:
+    """KV cache bytes one position costs in one layer (:func:`kv_elements_per_token_layer`), in the
+    compute dtype (bfloat16 for quantized weights)."""
+    return kv_elements_per_token_layer(config) * FLOAT_BYTES.get(dtype, 2)
 
 
 @dataclass(frozen=True)
 class Footprint:
-    """Per-layer bytes of a model in one dtype: ``layer`` (one decoder layer), ``head`` (what the first
-    stage holds besides its layers: embeddings), ``tail`` (what the last stage holds besides its layers:
-    final norm and LM head, or the embedding a tied head reads), ``whole`` (what one stage holding every
-    layer holds besides them: a tied embedding counts once), ``kv_token_layer`` (KV bytes per position
-    per layer)."""
+    """Per-layer bytes of a model in one dtype: ``layer`` (the largest decoder layer), ``head`` (what the
+    first stage holds besides its layers: embeddings), ``tail`` (what the last stage holds besides its
+    layers: final norm and LM head, or the embedding a tied head reads), ``whole`` (what one stage holding
+    every layer holds besides them: a tied embedding counts once), ``kv_token_layer`` (KV bytes per
+    position per layer), ``per_layer`` (each decoder layer's bytes, in order: DeepSeek-V3's first
+    ``first_k_dense_replace`` layers are dense, far smaller than its MoE layers; empty: every layer is
+    ``layer``)."""
 
     dtype: str
     num_layers: int
@@ -200,26 +222,33 @@ class Footprint:
     tail: int
     whole: int
     kv_token_layer: int
+    per_layer: tuple[int, ...] = ()
+
+    def layers_bytes(self, layers: LayerRange) -> int:
+        """Weight bytes of the decoder layers ``layers`` (no head or tail extras)."""
+        if self.per_layer:
+            return sum(self.per_layer[layers.start:layers.end])
+        return len(layers) * self.layer
 
     def stage_bytes(self, layers: LayerRange, kv_tokens: int) -> int:
         """Weights plus the KV of ``kv_tokens`` positions of a stage holding ``layers``."""
-        n = len(layers)
         if layers.start == 0 and layers.end == self.num_layers:
             extra = self.whole
         else:
             extra = (self.head if layers.start == 0 else 0) + (self.tail if layers.end == self.num_layers else 0)
-        return n * (self.layer + kv_tokens * self.kv_token_layer) + extra
+        return self.layers_bytes(layers) + len(layers) * kv_tokens * self.kv_token_layer + extra
 
     @property
     def total(self) -> int:
         """Weight bytes of the whole model."""
-        return self.num_layers * self.layer + self.whole
+        return self.layers_bytes(LayerRange(0, self.num_layers)) + self.whole
 
 
 def footprint(model: ModelShapes, dtype: str) -> Footprint:
     """The :class:`Footprint` of ``model`` in ``dtype``, from the stage's own tensor selection
-    (``select_tensors``): the head's and tail's extras are what a stage there loads beyond its layers.
-    Layers are taken as alike (the middle one is measured); :func:`range_bytes` is exact for any range."""
+    (``select_tensors``): the head's and tail's extras are what a stage there loads beyond its layers,
+    each layer's bytes are its own tensors' (tensors of layers past ``L``, such as DeepSeek-V3's
+    multi-token-prediction layer, are no stage's); :func:`range_bytes` is exact for any range."""
     from swarm.weights.families import FAMILIES
     from swarm.weights.select import select_tensors
 
@@ -232,11 +261,15 @@ def footprint(model: ModelShapes, dtype: str) -> Footprint:
         return sum(tensor_bytes(n, model.shapes[n], dtype, model.config) for n in names
                    if not n.startswith(layer_prefix))
 
-    mid = f"{layer_prefix}{num // 2}."
-    layer = sum(tensor_bytes(n, s, dtype, model.config) for n, s in model.shapes.items() if n.startswith(mid))
+    per_layer = [0] * num
+    for n, s in model.shapes.items():
+        index = n[len(layer_prefix):].split(".", 1)[0] if n.startswith(layer_prefix) else ""
+        if index.isdigit() and int(index) < num:
+            per_layer[int(index)] += tensor_bytes(n, s, dtype, model.config)
     whole = extras(0, num)
     head, tail = (extras(0, 1), extras(num - 1, num)) if num > 1 else (whole, 0)
-    return Footprint(dtype, num, layer, head, tail, whole, kv_bytes_per_token_layer(model.config, dtype))
+    return Footprint(dtype, num, max(per_layer, default=0), head, tail, whole,
+                     kv_bytes_per_token_layer(model.config, dtype), tuple(per_layer))
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ def preflight(config: StageConfig) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"  # a hub id must already be in the local cache
     import torch  # noqa: F401  (the engine imports)
 
-    from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.model.block import FAMILIES, block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.model.plan import kv_elements_per_token_layer
     from swarm.model.resolve import model_manifest_digest, resolve_model, tensor_index
     from swarm.weights.manifest import read_header
 
@@ -79,6 +80,7 @@ def preflight(config: StageConfig) -> dict:
                              "download; start the stage once without --check to fetch it") from None
         raise
     model_config = load_config(resolved.path)
+    family = FAMILIES[model_config.model_type]
     num_layers = model_config.num_hidden_layers
     config.layers.check_within(num_layers)
     names = block_tensor_names(resolved.path, config.layers)
@@ -106,7 +108,7 @@ def preflight(config: StageConfig) -> dict:
         numel = 1
         for d in entry.get("shape", []):
             numel *= int(d)
-        weights += numel * itemsize
+        weights += numel * (max(itemsize, 4) if family.keeps_float32(name) else itemsize)  # DeepSeek-V3's router
     _check_retention_dir(config.audit_retention_dir)
     if config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
         from swarm.model.plan import model_shapes, range_bytes
@@ -117,10 +119,7 @@ def preflight(config: StageConfig) -> dict:
     if config.max_ctx is not None and config.max_ctx > max_ctx:
         raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {max_ctx}")
     max_ctx = config.max_ctx or max_ctx
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    kv_per_position = 2 * len(config.layers) * kv_heads * head_dim * itemsize
+    kv_per_position = len(config.layers) * kv_elements_per_token_layer(model_config) * itemsize  # as the block's
     kv = config.kv_budget_bytes if config.kv_budget_mb is not None else kv_per_position * max_ctx
     needed = weights + kv + (BASELINE_BYTES if device.type == "cpu" else 0)
     available = available_memory(device)
@@ -197,6 +196,7 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
     import torch
 
     from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.model.plan import kv_elements_per_token_layer
     from swarm.model.resolve import tensor_index
     from swarm.ranges import LayerRange
     from swarm.weights.manifest import read_header
@@ -219,11 +219,8 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
         shapes = {name: headers.setdefault(index[name], read_header(index[name])).get(name, {}).get("shape", [])
                   for name in names}
     weights = sum(math.prod(int(d) for d in shape) for shape in shapes.values()) * itemsize
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     ctx = max_ctx or int(getattr(model_config, "max_position_embeddings", 0) or 4096)
-    per_layer = weights + 2 * kv_heads * head_dim * itemsize * ctx
+    per_layer = weights + kv_elements_per_token_layer(model_config) * itemsize * ctx
     if budget_mb is not None:
         budget = int(budget_mb * 2**20)
     else:

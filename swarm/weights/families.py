@@ -11,7 +11,7 @@ under ``model.layers.i.``, its embedding at ``model.embed_tokens.weight``, the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class Family:
 
     ``call`` says how decoder layers are called: "rotary" (Llama-like layers take
     ``position_embeddings``) or "plain" (GPT-2 blocks take hidden states, cache and mask only).
+    ``float32``: name endings of checkpoint tensors a stage holds in float32 whatever its dtype, as
+    transformers keeps them (its ``_keep_in_fp32_modules_strict``: DeepSeek-V3's router).
     """
 
     base: str
@@ -30,6 +32,11 @@ class Family:
     rotary: str | None = None
     pos_embed: str | None = None
     call: str = "rotary"
+    float32: tuple[str, ...] = ()
+
+    def keeps_float32(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` stays float32 in a block of a narrower dtype."""
+        return bool(self.float32) and name.endswith(self.float32)
 
 
 _LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
@@ -44,5 +51,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": _LLAMA_LIKE,
     "qwen3_moe": _LLAMA_LIKE,
     "gpt_oss": _LLAMA_LIKE,
+    # multi-head latent attention (swarm.model.mla), shared and grouped-routed experts
+    "deepseek_v3": replace(_LLAMA_LIKE, float32=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")),
     "gpt2": Family(base="transformer", embed="wte", layers="h", norm="ln_f", pos_embed="wpe", call="plain"),
 }

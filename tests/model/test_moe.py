@@ -12,7 +12,7 @@ from swarm.kernels.check import check_block
 from swarm.model import moe
 from swarm.model.block import block_tensor_names, load_block
 from swarm.ranges import LayerRange
-from tests.support.models import MOE_FAMILIES, chained_greedy, make_synthetic
+from tests.support.models import FAMILY_CONFIGS, MOE_FAMILIES, chained_greedy, make_synthetic
 from tests.support.ring import greedy_and_speculative
 
 PROMPT = [1, 5, 9, 3, 7, 2, 8, 11, 4]
@@ -21,13 +21,24 @@ RANGES = [(0, 1), (1, 3), (3, 4)]
 
 def _tied_routes(model_dir: Path, out_dir: Path) -> Path:
     """A copy of ``model_dir`` whose routers give experts 0 and 1 (and 2 and 3) the same scores for
-    every token: each pair's router rows made equal, so every choice between them is a tie."""
+    every token: each pair's router rows made equal, so every choice between them is a tie.
+
+    DeepSeek-V3's grouped router: experts 0-5 (groups 0, 1 and 2 of two) get one router row and one
+    score correction bias, above every other expert's, so every token's choice is a tie twice over:
+    two of the three tied groups stay eligible (groups 0 and 1), three of their four tied experts are
+    chosen (experts 0, 1, 2). Dense layers (``first_k_dense_replace``) have no router."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
     with torch.no_grad():
         for layer in model.model.layers:
-            router = getattr(layer.mlp, "gate", None) or layer.mlp.router  # gpt-oss: a biased router
+            router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: biased
+            if router is None:  # a dense MLP
+                continue
+            if hasattr(router, "e_score_correction_bias"):
+                router.weight[1:6].copy_(router.weight[0].expand(5, -1))
+                router.e_score_correction_bias[:6] = 1.0
+                continue
             for p in (router.weight, getattr(router, "bias", None)):
                 if p is not None:
                     p[1].copy_(p[0])
@@ -55,6 +66,47 @@ def test_a_tie_goes_to_the_lower_expert_index() -> None:
             assert torch.allclose(weights.sum(), torch.tensor(1.0))
 
 
+def _deepseek_router():
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = AutoConfig.for_model("deepseek_v3", **FAMILY_CONFIGS["deepseek_v3"])  # 8 experts, 4 groups of 2
+    return DeepseekV3TopkRouter(config)
+
+
+def test_grouped_routing_ties_go_to_the_lower_group_and_expert_index() -> None:
+    router = _deepseek_router()
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.tensor([0.0, 1, 1, 1, 1, 1, 1, 3])  # experts 1-6 tie, 7 is best, 0 worst
+    moe.grouped_router(router)
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0
+    # group sums of their best two (groups of two experts): g0 = s0 + s1 < g1 = g2 = 2 s1 (a tie) < g3 = s1 + s3:
+    # g3 and then g1 (not g2) stay eligible; the top 3 of experts 2, 3, 6, 7: 7, then 2 and 3 (6 ties them)
+    logits, weights, chosen = router(x)
+    assert chosen.tolist() == [[7, 2, 3]]
+    scores = torch.sigmoid(logits)[:, [7, 2, 3]]
+    assert torch.equal(weights, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor)
+
+
+def test_grouped_routing_picks_what_transformers_picks_without_ties() -> None:
+    torch.manual_seed(0)
+    router, plain = _deepseek_router(), _deepseek_router()
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.1)
+        plain.load_state_dict(router.state_dict())
+    moe.grouped_router(router)
+    x = torch.randn(64, 32)
+    logits, weights, chosen = router(x)
+    want_logits, want_weights, want_chosen = plain(x)
+    assert torch.equal(logits, want_logits)
+    order, want_order = chosen.argsort(dim=-1), want_chosen.argsort(dim=-1)  # transformers' order is unsorted
+    assert torch.equal(chosen.gather(1, order), want_chosen.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_a_block_reads_only_its_layers_experts_and_passes_the_proof(family, tmp_path) -> None:
     d = make_synthetic(family, tmp_path / family, dtype="float32")
@@ -67,10 +119,11 @@ def test_a_block_reads_only_its_layers_experts_and_passes_the_proof(family, tmp_
     assert check_block(block).ok and check_block(block, 2).ok
 
 
-def test_the_proof_fails_on_a_non_invariant_moe_path(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_the_proof_fails_on_a_non_invariant_moe_path(family, tmp_path) -> None:
     """An expert block whose chunk rows come out one ulp off their one-token bits (as transformers'
     grouped expert GEMMs can) must fail the start-up proof."""
-    d = make_synthetic("mixtral", tmp_path / "m", dtype="float32")
+    d = make_synthetic(family, tmp_path / "m", dtype="float32")
     block = load_block(d, LayerRange(1, 3), dtype="float32", device="cpu")
     assert check_block(block, 2).ok
     for layer in block.layers:

@@ -33,8 +33,15 @@ FAMILY_CONFIGS = {
                     num_key_value_heads=2, head_dim=8, vocab_size=97, max_position_embeddings=128,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=4, eos_token_id=None,
                     pad_token_id=0),  # layers alternate sliding and full attention (the config's default)
+    # multi-head latent attention (K 20 wide, V 10, the cache 16 + 8 per position), one dense layer,
+    # then 8 routed experts in 4 groups (2 eligible), 3 per token, and a shared expert
+    "deepseek_v3": dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
+                        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=1, kv_lora_rank=16,
+                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, vocab_size=97,
+                        max_position_embeddings=128, eos_token_id=None),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
 def make_synthetic(family: str, out_dir: Path, dtype: str = "float64", seed: int = 0, **overrides) -> Path:

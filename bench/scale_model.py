@@ -141,38 +141,49 @@ def validate(path: Path, stages: int = 3, cores: int = 2) -> dict:
             "max_abs_error": round(max(errors), 3), "median_abs_error_by": by, "predictions": out}
 
 
-# A 70B-class Llama (Llama-3-70B's published dimensions: 80 layers, hidden 8192, 64 heads of 128, 8 KV
-# heads, MLP 28672) on consumer cards whose decode is bound by reading the weights once per step.
-LAYERS, HIDDEN, KV_DIM, MLP = 80, 8192, 1024, 28672
-PARAMS_PER_LAYER = HIDDEN * HIDDEN * 2 + HIDDEN * KV_DIM * 2 + HIDDEN * MLP * 3
-CARDS = {"rtx4090": {"memory_gb": 24, "bandwidth_gbs": 1008}, "rtx3090": {"memory_gb": 24, "bandwidth_gbs": 936},
-         "rtx4070ti": {"memory_gb": 12, "bandwidth_gbs": 504}}
-BYTES_PER_PARAM = {"int4": 0.5 + 2 / 32, "int8": 1.0 + 2 / 4096, "bfloat16": 2.0}  # int4: a bf16 scale per 32
+# A 70B-class Llama on consumer cards whose decode is bound by reading the weights once per step; the
+# split is `swarm plan`'s own (swarm.model.plan) over Llama-3-70B's published config in configs/.
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama-3-70b"
+CARD = {"name": "rtx4090", "bytes": 24 * 10 ** 9, "bandwidth_bytes_s": 1008e9}
 EFFICIENCY = 0.7  # of the card's bandwidth a decode step reaches (kernels, launches, norms)
 UPLINK_BITS_S = 100e6  # a volunteer's upload: a bfloat16 row (2 x 8192 bytes) takes 1.3 ms a hop
+KV_TOKENS, RESERVE = 4096, 10 ** 9  # swarm plan's defaults: one 4,096-position session, 1 GB kept per card
 
 
 def gpu_grid() -> dict:
-    """The model's tokens/s of a 70B ring of 4090s over hops, RTT, K, depth and acceptance."""
+    """The model's tokens/s of a 70B ring of 4090s over RTT, K, depth and acceptance, split by ``swarm plan``."""
+    sys.path.insert(0, str(CONFIG.parents[1]))
+    from swarm.errors import ConfigError
+    from swarm.model.plan import footprint, model_shapes, split
+
+    shapes = model_shapes(CONFIG)
+    hidden = shapes.config["hidden_size"]
     rows = []
-    for quant in ("int4", "int8"):
-        card = CARDS["rtx4090"]
-        layer_bytes = PARAMS_PER_LAYER * BYTES_PER_PARAM[quant]
-        per_card = int(card["memory_gb"] * 0.85e9 // layer_bytes)  # 15% kept for KV and activations
-        stages = -(-LAYERS // per_card)
-        step = (LAYERS / stages) * layer_bytes / (card["bandwidth_gbs"] * 1e9 * EFFICIENCY)
+    for quant in ("int4", "int8", "bfloat16"):
+        fp = footprint(shapes, quant)
+        for cards in range(1, 64):
+            try:
+                placed = [p for p in split(fp, [CARD["bytes"]] * cards, kv_tokens=KV_TOKENS, reserve=RESERVE)
+                          if p.layers is not None]
+                break
+            except ConfigError:
+                continue
+        step = max(fp.layers_bytes(p.layers) for p in placed) / (CARD["bandwidth_bytes_s"] * EFFICIENCY)
 
         def step_s(n: int, step=step) -> float:
             return step * (1 + 0.01 * (n - 1))  # memory-bound: a few more rows cost little
 
         for rtt_ms in (1, 20, 60, 120):
-            ring = Ring(stages, rtt_ms / 2000, step_s, hop_row_s=2 * HIDDEN * 8 / UPLINK_BITS_S, overhead_s=0.002)
+            ring = Ring(len(placed), rtt_ms / 2000, step_s, hop_row_s=2 * hidden * 8 / UPLINK_BITS_S,
+                        overhead_s=0.002)
             for k, depth, accept in ((0, 1, 0.0), (4, 1, 0.6), (4, 2, 0.6), (8, 2, 0.7), (8, 4, 0.8)):
-                rows.append({"quant": quant, "stages": stages, "layers_per_stage": -(-LAYERS // stages),
+                rows.append({"weights": quant, "stages": len(placed),
+                             "layers": [f"{p.layers.start}:{p.layers.end}" for p in placed],
                              "stage_step_ms": round(1000 * step, 1), "rtt_ms": rtt_ms, "k": k, "depth": depth,
                              "accept": accept, "tokens_per_s": round(tokens_per_s(ring, k, depth, accept), 1)})
-    return {"model": "70B-class Llama (80 layers)", "card": "rtx4090", "efficiency": EFFICIENCY,
-            "uplink_bits_s": UPLINK_BITS_S, "coordinator_s": 0.002, "grid": rows}
+    return {"model": str(CONFIG.relative_to(CONFIG.parents[1])), "card": CARD, "efficiency": EFFICIENCY,
+            "uplink_bits_s": UPLINK_BITS_S, "coordinator_s": 0.002, "kv_tokens": KV_TOKENS,
+            "reserve_bytes": RESERVE, "grid": rows}
 
 
 def main(argv=None) -> int:

@@ -160,3 +160,18 @@ def test_swarm_plan_counts_what_a_moe_block_holds(family, tmp_path) -> None:
         quantize = None if scheme == "float32" else scheme
         block = load_block(d, LayerRange(1, 3), dtype=dtype, device="cpu", quantize=quantize)
         assert block.loaded_bytes == plan.range_bytes(model, LayerRange(1, 3), scheme)
+
+
+@pytest.mark.ring
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_forced_ties_keep_a_healed_generation_identical_to_the_uninterrupted_one(family, tmp_path) -> None:
+    """The middle stage of a 3-stage ring of a tied MoE model stops mid-generation; the spare takes its
+    range from the survivors' resent hidden states, and the ids equal one process's uninterrupted run."""
+    from tests.coordinator.test_heal_kept import NEW, PROMPT as HEAL_PROMPT, RANGES as HEAL_RANGES, heal_inprocess
+
+    d = _tied_routes(make_synthetic(family, tmp_path / "src", dtype="float64"), tmp_path / "tied")
+    blocks = [load_block(d, LayerRange(a, b), dtype="float64", device="cpu") for a, b in HEAL_RANGES]
+    out, rec, _ = heal_inprocess(d, tmp_path, 1)
+    assert out == chained_greedy(blocks, HEAL_PROMPT, NEW)
+    (event,) = rec["heal_events"]
+    assert event["stage"] == 1 and event["replay"] == "survivors_kept", event

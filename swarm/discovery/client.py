@@ -10,6 +10,7 @@ May import: stdlib, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.config
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import trio
 
 from swarm.config import RingSpec, StageSpec
 from swarm.discovery.dht import SwarmDHT
+from swarm.discovery.providers import gather_settled
 from swarm.discovery.records import StageRecord
 from swarm.errors import ConfigError
 from swarm.ranges import LayerRange
@@ -59,7 +61,9 @@ def holders_of(records: Sequence[StageRecord]) -> list[Holder]:
 
 
 async def probe_rtts(dht: SwarmDHT, records: Sequence[StageRecord], timeout_s: float = 2.0) -> dict[str, float]:
-    """Measure this client's round trip to every record's stage concurrently; unreachable ones are left out."""
+    """Measure this client's round trip to every record's stage concurrently; unreachable ones are left out,
+    and so are the slowest: it returns ``SETTLE_GRACE_S`` after ``SETTLE_QUORUM`` of them answered
+    (``swarm.discovery.providers.gather_settled``)."""
     out: dict[str, float] = {}
 
     async def one(r: StageRecord) -> None:
@@ -69,10 +73,9 @@ async def probe_rtts(dht: SwarmDHT, records: Sequence[StageRecord], timeout_s: f
                 out[r.peer_id] = ms
                 return
 
+    # the slowest few percent (crashed or far behind relays) would set the time of every route
     with trio.move_on_after(timeout_s + 1):
-        async with trio.open_nursery() as nursery:
-            for r in records:
-                nursery.start_soon(one, r)
+        await gather_settled([functools.partial(one, r) for r in records])
     return out
 
 

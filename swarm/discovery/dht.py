@@ -31,6 +31,7 @@ Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
@@ -43,7 +44,8 @@ from importlib.metadata import version as _dist_version
 import multiaddr
 import trio
 
-from swarm.discovery.providers import QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, lookup_providers
+from swarm.discovery.providers import (QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, gather_settled,
+                                      lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
 
@@ -397,7 +399,9 @@ class SwarmDHT:
         Providers are hints; each provider's signed record is fetched and checked
         (``open_record``), and a record for another model than ``model_id`` is dropped. However
         many providers left before (their entries stay on DHT nodes until ``PROVIDER_TTL_S``
-        after their last refresh), every provider named is asked, concurrently.
+        after their last refresh), every provider named is asked, concurrently; the read returns
+        ``SETTLE_GRACE_S`` after ``SETTLE_QUORUM`` of them answered (``gather_settled``), so the
+        slowest few (crashed owners, far relays) do not set its time.
 
         Args:
             model_id: 64-hex model id, or None for every stage that announces (at most
@@ -443,9 +447,8 @@ class SwarmDHT:
                 log.info("dht.record_rejected peer=%s reason=other-model model=%s", peer_id, record.model_id[:16])
 
         with trio.move_on_after(timeout_s):
-            async with trio.open_nursery() as nursery:
-                for peer_id in peers:
-                    nursery.start_soon(one, peer_id)
+            # not waiting for the slowest few percent (crashed owners, far relays): gather_settled
+            await gather_settled([functools.partial(one, peer_id) for peer_id in peers])
         report = ReadReport(len(peers), tuple((p, *dropped[p]) for p in sorted(dropped)))
         return [records[p] for p in sorted(records)], report
 

@@ -6,6 +6,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``providers``  a provider store stale entries cannot fill, a lookup without side effects
 - ``clock``      swarm time: this node's offset from the swarm's clock, measured against peers
 - ``reach``      reachability: can the swarm dial this node (a dial-back asked of a bootstrap node)
+- ``lookup``     the iterative Kademlia lookup: the k nodes closest to a key, and the values they hold
 - ``dht``        the swarm's Kademlia DHT: pinned protocol id, join, announce, read
 - ``announce``   keeping a stage's record fresh: republish, state changes, RTTs to the next holders
 - ``client``     a client's view: records -> holders, RTT probes, a route as a ring, replacements

@@ -10,7 +10,7 @@ Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<acc
 node checks one without weights before storing it (``publish_proof``, ``read_proof``); excluding the
 accused is for a reader that re-ran the proof (``swarm.auditor.exclusions``).
 May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.fraud``, ``swarm.transport``,
-``swarm.discovery.records``, ``.providers``, ``.clock``. No torch.
+``swarm.discovery.records``, ``.providers``, ``.clock``, ``.lookup``. No torch.
 
 Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, issue 14):
 - the wire protocol is always ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is ignored), so a swarm
@@ -26,7 +26,15 @@ Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, is
   serving it); providers are looked up by ``swarm.discovery.providers`` (which also bounds the
   provider store: the library's keeps 20 per key for 48 h, so stages that left hid new ones);
 - ``put_value`` does not say whether any node stored the value (a validator refusing it only
-  resets the stream): ``SwarmDHT._put`` counts the acknowledgements.
+  resets the stream): ``SwarmDHT._put`` counts the acknowledgements;
+- its network lookup cannot serve record keys: the FIND_NODE handler resets a key that is not a
+  multihash and longer than 50 bytes (``/swarm-stage/<PeerId>`` is 65), so ``put_value`` stored a
+  record at the writer's routing table's closest nodes only (after a join: the bootstrap nodes),
+  and ``get_value`` (quorum 0) asks every node it hears of before it returns. Puts and reads here
+  run swarm's own iterative lookup over the library's GET_VALUE (``swarm.discovery.lookup``):
+  a put stores at the k closest nodes found (and the bootstrap nodes), a read asks them
+  (``SwarmDHT.get_value``), and a join looks up its own PeerId to fill its routing table
+  (issue 31, ``bench/dht_scale.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from importlib.metadata import version as _dist_version
 import multiaddr
 import trio
 
+from swarm.discovery.lookup import lookup
 from swarm.discovery.providers import (QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, gather_settled,
                                       lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
@@ -54,6 +63,8 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node did not acknowledge
 BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
 NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
+GET_ENOUGH = 3  # valid copies a read collects before it stops asking (the highest seq of them wins)
+JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -257,6 +268,17 @@ class SwarmDHT:
                 log.info("dht.rejoin_failed peer=%s error=%s", info.peer_id, e)
         return ok
 
+    async def fill_table(self, timeout_s: float = JOIN_LOOKUP_S) -> int:
+        """Look up this node's own PeerId (Kademlia's join): the nodes met on the way enter the routing
+        table, and learn of this node as it asks them. Returns the routing table's size after."""
+        with trio.move_on_after(timeout_s):
+            try:
+                await lookup(self.dht, self.host.libp2p_host.get_id().to_bytes(), protocol_id=PROTOCOL_ID,
+                             seeds=[i.peer_id for i in self.bootstrap])
+            except Exception as e:  # a failed self-lookup leaves a thinner table, not a failed join
+                log.info("dht.fill_table_failed error=%r", e)
+        return self.dht.routing_table.size()
+
     async def announce(self, value: bytes, model_id: str, timeout_s: float = 10.0) -> int:
         """Publish a signed record under its PeerId key and provide its model id and the all-stages key.
 
@@ -356,7 +378,50 @@ class SwarmDHT:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask_each_once, [info.peer_id for info in self.bootstrap], asked, one)
-            nursery.start_soon(ask_each_once, await self.dht.peer_routing.find_closest_peers_network(kb), asked, one)
+            nursery.start_soon(ask_each_once, await self.closest_nodes(kb), asked, one)
+
+    async def closest_nodes(self, key: bytes) -> list:
+        """The (up to) k DHT nodes closest to ``key`` that answer, nearest first: an iterative lookup
+        (``swarm.discovery.lookup``) from this node's routing table and the bootstrap nodes."""
+        found = await lookup(self.dht, key, protocol_id=PROTOCOL_ID, seeds=[i.peer_id for i in self.bootstrap])
+        return list(found.closest)
+
+    async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = 5.0) -> bytes | None:
+        """The best valid value of ``key``: asked of the nodes closest to it, found by iterative lookup.
+
+        Every value, this node's own copy included, passes the DHT's validator on this read (for
+        a stage record ``open_record`` in swarm time: signature, key, and its own expiry), so an
+        expired or forged value is never returned, whatever a node stored. The lookup stops once
+        ``enough`` valid copies arrived; the one with the highest ``seq`` wins.
+
+        Args:
+            key: the DHT key (``/swarm-stage/<PeerId>``, ``/swarm-proof/<PeerId>``).
+            enough: valid copies to collect before the lookup stops (it stops at its end otherwise).
+            timeout_s: deadline for the whole read, in seconds; copies found by then count.
+        Returns:
+            The value, or None when no valid one was found in time.
+        """
+        kb = key.encode()
+        found: list[bytes] = []
+
+        def accept(value: bytes) -> bool:
+            if not self._valid(key, value):
+                return False
+            found.append(value)
+            return True
+
+        with trio.move_on_after(timeout_s):
+            try:
+                await lookup(self.dht, kb, protocol_id=PROTOCOL_ID, seeds=[i.peer_id for i in self.bootstrap],
+                             accept=accept, enough=enough)
+            except Exception as e:  # a lookup failing on the way is fewer copies, not a failed read
+                log.info("dht.get_failed key=%s error=%r", key, e)
+        local = self.dht.value_store.store.get(kb)
+        if local is not None:
+            accept(local[0].value)
+        if not found:
+            return None
+        return found[self.dht.validator.select(key, found)]
 
     async def _put(self, key: str, value: bytes, tally: list[int]) -> None:
         """libp2p 0.8.1's ``KadDHT.put_value`` (store locally, then at remote nodes), through
@@ -514,24 +579,13 @@ class SwarmDHT:
 
     async def _fresh_value(self, key: str) -> bytes | None:
         """The best valid value of ``key`` that the bootstrap nodes (asked first, where every
-        announce stores it) or else the network lookup hold; this node's own copy is set aside
-        for the read and kept when nothing fresher is found."""
-        store = self.dht.value_store.store
-        kb = key.encode()
+        announce stores it) or else the nodes closest to it hold (``get_value``: this node's own
+        copy counts only when valid)."""
         values = await self._from_bootstrap(key, QUERY_TIMEOUT_S)
         if not any(self._valid(key, v) for v in values):
-            saved = store.pop(kb, None)
-            got = None
-            try:
-                with trio.move_on_after(NETWORK_FALLBACK_S):
-                    got = await self.dht.get_value(key)
-            except Exception as e:  # a query failing on a peer is a missing record, not a crash
-                log.info("dht.get_failed key=%s error=%r", key, e)
+            got = await self.get_value(key, timeout_s=NETWORK_FALLBACK_S)
             if got is not None:
                 values.append(got)
-            if saved is not None and kb not in store:
-                store[kb] = saved
-                values.append(saved[0].value)
         if not values:
             return None
         return values[select_record(key, values, now=self.clock())]
@@ -690,6 +744,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                      len(infos) - len(failures), len(infos))
             node = SwarmDHT(host, dht, infos, clock, bootstrap)
             await node.sync_clock()
+            if infos:
+                await node.fill_table()
             yield node
     if error is not None:
         raise error

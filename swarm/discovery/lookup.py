@@ -1,0 +1,256 @@
+"""The iterative Kademlia lookup of the swarm's DHT: the k nodes closest to a key, and the values they hold.
+
+Owns: ``lookup`` (Maymounkov & Mazieres 2002, "Kademlia", section 2.3: ``alpha`` concurrent
+queries to the closest nodes not yet asked, each answer merged into a shortlist, until the k
+closest nodes heard of have all answered or failed), the one request it sends (``ask``) and the
+metric (``distance``). ``swarm.discovery.dht`` puts at the k closest nodes a lookup finds and
+reads from them. May import: stdlib, trio, varint, multiaddr, libp2p. No torch.
+
+The request is libp2p's own GET_VALUE (``/swarm/kad/1.0.0``, protobuf ``Message``, varint length
+prefix), which every libp2p 0.8.1 DHT server answers with the value it holds, if any, and the 20
+nodes of its routing table closest to the key (``closerPeers``), ranked by the same metric as here:
+XOR of SHA-256(key) and SHA-256(PeerId bytes). That makes it Kademlia's FIND_VALUE, and, with the
+value ignored, its FIND_NODE for any key. The library's own lookup cannot serve record keys
+(issue 31, measured by ``bench/dht_scale.py``): its FIND_NODE handler resets requests whose key is
+not a multihash and longer than 50 bytes, and ``/swarm-stage/<PeerId>`` is 65 bytes, so
+``find_closest_peers_network`` never left the local routing table for a record and every put
+landed on the writer's table's closest nodes (after a join: the bootstrap nodes only), while
+``get_value`` asks every node it hears of before returning.
+
+Every node that answers is added to the routing table (it serves the DHT protocol; the table's own
+rules decide whether it stays), so lookups also keep tables filled, as in the paper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger(__name__)
+
+K = 20  # nodes a put stores at and a lookup converges on: libp2p's BUCKET_SIZE, the paper's k
+ALPHA = 3  # requests in flight per lookup (the paper's alpha)
+QUERY_TIMEOUT_S = 3.0  # one request to one node, dial included
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # libp2p's MAX_DHT_MESSAGE_SIZE
+ADDR_TTL_S = 600  # how long addresses heard in an answer stay in the peerstore
+
+
+def distance(key: bytes, peer_id) -> int:
+    """libp2p 0.8.1's Kademlia distance from a key to a node: XOR of SHA-256(key) and SHA-256(PeerId bytes).
+
+    Args:
+        key: the DHT key as bytes (a record key's UTF-8 text, an encoded provider key, a PeerId's bytes).
+        peer_id: a libp2p ``ID``.
+    """
+    return int.from_bytes(hashlib.sha256(key).digest(), "big") ^ int.from_bytes(
+        hashlib.sha256(peer_id.to_bytes()).digest(), "big")
+
+
+class AskFailed(Exception):
+    """A node did not answer a lookup request (unreachable, reset the stream, timed out, garbled)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One node's answer: the value it holds for the key (None: none) and the closer nodes it named."""
+
+    value: bytes | None
+    closer: tuple  # PeerInfo
+
+
+async def ask(host, protocol_id: str, peer_id, key: bytes, timeout_s: float = QUERY_TIMEOUT_S) -> Answer:
+    """Send one GET_VALUE for ``key`` to ``peer_id`` and read its answer (libp2p 0.8.1's wire format).
+
+    Addresses of the closer nodes named go into the peerstore, so the lookup can dial them.
+
+    Args:
+        host: the libp2p host (``SwarmHost.libp2p_host``).
+        protocol_id: the DHT protocol (``swarm.discovery.dht.PROTOCOL_ID``).
+        peer_id: libp2p ``ID`` of the node asked.
+        key: the key, at most 128 bytes (the server resets longer ones).
+        timeout_s: deadline for dial, request and answer, in seconds.
+    Returns:
+        The Answer.
+    Raises:
+        AskFailed: no well-formed answer within ``timeout_s``.
+    """
+    import varint
+    from libp2p.kad_dht.pb.kademlia_pb2 import Message
+    from libp2p.kad_dht.utils import maybe_consume_signed_record
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+    from libp2p.peer.peerstore import env_to_send_in_RPC
+    from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+    from multiaddr import Multiaddr
+
+    stream = None
+    try:
+        with trio.fail_after(timeout_s):
+            stream = await host.new_stream(peer_id, [protocol_id])
+            request = Message()
+            request.type = Message.MessageType.GET_VALUE
+            request.key = key
+            request.senderRecord, _ = env_to_send_in_RPC(host)
+            body = request.SerializeToString()
+            await stream.write(varint.encode(len(body)) + body)
+            response = Message()
+            response.ParseFromString(await read_varint_prefixed_bytes_limited(stream, MAX_MESSAGE_BYTES))
+    except trio.TooSlowError:
+        raise AskFailed(f"{peer_id} did not answer within {timeout_s} s") from None
+    except Exception as e:  # dial, negotiation, reset and parse errors share no base class in libp2p
+        raise AskFailed(f"{peer_id}: {e!r}") from None
+    finally:
+        if stream is not None:
+            with trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except Exception:  # closing a stream the peer reset: nothing to do
+                    pass
+    if response.type != Message.MessageType.GET_VALUE:
+        raise AskFailed(f"{peer_id} answered a GET_VALUE with message type {response.type}")
+    maybe_consume_signed_record(response, host, peer_id)  # its signed addresses, when it sent them
+    me = host.get_id()
+    peerstore = host.get_peerstore()
+    closer = []
+    for entry in response.closerPeers:
+        try:
+            other = ID(entry.id)
+            addrs = [Multiaddr(a) for a in entry.addrs]
+        except Exception:  # one malformed entry: skip it, keep the rest of the answer
+            continue
+        if other == me:
+            continue
+        if addrs:
+            peerstore.add_addrs(other, addrs, ADDR_TTL_S)
+        closer.append(PeerInfo(other, addrs))
+    value = response.record.value if response.HasField("record") and response.record.value else None
+    return Answer(value, tuple(closer))
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What one lookup found.
+
+    Attributes:
+        closest: up to k nodes that answered, nearest to the key first (where a put stores).
+        values: the values accepted, in the order they arrived, with the node that gave each.
+        asked: requests sent. failed: of those, how many got no answer.
+    """
+
+    closest: tuple
+    values: tuple[tuple[object, bytes], ...]
+    asked: int
+    failed: int
+
+
+async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = ALPHA, seeds: Iterable = (),
+                 accept: Callable[[bytes], bool] | None = None, enough: int = 0,
+                 query_timeout_s: float = QUERY_TIMEOUT_S) -> Lookup:
+    """Find the ``k`` nodes closest to ``key`` (and, with ``accept``, the values they hold) by iterative lookup.
+
+    Starts from the ``k`` closest nodes of this node's routing table plus ``seeds`` (e.g. the
+    bootstrap nodes, so a node whose table is empty can still look up). Keeps ``alpha`` requests
+    in flight, each to the nearest node of the shortlist not yet asked; a node's answer adds the
+    nodes it names to the shortlist, a node that fails leaves it. Ends when the ``k`` nearest
+    nodes of the shortlist have all answered (Kademlia's termination), or once ``enough`` values
+    were accepted (``enough`` > 0). The caller bounds the time.
+
+    Args:
+        dht: a running libp2p ``KadDHT`` (its host, routing table).
+        key: the DHT key as bytes, at most 128.
+        protocol_id: the DHT protocol to speak.
+        k, alpha: Kademlia's parameters.
+        seeds: libp2p peer IDs to ask besides the routing table's nearest.
+        accept: a value check (e.g. the record validator); None ignores values (a node lookup).
+        enough: stop after this many accepted values; 0: run the lookup to its end.
+        query_timeout_s: deadline per request, in seconds.
+    Returns:
+        The Lookup.
+    """
+    from libp2p.peer.peerinfo import PeerInfo
+
+    host = dht.host
+    me = host.get_id()
+    dist: dict = {}  # every node heard of -> its distance to the key
+    asked: set = set()
+    answered: set = set()
+    failed: set = set()
+    values: list[tuple[object, bytes]] = []
+
+    def hear(peer_id) -> None:
+        if peer_id != me and peer_id not in dist:
+            dist[peer_id] = distance(key, peer_id)
+
+    for peer_id in dht.routing_table.find_local_closest_peers(key, k):
+        hear(peer_id)
+    for peer_id in seeds:
+        hear(peer_id)
+    if len(dist) < k:  # a node that just joined: its connections are all it knows
+        for peer_id in host.get_connected_peers():
+            if dht.routing_table.peer_in_table(peer_id):
+                hear(peer_id)
+
+    send, receive = trio.open_memory_channel(math.inf)
+
+    async def query(peer_id) -> None:
+        try:
+            answer = await ask(host, protocol_id, peer_id, key, query_timeout_s)
+        except AskFailed as e:
+            log.debug("lookup.ask_failed key=%s error=%s", key[:16], e)
+            answer = None
+        await send.send((peer_id, answer))
+
+    def shortlist() -> list:
+        return sorted((p for p in dist if p not in failed), key=dist.__getitem__)[:k]
+
+    in_flight = 0
+    async with trio.open_nursery() as nursery:
+        while True:
+            if enough and len(values) >= enough:
+                break
+            waiting = [p for p in shortlist() if p not in asked]
+            while waiting and in_flight < alpha:
+                peer_id = waiting.pop(0)
+                asked.add(peer_id)
+                in_flight += 1
+                nursery.start_soon(query, peer_id)
+            if not in_flight:
+                break  # the k nearest heard of have all answered
+            peer_id, answer = await receive.receive()
+            in_flight -= 1
+            if answer is None:
+                failed.add(peer_id)
+                continue
+            answered.add(peer_id)
+            for info in answer.closer:
+                hear(info.peer_id)
+            if answer.value is not None and accept is not None and accept(answer.value):
+                values.append((peer_id, answer.value))
+            # it serves the DHT: a candidate for our routing table (whose rules decide)
+            try:
+                addrs = host.get_peerstore().addrs(peer_id)
+            except Exception:  # libp2p raises when the peerstore has no entry: nothing to dial it at
+                addrs = []
+            if addrs:
+                nursery.start_soon(_add_to_table, dht, PeerInfo(peer_id, addrs))
+        # table offers still pending (a full bucket pinging its oldest) are not worth waiting for
+        nursery.cancel_scope.cancel()
+    closest = tuple(sorted(answered, key=dist.__getitem__)[:k])
+    log.debug("lookup.done key=%s asked=%d failed=%d heard=%d values=%d", key[:16], len(asked), len(failed),
+              len(dist), len(values))
+    return Lookup(closest, tuple(values), len(asked), len(failed))
+
+
+async def _add_to_table(dht, info) -> None:
+    """Offer a node that answered the DHT protocol to the routing table (a full bucket pings its
+    oldest entry first, so this is bounded and never fails the lookup)."""
+    with trio.move_on_after(QUERY_TIMEOUT_S):
+        try:
+            await dht.routing_table.add_peer(info)
+        except Exception as e:  # a table that will not take it: the lookup goes on without
+            log.debug("lookup.table_add_failed peer=%s error=%r", info.peer_id, e)

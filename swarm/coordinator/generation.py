@@ -326,6 +326,7 @@ class RingOps:
         self._replaced = ""  # PeerId the last swap replaced
         self._shadow = ""  # name of the picked spare when it is this session's shadow of the lost stage
         self._shadow_note = ""  # why a shadow of the lost stage was not healed onto
+        self._refusing: set[str] = set()  # PeerIds a probe found draining without the session: never a spare
 
     def now(self) -> float:
         return time.monotonic()
@@ -343,6 +344,7 @@ class RingOps:
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
         reports = await self.ring.net.probe(session, 2 * self.ring.heartbeat_s)
+        self._refusing |= {self.peer_of(r.index) for r in reports if r.refusing}
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
     async def settle(self) -> None:
@@ -383,7 +385,8 @@ class RingOps:
         with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``. The lost
         stage's own PeerId is allowed while nothing is committed (a heal at the open or during the prefill,
         which replays on a fresh session): a volunteer who restarted a crashed stage under the same key, on
-        a new address, then serves again; its fresh record names that address."""
+        a new address, then serves again; its fresh record names that address. A stage a probe found
+        draining (it refused the session) is never taken: its record read at routing time may still say online."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
@@ -397,7 +400,7 @@ class RingOps:
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
-                | {s.info.peer_id for s in self.ring.repair.shadows.values()},
+                | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None, shut_out=self.ring.shut_out)
         except NoRoute as exc:

@@ -312,5 +312,6 @@ class RingLinks:
             if i in lost or m is None:  # gone: its stream failed; else silent (maybe paused)
                 reports.append(StageReport(i, False, gone=i in lost))
             else:
-                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy"))))
+                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy")),
+                                           refusing=bool(m.get("draining")) and m.get("known") is False))
         return reports

@@ -232,7 +232,8 @@ class StageServer:
             elif kind == "progress":
                 await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
                                              received=sess.received if sess else -1,
-                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy)))
+                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy),
+                                             draining=bool(self.draining)))
             else:
                 self.sessions.pop(msg["session"], None)
                 log.info("session.close session=%s", msg["session"])

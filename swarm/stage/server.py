@@ -129,7 +129,7 @@ class StageServer:
         b = self.block
         return wire.frame(
             "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
-            model_id=self.model_id,
+            model_id=self.model_id, addrs=list(self.host.addrs()),
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),

@@ -3,9 +3,16 @@
 Starts a bootstrap node and ``--stages`` (default 12) real ``swarm stage`` processes of stories260k
 (1 torch thread each, ``--metrics-listen`` on loopback) holding overlapping blocks of 1-3 layers, so
 every layer has several holders. ``--clients`` (default 4) client threads each run requests back to
-back for ``--minutes``: every request is one ``swarm coordinate --model M --bootstrap B --json``
-process (the product's client that names only the model: it routes over the DHT's records and
-heals from them), greedy, on one of ``PROMPTS``. Meanwhile, every ``--fault-every-s`` (jittered
+back for ``--minutes``, greedy, on one of ``PROMPTS``, through the product's clients that name only
+the model (they route over the DHT's records and heal from them):
+
+- ``--client coordinate``: every request is one ``swarm coordinate --model M --bootstrap B
+  --json`` process; its ``output_ids`` are compared;
+- ``--client serve``: one ``swarm serve --model M --bootstrap B`` process, and every request a
+  ``POST /v1/completions`` (``temperature`` 0) to it; its text and ``usage.completion_tokens`` are
+  compared (with the reference ids decoded as serve decodes them). Its clients are kept across
+  requests, so most of the wall time is generation and faults land mid-answer more often;
+- ``--client mixed`` (default): half the clients each way (even-numbered ones ``coordinate``). Meanwhile, every ``--fault-every-s`` (jittered
 0.5x-1.5x) one random stage that is up gets a fault:
 
 - ``kill``: SIGKILL; the volunteer brings it back 3-12 s later under the same key file (same PeerId,
@@ -22,7 +29,9 @@ float32): every output must equal it token for token.
 
 At the end (faults stopped, every stage up again, clients done) each stage's metrics must show
 0 open sessions and 0 KV bytes within ``--idle-wait-s``, and a stage process that served the whole
-soak must not have grown its RSS by more than ``--rss-growth-mb``.
+soak must not have grown its RSS by more than ``--rss-growth-mb``: every process of every stage
+(restarts are new processes) is sampled every 5 s from /proc, from ``--rss-settle-s`` after its
+READY (the first sessions allocate) to its end, and the growth between those samples is bounded.
 
 Prints one JSON object (and writes it to ``--out``): faults by kind, requests completed / lost /
 different from solo, heals, per-stage sessions, KV and RSS at the end, wall time, load average.
@@ -70,6 +79,11 @@ def blocks_for(count: int, num_layers: int) -> list[LayerRange]:
         start, end = BLOCKS[i % len(BLOCKS)]
         out.append(LayerRange(min(start, num_layers - 1), min(end, num_layers)))
     return out
+
+
+def parse_blocks(text: str) -> list[LayerRange]:
+    """``"0:3,0:3,2:5"`` -> layer ranges."""
+    return [LayerRange(*(int(x) for x in part.split(":"))) for part in text.split(",")]
 
 
 def solo_references(model_dir: Path, prompts: list[str], new_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -130,7 +144,9 @@ class Slot:
     starts: int = 0
     rss_first_mb: float | None = None  # of the current process, sampled once it had served a while
     rss_first_at: float = 0.0
-    rss_max_mb: float = 0.0
+    rss_last_mb: float | None = None
+    rss_since: float = 0.0  # when rss_first_mb was taken
+    lives: list[dict] = field(default_factory=list)  # the RSS of each process that ended: first, last, seconds
     start_errors: list[str] = field(default_factory=list)
 
     @property
@@ -149,7 +165,8 @@ class Soak:
         self.args, self.model, self.num_layers, self.refs, self.tmp, self.boot = args, model, num_layers, refs, tmp, boot
         self.rng = random.Random(args.seed)
         self.lock = threading.RLock()
-        self.slots = [Slot(i, r, tmp / "keys" / f"slot-{i}") for i, r in enumerate(blocks_for(args.stages, num_layers))]
+        ranges = parse_blocks(args.blocks) if args.blocks else blocks_for(args.stages, num_layers)
+        self.slots = [Slot(i, r, tmp / "keys" / f"slot-{i}") for i, r in enumerate(ranges)]
         self.faults = {k: 0 for k in KINDS}
         self.fault_log: list[dict] = []
         self.skipped = 0
@@ -157,7 +174,10 @@ class Soak:
         self.stop_clients = threading.Event()
         self.threads: list[threading.Thread] = []
         self.client_procs: dict[int, object] = {}
-        self.env = dict(os.environ)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")  # as LocalRing and the zygote set it
+        self.serve_url: str | None = None
+        self.serve_proc = None
+        self.ref_texts: list[str] = []
         self.pending: list[tuple[float, object]] = []
 
     # ---- stages
@@ -181,7 +201,8 @@ class Soak:
             return
         with self.lock:
             slot.state, slot.starts = "up", slot.starts + 1
-            slot.rss_first_mb, slot.rss_first_at = None, time.monotonic() + self.args.rss_settle_s
+            self.end_life(slot)
+            slot.rss_first_at = time.monotonic() + self.args.rss_settle_s
 
     def _restart_thread(self, slot: Slot) -> None:
         with self.lock:
@@ -211,6 +232,8 @@ class Soak:
         with self.lock:
             faulted = sum(s.state != "up" for s in self.slots)
             candidates = [s for s in self.slots if s.state == "up" and self.coverage_ok_without(s)]
+            if self.args.max_faults is not None and sum(self.faults.values()) >= self.args.max_faults:
+                return
             if faulted >= self.args.max_faulted or not candidates:
                 self.skipped += 1
                 return
@@ -251,6 +274,13 @@ class Soak:
             slot.start_errors.append(f"drain exit code {code}")
         self._restart_thread(slot)
 
+    def end_life(self, slot: Slot) -> None:
+        """Keep the RSS of the process that served ``slot`` until now (a new one starts)."""
+        if slot.rss_first_mb is not None and slot.rss_last_mb is not None:
+            slot.lives.append({"first_mb": slot.rss_first_mb, "last_mb": slot.rss_last_mb,
+                               "seconds": round(time.monotonic() - slot.rss_since)})
+        slot.rss_first_mb = slot.rss_last_mb = None
+
     def sample_rss(self) -> None:
         now = time.monotonic()
         with self.lock:
@@ -261,8 +291,9 @@ class Soak:
                 if rss is None:
                     continue
                 if s.rss_first_mb is None and now >= s.rss_first_at:
-                    s.rss_first_mb = rss
-                s.rss_max_mb = max(s.rss_max_mb, rss)
+                    s.rss_first_mb, s.rss_since = rss, now
+                if s.rss_first_mb is not None:
+                    s.rss_last_mb = rss
 
     # ---- clients
     def client(self, cid: int) -> None:
@@ -271,7 +302,63 @@ class Soak:
         while not self.stop_clients.is_set():
             p = (cid + n * self.args.clients) % len(self.refs)
             n += 1
-            self.results.append(self.request(cid, p, key))
+            row = self.request(cid, p, key) if self.kind_of(cid) == "coordinate" else self.complete(cid, p)
+            row["via"] = self.kind_of(cid)
+            if not row["ok"]:
+                print(f"chaos: request lost: {row}", file=sys.stderr, flush=True)
+            self.results.append(row)
+
+    def kind_of(self, cid: int) -> str:
+        """The client path of client ``cid``: ``coordinate`` or ``serve``."""
+        if self.args.client == "mixed":
+            return "coordinate" if cid % 2 == 0 else "serve"
+        return self.args.client
+
+    def start_serve(self) -> None:
+        """``swarm serve --model M --bootstrap B --port 0`` as a child; its URL from its first stdout line."""
+        argv = ["serve", "--model", self.model, "--bootstrap", self.boot, "--port", "0",
+                "--key", str(self.tmp / "serve.key"), "--receipt-dir", str(self.tmp / "receipts")]
+        self.serve_proc = start_swarm(argv, self.env)
+        self.serve_err: list[str] = []
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(self.serve_proc.stdout), daemon=True).start()
+        threading.Thread(target=lambda: [self.serve_err.append(x) or self.serve_err.__delitem__(slice(0, -40))
+                                         for x in self.serve_proc.stderr], daemon=True).start()
+        end = time.monotonic() + 120
+        while not lines:
+            if self.serve_proc.poll() is not None or time.monotonic() > end:
+                raise StageLost(f"swarm serve did not start: {''.join(self.serve_err[-5:])}")
+            time.sleep(0.1)
+        self.serve_url = lines[0].split()[2].removesuffix("/v1")  # "swarm serve: http://127.0.0.1:PORT/v1 (...)"
+        import httpx
+
+        self.served_model = httpx.get(self.serve_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def complete(self, cid: int, p: int) -> dict:
+        """One ``POST /v1/completions`` to ``swarm serve``, compared with the solo reference."""
+        import httpx
+
+        body = {"model": self.served_model, "prompt": PROMPTS[p], "max_tokens": self.args.new_tokens,
+                "temperature": 0}
+        t = time.monotonic()
+        row = {"client": cid, "prompt": p, "t": round(t - self.t0, 2)}
+        try:
+            resp = httpx.post(self.serve_url + "/v1/completions", json=body, timeout=self.args.request_timeout_s)
+        except httpx.HTTPError as exc:
+            row.update(ok=False, wall_s=round(time.monotonic() - t, 2), error=f"{type(exc).__name__}: {exc}")
+            return row
+        row["wall_s"] = round(time.monotonic() - t, 2)
+        if resp.status_code != 200:
+            row.update(ok=False, error=f"HTTP {resp.status_code}: {resp.text[:4000]}")
+            return row
+        doc = resp.json()
+        text, used = doc["choices"][0]["text"], doc["usage"]["completion_tokens"]
+        ref_text, ref = self.ref_texts[p], self.refs[p][1]
+        row.update(ok=True, same=text == ref_text and used == len(ref), new_tokens=used, total_s=row["wall_s"],
+                   route_s=None, heals=None)
+        if not row["same"]:
+            row["text"], row["ref_text"] = text, ref_text
+        return row
 
     def request(self, cid: int, p: int, key: Path) -> dict:
         prompt_ids, ref = self.refs[p]
@@ -309,12 +396,10 @@ class Soak:
                 return row
             row.update(ok=True, same=res["output_ids"] == ref and res["prompt_ids"] == prompt_ids,
                        new_tokens=res["new_tokens"], heals=len(res.get("heal_events", [])),
-                       route_s=res.get("route_s"), ring=[e["layers"] for e in res["ring"]],
+                       route_s=res.get("route_s"), total_s=round(res.get("total_s") or 0, 2), ring=[e["layers"] for e in res["ring"]],
                        heal_kinds=[e.get("replay") for e in res.get("heal_events", [])])
             if not row["same"]:
                 row["output_ids"], row["ref"] = res["output_ids"], ref
-        if not row["ok"]:
-            print(f"chaos: request lost: {row}", file=sys.stderr, flush=True)
         return row
 
     # ---- the run
@@ -328,6 +413,12 @@ class Soak:
         down = [s.index for s in self.slots if s.state != "up"]
         if down:
             raise StageLost(f"stages {down} did not start: {[self.slots[i].start_errors for i in down]}")
+        if self.args.client != "coordinate":
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model)
+            self.ref_texts = [tok.decode(ref, skip_special_tokens=True) for _, ref in self.refs]
+            self.start_serve()
         started_s = time.monotonic() - self.t0
         print(f"chaos: {len(self.slots)} stages up in {started_s:.1f} s; soaking {self.args.minutes} min",
               file=sys.stderr, flush=True)
@@ -386,6 +477,8 @@ class Soak:
 
     def report(self, started_s: float, soak_s: float, idle: dict) -> dict:
         self.sample_rss()
+        for s in self.slots:
+            self.end_life(s)
         rows = self.results
         ok = [r for r in rows if r["ok"]]
         lost = [r for r in rows if not r["ok"]]
@@ -398,27 +491,42 @@ class Soak:
                            "starts": s.starts, "sessions_open": m.get("swarm_stage_sessions_open"),
                            "kv_used_bytes": m.get("swarm_stage_kv_used_bytes"),
                            "rss_mb": round(rss, 1) if rss else None,
-                           "rss_first_mb": round(s.rss_first_mb, 1) if s.rss_first_mb else None,
+                           "log_tail": (s.ring.stages[0].stderr_tail[-8:] if s.ring and s.ring.stages and
+                                        m.get("swarm_stage_sessions_open") else []),
+                           "rss_lives": [{k: round(v, 1) for k, v in life.items()} for life in s.lives],
                            "start_errors": s.start_errors[-3:]})
         # a process that served the whole soak (never restarted) must not have grown past the bound
-        growth = [st["rss_mb"] - st["rss_first_mb"] for st in stages
-                  if st["starts"] == 1 and st["rss_mb"] and st["rss_first_mb"]]
-        heals = sum(r.get("heals", 0) for r in ok)
+        lives = [life for s in self.slots for life in s.lives]
+        growth = [life["last_mb"] - life["first_mb"] for life in lives]
+        heals = {"coordinate": sum(r.get("heals") or 0 for r in ok)}
+        if self.serve_url is not None:  # serve counts the heals of all its requests
+            try:
+                heals["serve"] = int(read_metrics(self.serve_url + "/metrics").get("swarm_serve_heal_events_total", -1))
+            except OSError:
+                heals["serve"] = None
+        by_via = {via: {"completed": sum(1 for r in ok if r["via"] == via),
+                        "lost": sum(1 for r in lost if r["via"] == via)} for via in ("coordinate", "serve")}
         walls = [r["wall_s"] for r in ok]
+        routes = [r["route_s"] for r in ok if r.get("route_s") is not None]
         total_faults = sum(self.faults.values())
         result = {
             "model": "stories260k", "stages": len(self.slots), "clients": self.args.clients,
+            "client": self.args.client,
             "blocks": [s.layers.as_list() for s in self.slots], "minutes": self.args.minutes,
             "fault_every_s": self.args.fault_every_s, "new_tokens": self.args.new_tokens,
             "faults": {**self.faults, "total": total_faults, "skipped_no_candidate": self.skipped},
             "requests": {"completed": len(ok), "lost": len(lost), "different_from_solo": len(diff),
-                         "with_heal": sum(1 for r in ok if r.get("heals")),
+                         "coordinate_with_heal": sum(1 for r in ok if r.get("heals")),
                          "wall_s_p50": round(statistics.median(walls), 2) if walls else None,
-                         "wall_s_max": max(walls) if walls else None},
-            "heals": heals,
+                         "wall_s_max": max(walls) if walls else None,
+                         "generate_s_p50": round(statistics.median(r["total_s"] for r in ok), 2) if ok else None,
+                         "coordinate_route_s_p50": round(statistics.median(routes), 2) if routes else None},
+            "heals": heals, "requests_by_client": by_via,
             "lost_examples": lost[:10], "different_examples": diff[:5],
             "idle": {"all_zero": idle["idle"], "after_s": idle["after_s"]},
             "rss_growth_max_mb": round(max(growth), 1) if growth else None,
+            "rss_processes_sampled": len(lives), "rss_longest_life_s": max((x["seconds"] for x in lives), default=0),
+            "rss_end_mb_max": max((st["rss_mb"] or 0 for st in stages), default=0),
             "rss_growth_bound_mb": self.args.rss_growth_mb,
             "stages_end": stages,
             "swarm_start_s": round(started_s, 1), "soak_s": round(soak_s, 1),
@@ -428,14 +536,14 @@ class Soak:
         result["acceptance"] = {
             "faults_at_least_100": total_faults >= 100, "no_request_lost": not lost,
             "no_output_different": not diff, "sessions_back_to_zero": idle["idle"],
-            "rss_bounded": all(g <= self.args.rss_growth_mb for g in growth),
+            "rss_bounded": bool(growth) and all(g <= self.args.rss_growth_mb for g in growth),
         }
         return result
 
     def reap(self) -> None:
         """Every child, whatever happened: clients killed, stopped stages continued, stages stopped."""
         self.stop_clients.set()
-        for proc in list(self.client_procs.values()):
+        for proc in [*self.client_procs.values(), *([self.serve_proc] if self.serve_proc else [])]:
             if proc.poll() is None:
                 _killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -459,7 +567,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared/models/stories260k"))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--stages", type=int, default=12)
+    ap.add_argument("--blocks", help="the stages' blocks instead of --stages, e.g. 0:3,0:3,2:5,2:5,1:4")
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--client", choices=["coordinate", "serve", "mixed"], default="mixed",
+                    help="each request a `swarm coordinate` process, or a POST to one `swarm serve`, or half "
+                         "the clients each way (default)")
+    ap.add_argument("--max-faults", type=int, help="inject no more than this many faults")
     ap.add_argument("--fault-every-s", type=float, default=4.0, help="mean seconds between faults (jittered 0.5-1.5x)")
     ap.add_argument("--weights", type=float, nargs=3, default=[1.0, 1.0, 1.0], metavar=("KILL", "STOP", "RESTART"),
                     help="relative frequency of each fault kind")
@@ -482,8 +595,8 @@ def main(argv: list[str] | None = None) -> dict:
     resolved = resolve_model(args.model)
     num_layers = model_num_layers(resolved.path)
     refs = solo_references(resolved.path, PROMPTS, args.new_tokens)
+    saved = {k: os.environ.get(k) for k in ("SWARM_ZYGOTE", "SWARM_CACHE")}
     os.environ.setdefault("SWARM_ZYGOTE", "1")  # stages and clients fork from one preloaded parent
-    os.environ["PYTHONUNBUFFERED"] = "1"  # before the zygote starts: an import-time variable it must share
     with tempfile.TemporaryDirectory(prefix="swarm-chaos-") as tmpdir:
         tmp = Path(tmpdir)
         os.environ["SWARM_CACHE"] = str(tmp / "cache")
@@ -497,6 +610,11 @@ def main(argv: list[str] | None = None) -> dict:
                     soak.reap()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     text = json.dumps(result)
     print(text)
     if args.out:

@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", type=float, nargs=3, default=[1.0, 1.0, 1.0], metavar=("KILL", "STOP", "RESTART"),
                     help="relative frequency of each fault kind")
     ap.add_argument("--max-faulted", type=int, default=3, help="stages faulted (down, frozen, restarting) at once")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--warmup-s", type=float, default=5.0, help="seconds of requests before the first fault")
     ap.add_argument("--request-timeout-s", type=float, default=180.0, help="a request taking longer is lost (hung)")
     ap.add_argument("--drain-grace-s", type=float, default=40.0, help="SIGKILL a draining stage after this")

@@ -386,8 +386,8 @@ class Soak:
         if code is None:
             row.update(ok=False, error=f"hung: no answer within {self.args.request_timeout_s} s")
         elif code != 0:
-            tail = "".join(err).strip().splitlines()[-3:]
-            row.update(ok=False, error=f"exit {code}: " + " | ".join(tail))
+            lines = "".join(err).strip().splitlines()
+            row.update(ok=False, error=f"exit {code}: " + " | ".join(lines[-3:]), log_tail=lines[-40:])
         else:
             try:
                 res = json.loads(out[-1])

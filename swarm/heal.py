@@ -50,6 +50,8 @@ class StageReport:
         busy: it holds a received chunk it has not finished (computing, or stuck).
         gone: unreachable because its connection closed (it cannot answer on it again), not
             merely silent; a silent stage may be paused and is re-checked before it is blamed.
+        refusing: it answers but will never take the session: it is draining and does not hold it
+            (it refused the open because it began to drain after the route was chosen).
     """
 
     index: int
@@ -58,6 +60,7 @@ class StageReport:
     sent: int = -1
     busy: bool = False
     gone: bool = False
+    refusing: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class Failure:
 
 def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
                    earlier: Probe | None = None) -> Failure | None:
-    """The first unreachable stage, else the first break in the chain of chunk progress.
+    """The first unreachable stage, else the first stage that refuses the session (draining),
+    else the first break in the chain of chunk progress.
 
     The chain is coordinator (``sent``) -> stage 0 -> ... -> tail -> coordinator (``returned``):
     a hop is broken where the upstream side sent a chunk the downstream side never received (the
@@ -106,6 +110,9 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
     for r in reports:
         if not r.reachable:
             return Failure(r.index, "unreachable")
+    for r in reports:
+        if r.refusing:
+            return Failure(r.index, "draining: it refuses the session")
     if earlier is None:
         before_sent = [sent] + [r.sent for r in reports]
     else:  # what each hop's upstream side had already sent at the earlier probe (-1: unknown)

@@ -43,6 +43,18 @@ def test_locate_failure(reports, sent, returned, expected):
     assert locate_failure(reports, sent, returned) == expected
 
 
+def test_a_stage_draining_without_the_session_is_blamed_after_the_unreachable_ones():
+    """A stage that began to drain after the route was chosen refuses the open but answers every
+    probe: without blame the heal found nothing to replace and the request failed (bench/chaos.py)."""
+    refusing = [R(0, True), R(1, True, refusing=True), R(2, True)]
+    assert locate_failure(refusing, -1, -1) == Failure(1, "draining: it refuses the session")
+    earlier = P(refusing, -1, -1)
+    assert locate_failure(refusing, -1, -1, earlier) == Failure(1, "draining: it refuses the session")
+    assert locate_failure([R(0, True), R(1, True, refusing=True), R(2, False)], -1, -1) == Failure(2, "unreachable")
+    # draining while holding the session is no fault: its running sessions may finish
+    assert locate_failure([R(0, True, 3, 3), R(1, True, 3, 3), R(2, True, 3, 3)], 3, 3) is None
+
+
 def P(reports, sent, returned):
     return Probe(tuple(reports), sent, returned)
 

@@ -18,7 +18,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig, cache_root
-from swarm.errors import ConfigError, ContextOverflow, ModelError, StageLost
+from swarm.errors import ConfigError, ContextOverflow, HopTimeout, ModelError, StageLost
 from swarm.heal import NO_WARM_SPARE, HealEvent, Kept, StageReport, plan_replay, run_recovery
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import NoDrafter, SpecLoop
@@ -107,8 +107,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()}
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
-        ring, route_s = await _ring_client(config, host, nursery, resolved.path, num_layers, len(prompt_ids))
-        await ring.connect(num_layers, digest, nursery)
+        ring, route_s = await _ring_client(config, host, nursery, resolved.path, num_layers, len(prompt_ids), digest)
         stream = Detokenizer(tokenizer)
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.update(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
@@ -193,16 +192,29 @@ def _prompt_ids(config: CoordinatorConfig, model_name: str, digest: str, tokeniz
     return prompt_ids, conversation
 
 
+# routes tried when a routed stage cannot be dialed (it died or froze since its record was read)
+ROUTE_ATTEMPTS = 3
+
+
 async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num_layers: int,
-                       prompt_len: int) -> tuple[RingClient, float | None]:
-    """A RingClient (not connected yet) over the ring file, or with ``--bootstrap`` over a route read
-    from the swarm's records (the DHT client runs in ``nursery``; heals may look there too).
+                       prompt_len: int, digest: str) -> tuple[RingClient, float | None]:
+    """A connected RingClient over the ring file, or with ``--bootstrap`` over a route read from the
+    swarm's records (the DHT client runs in ``nursery``; heals may look there too).
+
+    A routed stage that cannot be dialed (it died, or froze, between the RTT probe that chose it and
+    the connect: seen under churn in bench/chaos.py) is excluded and the route chosen again, up to
+    ``ROUTE_ATTEMPTS`` routes; a ring file's stage is not (the file names it).
 
     Returns:
         (the client, seconds the routing took or None without ``--bootstrap``).
+    Raises:
+        StageLost / HopTimeout: a stage could not be reached (after the last route); ConfigError: no route.
     """
     if not config.bootstrap:
-        return RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s), None
+        ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
+        await ring.connect(num_layers, digest, nursery)
+        return ring, None
+    from swarm.addrs import peer_id_from_addr
     from swarm.config import cache_root as _cache_root
     from swarm.discovery.client import discover_ring
     from swarm.weights.identify import model_id as weights_model_id
@@ -213,13 +225,28 @@ async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num
     model_id = await trio.to_thread.run_sync(weights_model_id, model_path, _cache_root() / "manifests")
     dht = await nursery.start(run_dht, host, config.bootstrap)
     shut_out = Exclusions(Blocks(model_path))  # a fraud proof is re-run on the local weights before it counts
-    found = await discover_ring(dht, config.ring.model, model_id, num_layers,
-                                context_tokens=prompt_len + config.max_new_tokens, shut_out=shut_out)
-    ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
-                      model_id=model_id)
-    ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
-    ring.shut_out = shut_out
-    return ring, found.seconds
+    unreachable: set[str] = set()
+    route_s, attempt = 0.0, 1
+    while True:
+        found = await discover_ring(dht, config.ring.model, model_id, num_layers, exclude=frozenset(unreachable),
+                                    context_tokens=prompt_len + config.max_new_tokens, shut_out=shut_out)
+        route_s += found.seconds
+        ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
+                          model_id=model_id)
+        ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
+        ring.shut_out = shut_out
+        try:
+            await ring.connect(num_layers, digest, nursery)
+            return ring, route_s
+        except (StageLost, HopTimeout) as exc:
+            failed = found.ring.stages[len(ring.links)]  # connect dials in ring order and stops at the first
+            await ring.aclose()
+            if attempt == ROUTE_ATTEMPTS:
+                raise
+            unreachable.add(peer_id_from_addr(failed.addr))
+            log.warning("route.retry attempt=%d unreachable=%s reason=%s: routing again without it", attempt,
+                        failed.addr, exc)
+            attempt += 1
 
 
 async def swarm_may_serve(model: str, bootstrap: tuple[str, ...]) -> None:
@@ -326,6 +353,7 @@ class RingOps:
         self._replaced = ""  # PeerId the last swap replaced
         self._shadow = ""  # name of the picked spare when it is this session's shadow of the lost stage
         self._shadow_note = ""  # why a shadow of the lost stage was not healed onto
+        self._refusing: set[str] = set()  # PeerIds a probe found draining without the session: never a spare
 
     def now(self) -> float:
         return time.monotonic()
@@ -343,6 +371,7 @@ class RingOps:
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
         reports = await self.ring.net.probe(session, 2 * self.ring.heartbeat_s)
+        self._refusing |= {self.peer_of(r.index) for r in reports if r.refusing}
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
     async def settle(self) -> None:
@@ -383,7 +412,8 @@ class RingOps:
         with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``. The lost
         stage's own PeerId is allowed while nothing is committed (a heal at the open or during the prefill,
         which replays on a fresh session): a volunteer who restarted a crashed stage under the same key, on
-        a new address, then serves again; its fresh record names that address."""
+        a new address, then serves again; its fresh record names that address. A stage a probe found
+        draining (it refused the session) is never taken: its record read at routing time may still say online."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
@@ -397,7 +427,7 @@ class RingOps:
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
                 next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
-                | {s.info.peer_id for s in self.ring.repair.shadows.values()},
+                | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None, shut_out=self.ring.shut_out)
         except NoRoute as exc:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
 from swarm import wire
+from swarm.addrs import current_addr
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed, SwarmError
 from swarm.heal import StageReport
@@ -166,6 +167,13 @@ class RingLinks:
         if self.model_id is not None and msg.get("model_id") != self.model_id:
             raise ConfigError(f"stage {index} at {spec.addr} runs other weights (model id "
                               f"{str(msg.get('model_id'))[:16]}, expected {self.model_id[:16]})")
+        addrs = msg.get("addrs")
+        if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
+            moved = current_addr(spec.addr, addrs)
+            if moved != spec.addr:  # restarted on a new port; the dial reused a connection to its new one
+                log.warning("stage.moved index=%d peer=%s dialed=%s listens=%s: handing on its current address",
+                            index, msg["peer_id"], spec.addr, moved)
+                spec = replace(spec, addr=moved)
         kernels = msg.get("kernels")
         info = StageInfo(index, spec.addr, msg["peer_id"], (spec.layers.start, spec.layers.end), msg["model"],
                          msg["model_digest"], msg["max_ctx"], msg["dtype"],
@@ -312,5 +320,6 @@ class RingLinks:
             if i in lost or m is None:  # gone: its stream failed; else silent (maybe paused)
                 reports.append(StageReport(i, False, gone=i in lost))
             else:
-                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy"))))
+                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy")),
+                                           refusing=bool(m.get("draining")) and m.get("known") is False))
         return reports

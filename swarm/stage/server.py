@@ -129,7 +129,7 @@ class StageServer:
         b = self.block
         return wire.frame(
             "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
-            model_id=self.model_id,
+            model_id=self.model_id, addrs=list(self.host.addrs()),
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
@@ -233,7 +233,8 @@ class StageServer:
             elif kind == "progress":
                 await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
                                              received=sess.received if sess else -1,
-                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy)))
+                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy),
+                                             draining=bool(self.draining)))
             else:
                 self.sessions.pop(msg["session"], None)
                 log.info("session.close session=%s", msg["session"])

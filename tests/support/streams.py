@@ -27,6 +27,9 @@ class NoNetwork:
     def __init__(self, peer_id):
         self.peer_id = peer_id
 
+    def addrs(self) -> list[str]:
+        return []  # listens nowhere (a stage's info lists its addresses)
+
     async def open_stream(self, *a, **k):
         from swarm.errors import StageLost
 

@@ -152,6 +152,55 @@ def decoder_due(others: Iterable[tuple[float, float]], now: float) -> float | No
     return due
 
 
+RIDE_FRACTION = 0.5  # a long prompt's rows riding in a decoder's step may add this much to the step's time
+GAP_MARGIN_S = 0.002  # a slice computed alone must end this long before the decoder's row is expected
+ROW_SAFETY = 1.25  # ... at this many times the last measured seconds per row (a row costs more as the context grows)
+STARVE_S = 0.5  # a long prompt that computed nothing for this long rides along with at least one row
+
+
+def next_row_in(others: Iterable[tuple[float, float]], now: float) -> float | None:
+    """Seconds until the soonest expected short chunk of another decoding session (its last one plus its
+    gap; ``FIRST_GAP_S`` when it has sent only one), 0 when one is late; None when none is due
+    (:func:`decoder_due`)."""
+    soonest = None
+    for last, gap in others:
+        if last and decoder_due([(last, gap)], now) is not None:
+            expect = max(0.0, last + min(gap or FIRST_GAP_S, ACTIVE_S) - now)
+            soonest = expect if soonest is None else min(soonest, expect)
+    return soonest
+
+
+def prefill_rows(*, with_rows: bool, gap_s: float, row_s: float | None, short_step_s: float | None,
+                 shared_rows: int, full_rows: int, starving: bool) -> int:
+    """Positions of a long chunk one step computes while another session's decode row is due.
+
+    Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024) sizes a prompt's chunk so a step
+    that carries decode rows stays within a budget; in a ring the decode row is at a stage only once
+    a round trip, so the prompt also fills the gaps in between, in slices that end before the row is
+    expected back. Costs are measured: ``short_step_s``, a step of decode rows alone (what any step
+    costs to read the weights once), and ``row_s``, the last seconds per row of this stage's prompt
+    slices beyond that (a row's attention grows with the context).
+
+    Args:
+        with_rows: the step carries decode/verify rows (the slice rides along) or not (it fills a gap).
+        gap_s: seconds until the decoder's next row is expected (:func:`next_row_in`).
+        row_s, short_step_s: the measured costs, seconds (None: not measured yet).
+        shared_rows: ``--prefill-slice-shared``, the most rows that ride along. full_rows: ``--prefill-slice``.
+        starving: the prompt computed nothing for ``STARVE_S``: at least one row rides along.
+    Returns:
+        Rows to compute; 0: none now (ride without it, or wait for the row).
+    """
+    if with_rows:
+        if row_s is None or short_step_s is None or row_s <= 0:
+            return shared_rows
+        ride = int(RIDE_FRACTION * short_step_s / row_s)
+        return min(shared_rows, max(ride, 1 if starving else 0))
+    if row_s is None or row_s <= 0:
+        return 1  # one row, to measure what a row costs
+    step = short_step_s or 0.0  # a step's own cost (the weights read once), then each row's
+    return max(0, min(full_rows, int((gap_s - GAP_MARGIN_S - step) / (ROW_SAFETY * row_s))))
+
+
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
 
@@ -227,6 +276,9 @@ class Scheduler:
         self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
         self._short_step_s: float | None = None  # moving average of the compute of steps without a long chunk
         self._packed = 0  # sessions that shared the last step's largest forward
+        self._row_s: float | None = None  # the last measured seconds per row of a long chunk's slice
+        self._long_rows = 0  # rows of a long chunk the last step computed
+        self._long_at = 0.0  # trio clock when a long chunk's slice was last computed
 
     def enqueue(self, sess: Session, job: Job) -> None:
         """Queue a checked chunk (or receipt request) behind the session's others and wake the loop."""
@@ -272,16 +324,28 @@ class Scheduler:
         piece = None if picked.long is None else ready[picked.long]
         if not small and piece is None:
             return False  # a chunk queued meanwhile has set self._work again
-        if piece is not None and not small and self.config.prefill_piggyback:
-            due = decoder_due([(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]],
-                              trio.current_time())
-            if due is not None:  # wait for the decoder's row and go with it (or until it is overdue)
-                self.stats["prefill_waits"] += 1
-                self._work = trio.Event()
-                with trio.move_on_at(due):
-                    await self._work.wait()
-                return True
-        if piece is not None:
+        rows = None  # the long chunk's slice, when a decoder's row is due (--prefill-piggyback)
+        if piece is not None and self.config.prefill_piggyback:
+            now = trio.current_time()
+            others = [(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]]
+            due = decoder_due(others, now)
+            if due is not None:
+                rows = prefill_rows(with_rows=bool(small), gap_s=next_row_in(others, now) or 0.0,
+                                    row_s=self._row_s, short_step_s=self._short_step_s,
+                                    shared_rows=self.config.prefill_slice_shared,
+                                    full_rows=self.config.prefill_slice,
+                                    starving=now - self._long_at > STARVE_S)
+                if rows == 0 and small:
+                    piece = None  # the decode rows go alone: the prompt's row would cost them too much
+                elif rows == 0:  # nothing fits before the decoder's row: wait for it (or until it is overdue)
+                    self.stats["prefill_waits"] += 1
+                    self._work = trio.Event()
+                    with trio.move_on_at(due):
+                        await self._work.wait()
+                    return True
+        if piece is not None and rows:
+            piece = (*piece, rows)
+        elif piece is not None:
             others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
             shared = long_chunk_shares(bool(small), others, trio.current_time())
             piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
@@ -352,6 +416,10 @@ class Scheduler:
         if not sliced:  # what the next short step may expect to cost
             self._short_step_s = t_end - t_start if self._short_step_s is None else \
                 0.8 * self._short_step_s + 0.2 * (t_end - t_start)
+        elif self._long_rows:  # what a row of the prompt costs now (its attention grows with the context)
+            # a step reads the weights once whatever its rows: that part is what a step of decode rows costs
+            self._row_s = max(t_end - t_start - encode_s - (self._short_step_s or 0.0), 0.0) / self._long_rows
+            self._long_at = trio.current_time()
         timing["steps"] += 1
         timing["to_thread_s"] += t_start - t_call
         timing["from_thread_s"] += time.perf_counter() - t_end
@@ -432,10 +500,12 @@ class Scheduler:
         packs = block.kernel_mode in ("fma", "triton")
         groups: dict = {}  # packed rows share a forward only with rows over the same layers
         entries = [(s, j, j.msg["pos"], j.x) for s, j in small]
+        self._long_rows = 0
         if piece is not None:
             s, j, slice_rows = piece
             n = min(slice_rows, j.x.shape[1] - j.done)
             entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + n]))
+            self._long_rows = n
         for s, j, pos, x in entries:
             if packs or s.batch:
                 groups.setdefault(s.span, []).append((s, j, pos, x))

@@ -12,8 +12,8 @@ import pytest
 from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
 from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_SLACK_S, FIRST_GAP_S, MAX_QUEUED,
-                                   SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due, long_chunk_shares,
-                                   pick_rows)
+                                   GAP_MARGIN_S, ROW_SAFETY, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
+                                   long_chunk_shares, next_row_in, pick_rows, prefill_rows)
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
 
@@ -65,6 +65,37 @@ def test_long_chunk_shares(short_picked, others, shared):
 def test_decoder_due(others, due):
     got = decoder_due(others, NOW)
     assert got == (None if due is None else pytest.approx(due))
+
+
+@pytest.mark.parametrize("others, expect", [
+    ([], None),
+    ([(NOW - 0.01, 0.03)], 0.02),  # its last row 10 ms ago, one every 30 ms: back in 20 ms
+    ([(NOW - 0.05, 0.03)], 0.0),  # late, but still due (within two gaps and the slack)
+    ([(NOW - 0.5, 0.03)], None),  # gone quiet: nobody is due
+    ([(NOW - 0.01, 0.03), (NOW - 0.001, 0.005)], 0.004),  # the soonest of two
+])
+def test_next_row_in(others, expect):
+    got = next_row_in(others, NOW)
+    assert got == (None if expect is None else pytest.approx(expect))
+
+
+def _rows(**kw):
+    args = dict(with_rows=False, gap_s=0.0, row_s=0.004, short_step_s=0.008, shared_rows=2, full_rows=128,
+                starving=False)
+    return prefill_rows(**{**args, **kw})
+
+
+def test_prefill_rows_ride_along_within_the_budget_and_fill_gaps_that_fit():
+    assert _rows(with_rows=True) == 1  # half a decode step (8 ms) buys one 4 ms row
+    assert _rows(with_rows=True, row_s=0.001) == 2  # cheap rows: up to --prefill-slice-shared
+    assert _rows(with_rows=True, row_s=0.02) == 0  # a late, costly row would slow the decode step 3x
+    assert _rows(with_rows=True, row_s=0.02, starving=True) == 1  # ... unless the prompt starves
+    assert _rows(with_rows=True, row_s=None) == 2  # not measured yet
+    gap = GAP_MARGIN_S + 0.008 + 3 * ROW_SAFETY * 0.004 + 1e-6
+    assert _rows(gap_s=gap) == 3  # the weights' read and three rows end before the row is back
+    assert _rows(gap_s=0.005) == 0  # nothing fits: wait for the row
+    assert _rows(gap_s=10.0) == 128  # at most --prefill-slice
+    assert _rows(row_s=None) == 1  # one row, to measure
 
 
 def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):

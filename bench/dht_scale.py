@@ -3,12 +3,18 @@
 For each size N the bench starts a bootstrap node and N-1 further server-mode swarm DHT nodes
 (``swarm.transport.open_host`` + ``swarm.discovery.dht.open_dht``, as ``swarm stage`` builds them),
 ``--per-process`` hosts to a child process (each its own ``trio.run``), all on 127.0.0.1 with
-port 0. Every node but the bootstrap announces a signed stage record of its own PeerId
-(``sign_record`` + ``SwarmDHT.announce``, as a stage does). Then:
+port 0. Joins are staggered: each process joins two nodes at a time and starts the next once a
+node's background self-lookup (``SwarmDHT.table_filled``) has ended. Every node but the bootstrap
+announces a signed stage record of its own PeerId (``sign_record`` + ``SwarmDHT.announce``, as a
+stage does), ``--announce-concurrency`` at a time per process (all at once, 49 announces on 2 cores
+ran past their deadline, issue 31). Then:
 
-- ``holders``: for each record, how many of the 20 nodes closest to its key (libp2p's metric:
+- ``join_one``: one more server node joins as ``swarm stage`` does (clock sync included): the time
+  ``open_dht`` takes (what start-up waits for) and when its background self-lookup ended;
+- ``put`` / ``holders``: for each record, how many of the 20 nodes closest to its key (libp2p's metric:
   XOR of SHA-256 of key and of PeerId, over every node of the swarm) hold it, and how many hold it
-  in all: where a put landed;
+  in all: where a put landed. Put success: the announce returned and at least one of those 20
+  holds the record (``in_k_closest_half_share``: at least half of them);
 - ``get``: ``--reads`` cold reads of a random record from a random node that did not write it (its
   own copy, if it holds one, set aside for the read), each read by every read path this version
   has: ``library`` (libp2p's ``KadDHT.get_value``), ``product`` (``SwarmDHT._fresh_value``, the
@@ -21,7 +27,8 @@ port 0. Every node but the bootstrap announces a signed stage record of its own 
 Lookup latency is wall time per read, p50/p99, on a 2-core machine running all N hosts (CPU, not
 the network, is what it mostly measures at 200). Prints one JSON object (``--out FILE`` also
 writes it). Every child process is reaped, also on failure.
-Usage: python bench/dht_scale.py [--hosts 10,50,200] [--reads 200] [--per-process 25] [--out FILE]
+Usage: python bench/dht_scale.py [--hosts 10,50,200] [--reads 200] [--per-process 25]
+       [--announce-concurrency 2] [--announce-timeout-s 30] [--out FILE]
 """
 
 from __future__ import annotations
@@ -136,6 +143,9 @@ async def _worker(args) -> None:
                             async with joins:
                                 dht = await running.enter_async_context(
                                     open_dht(host, server=True, bootstrap=boot, sync_clock=False))
+                                # staggered joins: a node's background self-lookup (``fill_table``) ends,
+                                # bounded by its own deadline, before this process starts the next join
+                                await dht.table_filled.wait()
                             nodes[host.peer_id] = dht
                             up.set()
                             await stop.wait()
@@ -150,18 +160,41 @@ async def _worker(args) -> None:
             failures.append(f"{peer_id_of(key_pair)}: {e!r}"[:200])
             up.set()
 
+    announces = trio.CapacityLimiter(args.announce_concurrency)  # announces at once in this process
+
     async def announce(dht) -> None:
-        start = time.perf_counter()
         key_pair = _key(args.seed, args.size, index_of[dht.host.peer_id])
-        value = _record(key_pair, dht.host.addrs(), args.ttl_s, dht.clock())
         stored, why = 0, ""
-        try:
-            with trio.fail_after(30):
-                stored = await dht.announce(value, MODEL, timeout_s=25)
-        except Exception as e:  # a refused or timed-out put is a figure, not a crash
-            why = repr(e)[:160]
+        async with announces:
+            start = time.perf_counter()
+            value = _record(key_pair, dht.host.addrs(), args.ttl_s, dht.clock())
+            try:
+                with trio.fail_after(args.announce_timeout_s + 5):
+                    stored = await dht.announce(value, MODEL, timeout_s=args.announce_timeout_s)
+            except Exception as e:  # a refused or timed-out put is a figure, not a crash
+                why = repr(e)[:160]
         put_stats.append({"peer": dht.host.peer_id, "stored": stored, "s": round(time.perf_counter() - start, 4),
                           "error": why})
+
+    async def extra_node(bootstrap: str, report: dict, done: trio.Event) -> None:
+        """One more server node joins as ``swarm stage`` does (clock sync included): the time ``open_dht``
+        takes (what start-up waits for) and, apart, when its background self-lookup ended; it stays up,
+        holding no record."""
+        start = time.perf_counter()
+        try:
+            async with open_host(_key(args.seed, args.size, 10_000), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                    open_dht(host, server=True, bootstrap=[bootstrap]) as dht:
+                report["open_dht_ms"] = round(1000 * (time.perf_counter() - start), 1)
+                with trio.move_on_after(120):
+                    await dht.table_filled.wait()
+                    report["self_lookup_done_ms"] = round(1000 * (time.perf_counter() - start), 1)
+                report["table"] = dht.dht.routing_table.size()
+                done.set()
+                await stop.wait()
+        except Exception as e:  # a figure missing, not a run lost
+            report["error"] = repr(e)[:160]
+        finally:
+            done.set()
 
     index_of: dict[str, int] = {}
     for index in range(args.first, args.first + args.count):
@@ -191,6 +224,13 @@ async def _worker(args) -> None:
                     for dht in list(nodes.values()):
                         puts.start_soon(announce, dht)
                 say("announced", put_stats)
+            elif cmd["op"] == "join":
+                report: dict = {}
+                done = trio.Event()
+                nursery.start_soon(extra_node, cmd["bootstrap"], report, done)
+                with trio.move_on_after(150):  # always answer: the parent's next command must find its reply
+                    await done.wait()
+                say("joined", report or {"error": "no answer within 150 s"})
             elif cmd["op"] == "holders":
                 from swarm.discovery.records import NAMESPACE
 
@@ -324,7 +364,8 @@ def run_size(n: int, args, tmp: Path) -> dict:
 
     rng = random.Random(f"{args.seed}/{n}")
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seed", str(args.seed), "--size", str(n),
-          "--ttl-s", str(args.ttl_s), "--read-concurrency", str(args.read_concurrency)]
+          "--ttl-s", str(args.ttl_s), "--read-concurrency", str(args.read_concurrency),
+          "--announce-concurrency", str(args.announce_concurrency), "--announce-timeout-s", str(args.announce_timeout_s)]
     children: list[Child] = []
     t0 = time.monotonic()
     try:
@@ -347,7 +388,7 @@ def run_size(n: int, args, tmp: Path) -> dict:
         owner: dict[str, Child] = {}
         failures: list[str] = []
         for w in workers:
-            up = w.recv("up", 60 + 5 * args.per_process)
+            up = w.recv("up", 60 + 15 * args.per_process)
             failures += up["failures"]
             for p in up["peers"]:
                 owner[p] = w
@@ -355,8 +396,11 @@ def run_size(n: int, args, tmp: Path) -> dict:
         t1 = time.monotonic()
         for w in workers:
             w.send({"op": "announce"})
-        puts = [row for w in workers for row in w.recv("announced", 120)]
+        rounds = math.ceil(max(share) / args.announce_concurrency)
+        puts = [row for w in workers for row in w.recv("announced", 60 + rounds * (args.announce_timeout_s + 5))]
         announce_s = time.monotonic() - t1
+        workers[0].send({"op": "join", "bootstrap": boot_addr})
+        join = workers[0].recv("joined", 180)
         held: dict[str, list[str]] = {}
         for c in children:
             c.send({"op": "holders"})
@@ -401,8 +445,16 @@ def run_size(n: int, args, tmp: Path) -> dict:
             "hosts": n, "processes": len(children), "start_failures": failures[:5],
             "start_s": round(started_s, 2), "announce_s": round(announce_s, 2), "read_s": round(read_up_s, 2),
             "read_down_s": round(read_down_s, 2),
+            "join_one": join,
             "put": {
                 "records": len(puts), "refused_or_failed": sum(1 for p in puts if p["error"]),
+                # put success: the announce returned and at least one of the k closest nodes of the whole
+                # swarm holds the record (where a reader's lookup converges); full: k/2 of them or more
+                "success": round(sum(1 for p, c in zip(sorted(puts, key=lambda p: p["peer"]), in_closest)
+                                     if not p["error"] and c >= 1) / len(puts), 4) if puts else None,
+                "in_k_closest_half_share": round(sum(1 for c in in_closest if 2 * c >= min(K_CLOSEST, len(servers) - 1))
+                                                 / len(in_closest), 4)
+                if in_closest else None,
                 "errors": sorted({p["error"] for p in puts if p["error"]})[:3],
                 "stored_median": statistics.median([p["stored"] for p in puts]) if puts else None,
                 "p50_ms": round(1000 * _pct([p["s"] for p in puts], 0.5), 1) if puts else None,
@@ -426,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-process", type=int, default=25, help="hosts per child process")
     ap.add_argument("--read-concurrency", type=int, default=2, help="reads in flight per child process")
     ap.add_argument("--read-timeout-s", type=float, default=10.0)
+    ap.add_argument("--announce-concurrency", type=int, default=2, help="announces in flight per child process")
+    ap.add_argument("--announce-timeout-s", type=float, default=30.0, help="SwarmDHT.announce's deadline")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"read paths to measure, of {','.join(PATHS)}")
     ap.add_argument("--ttl-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=1)
@@ -455,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "dht_scale", "sizes": sizes, "reads_per_size": args.reads, "per_process": args.per_process,
         "read_concurrency_per_process": args.read_concurrency, "read_timeout_s": args.read_timeout_s,
+        "announce_concurrency_per_process": args.announce_concurrency, "announce_timeout_s": args.announce_timeout_s,
         "paths": args.paths, "k": K_CLOSEST, "cpus": os.cpu_count(),
         "wall_s": round(time.monotonic() - wall0, 1),
         "cpu_s_children": round((cpu1.children_user + cpu1.children_system) - (cpu0.children_user + cpu0.children_system), 1),

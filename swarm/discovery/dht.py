@@ -44,7 +44,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
@@ -53,8 +53,8 @@ import multiaddr
 import trio
 
 from swarm.discovery.lookup import lookup
-from swarm.discovery.providers import (QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, gather_settled,
-                                      lookup_providers)
+from swarm.discovery.providers import (PROVIDERS_SETTLE_S, QUERY_TIMEOUT_S, SETTLE_QUORUM, ask_each_once,
+                                      bound_provider_store, gather_settled, lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
 
@@ -457,8 +457,10 @@ class SwarmDHT:
         """Read the current stage records of a model (or of every model): ``read_records`` without the report."""
         return (await self.read_records(model_id, timeout_s=timeout_s))[0]
 
-    async def read_records(self, model_id: str | None = None, *,
-                           timeout_s: float = 5.0) -> tuple[list[StageRecord], ReadReport]:
+    async def read_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
+                           quorum: float = SETTLE_QUORUM,
+                           on_record: Callable[[StageRecord], Awaitable[None]] | None = None,
+                           enough: Callable[[], bool] | None = None) -> tuple[list[StageRecord], ReadReport]:
         """Read the current stage records of a model (or of every model), validated and de-duplicated.
 
         Providers are hints; each provider's signed record is fetched and checked
@@ -472,6 +474,13 @@ class SwarmDHT:
             model_id: 64-hex model id, or None for every stage that announces (at most
                 ``MAX_PROVIDERS_PER_KEY`` per DHT node).
             timeout_s: deadline for the whole read, in seconds.
+            quorum: share of the providers whose answers the read waits for (then ``SETTLE_GRACE_S``
+                more); a route needs the near stages, a census (``swarm peers``) wants them all.
+            on_record: awaited with each valid record as it arrives, inside that provider's share
+                of the read (the quorum counts it finished after it): a client probes a stage
+                on the connection the read just opened instead of after the whole read.
+            enough: checked as providers finish; once true the read ends ``SETTLE_GRACE_S`` later,
+                as at the quorum (``gather_settled``).
         Returns:
             (records sorted by PeerId, empty when none is found; the ReadReport saying what the
             other providers were).
@@ -507,13 +516,16 @@ class SwarmDHT:
             if model_id is None or record.model_id == model_id:
                 records[peer_id] = record
                 del dropped[peer_id]
+                if on_record is not None:
+                    await on_record(record)
             else:
                 dropped[peer_id] = ("other-model", f"model {record.model_id[:16]}")
                 log.info("dht.record_rejected peer=%s reason=other-model model=%s", peer_id, record.model_id[:16])
 
         with trio.move_on_after(timeout_s):
             # not waiting for the slowest few percent (crashed owners, far relays): gather_settled
-            await gather_settled([functools.partial(one, peer_id) for peer_id in peers])
+            await gather_settled([functools.partial(one, peer_id) for peer_id in peers], quorum=quorum,
+                                 enough=enough)
         report = ReadReport(len(peers), tuple((p, *dropped[p]) for p in sorted(dropped)))
         return [records[p] for p in sorted(records)], report
 
@@ -539,7 +551,8 @@ class SwarmDHT:
 
         found: dict = {}
         with trio.move_on_after(timeout_s):
-            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap])
+            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap],
+                                   settle_s=PROVIDERS_SETTLE_S)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():

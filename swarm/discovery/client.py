@@ -20,7 +20,7 @@ import trio
 
 from swarm.config import RingSpec, StageSpec
 from swarm.discovery.dht import SwarmDHT
-from swarm.discovery.providers import gather_settled
+from swarm.discovery.providers import PROVIDERS_SETTLE_S, gather_settled
 from swarm.discovery.records import StageRecord
 from swarm.errors import ConfigError
 from swarm.ranges import LayerRange
@@ -63,6 +63,7 @@ def holders_of(records: Sequence[StageRecord]) -> list[Holder]:
 PROBE_ROUNDS = 2  # echoes per probe on a warm connection (the smallest counts): jitter, without 3 round trips
 ROUTE_QUORUM = 0.6  # a route waits for this share of the stages (read and probed), then SETTLE_GRACE_S ...
 ROUTE_COVER = 3  # ... or until the stages read and probed hold every layer this many times, if sooner
+ROUTE_GRACE_S = 0.1  # the wait for more stages after that: the ones still dialing are the farther ones
 
 
 async def probe_one(dht: SwarmDHT, r: StageRecord, out: dict[str, float], timeout_s: float = 2.0) -> None:
@@ -116,9 +117,11 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
             leave layers uncovered (the message names the layer ranges and what holds what).
     """
     start = time.monotonic()
-    # each stage is probed as soon as its record arrives, on the connection the read opened, and the
-    # read ends once ROUTE_QUORUM of them are read and probed: the stages left out are the farthest
-    # (or gone), which a route would not take anyway (issue 31: read, then probe, took 3-4 s cold)
+    # the provider lookup ends soon after the first node naming providers (not after libp2p's lock-step
+    # rounds); each stage is probed as soon as its record arrives, on the connection the read opened;
+    # the read ends ROUTE_GRACE_S after the stages read and probed cover every layer ROUTE_COVER times
+    # (or ROUTE_QUORUM of them answered): the ones left out are the farthest (or gone), which a route
+    # would not take anyway (issue 31: lookup, read, then probes took 7.5-8.3 s cold at 1,000 peers)
     rtts: dict[str, float] = {}
     cover = [0] * num_layers  # online stages read and probed, per layer
 
@@ -130,7 +133,8 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
                     cover[i] += 1
 
     records, report = await dht.read_records(model_id, timeout_s=timeout_s, quorum=ROUTE_QUORUM, on_record=probe,
-                                             enough=lambda: min(cover) >= ROUTE_COVER)
+                                             enough=lambda: min(cover) >= ROUTE_COVER, grace_s=ROUTE_GRACE_S,
+                                             settle_s=PROVIDERS_SETTLE_S)
     if not records and not report.providers:
         raise ConfigError(f"no stage of model {model} (id {model_id[:16]}) announces on the swarm; "
                           "start stages with --bootstrap, or check that they run the same weights")

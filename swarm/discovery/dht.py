@@ -53,7 +53,7 @@ import multiaddr
 import trio
 
 from swarm.discovery.lookup import lookup
-from swarm.discovery.providers import (PROVIDERS_SETTLE_S, QUERY_TIMEOUT_S, SETTLE_QUORUM, ask_each_once,
+from swarm.discovery.providers import (QUERY_TIMEOUT_S, SETTLE_GRACE_S, SETTLE_QUORUM, ask_each_once,
                                       bound_provider_store, gather_settled, lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
@@ -460,7 +460,9 @@ class SwarmDHT:
     async def read_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
                            quorum: float = SETTLE_QUORUM,
                            on_record: Callable[[StageRecord], Awaitable[None]] | None = None,
-                           enough: Callable[[], bool] | None = None) -> tuple[list[StageRecord], ReadReport]:
+                           enough: Callable[[], bool] | None = None,
+                           grace_s: float = SETTLE_GRACE_S,
+                           settle_s: float | None = None) -> tuple[list[StageRecord], ReadReport]:
         """Read the current stage records of a model (or of every model), validated and de-duplicated.
 
         Providers are hints; each provider's signed record is fetched and checked
@@ -479,15 +481,20 @@ class SwarmDHT:
             on_record: awaited with each valid record as it arrives, inside that provider's share
                 of the read (the quorum counts it finished after it): a client probes a stage
                 on the connection the read just opened instead of after the whole read.
-            enough: checked as providers finish; once true the read ends ``SETTLE_GRACE_S`` later,
-                as at the quorum (``gather_settled``).
+            enough: checked as providers finish; once true the read ends ``grace_s`` later, as at
+                the quorum (``gather_settled``).
+            grace_s: seconds the read waits for the rest after the quorum or ``enough``.
+            settle_s: end the provider lookup this long after the first node naming providers
+                (``lookup_providers``; ``PROVIDERS_SETTLE_S`` for a route); None: run it to the end,
+                as a census must (a provider whose ADD_PROVIDER missed the bootstrap nodes is only
+                on the closest nodes).
         Returns:
             (records sorted by PeerId, empty when none is found; the ReadReport saying what the
             other providers were).
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
         # the lookup may run out of time (nodes that left cost a failed dial each): keep what arrived
-        peers = await self._fresh_providers(provider_key, timeout_s)
+        peers = await self._fresh_providers(provider_key, timeout_s, settle_s)
         records: dict[str, StageRecord] = {}
         dropped: dict[str, tuple[str, str]] = {}
 
@@ -525,7 +532,7 @@ class SwarmDHT:
         with trio.move_on_after(timeout_s):
             # not waiting for the slowest few percent (crashed owners, far relays): gather_settled
             await gather_settled([functools.partial(one, peer_id) for peer_id in peers], quorum=quorum,
-                                 enough=enough)
+                                 enough=enough, grace_s=grace_s)
         report = ReadReport(len(peers), tuple((p, *dropped[p]) for p in sorted(dropped)))
         return [records[p] for p in sorted(records)], report
 
@@ -544,7 +551,7 @@ class SwarmDHT:
             log.debug("dht.owner_get_failed peer=%s error=%r", peer_id, e)
         return None
 
-    async def _fresh_providers(self, key: str, timeout_s: float) -> list[str]:
+    async def _fresh_providers(self, key: str, timeout_s: float, settle_s: float | None = None) -> list[str]:
         """PeerIds of the providers of ``key`` found within ``timeout_s`` (``lookup_providers``),
         their addresses put in the peerstore so their owners can be asked directly."""
         from libp2p.kad_dht.kad_dht import _encode_key
@@ -552,7 +559,7 @@ class SwarmDHT:
         found: dict = {}
         with trio.move_on_after(timeout_s):
             await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap],
-                                   settle_s=PROVIDERS_SETTLE_S)
+                                   settle_s=settle_s)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 PROVIDER_TTL_S = MAX_TTL_S  # an entry not refreshed this long is dropped, in seconds of the storing node
 MAX_PROVIDERS_PER_KEY = 256  # per key and node; a GET_PROVIDERS answer of 256 stays far below 4 MiB
 QUERY_TIMEOUT_S = 3.0  # one GET_PROVIDERS request to one node
-PROVIDERS_SETTLE_S = 0.25  # a read keeps listening this long after the first node that names providers
+PROVIDERS_SETTLE_S = 0.1  # a read keeps listening this long after the first node that names providers
 
 
 def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:

@@ -64,6 +64,7 @@ RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node 
 BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
 NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
 GET_ENOUGH = 3  # valid copies a read collects before it stops asking (the highest seq of them wins)
+PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstrap node answers
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
@@ -702,10 +703,73 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
         raise DiscoveryError(f"bootstrap {info.peer_id} {dial_failure(e, str(info.peer_id))}") from None
 
 
+def load_peer_cache(path) -> list[str]:
+    """The multiaddrs (with ``/p2p/<PeerId>``) a peer cache file holds; [] when it is missing or unreadable.
+
+    A cache is a hint, never a reason to fail: a corrupt file is logged and ignored.
+    """
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            addrs = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        log.warning("dht.peer_cache_unreadable path=%s error=%r", path, e)
+        return []
+    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+        log.warning("dht.peer_cache_unreadable path=%s error=not a list of multiaddr strings", path)
+        return []
+    return addrs
+
+
+def save_peer_cache(path, addrs: Sequence[str]) -> None:
+    """Write ``addrs`` (at most ``PEER_CACHE_SIZE``) to the peer cache file atomically."""
+    import json
+
+    from swarm.files import write_atomic
+
+    write_atomic(path, json.dumps(list(addrs)[:PEER_CACHE_SIZE], indent=1) + "\n")
+
+
+def _server_addrs(host, dht) -> list[str]:
+    """Full multiaddrs of the DHT servers in this node's routing table (what a peer cache keeps)."""
+    peerstore = host.libp2p_host.get_peerstore()
+    out = []
+    for peer_id in dht.routing_table.get_peer_ids():
+        try:
+            addrs = peerstore.addrs(peer_id)
+        except Exception:  # no address kept for it any more
+            continue
+        if addrs:
+            out.append(f"{addrs[0]}/p2p/{peer_id}")
+    return out
+
+
+async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
+                    failures: list[str]) -> list[tuple[str, object]]:
+    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently; those that answered."""
+    joined: list = []
+
+    async def one(addr: str, info) -> None:
+        try:
+            await _join_one(host, dht, info, timeout_s)
+            joined.append((addr, info))
+        except DiscoveryError as e:
+            failures.append(f"{addr}: {e}")
+
+    async with trio.open_nursery() as nursery:
+        for addr, info in known:
+            nursery.start_soon(one, addr, info)
+    return joined
+
+
 @asynccontextmanager
 async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout_s: float = 10.0,
                    clock: Callable[[], float] | None = None, sync_clock: bool = True,
-                   accept_models: frozenset[str] | None = None) -> AsyncIterator[SwarmDHT]:
+                   accept_models: frozenset[str] | None = None, peers: Sequence[str] = (),
+                   peer_cache=None) -> AsyncIterator[SwarmDHT]:
     """Run a swarm DHT node on ``host`` for the duration of the block.
 
     Args:
@@ -720,12 +784,18 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             check record expiries in that corrected time (``SwarmClock``); False uses ``clock``
             as it is (tests that move time by hand). Server nodes answer others' time requests.
         accept_models: model ids this node stores records for (None: any).
+        peers: multiaddrs of any other swarm DHT servers (stages) this node knows; joined
+            through when no bootstrap node answers (issue 31: during a bootstrap outage no new
+            node could join).
+        peer_cache: a file of DHT servers this node met before (``load_peer_cache``): joined
+            through, as ``peers``, when no bootstrap node answers, and rewritten with the
+            servers of its routing table once joined. None: no cache.
     Yields:
         The SwarmDHT.
     Raises:
         ConfigError: a bootstrap address is malformed, or the libp2p version is not the pinned one.
-        DiscoveryError: bootstrap addresses were given and none could be joined (the message
-            names each address and why).
+        DiscoveryError: bootstrap addresses were given and none of them, of ``peers`` or of the
+            peer cache could be joined (the message names each address and why).
     """
     pin_protocol()
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -734,6 +804,13 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     from swarm.discovery.clock import SwarmClock, local_clock, serve_time
 
     infos = [parse_bootstrap(a) for a in bootstrap]
+    cached = list(dict.fromkeys([*peers, *(load_peer_cache(peer_cache) if peer_cache is not None else [])]))
+    cached_infos = []
+    for addr in cached:
+        try:
+            cached_infos.append((addr, parse_bootstrap(addr)))
+        except ConfigError as e:  # a stale or hand-edited entry: the others may still answer
+            log.warning("dht.peer_cache_entry_skipped addr=%s error=%s", addr, e)
     clock = clock or local_clock
     if sync_clock:
         clock = SwarmClock(clock)
@@ -754,18 +831,37 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 await _join_one(host, dht, info, timeout_s)
             except DiscoveryError as e:
                 failures.append(f"{addr}: {e}")
-        if infos and len(failures) == len(infos):
+        all_failed = bool(infos) and len(failures) == len(infos)
+        through, through_addrs = infos, list(bootstrap)
+        if cached_infos and (all_failed or not infos):
+            others: list[str] = []
+            joined = await _join_any(host, dht, cached_infos, timeout_s, others)
+            if joined:
+                log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
+                            len(joined), len(cached_infos), "; ".join(failures) or "none given")
+                through, through_addrs = [i for _, i in joined], [a for a, _ in joined]
+                all_failed, failures = False, []
+            else:
+                all_failed = True
+                failures.append("no known peer answered either: " + "; ".join(others))
+        if all_failed:
             # raised after the service stops, so the caller sees it bare, not in an exception group
-            error = DiscoveryError("cannot join the swarm, no bootstrap node answered: " + "; ".join(failures))
+            head = "no bootstrap node answered: " if infos else "no bootstrap node given, and "
+            error = DiscoveryError("cannot join the swarm, " + head + "; ".join(failures))
         else:
             for line in failures:
                 log.warning("dht.bootstrap_failed %s", line)
             log.info("dht.start mode=%s bootstrap=%d/%d", "server" if server else "client",
                      len(infos) - len(failures), len(infos))
-            node = SwarmDHT(host, dht, infos, clock, bootstrap)
+            node = SwarmDHT(host, dht, through, clock, through_addrs)
             await node.sync_clock()
-            if infos:
+            if through:
                 await node.fill_table()
+            if peer_cache is not None:
+                try:
+                    save_peer_cache(peer_cache, _server_addrs(host, dht))
+                except OSError as e:  # a cache that cannot be written is a missed hint, not a failure
+                    log.warning("dht.peer_cache_unwritable path=%s error=%r", peer_cache, e)
             yield node
     if error is not None:
         raise error

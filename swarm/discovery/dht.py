@@ -703,6 +703,13 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
         raise DiscoveryError(f"bootstrap {info.peer_id} {dial_failure(e, str(info.peer_id))}") from None
 
 
+def peer_cache_path():
+    """Where a stage or a client keeps the DHT servers it met: ``dht-peers.json`` in the cache root."""
+    from swarm.config import cache_root
+
+    return cache_root() / "dht-peers.json"
+
+
 def load_peer_cache(path) -> list[str]:
     """The multiaddrs (with ``/p2p/<PeerId>``) a peer cache file holds; [] when it is missing or unreadable.
 
@@ -788,8 +795,9 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             through when no bootstrap node answers (issue 31: during a bootstrap outage no new
             node could join).
         peer_cache: a file of DHT servers this node met before (``load_peer_cache``): joined
-            through, as ``peers``, when no bootstrap node answers, and rewritten with the
-            servers of its routing table once joined. None: no cache.
+            through, as ``peers``, when none of the bootstrap nodes given answers (not read when
+            none is given), and rewritten with the servers of its routing table once joined.
+            None: no cache.
     Yields:
         The SwarmDHT.
     Raises:
@@ -804,7 +812,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     from swarm.discovery.clock import SwarmClock, local_clock, serve_time
 
     infos = [parse_bootstrap(a) for a in bootstrap]
-    cached = list(dict.fromkeys([*peers, *(load_peer_cache(peer_cache) if peer_cache is not None else [])]))
+    # a node given no bootstrap node starts a swarm of its own: its cache (of some other swarm, maybe) is not read
+    cached = list(dict.fromkeys([*peers, *(load_peer_cache(peer_cache) if peer_cache is not None and infos else [])]))
     cached_infos = []
     for addr in cached:
         try:

@@ -205,7 +205,8 @@ def test_a_node_joins_through_known_peers_while_no_bootstrap_node_answers(tmp_pa
                                 timeout_s=3) as node:
                 assert [str(i.peer_id) for i in node.bootstrap] == [str(server.host.libp2p_host.get_id())]
             # none answers: one clear error naming both
-            with pytest.raises(DiscoveryError, match="no bootstrap node answered: .*no known peer answered either"):
+            with pytest.raises(DiscoveryError,
+                               match="no bootstrap node answered: .*no known peer answered either"):
                 async with open_dht(hosts[3], server=False, bootstrap=[dead], peers=[dead], timeout_s=3):
                     pass
 

@@ -3,12 +3,15 @@ against a brute-force enumeration of every chain under the same cost model."""
 
 from __future__ import annotations
 
+import heapq
+import random
 import subprocess
 import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import swarm.routing as R
 from swarm.errors import ConfigError
 from swarm.routing import (Holder, Hop, NoRoute, Route, plan_placement, plan_replacement, plan_route, should_move,
                            spares_for)
@@ -370,3 +373,128 @@ def test_routing_imports_no_torch_trio_or_libp2p():
     code = "import sys, swarm.routing; bad = [m for m in ('torch', 'trio', 'libp2p') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---- the boundary DP against the Dijkstra it replaced (issue 31) -------------------------------------------------
+
+def dijkstra_reference(by_id: Mapping[str, Holder], lo: int, hi: int, prev_peer: str | None, next_peer: str | None,
+                    exclude: frozenset[str], model: _CostModel) -> tuple[float, tuple[Hop, ...]] | None:
+    """Dijkstra over states (layer boundary, previous hop's peer) from ``lo`` after ``prev_peer`` to
+    ``hi`` before ``next_peer`` (None: the client). Ties: fewer hops, then PeerIds in order, then
+    earlier boundaries. A peer never serves two consecutive hops (one longer hop is the same work).
+
+    The planner before issue 31 (10 s of CPU at 1,000 holders), kept as the reference: None where no chain exists.
+    """
+    usable = sorted((h for h in by_id.values() if h.state == "online" and h.peer_id not in exclude
+                     and h.layers[0] < hi and h.layers[1] > lo), key=lambda h: h.peer_id)
+    cuts = sorted({lo, hi} | {x for h in by_id.values() for x in h.layers if lo < x < hi})
+    # hops that may start at each boundary: holder -> [(end boundary, compute ms)], whatever came before
+    hops_from: dict[int, list[tuple[Holder, list[tuple[int, float]]]]] = {a: [] for a in cuts}
+    for h in usable:
+        layer_ms = model.layer_ms(h)
+        for i, a in enumerate(cuts):
+            if h.layers[0] <= a < h.layers[1]:
+                ends = [(b, (b - a) * layer_ms) for b in cuts[i + 1:]
+                        if b <= h.layers[1] and model.kv_fits(h, b - a)]
+                if ends:
+                    hops_from[a].append((h, ends))
+    # A state is (boundary, previous peer, arrived): arrived means back at next_peer after hi.
+    # A path's key is (cost_ms, hops, peer ids, hop ends): the order of the heap and of ties.
+    start = (lo, prev_peer, False)
+    best: dict = {start: (0.0, 0, (), ())}
+    heap: list = [(0.0, 0, (), ()) + start]
+    settled: set = set()
+    reached = lo
+
+    def relax(key: tuple, state: tuple) -> None:
+        old = best.get(state)
+        if old is None or key < old:
+            best[state] = key
+            heapq.heappush(heap, key + state)
+
+    while heap:
+        entry = heapq.heappop(heap)
+        key, state = entry[:4], entry[4:]
+        if state in settled or best[state] != key:
+            continue  # a stale entry: a cheaper path to this state was pushed later
+        settled.add(state)
+        cost, n, ids, ends = key
+        a, prev, arrived = state
+        if arrived:
+            starts = (lo,) + ends[:-1]
+            return cost, tuple(Hop(p, by_id[p].addr, (s, e), by_id[p].layers) for p, s, e in zip(ids, starts, ends))
+        if a == hi:
+            last = by_id[prev]
+            if last.peer_id != next_peer:
+                back = model.rtt_ms(next_peer, by_id.get(next_peer), last) / 2
+                relax((cost + back, n, ids, ends), (hi, prev, True))
+            continue
+        reached = max(reached, a)  # the furthest boundary a chain could go on from
+        prev_holder = by_id.get(prev) if prev is not None else None
+        for h, hop_ends in hops_from[a]:
+            if h.peer_id == prev:
+                continue
+            enter_ms = cost + model.rtt_ms(prev, prev_holder, h) / 2
+            for b, compute_ms in hop_ends:
+                new_cost = enter_ms + compute_ms
+                old = best.get((b, h.peer_id, False))
+                if old is None or new_cost <= old[0]:
+                    relax((new_cost, n + 1, ids + (h.peer_id,), ends + (b,)), (b, h.peer_id, False))
+    return None
+
+
+def random_swarm(rng, n, num_layers, measured):
+    """n holders with random blocks, speeds, loads, KV room and ``measured`` RTTs each to random others."""
+    ids = [f"q{i:04d}" for i in range(n)]
+    holders = []
+    for peer_id in ids:
+        width = rng.randint(1, max(1, num_layers // 3))
+        start = rng.randint(0, num_layers - width)
+        holders.append(H(peer_id, (start, start + width), state=rng.choice(["online"] * 8 + ["joining", "draining"]),
+                         throughput_tps=rng.choice([0.0, rng.uniform(1, 200)]), sessions=rng.randint(0, 3),
+                         free_kv_bytes=rng.choice([None, None, rng.randint(0, 4000)]),
+                         kv_bytes_per_token_layer=rng.randint(0, 3),
+                         rtt_ms={p: rng.uniform(1, 250) for p in rng.sample(ids, min(n, measured))}))
+    client_rtt_ms = {p: rng.uniform(5, 300) for p in rng.sample(ids, n * 3 // 4)}
+    return holders, client_rtt_ms
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_boundary_dp_chooses_what_dijkstra_chose(seed):
+    rng = random.Random(seed)
+    num_layers = rng.choice([4, 12, 30])
+    holders, client_rtt_ms = random_swarm(rng, rng.choice([3, 10, 40]), num_layers, rng.choice([0, 2, 5]))
+    exclude = frozenset(rng.sample([h.peer_id for h in holders], 1))
+    context_tokens = rng.choice([0, 100, 1000])
+    by_id = {h.peer_id: h for h in holders}
+    model = R._CostModel(client_rtt_ms, context_tokens, 50.0, 10.0)
+    lo = rng.randint(0, num_layers - 1)
+    hi = rng.randint(lo + 1, num_layers)
+    ends = [None] + [h.peer_id for h in holders]
+    for lo, hi, prev_peer, next_peer in [(0, num_layers, None, None), (lo, hi, rng.choice(ends), rng.choice(ends))]:
+        want = dijkstra_reference(by_id, lo, hi, prev_peer, next_peer, exclude, model)
+        if want is None:
+            with pytest.raises(NoRoute):
+                R._cheapest_chain(by_id, lo, hi, prev_peer, next_peer, exclude, model)
+            continue
+        got = R._cheapest_chain(by_id, lo, hi, prev_peer, next_peer, exclude, model)
+        assert got[1] == want[1]  # the same hops, ties broken the same way
+        assert got[0] == pytest.approx(want[0])
+
+
+def test_route_planning_work_grows_with_holders_not_their_square(monkeypatch):
+    """1,000 holders over 80 layers, each with 10 measured RTTs: the DP asks the cost model for a few
+    RTTs per (holder, boundary), where the Dijkstra asked for one per (state, holder) pair (millions)."""
+    calls = []
+    rtt_ms = R._CostModel.rtt_ms
+    monkeypatch.setattr(R._CostModel, "rtt_ms", lambda self, *a: calls.append(1) or rtt_ms(self, *a))
+
+    def evaluations(n):
+        calls.clear()
+        holders, client_rtt_ms = random_swarm(random.Random(n), n, 80, 10)
+        plan_route(holders + [H("backbone", (0, 80))], 80, client_rtt_ms=client_rtt_ms)  # every layer covered
+        return len(calls)
+
+    small, large = evaluations(100), evaluations(1000)  # seen: 3,454 and 45,558
+    assert large < 60 * 1000  # about 60 per holder at most: its boundaries x (1 + its measured pairs there)
+    assert large < 20 * small  # 10x the holders: about 13x the work (more measured pairs meet), not 100x

@@ -282,9 +282,10 @@ async def swarm_may_serve(model: str, bootstrap: tuple[str, ...]) -> None:
 
 async def run_dht(host, bootstrap, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Join the swarm's DHT in client mode and hand the SwarmDHT to ``task_status`` until cancelled."""
-    from swarm.discovery.dht import open_dht
+    from swarm.discovery.dht import open_dht, peer_cache_path
 
-    async with open_dht(host, server=False, bootstrap=bootstrap) as dht:
+    # the peer cache lets a client that ran before join while no bootstrap node answers (issue 31)
+    async with open_dht(host, server=False, bootstrap=bootstrap, peer_cache=peer_cache_path()) as dht:
         task_status.started(dht)
         await trio.sleep_forever()
 

@@ -20,7 +20,7 @@ import trio
 
 from swarm.config import RingSpec, StageSpec
 from swarm.discovery.dht import SwarmDHT
-from swarm.discovery.providers import gather_settled
+from swarm.discovery.providers import PROVIDERS_SETTLE_S, gather_settled
 from swarm.discovery.records import StageRecord
 from swarm.errors import ConfigError
 from swarm.ranges import LayerRange
@@ -60,22 +60,29 @@ def holders_of(records: Sequence[StageRecord]) -> list[Holder]:
     return out
 
 
+PROBE_ROUNDS = 2  # echoes per probe on a warm connection (the smallest counts): jitter, without 3 round trips
+ROUTE_QUORUM = 0.6  # a route waits for this share of the stages (read and probed), then SETTLE_GRACE_S ...
+ROUTE_COVER = 3  # ... or until the stages read and probed hold every layer this many times, if sooner
+ROUTE_GRACE_S = 0.1  # the wait for more stages after that: the ones still dialing are the farther ones
+
+
+async def probe_one(dht: SwarmDHT, r: StageRecord, out: dict[str, float], timeout_s: float = 2.0) -> None:
+    """Measure this client's round trip to one record's stage (its addresses in order) into ``out``."""
+    for addr in (*r.addrs, *r.relay_addrs):
+        ms = await dht.rtt_ms(addr, rounds=PROBE_ROUNDS, timeout_s=timeout_s)
+        if ms is not None:
+            out[r.peer_id] = ms
+            return
+
+
 async def probe_rtts(dht: SwarmDHT, records: Sequence[StageRecord], timeout_s: float = 2.0) -> dict[str, float]:
     """Measure this client's round trip to every record's stage concurrently; unreachable ones are left out,
     and so are the slowest: it returns ``SETTLE_GRACE_S`` after ``SETTLE_QUORUM`` of them answered
     (``swarm.discovery.providers.gather_settled``)."""
     out: dict[str, float] = {}
-
-    async def one(r: StageRecord) -> None:
-        for addr in (*r.addrs, *r.relay_addrs):
-            ms = await dht.rtt_ms(addr, timeout_s=timeout_s)
-            if ms is not None:
-                out[r.peer_id] = ms
-                return
-
     # the slowest few percent (crashed or far behind relays) would set the time of every route
     with trio.move_on_after(timeout_s + 1):
-        await gather_settled([functools.partial(one, r) for r in records])
+        await gather_settled([functools.partial(probe_one, dht, r, out, timeout_s) for r in records])
     return out
 
 
@@ -110,7 +117,24 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
             leave layers uncovered (the message names the layer ranges and what holds what).
     """
     start = time.monotonic()
-    records, report = await dht.read_records(model_id, timeout_s=timeout_s)
+    # the provider lookup ends soon after the first node naming providers (not after libp2p's lock-step
+    # rounds); each stage is probed as soon as its record arrives, on the connection the read opened;
+    # the read ends ROUTE_GRACE_S after the stages read and probed cover every layer ROUTE_COVER times
+    # (or ROUTE_QUORUM of them answered): the ones left out are the farthest (or gone), which a route
+    # would not take anyway (issue 31: lookup, read, then probes took 7.5-8.3 s cold at 1,000 peers)
+    rtts: dict[str, float] = {}
+    cover = [0] * num_layers  # online stages read and probed, per layer
+
+    async def probe(r: StageRecord) -> None:
+        if r.peer_id not in exclude:
+            await probe_one(dht, r, rtts)
+            if r.peer_id in rtts and r.state == "online":
+                for i in range(max(0, r.layers[0]), min(num_layers, r.layers[1])):
+                    cover[i] += 1
+
+    records, report = await dht.read_records(model_id, timeout_s=timeout_s, quorum=ROUTE_QUORUM, on_record=probe,
+                                             enough=lambda: min(cover) >= ROUTE_COVER, grace_s=ROUTE_GRACE_S,
+                                             settle_s=PROVIDERS_SETTLE_S)
     if not records and not report.providers:
         raise ConfigError(f"no stage of model {model} (id {model_id[:16]}) announces on the swarm; "
                           "start stages with --bootstrap, or check that they run the same weights")
@@ -119,7 +143,6 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
                           f"{report.describe()}")
     if shut_out is not None:
         exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in records])
-    rtts = await probe_rtts(dht, [r for r in records if r.peer_id not in exclude])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     try:
         route = plan_route(holders, num_layers, client_rtt_ms=rtts, context_tokens=context_tokens, exclude=exclude)

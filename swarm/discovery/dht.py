@@ -44,7 +44,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
@@ -53,8 +53,8 @@ import multiaddr
 import trio
 
 from swarm.discovery.lookup import lookup
-from swarm.discovery.providers import (QUERY_TIMEOUT_S, ask_each_once, bound_provider_store, gather_settled,
-                                      lookup_providers)
+from swarm.discovery.providers import (QUERY_TIMEOUT_S, SETTLE_GRACE_S, SETTLE_QUORUM, ask_each_once,
+                                      bound_provider_store, gather_settled, lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
 from swarm.errors import ConfigError, SwarmError
 
@@ -64,6 +64,7 @@ RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node 
 BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
 NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
 GET_ENOUGH = 3  # valid copies a read collects before it stops asking (the highest seq of them wins)
+PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstrap node answers
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
@@ -470,8 +471,12 @@ class SwarmDHT:
         """Read the current stage records of a model (or of every model): ``read_records`` without the report."""
         return (await self.read_records(model_id, timeout_s=timeout_s))[0]
 
-    async def read_records(self, model_id: str | None = None, *,
-                           timeout_s: float = 5.0) -> tuple[list[StageRecord], ReadReport]:
+    async def read_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
+                           quorum: float = SETTLE_QUORUM,
+                           on_record: Callable[[StageRecord], Awaitable[None]] | None = None,
+                           enough: Callable[[], bool] | None = None,
+                           grace_s: float = SETTLE_GRACE_S,
+                           settle_s: float | None = None) -> tuple[list[StageRecord], ReadReport]:
         """Read the current stage records of a model (or of every model), validated and de-duplicated.
 
         Providers are hints; each provider's signed record is fetched and checked
@@ -485,13 +490,25 @@ class SwarmDHT:
             model_id: 64-hex model id, or None for every stage that announces (at most
                 ``MAX_PROVIDERS_PER_KEY`` per DHT node).
             timeout_s: deadline for the whole read, in seconds.
+            quorum: share of the providers whose answers the read waits for (then ``SETTLE_GRACE_S``
+                more); a route needs the near stages, a census (``swarm peers``) wants them all.
+            on_record: awaited with each valid record as it arrives, inside that provider's share
+                of the read (the quorum counts it finished after it): a client probes a stage
+                on the connection the read just opened instead of after the whole read.
+            enough: checked as providers finish; once true the read ends ``grace_s`` later, as at
+                the quorum (``gather_settled``).
+            grace_s: seconds the read waits for the rest after the quorum or ``enough``.
+            settle_s: end the provider lookup this long after the first node naming providers
+                (``lookup_providers``; ``PROVIDERS_SETTLE_S`` for a route); None: run it to the end,
+                as a census must (a provider whose ADD_PROVIDER missed the bootstrap nodes is only
+                on the closest nodes).
         Returns:
             (records sorted by PeerId, empty when none is found; the ReadReport saying what the
             other providers were).
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
         # the lookup may run out of time (nodes that left cost a failed dial each): keep what arrived
-        peers = await self._fresh_providers(provider_key, timeout_s)
+        peers = await self._fresh_providers(provider_key, timeout_s, settle_s)
         records: dict[str, StageRecord] = {}
         dropped: dict[str, tuple[str, str]] = {}
 
@@ -520,13 +537,16 @@ class SwarmDHT:
             if model_id is None or record.model_id == model_id:
                 records[peer_id] = record
                 del dropped[peer_id]
+                if on_record is not None:
+                    await on_record(record)
             else:
                 dropped[peer_id] = ("other-model", f"model {record.model_id[:16]}")
                 log.info("dht.record_rejected peer=%s reason=other-model model=%s", peer_id, record.model_id[:16])
 
         with trio.move_on_after(timeout_s):
             # not waiting for the slowest few percent (crashed owners, far relays): gather_settled
-            await gather_settled([functools.partial(one, peer_id) for peer_id in peers])
+            await gather_settled([functools.partial(one, peer_id) for peer_id in peers], quorum=quorum,
+                                 enough=enough, grace_s=grace_s)
         report = ReadReport(len(peers), tuple((p, *dropped[p]) for p in sorted(dropped)))
         return [records[p] for p in sorted(records)], report
 
@@ -545,14 +565,15 @@ class SwarmDHT:
             log.debug("dht.owner_get_failed peer=%s error=%r", peer_id, e)
         return None
 
-    async def _fresh_providers(self, key: str, timeout_s: float) -> list[str]:
+    async def _fresh_providers(self, key: str, timeout_s: float, settle_s: float | None = None) -> list[str]:
         """PeerIds of the providers of ``key`` found within ``timeout_s`` (``lookup_providers``),
         their addresses put in the peerstore so their owners can be asked directly."""
         from libp2p.kad_dht.kad_dht import _encode_key
 
         found: dict = {}
         with trio.move_on_after(timeout_s):
-            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap])
+            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap],
+                                   settle_s=settle_s)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():
@@ -695,10 +716,80 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
         raise DiscoveryError(f"bootstrap {info.peer_id} {dial_failure(e, str(info.peer_id))}") from None
 
 
+def peer_cache_path():
+    """Where a stage or a client keeps the DHT servers it met: ``dht-peers.json`` in the cache root."""
+    from swarm.config import cache_root
+
+    return cache_root() / "dht-peers.json"
+
+
+def load_peer_cache(path) -> list[str]:
+    """The multiaddrs (with ``/p2p/<PeerId>``) a peer cache file holds; [] when it is missing or unreadable.
+
+    A cache is a hint, never a reason to fail: a corrupt file is logged and ignored.
+    """
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            addrs = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        log.warning("dht.peer_cache_unreadable path=%s error=%r", path, e)
+        return []
+    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+        log.warning("dht.peer_cache_unreadable path=%s error=not a list of multiaddr strings", path)
+        return []
+    return addrs
+
+
+def save_peer_cache(path, addrs: Sequence[str]) -> None:
+    """Write ``addrs`` (at most ``PEER_CACHE_SIZE``) to the peer cache file atomically."""
+    import json
+
+    from swarm.files import write_atomic
+
+    write_atomic(path, json.dumps(list(addrs)[:PEER_CACHE_SIZE], indent=1) + "\n")
+
+
+def _server_addrs(host, dht) -> list[str]:
+    """Full multiaddrs of the DHT servers in this node's routing table (what a peer cache keeps)."""
+    peerstore = host.libp2p_host.get_peerstore()
+    out = []
+    for peer_id in dht.routing_table.get_peer_ids():
+        try:
+            addrs = peerstore.addrs(peer_id)
+        except Exception:  # no address kept for it any more
+            continue
+        if addrs:
+            out.append(f"{addrs[0]}/p2p/{peer_id}")
+    return out
+
+
+async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
+                    failures: list[str]) -> list[tuple[str, object]]:
+    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently; those that answered."""
+    joined: list = []
+
+    async def one(addr: str, info) -> None:
+        try:
+            await _join_one(host, dht, info, timeout_s)
+            joined.append((addr, info))
+        except DiscoveryError as e:
+            failures.append(f"{addr}: {e}")
+
+    async with trio.open_nursery() as nursery:
+        for addr, info in known:
+            nursery.start_soon(one, addr, info)
+    return joined
+
+
 @asynccontextmanager
 async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout_s: float = 10.0,
                    clock: Callable[[], float] | None = None, sync_clock: bool = True,
-                   accept_models: frozenset[str] | None = None) -> AsyncIterator[SwarmDHT]:
+                   accept_models: frozenset[str] | None = None, peers: Sequence[str] = (),
+                   peer_cache=None) -> AsyncIterator[SwarmDHT]:
     """Run a swarm DHT node on ``host`` for the duration of the block.
 
     Args:
@@ -713,12 +804,19 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             check record expiries in that corrected time (``SwarmClock``); False uses ``clock``
             as it is (tests that move time by hand). Server nodes answer others' time requests.
         accept_models: model ids this node stores records for (None: any).
+        peers: multiaddrs of any other swarm DHT servers (stages) this node knows; joined
+            through when no bootstrap node answers (issue 31: during a bootstrap outage no new
+            node could join).
+        peer_cache: a file of DHT servers this node met before (``load_peer_cache``): joined
+            through, as ``peers``, when none of the bootstrap nodes given answers (not read when
+            none is given), and rewritten with the servers of its routing table once joined.
+            None: no cache.
     Yields:
         The SwarmDHT.
     Raises:
         ConfigError: a bootstrap address is malformed, or the libp2p version is not the pinned one.
-        DiscoveryError: bootstrap addresses were given and none could be joined (the message
-            names each address and why).
+        DiscoveryError: bootstrap addresses were given and none of them, of ``peers`` or of the
+            peer cache could be joined (the message names each address and why).
     """
     pin_protocol()
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -727,6 +825,14 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     from swarm.discovery.clock import SwarmClock, local_clock, serve_time
 
     infos = [parse_bootstrap(a) for a in bootstrap]
+    # a node given no bootstrap node starts a swarm of its own: its cache (of some other swarm, maybe) is not read
+    cached = list(dict.fromkeys([*peers, *(load_peer_cache(peer_cache) if peer_cache is not None and infos else [])]))
+    cached_infos = []
+    for addr in cached:
+        try:
+            cached_infos.append((addr, parse_bootstrap(addr)))
+        except ConfigError as e:  # a stale or hand-edited entry: the others may still answer
+            log.warning("dht.peer_cache_entry_skipped addr=%s error=%s", addr, e)
     clock = clock or local_clock
     if sync_clock:
         clock = SwarmClock(clock)
@@ -747,22 +853,41 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 await _join_one(host, dht, info, timeout_s)
             except DiscoveryError as e:
                 failures.append(f"{addr}: {e}")
-        if infos and len(failures) == len(infos):
+        all_failed = bool(infos) and len(failures) == len(infos)
+        through, through_addrs = infos, list(bootstrap)
+        if cached_infos and (all_failed or not infos):
+            others: list[str] = []
+            joined = await _join_any(host, dht, cached_infos, timeout_s, others)
+            if joined:
+                log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
+                            len(joined), len(cached_infos), "; ".join(failures) or "none given")
+                through, through_addrs = [i for _, i in joined], [a for a, _ in joined]
+                all_failed, failures = False, []
+            else:
+                all_failed = True
+                failures.append("no known peer answered either: " + "; ".join(others))
+        if all_failed:
             # raised after the service stops, so the caller sees it bare, not in an exception group
-            error = DiscoveryError("cannot join the swarm, no bootstrap node answered: " + "; ".join(failures))
+            head = "no bootstrap node answered: " if infos else "no bootstrap node given, and "
+            error = DiscoveryError("cannot join the swarm, " + head + "; ".join(failures))
         else:
             for line in failures:
                 log.warning("dht.bootstrap_failed %s", line)
             log.info("dht.start mode=%s bootstrap=%d/%d", "server" if server else "client",
                      len(infos) - len(failures), len(infos))
-            node = SwarmDHT(host, dht, infos, clock, bootstrap)
+            node = SwarmDHT(host, dht, through, clock, through_addrs)
             await node.sync_clock()
-            if infos and server:
+            if through and server:
                 # in the background, bounded by JOIN_LOOKUP_S: start-up does not wait for it. A client
                 # is in no one's table (``_skip_client_peers``): its own lookups start at the bootstrap
                 manager.run_task(node.fill_table, name="swarm-dht-join-lookup")
             else:
                 node.table_filled.set()
+            if peer_cache is not None:
+                try:
+                    save_peer_cache(peer_cache, _server_addrs(host, dht))
+                except OSError as e:  # a cache that cannot be written is a missed hint, not a failure
+                    log.warning("dht.peer_cache_unwritable path=%s error=%r", peer_cache, e)
             yield node
     if error is not None:
         raise error

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 PROVIDER_TTL_S = MAX_TTL_S  # an entry not refreshed this long is dropped, in seconds of the storing node
 MAX_PROVIDERS_PER_KEY = 256  # per key and node; a GET_PROVIDERS answer of 256 stays far below 4 MiB
 QUERY_TIMEOUT_S = 3.0  # one GET_PROVIDERS request to one node
+PROVIDERS_SETTLE_S = 0.1  # a read keeps listening this long after the first node that names providers
 
 
 def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:
@@ -106,7 +107,7 @@ SETTLE_GRACE_S = 0.3  # ... and this many seconds more have passed (the rest are
 
 
 async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: float = SETTLE_QUORUM,
-                         grace_s: float = SETTLE_GRACE_S) -> int:
+                         grace_s: float = SETTLE_GRACE_S, enough: Callable[[], bool] | None = None) -> int:
     """Run ``jobs`` concurrently; return when all have finished, or ``grace_s`` after ``quorum`` of them did.
 
     A fan-out to hundreds of stages otherwise waits for its slowest member: a stage that crashed
@@ -120,6 +121,8 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
         jobs: async callables without arguments.
         quorum: share of jobs (0-1] after whose completion the grace period starts.
         grace_s: seconds to wait for the rest after the quorum, >= 0.
+        enough: checked after each job finishes; once true, the grace period starts as at the
+            quorum (a route has enough once the stages heard cover every layer a few times).
     Returns:
         How many jobs finished.
     """
@@ -127,15 +130,17 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
         return 0
     need = max(1, math.ceil(quorum * len(jobs)))
     finished = 0
+    settling = False
 
     async with trio.open_nursery() as nursery:
         async def run(job) -> None:
-            nonlocal finished
+            nonlocal finished, settling
             await job()
             finished += 1
             if finished == len(jobs):
                 nursery.cancel_scope.cancel()  # all answered: no grace to wait out
-            elif finished == need:
+            elif not settling and (finished >= need or (enough is not None and enough())):
+                settling = True
                 nursery.start_soon(settle)
 
         async def settle() -> None:
@@ -147,7 +152,8 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
     return finished
 
 
-async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -> None:
+async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *,
+                           settle_s: float | None = None) -> None:
     """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
 
     Asks, concurrently and each under ``QUERY_TIMEOUT_S``: the nodes in ``first`` (e.g. the
@@ -157,11 +163,19 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -
     never re-served with a fresh timestamp. The caller bounds the whole lookup with a deadline;
     what arrived before it stays in ``found``.
 
+    With ``settle_s``, the lookup ends ``settle_s`` after the first answer that names a provider
+    (every node holding the key holds the same recent providers, up to ``MAX_PROVIDERS_PER_KEY``):
+    a cold client then waits for one answer, not for the network lookup's lock-step rounds, each
+    as slow as its slowest dial (issue 31: 2.7 s in a healthy swarm, up to the read's deadline
+    with departed nodes in routing tables).
+
     Args:
         dht: a running libp2p ``KadDHT`` (0.8.1: ``ProviderStore._get_providers_from_peer_with_closers``).
         key: the encoded provider key.
         found: filled in place; an entry with addresses is never replaced by one without.
         first: libp2p peer IDs to ask before the lookup finishes.
+        settle_s: seconds to keep listening after the first provider arrives (None: until the
+            lookup and its queries end).
     """
     store = dht.provider_store
     me = dht.host.get_id()
@@ -175,13 +189,23 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = ()) -
     for info in store.get_providers(key):
         keep(info)
 
-    async def ask(peer) -> None:
-        with trio.move_on_after(QUERY_TIMEOUT_S):
-            providers, _ = await store._get_providers_from_peer_with_closers(peer, key)
-            for info in providers:
-                keep(info)
-
     async with trio.open_nursery() as nursery:
+        settling = False
+
+        async def settle() -> None:
+            await trio.sleep(settle_s)
+            nursery.cancel_scope.cancel()
+
+        async def ask(peer) -> None:
+            nonlocal settling
+            with trio.move_on_after(QUERY_TIMEOUT_S):
+                providers, _ = await store._get_providers_from_peer_with_closers(peer, key)
+                for info in providers:
+                    keep(info)
+                if providers and settle_s is not None and not settling:
+                    settling = True
+                    nursery.start_soon(settle)
+
         nursery.start_soon(ask_each_once, list(first), asked, ask)
         try:
             closest = await dht.peer_routing.find_closest_peers_network(key)

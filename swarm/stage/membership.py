@@ -130,7 +130,7 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
     """
     from swarm.discovery.announce import Announcer
     from swarm.discovery.client import holders_of
-    from swarm.discovery.dht import open_dht
+    from swarm.discovery.dht import open_dht, peer_cache_path
     from swarm.discovery.reach import check_reachable
     from swarm.routing import should_move
 
@@ -147,7 +147,9 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
             log.info("stage.reachability_unknown %s; serving the DHT", reach.reason)
     server.reachable = reachable
     dht_server = not config.dht_client and reachable is not False
-    async with open_dht(server.host, server=dht_server, bootstrap=config.bootstrap, accept_models=None) as dht:
+    # the peer cache lets a restarted stage join while no bootstrap node answers (issue 31)
+    async with open_dht(server.host, server=dht_server, bootstrap=config.bootstrap, accept_models=None,
+                        peer_cache=peer_cache_path()) as dht:
         announcer = Announcer(dht, server.host.key_pair, lambda: record_fields(server, model_id, throughput_tps),
                               interval_s=config.announce_interval_s, ttl_s=config.record_ttl_s)
         server.announcer = announcer

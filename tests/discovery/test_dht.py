@@ -11,7 +11,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.addrs import without_peer_id
 from swarm.discovery import dht as dht_mod
-from swarm.discovery.dht import ALL_STAGES_KEY, DiscoveryError, open_dht, pin_protocol
+from swarm.discovery.dht import (ALL_STAGES_KEY, DiscoveryError, load_peer_cache, open_dht, pin_protocol,
+                                 save_peer_cache)
 from swarm.discovery.records import record_key
 from swarm.errors import ConfigError
 from swarm.transport.host import open_host
@@ -176,3 +177,45 @@ def test_clients_stay_out_of_routing_tables():
                 assert not node.dht.routing_table.peer_in_table(client_id)
             assert boot.dht.routing_table.peer_in_table(servers[0].host.libp2p_host.get_id())
     run(main, timeout_s=30)
+
+
+@pytest.mark.ring
+def test_a_node_joins_through_known_peers_while_no_bootstrap_node_answers(tmp_path):
+    """Issue 31: during a bootstrap outage no new node could join. A node that met the swarm before
+    (its peer cache file) or knows any stage's address (``peers``) joins through those instead."""
+    cache = tmp_path / "peers.json"
+    dead = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}"
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys = [create_new_key_pair() for _ in range(4)]
+            hosts = [await stack.enter_async_context(open_host(k)) for k in keys]
+            await stack.enter_async_context(open_dht(hosts[0], server=True))
+            addr = hosts[0].addrs()[0]
+            server = await stack.enter_async_context(open_dht(hosts[1], server=True, bootstrap=[addr]))
+            async with open_dht(hosts[2], server=False, bootstrap=[addr], peer_cache=cache):
+                pass
+            cached = load_peer_cache(cache)
+            assert cached and all("/p2p/" in a for a in cached)  # the servers it met, full multiaddrs
+            # the bootstrap address given is dead: the cached peers answer
+            async with open_dht(hosts[3], server=False, bootstrap=[dead], peer_cache=cache, timeout_s=3) as node:
+                assert node.bootstrap and str(node.bootstrap[0].peer_id) in {a.rsplit("/", 1)[-1] for a in cached}
+            # no cache, but a stage's address
+            async with open_dht(hosts[3], server=False, bootstrap=[dead], peers=[hosts[1].addrs()[0]],
+                                timeout_s=3) as node:
+                assert [str(i.peer_id) for i in node.bootstrap] == [str(server.host.libp2p_host.get_id())]
+            # none answers: one clear error naming both
+            with pytest.raises(DiscoveryError,
+                               match="no bootstrap node answered: .*no known peer answered either"):
+                async with open_dht(hosts[3], server=False, bootstrap=[dead], peers=[dead], timeout_s=3):
+                    pass
+
+    run(main, timeout_s=60)
+
+
+def test_a_corrupt_peer_cache_is_ignored(tmp_path):
+    bad = tmp_path / "peers.json"
+    bad.write_text("{not json")
+    assert load_peer_cache(bad) == [] and load_peer_cache(tmp_path / "missing.json") == []
+    save_peer_cache(bad, ["/ip4/1.2.3.4/tcp/1/p2p/x"] * 100)
+    assert len(load_peer_cache(bad)) == dht_mod.PEER_CACHE_SIZE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from swarm.discovery.providers import gather_settled
+from swarm.discovery.providers import gather_settled, lookup_providers
 
 
 def run(delays, **kw):
@@ -45,3 +45,75 @@ def test_stragglers_within_the_grace_are_kept():
 
 def test_no_jobs():
     assert run([])[0] == 0
+
+
+def test_enough_starts_the_grace_before_the_quorum():
+    # a route has enough once 3 stages answered (say, they cover every layer): back at 0.3 + grace, not at 0.9's
+    finished: list[float] = []
+    delays = [0.1, 0.2, 0.3] + [1.0 + i for i in range(7)]
+
+    async def main():
+        start = trio.current_time()
+
+        def job(d):
+            async def one():
+                await trio.sleep(d)
+                finished.append(d)
+            return one
+
+        n = await gather_settled([job(d) for d in delays], quorum=0.9, grace_s=0.2, enough=lambda: len(finished) >= 3)
+        return n, trio.current_time() - start
+
+    n, took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert n == 3 and abs(took - 0.5) < 1e-6
+
+
+class _Store:
+    """A provider store whose GET_PROVIDERS answers arrive after a delay per node."""
+
+    def __init__(self, answers):
+        self.answers = answers  # peer -> (delay_s, [provider names])
+
+    def get_providers(self, key):
+        return []
+
+    async def _get_providers_from_peer_with_closers(self, peer, key):
+        delay, names = self.answers[peer]
+        await trio.sleep(delay)
+        return [_Info(n) for n in names], []
+
+
+class _Info:
+    def __init__(self, peer_id):
+        self.peer_id, self.addrs = peer_id, ["/ip4/1.2.3.4/tcp/1"]
+
+
+class _Routing:
+    async def find_closest_peers_network(self, key):
+        await trio.sleep(4.0)  # lock-step rounds waiting on slow dials
+        return ["far"]
+
+
+class _Host:
+    def get_id(self):
+        return "me"
+
+
+class _Kad:
+    def __init__(self, answers):
+        self.provider_store, self.peer_routing, self.host = _Store(answers), _Routing(), _Host()
+
+
+def test_a_provider_lookup_settles_after_the_first_answer_naming_providers():
+    answers = {"boot1": (0.3, ["a", "b"]), "boot2": (0.4, ["b", "c"]), "boot3": (2.0, ["d"]), "far": (0.1, ["e"])}
+
+    async def main(settle_s):
+        found: dict = {}
+        start = trio.current_time()
+        await lookup_providers(_Kad(answers), b"k", found, first=["boot1", "boot2", "boot3"], settle_s=settle_s)
+        return sorted(found), trio.current_time() - start
+
+    got, took = trio.run(main, 0.25, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == ["a", "b", "c"] and abs(took - 0.55) < 1e-6  # not waiting for the network lookup's 4 s
+    got, took = trio.run(main, None, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == ["a", "b", "c", "d", "e"] and abs(took - 4.1) < 1e-6  # without settle_s: every answer

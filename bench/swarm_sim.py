@@ -40,10 +40,10 @@ import trio.testing
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import LEAVING_TTL_S, Announcer
 from swarm.discovery.dht import SwarmDHT
-from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S, QUERY_TIMEOUT_S
+from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
-from swarm.routing import Holder, NoRoute, layer_capacity, plan_placement, should_move
+from swarm.routing import Holder, layer_capacity, plan_placement, should_move
 from swarm.config import StageConfig
 
 MODEL_ID = hashlib.sha256(b"sim-70b").hexdigest()

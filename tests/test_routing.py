@@ -7,6 +7,7 @@ import heapq
 import random
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -378,7 +379,7 @@ def test_routing_imports_no_torch_trio_or_libp2p():
 # ---- the boundary DP against the Dijkstra it replaced (issue 31) -------------------------------------------------
 
 def dijkstra_reference(by_id: Mapping[str, Holder], lo: int, hi: int, prev_peer: str | None, next_peer: str | None,
-                    exclude: frozenset[str], model: _CostModel) -> tuple[float, tuple[Hop, ...]] | None:
+                    exclude: frozenset[str], model: R._CostModel) -> tuple[float, tuple[Hop, ...]] | None:
     """Dijkstra over states (layer boundary, previous hop's peer) from ``lo`` after ``prev_peer`` to
     ``hi`` before ``next_peer`` (None: the client). Ties: fewer hops, then PeerIds in order, then
     earlier boundaries. A peer never serves two consecutive hops (one longer hop is the same work).

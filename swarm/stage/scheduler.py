@@ -360,14 +360,24 @@ class Scheduler:
         return True
 
     async def _wait_for_batch(self) -> None:
-        """``--batch-wait-ms``: while batching sessions are queued but not all of them are ready,
-        wait once so their rows share the step."""
+        """``--batch-wait-ms``: while a batching session's decode rows are queued and another batching
+        session that is decoding has its next row due (:func:`decoder_due`) but not here yet, wait once
+        so their rows share the step. A session that is prefilling, or idle, is never waited for (a
+        long prompt beside a chat would add the wait to every one of the chat's steps)."""
         wait = self.config.batch_wait_ms
-        if wait and any(s.batch for s in self._runq.values()):
-            batching = sum(s.batch for s in self.sessions.values())
-            ready = sum(s.batch for s in self._runq.values() if s.queue)
-            if ready < batching:
-                await trio.sleep(wait / 1000)
+        if not wait:
+            return
+
+        def short(sess) -> bool:
+            job = sess.queue[0] if sess.queue else None
+            return job is not None and job.x is not None and job.x.shape[1] <= BATCH_CHUNK_MAX
+
+        if not any(s.batch and short(s) for s in self._runq.values()):
+            return
+        now = trio.current_time()
+        if any(s.batch and not s.queue and not s.shadow and s.last_rows <= BATCH_CHUNK_MAX
+               and decoder_due([(s.last_short, s.short_gap)], now) is not None for s in self.sessions.values()):
+            await trio.sleep(wait / 1000)
 
     def _ready_jobs(self) -> list[tuple[Session, Job]]:
         """The next chunk of every session in the run queue, in its order; a chunk that is not

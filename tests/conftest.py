@@ -69,6 +69,8 @@ def _start_quietly(shared) -> None:
 # these start first and no worker is left with a long file while the others sit idle at the end
 LONGEST_FIRST = (
     "coordinator/test_spec_ring.py",  # 186
+    "discovery/test_chaos.py",  # 65 (one test)
+    "discovery/test_lookup.py",  # 75
     "transport/test_nat_lab.py",  # 88
     "discovery/test_churn.py",  # 84
     "cli/test_cli_env.py",  # 83

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
 
-from bench.scale_model import Ring, tokens_per_s, validate  # noqa: E402
+from scale_model import Ring, tokens_per_s, validate  # noqa: E402
 
 
 def _ring(hop_s=0.01, step=0.02, stages=3):

@@ -151,10 +151,10 @@ def _stage_parser(sub) -> None:
                           "long prompt keeps most of its speed while the long prompt goes on more slowly")
     bat.add_argument("--no-prefill-piggyback", dest="prefill_piggyback", action="store_false",
                      help="by default, while another session's decode row is due (within two of its own gaps "
-                          "between rows), a long prompt's slice waits for it and rides along in its step "
-                          "(Sarathi-Serve's stall-free batching), so the row never queues behind a slice and "
-                          "stages sharing a machine do not compete; with this flag the slices also run alone "
-                          "in between: the long prompt finishes sooner, the other sessions' rows wait more")
+                          "between rows), a long prompt's slices are sized by measured cost (Sarathi-Serve's "
+                          "stall-free batching): rows ride along in the decode step within half its time, a "
+                          "slice alone only fills the gap where it ends before the row is back, else the prompt "
+                          "waits; with this flag the prompt goes --prefill-slice-shared rows a step, alone or not")
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step while no other session has work "
                           "waiting (default 128)")

@@ -36,6 +36,22 @@ from swarm.wire import PROTOCOL_ID
 log = logging.getLogger(__name__)
 
 
+def _connected_at(stream, addr: str) -> bool:
+    """Whether ``stream``'s connection goes to ``addr``'s own host and TCP port: then the dialed address
+    is where the stage is reached (a link emulation relay, a forwarded port) and is handed on as it is;
+    a connection to another port is one this node already had (the stage restarted elsewhere)."""
+    try:
+        remote = stream.raw.get_remote_address()
+    except Exception:  # a transport that does not say (circuits, test doubles)
+        return False
+    parts = addr.split("/")
+    try:
+        dialed = (parts[parts.index("ip4") + 1], int(parts[parts.index("tcp") + 1]))
+    except (ValueError, IndexError):
+        return False
+    return remote is not None and (str(remote[0]), int(remote[1])) == dialed
+
+
 @dataclass(frozen=True)
 class StageInfo:
     """What a stage reported about itself, next to what the ring file claimed."""
@@ -168,7 +184,8 @@ class RingLinks:
             raise ConfigError(f"stage {index} at {spec.addr} runs other weights (model id "
                               f"{str(msg.get('model_id'))[:16]}, expected {self.model_id[:16]})")
         addrs = msg.get("addrs")
-        if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs):
+        if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs) and \
+                not _connected_at(streams[0], spec.addr):
             moved = current_addr(spec.addr, addrs)
             if moved != spec.addr:  # restarted on a new port; the dial reused a connection to its new one
                 log.warning("stage.moved index=%d peer=%s dialed=%s listens=%s: handing on its current address",

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from swarm.kernels.facts import stage_class  # noqa: E402
 from swarm.model.block import load_block  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
 from swarm.transport.identity import peer_id_of, sign  # noqa: E402
+from bench.transport import process_cpu_s  # noqa: E402
 from tests.support.cheats import KINDS, cheat  # noqa: E402
 
 MODEL = ROOT.parent / "shared" / "models" / "stories260k"
@@ -203,12 +203,6 @@ def cost(keys: Path, blocks: Blocks, akey, positions: int = 64) -> dict:
             "fraction": round(audit_s / decode_s, 4), "positions": positions}
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
     """Decode tokens/s of a 2-stage ring of ``swarm stage`` processes, alternating runs without and with
     an auditor process that keeps opening windows of an earlier job (at most the stages' audit rate limit)."""
@@ -240,10 +234,10 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
                         break
                 else:
                     raise RuntimeError(f"the auditor process opened nothing: {''.join(seen)[-500:]}")
-            before = sum(_cpu_s(sp.proc.pid) for sp in ring.stages)
+            before = sum(process_cpu_s(sp.proc.pid) for sp in ring.stages)
             try:
                 res = trio.run(signed_job, spec, MODEL, tmp, prompt, tmp / "r", tokens)
-                cpu[mode].append(1000 * (sum(_cpu_s(sp.proc.pid) for sp in ring.stages) - before) / tokens)
+                cpu[mode].append(1000 * (sum(process_cpu_s(sp.proc.pid) for sp in ring.stages) - before) / tokens)
             finally:
                 if opener is not None:
                     opener.terminate()

@@ -120,7 +120,7 @@ def reference_long(model_dir: Path, tokenizer, content: str) -> tuple[float, int
     from transformers import AutoModelForCausalLM
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     seconds, _ = reference_ttft(model, ids, threads=2)
     return seconds, len(ids)

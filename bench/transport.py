@@ -181,17 +181,21 @@ async def ping_pong(peer, msg: dict, n: int, sends: list | None = None) -> list[
     return out
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 class CpuClock:
     """CPU seconds (user + system) of this process and of the echo child, summed per transport."""
 
     def __init__(self, child_pid: int) -> None:
-        self.stat = Path(f"/proc/{child_pid}/stat")
-        self.tick = os.sysconf("SC_CLK_TCK")
+        self.child_pid = child_pid
         self.spent: dict[str, list[float]] = {}
 
     def _now(self) -> tuple[float, float]:
-        fields = self.stat.read_text().rsplit(")", 1)[1].split()
-        return time.process_time(), (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+        return time.process_time(), process_cpu_s(self.child_pid)
 
     @contextlib.contextmanager
     def measure(self, key: str):

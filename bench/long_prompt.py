@@ -3,12 +3,13 @@
 SmolLM2 on a 3-stage loopback ring (one torch thread per stage), `swarm serve` in this process.
 First the short request alone ("Hi", 16 new tokens, greedy, streamed) a few times; then a long
 prompt (default 4032 tokens, streamed, 16 new tokens) and, once its prefill is under way, the same
-short request beside it. Prints one JSON object: short_alone_s (median wall time from request to
+short request beside it, each request ``--pause-s`` after the one before (so each arrives cold: a
+stage no longer expects its rows). Prints one JSON object: short_alone_s (median wall time from request to
 the last event), short_beside_long_s, ratio, long_prompt_tokens, long_ttft_s, long_total_s, and the
 stages' scheduler counters; then, in this process, one transformers forward over the long prompt's
 chat-templated ids with 2 torch threads (the 3 stages' 1 thread each share this machine's cores), its
 seconds beside the ring's time to first token, and the CPU's name.
-Usage: python bench/long_prompt.py [--long-tokens 4032] [--rounds 3]
+Usage: python bench/long_prompt.py [--long-tokens 4032] [--rounds 3] [--pause-s 1.0]
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ async def run(args) -> dict:
             url = info["url"]
             async with httpx.AsyncClient() as client:
                 await stream_chat(client, url, "Hi", args.short_tokens)  # warm-up (and the batch tile proof)
-                alone = [(await stream_chat(client, url, "Hi", args.short_tokens))["total_s"]
-                         for _ in range(args.rounds)]
+                alone = []
+                for _ in range(args.rounds):
+                    await trio.sleep(args.pause_s)
+                    alone.append((await stream_chat(client, url, "Hi", args.short_tokens))["total_s"])
                 beside, long_result = [], {}
 
                 async def long_request():
@@ -91,7 +94,9 @@ async def run(args) -> dict:
                     t_long = time.perf_counter()
                     inner.start_soon(long_request)
                     await trio.sleep(args.start_after_s)  # the long prefill is under way
-                    for _ in range(args.rounds):
+                    for i in range(args.rounds):
+                        if i:
+                            await trio.sleep(args.pause_s)
                         if long_result:
                             break  # the long prompt finished: nothing to stand beside any more
                         beside.append((await stream_chat(client, url, "Hi", args.short_tokens))["total_s"])
@@ -102,6 +107,7 @@ async def run(args) -> dict:
     reference_s, reference_tokens = await trio.to_thread.run_sync(reference_long, resolved.path, tokenizer, long_content)
     return {
         "model": "smollm2-135m", "stages": 3, "threads_per_stage": 1, "stage_args": args.stage_args,
+        "pause_s": args.pause_s,
         "short_new_tokens": args.short_tokens, "long_prompt_tokens": args.long_tokens,
         "short_alone_s": round(a, 3), "short_beside_long_s": round(b, 3) if b else None,
         "ratio": round(b / a, 2) if b else None, "target_ratio": 2.0,
@@ -132,6 +138,9 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--start-after-s", type=float, default=2.0)
+    ap.add_argument("--pause-s", type=float, default=1.0,
+                    help="seconds between one short request and the next (default 1.0, past a stage's wait for "
+                         "a decoder's next row: each request arrives cold)")
     ap.add_argument("--stage-arg", dest="stage_args", action="append", default=[],
                     help="extra `swarm stage` flag (repeat), e.g. --stage-arg=--prefill-slice-shared --stage-arg=8")
     print(json.dumps(trio.run(run, ap.parse_args())))

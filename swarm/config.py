@@ -69,9 +69,9 @@ class StageConfig:
     max_batch_rows: int = 64  # decode/verify rows of different sessions one batched forward takes
     batch_tile: int = 2  # rows per fixed-shape GEMM of packed sessions (1: one GEMV per row; proven at start-up)
     prefill_slice: int = 128  # positions of a long (prefill) chunk computed per scheduling step
-    prefill_slice_shared: int = 2  # ... in a step that other sessions' rows share, or while others wait
-    # while another session's decode row is due, a long chunk's slices are sized by measured cost
-    # (ride along in its step, fill the gap before it, or wait: swarm.stage.scheduler.prefill_rows)
+    prefill_slice_shared: int = 2  # ... the most that ride along in a decoding session's step
+    # while another session's decode row is due, a long chunk's rows only ride along in its steps,
+    # sized by measured cost, and wait in between (swarm.stage.scheduler.ride_rows)
     prefill_piggyback: bool = True
     batch_wait_ms: float = 10.0  # how long a step may wait for more batching sessions' rows
     # a step of short chunks only whose recent compute took less than this runs in the trio thread

@@ -146,15 +146,16 @@ def _stage_parser(sub) -> None:
                           "that fails the proof makes the stage fall back to 1 and log why (default 2; 1: one GEMV "
                           "per row, as unbatched sessions always run)")
     bat.add_argument("--prefill-slice-shared", type=int, default=2,
-                     help="positions of a long prompt computed per step while other sessions have work waiting "
-                          "(default 2): a row costs about what a decode step costs, so a short request beside a "
-                          "long prompt keeps most of its speed while the long prompt goes on more slowly")
+                     help="the most positions of a long prompt that ride along in a decoding session's step "
+                          "(default 2; fewer where a row costs more than half the step); with "
+                          "--no-prefill-piggyback, positions per step while other sessions decode")
     bat.add_argument("--no-prefill-piggyback", dest="prefill_piggyback", action="store_false",
                      help="by default, while another session's decode row is due (within two of its own gaps "
-                          "between rows), a long prompt's slices are sized by measured cost (Sarathi-Serve's "
-                          "stall-free batching): rows ride along in the decode step within half its time, a "
-                          "slice alone only fills the gap where it ends before the row is back, else the prompt "
-                          "waits; with this flag the prompt goes --prefill-slice-shared rows a step, alone or not")
+                          "between rows, at least 0.25 s), a long prompt is computed only inside that session's "
+                          "steps (Sarathi-Serve's stall-free batching): its rows ride along within half the "
+                          "step's time and it waits in between; with this flag the prompt goes "
+                          "--prefill-slice-shared rows a step, alone or not. Either way a slice computed alone "
+                          "pauses at its next layer for a decode row that arrives")
     bat.add_argument("--prefill-slice", type=int, default=128,
                      help="positions of a long prompt chunk computed per step while no other session has work "
                           "waiting (default 128)")

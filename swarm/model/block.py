@@ -262,7 +262,6 @@ class LayerBlock(torch.nn.Module):
             raise ValueError(f"stage {self.layer_range} needs {kind}")
         return self.forward_batch([(cache, pos, x)])[0]
 
-    @torch.inference_mode()
     def forward_batch(self, rows: list, tile: int = 1, logits_rows: list[int] | None = None,
                       span: LayerRange | None = None) -> list[torch.Tensor]:
         """One forward over several sessions' new positions (continuous batching, ragged, no padding
@@ -292,6 +291,33 @@ class LayerBlock(torch.nn.Module):
             ProtocolError / ContextOverflow: a session's chunk does not fit its cache (nothing is
             written to any cache then); ValueError: a row of the wrong kind or shape, or tile < 1.
         """
+        with torch.inference_mode():
+            steps = self._forward_steps(rows, tile, logits_rows, span)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+
+    def forward_steps(self, rows: list, tile: int = 1, logits_rows: list[int] | None = None,
+                      span: LayerRange | None = None):
+        """:meth:`forward_batch` as a generator that pauses between decoder layers.
+
+        It yields None after every layer but the last and returns (``StopIteration.value``) what
+        ``forward_batch`` returns. While it is paused the entries' caches hold the layers computed
+        so far, uncommitted: other forwards may run over other caches in between (a scheduler lets
+        a decode row overtake a long prompt's slice, :mod:`swarm.stage.scheduler`), never over these.
+        The bits do not depend on the pauses (each layer is the same call either way). Closing it
+        while paused (or an error) rolls the caches back to where they were.
+
+        Args and raises: as :meth:`forward_batch` (raised by the first ``next``).
+        """
+        return _each_in_inference_mode(self._forward_steps(rows, tile, logits_rows, span))
+
+    def _forward_steps(self, rows: list, tile: int, logits_rows: list[int] | None, span: LayerRange | None):
+        """The generator behind :meth:`forward_batch` and :meth:`forward_steps` (each may be wrapped on its
+        own, e.g. by a test double, without the other calling back into the wrapper); its caller runs
+        it in ``torch.inference_mode``."""
         if not rows:
             return []
         if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
@@ -310,26 +336,34 @@ class LayerBlock(torch.nn.Module):
             else:
                 h = torch.cat([x.to(self.device, self.dtype) for x in xs], dim=1)
             position_ids = torch.cat([torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]).unsqueeze(0)
-            self._tile = tile
             if head and self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
             rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
             plan = _Plan(self, segs)
-            with invariant.attention_backends(self.device):
-                h = self._layers(h, rope, position_ids, plan, layers)
+            for i, layer in enumerate(layers):
+                if i:
+                    yield  # _tile is None here: another forward may run before this one goes on
+                self._tile = tile
+                try:
+                    with invariant.attention_backends(self.device):
+                        h = self._layer(layer, h, rope, position_ids, plan)
+                finally:
+                    self._tile = None
             if tail:
                 if logits_rows is not None:
                     keep = [(s.off + s.t - n, n) for s, n in zip(segs, logits_rows)]
                     h = torch.cat([h[:, a:a + n] for a, n in keep], dim=1)
                     segs = [_Segment(s.cache, s.pos, n, sum(m for _, m in keep[:i])) for i, (s, (_, n)) in
                             enumerate(zip(segs, keep))]
-                h = self.lm_head(self.norm(h)).float()
-        except BaseException:
+                self._tile = tile
+                try:
+                    h = self.lm_head(self.norm(h)).float()
+                finally:
+                    self._tile = None
+        except BaseException:  # also GeneratorExit: closed while paused
             for cache in begun:
                 cache.abort()
             raise
-        finally:
-            self._tile = None
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
@@ -358,17 +392,14 @@ class LayerBlock(torch.nn.Module):
             raise ValueError(f"logits_rows {logits_rows} does not fit the rows {[s.t for s in segs]}")
         return segs, xs
 
-    def _layers(self, h, rope, position_ids, plan, layers) -> torch.Tensor:
-        """The decoder layers ``layers`` over the packed (1, N, D) rows."""
-        for layer in layers:
-            if self.family.call == "rotary":
-                h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
-                          cache=plan, swarm_plan=plan)
-            else:
-                h = layer(h, cache=plan, attention_mask=None, swarm_plan=plan)
-            if isinstance(h, tuple):  # older layer signatures return (hidden, ...)
-                h = h[0]
-        return h
+    def _layer(self, layer, h, rope, position_ids, plan) -> torch.Tensor:
+        """One decoder layer over the packed (1, N, D) rows."""
+        if self.family.call == "rotary":
+            h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=position_ids,
+                      cache=plan, swarm_plan=plan)
+        else:
+            h = layer(h, cache=plan, attention_mask=None, swarm_plan=plan)
+        return h[0] if isinstance(h, tuple) else h  # older layer signatures return (hidden, ...)
 
     def _window(self, attn) -> int | None:
         """Sliding window of attention module ``attn`` in positions, or None: Qwen2/Qwen3 set it per
@@ -426,6 +457,21 @@ class _Plan:
             s.keys, s.values = s.cache.update(key_states[:, :, s.off:s.off + s.t],
                                               value_states[:, :, s.off:s.off + s.t], layer_idx)
         return key_states, value_states
+
+
+def _each_in_inference_mode(steps):
+    """Drive the generator ``steps`` one pause at a time, each stretch in ``torch.inference_mode``;
+    closing this one closes it (its caches roll back then, never later at garbage collection)."""
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+            yield
+    finally:
+        steps.close()
 
 
 def _ragged_attention(module, query, key, value, attention_mask, **kwargs):

@@ -4,8 +4,10 @@ Owns (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's
 Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs; the step selection (the next
 chunk of every ready session that is short, decode/verify rows of at most ``BATCH_CHUNK_MAX``
 positions, up to ``--max-batch-rows`` in all, into one packed forward, plus one slice of the long
-chunk with the least left: ``--prefill-slice`` rows, only ``--prefill-slice-shared`` while other
-sessions are decoding, so a long prompt never stalls them); the compute of a step in a worker
+chunk with the least left: ``--prefill-slice`` rows, and while another session's decode row is due
+only what rides along in its steps (:func:`decoder_due`, :func:`ride_rows`), so a long prompt never
+stalls it); a slice computed alone pauses between layers for a chunk that overtakes it
+(:func:`overtakes`, :meth:`LayerBlock.forward_steps`); the compute of a step in a worker
 thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive),
 except a step of short chunks whose recent compute is below ``--inline-step-ms``, which runs in the
 trio thread (the thread round trip would cost more than the responsiveness it buys);
@@ -17,7 +19,8 @@ kernels give a row the same bits in any forward, and the start-up proof covers p
 rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row GEMMs)
 and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
 
-The choice of a step's rows is pure (:func:`pick_rows`, :func:`long_chunk_shares`); the
+The choice of a step's rows is pure (:func:`pick_rows`, :func:`decoder_due`, :func:`ride_rows`,
+:func:`overtakes`, :func:`prompt_ends`, :func:`long_chunk_shares`); the
 :class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
 config, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
 chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
@@ -46,6 +49,7 @@ MAX_QUEUED = 64  # chunks one session may have waiting at a stage (a coordinator
 ACTIVE_S = 2.0  # a session with a frame this recent is generating: long prompts beside it yield
 DUE_GAPS = 2.0  # a decoder's next row is due within this many of its last gaps between rows ...
 DUE_SLACK_S = 0.02  # ... plus this (jitter of a ring round trip), seconds
+DUE_MIN_S = 0.25  # ... but at least this long, seconds (a row may wait at another stage)
 FIRST_GAP_S = 0.25  # the gap assumed for a decoder that has sent only one short chunk, seconds
 TIMING_FIELDS = ("chunks", "parse_s", "picked", "queue_s", "steps", "to_thread_s", "compute_s", "encode_s",
                  "from_thread_s", "frames_out", "outbox_s", "send_s", "inline_steps")
@@ -132,7 +136,8 @@ def decoder_due(others: Iterable[tuple[float, float]], now: float) -> float | No
     machine, compute the other stages' rows compete with). So while another session's next row is
     due (its last short chunk arrived less than ``DUE_GAPS`` of its own gaps between short chunks
     ago, plus ``DUE_SLACK_S``), the long chunk waits for that row and goes with it; a decoder that
-    went quiet (finished, or slower than its gaps said) stops holding it back at once.
+    went quiet (finished, or slower than its gaps said) stops holding it back at once. A row held up
+    elsewhere in the ring (behind another stage's step) is still waited for up to ``DUE_MIN_S``.
 
     Args:
         others: ``(last_short, short_gap)`` of every other live session: trio clock seconds its last
@@ -146,59 +151,41 @@ def decoder_due(others: Iterable[tuple[float, float]], now: float) -> float | No
     for last, gap in others:
         if not last:
             continue
-        until = last + DUE_GAPS * min(gap or FIRST_GAP_S, ACTIVE_S) + DUE_SLACK_S
+        until = last + max(DUE_GAPS * min(gap or FIRST_GAP_S, ACTIVE_S), DUE_MIN_S) + DUE_SLACK_S
         if until > now and (due is None or until > due):
             due = until
     return due
 
 
 RIDE_FRACTION = 0.5  # a long prompt's rows riding in a decoder's step may add this much to the step's time
-GAP_MARGIN_S = 0.002  # a slice computed alone must end this long before the decoder's row is expected
-ROW_SAFETY = 1.25  # ... at this many times the last measured seconds per row (a row costs more as the context grows)
 STARVE_S = 0.5  # a long prompt that computed nothing for this long rides along with at least one row
 
 
-def next_row_in(others: Iterable[tuple[float, float]], now: float) -> float | None:
-    """Seconds until the soonest expected short chunk of another decoding session (its last one plus its
-    gap; ``FIRST_GAP_S`` when it has sent only one), 0 when one is late; None when none is due
-    (:func:`decoder_due`)."""
-    soonest = None
-    for last, gap in others:
-        if last and decoder_due([(last, gap)], now) is not None:
-            expect = max(0.0, last + min(gap or FIRST_GAP_S, ACTIVE_S) - now)
-            soonest = expect if soonest is None else min(soonest, expect)
-    return soonest
+def ride_rows(*, row_s: float | None, short_step_s: float | None, shared_rows: int, starving: bool) -> int:
+    """Positions of a long chunk that ride along in a step of decode/verify rows while another
+    session's decode row is due (:func:`decoder_due`).
 
-
-def prefill_rows(*, with_rows: bool, gap_s: float, row_s: float | None, short_step_s: float | None,
-                 shared_rows: int, full_rows: int, starving: bool) -> int:
-    """Positions of a long chunk one step computes while another session's decode row is due.
-
-    Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024) sizes a prompt's chunk so a step
-    that carries decode rows stays within a budget; in a ring the decode row is at a stage only once
-    a round trip, so the prompt also fills the gaps in between, in slices that end before the row is
-    expected back. Costs are measured: ``short_step_s``, a step of decode rows alone (what any step
-    costs to read the weights once), and ``row_s``, the last seconds per row of this stage's prompt
-    slices beyond that (a row's attention grows with the context).
+    Sarathi-Serve's stall-free batching (Agrawal et al., OSDI 2024): while sessions decode, a
+    prompt is computed only inside the steps that carry their rows, in a piece sized so the step
+    stays within a budget; between those steps it waits. In a ring a decoder's row is at a stage
+    only once a round trip, and the stages in between may share the machine: a slice computed
+    there alone would take the CPU the row needs at the next stage (measured with 3 stages on 2
+    cores: a short request beside a 4,032-token prompt 4.1x its time alone with slices filling the
+    gaps, 1.1-1.4x with riding only, ``bench/long_prompt.py``). Costs are measured:
+    ``short_step_s``, a step of decode rows alone, and ``row_s``, the last seconds per row of this
+    stage's prompt slices beyond that (a row's attention grows with the context).
 
     Args:
-        with_rows: the step carries decode/verify rows (the slice rides along) or not (it fills a gap).
-        gap_s: seconds until the decoder's next row is expected (:func:`next_row_in`).
         row_s, short_step_s: the measured costs, seconds (None: not measured yet).
-        shared_rows: ``--prefill-slice-shared``, the most rows that ride along. full_rows: ``--prefill-slice``.
+        shared_rows: ``--prefill-slice-shared``, the most rows that ride along.
         starving: the prompt computed nothing for ``STARVE_S``: at least one row rides along.
     Returns:
-        Rows to compute; 0: none now (ride without it, or wait for the row).
+        Rows to compute with the decode rows; 0: the decode rows go without it.
     """
-    if with_rows:
-        if row_s is None or short_step_s is None or row_s <= 0:
-            return shared_rows
-        ride = int(RIDE_FRACTION * short_step_s / row_s)
-        return min(shared_rows, max(ride, 1 if starving else 0))
-    if row_s is None or row_s <= 0:
-        return 1  # one row, to measure what a row costs
-    step = short_step_s or 0.0  # a step's own cost (the weights read once), then each row's
-    return max(0, min(full_rows, int((gap_s - GAP_MARGIN_S - step) / (ROW_SAFETY * row_s))))
+    if row_s is None or short_step_s is None or row_s <= 0:
+        return shared_rows
+    ride = int(RIDE_FRACTION * short_step_s / row_s)
+    return min(shared_rows, max(ride, 1 if starving else 0))
 
 
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
@@ -267,7 +254,7 @@ class Scheduler:
         self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
         self.max_batch_rows = config.max_batch_rows
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0,
-                      "prefill_waits": 0}
+                      "prefill_waits": 0, "prefill_preempted": 0}
         self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
         self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
         self.limiter = trio.CapacityLimiter(1)  # one thread computes on the block (or its caches) at a time
@@ -279,6 +266,12 @@ class Scheduler:
         self._row_s: float | None = None  # the last measured seconds per row of a long chunk's slice
         self._long_rows = 0  # rows of a long chunk the last step computed
         self._long_at = 0.0  # trio clock when a long chunk's slice was last computed
+        # a long chunk's slice computed alone yields between layers to rows that must not wait for it
+        self._slicing: Session | None = None  # the session of the slice-only step in flight
+        self._slice_left = 0  # positions its chunk has left, this slice included
+        self._urgent = False  # set (trio thread) when a chunk arrived that overtakes that slice
+        self._suspended: tuple | None = None  # (session, job, pos, rows, forward_steps generator) of a paused slice
+        self._resumed = False  # the last step finished a paused slice (its time is not a whole slice's)
 
     def enqueue(self, sess: Session, job: Job) -> None:
         """Queue a checked chunk (or receipt request) behind the session's others and wake the loop."""
@@ -292,12 +285,15 @@ class Scheduler:
             sess.last_rows = rows
         sess.queue.append(job)
         sess.busy = True  # until its queue is empty: a probe during a long step sees it
+        if self._slicing is not None and sess is not self._slicing and not sess.shadow and job.x is not None \
+                and overtakes(job.x.shape[1], self._slice_left):
+            self._urgent = True  # the slice in flight pauses at its next layer
         self._runq.setdefault(id(sess), sess)
         self._work.set()
 
     def busy(self) -> bool:
-        """Whether a step is being computed or a session has a job queued."""
-        return bool(self.in_flight) or any(s.queue for s in self._runq.values())
+        """Whether a step is being computed or paused, or a session has a job queued."""
+        return bool(self.in_flight) or self._suspended is not None or any(s.queue for s in self._runq.values())
 
     async def run(self) -> None:
         """Run scheduling steps while work is queued (forever; started by :func:`swarm.stage.daemon.serve`)."""
@@ -323,28 +319,29 @@ class Scheduler:
         small = [ready[i] for i in picked.short]
         piece = None if picked.long is None else ready[picked.long]
         if not small and piece is None:
+            if self._suspended is not None:  # nothing overtakes the paused slice any more: it goes on
+                return await self._resume()
             return False  # a chunk queued meanwhile has set self._work again
         rows = None  # the long chunk's slice, when a decoder's row is due (--prefill-piggyback)
         if piece is not None and self.config.prefill_piggyback:
             now = trio.current_time()
-            others = [(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]]
-            due = decoder_due(others, now)
-            if due is not None:
-                rows = prefill_rows(with_rows=bool(small), gap_s=next_row_in(others, now) or 0.0,
-                                    row_s=self._row_s, short_step_s=self._short_step_s,
-                                    shared_rows=self.config.prefill_slice_shared,
-                                    full_rows=self.config.prefill_slice,
-                                    starving=now - self._long_at > STARVE_S)
-                if rows == 0 and small:
+            due = decoder_due([(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]], now)
+            if due is not None and small:
+                rows = ride_rows(row_s=self._row_s, short_step_s=self._short_step_s,
+                                 shared_rows=self.config.prefill_slice_shared,
+                                 starving=now - self._long_at > STARVE_S)
+                if rows == 0:
                     piece = None  # the decode rows go alone: the prompt's row would cost them too much
-                elif rows == 0:  # nothing fits before the decoder's row: wait for it (or until it is overdue)
-                    self.stats["prefill_waits"] += 1
-                    self._work = trio.Event()
-                    with trio.move_on_at(due):
-                        await self._work.wait()
-                    return True
+            elif due is not None:  # wait for the decoder's row to ride along with it (or until it is overdue)
+                self.stats["prefill_waits"] += 1
+                self._work = trio.Event()
+                with trio.move_on_at(due):
+                    await self._work.wait()
+                return True
         if piece is not None and rows:
             piece = (*piece, rows)
+        elif piece is not None and self.config.prefill_piggyback:
+            piece = (*piece, self.config.prefill_slice)  # nobody's decode row is due: full slices
         elif piece is not None:
             others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
             shared = long_chunk_shares(bool(small), others, trio.current_time())
@@ -353,11 +350,43 @@ class Scheduler:
         for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
             self.timing["picked"] += 1
             self.timing["queue_s"] += t_call - job.queued_at
-        results = await self._compute(small, piece)
-        if results is not None:
-            self._count(results, piece is not None, t_call)
-            self._deliver(results)
+        self._slicing = piece[0] if piece is not None and not small else None
+        self._slice_left = piece[1].x.shape[1] - piece[1].done if self._slicing is not None else 0
+        self._urgent, self._resumed = False, False
+        try:
+            results = await self._compute(small, piece)
+        finally:
+            self._slicing = None
+        self._finish_step(results, piece is not None, t_call)
         return True
+
+    async def _resume(self) -> bool:
+        """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
+        sess, job, *_, steps = self._suspended
+        if self.sessions.get(sess.session_id) is not sess or not sess.queue or sess.queue[0] is not job \
+                or job.msg["epoch"] < sess.epoch:
+            self._suspended = None
+            steps.close()  # its cache rolls back to before the slice
+            return True
+        t_call = time.perf_counter()
+        self._slicing, self._slice_left = sess, job.x.shape[1] - job.done
+        self._urgent, self._resumed = False, True
+        try:
+            results = await self._compute([], None)
+        finally:
+            self._slicing = None
+        self._finish_step(results, True, t_call)
+        return True
+
+    def _finish_step(self, results: list | None, sliced: bool, t_call: float) -> None:
+        """Count and deliver a computed step; a slice that paused (results None, a slice
+        suspended) is only counted as a preemption."""
+        if results is None:
+            if self._suspended is not None:
+                self.stats["prefill_preempted"] += 1
+            return
+        self._count(results, sliced, t_call)
+        self._deliver(results)
 
     async def _wait_for_batch(self) -> None:
         """``--batch-wait-ms``: while a batching session's decode rows are queued and another batching
@@ -384,7 +413,10 @@ class Scheduler:
         contiguous with its session's cache (queued before the session was dropped or failed)
         fails the session instead."""
         ready = []
+        paused = self._suspended[0] if self._suspended is not None else None
         for sess in list(self._runq.values()):
+            if sess is paused:
+                continue  # its chunk is half through a slice: it goes on once nothing overtakes it
             job = self._next_job(sess)
             if job is None:
                 continue
@@ -401,7 +433,7 @@ class Scheduler:
         it failed (its sessions are failed, the stage keeps serving)."""
         self.in_flight += 1
         try:
-            if piece is None and self._inline_ok():
+            if small and piece is None and self._inline_ok():
                 # short rows whose compute is known to be brief: the worker-thread round trip (two
                 # thread switches and a wakeup of the event loop) would cost more than it shields
                 async with self.limiter:
@@ -411,6 +443,8 @@ class Scheduler:
                 results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self.limiter)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
             failed = small + ([piece[:2]] if piece else [])
+            if self._suspended is not None and not small and piece is None:  # a paused slice failed going on
+                failed, self._suspended = [self._suspended[:2]], None
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
                 self._fail(sess, f"forward failed: {type(exc).__name__}: {exc}")
@@ -426,7 +460,7 @@ class Scheduler:
         if not sliced:  # what the next short step may expect to cost
             self._short_step_s = t_end - t_start if self._short_step_s is None else \
                 0.8 * self._short_step_s + 0.2 * (t_end - t_start)
-        elif self._long_rows:  # what a row of the prompt costs now (its attention grows with the context)
+        elif self._long_rows and not self._resumed:  # what a row of the prompt costs now (its attention grows)
             # a step reads the weights once whatever its rows: that part is what a step of decode rows costs
             self._row_s = max(t_end - t_start - encode_s - (self._short_step_s or 0.0), 0.0) / self._long_rows
             self._long_at = trio.current_time()
@@ -457,6 +491,9 @@ class Scheduler:
                 continue  # more slices of this chunk to come
             if sess.queue and sess.queue[0] is job:
                 sess.queue.popleft()
+            if prompt_ends(job.msg, job.x.shape[1]) and not sess.shadow:
+                # its first decode row comes after the ring's other stages and the coordinator: due from now
+                sess.last_short, sess.short_gap = trio.current_time(), 0.0
             if not sess.queue:
                 self._runq.pop(id(sess), None)
                 sess.busy = False
@@ -496,14 +533,22 @@ class Scheduler:
         self._runq.pop(id(sess), None)
         return None
 
-    def _compute_step(self, small: list, piece) -> list:
+    def _compute_step(self, small: list, piece) -> list | None:
         """One step's compute (in the worker thread, or inline, see :meth:`_inline_ok`): one packed
         forward of the short chunks, one slice of a long one; the output of each chunk that is now
-        complete is encoded (tail: token ids; others: hidden)."""
+        complete is encoded (tail: token ids; others: hidden). A step of a slice alone (or going on
+        with a paused one) pauses between layers when a chunk that overtakes it arrives
+        (:meth:`_slice_alone`): None then."""
         t_start = time.perf_counter()
-        encode_s = 0.0
-        out = []
         block = self.block
+        if not small and (piece is not None or self._suspended is not None):
+            out = self._slice_alone(piece)
+            if out is None:
+                self._step_clock = (t_start, 0.0, time.perf_counter())
+                return None
+            self._packed = 1
+            return self._outputs(out, t_start)
+        out = []
         # the fma and triton kernels give a row the same bits in any forward (proven at start-up with
         # packing), so there every session's rows over the same layers share one pass over the weights;
         # in the rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
@@ -529,6 +574,40 @@ class Scheduler:
                                      logits_rows=[_logits_rows(j.msg, pos, x.shape[1]) for _, j, pos, x in packed],
                                      span=span)
             out += [(s, j, pos, x.shape[1], y) for (s, j, pos, x), y in zip(packed, ys)]
+        return self._outputs(out, t_start)
+
+    def _slice_alone(self, piece) -> list | None:
+        """A long chunk's slice in a step of its own, or the paused one going on: its forward
+        (:meth:`LayerBlock.forward_steps`) checks after every layer whether a chunk that overtakes it
+        arrived (:func:`overtakes`, set by :meth:`enqueue`) and then pauses, kept in ``_suspended``,
+        so a decode row waits for one layer of a slice, not all of it (the bits are the same). A
+        slice that overtook a paused one is not paused itself.
+        Returns ``[(session, job, pos, rows, output)]``, or None when it paused."""
+        if piece is None:
+            sess, job, pos, n, steps = self._suspended
+            self._suspended = None
+        else:
+            sess, job, slice_rows = piece
+            n = min(slice_rows, job.x.shape[1] - job.done)
+            pos = job.msg["pos"] + job.done
+            steps = self.block.forward_steps([(sess.cache, pos, job.x[:, job.done:job.done + n])],
+                                             tile=self.tile_of(sess), logits_rows=[_logits_rows(job.msg, pos, n)],
+                                             span=sess.span)
+        self._long_rows = n
+        try:
+            while True:
+                next(steps)
+                if self._urgent and self._suspended is None:  # one paused slice at a time
+                    self._suspended = (sess, job, pos, n, steps)
+                    return None
+        except StopIteration as done:
+            return [(sess, job, pos, n, done.value[0])]
+
+    def _outputs(self, out: list, t_start: float) -> list:
+        """Each computed entry's output, ``(session, job, rows, payload)``: the tail's tokens or the
+        encoded hidden states of a chunk now complete, None for a slice of one that is not."""
+        encode_s = 0.0
+        block = self.block
         results = []
         for s, j, pos, n, y in out:
             tail = s.is_tail(block.num_layers)
@@ -575,6 +654,21 @@ class Scheduler:
         from swarm.model.sampling import sample
 
         return [sample(logits[0, i], pos + i + 1, sess.sampling) for i in range(logits.shape[1])]
+
+
+def overtakes(rows: int, slice_left: int) -> bool:
+    """Whether a chunk of ``rows`` positions that arrives while a long chunk's slice is computed
+    alone (with ``slice_left`` positions left in that chunk, this slice included) pauses the slice:
+    a decode/verify chunk always, a long one with fewer positions (the one :func:`pick_rows` would
+    take first)."""
+    return rows <= BATCH_CHUNK_MAX or rows < slice_left
+
+
+def prompt_ends(msg: dict, rows: int) -> bool:
+    """Whether a chunk of ``rows`` positions is the last of a prompt (or a heal's replay): a long
+    ``forward`` whose ``logits_from`` lies inside it, so its session decodes next."""
+    return (rows > BATCH_CHUNK_MAX and msg.get("type") == "forward"
+            and msg.get("logits_from", msg["pos"]) < msg["pos"] + rows)
 
 
 def _logits_rows(msg: dict, pos: int, n: int) -> int:

@@ -124,7 +124,7 @@ class Session:
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
     last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
-    last_short: float = 0.0  # trio clock when its last decode/verify chunk was queued (0: none yet)
+    last_short: float = 0.0  # trio clock when its last decode/verify chunk was queued, or its prompt's last chunk done (0: neither)
     short_gap: float = 0.0  # seconds between its last two decode/verify chunks (0: fewer than two in a row)
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most

@@ -55,6 +55,39 @@ def test_rollback_equals_fresh(synthetic):
     torch.testing.assert_close(rolled, fresh[:, -2:], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_forward_paused_between_layers_gives_the_same_bits(synthetic, family):
+    """forward_steps pauses after every layer but the last; another session's forward in a pause
+    changes nothing of either's bits; closing it while paused rolls its cache back."""
+    d = synthetic(family)
+    b = load_block(d, LayerRange(0, 4), dtype="float32", device="cpu")
+    prompt, other = torch.tensor([PROMPT]), torch.tensor([[3, 1, 4]])
+    whole = b.forward_batch([(b.new_cache(), 0, prompt)], tile=2)[0]
+    other_alone = b.forward_batch([(b.new_cache(), 0, other)], tile=2)[0]
+    cache, other_cache = b.new_cache(), b.new_cache()
+    steps = b.forward_steps([(cache, 0, prompt)], tile=2)
+    pauses, overtaken = 0, None
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            paused = done.value[0]
+            break
+        pauses += 1
+        if overtaken is None:
+            overtaken = b.forward_batch([(other_cache, 0, other)], tile=2)[0]
+    assert pauses == 3  # 4 layers
+    assert torch.equal(paused, whole) and torch.equal(overtaken, other_alone)
+    assert cache.kv_len == len(PROMPT)
+    steps = b.forward_steps([(cache, len(PROMPT), torch.tensor([[6, 6]]))])
+    next(steps)
+    steps.close()  # given up while paused: as if it never began
+    assert cache.kv_len == len(PROMPT)
+    again = b.forward_batch([(cache, len(PROMPT), torch.tensor([[7]]))], tile=2)[0]
+    fresh = b.forward_batch([(b.new_cache(), 0, torch.tensor([PROMPT + [7]]))], tile=2)[0]
+    assert torch.equal(again, fresh[:, -1:])
+
+
 def test_gap_and_overflow(synthetic):
     d = synthetic("llama")
     b = load_block(d, LayerRange(0, 4), dtype="float64", device="cpu")

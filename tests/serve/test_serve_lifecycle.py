@@ -58,13 +58,17 @@ class Ring:
         self.url = self.box.get("info", {}).get("url")
 
     def _slow(self, block):
-        forward = block.forward_batch
+        forward, steps = block.forward_batch, block.forward_steps
 
         def slowed(*args, **kwargs):
             time.sleep(self.delay_s)
             return forward(*args, **kwargs)
 
-        block.forward_batch = slowed
+        def slowed_steps(*args, **kwargs):  # a long prompt's slice computed alone (pausable)
+            time.sleep(self.delay_s)
+            return steps(*args, **kwargs)
+
+        block.forward_batch, block.forward_steps = slowed, slowed_steps
 
     def _run(self, model_dir, key_dir, serve, stage_kwargs, serve_kwargs):
         async def main():

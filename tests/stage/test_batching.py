@@ -4,6 +4,7 @@ result bit-identical to its solo run (exactness contract 4), long prompts sliced
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -253,10 +254,10 @@ def test_a_long_prompt_yields_to_sessions_with_work_waiting(synthetic, tmp_path)
 
 @pytest.mark.parametrize("piggyback", [True, False])
 def test_a_long_prompt_rides_along_with_a_decoding_sessions_rows(synthetic, tmp_path, piggyback):
-    """While another session decodes (its next row due), a long prompt's slices ride along in its steps
-    or fill the gaps between its rows, else wait for them (Sarathi-Serve's stall-free batching;
-    --no-prefill-piggyback turns it off); once that session is gone, full slices. Every session still
-    gets its solo tokens (the sizes are pure: tests/stage/test_scheduler.py)."""
+    """While another session decodes (its next row due), a long prompt's rows only ride along in its
+    steps, and wait for its rows in between (Sarathi-Serve's stall-free batching; --no-prefill-piggyback
+    turns it off: slices alone between its rows); once that session is gone, full slices. Every session
+    still gets its solo tokens (the sizes are pure: tests/stage/test_scheduler.py)."""
     model = synthetic("llama", "float32")
     coord = load_or_create_key(tmp_path / "coord.key")
     rng = random.Random(6)
@@ -272,11 +273,66 @@ def test_a_long_prompt_rides_along_with_a_decoding_sessions_rows(synthetic, tmp_
     decoding = [i for i, (small, _) in enumerate(log) if any(sid == "short" and pos > 0 for sid, pos, _ in small)]
     during = [small for small, piece in log[decoding[0]:decoding[-1]] if piece and piece[0] == "long"]
     alone = [small for small in during if not small]
-    if piggyback:  # it waited for the row, rode along, or filled gaps: sized by a measured row's cost
+    if piggyback:  # it rode along (sized by a measured row's cost) and waited for the rows in between
+        assert during and not alone and server.stats["prefill_waits"] > 0, log
         assert server.scheduler._row_s is not None, log
     else:
         assert during, log  # the long prompt went on while the short session decoded
         assert alone and server.stats["prefill_waits"] == 0, log  # slices alone between its rows
+
+
+def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tmp_path, monkeypatch):
+    """A chunk that arrives while a long prompt's slice is computed alone pauses that slice at its next
+    layer: the new session's rows are computed (and answered) first, then the slice goes on; both
+    sessions get their solo tokens, bit for bit."""
+    model = synthetic("llama", "float32")
+    coord = load_or_create_key(tmp_path / "coord.key")
+    rng = random.Random(8)
+    prompts = {"long": [rng.randrange(97) for _ in range(60)], "short": [rng.randrange(97) for _ in range(3)]}
+    solo = {sid: _drive(_server(model, LayerRange(0, 4), tmp_path, prefill_slice=64), coord, {sid: (p, 1)})[sid]
+            for sid, p in prompts.items()}
+    server = _server(model, LayerRange(0, 4), tmp_path, prefill_slice=64)
+    block = server.scheduler.block
+    in_slice, arrived = threading.Event(), threading.Event()
+    plain = block.forward_steps
+
+    def watched(rows, *args, **kwargs):  # the long slice holds after its first layer until the row is queued
+        steps, first = plain(rows, *args, **kwargs), rows[0][2].shape[1] == 60
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            if first:
+                first = False
+                in_slice.set()
+                arrived.wait(10)
+            yield
+
+    monkeypatch.setattr(block, "forward_steps", watched)
+    c = MemStream(peer_id_of(coord))
+
+    async def main():
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                server.nursery = nursery
+                nursery.start_soon(server.scheduler.run)
+                for sid in ("long", "short"):
+                    if sid == "short":
+                        assert await trio.to_thread.run_sync(in_slice.wait, 10)
+                    await server.handle_frame(c, wire.open_frame(coord, sid, None, 128))
+                    await server.handle_frame(c, wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0,
+                                                            tokens=prompts[sid]))
+                arrived.set()
+                while len([x for x in c.sent if x.get("type") in ("result", "error")]) < 2:
+                    await trio.sleep(0.005)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    results = [x for x in c.sent if x.get("type") in ("result", "error")]
+    assert [x["session"] for x in results] == ["short", "long"], results  # the short one did not wait
+    assert {x["session"]: x["token_ids"][-1:] for x in results} == solo
+    assert server.stats["prefill_preempted"] == 1 and server.scheduler._suspended is None
 
 
 def test_two_prompts_go_at_full_slices_and_yield_only_to_a_decoding_session(synthetic, tmp_path):

@@ -11,9 +11,9 @@ import pytest
 
 from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
-from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_SLACK_S, FIRST_GAP_S, MAX_QUEUED,
-                                   GAP_MARGIN_S, ROW_SAFETY, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
-                                   long_chunk_shares, next_row_in, pick_rows, prefill_rows)
+from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_MIN_S, DUE_SLACK_S, FIRST_GAP_S,
+                                   MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
+                                   long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows)
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
 
@@ -56,46 +56,48 @@ def test_long_chunk_shares(short_picked, others, shared):
 @pytest.mark.parametrize("others, due", [
     ([], None),  # nobody else: the slice goes now
     ([(0.0, 0.0)], None),  # a session that has not decoded yet (a prompt)
-    ([(NOW - 0.05, 0.1)], NOW - 0.05 + DUE_GAPS * 0.1 + DUE_SLACK_S),  # its next row is due: wait for it
-    ([(NOW - 0.5, 0.1)], None),  # five gaps late: it went quiet, the slice goes
+    ([(NOW - 0.05, 0.2)], NOW - 0.05 + DUE_GAPS * 0.2 + DUE_SLACK_S),  # its next row is due: wait for it
+    ([(NOW - 0.05, 0.03)], NOW - 0.05 + DUE_MIN_S + DUE_SLACK_S),  # a short gap: still due for DUE_MIN_S
+    ([(NOW - 0.5, 0.1)], None),  # five gaps late (and past DUE_MIN_S): it went quiet, the slice goes
     ([(NOW - 0.1, 0.0)], NOW - 0.1 + DUE_GAPS * FIRST_GAP_S + DUE_SLACK_S),  # one row so far: the first gap
     ([(NOW - 1.0, 60.0)], NOW - 1.0 + DUE_GAPS * ACTIVE_S + DUE_SLACK_S),  # a gap past ACTIVE_S counts as ACTIVE_S
-    ([(NOW - 0.01, 0.1), (NOW - 0.2, 0.2)], NOW - 0.2 + DUE_GAPS * 0.2 + DUE_SLACK_S),  # the latest due of all
+    ([(NOW - 0.01, 0.2), (NOW - 0.2, 0.3)], NOW - 0.2 + DUE_GAPS * 0.3 + DUE_SLACK_S),  # the latest due of all
 ])
 def test_decoder_due(others, due):
     got = decoder_due(others, NOW)
     assert got == (None if due is None else pytest.approx(due))
 
 
-@pytest.mark.parametrize("others, expect", [
-    ([], None),
-    ([(NOW - 0.01, 0.03)], 0.02),  # its last row 10 ms ago, one every 30 ms: back in 20 ms
-    ([(NOW - 0.05, 0.03)], 0.0),  # late, but still due (within two gaps and the slack)
-    ([(NOW - 0.5, 0.03)], None),  # gone quiet: nobody is due
-    ([(NOW - 0.01, 0.03), (NOW - 0.001, 0.005)], 0.004),  # the soonest of two
+def _ride(**kw):
+    return ride_rows(**{**dict(row_s=0.004, short_step_s=0.008, shared_rows=2, starving=False), **kw})
+
+
+def test_ride_rows_fit_the_budget_of_half_a_decode_step():
+    assert _ride() == 1  # half a decode step (8 ms) buys one 4 ms row
+    assert _ride(row_s=0.001) == 2  # cheap rows: up to --prefill-slice-shared
+    assert _ride(row_s=0.02) == 0  # a late, costly row would slow the decode step 3x
+    assert _ride(row_s=0.02, starving=True) == 1  # ... unless the prompt starves
+    assert _ride(row_s=None) == 2 and _ride(short_step_s=None) == 2  # not measured yet
+
+
+@pytest.mark.parametrize("rows, left, pauses", [
+    (1, 128, True), (S, 2, True),  # a decode/verify chunk pauses any slice
+    (31, 128, True),  # a short prompt overtakes a long chunk with more left
+    (S + 1, S + 1, False), (200, 128, False),  # ... not one with as many or fewer left
 ])
-def test_next_row_in(others, expect):
-    got = next_row_in(others, NOW)
-    assert got == (None if expect is None else pytest.approx(expect))
+def test_overtakes(rows, left, pauses):
+    assert overtakes(rows, left) is pauses
 
 
-def _rows(**kw):
-    args = dict(with_rows=False, gap_s=0.0, row_s=0.004, short_step_s=0.008, shared_rows=2, full_rows=128,
-                starving=False)
-    return prefill_rows(**{**args, **kw})
-
-
-def test_prefill_rows_ride_along_within_the_budget_and_fill_gaps_that_fit():
-    assert _rows(with_rows=True) == 1  # half a decode step (8 ms) buys one 4 ms row
-    assert _rows(with_rows=True, row_s=0.001) == 2  # cheap rows: up to --prefill-slice-shared
-    assert _rows(with_rows=True, row_s=0.02) == 0  # a late, costly row would slow the decode step 3x
-    assert _rows(with_rows=True, row_s=0.02, starving=True) == 1  # ... unless the prompt starves
-    assert _rows(with_rows=True, row_s=None) == 2  # not measured yet
-    gap = GAP_MARGIN_S + 0.008 + 3 * ROW_SAFETY * 0.004 + 1e-6
-    assert _rows(gap_s=gap) == 3  # the weights' read and three rows end before the row is back
-    assert _rows(gap_s=0.005) == 0  # nothing fits: wait for the row
-    assert _rows(gap_s=10.0) == 128  # at most --prefill-slice
-    assert _rows(row_s=None) == 1  # one row, to measure
+@pytest.mark.parametrize("msg, rows, ends", [
+    ({"type": "forward", "pos": 0, "logits_from": 99}, 100, True),  # the prompt's last chunk: decoding follows
+    ({"type": "forward", "pos": 0}, 100, True),  # every row's token wanted
+    ({"type": "forward", "pos": 0, "logits_from": 100}, 100, False),  # a chunk in the middle of a prompt
+    ({"type": "refill", "pos": 0, "logits_from": 99}, 100, False),  # a heal's refill: no token from it
+    ({"type": "forward", "pos": 5, "logits_from": 5}, S, False),  # a verify chunk is short: not a prompt
+])
+def test_prompt_ends(msg, rows, ends):
+    assert prompt_ends(msg, rows) is ends
 
 
 def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):

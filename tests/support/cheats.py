@@ -1,4 +1,5 @@
-"""Cheating stages, as test doubles: a stage's block whose ``forward_batch`` lies in one of the ways an
+"""Cheating stages, as test doubles: a stage's block whose ``forward_batch`` (and ``forward_steps``, the
+pausable form a stage computes a long prompt's slice with) lies in one of the ways an
 audit must catch (issue 29, item 6). Never a flag of the product: a test (or tests/support/cheat_stage.py)
 wraps a loaded block with :func:`cheat` before or after the StageServer starts serving it.
 
@@ -94,6 +95,14 @@ class Cheat:
             out.append(y)
         return out
 
+    def forward_steps(self, rows: list, tile: int = 1, logits_rows=None, span=None):
+        """The pausable form: the same lies, computed in one go (it never pauses)."""
+        return self._steps(rows, tile, logits_rows, span)
+
+    def _steps(self, rows, tile, logits_rows, span):
+        yield from ()  # a generator, as LayerBlock.forward_steps returns, with no pause
+        return self.forward_batch(rows, tile, logits_rows, span)
+
     def _altered_run(self, rows, tile, logits_rows, span) -> list:
         if self.kind == "bf16":
             rows = [(c, p, x if x.dtype == torch.long else x.to(torch.bfloat16).to(x.dtype)) for c, p, x in rows]
@@ -122,7 +131,7 @@ class Cheat:
 
 
 def cheat(block, kind: str, **kw) -> Cheat:
-    """Make ``block`` cheat: its ``forward_batch`` becomes a :class:`Cheat`'s (returned)."""
+    """Make ``block`` cheat: its ``forward_batch`` and ``forward_steps`` become a :class:`Cheat`'s (returned)."""
     double = Cheat(block, kind, **kw)
-    block.forward_batch = double.forward_batch
+    block.forward_batch, block.forward_steps = double.forward_batch, double.forward_steps
     return double

@@ -13,8 +13,11 @@ Prints one JSON object:
 - ``auditor_cost``: seconds per audited position (the re-run and the checks of the openings) over the
   stage's own decode seconds per position;
 - ``ring``: decode tokens/s of a 2-stage ring of ``swarm stage`` processes (libp2p on loopback) with
-  and without an auditor process opening windows of an earlier job at the stages' rate limit, side by
-  side, interleaved.
+  and without an auditor process, side by side, interleaved, under ``--audit-load``: ``per-job`` (the
+  product's ``Auditor.audit_job`` at rate 1, as every session of a new identity is audited: the picked
+  window and those before it of each stage, re-run and checked, one job audited per job the ring
+  serves; the steady 5% rate is 1/20 of it) or ``stress`` (every window of every stage of a job opened
+  once a second, nothing re-run: about 7x ``per-job`` here).
 
 What is simulated (``simulated``): the detection trials and false accusations run the product's audit
 code (``swarm.audit`` window logs, commitments, signed openings and their checks; ``swarm.fraud.pick``
@@ -29,6 +32,7 @@ cheats run at the bare rate (no first-sessions rule, to compare with the theory)
 by being honest for exactly those.
 
 Usage: python bench/audit.py [--trials 200] [--honest 1000] [--tokens 48] [--rounds 3] [--parts trials,honest,cost,ring]
+       [--audit-load per-job|stress]
 """
 
 from __future__ import annotations
@@ -203,15 +207,16 @@ def cost(keys: Path, blocks: Blocks, akey, positions: int = 64) -> dict:
             "fraction": round(audit_s / decode_s, 4), "positions": positions}
 
 
-def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
+def _ring_run(tokens: int, rounds: int, tmp: Path, load: str) -> dict:
     """Decode tokens/s of a 2-stage ring of ``swarm stage`` processes, alternating runs without and with
-    an auditor process that keeps opening windows of an earlier job (at most the stages' audit rate limit)."""
+    an auditor process auditing an earlier job (``load``: see the module docstring)."""
     import subprocess
 
     from swarm.cli.launch import LocalRing
     from tests.support.ring import signed_job
 
     runs = {"off": [], "on": []}
+    outcomes: list[str] = []  # what the auditor process did: per-job verdicts, or "opened" / "audit" (refused)
     cpu = {"off": [], "on": []}  # the stages' CPU milliseconds per token of each run (machine noise hardly moves it)
     prompt = list(range(5, 5 + 70))
     with LocalRing(str(MODEL), [LayerRange(0, 2), LayerRange(2, 5)], tmp / "keys", threads=1,
@@ -220,17 +225,20 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
         first = trio.run(signed_job, spec, MODEL, tmp, prompt, tmp / "r", tokens)
         job = tmp / "first-job.json"
         job.write_text(json.dumps(first["doc"]))
+        every_s = tokens / first["doc"]["tokens_per_s"] if load == "per-job" else 1.0  # one job's time: one audit
         for mode in ["off", "on", "on", "off"] * rounds:
             opener = None
             if mode == "on":
                 # at the lowest CPU priority: an auditor runs on its own machine, so its own checks should
                 # not be what slows the ring here (the stages' answers to it are what is measured)
-                opener = subprocess.Popen(["nice", "-n", "19", sys.executable, __file__, "--open-loop", str(job)],
+                opener = subprocess.Popen(["nice", "-n", "19", sys.executable, __file__, "--open-loop", str(job),
+                                           "--audit-load", load, "--audit-every-s", str(every_s)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 seen = []
                 for line in opener.stderr:  # wait until it is opening windows (its imports take seconds)
                     seen.append(line)
-                    if line.startswith("opened"):
+                    if line.startswith(("opened", "audited")):
+                        outcomes.extend(line.split()[1:] if line.startswith("audited") else ["opened"])
                         break
                 else:
                     raise RuntimeError(f"the auditor process opened nothing: {''.join(seen)[-500:]}")
@@ -241,7 +249,9 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
             finally:
                 if opener is not None:
                     opener.terminate()
-                    opener.communicate(timeout=30)
+                    rest = opener.communicate(timeout=30)[1]
+                    outcomes.extend(w for line in rest.splitlines() if line.startswith(("opened", "audited", "audit refused"))
+                                    for w in (line.split()[1:] if line.startswith("audited") else [line.split()[0]]))
             runs[mode].append(res["doc"]["tokens_per_s"])
     off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
     # each "on" run sits next to an "off" run (off, on, on, off): their ratio cancels the machine's drift
@@ -255,15 +265,20 @@ def _ring_run(tokens: int, rounds: int, tmp: Path) -> dict:
             "stages_cpu_ms_per_token_with_audits": round(statistics.median(cpu["on"]), 4),
             "stages_cpu_change_pct": round(100 * (statistics.median(cpu["on"]) / statistics.median(cpu["off"]) - 1), 2),
             "cpu_runs": {k: [round(x, 4) for x in v] for k, v in cpu.items()},
+            "audit_load": load, "audit_every_s": round(every_s, 3),
+            "auditor_outcomes": {k: outcomes.count(k) for k in sorted(set(outcomes))},
             "note": "stages are `swarm stage` processes (1 thread each), the coordinator this process; with audits "
-                    "an auditor process (nice 19: its own checks stand for another machine's) opens every window of "
-                    "every stage of an earlier job once a second during the run (each job audited in full: 20x the "
-                    "default 5%), on the same 2 cores"}
+                    "an auditor process (nice 19: its own work stands for another machine's) on the same 2 cores: "
+                    + ("the product's Auditor.audit_job at rate 1 (a new identity's first sessions) on an earlier "
+                       "job every audit_every_s (one job's duration): the picked window and those before it of "
+                       "each stage, re-run and checked; the steady 5% rate is 1/20 of this load" if load == "per-job"
+                       else "every window of every stage of an earlier job opened once a second, not re-run")}
 
 
-async def _open_loop(job_path: Path) -> None:
-    """``--open-loop``: keep opening every window of every stage of a job until terminated (the auditor
-    process of the ring part)."""
+async def _open_loop(job_path: Path, load: str, every_s: float) -> None:
+    """``--open-loop``: the auditor process of the ring part, until terminated: every ``every_s`` seconds
+    either open every window of every stage of a job (``stress``) or audit it as the product's auditor
+    does at rate 1 (``per-job``)."""
     from swarm.auditor.run import Auditor
     from swarm.errors import SwarmError
     from swarm.transport import open_host
@@ -272,15 +287,20 @@ async def _open_loop(job_path: Path) -> None:
     job = json.loads(job_path.read_text())
     akey = _key("opener")
     async with open_host(akey, [LOOPBACK]) as host:
-        opener = Auditor(host, akey, Blocks(MODEL), rate=1.0, all_windows=True)
+        opener = Auditor(host, akey, Blocks(MODEL), rate=1.0, all_windows=load == "stress")
         while True:
+            if load == "per-job":
+                verdicts = await opener.audit_job(job)
+                print("audited", " ".join(v.outcome.replace(" ", "_") for v in verdicts), file=sys.stderr, flush=True)
+                await trio.sleep(every_s)
+                continue
             for r, entry in zip(job["stage_receipts"], job["ring"]):
                 try:
                     await opener._open(entry["addr"], r, r["windows"]["leaves"] - 1)
                     print("opened", r["windows"]["leaves"], "windows", file=sys.stderr, flush=True)
                 except SwarmError as exc:  # a refusal (the rate limit) is the stage protecting itself
                     print(f"audit refused: {exc}", file=sys.stderr, flush=True)
-            await trio.sleep(1.0)
+            await trio.sleep(every_s)
 
 
 def main(argv=None) -> int:
@@ -290,6 +310,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--audit-load", choices=("per-job", "stress"), default="per-job",
+                    help="the ring part's audits: per-job (the product's auditor at rate 1, one job audited per "
+                         "job served, as for a new identity) or stress (every window of a job opened every second)")
+    ap.add_argument("--audit-every-s", type=float, default=1.0, help=argparse.SUPPRESS)  # the auditor process's pace
     ap.add_argument("--open-loop", type=Path, metavar="JOB", help=argparse.SUPPRESS)  # the ring part's auditor
     ap.add_argument("--parts", default="trials,honest,cost,ring",
                     help="which parts to run (comma-separated): the cheats' trials, the honest sessions, the "
@@ -297,7 +321,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.open_loop:
         try:
-            trio.run(_open_loop, args.open_loop)
+            trio.run(_open_loop, args.open_loop, args.audit_load, args.audit_every_s)
         except KeyboardInterrupt:
             pass
         return 0
@@ -318,7 +342,7 @@ def main(argv=None) -> int:
         if "cost" in parts:
             out["auditor_cost"] = cost(tmp, blocks, akey)
         if "ring" in parts:
-            out["ring"] = _ring_run(args.tokens, args.rounds, tmp)
+            out["ring"] = _ring_run(args.tokens, args.rounds, tmp, args.audit_load)
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out))
     return 0

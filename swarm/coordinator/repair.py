@@ -125,8 +125,9 @@ class RingRepair:
         count)`` replaced a lost one (``swap``): the survivors keep their KV caches, and only the
         replacement computes positions ``[0, keep)``.
 
-        Steps: open the session at the replacement (last first); ``repair`` the successor (its new
-        predecessor), every other survivor (the new ``epoch``, and each reports its ``kv_len``,
+        Steps: open the session at the replacement (last first; a shadow is promoted instead, right
+        after its successor takes its frames); ``repair`` the successor (its new predecessor), every
+        other survivor (the new ``epoch``, and each reports its ``kv_len``,
         which must reach ``keep``), then the predecessor (its new successor, and ``resend`` of the
         hidden states it sent for ``[0, keep)``, up to the replaced range's end layer), or, when
         the head was lost, send ``tokens[:keep]`` to the new head as ``refill`` frames. The
@@ -157,16 +158,17 @@ class RingRepair:
                             "shadow_fallback": ""}
         shadow = shadow and count == 1
         opening = (max_len, sampling, wire_dtype, job)
+        async def promote() -> None:  # the shadow holds the session already: promote it (its successor named)
+            kw = {"next_addr": self.links[index + 1].spec.addr} if index + 1 < n else {}
+            await self.links[index].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
+                                              timeout_s=self.hop_timeout_s)
+            await self.net.expect(index, "repair_ok", session)
+
         try:
-            if shadow:  # it holds the session already: promote it (its successor named)
-                kw = {"next_addr": self.links[index + 1].spec.addr} if index + 1 < n else {}
-                await self.links[index].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
-                                                  timeout_s=self.hop_timeout_s)
-                await self.net.expect(index, "repair_ok", session)
-            else:
+            if not shadow:
                 await self.open_at(range(index, last + 1), session, *opening)
             short, start, shadow = await self._repair_survivors(session, index, last, epoch, keep, until, shadow,
-                                                                opening)
+                                                                opening, promote if shadow else None)
             if short is not None:
                 return short
             if shadow and index == 0:  # this client mirrored the head's token ids
@@ -198,12 +200,14 @@ class RingRepair:
         return ledger
 
     async def _repair_survivors(self, session: str, index: int, last: int, epoch: int, keep: int, until: int,
-                                shadow: bool, opening: tuple) -> tuple[str | None, int, bool]:
+                                shadow: bool, opening: tuple, promote=None) -> tuple[str | None, int, bool]:
         """Send ``repair`` to every survivor around the replacement at ``[index, last]``: the successor
         first (its new predecessor), then the others (the new ``epoch``), the predecessor last (its new
         successor and ``resend`` of ``[0, keep)``, or with ``shadow`` the promotion of its mirror; a
         mirror it dropped falls back to ``_shadow_fallback``). ``opening``: (max_len, sampling,
-        wire_dtype, job) of the session.
+        wire_dtype, job) of the session. ``promote``: awaited once the successor takes frames from the
+        replacement (at once for a new tail): a promoted shadow sends on the frames it computes, and a
+        successor still expecting the lost stage would refuse them.
 
         Returns:
             (why the survivors cannot keep the session or None, the first position the predecessor
@@ -213,6 +217,8 @@ class RingRepair:
         """
         n = len(self.links)
         start = 0
+        if promote is not None and last + 1 >= n:
+            await promote()
         order = ([last + 1] if last + 1 < n else []) + [i for i in range(n) if i < index - 1 or i > last + 1]
         order += [index - 1] if index > 0 else []
         for i in order:
@@ -236,6 +242,8 @@ class RingRepair:
             if ok["kv_len"] < keep:
                 return (f"stage {i} {self.links[i].info.layers} holds {ok['kv_len']} positions of the session, "
                         f"fewer than the {keep} to keep"), start, shadow
+            if i == last + 1 and promote is not None:
+                await promote()
         return None, start, shadow
 
     async def _promote_head_mirror(self, session: str, epoch: int, keep: int, until: int, ledger,

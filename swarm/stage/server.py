@@ -354,7 +354,7 @@ class StageServer:
             await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         if stream.remote_peer_id != sess.source:
-            await self._refuse(stream, sess, kind)
+            await self._refuse(stream, sess, kind, msg["epoch"])
             return
         if kind == "forward":
             sess.received = max(sess.received, msg["chunk"])
@@ -433,14 +433,19 @@ class StageServer:
         return {"layers": self.block.layer_range.as_list(), "sessions_finished": before - len(failed),
                 "sessions_failed": len(failed), "waited_s": round(trio.current_time() - t0, 3)}
 
-    async def _refuse(self, stream, sess: Session, kind: str) -> None:
-        """Refuse a frame from a peer the session was not assigned to; the session is untouched."""
+    async def _refuse(self, stream, sess: Session, kind: str, epoch: int | None = None) -> None:
+        """Refuse a frame from a peer the session was not assigned to; the session is untouched.
+        ``epoch``: the refused frame's, sent back with the error (a stage relays it to its
+        coordinator, which ignores it when it has repaired the session since: a frame of a
+        predecessor that a heal replaced, still on its way)."""
         peer = stream.remote_peer_id
         log.warning("frame.refused type=%s session=%s peer=%s expected=%s", kind, sess.session_id, peer,
-                    sess.source if kind in ("forward", "receipt") else sess.coordinator)
-        await try_send(stream, self._error(
-            f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from {peer}: "
-            "the session was not assigned to that peer", "forbidden", sess.session_id))
+                    sess.source if kind in ("forward", "refill", "receipt") else sess.coordinator)
+        err = self._error(f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from "
+                          f"{peer}: the session was not assigned to that peer", "forbidden", sess.session_id)
+        if epoch is not None:
+            err["epoch"] = epoch
+        await try_send(stream, err)
 
     async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
         """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""

@@ -179,9 +179,10 @@ def test_only_assigned_peers_steer_a_session(model, tmp_path):
         await _expect_error(s1, "needs 'prev'")
         await s1.send(wire.open_frame(host.key_pair, "x", None, 32, prev=servers[0].host.peer_id))
         assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
-        await s1.send(wire.frame("forward", session="x", epoch=0, pos=0, chunk=0,
+        await s1.send(wire.frame("forward", session="x", epoch=2, pos=0, chunk=0,
                                  hidden=wire.encode_tensor(torch.zeros(1, 1, 32, dtype=torch.float64))))
-        await _expect_error(s1, "refuses 'forward'")
+        err = await _expect_error(s1, "refuses 'forward'")
+        assert err["epoch"] == 2  # the refused frame's: a coordinator that repaired the session since ignores it
         # the real session still works end to end
         await s.send(wire.frame("forward", session="x", epoch=0, pos=0, chunk=0, tokens=PROMPT))
         while True:

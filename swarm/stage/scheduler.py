@@ -188,6 +188,8 @@ def ride_rows(*, row_s: float | None, short_step_s: float | None, shared_rows: i
     return min(shared_rows, max(ride, 1 if starving else 0))
 
 
+PAUSED = "paused"  # what a step's compute returns when its slice paused for a chunk that overtakes it
+
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
 
@@ -372,18 +374,18 @@ class Scheduler:
         self._slicing, self._slice_left = sess, job.x.shape[1] - job.done
         self._urgent, self._resumed = False, True
         try:
-            results = await self._compute([], None)
+            results = await self._compute([], None, resuming=(sess, job))
         finally:
             self._slicing = None
         self._finish_step(results, True, t_call)
         return True
 
-    def _finish_step(self, results: list | None, sliced: bool, t_call: float) -> None:
-        """Count and deliver a computed step; a slice that paused (results None, a slice
-        suspended) is only counted as a preemption."""
-        if results is None:
-            if self._suspended is not None:
-                self.stats["prefill_preempted"] += 1
+    def _finish_step(self, results, sliced: bool, t_call: float) -> None:
+        """Count and deliver a computed step; a slice that paused is only counted as a preemption."""
+        if results is PAUSED:
+            self.stats["prefill_preempted"] += 1
+            return
+        if results is None:  # failed: its sessions were failed
             return
         self._count(results, sliced, t_call)
         self._deliver(results)
@@ -428,9 +430,11 @@ class Scheduler:
             ready.append((sess, job))
         return ready
 
-    async def _compute(self, small: list, piece) -> list | None:
-        """The step's compute, in the worker thread or inline (see :meth:`_inline_ok`); None when
-        it failed (its sessions are failed, the stage keeps serving)."""
+    async def _compute(self, small: list, piece, resuming: tuple | None = None) -> list | None:
+        """The step's compute, in the worker thread or inline (see :meth:`_inline_ok`); ``PAUSED``
+        when its slice paused (:meth:`_slice_alone`); None when it failed (its sessions are failed,
+        the stage keeps serving: ``resuming``, the session and job of a paused slice going on, is
+        one of them then)."""
         self.in_flight += 1
         try:
             if small and piece is None and self._inline_ok():
@@ -442,9 +446,7 @@ class Scheduler:
             else:
                 results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self.limiter)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
-            failed = small + ([piece[:2]] if piece else [])
-            if self._suspended is not None and not small and piece is None:  # a paused slice failed going on
-                failed, self._suspended = [self._suspended[:2]], None
+            failed = small + ([piece[:2]] if piece else []) + ([resuming] if resuming else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
                 self._fail(sess, f"forward failed: {type(exc).__name__}: {exc}")
@@ -533,19 +535,19 @@ class Scheduler:
         self._runq.pop(id(sess), None)
         return None
 
-    def _compute_step(self, small: list, piece) -> list | None:
+    def _compute_step(self, small: list, piece) -> list | str:
         """One step's compute (in the worker thread, or inline, see :meth:`_inline_ok`): one packed
         forward of the short chunks, one slice of a long one; the output of each chunk that is now
         complete is encoded (tail: token ids; others: hidden). A step of a slice alone (or going on
         with a paused one) pauses between layers when a chunk that overtakes it arrives
-        (:meth:`_slice_alone`): None then."""
+        (:meth:`_slice_alone`): ``PAUSED`` then."""
         t_start = time.perf_counter()
         block = self.block
         if not small and (piece is not None or self._suspended is not None):
             out = self._slice_alone(piece)
             if out is None:
                 self._step_clock = (t_start, 0.0, time.perf_counter())
-                return None
+                return PAUSED
             self._packed = 1
             return self._outputs(out, t_start)
         out = []

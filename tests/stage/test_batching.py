@@ -281,10 +281,11 @@ def test_a_long_prompt_rides_along_with_a_decoding_sessions_rows(synthetic, tmp_
         assert alone and server.stats["prefill_waits"] == 0, log  # slices alone between its rows
 
 
-def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails", [False, True], ids=["goes-on", "fails-going-on"])
+def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tmp_path, monkeypatch, fails):
     """A chunk that arrives while a long prompt's slice is computed alone pauses that slice at its next
     layer: the new session's rows are computed (and answered) first, then the slice goes on; both
-    sessions get their solo tokens, bit for bit."""
+    sessions get their solo tokens, bit for bit. A slice that fails going on fails its session only."""
     model = synthetic("llama", "float32")
     coord = load_or_create_key(tmp_path / "coord.key")
     rng = random.Random(8)
@@ -308,6 +309,8 @@ def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tm
                 in_slice.set()
                 arrived.wait(10)
             yield
+            if fails and rows[0][2].shape[1] == 60:
+                raise RuntimeError("a torch failure")
 
     monkeypatch.setattr(block, "forward_steps", watched)
     c = MemStream(peer_id_of(coord))
@@ -331,7 +334,12 @@ def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tm
     trio.run(main)
     results = [x for x in c.sent if x.get("type") in ("result", "error")]
     assert [x["session"] for x in results] == ["short", "long"], results  # the short one did not wait
-    assert {x["session"]: x["token_ids"][-1:] for x in results} == solo
+    assert results[0]["token_ids"][-1:] == solo["short"]
+    if fails:
+        assert results[1]["type"] == "error" and "a torch failure" in results[1]["reason"], results[1]
+        assert "long" not in server.sessions
+    else:
+        assert results[1]["token_ids"][-1:] == solo["long"]
     assert server.stats["prefill_preempted"] == 1 and server.scheduler._suspended is None
 
 

@@ -23,13 +23,38 @@ import trio
 
 from swarm.discovery.clock import RESYNC_S
 from swarm.discovery.dht import DiscoveryError, RecordRefused, SwarmDHT
-from swarm.discovery.records import DEFAULT_TTL_S, RecordInvalid, StageRecord, sign_record
+from swarm.discovery.records import DEFAULT_TTL_S, MAX_TTL_S, RecordInvalid, StageRecord, sign_record
 from swarm.transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
 
 MAX_RTT_PEERS = 16
 LEAVING_TTL_S = 3.0  # the last record of a stage that leaves stays valid this long
+# a stage's record while its weights load (minutes for a large block over a slow link); its first online
+# record replaces it (a higher seq), and one that dies while loading holds its block at most this long
+JOINING_TTL_S = MAX_TTL_S
+
+
+def joining_fields(*, model_id: str, model_name: str, num_layers: int, layers: tuple[int, int],
+                   addrs: tuple[str, ...], relay_addrs: tuple[str, ...] = ()) -> dict:
+    """The record fields (an ``Announcer`` snapshot) of a stage that chose its block and has not loaded it.
+
+    Published as soon as the block is chosen, so that stages choosing while it loads count the
+    block as taken (``swarm.routing.layer_capacity`` counts a joining holder at the median speed):
+    without it, stages that join together read the same records and pick the same weakest window
+    (issue 31's simulator; Petals announces a JOINING state the same way). Clients never route
+    through it (only ``online`` holders serve hops).
+
+    Args:
+        model_id: 64-hex model id. model_name: display name. num_layers: L.
+        layers: the chosen block ``(start, end)``, half-open.
+        addrs, relay_addrs: where it can be dialed (a record needs one of the two).
+    Returns:
+        A dict of StageRecord fields with ``state="joining"`` and ``throughput_tps=0`` (not measured).
+    """
+    return {"model_id": model_id, "model_name": model_name, "num_layers": num_layers, "layers": tuple(layers),
+            "addrs": tuple(addrs), "relay_addrs": tuple(relay_addrs), "state": "joining", "sessions": 0,
+            "throughput_tps": 0.0}
 
 
 class Announcer:

@@ -2,8 +2,8 @@
 
 Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read the swarm's records
 of the model, take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
-then the lowest throughput, and announce it at once as ``joining`` while the weights load), the decode throughput a stage measures on its own block at start
-(``measure_decode_tps``), the fields of its signed record read from the live server
+then the lowest throughput, and announce it at once as ``joining`` while the weights load), the
+decode throughput a stage measures on its own block at start (``measure_decode_tps``), the fields of its signed record read from the live server
 (``record_fields``), and the task that joins the DHT (in the mode a dial-back chose) and keeps the
 record fresh (``announce``), republishing ``draining`` at once when a drain starts and checking
 every ``--rebalance-s`` whether its block should move (``swarm.routing.should_move``; a move

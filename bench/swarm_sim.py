@@ -517,6 +517,7 @@ class Session:
     committed: int = 0
     route: tuple = ()
     records: tuple = ()
+    rtt_ms: dict = field(default_factory=dict)  # the client's RTTs measured when routing
     epoch: int = 0  # bumps when the route changes: events of an older route are ignored
     heals: int = 0
     done: bool = False
@@ -802,6 +803,7 @@ class Sim:
             if not w.alive(p):
                 self.m.stale_s.append(w.now - p.gone_t)
         self.m.hops.append(len(peers))
+        s.rtt_ms = dict(out.client_rtt_ms)
         self.start_route(s, out.route.hops, out.records, chosen_t)
 
     def start_route(self, s: Session, hops, records, t: float) -> None:
@@ -880,7 +882,8 @@ class Sim:
         async def fn(dht):
             return await disc_client.find_replacement(dht, MODEL_ID, lost.layers, prev_peer=prev_peer,
                                                       next_peer=next_peer, exclude=exclude,
-                                                      context_tokens=s.prompt + s.new_tokens, known=s.records)
+                                                      context_tokens=s.prompt + s.new_tokens, known=s.records,
+                                                      known_rtt_ms=s.rtt_ms)
 
         out, virt, cpu = run_op(w, s.client, self.rng.getrandbits(32), fn)
         s.heals += 1

@@ -39,7 +39,7 @@ import trio
 import trio.testing
 
 from swarm.discovery import client as disc_client
-from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields
+from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
 from swarm.discovery.dht import SwarmDHT
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
@@ -603,12 +603,14 @@ class Sim:
         self.announce_joining(p)
         self.at(w.now + self.load_s(p), self.online, p)
 
-    def announce_joining(self, p: Peer) -> None:
-        """membership.place's joining record: the chosen block, state joining, throughput unknown, valid
-        JOINING_TTL_S, published before the weights load (signed, validated by the storing nodes, provided)."""
+    def announce_joining(self, p: Peer, fields: dict | None = None) -> None:
+        """membership.place's joining record: the chosen block, state joining, throughput unknown (or a
+        move's ``fields``), valid JOINING_TTL_S, published before the weights load (signed, validated by
+        the storing nodes, provided)."""
         w = self.w
-        fields = joining_fields(model_id=MODEL_ID, model_name="sim-70b", num_layers=NUM_LAYERS, layers=p.layers,
-                                **{k: v for k, v in self.snapshot(p).items() if k in ("addrs", "relay_addrs")})
+        where = {k: v for k, v in self.snapshot(p).items() if k in ("addrs", "relay_addrs")}
+        fields = fields or joining_fields(model_id=MODEL_ID, model_name="sim-70b", num_layers=NUM_LAYERS,
+                                          layers=p.layers, **where)
         rec = Announcer(None, p.key_pair, lambda: fields, interval_s=JOINING_TTL_S / 2, ttl_s=JOINING_TTL_S,
                         clock=lambda: EPOCH + w.now).record()
         p.value = sign_record(p.key_pair, rec)
@@ -723,8 +725,10 @@ class Sim:
     def reload(self, p: Peer, target) -> None:
         if not self.w.alive(p) or self.w.now >= p.death_t:
             return
+        fields = moved_fields(self.snapshot(p), tuple(target))  # the daemon's last record: Announcer.move
         p.state = "loading"
         p.layers = target
+        self.announce_joining(p, fields)
         self.at(self.w.now + self.load_s(p), self.online, p)
 
     def depart(self, p: Peer) -> None:

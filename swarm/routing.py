@@ -451,13 +451,16 @@ def plan_placement(holders: Sequence[Holder], num_layers: int, fit_layers: int) 
 
 
 def should_move(holders: Sequence[Holder], me: str, num_layers: int, fit_layers: int, *,
-                gain: float = 2.0) -> Span | None:
+                gain: float = 1.5) -> Span | None:
     """Whether running stage ``me`` should reload another block, and which.
 
     Without ``me``: if another online holder still covers every layer of its block (moving opens no
     gap) and the weakest window's minimum capacity is below the current block's minimum capacity /
     ``gain``, return that window. The ``gain`` margin keeps stages from chasing small differences
-    (Petals moves a server only when the swarm's throughput clearly improves).
+    (Petals moves a server only when the swarm's throughput clearly improves). Issue 31's simulator
+    (1,000 stages, no churn, each read showing 256 of them): gain 2 never moved once placement had
+    settled at 0.87 of the LP bound; 1.5 reached 0.92 with 0.07 moves per node-hour; 1.33 0.92
+    with 0.5 (the reads' sampling noise, not the margin, is then the limit).
 
     Args:
         holders: one record per peer, ``me`` included. me: this stage's PeerId.

@@ -249,8 +249,11 @@ THREE_ON_FRONT = [H("me", (0, 4), throughput_tps=10), H("o1", (0, 4), throughput
     ([H("me", (0, 4)), H("o1", (0, 4), state="joining"), H("o3", (4, 8), throughput_tps=1)], {}, None),
     # clearly better: my layers keep 20 tps without me, [4, 8) has 1 < 20 / 2
     (THREE_ON_FRONT + [H("o3", (4, 8), throughput_tps=1)], {}, (4, 8)),
-    # marginal: 15 is not below 20 / 2 ...
+    # marginal: 15 is not below 20 / 1.5 (the default gain) ...
     (THREE_ON_FRONT + [H("o3", (4, 8), throughput_tps=15)], {}, None),
+    # 12 is (gain 2 kept a swarm of 1,000 simulated stages at 0.87 of its LP bound)
+    (THREE_ON_FRONT + [H("o3", (4, 8), throughput_tps=12)], {}, (4, 8)),
+    (THREE_ON_FRONT + [H("o3", (4, 8), throughput_tps=12)], {"gain": 2.0}, None),
     # ... but is below 20 / 1
     (THREE_ON_FRONT + [H("o3", (4, 8), throughput_tps=15)], {"gain": 1.0}, (4, 8)),
     # the weakest window is where I already am

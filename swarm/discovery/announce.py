@@ -36,7 +36,7 @@ JOINING_TTL_S = MAX_TTL_S
 
 
 def joining_fields(*, model_id: str, model_name: str, num_layers: int, layers: tuple[int, int],
-                   addrs: tuple[str, ...], relay_addrs: tuple[str, ...] = ()) -> dict:
+                   addrs: tuple[str, ...], relay_addrs: tuple[str, ...] = (), throughput_tps: float = 0.0) -> dict:
     """The record fields (an ``Announcer`` snapshot) of a stage that chose its block and has not loaded it.
 
     Published as soon as the block is chosen, so that stages choosing while it loads count the
@@ -49,12 +49,31 @@ def joining_fields(*, model_id: str, model_name: str, num_layers: int, layers: t
         model_id: 64-hex model id. model_name: display name. num_layers: L.
         layers: the chosen block ``(start, end)``, half-open.
         addrs, relay_addrs: where it can be dialed (a record needs one of the two).
+        throughput_tps: decode steps/s it expects over the new block; 0: not measured (readers then
+            count it at the median speed).
     Returns:
-        A dict of StageRecord fields with ``state="joining"`` and ``throughput_tps=0`` (not measured).
+        A dict of StageRecord fields with ``state="joining"``.
     """
     return {"model_id": model_id, "model_name": model_name, "num_layers": num_layers, "layers": tuple(layers),
             "addrs": tuple(addrs), "relay_addrs": tuple(relay_addrs), "state": "joining", "sessions": 0,
-            "throughput_tps": 0.0}
+            "throughput_tps": float(throughput_tps)}
+
+
+def moved_fields(mine: dict, layers: tuple[int, int]) -> dict:
+    """``joining_fields`` of a stage moving from its current block to ``layers``.
+
+    Args:
+        mine: its current record fields (an ``Announcer`` snapshot: layers, throughput_tps, addrs, ...).
+        layers: the new block ``(start, end)``.
+    Returns:
+        The joining fields, with the throughput it measured over its old block carried over as a
+        per-layer speed: ``throughput_tps * old width / new width`` (decode steps/s).
+    """
+    old_width, new_width = mine["layers"][1] - mine["layers"][0], layers[1] - layers[0]
+    return joining_fields(model_id=mine["model_id"], model_name=mine["model_name"], num_layers=mine["num_layers"],
+                          layers=tuple(layers), addrs=tuple(mine["addrs"]),
+                          relay_addrs=tuple(mine.get("relay_addrs", ())),
+                          throughput_tps=round(float(mine.get("throughput_tps", 0.0)) * old_width / new_width, 3))
 
 
 class Announcer:
@@ -127,6 +146,23 @@ class Announcer:
         with trio.move_on_after(timeout_s):
             return await self.publish(ttl_s=LEAVING_TTL_S)
         return False
+
+    async def move(self, layers: tuple[int, int], timeout_s: float = 5.0) -> bool:
+        """Publish this stage's last record before it restarts on another block: that block as
+        ``joining`` (``moved_fields``: its measured speed carried over), valid ``JOINING_TTL_S``, and
+        stop republishing. Stages placing themselves or rebalancing while it reloads count the new
+        block as taken instead of all moving to the same weakest window; clients stop routing to the old block at once (a
+        joining holder serves no hops). Returns whether some node stored it."""
+        self.withdrawn = True
+        self.rtt_ms = {}  # measured from the old block's end
+        fields = moved_fields(self.snapshot(), layers)
+        snapshot, self.snapshot = self.snapshot, lambda: fields
+        try:
+            with trio.move_on_after(timeout_s):
+                return await self.publish(ttl_s=JOINING_TTL_S)
+            return False
+        finally:
+            self.snapshot = snapshot
 
     def poke(self) -> None:
         """Republish now (e.g. the state changed), without waiting for the next tick."""

@@ -184,6 +184,28 @@ def test_a_joining_record_marks_the_block_taken_until_the_online_record_replaces
     run(main, timeout_s=30)
 
 
+def test_a_stage_that_moves_announces_its_new_block_as_joining_at_its_measured_speed():
+    from swarm.discovery.announce import JOINING_TTL_S, Announcer
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            boot, addr = await _boot(stack)
+            key = create_new_key_pair()
+            pid = peer_id_of(key)
+            node = await _node(stack, addr, server=True, key=key)
+            reader = await _node(stack, addr, server=False)
+            snapshot = lambda: dict(model_id=MODEL, model_name="m", num_layers=8, layers=(0, 2),  # noqa: E731
+                                    addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), state="draining", throughput_tps=30.0)
+            announcer = Announcer(node, key, snapshot, interval_s=30, ttl_s=60)
+            assert await announcer.publish()
+            assert await announcer.move((2, 8))
+            (rec,) = await reader.find_records(MODEL)
+            # 30 steps/s over 2 layers is 60 layer-steps/s: 10 steps/s over 6 layers
+            assert (rec.state, rec.layers, rec.throughput_tps, rec.rtt_ms) == ("joining", (2, 8), 10.0, {})
+            assert rec.expires_at > time.time() + JOINING_TTL_S - 30 and announcer.withdrawn
+    run(main, timeout_s=30)
+
+
 @pytest.mark.parametrize("skew_s", [-180.0, 900.0, -3600.0])
 def test_a_stage_whose_clock_is_off_is_found(skew_s):
     """Petals #433: a clock 180 s behind made every record expire on arrival, +900 s made it "too

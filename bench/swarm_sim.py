@@ -10,7 +10,8 @@ What runs for real, unchanged: record building (``Announcer.record``: seq and ex
 ``sign_record``, ``open_record``/``select_record`` (every record a reader opens), the client's whole
 read and route (``discover_ring`` -> ``SwarmDHT.read_records`` -> ``lookup_providers``,
 ``probe_rtts``, ``holders_of``, ``plan_route``), a heal's choice (``locate_failure``, ``plan_replay``,
-``find_replacement`` -> ``plan_replacement``), placement of a joining stage (``plan_placement``) and
+``find_replacement`` -> ``plan_replacement``), placement of a joining stage (``plan_placement``, then its ``joining``
+record from ``joining_fields``) and
 the rebalance check (``should_move``). The async product code runs under ``trio.run`` with a
 ``MockClock`` (virtual time) against ``SimDHT``: a real ``SwarmDHT`` whose libp2p objects are
 stand-ins that sleep the modelled network time, and whose ping (``rtt_ms``) is the RTT model.
@@ -38,7 +39,7 @@ import trio
 import trio.testing
 
 from swarm.discovery import client as disc_client
-from swarm.discovery.announce import LEAVING_TTL_S, Announcer
+from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
 from swarm.discovery.dht import SwarmDHT
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
@@ -516,6 +517,7 @@ class Session:
     committed: int = 0
     route: tuple = ()
     records: tuple = ()
+    rtt_ms: dict = field(default_factory=dict)  # the client's RTTs measured when routing
     epoch: int = 0  # bumps when the route changes: events of an older route are ignored
     heals: int = 0
     done: bool = False
@@ -598,7 +600,23 @@ class Sim:
             return
         holders = self.holders(w.visible_records())
         p.layers = plan_placement(holders, NUM_LAYERS, min(p.fit, NUM_LAYERS))
+        self.announce_joining(p)
         self.at(w.now + self.load_s(p), self.online, p)
+
+    def announce_joining(self, p: Peer, fields: dict | None = None) -> None:
+        """membership.place's joining record: the chosen block, state joining, throughput unknown (or a
+        move's ``fields``), valid JOINING_TTL_S, published before the weights load (signed, validated by
+        the storing nodes, provided)."""
+        w = self.w
+        where = {k: v for k, v in self.snapshot(p).items() if k in ("addrs", "relay_addrs")}
+        fields = fields or joining_fields(model_id=MODEL_ID, model_name="sim-70b", num_layers=NUM_LAYERS,
+                                          layers=p.layers, **where)
+        rec = Announcer(None, p.key_pair, lambda: fields, interval_s=JOINING_TTL_S / 2, ttl_s=JOINING_TTL_S,
+                        clock=lambda: EPOCH + w.now).record()
+        p.value = sign_record(p.key_pair, rec)
+        p.record = open_record(record_key(p.peer_id), p.value, now=EPOCH + w.now)
+        p.holder = None
+        w.provide(p)
 
     def load_s(self, p: Peer) -> float:
         return 30.0 + (p.layers[1] - p.layers[0]) * self.rng.uniform(3.0, 12.0)  # ~1 GB a layer at 100-300 MB/s
@@ -707,8 +725,10 @@ class Sim:
     def reload(self, p: Peer, target) -> None:
         if not self.w.alive(p) or self.w.now >= p.death_t:
             return
+        fields = moved_fields(self.snapshot(p), tuple(target))  # the daemon's last record: Announcer.move
         p.state = "loading"
         p.layers = target
+        self.announce_joining(p, fields)
         self.at(self.w.now + self.load_s(p), self.online, p)
 
     def depart(self, p: Peer) -> None:
@@ -787,6 +807,7 @@ class Sim:
             if not w.alive(p):
                 self.m.stale_s.append(w.now - p.gone_t)
         self.m.hops.append(len(peers))
+        s.rtt_ms = dict(out.client_rtt_ms)
         self.start_route(s, out.route.hops, out.records, chosen_t)
 
     def start_route(self, s: Session, hops, records, t: float) -> None:
@@ -865,7 +886,8 @@ class Sim:
         async def fn(dht):
             return await disc_client.find_replacement(dht, MODEL_ID, lost.layers, prev_peer=prev_peer,
                                                       next_peer=next_peer, exclude=exclude,
-                                                      context_tokens=s.prompt + s.new_tokens, known=s.records)
+                                                      context_tokens=s.prompt + s.new_tokens, known=s.records,
+                                                      known_rtt_ms=s.rtt_ms)
 
         out, virt, cpu = run_op(w, s.client, self.rng.getrandbits(32), fn)
         s.heals += 1

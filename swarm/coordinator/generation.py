@@ -148,7 +148,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
 
 async def offer_for_audit(host, receipt: dict, discovery, spares=()) -> dict:
     """Offer a verified job receipt (``write_job_receipt``'s result) to the auditor-role stages this
-    coordinator knows: the DHT records it routed with (``discovery``: (dht, model id, records) or None) and
+    coordinator knows: the DHT records it routed with (``discovery``: (dht, model id, records, RTTs) or None) and
     the ring file's ``spares`` (``swarm.auditor.offers``; bounded in time, never raises).
 
     Returns:
@@ -233,7 +233,8 @@ async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num
         route_s += found.seconds
         ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                           model_id=model_id)
-        ring.discovery = (dht, model_id, found.records)  # heals try these stages before reading the DHT
+        # heals try these stages (at the RTTs measured now) before reading the DHT
+        ring.discovery = (dht, model_id, found.records, found.client_rtt_ms)
         ring.shut_out = shut_out
         try:
             await ring.connect(num_layers, digest, nursery)
@@ -420,7 +421,7 @@ class RingOps:
         from swarm.ranges import LayerRange
         from swarm.routing import NoRoute
 
-        dht, model_id, *known = self.ring.discovery
+        dht, model_id, *known = self.ring.discovery  # (records, client RTTs) read when routing, if any
         infos = self.ring.infos
         fresh_session = self.loop.committed_len - 1 < self.loop.prompt_len  # the replay opens a new session
         try:
@@ -430,7 +431,8 @@ class RingOps:
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
                 | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
-                known=known[0] if known else None, shut_out=self.ring.shut_out)
+                known=known[0] if known else None, known_rtt_ms=known[1] if len(known) > 1 else None,
+                shut_out=self.ring.shut_out)
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
             return None

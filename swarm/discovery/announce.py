@@ -23,13 +23,57 @@ import trio
 
 from swarm.discovery.clock import RESYNC_S
 from swarm.discovery.dht import DiscoveryError, RecordRefused, SwarmDHT
-from swarm.discovery.records import DEFAULT_TTL_S, RecordInvalid, StageRecord, sign_record
+from swarm.discovery.records import DEFAULT_TTL_S, MAX_TTL_S, RecordInvalid, StageRecord, sign_record
 from swarm.transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
 
 MAX_RTT_PEERS = 16
 LEAVING_TTL_S = 3.0  # the last record of a stage that leaves stays valid this long
+# a stage's record while its weights load (minutes for a large block over a slow link); its first online
+# record replaces it (a higher seq), and one that dies while loading holds its block at most this long
+JOINING_TTL_S = MAX_TTL_S
+
+
+def joining_fields(*, model_id: str, model_name: str, num_layers: int, layers: tuple[int, int],
+                   addrs: tuple[str, ...], relay_addrs: tuple[str, ...] = (), throughput_tps: float = 0.0) -> dict:
+    """The record fields (an ``Announcer`` snapshot) of a stage that chose its block and has not loaded it.
+
+    Published as soon as the block is chosen, so that stages choosing while it loads count the
+    block as taken (``swarm.routing.layer_capacity`` counts a joining holder at the median speed):
+    without it, stages that join together read the same records and pick the same weakest window
+    (issue 31's simulator; Petals announces a JOINING state the same way). Clients never route
+    through it (only ``online`` holders serve hops).
+
+    Args:
+        model_id: 64-hex model id. model_name: display name. num_layers: L.
+        layers: the chosen block ``(start, end)``, half-open.
+        addrs, relay_addrs: where it can be dialed (a record needs one of the two).
+        throughput_tps: decode steps/s it expects over the new block; 0: not measured (readers then
+            count it at the median speed).
+    Returns:
+        A dict of StageRecord fields with ``state="joining"``.
+    """
+    return {"model_id": model_id, "model_name": model_name, "num_layers": num_layers, "layers": tuple(layers),
+            "addrs": tuple(addrs), "relay_addrs": tuple(relay_addrs), "state": "joining", "sessions": 0,
+            "throughput_tps": float(throughput_tps)}
+
+
+def moved_fields(mine: dict, layers: tuple[int, int]) -> dict:
+    """``joining_fields`` of a stage moving from its current block to ``layers``.
+
+    Args:
+        mine: its current record fields (an ``Announcer`` snapshot: layers, throughput_tps, addrs, ...).
+        layers: the new block ``(start, end)``.
+    Returns:
+        The joining fields, with the throughput it measured over its old block carried over as a
+        per-layer speed: ``throughput_tps * old width / new width`` (decode steps/s).
+    """
+    old_width, new_width = mine["layers"][1] - mine["layers"][0], layers[1] - layers[0]
+    return joining_fields(model_id=mine["model_id"], model_name=mine["model_name"], num_layers=mine["num_layers"],
+                          layers=tuple(layers), addrs=tuple(mine["addrs"]),
+                          relay_addrs=tuple(mine.get("relay_addrs", ())),
+                          throughput_tps=round(float(mine.get("throughput_tps", 0.0)) * old_width / new_width, 3))
 
 
 class Announcer:
@@ -102,6 +146,23 @@ class Announcer:
         with trio.move_on_after(timeout_s):
             return await self.publish(ttl_s=LEAVING_TTL_S)
         return False
+
+    async def move(self, layers: tuple[int, int], timeout_s: float = 5.0) -> bool:
+        """Publish this stage's last record before it restarts on another block: that block as
+        ``joining`` (``moved_fields``: its measured speed carried over), valid ``JOINING_TTL_S``, and
+        stop republishing. Stages placing themselves or rebalancing while it reloads count the new
+        block as taken instead of all moving to the same weakest window; clients stop routing to the old block at once (a
+        joining holder serves no hops). Returns whether some node stored it."""
+        self.withdrawn = True
+        self.rtt_ms = {}  # measured from the old block's end
+        fields = moved_fields(self.snapshot(), layers)
+        snapshot, self.snapshot = self.snapshot, lambda: fields
+        try:
+            with trio.move_on_after(timeout_s):
+                return await self.publish(ttl_s=JOINING_TTL_S)
+            return False
+        finally:
+            self.snapshot = snapshot
 
     def poke(self) -> None:
         """Republish now (e.g. the state changed), without waiting for the next tick."""

@@ -94,7 +94,7 @@ class ClientPool:
             found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out)
         except ConfigError as exc:
             raise StageLost(f"{cause}; and no new route: {exc}") from None
-        st.ring, st.discovery = found.ring, (dht, weights_id, found.records)
+        st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
 
     async def release(self, client: RingClient, healthy: bool) -> None:
         """Give ``client`` back: kept for the next request if ``healthy``, else closed (its streams

@@ -270,7 +270,10 @@ async def _serve_until_drained(server: StageServer, key, config: StageConfig, me
             with trio.move_on_after(5.0):
                 await server.announcer.publish()
         drained = await server.drain(config.drain_timeout_s)
-        if server.announcer is not None:
+        if server.announcer is not None and server.move_to is not None:
+            # a move's last record: the new block as joining, so others do not pick it too (issue 31)
+            await server.announcer.move((server.move_to.start, server.move_to.end))
+        elif server.announcer is not None:
             # its last record lives seconds: readers stop listing a stage that left at once
             await server.announcer.withdraw()
         emit("DRAINED", drained)

@@ -1,9 +1,9 @@
 """A stage's membership in a self-organizing swarm: placement, its record, announcing, moving.
 
 Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read the swarm's records
-of the model and take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
-then the lowest throughput), the decode throughput a stage measures on its own block at start
-(``measure_decode_tps``), the fields of its signed record read from the live server
+of the model, take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
+then the lowest throughput, and announce it at once as ``joining`` while the weights load), the
+decode throughput a stage measures on its own block at start (``measure_decode_tps``), the fields of its signed record read from the live server
 (``record_fields``), and the task that joins the DHT (in the mode a dial-back chose) and keeps the
 record fresh (``announce``), republishing ``draining`` at once when a drain starts and checking
 every ``--rebalance-s`` whether its block should move (``swarm.routing.should_move``; a move
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import PurePath
 
 import torch
 import trio
@@ -50,11 +51,15 @@ def measure_decode_tps(block, steps: int = 8) -> float:
 
 async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, key) -> LayerRange:
     """Pick this stage's block from the swarm: ``fit`` layers (``--num-layers``, else what memory
-    allows) at the window ``swarm.routing.plan_placement`` chooses from the current records.
+    allows) at the window ``swarm.routing.plan_placement`` chooses from the current records, and
+    announce it as ``joining`` (``swarm.discovery.announce.joining_fields``, valid ``JOINING_TTL_S``)
+    before returning, so stages choosing while this one loads its weights count the block as taken;
+    a failed announce is logged and placement goes on.
 
     Raises:
         DiscoveryError: no bootstrap node answered.
     """
+    from swarm.discovery.announce import JOINING_TTL_S, Announcer, joining_fields
     from swarm.discovery.client import holders_of
     from swarm.discovery.dht import open_dht
     from swarm.stage.preflight import layers_that_fit
@@ -67,8 +72,14 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
     async with open_host(key, [config.listen]) as host:
         async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
             records = await _trusted(dht, await dht.find_records(model_id), _shut_out(model_dir))
-    window = plan_placement(holders_of(records), num_layers, min(fit, num_layers))
-    log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d", *window, fit, len(records))
+            window = plan_placement(holders_of(records), num_layers, min(fit, num_layers))
+            log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d", *window, fit, len(records))
+            # the block counts as taken for the stages that choose while this one loads (issue 31)
+            fields = joining_fields(model_id=model_id, model_name=PurePath(str(model_dir)).name, num_layers=num_layers,
+                                    layers=window, addrs=tuple(host.addrs()))
+            joining = Announcer(dht, key, lambda: fields, interval_s=JOINING_TTL_S / 2, ttl_s=JOINING_TTL_S)
+            with trio.move_on_after(10.0):
+                await joining.publish()
     return LayerRange(*window)
 
 

@@ -36,11 +36,14 @@ def test_the_dht_model_finds_a_record_a_stage_stored():
     assert online
     client = S.Endpoint("reader", 0, 5.0)
 
-    async def read(dht):
-        return await dht.read_records(S.MODEL_ID)
+    async def read(dht):  # a census: every provider's record, not the first 90% and a grace period
+        return await dht.read_records(S.MODEL_ID, quorum=1.0)
 
     (records, report), virt, _ = S.run_op(sim.w, client, 1, read)
-    assert {r.peer_id for r in records} == {p.peer_id for p in online}  # each one opened and validated
+    # each one opened and validated: the online stages' records, and the joining records of those still loading
+    assert {(r.peer_id, r.state) for r in records} == {(p.peer_id, "online" if p.state == "online" else "joining")
+                                                       for p in sim.w.peers.values() if p.record is not None}
+    assert {r.peer_id for r in records} >= {p.peer_id for p in online}
     assert 0 < virt < 10.0  # cold: lock-step lookup rounds over cold dials (about 2.7 s here), reads, probes
     p = online[0]
     assert sim.w.boot_values[sim.w.boot_ids[0]][p.peer_id] == p.value  # stored at the bootstrap nodes
@@ -57,3 +60,17 @@ def test_kademlia_lookup_ends_at_the_k_closest():
                        lambda dht: dht.dht.peer_routing.find_closest_peers_network(b""))[0]
     truth = [p.peer_id for p in sim.w.k_closest_alive(sim.w.model_key)]
     assert len(set(closest) & set(truth)) >= S.K - 2
+
+
+def test_a_stage_loading_its_weights_is_seen_as_joining_by_the_next_to_place_itself():
+    """The simulator runs membership.place's joining record: the second of two stages joining an empty
+    swarm at once reads the first one's block as taken and takes the other half of the model."""
+    sim = S.Sim(peers=0, minutes=1, seed=4, churn=False, sessions_per_min=0.001, warmup_s=600)
+    sim.w.now = -500.0
+    a, b = sim.w.new_peer(-500.0), sim.w.new_peer(-500.0)
+    a.fit = b.fit = S.NUM_LAYERS // 2
+    sim.join(a)
+    (rec,) = sim.w.visible_records()
+    assert (rec.peer_id, rec.state, rec.layers, rec.throughput_tps) == (a.peer_id, "joining", a.layers, 0.0)
+    sim.join(b)
+    assert a.state == b.state == "loading" and sorted([a.layers, b.layers]) == [(0, 40), (40, 80)]

@@ -152,6 +152,60 @@ def test_a_stage_that_leaves_withdraws_its_record_within_seconds():
     run(main, timeout_s=30)
 
 
+def test_a_joining_record_marks_the_block_taken_until_the_online_record_replaces_it():
+    """As ``membership.place``: a stage that chose its block announces it as joining from a client-mode
+    DHT node, before its weights load; a stage placing itself next reads it and takes the other block;
+    the first stage's online record (a new Announcer, as the daemon starts one) then replaces it."""
+    from swarm.discovery.announce import JOINING_TTL_S, Announcer, joining_fields
+    from swarm.discovery.client import holders_of
+    from swarm.routing import Holder, plan_placement
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            boot, addr = await _boot(stack)
+            key = create_new_key_pair()
+            pid = peer_id_of(key)
+            placer = await _node(stack, addr, server=False, key=key)
+            reader = await _node(stack, addr, server=False)
+            seed = Holder("seed", "/memory/seed", (0, 4), throughput_tps=10.0)  # one stage holds all 4 layers
+            window = plan_placement([seed], 4, 2)
+            fields = joining_fields(model_id=MODEL, model_name="m", num_layers=4, layers=window,
+                                    addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",))
+            assert await Announcer(placer, key, lambda: fields, interval_s=JOINING_TTL_S / 2,
+                                   ttl_s=JOINING_TTL_S).publish()
+            (rec,) = await reader.find_records(MODEL)
+            assert (rec.peer_id, rec.state, rec.layers, rec.throughput_tps) == (pid, "joining", window, 0.0)
+            assert rec.expires_at > time.time() + JOINING_TTL_S - 30
+            assert plan_placement([seed, *holders_of([rec])], 4, 2) == (2, 4) != window == (0, 2)
+            online = dict(fields, state="online", throughput_tps=20.0)
+            assert await Announcer(placer, key, lambda: online, interval_s=30, ttl_s=60).publish()
+            (rec,) = await reader.find_records(MODEL)
+            assert (rec.state, rec.throughput_tps) == ("online", 20.0)
+    run(main, timeout_s=30)
+
+
+def test_a_stage_that_moves_announces_its_new_block_as_joining_at_its_measured_speed():
+    from swarm.discovery.announce import JOINING_TTL_S, Announcer
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            boot, addr = await _boot(stack)
+            key = create_new_key_pair()
+            pid = peer_id_of(key)
+            node = await _node(stack, addr, server=True, key=key)
+            reader = await _node(stack, addr, server=False)
+            snapshot = lambda: dict(model_id=MODEL, model_name="m", num_layers=8, layers=(0, 2),  # noqa: E731
+                                    addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), state="draining", throughput_tps=30.0)
+            announcer = Announcer(node, key, snapshot, interval_s=30, ttl_s=60)
+            assert await announcer.publish()
+            assert await announcer.move((2, 8))
+            (rec,) = await reader.find_records(MODEL)
+            # 30 steps/s over 2 layers is 60 layer-steps/s: 10 steps/s over 6 layers
+            assert (rec.state, rec.layers, rec.throughput_tps, rec.rtt_ms) == ("joining", (2, 8), 10.0, {})
+            assert rec.expires_at > time.time() + JOINING_TTL_S - 30 and announcer.withdrawn
+    run(main, timeout_s=30)
+
+
 @pytest.mark.parametrize("skew_s", [-180.0, 900.0, -3600.0])
 def test_a_stage_whose_clock_is_off_is_found(skew_s):
     """Petals #433: a clock 180 s behind made every record expire on arrival, +900 s made it "too

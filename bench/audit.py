@@ -17,7 +17,7 @@ Prints one JSON object:
   product's ``Auditor.audit_job`` at rate 1, as every session of a new identity is audited: the picked
   window and those before it of each stage, re-run and checked, one job audited per job the ring
   serves; the steady 5% rate is 1/20 of it) or ``stress`` (every window of every stage of a job opened
-  once a second, nothing re-run: about 7x ``per-job`` here).
+  once a second, nothing re-run: about 5x the openings of ``per-job`` here).
 
 What is simulated (``simulated``): the detection trials and false accusations run the product's audit
 code (``swarm.audit`` window logs, commitments, signed openings and their checks; ``swarm.fraud.pick``

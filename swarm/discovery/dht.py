@@ -2,8 +2,8 @@
 
 Owns: pinning the swarm's own DHT protocol id, building ``libp2p.kad_dht.KadDHT`` with strict
 validation and the stage-record validator, joining through bootstrap nodes (all at once, any one
-answering is enough; rounds with backoff while none does; one clear error when none ever answers), the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
-(a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
+answering is enough; rounds with backoff while none does; one clear error when none ever answers),
+the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing (a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
 no node stored it), reading fresh, validated, de-duplicated records with a report of the providers
 that were not live (``read_records``), and timing round trips to peers.
 Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<accused PeerId>``: every

@@ -504,10 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap-peers", type=int, default=2,
                     help="nodes already joined that each joining node is also given as bootstrap addresses")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"read paths to measure, of {','.join(PATHS)}")
-    ap.add_argument("--ttl-s", type=float, default=3600.0,
-                    help="record lifetime; longer than the whole run (a stage re-announces before its record "
-                         "expires, the bench does not): 600 s expired records written early in an 11-minute "
-                         "announce phase at 200 hosts before they were read")
+    ap.add_argument("--ttl-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

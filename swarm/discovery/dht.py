@@ -1,9 +1,9 @@
 """DHT membership: a swarm node on py-libp2p's Kademlia DHT, announcing and reading stage records.
 
 Owns: pinning the swarm's own DHT protocol id, building ``libp2p.kad_dht.KadDHT`` with strict
-validation and the stage-record validator, joining through bootstrap nodes (with one clear error
-when none answers), the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
-(a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
+validation and the stage-record validator, joining through bootstrap nodes (all at once, any one
+answering is enough; rounds with backoff while none does; one clear error when none ever answers),
+the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing (a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
 no node stored it), reading fresh, validated, de-duplicated records with a report of the providers
 that were not live (``read_records``), and timing round trips to peers.
 Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<accused PeerId>``: every
@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -66,6 +67,8 @@ NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not
 GET_ENOUGH = 3  # valid copies a read collects before it stops asking (the highest seq of them wins)
 PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstrap node answers
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
+JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
+JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -77,6 +80,20 @@ _KAD_MODULES = ("common", "kad_dht", "provider_store", "value_store", "peer_rout
 
 class DiscoveryError(SwarmError):
     """The DHT could not be joined or read (no bootstrap answered, a query failed)."""
+
+
+class JoinFailed(DiscoveryError):
+    """One bootstrap node (or known peer) could not be joined.
+
+    Attributes:
+        transient: True when trying again later may succeed (no answer in time, nothing accepting
+            connections yet: a busy or restarting node); False when it cannot (another key is at
+            that address, it does not serve the swarm DHT).
+    """
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
 
 
 class RecordRefused(DiscoveryError):
@@ -236,17 +253,24 @@ class SwarmDHT:
 
         return self.dht.mode == DHTMode.SERVER
 
-    async def sync_clock(self, max_age_s: float = 0.0) -> None:
+    async def sync_clock(self, max_age_s: float = 0.0, addrs: Sequence[str] | None = None) -> None:
         """Measure this node's clock offset against the bootstrap nodes (``swarm.discovery.clock``),
-        unless the last measurement is younger than ``max_age_s``; no answer keeps the old offset."""
+        unless the last measurement is younger than ``max_age_s``; no answer keeps the old offset.
+
+        Args:
+            max_age_s: seconds a measurement stays good enough.
+            addrs: the nodes to ask (multiaddrs with ``/p2p/``) instead of every bootstrap node: at
+                a join, those that answered it (one that did not would cost the whole deadline).
+        """
         from swarm.discovery.clock import SwarmClock, measure_offsets
 
         clock = self.clock
-        if not isinstance(clock, SwarmClock) or not self.bootstrap_addrs:
+        addrs = self.bootstrap_addrs if addrs is None else tuple(addrs)
+        if not isinstance(clock, SwarmClock) or not addrs:
             return
         if clock.measured_at is not None and time.monotonic() - clock.measured_at < max_age_s:
             return
-        clock.set_offset(await measure_offsets(self.host, self.bootstrap_addrs, clock.local))
+        clock.set_offset(await measure_offsets(self.host, addrs, clock.local))
 
     def describe_clock(self) -> str:
         """How this node's clock relates to the swarm's, for messages."""
@@ -705,15 +729,18 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
             # it just negotiated the DHT protocol with us: a server, whatever identify says yet
             await dht.routing_table.add_peer(info.peer_id, skip_server_mode_check=True)
     except trio.TooSlowError:
-        raise DiscoveryError(f"bootstrap {info.peer_id} did not answer within {timeout_s} s") from None
+        raise JoinFailed(f"bootstrap {info.peer_id} did not answer within {timeout_s} s", transient=True) from None
     except Exception as e:  # libp2p's dial and negotiation errors share no base class
         from libp2p.host.exceptions import StreamFailure
 
         from swarm.transport.host import dial_failure, is_unsupported_protocol
 
         if isinstance(e, StreamFailure) and is_unsupported_protocol(e):
-            raise DiscoveryError(f"bootstrap {info.peer_id} does not serve the swarm DHT ({PROTOCOL_ID})") from None
-        raise DiscoveryError(f"bootstrap {info.peer_id} {dial_failure(e, str(info.peer_id))}") from None
+            raise JoinFailed(f"bootstrap {info.peer_id} does not serve the swarm DHT ({PROTOCOL_ID})",
+                             transient=False) from None
+        why = dial_failure(e, str(info.peer_id))
+        raise JoinFailed(f"bootstrap {info.peer_id} {why}", transient=not why.startswith("is not at that address")) \
+            from None
 
 
 def peer_cache_path():
@@ -768,8 +795,10 @@ def _server_addrs(host, dht) -> list[str]:
 
 
 async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
-                    failures: list[str]) -> list[tuple[str, object]]:
-    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently; those that answered."""
+                    failures: list[str], transient: list[bool] | None = None) -> list[tuple[str, object]]:
+    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently (``timeout_s`` each);
+    those that answered, in the order given. Each failure adds a line to ``failures`` and, when
+    ``transient`` is given, whether trying again may help (``JoinFailed.transient``)."""
     joined: list = []
 
     async def one(addr: str, info) -> None:
@@ -778,18 +807,22 @@ async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: f
             joined.append((addr, info))
         except DiscoveryError as e:
             failures.append(f"{addr}: {e}")
+            if transient is not None:
+                transient.append(getattr(e, "transient", False))
 
     async with trio.open_nursery() as nursery:
         for addr, info in known:
             nursery.start_soon(one, addr, info)
-    return joined
+    order = {id(info): i for i, (_, info) in enumerate(known)}
+    return sorted(joined, key=lambda item: order[id(item[1])])
 
 
 @asynccontextmanager
 async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout_s: float = 10.0,
                    clock: Callable[[], float] | None = None, sync_clock: bool = True,
                    accept_models: frozenset[str] | None = None, peers: Sequence[str] = (),
-                   peer_cache=None) -> AsyncIterator[SwarmDHT]:
+                   peer_cache=None, join_attempts: int = JOIN_ATTEMPTS,
+                   join_backoff_s: float = JOIN_BACKOFF_S) -> AsyncIterator[SwarmDHT]:
     """Run a swarm DHT node on ``host`` for the duration of the block.
 
     Args:
@@ -797,7 +830,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
         server: serve the DHT to others (reachable stages, bootstrap nodes), and answer dial-backs
             (``swarm.discovery.reach``); False = client mode (coordinators, servers of the API,
             stages that cannot be dialed).
-        bootstrap: multiaddrs of bootstrap nodes; a node with none starts a new swarm.
+        bootstrap: multiaddrs of bootstrap nodes; a node with none starts a new swarm. All are
+            joined at once; any one that answers is enough.
         timeout_s: deadline per bootstrap join, in seconds.
         clock: this machine's unix time (default ``swarm.discovery.clock.local_clock``).
         sync_clock: measure this node's offset from the bootstrap nodes once joined and stamp and
@@ -811,13 +845,24 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             through, as ``peers``, when none of the bootstrap nodes given answers (not read when
             none is given), and rewritten with the servers of its routing table once joined.
             None: no cache.
+        join_attempts: rounds of joins (bootstrap nodes, then ``peers`` and the cache) before
+            giving up, while some failure may pass (``JoinFailed.transient``: no answer in time,
+            nothing accepting connections); >= 1.
+        join_backoff_s: pause before the second round, in seconds; doubled each round, plus a
+            random share of up to half again so that nodes that failed together retry apart.
     Yields:
         The SwarmDHT.
     Raises:
         ConfigError: a bootstrap address is malformed, or the libp2p version is not the pinned one.
         DiscoveryError: bootstrap addresses were given and none of them, of ``peers`` or of the
-            peer cache could be joined (the message names each address and why).
+            peer cache could be joined in ``join_attempts`` rounds (the message names each address
+            and why).
+        ValueError: ``join_attempts`` < 1 or ``join_backoff_s`` < 0.
     """
+    if join_attempts < 1:
+        raise ValueError(f"join_attempts must be >= 1, got {join_attempts}")
+    if join_backoff_s < 0:
+        raise ValueError(f"join_backoff_s must be >= 0 s, got {join_backoff_s}")
     pin_protocol()
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
     from libp2p.tools.anyio_service import background_trio_service
@@ -847,25 +892,34 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     bound_provider_store(dht.provider_store)
     error: DiscoveryError | None = None
     async with background_trio_service(dht) as manager:
-        failures = []
-        for addr, info in zip(bootstrap, infos):
-            try:
-                await _join_one(host, dht, info, timeout_s)
-            except DiscoveryError as e:
-                failures.append(f"{addr}: {e}")
-        all_failed = bool(infos) and len(failures) == len(infos)
-        through, through_addrs = infos, list(bootstrap)
-        if cached_infos and (all_failed or not infos):
-            others: list[str] = []
-            joined = await _join_any(host, dht, cached_infos, timeout_s, others)
-            if joined:
-                log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
-                            len(joined), len(cached_infos), "; ".join(failures) or "none given")
-                through, through_addrs = [i for _, i in joined], [a for a, _ in joined]
-                all_failed, failures = False, []
-            else:
-                all_failed = True
-                failures.append("no known peer answered either: " + "; ".join(others))
+        for attempt in range(1, join_attempts + 1):
+            # every bootstrap node at once: one busy or gone costs its timeout, not the sum of all
+            failures: list[str] = []
+            transient: list[bool] = []
+            joined = await _join_any(host, dht, list(zip(bootstrap, infos)), timeout_s, failures, transient)
+            all_failed = bool(infos) and not joined
+            through, through_addrs = infos, list(bootstrap)
+            if cached_infos and (all_failed or not infos):
+                others: list[str] = []
+                joined = await _join_any(host, dht, cached_infos, timeout_s, others, transient)
+                if joined:
+                    log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
+                                len(joined), len(cached_infos), "; ".join(failures) or "none given")
+                    through, through_addrs = [i for _, i in joined], [a for a, _ in joined]
+                    all_failed, failures = False, []
+                else:
+                    all_failed = True
+                    failures.append("no known peer answered either: " + "; ".join(others))
+            if not all_failed or attempt == join_attempts or not any(transient):
+                break
+            # a bootstrap node answering many joins at once misses some (issue 31: 60 of 199 nodes
+            # joining through one node on 2 cores); nodes that failed together retry apart (jitter)
+            pause_s = join_backoff_s * 2 ** (attempt - 1) * (1 + random.random() / 2)
+            log.warning("dht.join_retry attempt=%d/%d pause_s=%.2f failures=%s", attempt, join_attempts, pause_s,
+                        "; ".join(failures))
+            await trio.sleep(pause_s)
+        if all_failed and attempt > 1:
+            failures.append(f"{attempt} rounds of joins")
         if all_failed:
             # raised after the service stops, so the caller sees it bare, not in an exception group
             head = "no bootstrap node answered: " if infos else "no bootstrap node given, and "
@@ -876,7 +930,7 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             log.info("dht.start mode=%s bootstrap=%d/%d", "server" if server else "client",
                      len(infos) - len(failures), len(infos))
             node = SwarmDHT(host, dht, through, clock, through_addrs)
-            await node.sync_clock()
+            await node.sync_clock(addrs=[a for a, _ in joined])
             if through and server:
                 # in the background, bounded by JOIN_LOOKUP_S: start-up does not wait for it. A client
                 # is in no one's table (``_skip_client_peers``): its own lookups start at the bootstrap

@@ -219,3 +219,113 @@ def test_a_corrupt_peer_cache_is_ignored(tmp_path):
     assert load_peer_cache(bad) == [] and load_peer_cache(tmp_path / "missing.json") == []
     save_peer_cache(bad, ["/ip4/1.2.3.4/tcp/1/p2p/x"] * 100)
     assert len(load_peer_cache(bad)) == dht_mod.PEER_CACHE_SIZE
+
+
+class _RetrySeen(__import__("logging").Handler):
+    """Sets a trio Event when ``open_dht`` logs that it will try its joins again."""
+
+    def __init__(self):
+        super().__init__()
+        self.event = trio.Event()
+
+    def emit(self, record):
+        if record.getMessage().startswith("dht.join_retry"):
+            self.event.set()
+
+
+@pytest.mark.ring
+def test_a_join_tries_again_until_the_bootstrap_node_answers():
+    """Issue 31: 60 of 199 nodes joining through one busy bootstrap node gave up. A join that found
+    nothing answering tries again after a pause, and gets in once the node is up."""
+    import logging
+    import socket
+
+    boot_key = create_new_key_pair()
+    held = socket.socket()  # holds a port on which nothing listens yet: connections are refused
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(boot_key)}"
+    seen = _RetrySeen()
+    logging.getLogger("swarm.discovery.dht").addHandler(seen)
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            host = await stack.enter_async_context(open_host(create_new_key_pair()))
+            joined: list = []
+
+            async def join():
+                async with open_dht(host, server=True, bootstrap=[addr], timeout_s=3, join_attempts=6,
+                                    join_backoff_s=0.2) as node:
+                    joined.append(node)
+                    await trio.sleep_forever()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join)
+                await seen.event.wait()  # the first round failed: only now does the node come up
+                assert not joined
+                held.close()
+                async with open_host(boot_key, [f"/ip4/127.0.0.1/tcp/{port}"]) as boot_host, \
+                        open_dht(boot_host, server=True):
+                    with trio.fail_after(15):
+                        while not joined:
+                            await trio.sleep(0.05)
+                    node = joined[0]
+                    assert [str(i.peer_id) for i in node.bootstrap] == [peer_id_of(boot_key)]
+                    assert node.dht.routing_table.peer_in_table(boot_host.libp2p_host.get_id())
+                    nursery.cancel_scope.cancel()
+
+    try:
+        run(main, timeout_s=40)
+    finally:
+        logging.getLogger("swarm.discovery.dht").removeHandler(seen)
+        held.close()
+
+
+@pytest.mark.ring
+def test_bootstrap_nodes_are_joined_at_once_and_a_silent_one_does_not_stop_the_join():
+    """Several bootstrap addresses: any one answering is enough, and two that accept connections but
+    never answer cost one join timeout together, not one each; permanent failures are not retried."""
+
+    async def silent(stream):
+        await trio.sleep_forever()
+
+    async def joins(stack: AsyncExitStack, nursery) -> None:
+        listeners = [(await nursery.start(trio.serve_tcp, silent, 0))[0] for _ in range(2)]
+        mute = [f"/ip4/127.0.0.1/tcp/{ls.socket.getsockname()[1]}/p2p/{peer_id_of(create_new_key_pair())}"
+                for ls in listeners]
+        hosts = [await stack.enter_async_context(open_host(create_new_key_pair())) for _ in range(2)]
+        await stack.enter_async_context(open_dht(hosts[0], server=True))
+        live = hosts[0].addrs()[0]
+        start = time.monotonic()
+        async with open_dht(hosts[1], server=True, bootstrap=[*mute, live], timeout_s=2) as node:
+            took_s = time.monotonic() - start
+            assert node.dht.routing_table.peer_in_table(hosts[0].libp2p_host.get_id())
+        assert took_s < 3.5, took_s  # one after another: >= 2 x 2 s
+        # a live node without the swarm DHT is no busy node: one round, not join_attempts
+        plain = await stack.enter_async_context(open_host(create_new_key_pair()))
+        start = time.monotonic()
+        with pytest.raises(DiscoveryError, match="does not serve the swarm DHT"):
+            async with open_dht(hosts[1], server=False, bootstrap=[plain.addrs()[0]], timeout_s=3,
+                                join_backoff_s=5):
+                pass
+        assert time.monotonic() - start < 4
+
+    async def main():
+        async with trio.open_nursery() as nursery:  # the silent listeners
+            async with AsyncExitStack() as stack:
+                await joins(stack, nursery)
+            nursery.cancel_scope.cancel()
+
+    run(main, timeout_s=40)
+
+
+def test_join_settings_are_checked():
+    async def main():
+        with pytest.raises(ValueError, match="join_attempts must be >= 1"):
+            async with open_dht(None, server=False, join_attempts=0):
+                pass
+        with pytest.raises(ValueError, match="join_backoff_s must be >= 0"):
+            async with open_dht(None, server=False, join_backoff_s=-1):
+                pass
+
+    run(main)

@@ -3,9 +3,10 @@
 Owns: pinning the swarm's own DHT protocol id, building ``libp2p.kad_dht.KadDHT`` with strict
 validation and the stage-record validator, joining through bootstrap nodes (with one clear error
 when none answers), the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
-(a counted ``put_value`` of the signed record + ``provide`` of the model id; ``RecordRefused`` when
-no node stored it), reading fresh, validated, de-duplicated records with a report of the providers
-that were not live (``read_records``), and timing round trips to peers.
+(a counted ``put_value`` of the signed record + ``provide`` of the model id and of its placement
+shard, ``placement_key``; ``RecordRefused`` when no node stored it), reading fresh, validated,
+de-duplicated records with a report of the providers that were not live (``read_records``; with
+``placement=True`` over every placement shard too), and timing round trips to peers.
 Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<accused PeerId>``: every
 node checks one without weights before storing it (``publish_proof``, ``read_proof``); excluding the
 accused is for a reader that re-ran the proof (``swarm.auditor.exclusions``).
@@ -72,7 +73,28 @@ PINNED_LIBP2P = "0.8.1"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PROOF_NAMESPACE = "swarm-proof"
 ALL_STAGES_KEY = hashlib.sha256(b"swarm/all-stages/1").hexdigest()  # every stage provides it: `swarm peers`
+PLACEMENT_SHARDS = 16  # provider keys per model that placement reads besides the model's own (issue 31)
 _KAD_MODULES = ("common", "kad_dht", "provider_store", "value_store", "peer_routing")
+
+
+def placement_shard(start: int, num_layers: int) -> int:
+    """The placement shard of a block starting at layer ``start`` of ``num_layers``: ``start``'s
+    share of ``[0, L)`` in ``PLACEMENT_SHARDS`` equal parts, in ``[0, PLACEMENT_SHARDS)``."""
+    return min(PLACEMENT_SHARDS - 1, max(0, start) * PLACEMENT_SHARDS // max(1, num_layers))
+
+
+def placement_key(model_id: str, shard: int) -> str:
+    """The provider key of one placement shard of a model (64 hex): every stage of ``model_id``
+    whose block starts in that shard provides it, besides ``model_id`` itself.
+
+    Why: a DHT node keeps ``MAX_PROVIDERS_PER_KEY`` (256) providers per key, so a read of the model
+    key shows at most 256 of a model's stages, the most recently refreshed. That is plenty for a
+    route and keeps it fast, but a stage choosing its block from 256 of 1,000 stages sees a quarter
+    of the swarm's capacity (issue 31's simulator: 0.93 of the LP bound seeing 256, 0.99 seeing
+    all). Placement reads every shard too (``SwarmDHT.read_records(placement=True)``), so it sees
+    up to ``(PLACEMENT_SHARDS + 1) * 256`` stages.
+    """
+    return hashlib.sha256(f"swarm/placement/1/{model_id}/{int(shard)}".encode()).hexdigest()
 
 
 class DiscoveryError(SwarmError):
@@ -294,7 +316,8 @@ class SwarmDHT:
         return self.dht.routing_table.size()
 
     async def announce(self, value: bytes, model_id: str, timeout_s: float = 10.0) -> int:
-        """Publish a signed record under its PeerId key and provide its model id and the all-stages key.
+        """Publish a signed record under its PeerId key and provide its model id, its placement shard
+        (``placement_key`` of its block's start) and the all-stages key.
 
         Args:
             value: output of ``sign_record`` (validated here before anything is sent).
@@ -307,12 +330,13 @@ class SwarmDHT:
             DiscoveryError: the DHT did not finish within ``timeout_s``.
         """
         key = record_key(self.host.peer_id)
-        open_record(key, value, now=self.clock())
+        record = open_record(key, value, now=self.clock())
         tally = [0, 0]  # remote nodes that stored the record, nodes asked: kept when time runs out
         with trio.move_on_after(timeout_s) as scope:
             try:
                 await self._put(key, value, tally)
                 await self._provide(model_id)
+                await self._provide(placement_key(model_id, placement_shard(record.layers[0], record.num_layers)))
                 await self._provide(ALL_STAGES_KEY)
             except ValueError as e:  # libp2p refuses to replace a newer local value
                 raise DiscoveryError(f"the DHT refused the record: {e}") from e
@@ -467,16 +491,18 @@ class SwarmDHT:
         store.add_provider(kb, PeerInfo(lh.get_id(), list(lh.get_addrs())))
         await self._spread(kb, lambda peer: store._send_add_provider(peer, kb))
 
-    async def find_records(self, model_id: str | None = None, *, timeout_s: float = 5.0) -> list[StageRecord]:
+    async def find_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
+                           placement: bool = False) -> list[StageRecord]:
         """Read the current stage records of a model (or of every model): ``read_records`` without the report."""
-        return (await self.read_records(model_id, timeout_s=timeout_s))[0]
+        return (await self.read_records(model_id, timeout_s=timeout_s, placement=placement))[0]
 
     async def read_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
                            quorum: float = SETTLE_QUORUM,
                            on_record: Callable[[StageRecord], Awaitable[None]] | None = None,
                            enough: Callable[[], bool] | None = None,
                            grace_s: float = SETTLE_GRACE_S,
-                           settle_s: float | None = None) -> tuple[list[StageRecord], ReadReport]:
+                           settle_s: float | None = None,
+                           placement: bool = False) -> tuple[list[StageRecord], ReadReport]:
         """Read the current stage records of a model (or of every model), validated and de-duplicated.
 
         Providers are hints; each provider's signed record is fetched and checked
@@ -502,13 +528,29 @@ class SwarmDHT:
                 (``lookup_providers``; ``PROVIDERS_SETTLE_S`` for a route); None: run it to the end,
                 as a census must (a provider whose ADD_PROVIDER missed the bootstrap nodes is only
                 on the closest nodes).
+            placement: also read the providers of every placement shard of ``model_id``
+                (``placement_key``), concurrently, and ask each PeerId named once: a stage choosing
+                or checking its block sees up to ``PLACEMENT_SHARDS + 1`` times the 256 providers a
+                node keeps per key. Routes do not (a longer read).
         Returns:
             (records sorted by PeerId, empty when none is found; the ReadReport saying what the
             other providers were).
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
         # the lookup may run out of time (nodes that left cost a failed dial each): keep what arrived
-        peers = await self._fresh_providers(provider_key, timeout_s, settle_s)
+        if placement and model_id is not None:
+            keys = [provider_key] + [placement_key(model_id, s) for s in range(PLACEMENT_SHARDS)]
+            named: list[list[str]] = [[] for _ in keys]
+
+            async def providers_of(i: int) -> None:
+                named[i] = await self._fresh_providers(keys[i], timeout_s, settle_s)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(keys)):
+                    nursery.start_soon(providers_of, i)
+            peers = sorted(set().union(*named))
+        else:
+            peers = await self._fresh_providers(provider_key, timeout_s, settle_s)
         records: dict[str, StageRecord] = {}
         dropped: dict[str, tuple[str, str]] = {}
 

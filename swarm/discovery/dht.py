@@ -529,28 +529,20 @@ class SwarmDHT:
                 as a census must (a provider whose ADD_PROVIDER missed the bootstrap nodes is only
                 on the closest nodes).
             placement: also read the providers of every placement shard of ``model_id``
-                (``placement_key``), concurrently, and ask each PeerId named once: a stage choosing
-                or checking its block sees up to ``PLACEMENT_SHARDS + 1`` times the 256 providers a
-                node keeps per key. Routes do not (a longer read).
+                (``placement_key``; one lookup after another, each within ``timeout_s``) and ask
+                each PeerId named once: a stage choosing or checking its block sees up to
+                ``PLACEMENT_SHARDS + 1`` times the 256 providers a node keeps per key. Routes do
+                not (17 lookups instead of one, and up to 17 times the record reads).
         Returns:
             (records sorted by PeerId, empty when none is found; the ReadReport saying what the
             other providers were).
         """
         provider_key = model_id if model_id is not None else ALL_STAGES_KEY
         # the lookup may run out of time (nodes that left cost a failed dial each): keep what arrived
+        keys = [provider_key]
         if placement and model_id is not None:
-            keys = [provider_key] + [placement_key(model_id, s) for s in range(PLACEMENT_SHARDS)]
-            named: list[list[str]] = [[] for _ in keys]
-
-            async def providers_of(i: int) -> None:
-                named[i] = await self._fresh_providers(keys[i], timeout_s, settle_s)
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(keys)):
-                    nursery.start_soon(providers_of, i)
-            peers = sorted(set().union(*named))
-        else:
-            peers = await self._fresh_providers(provider_key, timeout_s, settle_s)
+            keys += [placement_key(model_id, s) for s in range(PLACEMENT_SHARDS)]
+        peers = await self._fresh_providers(keys, timeout_s, settle_s)
         records: dict[str, StageRecord] = {}
         dropped: dict[str, tuple[str, str]] = {}
 
@@ -607,15 +599,24 @@ class SwarmDHT:
             log.debug("dht.owner_get_failed peer=%s error=%r", peer_id, e)
         return None
 
-    async def _fresh_providers(self, key: str, timeout_s: float, settle_s: float | None = None) -> list[str]:
-        """PeerIds of the providers of ``key`` found within ``timeout_s`` (``lookup_providers``),
-        their addresses put in the peerstore so their owners can be asked directly."""
+    async def _fresh_providers(self, keys: str | Sequence[str], timeout_s: float,
+                               settle_s: float | None = None) -> list[str]:
+        """PeerIds of the providers of ``keys`` (one key or several) found within ``timeout_s`` per key
+        (``lookup_providers``), their addresses put in the peerstore once every lookup ended, so their
+        owners can be asked directly.
+
+        Several keys are looked up one after the other: 17 concurrent lookups from one fresh node
+        (a placement read) made a placing stage miss live stages' records on loopback (the two ring
+        tests that place a stage, run as a pair: a failure in 13 of 21 runs; 0 of 8 with the lookups
+        in sequence). The cause was not pinned down (concurrent dials of the same nodes are suspect).
+        """
         from libp2p.kad_dht.kad_dht import _encode_key
 
         found: dict = {}
-        with trio.move_on_after(timeout_s):
-            await lookup_providers(self.dht, _encode_key(key), found, first=[i.peer_id for i in self.bootstrap],
-                                   settle_s=settle_s)
+        first = [i.peer_id for i in self.bootstrap]
+        for key in ([keys] if isinstance(keys, str) else keys):
+            with trio.move_on_after(timeout_s):
+                await lookup_providers(self.dht, _encode_key(key), found, first=first, settle_s=settle_s)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():

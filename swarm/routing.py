@@ -400,7 +400,7 @@ def layer_capacity(holders: Iterable[Holder], num_layers: int) -> list[float]:
     while it loads, and they would all pick that block (the swarm simulator, issue 31, 1,000 stages:
     0.67 of the LP bound after the warm-up without joining records, 0.87 with them counted at the
     median speed, 0.90 had each carried its true speed; with the one-layer estimate and placement
-    reads over every placement shard, 0.99).
+    reads over every placement shard, 0.99 without churn and 0.97 with it).
 
     Args:
         holders: records as Holders; draining ones count as gone.

@@ -10,8 +10,10 @@ What runs for real, unchanged: record building (``Announcer.record``: seq and ex
 ``sign_record``, ``open_record``/``select_record`` (every record a reader opens), the client's whole
 read and route (``discover_ring`` -> ``SwarmDHT.read_records`` -> ``lookup_providers``,
 ``probe_rtts``, ``holders_of``, ``plan_route``), a heal's choice (``locate_failure``, ``plan_replay``,
-``find_replacement`` -> ``plan_replacement``), placement of a joining stage (``plan_placement``, then its ``joining``
-record from ``joining_fields``) and
+``find_replacement`` -> ``plan_replacement``), placement of a joining stage (``plan_placement`` over what
+``read_records(placement=True)`` sees: the model key's providers and every placement shard's, then its
+``joining`` record from ``joining_fields`` carrying the speed ``estimate_block_tps`` measured, modelled as
+the peer's true speed times a log-normal error of ``PROBE_ERROR``) and
 the rebalance check (``should_move``). The async product code runs under ``trio.run`` with a
 ``MockClock`` (virtual time) against ``SimDHT``: a real ``SwarmDHT`` whose libp2p objects are
 stand-ins that sleep the modelled network time, and whose ping (``rtt_ms``) is the RTT model.
@@ -40,7 +42,7 @@ import trio.testing
 
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
-from swarm.discovery.dht import SwarmDHT
+from swarm.discovery.dht import PLACEMENT_SHARDS, SwarmDHT, placement_key, placement_shard
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
@@ -50,6 +52,7 @@ from swarm.config import StageConfig
 MODEL_ID = hashlib.sha256(b"sim-70b").hexdigest()
 NUM_LAYERS = 80  # a 70B-class model
 REF_LAYER_MS = 1.0  # one decode step of one layer on the reference card (speed 1.0)
+PROBE_ERROR = 0.15  # sigma (log scale) of a stage's one-layer speed probe before choosing (membership.estimate_block_tps)
 PREFILL_GAIN = 32.0  # a prefill or replay position costs 1/32 of a decode step (batched)
 K = 20  # Kademlia bucket size and replication
 ALPHA = 10  # libp2p 0.8.1's lookup concurrency
@@ -152,6 +155,12 @@ class World:
         self.boot_values: dict[str, dict[str, bytes]] = {b: {} for b in self.boot_ids}
         self.providers: dict[int, OrderedDict] = {}  # server key -> provider entries of the model key
         self.model_key = node_key(MODEL_ID)
+        # placement shards (swarm.discovery.dht.placement_key): one store per shard at the bootstrap
+        # nodes (they all get every write while up) and at the k closest servers of the shard's key
+        self.shard_keys = [node_key(placement_key(MODEL_ID, i)) for i in range(PLACEMENT_SHARDS)]
+        self.boot_shards: list[OrderedDict] = [OrderedDict() for _ in range(PLACEMENT_SHARDS)]
+        self.shard_providers: dict[tuple[int, int], OrderedDict] = {}  # (server key, shard) -> entries
+        self._shard_closest: dict[int, tuple[int, list]] = {}
         self.tables_at = -math.inf
         self.table_keys: list[int] = []
         self.table_peer: dict[int, Peer | str] = {}
@@ -250,6 +259,23 @@ class World:
         if self.boot_up():
             for b in self.boot_ids:
                 self.boot_values[b][p.peer_id] = p.value
+        # SwarmDHT.announce also provides the placement shard of the block's start
+        shard = placement_shard(p.layers[0], NUM_LAYERS)
+        stores = [self.boot_shards[shard]] if self.boot_up() else []
+        stores += [self.shard_providers.setdefault((q.key, shard), OrderedDict()) for q in self._shard_servers(shard)]
+        for store in stores:
+            store.pop(p.peer_id, None)
+            store[p.peer_id] = self.now
+            while len(store) > MAX_PROVIDERS_PER_KEY:
+                store.popitem(last=False)
+
+    def _shard_servers(self, shard: int) -> list[Peer]:
+        stamp = int(self.now // 30)  # the k closest to a shard key, as of the last 30 s
+        got = self._shard_closest.get(shard)
+        if got is None or got[0] != stamp:
+            got = self._shard_closest[shard] = (stamp, sorted(self.servers(),
+                                                              key=lambda q: q.key ^ self.shard_keys[shard])[:K])
+        return got[1]
 
     def _closest_model_servers(self) -> list[Peer]:
         if getattr(self, "_cms_at", None) != self.now:
@@ -259,14 +285,24 @@ class World:
     def fresh_providers(self, store: OrderedDict) -> list[str]:
         return [pid for pid, t in store.items() if self.now - t <= PROVIDER_TTL_S]
 
-    def visible_records(self, reader: Peer | None = None) -> list[StageRecord]:
+    def visible_records(self, reader: Peer | None = None, placement: bool = False) -> list[StageRecord]:
         """What a stage's periodic read returns in the model: the providers the closest node (or a
-        bootstrap node) names, their records as stored (validated on store), unexpired now."""
+        bootstrap node) names, their records as stored (validated on store), unexpired now.
+        ``placement``: ``read_records(placement=True)``, the providers of every placement shard too."""
         if self.boot_up():
             names = self.fresh_providers(self.boot_providers[self.boot_ids[0]])
         else:
             cms = self._closest_model_servers()
             names = self.fresh_providers(self.providers.get(cms[0].key, OrderedDict())) if cms else []
+        if placement:
+            for shard in range(PLACEMENT_SHARDS):
+                if self.boot_up():
+                    names += self.fresh_providers(self.boot_shards[shard])
+                else:
+                    near = self._shard_servers(shard)
+                    names += self.fresh_providers(self.shard_providers.get((near[0].key, shard), OrderedDict())) \
+                        if near else []
+            names = list(dict.fromkeys(names))
         out = []
         for pid in names:
             q = self.peers.get(pid)
@@ -598,19 +634,21 @@ class Sim:
         if not w.boot_up():  # open_dht: no bootstrap node answers; the daemon's supervisor retries
             self.at(w.now + 30.0, self.join, p)
             return
-        holders = self.holders(w.visible_records())
+        holders = self.holders(w.visible_records(placement=True))
         p.layers = plan_placement(holders, NUM_LAYERS, min(p.fit, NUM_LAYERS))
-        self.announce_joining(p)
+        # membership.estimate_block_tps: one layer timed before choosing, with the probe's error
+        probe = p.tps() * math.exp(self.rng.gauss(0.0, PROBE_ERROR))
+        self.announce_joining(p, throughput_tps=round(probe, 3))
         self.at(w.now + self.load_s(p), self.online, p)
 
-    def announce_joining(self, p: Peer, fields: dict | None = None) -> None:
-        """membership.place's joining record: the chosen block, state joining, throughput unknown (or a
-        move's ``fields``), valid JOINING_TTL_S, published before the weights load (signed, validated by
+    def announce_joining(self, p: Peer, fields: dict | None = None, throughput_tps: float = 0.0) -> None:
+        """membership.place's joining record: the chosen block, state joining, ``throughput_tps`` the
+        speed its one-layer probe measured before choosing (or a move's ``fields``), valid JOINING_TTL_S, published before the weights load (signed, validated by
         the storing nodes, provided)."""
         w = self.w
         where = {k: v for k, v in self.snapshot(p).items() if k in ("addrs", "relay_addrs")}
         fields = fields or joining_fields(model_id=MODEL_ID, model_name="sim-70b", num_layers=NUM_LAYERS,
-                                          layers=p.layers, **where)
+                                          layers=p.layers, throughput_tps=throughput_tps, **where)
         rec = Announcer(None, p.key_pair, lambda: fields, interval_s=JOINING_TTL_S / 2, ttl_s=JOINING_TTL_S,
                         clock=lambda: EPOCH + w.now).record()
         p.value = sign_record(p.key_pair, rec)
@@ -706,7 +744,7 @@ class Sim:
         if p.moves != moves or p.state != "online" or not w.alive(p) or w.now >= p.death_t:
             return
         self.at(w.now + REBALANCE_S, self.rebalance, p, moves)
-        records = w.visible_records(reader=p)
+        records = w.visible_records(reader=p, placement=True)
         try:
             target = should_move(self.holders(records), p.peer_id, NUM_LAYERS, p.layers[1] - p.layers[0])
         except Exception:  # noqa: BLE001 - as the stage: log and try at the next check

@@ -40,7 +40,9 @@ def joining_fields(*, model_id: str, model_name: str, num_layers: int, layers: t
     """The record fields (an ``Announcer`` snapshot) of a stage that chose its block and has not loaded it.
 
     Published as soon as the block is chosen, so that stages choosing while it loads count the
-    block as taken (``swarm.routing.layer_capacity`` counts a joining holder at the median speed):
+    block as taken (``swarm.routing.layer_capacity`` counts a joining holder at its ``throughput_tps``,
+    which ``swarm.stage.membership.estimate_block_tps`` measures on one layer before choosing, or at
+    the median speed when it is 0):
     without it, stages that join together read the same records and pick the same weakest window
     (issue 31's simulator; Petals announces a JOINING state the same way). Clients never route
     through it (only ``online`` holders serve hops).

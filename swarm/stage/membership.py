@@ -2,7 +2,8 @@
 
 Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read the swarm's records
 of the model, take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
-then the lowest throughput, and announce it at once as ``joining`` while the weights load), the
+then the lowest throughput, and announce it at once as ``joining`` while the weights load, with the
+speed ``estimate_block_tps`` measured on one layer before choosing), the
 decode throughput a stage measures on its own block at start (``measure_decode_tps``), the fields of its signed record read from the live server
 (``record_fields``), and the task that joins the DHT (in the mode a dial-back chose) and keeps the
 record fresh (``announce``), republishing ``draining`` at once when a drain starts and checking
@@ -49,12 +50,55 @@ def measure_decode_tps(block, steps: int = 8) -> float:
     return steps / max(1e-9, time.perf_counter() - start)
 
 
+def probe_layer(num_layers: int) -> int:
+    """The layer a stage times before choosing its block: a middle one (neither the head's
+    embedding nor the tail's LM head rides along), layer 0 for a one-layer model."""
+    return num_layers // 2
+
+
+def estimate_block_tps(model_dir, config: StageConfig, num_layers: int, width: int, steps: int = 8) -> float:
+    """Decode steps per second this stage expects over a block of ``width`` layers, before it has one:
+    one middle layer (``probe_layer``) loaded from ``model_dir`` in the stage's dtype and device and
+    timed as ``measure_decode_tps`` times a block, divided by ``width``.
+
+    Why: a joining stage announces its block before the weights load (``place``); without a speed
+    its record counts at the swarm's median, and stages choosing meanwhile misjudge the block
+    (issue 31's simulator, 1,000 stages: 0.87 of the LP bound at the median speed, 0.92 at the
+    true speed). Per-step costs outside the layers make a whole block a little slower than
+    ``width`` probe layers; the stage measures its real block once loaded and republishes.
+
+    Args:
+        model_dir: the model's HF-layout directory. config: for dtype, device and quantization.
+        num_layers: L. width: layers of the block to be chosen (>= 1).
+        steps: timed decode steps (after one warm-up).
+    Returns:
+        Decode steps/s over ``width`` layers (> 0).
+    Raises:
+        ModelError: the probe layer's tensors are missing. ConfigError: width < 1.
+    """
+    from swarm.errors import ConfigError
+    from swarm.model.block import load_block
+
+    if width < 1:
+        raise ConfigError(f"a block needs at least one layer, got width={width!r}")
+    layer = probe_layer(num_layers)
+    block = load_block(model_dir, LayerRange(layer, layer + 1), dtype=config.dtype, device=config.device,
+                       quantize=config.quantize)
+    try:
+        return measure_decode_tps(block, steps) / width
+    finally:
+        del block
+
+
 async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, key) -> LayerRange:
     """Pick this stage's block from the swarm: ``fit`` layers (``--num-layers``, else what memory
     allows) at the window ``swarm.routing.plan_placement`` chooses from the current records, and
     announce it as ``joining`` (``swarm.discovery.announce.joining_fields``, valid ``JOINING_TTL_S``)
     before returning, so stages choosing while this one loads its weights count the block as taken;
-    a failed announce is logged and placement goes on.
+    a failed announce is logged and placement goes on. The joining record carries the speed
+    ``estimate_block_tps`` measured on one layer before choosing (0, counted at the median, when
+    that fails). Placement reads every placement shard of the model
+    (``SwarmDHT.read_records(placement=True)``), not only the 256 providers of the model key.
 
     Raises:
         DiscoveryError: no bootstrap node answered.
@@ -69,14 +113,21 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
     fit = config.fit_layers or await trio.to_thread.run_sync(
         lambda: layers_that_fit(model_dir, dtype=config.dtype, device=config.device, budget_mb=config.mem_budget_mb,
                                 max_ctx=config.max_ctx))
+    width = min(fit, num_layers)
+    try:
+        tps = await trio.to_thread.run_sync(lambda: estimate_block_tps(model_dir, config, num_layers, width))
+    except (SwarmError, RuntimeError, OSError) as exc:  # the record then counts at the median speed
+        log.warning("placement.speed_unknown error=%s", exc)
+        tps = 0.0
     async with open_host(key, [config.listen]) as host:
         async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
-            records = await _trusted(dht, await dht.find_records(model_id), _shut_out(model_dir))
-            window = plan_placement(holders_of(records), num_layers, min(fit, num_layers))
-            log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d", *window, fit, len(records))
+            records = await _trusted(dht, await dht.find_records(model_id, placement=True), _shut_out(model_dir))
+            window = plan_placement(holders_of(records), num_layers, width)
+            log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d expected_tps=%.2f", *window, fit,
+                     len(records), tps)
             # the block counts as taken for the stages that choose while this one loads (issue 31)
             fields = joining_fields(model_id=model_id, model_name=PurePath(str(model_dir)).name, num_layers=num_layers,
-                                    layers=window, addrs=tuple(host.addrs()))
+                                    layers=window, addrs=tuple(host.addrs()), throughput_tps=tps)
             joining = Announcer(dht, key, lambda: fields, interval_s=JOINING_TTL_S / 2, ttl_s=JOINING_TTL_S)
             with trio.move_on_after(10.0):
                 await joining.publish()
@@ -180,7 +231,8 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
                 while not server.drain_requested.is_set():
                     await trio.sleep(config.rebalance_s)
                     try:
-                        records = await _trusted(dht, await dht.find_records(model_id), shut_out, server.host.peer_id)
+                        records = await _trusted(dht, await dht.find_records(model_id, placement=True), shut_out,
+                                                 server.host.peer_id)
                         target = should_move(holders_of(records), server.host.peer_id, b.num_layers, len(b.layers))
                     except SwarmError as exc:  # e.g. our own record not readable right now: next time
                         log.info("placement.recheck_failed error=%s", exc)

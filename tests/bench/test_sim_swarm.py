@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -71,6 +72,21 @@ def test_a_stage_loading_its_weights_is_seen_as_joining_by_the_next_to_place_its
     a.fit = b.fit = S.NUM_LAYERS // 2
     sim.join(a)
     (rec,) = sim.w.visible_records()
-    assert (rec.peer_id, rec.state, rec.layers, rec.throughput_tps) == (a.peer_id, "joining", a.layers, 0.0)
+    assert (rec.peer_id, rec.state, rec.layers) == (a.peer_id, "joining", a.layers)
+    # the speed its one-layer probe measured before choosing (membership.estimate_block_tps), with an error
+    assert abs(math.log(rec.throughput_tps / a.tps())) < 4 * S.PROBE_ERROR
     sim.join(b)
     assert a.state == b.state == "loading" and sorted([a.layers, b.layers]) == [(0, 40), (40, 80)]
+
+
+def test_a_placement_read_sees_a_stage_the_model_key_no_longer_names():
+    """Placement reads the placement shards too (SwarmDHT.read_records(placement=True)): a stage pushed
+    out of the model key's MAX_PROVIDERS_PER_KEY entries is still seen under its shard."""
+    sim = S.Sim(peers=0, minutes=1, seed=4, churn=False, sessions_per_min=0.001, warmup_s=600)
+    sim.w.now = -500.0
+    a = sim.w.new_peer(-500.0)
+    sim.join(a)
+    for store in list(sim.w.boot_providers.values()) + list(sim.w.providers.values()):
+        store.pop(a.peer_id, None)  # as if 256 newer providers had evicted it
+    assert sim.w.visible_records() == []
+    assert [r.peer_id for r in sim.w.visible_records(placement=True)] == [a.peer_id]

@@ -11,8 +11,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.addrs import without_peer_id
 from swarm.discovery import dht as dht_mod
-from swarm.discovery.dht import (ALL_STAGES_KEY, DiscoveryError, load_peer_cache, open_dht, pin_protocol,
-                                 save_peer_cache)
+from swarm.discovery.dht import (ALL_STAGES_KEY, PLACEMENT_SHARDS, DiscoveryError, load_peer_cache, open_dht,
+                                 pin_protocol, placement_key, placement_shard, save_peer_cache)
 from swarm.discovery.records import record_key
 from swarm.errors import ConfigError
 from swarm.transport.host import open_host
@@ -66,6 +66,33 @@ def test_announce_and_find_fresh_records():
             await servers[0].announce(signed_record(keys[1], layers=(0, 3), seq=2, state="draining"), MODEL)
             again = {r.peer_id: r for r in await client.find_records(MODEL)}
             assert again[peer_id_of(keys[1])].seq == 2 and again[peer_id_of(keys[1])].state == "draining"
+    run(main, timeout_s=30)
+
+
+def test_placement_shards_split_the_layers_evenly():
+    assert [placement_shard(s, 80) for s in (0, 4, 5, 39, 40, 79)] == [0, 0, 1, 7, 8, 15]
+    assert {placement_shard(s, 5) for s in range(5)} == {0, 3, 6, 9, 12}
+    assert all(0 <= placement_shard(s, n) < PLACEMENT_SHARDS for n in (1, 7, 16, 80, 200) for s in range(n))
+    keys = {placement_key("ab" * 32, i) for i in range(PLACEMENT_SHARDS)} | {placement_key("cd" * 32, 0)}
+    assert len(keys) == PLACEMENT_SHARDS + 1 and all(len(k) == 64 for k in keys)
+
+
+@pytest.mark.ring
+def test_placement_reads_see_stages_the_model_key_does_not_name():
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys, boot, servers, client = await _swarm(stack, 2)
+            await servers[0].announce(signed_record(keys[1], layers=(3, 5)), MODEL)
+            shard_key = placement_key(MODEL, placement_shard(3, 5))
+            assert peer_id_of(keys[1]) in await client._fresh_providers(shard_key, 5.0)  # announce provides it
+            # a stage named only under its shard (the model key's 256 slots held by others)
+            late = keys[2]
+            await servers[1]._put(record_key(peer_id_of(late)), signed_record(late, layers=(0, 2)), [0, 0])
+            await servers[1]._provide(placement_key(MODEL, placement_shard(0, 5)))
+            assert [r.peer_id for r in await client.find_records(MODEL)] == [peer_id_of(keys[1])]
+            seen = await client.find_records(MODEL, placement=True)
+            assert sorted((r.peer_id, r.layers) for r in seen) == sorted(
+                [(peer_id_of(keys[1]), (3, 5)), (peer_id_of(late), (0, 2))])
     run(main, timeout_s=30)
 
 

@@ -959,8 +959,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             # a bootstrap node answering many joins at once misses some (issue 31: 60 of 199 nodes
             # joining through one node on 2 cores); nodes that failed together retry apart (jitter)
             pause_s = join_backoff_s * 2 ** (attempt - 1) * (1 + random.random() / 2)
-            log.warning("dht.join_retry attempt=%d/%d pause_s=%.2f failures=%s", attempt, join_attempts, pause_s,
-                        "; ".join(failures))
+            log.info("dht.join_retry attempt=%d/%d pause_s=%.2f failures=%s", attempt, join_attempts, pause_s,
+                     "; ".join(failures))
             await trio.sleep(pause_s)
         if all_failed and attempt > 1:
             failures.append(f"{attempt} rounds of joins")

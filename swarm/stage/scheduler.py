@@ -352,15 +352,7 @@ class Scheduler:
         for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
             self.timing["picked"] += 1
             self.timing["queue_s"] += t_call - job.queued_at
-        self._slicing = piece[0] if piece is not None and not small else None
-        self._slice_left = piece[1].x.shape[1] - piece[1].done if self._slicing is not None else 0
-        self._urgent, self._resumed = False, False
-        try:
-            results = await self._compute(small, piece)
-        finally:
-            self._slicing = None
-        self._finish_step(results, piece is not None, t_call)
-        return True
+        return await self._run_step(small, piece, t_call, slicing=piece[:2] if piece is not None and not small else None)
 
     async def _resume(self) -> bool:
         """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
@@ -370,25 +362,27 @@ class Scheduler:
             self._suspended = None
             steps.close()  # its cache rolls back to before the slice
             return True
-        t_call = time.perf_counter()
-        self._slicing, self._slice_left = sess, job.x.shape[1] - job.done
-        self._urgent, self._resumed = False, True
+        return await self._run_step([], None, time.perf_counter(), slicing=(sess, job), resuming=(sess, job))
+
+    async def _run_step(self, small: list, piece, t_call: float, *, slicing: tuple | None = None,
+                        resuming: tuple | None = None) -> bool:
+        """Compute a step (:meth:`_compute`), then count and deliver it; a slice that paused is only
+        counted as a preemption. ``slicing``: ``(session, job)`` of a slice computed alone, which a
+        chunk that overtakes it pauses (:meth:`enqueue`); ``resuming``: the same of a paused slice
+        going on. Returns True (a step was taken)."""
+        self._slicing = slicing[0] if slicing else None
+        self._slice_left = slicing[1].x.shape[1] - slicing[1].done if slicing else 0
+        self._urgent, self._resumed = False, resuming is not None
         try:
-            results = await self._compute([], None, resuming=(sess, job))
+            results = await self._compute(small, piece, resuming)
         finally:
             self._slicing = None
-        self._finish_step(results, True, t_call)
-        return True
-
-    def _finish_step(self, results, sliced: bool, t_call: float) -> None:
-        """Count and deliver a computed step; a slice that paused is only counted as a preemption."""
         if results is PAUSED:
             self.stats["prefill_preempted"] += 1
-            return
-        if results is None:  # failed: its sessions were failed
-            return
-        self._count(results, sliced, t_call)
-        self._deliver(results)
+        elif results is not None:  # None: failed, its sessions were failed
+            self._count(results, piece is not None or resuming is not None, t_call)
+            self._deliver(results)
+        return True
 
     async def _wait_for_batch(self) -> None:
         """``--batch-wait-ms``: while a batching session's decode rows are queued and another batching

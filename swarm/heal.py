@@ -208,6 +208,14 @@ class SwarmOps(Protocol):
     # async def resume(self) -> int | None:
     #     """After ``repair``: feed the last position of ``replay.prefix`` through the whole ring;
     #     return the token the ring gives after it."""
+    #
+    # async def pick_wider(self, index: int) -> tuple[int, int, object] | None:
+    #     """When ``pick_spare`` found nothing for the lost stage at ``index`` (its layers' only
+    #     other holders already sit in the ring): a replacement of a window of ring positions
+    #     around it, ``(first, count, spare)``: ``spare`` takes over the layers of positions
+    #     ``[first, first + count)``, stages of the window that survive included. ``swap(first,
+    #     spare)`` then replaces all ``count`` positions, and the session is replayed in full
+    #     (``repair`` says why it cannot keep it), or None when no window can be re-routed.
 
 
 @dataclass
@@ -216,7 +224,10 @@ class HealEvent:
 
     ``detected_at``: when the fault surfaced; ``detect_s``: from then until the failed stage was
     located; ``spare``: what took the position (``spares``: its PeerIds, in ring order, more than
-    one when a chain of stages replaced one); ``replaced``: the PeerIds that held the position
+    one when a chain of stages replaced one); ``positions``: ring positions the replacement took
+    over, from ``stage`` on (1, or more when no stage outside the ring could take the lost range
+    and a window of positions around it was re-routed: ``stage``, ``layers`` and ``spares`` are
+    then the window's, and ``lost_stage`` is the position that failed); ``replaced``: the PeerIds that held the position
     before (one per attempt; empty when the engine does not say); ``swap_s``: spare swapped in and
     session reset or repaired; ``replay``: ``"shadow"`` (the replacement had shadowed the lost stage
     live and the survivors kept their KV caches), ``"survivors_kept"`` (the survivors kept their KV
@@ -246,6 +257,8 @@ class HealEvent:
     fallback: str = ""
     shadow_fallback: str = ""
     replaced: list[str] = field(default_factory=list)
+    positions: int = 1
+    lost_stage: int | None = None
     total_s: float = 0.0
     attempts: int = 1
     errors: list[str] = field(default_factory=list)
@@ -260,7 +273,8 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
 
     Steps, each attempt: probe and ``locate_failure``; unless the blamed stage's connection is
     gone, settle and probe again and blame only what persisted (``locate_failure(earlier=...)``);
-    pick a spare for that layer range (one stage or a chain); swap; then, when something was
+    pick a spare for that layer range (one stage or a chain; when there is none and the engine can
+    re-route, ``pick_wider``: a replacement of a window of positions around it); swap; then, when something was
     committed and the engine can (``repair``), keep the survivors' session and ``resume``; else
     (or when ``repair`` says why not) reset and replay ``replay.prefix`` in full; check the driver
     token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe.
@@ -289,6 +303,15 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         event = HealEvent(stage=failure.index, layers=layers, reason=failure.reason, attempts=attempt,
                           errors=list(errors), detect_s=t0 - detected_at, detected_at=detected_at)
         spare = await ops.pick_spare(layers)
+        first = failure.index
+        if spare is None and hasattr(ops, "pick_wider"):
+            # the lost range's other holders all sit in the ring (issue 31's chaos soak): re-route a
+            # window of positions around it, a holder there taking over its neighbour's layers too
+            wider = await ops.pick_wider(failure.index)
+            if wider is not None:
+                first, count, spare = wider
+                event.stage, event.positions, event.lost_stage = first, count, failure.index
+                event.layers = (ops.range_of(first)[0], ops.range_of(first + count - 1)[1])
         if spare is None:
             raise NoSpare(f"stage {failure.index} holding layers [{layers[0]}, {layers[1]}) is lost "
                           f"({failure.reason}) and {getattr(ops, 'no_spare', NO_WARM_SPARE)}")
@@ -298,9 +321,9 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
             if hasattr(ops, "peer_of"):
                 replaced.append(ops.peer_of(failure.index))
                 event.replaced = list(replaced)
-            ids = await ops.swap(failure.index, spare)
+            ids = await ops.swap(first, spare)
             event.spare, event.spares = str(spare), list(ids) if ids else [str(spare)]
-            t2, token = await _rebuild(ops, replay, event, failure.index)
+            t2, token = await _rebuild(ops, replay, event, first)
             event.swap_s = t2 - t1
             t3 = ops.now()
         except ReplayMismatch:

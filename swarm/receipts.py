@@ -501,8 +501,9 @@ def _check_openable(r: dict, i: int) -> None:
 def _check_heal_events(events: Any, slots: list[str]) -> None:
     """Each heal event's replacement (``spares``: its PeerIds in ring order, or the one ``spare``)
     must sit at its ``stage`` position of the ring as that heal left it. Walked back from the final
-    ring: undoing an event puts an unknown stage (None) where its replacement sat, so an earlier
-    event whose stage was replaced again later is not held to the final ring there."""
+    ring: undoing an event puts unknown stages (None) where its replacement sat, one per position it
+    took over (``positions``), so an earlier event whose stage was replaced again later is not held
+    to the final ring there."""
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise _fail("schema", "heal_events must be a list of maps")
     slots = list(slots)
@@ -515,7 +516,16 @@ def _check_heal_events(events: Any, slots: list[str]) -> None:
         if any(have is not None and have != want for have, want in zip(slots[idx:idx + len(new)], new)):
             raise _fail("heal", f"heal event names spare {','.join(map(str, new))} at stage {idx}, which is not "
                                 "in the final ring")
-        slots[idx:idx + len(new)] = [None]
+        slots[idx:idx + len(new)] = [None] * _positions(e)
+
+
+def _positions(event: dict) -> int:
+    """Ring positions a heal event's replacement took over (``HealEvent.positions``; 1 when absent:
+    receipts from before re-routed windows). Raises ReceiptInvalid (check ``heal``) on a bad value."""
+    n = event.get("positions", 1)
+    if type(n) is not int or n < 1:
+        raise _fail("heal", f"heal event at stage {event.get('stage')!r} has positions {n!r}: a count >= 1 is needed")
+    return n
 
 
 # heals that keep the survivors' session (swarm.heal.HealEvent.replay): the digests of the neighbours
@@ -581,7 +591,7 @@ def _check_segments(events: list, peers: list[str], receipts: list, coordinator_
                     where = "the coordinator" if owner == "coordinator" else owner
                     raise _fail("heal", f"the heal at stage {idx} kept the survivors, but {where} shows no "
                                         f"{side} digest closed at the replaced stage {names[-1]}")
-        slots[idx:idx + len(new)] = [None]
+        slots[idx:idx + len(new)] = [None] * _positions(e)
 
 
 def _fmt(layers: Any) -> str:

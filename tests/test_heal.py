@@ -327,3 +327,38 @@ def test_a_replacement_chain_longer_than_the_ring_is_dialed_without_an_index_err
         client.net.raise_for(1, {"type": "error", "code": "busy", "reason": "busy"})
     with pytest.raises(StageLost, match=r"stage 0 \[0, 5\) refused"):
         client.net.raise_for(0, {"type": "error", "code": "unavailable", "reason": "draining"})
+
+
+class WideningOps(KeepingOps):
+    """KeepingOps whose lost range has no spare, but a window of positions around it can be re-routed."""
+
+    def __init__(self, *args, window=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+    async def pick_wider(self, index):
+        self.log.append(("wider", index))
+        return self.window
+
+    async def repair(self, index, count, replay):
+        self.log.append(("repair", index, count, len(replay.prefix)))
+        return "the replacement took over 2 ring positions"
+
+
+def test_no_spare_for_the_lost_range_re_routes_a_window_and_replays_in_full():
+    """Stage 1 [10, 20) is lost and nothing outside the ring holds it: the engine re-routes positions
+    0 and 1 ([0, 20)) onto one stage; the event names the window, the lost position and the fallback."""
+    ops = WideningOps(DEAD_MIDDLE, window=(0, 2, "wide"))
+    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    assert ops.log[-6:] == [("pick", (10, 20)), ("wider", 1), ("swap", 0, "wide"), ("repair", 0, 1, 5), "reset",
+                            ("replay", 5)]
+    assert (event.stage, event.layers, event.positions, event.lost_stage) == (0, (0, 20), 2, 1)
+    assert event.replay == "full" and "2 ring positions" in event.fallback
+    assert event.replaced == ["p1"] and event.spares == ["wide"]
+
+
+def test_no_spare_and_no_window_still_names_the_lost_range():
+    ops = WideningOps(DEAD_MIDDLE, window=None)
+    with pytest.raises(NoSpare, match=r"stage 1 holding layers \[10, 20\) is lost"):
+        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+    assert ("wider", 1) in ops.log and not any(isinstance(x, tuple) and x[0] == "swap" for x in ops.log)

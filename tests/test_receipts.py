@@ -427,7 +427,13 @@ def test_tampering_fails_with_the_right_reason(jobs, tamper, check, stage):
     ([{"stage": 0, "spares": ["x", "y"]}, {"stage": 0, "spare": 0}], False),  # y is not in the final ring
     ([{"stage": 2, "spares": [2, 0]}], False),  # runs past the end of the ring
     ([{"stage": True, "spare": 1}], False),
-], ids=["chain", "chain-then-single", "chain-replaced-later", "wrong-order", "lost-member", "past-end", "bool"])
+    # a re-routed window: stage 0 took over positions 0 and 1 of a 4-stage ring, whose last position an
+    # earlier heal had filled (without ``positions`` it would sit past the end of the ring)
+    ([{"stage": 3, "spare": 2}, {"stage": 0, "spare": 0, "positions": 2}], True),
+    ([{"stage": 3, "spare": 2}, {"stage": 0, "spare": 0}], False),
+    ([{"stage": 0, "spare": 0, "positions": 0}], False),
+], ids=["chain", "chain-then-single", "chain-replaced-later", "wrong-order", "lost-member", "past-end", "bool",
+        "window", "window-uncounted", "positions-0"])
 def test_heal_events_with_chains_match_the_final_ring(jobs, events, ok):
     """A heal event's replacement (one spare or a chain) must sit where the heal put it, walking back
     from the final ring; a number below stands for the PeerId at that position of the ring."""

@@ -356,6 +356,8 @@ class RingOps:
         self._shadow = ""  # name of the picked spare when it is this session's shadow of the lost stage
         self._shadow_note = ""  # why a shadow of the lost stage was not healed onto
         self._refusing: set[str] = set()  # PeerIds a probe found draining without the session: never a spare
+        self._windows: dict[str, tuple[int, int]] = {}  # picked re-routed window -> (lost position, positions)
+        self._window = 1  # ring positions the last swap replaced
 
     def now(self) -> float:
         return time.monotonic()
@@ -407,15 +409,49 @@ class RingOps:
         self._spares[name] = chain
         return name
 
-    async def _spare_from_swarm(self, index: int, layers: tuple[int, int]):
-        """Links to the stages from the DHT that take over ``layers``: usually one holder whose block
-        contains them, else a chain of holders tiling them (``swarm.routing.plan_replacement``).
-        Every stage of the ring and every shadow is excluded, so none runs two positions of one session; a chain
+    async def pick_wider(self, index: int):
+        """``heal.SwarmOps.pick_wider``: the smallest window of ring positions around the lost stage at
+        ``index`` whose layers stages from the DHT can take over, the window's surviving stages allowed
+        (the lost layers' only other holder may sit in the ring next to it, holding more than its
+        position uses: it takes both positions over). Windows are tried from two positions up to the
+        whole ring, those starting earlier first. Only for a ring routed over the DHT.
+
+        Returns:
+            ``(first, count, name)``: ``name`` (``swap``'s spare) takes over positions ``[first, first +
+            count)``; None when no window can be re-routed.
+        """
+        if self.ring.discovery is None:
+            return None
+        infos = self.ring.infos
+        n = len(infos)
+        for count in range(2, n + 1):
+            for first in range(max(0, index - count + 1), min(index, n - count) + 1):
+                last = first + count - 1
+                layers = (infos[first].layers[0], infos[last].layers[1])
+                chain = await self._spare_from_swarm(first, layers, last=last, lost=index)
+                if chain:
+                    name = "+".join(link.info.peer_id for link in chain)
+                    self._spares[name] = chain
+                    self._windows[name] = (index, count)
+                    log.warning("heal.rerouted lost=%d window=[%d, %d) layers=[%d, %d) hops=%s: no stage outside the "
+                                "ring holds the lost layers", index, first, first + count, *layers,
+                                [(link.info.peer_id[-8:], link.info.layers) for link in chain])
+                    return first, count, name
+        return None
+
+    async def _spare_from_swarm(self, index: int, layers: tuple[int, int], *, last: int | None = None,
+                                lost: int | None = None):
+        """Links to the stages from the DHT that take over ``layers`` (of ring positions ``[index, last]``,
+        ``last`` = ``index`` by default): usually one holder whose block contains them, else a chain of
+        holders tiling them (``swarm.routing.plan_replacement``). Every stage of the ring outside those
+        positions and every shadow is excluded, so none runs two positions of one session; a chain
         with a stage that cannot be dialed is dropped whole. None when nothing covers ``layers``. The lost
-        stage's own PeerId is allowed while nothing is committed (a heal at the open or during the prefill,
-        which replays on a fresh session): a volunteer who restarted a crashed stage under the same key, on
-        a new address, then serves again; its fresh record names that address. A stage a probe found
-        draining (it refused the session) is never taken: its record read at routing time may still say online."""
+        stage's own PeerId (the one at ``lost``, = ``index`` by default) is allowed only while nothing is
+        committed (a heal at the open or during the prefill, which replays on a fresh session): a volunteer
+        who restarted a crashed stage under the same key, on a new address, then serves again; its fresh
+        record names that address. The other stages of a window (``pick_wider``) are allowed. A stage a
+        probe found draining (it refused the session) is never taken: its record read at routing time may
+        still say online."""
         from swarm.config import StageSpec
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
@@ -423,12 +459,15 @@ class RingOps:
 
         dht, model_id, *known = self.ring.discovery  # (records, client RTTs) read when routing, if any
         infos = self.ring.infos
+        last = index if last is None else last
+        lost = index if lost is None else lost
         fresh_session = self.loop.committed_len - 1 < self.loop.prompt_len  # the replay opens a new session
         try:
             hops = await find_replacement(
                 dht, model_id, layers, prev_peer=infos[index - 1].peer_id if index > 0 else None,
-                next_peer=infos[index + 1].peer_id if index + 1 < len(infos) else None,
-                exclude=frozenset(i.peer_id for j, i in enumerate(infos) if j != index or not fresh_session)
+                next_peer=infos[last + 1].peer_id if last + 1 < len(infos) else None,
+                exclude=frozenset(i.peer_id for j, i in enumerate(infos)
+                                  if not index <= j <= last or (j == lost and not fresh_session))
                 | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None, known_rtt_ms=known[1] if len(known) > 1 else None,
@@ -450,9 +489,15 @@ class RingOps:
         return chain
 
     async def swap(self, index: int, spare) -> list[str]:
-        self._replaced = self.peer_of(index)
+        lost, self._window = self._windows.pop(spare, (index, 1))
+        self._replaced = self.peer_of(lost)
         self._shadow = spare if spare == self._shadow else ""
-        return self.ring.repair.swap(index, self._spares.pop(spare))
+        old = self.ring.links[index:index + self._window]
+        ids = self.ring.repair.swap(index, self._spares.pop(spare), self._window)
+        # a re-routed window's surviving stages leave the ring: closing their streams ends this
+        # session there (a stage drops the sessions of a stream that closes)
+        await self.ring.net.drop([link for link in old if link.info.peer_id != self._replaced])
+        return ids
 
     async def prepare_shadows(self) -> int:
         """Find a warm spare for every ring position that has none shadowing it yet (the ring file's
@@ -488,6 +533,11 @@ class RingOps:
         loop, session = self.loop, self.state["session"]
         if list(replay.prefix) != loop.seq[: len(replay.prefix)] or len(replay.prefix) != loop.committed_len - 1:
             raise ConfigError("internal: the replay plan and the generation state disagree")
+        if self._window > 1:
+            why = (f"the replacement took over {self._window} ring positions (no stage outside the ring held the lost "
+                   "layers): the survivors' caches do not match the new ring")
+            log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
+            return why
         keep = loop.resume()
         why = await self.ring.repair.repair_session(
             session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],

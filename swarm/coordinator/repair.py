@@ -388,26 +388,28 @@ class RingRepair:
                 self.host.key_pair, session, epoch, next_addr=self.links[index].spec.addr, resend=keep, until=until),
                 timeout_s=self.hop_timeout_s)
 
-    def swap(self, index: int, links) -> list[str]:
+    def swap(self, index: int, links, count: int = 1) -> list[str]:
         """Put a prepared spare (a ``Link``), or a chain of them tiling the same layers, at ring
-        position ``index``; the old connection's frames are ignored from then on, and the stages
-        after it move down the ring by ``len(chain) - 1``.
+        positions ``[index, index + count)`` (``count`` > 1: a re-routed window, ``RingOps.pick_wider``);
+        the old connections' frames are ignored from then on, and the stages after it move along
+        the ring by ``len(chain) - count``.
 
         Returns:
-            The PeerIds now at the replaced position, in ring order.
+            The PeerIds now at the replaced positions, in ring order.
         Raises:
-            ConfigError: the chain does not tile exactly the layers of the stage it replaces.
+            ConfigError: the chain does not tile exactly the layers of the positions it replaces.
         """
         chain = [links] if isinstance(links, Link) else list(links)
-        old = self.links[index]
+        old = self.links[index:index + count]
+        want = (old[0].info.layers[0], old[-1].info.layers[1])
         spans = [link.info.layers for link in chain]
-        if not chain or spans[0][0] != old.info.layers[0] or spans[-1][1] != old.info.layers[1] or any(
+        if not chain or len(old) != count or spans[0][0] != want[0] or spans[-1][1] != want[1] or any(
                 a[1] != b[0] for a, b in zip(spans, spans[1:])):
-            raise ConfigError(f"internal: replacement layers {spans} do not tile the lost stage's {old.info.layers}")
-        self.links[index:index + 1] = chain
+            raise ConfigError(f"internal: replacement layers {spans} do not tile the replaced stages' {list(want)}")
+        self.links[index:index + count] = chain
         for i, link in enumerate(self.links):  # positions after a chain moved
             if link.info.index != i:
                 link.info = replace(link.info, index=i)
-        log.info("ring.swap index=%d layers=%s old=%s new=%s", index, old.info.layers, old.info.peer_id,
-                 ",".join(link.info.peer_id for link in chain))
+        log.info("ring.swap index=%d count=%d layers=%s old=%s new=%s", index, count, list(want),
+                 ",".join(link.info.peer_id for link in old), ",".join(link.info.peer_id for link in chain))
         return [link.info.peer_id for link in chain]

@@ -452,3 +452,61 @@ def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, sto
     assert len(timing["heal_events"]) == 1 and timing["heal_events"][0]["stage"] == 0
     assert victim not in {i.peer_id for i in infos}
     assert infos[0].layers[0] == 0 and infos[-1].layers[1] == 5
+
+
+@pytest.mark.ring
+@pytest.mark.process
+def test_a_lost_stage_whose_layers_only_the_ring_holds_re_routes_a_window(swarm_net, stories_dir, tmp_path):
+    """Runs after the heal tests above (E and one holder of [0, 3) are dead). Ring S [0, 2) -> C [2, 3) ->
+    R [3, 5) by hand, S the holder of [0, 3) still up. SIGKILL C: the only other holders of [2, 3) are S and
+    R, both in the ring, so no spare exists; the heal re-routes positions 0 and 1 onto S holding all of
+    [0, 3) and replays in full. The ids equal the uninterrupted run, the ring shrinks to 2 stages and the
+    job receipt verifies with the window's heal event."""
+    from swarm import receipts
+    from swarm.config import RingSpec, StageSpec
+    from swarm.coordinator.generation import write_job_receipt
+
+    a, a2, c, r, e = swarm_net["ring"].stages
+    alive = [s for s in (a, a2) if s.proc.poll() is None]
+    assert len(alive) == 1 and e.proc.poll() is not None, "the heal tests above kill E and one holder of [0, 3)"
+    s = alive[0]
+    new = 24
+    expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
+    mid = model_id(stories_dir)
+    spec = RingSpec(model=str(stories_dir), stages=(StageSpec(s.addr, LayerRange(0, 2)),
+                                                     StageSpec(c.addr, LayerRange(2, 3)),
+                                                     StageSpec(r.addr, LayerRange(3, 5))))
+
+    async def main():
+        key = load_or_create_key(tmp_path / "coord.key")
+        async with open_host(key) as host, trio.open_nursery() as nursery:
+            async with open_dht(host, server=False, bootstrap=[swarm_net["boot"].addr]) as dht:
+                ring = RingClient(host, spec, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
+                ring.discovery = (dht, mid, await dht.find_records(mid))
+                digest = model_manifest_digest(stories_dir)
+                await ring.connect(5, digest, nursery)
+                killed = []
+
+                def on_ids(out):
+                    if len(out) >= 6 and not killed:
+                        os.kill(c.proc.pid, signal.SIGKILL)
+                        killed.append(len(out))
+
+                job = {"id": "window-heal", "nonce": receipts.new_nonce()}
+                decoded = await decode(ring, PROMPT_IDS, DecodeOptions(new, spec=SpecConfig(), heal=True, job=job),
+                                       on_ids=on_ids)
+                out, timing = decoded.output_ids, decoded.as_record()
+                entries = [i.entry() for i in ring.infos]
+                res = write_job_receipt(tmp_path / "receipts", key, job, timing.pop("receipt_parts"),
+                                        model="stories260k", model_digest=digest, num_layers=5,
+                                        prompt_ids=PROMPT_IDS, output_ids=out, ring=entries, record=timing)
+                nursery.cancel_scope.cancel()
+        return out, timing, entries, res
+
+    out, timing, entries, res = trio.run(main)
+    assert out == expected
+    (event,) = timing["heal_events"]
+    assert (event["stage"], event["positions"], event["lost_stage"], event["layers"]) == (0, 2, 1, [0, 3]), event
+    assert event["spares"] == [_peer(s)] and event["replay"] == "full" and "2 ring positions" in event["fallback"]
+    assert [(x["peer_id"], x["layers"]) for x in entries] == [(_peer(s), [0, 3]), (_peer(r), [3, 5])]
+    assert res["verified"], res

@@ -668,7 +668,8 @@ def cmd_peers(args) -> int:
     async def main():
         async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host:
             async with open_dht(host, server=False, bootstrap=args.bootstrap) as dht:
-                records, report = await dht.read_records(model_id, timeout_s=args.timeout_s)
+                # a census: every provider waited for (within --timeout-s), not a route's 90%
+                records, report = await dht.read_records(model_id, timeout_s=args.timeout_s, quorum=1.0)
                 proofs = await _proofs_of(dht, records, args.model)
                 return records, report, await probe_rtts(dht, records), dht.clock(), proofs
 

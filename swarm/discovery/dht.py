@@ -495,23 +495,30 @@ class SwarmDHT:
         if old is not None and old.value != value and self.dht.validator.select(key, [value, old.value]) != 0:
             raise ValueError("Refusing to replace newer value with the older one")
         store.put(kb, value)
+        store.local_keys.discard(kb)  # republished by its owner (see _provide), never by the library
 
         async def send(peer) -> bool:
-            # a node that holds this very value already (the library's own republish task got
-            # there first) refuses it like a worse one: then ask what it holds
+            # a node that holds this very value already (an announce retried, or a node that
+            # fetched it on a read) refuses it like a worse one: then ask what it holds
             return await store._store_at_peer(peer, kb, value) or await store._get_from_peer(peer, kb) == value
 
         await self._spread(kb, send, tally)
 
     async def _provide(self, key: str) -> None:
         """libp2p 0.8.1's ``ProviderStore.provide`` (a local entry, then ADD_PROVIDER at remote
-        nodes) through ``_spread``."""
+        nodes) through ``_spread``.
+
+        The key is not left to the library to republish (nor is ``_put``'s record): the stage's
+        ``Announcer`` republishes both every ``announce_interval_s``, well within their lifetime.
+        The library republishes a key it was never told about the republish of at its first
+        maintenance cycle, 600 s after start: a lookup and ADD_PROVIDER (or PUT) at 20 nodes per
+        key, at every node at once where nodes started together (issue 31: 200 hosts on loopback
+        collapsed into timeouts there), for records the owner refreshes anyway."""
         from libp2p.kad_dht.kad_dht import _encode_key
         from libp2p.peer.peerinfo import PeerInfo
 
         kb = _encode_key(key)
         store = self.dht.provider_store
-        store.providing_keys.add(kb)
         lh = self.host.libp2p_host
         store.add_provider(kb, PeerInfo(lh.get_id(), list(lh.get_addrs())))
         await self._spread(kb, lambda peer: store._send_add_provider(peer, kb))

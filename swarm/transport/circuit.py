@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from importlib.metadata import version as _dist_version
 
@@ -154,6 +155,10 @@ class CircuitClient:
         # STOP only: dialing through a relay must not also take a reservation there (CLIENT would)
         self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
         self.reserved: dict[str, str] = {}  # relay addr -> our circuit addr, while a reservation holds
+        # connections seen direct (a connection's addresses never change): ``orphaned`` looks at them no more.
+        # Read afresh every 0.5 s for every connection, their addresses cost 12% of the CPU of 25 DHT
+        # nodes per process with ~100 connections each (issue 31, bench/dht_scale.py under py-spy)
+        self._direct: weakref.WeakSet = weakref.WeakSet()
         # hole punching on every relayed connection (libp2p drives it by itself); a 2 s dial
         # timeout: the first dial of a punch goes to the peer's private address, and with the
         # default 10 s it waited that out before every punch through two NATs (issue 15)
@@ -264,12 +269,16 @@ class CircuitClient:
             return False
         me = self.host.get_id().to_base58()
         for conn in conns:
+            if conn in self._direct:
+                return False
             try:
                 addrs = [str(a) for a in conn.get_transport_addresses()]
             except Exception:
                 return False
             circuits = [a for a in addrs if "/p2p-circuit" in a]
             if not circuits:
+                if addrs:  # known direct (a connection not yet set up may list no address yet)
+                    self._direct.add(conn)
                 return False  # a direct connection
             relays = {peer_id_from_addr(relay_part(a)) for a in circuits}
             # libp2p 0.8.1 tags an inbound relayed connection with our own PeerId as the relay's:

@@ -71,6 +71,7 @@ PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstr
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
 JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
 JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
+JOIN_GRACE_S = 1.0  # once one node of a round of joins answered, the others' joins get this long more, in seconds
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -848,24 +849,41 @@ def _server_addrs(host, dht) -> list[str]:
 async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
                     failures: list[str], transient: list[bool] | None = None) -> list[tuple[str, object]]:
     """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently (``timeout_s`` each);
-    those that answered, in the order given. Each failure adds a line to ``failures`` and, when
-    ``transient`` is given, whether trying again may help (``JoinFailed.transient``)."""
+    those that answered, in the order given. Once one answered, the others get ``JOIN_GRACE_S`` more
+    and those still joining then are left (one node is enough to join through): a crashed
+    bootstrap node or cached peer, which never answers, no longer holds every start-up for the
+    whole ``timeout_s`` (issue 31's simulator: a client joining through its peer cache during a
+    bootstrap outage). Each failure adds a line to ``failures`` and, when ``transient`` is given,
+    whether trying again may help (``JoinFailed.transient``)."""
     joined: list = []
+    pending = len(known)
 
-    async def one(addr: str, info) -> None:
+    async def one(addr: str, info, nursery) -> None:
+        nonlocal pending
         try:
             await _join_one(host, dht, info, timeout_s)
             joined.append((addr, info))
+            if len(joined) == 1 and pending > 1:
+                nursery.start_soon(_cancel_after, JOIN_GRACE_S, nursery.cancel_scope)
         except DiscoveryError as e:
             failures.append(f"{addr}: {e}")
             if transient is not None:
                 transient.append(getattr(e, "transient", False))
+        finally:
+            pending -= 1
+            if not pending:  # every join ended: no grace left to wait out
+                nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         for addr, info in known:
-            nursery.start_soon(one, addr, info)
+            nursery.start_soon(one, addr, info, nursery)
     order = {id(info): i for i, (_, info) in enumerate(known)}
     return sorted(joined, key=lambda item: order[id(item[1])])
+
+
+async def _cancel_after(seconds: float, scope: trio.CancelScope) -> None:
+    await trio.sleep(seconds)
+    scope.cancel()
 
 
 @asynccontextmanager

@@ -320,7 +320,8 @@ def test_a_join_tries_again_until_the_bootstrap_node_answers():
 @pytest.mark.ring
 def test_bootstrap_nodes_are_joined_at_once_and_a_silent_one_does_not_stop_the_join():
     """Several bootstrap addresses: any one answering is enough, and two that accept connections but
-    never answer cost one join timeout together, not one each; permanent failures are not retried."""
+    never answer are left JOIN_GRACE_S after it answered, not waited for until their join timeout;
+    permanent failures are not retried."""
 
     async def silent(stream):
         await trio.sleep_forever()
@@ -333,10 +334,10 @@ def test_bootstrap_nodes_are_joined_at_once_and_a_silent_one_does_not_stop_the_j
         await stack.enter_async_context(open_dht(hosts[0], server=True))
         live = hosts[0].addrs()[0]
         start = time.monotonic()
-        async with open_dht(hosts[1], server=True, bootstrap=[*mute, live], timeout_s=2) as node:
+        async with open_dht(hosts[1], server=True, bootstrap=[*mute, live], timeout_s=6) as node:
             took_s = time.monotonic() - start
             assert node.dht.routing_table.peer_in_table(hosts[0].libp2p_host.get_id())
-        assert took_s < 3.5, took_s  # one after another: >= 2 x 2 s
+        assert took_s < 4.5, took_s  # waiting for the silent ones: >= 6 s; one after another: >= 12 s
         # a live node without the swarm DHT is no busy node: one round, not join_attempts
         plain = await stack.enter_async_context(open_host(create_new_key_pair()))
         start = time.monotonic()

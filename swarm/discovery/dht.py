@@ -72,6 +72,7 @@ JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its rout
 JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
 JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
 JOIN_GRACE_S = 1.0  # once one node of a round of joins answered, the others' joins get this long more, in seconds
+JOIN_FALLBACK_AFTER_S = 2.0  # no bootstrap node answered a join this long: known peers are joined through too
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -847,38 +848,75 @@ def _server_addrs(host, dht) -> list[str]:
 
 
 async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
-                    failures: list[str], transient: list[bool] | None = None) -> list[tuple[str, object]]:
-    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently (``timeout_s`` each);
-    those that answered, in the order given. Once one answered, the others get ``JOIN_GRACE_S`` more
-    and those still joining then are left (one node is enough to join through): a crashed
-    bootstrap node or cached peer, which never answers, no longer holds every start-up for the
-    whole ``timeout_s`` (issue 31's simulator: a client joining through its peer cache during a
-    bootstrap outage). Each failure adds a line to ``failures`` and, when ``transient`` is given,
-    whether trying again may help (``JoinFailed.transient``)."""
-    joined: list = []
-    pending = len(known)
+                    failures: list[str], transient: list[bool] | None = None, *,
+                    fallback: Sequence[tuple[str, object]] = (), fallback_failures: list[str] | None = None,
+                    fallback_after_s: float = JOIN_FALLBACK_AFTER_S) -> tuple[list, list]:
+    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently (``timeout_s`` each), and
+    through those of ``fallback`` too once none of ``known`` answered within ``fallback_after_s`` or
+    all of them failed (a client's or stage's known peers while the bootstrap nodes are down: it
+    joins in about ``fallback_after_s`` instead of after the bootstrap nodes' whole ``timeout_s``).
+    Once one answered, the others get ``JOIN_GRACE_S`` more and those still joining then are left
+    (one node is enough to join through): a crashed node, which never answers, no longer holds
+    every start-up for the whole ``timeout_s`` (issue 31's simulator, a bootstrap outage).
 
-    async def one(addr: str, info, nursery) -> None:
-        nonlocal pending
+    Each failure adds a line to ``failures`` (``fallback_failures`` for ``fallback``'s) and, when
+    ``transient`` is given, whether trying again may help (``JoinFailed.transient``).
+
+    Returns:
+        (the ``known`` entries that answered, the ``fallback`` entries that answered), each in the
+        order given.
+    """
+    joined: list = []
+    pending = 0
+    first_done = trio.Event()  # one joined, or every one of ``known`` failed
+    known_left = len(known)
+    started = False  # the joins through ``fallback`` began
+
+    async def one(addr: str, info, nursery, into: list[str], primary: bool) -> None:
+        nonlocal pending, known_left
         try:
             await _join_one(host, dht, info, timeout_s)
             joined.append((addr, info))
-            if len(joined) == 1 and pending > 1:
+            if len(joined) == 1:
+                first_done.set()
                 nursery.start_soon(_cancel_after, JOIN_GRACE_S, nursery.cancel_scope)
         except DiscoveryError as e:
-            failures.append(f"{addr}: {e}")
+            into.append(f"{addr}: {e}")
             if transient is not None:
                 transient.append(getattr(e, "transient", False))
         finally:
             pending -= 1
-            if not pending:  # every join ended: no grace left to wait out
+            if primary:
+                known_left -= 1
+                if not known_left:
+                    first_done.set()
+            if not pending and (joined or started or not fallback):  # every join ended: no grace to wait out
                 nursery.cancel_scope.cancel()
 
+    async def later(nursery) -> None:
+        nonlocal pending, started
+        with trio.move_on_after(fallback_after_s):
+            await first_done.wait()
+        if joined:
+            return
+        started = True
+        pending += len(fallback)
+        for addr, info in fallback:
+            nursery.start_soon(one, addr, info, nursery, fallback_failures if fallback_failures is not None
+                               else failures, False)
+        if not pending:
+            nursery.cancel_scope.cancel()
+
     async with trio.open_nursery() as nursery:
+        pending = len(known)
         for addr, info in known:
-            nursery.start_soon(one, addr, info, nursery)
-    order = {id(info): i for i, (_, info) in enumerate(known)}
-    return sorted(joined, key=lambda item: order[id(item[1])])
+            nursery.start_soon(one, addr, info, nursery, failures, True)
+        if fallback:
+            nursery.start_soon(later, nursery)
+        elif not known:
+            nursery.cancel_scope.cancel()
+    ids = {id(info) for _, info in joined}
+    return [x for x in known if id(x[1]) in ids], [x for x in fallback if id(x[1]) in ids]
 
 
 async def _cancel_after(seconds: float, scope: trio.CancelScope) -> None:
@@ -908,10 +946,11 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             as it is (tests that move time by hand). Server nodes answer others' time requests.
         accept_models: model ids this node stores records for (None: any).
         peers: multiaddrs of any other swarm DHT servers (stages) this node knows; joined
-            through when no bootstrap node answers (issue 31: during a bootstrap outage no new
-            node could join).
+            through too when no bootstrap node answered within ``JOIN_FALLBACK_AFTER_S`` or all
+            failed (issue 31: during a bootstrap outage no new node could join), and used only
+            when no bootstrap node answers.
         peer_cache: a file of DHT servers this node met before (``load_peer_cache``): joined
-            through, as ``peers``, when none of the bootstrap nodes given answers (not read when
+            through as ``peers`` are (not read when
             none is given), and rewritten with the servers of its routing table once joined.
             None: no cache.
         join_attempts: rounds of joins (bootstrap nodes, then ``peers`` and the cache) before
@@ -962,20 +1001,23 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     error: DiscoveryError | None = None
     async with background_trio_service(dht) as manager:
         for attempt in range(1, join_attempts + 1):
-            # every bootstrap node at once: one busy or gone costs its timeout, not the sum of all
+            # every bootstrap node at once (one busy or gone costs its timeout, not the sum of all), and
+            # the known peers too once none answered within JOIN_FALLBACK_AFTER_S (at once without any)
             failures: list[str] = []
             transient: list[bool] = []
-            joined = await _join_any(host, dht, list(zip(bootstrap, infos)), timeout_s, failures, transient)
+            others: list[str] = []
+            primary = list(zip(bootstrap, infos))
+            joined, via_known = await _join_any(host, dht, primary, timeout_s, failures, transient,
+                                                fallback=cached_infos, fallback_failures=others,
+                                                fallback_after_s=JOIN_FALLBACK_AFTER_S if primary else 0.0)
             all_failed = bool(infos) and not joined
             through, through_addrs = infos, list(bootstrap)
             if cached_infos and (all_failed or not infos):
-                others: list[str] = []
-                joined = await _join_any(host, dht, cached_infos, timeout_s, others, transient)
-                if joined:
+                if via_known:
                     log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
-                                len(joined), len(cached_infos), "; ".join(failures) or "none given")
-                    through, through_addrs = [i for _, i in joined], [a for a, _ in joined]
-                    all_failed, failures = False, []
+                                len(via_known), len(cached_infos), "; ".join(failures) or "none given")
+                    through, through_addrs = [i for _, i in via_known], [a for a, _ in via_known]
+                    joined, all_failed, failures = via_known, False, []
                 else:
                     all_failed = True
                     failures.append("no known peer answered either: " + "; ".join(others))

@@ -218,7 +218,7 @@ def test_a_node_joins_through_known_peers_while_no_bootstrap_node_answers(tmp_pa
     cache = tmp_path / "peers.json"
     dead = f"/ip4/127.0.0.1/tcp/9/p2p/{peer_id_of(create_new_key_pair())}"
 
-    async def main():
+    async def main(nursery):  # nursery: where the silent listener runs
         async with AsyncExitStack() as stack:
             keys = [create_new_key_pair() for _ in range(4)]
             hosts = [await stack.enter_async_context(open_host(k)) for k in keys]
@@ -241,8 +241,28 @@ def test_a_node_joins_through_known_peers_while_no_bootstrap_node_answers(tmp_pa
                                match="no bootstrap node answered: .*no known peer answered either"):
                 async with open_dht(hosts[3], server=False, bootstrap=[dead], peers=[dead], timeout_s=3):
                     pass
+            # a crashed bootstrap node (connections accepted, never answered): the known peer is joined
+            # through JOIN_FALLBACK_AFTER_S in, not after the bootstrap node's whole join timeout
+            listener = (await nursery.start(trio.serve_tcp, _silent, 0))[0]
+            mute = f"/ip4/127.0.0.1/tcp/{listener.socket.getsockname()[1]}/p2p/{peer_id_of(create_new_key_pair())}"
+            start = time.monotonic()
+            async with open_dht(hosts[3], server=False, bootstrap=[mute], peers=[hosts[1].addrs()[0]],
+                                timeout_s=8) as node:
+                took_s = time.monotonic() - start
+                assert [str(i.peer_id) for i in node.bootstrap] == [str(server.host.libp2p_host.get_id())]
+            assert dht_mod.JOIN_FALLBACK_AFTER_S <= took_s < dht_mod.JOIN_FALLBACK_AFTER_S + dht_mod.JOIN_GRACE_S + 2.5, \
+                took_s
 
-    run(main, timeout_s=60)
+    async def outer():
+        async with trio.open_nursery() as nursery:
+            await main(nursery)
+            nursery.cancel_scope.cancel()
+
+    run(outer, timeout_s=60)
+
+
+async def _silent(stream):
+    await trio.sleep_forever()
 
 
 def test_a_corrupt_peer_cache_is_ignored(tmp_path):
@@ -323,11 +343,8 @@ def test_bootstrap_nodes_are_joined_at_once_and_a_silent_one_does_not_stop_the_j
     never answer are left JOIN_GRACE_S after it answered, not waited for until their join timeout;
     permanent failures are not retried."""
 
-    async def silent(stream):
-        await trio.sleep_forever()
-
     async def joins(stack: AsyncExitStack, nursery) -> None:
-        listeners = [(await nursery.start(trio.serve_tcp, silent, 0))[0] for _ in range(2)]
+        listeners = [(await nursery.start(trio.serve_tcp, _silent, 0))[0] for _ in range(2)]
         mute = [f"/ip4/127.0.0.1/tcp/{ls.socket.getsockname()[1]}/p2p/{peer_id_of(create_new_key_pair())}"
                 for ls in listeners]
         hosts = [await stack.enter_async_context(open_host(create_new_key_pair())) for _ in range(2)]

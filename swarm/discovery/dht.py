@@ -919,6 +919,21 @@ async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: f
     return [x for x in known if id(x[1]) in ids], [x for x in fallback if id(x[1]) in ids]
 
 
+def _keep_peers(peer_cache, host, dht) -> None:
+    """Write the DHT servers of the routing table to ``peer_cache`` (None: no cache); a cache that
+    cannot be written is a missed hint, not a failure (logged), and so is a table that is empty by
+    now (the file is left as it was)."""
+    if peer_cache is None:
+        return
+    addrs = _server_addrs(host, dht)
+    if not addrs:
+        return
+    try:
+        save_peer_cache(peer_cache, addrs)
+    except OSError as e:
+        log.warning("dht.peer_cache_unwritable path=%s error=%r", peer_cache, e)
+
+
 async def _cancel_after(seconds: float, scope: trio.CancelScope) -> None:
     await trio.sleep(seconds)
     scope.cancel()
@@ -1048,11 +1063,13 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 manager.run_task(node.fill_table, name="swarm-dht-join-lookup")
             else:
                 node.table_filled.set()
-            if peer_cache is not None:
-                try:
-                    save_peer_cache(peer_cache, _server_addrs(host, dht))
-                except OSError as e:  # a cache that cannot be written is a missed hint, not a failure
-                    log.warning("dht.peer_cache_unwritable path=%s error=%r", peer_cache, e)
-            yield node
+            _keep_peers(peer_cache, host, dht)
+            try:
+                yield node
+            finally:
+                # again on the way out: a client's table held only the bootstrap nodes when it joined
+                # (it runs no self-lookup), so its cache could not carry it through their outage; its
+                # lookups since met the servers near the keys it read (issue 31's simulator)
+                _keep_peers(peer_cache, host, dht)
     if error is not None:
         raise error

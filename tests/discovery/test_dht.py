@@ -225,10 +225,13 @@ def test_a_node_joins_through_known_peers_while_no_bootstrap_node_answers(tmp_pa
             await stack.enter_async_context(open_dht(hosts[0], server=True))
             addr = hosts[0].addrs()[0]
             server = await stack.enter_async_context(open_dht(hosts[1], server=True, bootstrap=[addr]))
-            async with open_dht(hosts[2], server=False, bootstrap=[addr], peer_cache=cache):
-                pass
+            async with open_dht(hosts[2], server=False, bootstrap=[addr], peer_cache=cache) as client:
+                # a client joins with the bootstrap node alone in its table; its reads meet the others
+                assert [a.rsplit("/", 1)[-1] for a in load_peer_cache(cache)] == [str(hosts[0].libp2p_host.get_id())]
+                await client.find_records(MODEL)
             cached = load_peer_cache(cache)
             assert cached and all("/p2p/" in a for a in cached)  # the servers it met, full multiaddrs
+            assert str(hosts[1].libp2p_host.get_id()) in {a.rsplit("/", 1)[-1] for a in cached}  # kept on the way out
             # the bootstrap address given is dead: the cached peers answer
             async with open_dht(hosts[3], server=False, bootstrap=[dead], peer_cache=cache, timeout_s=3) as node:
                 assert node.bootstrap and str(node.bootstrap[0].peer_id) in {a.rsplit("/", 1)[-1] for a in cached}

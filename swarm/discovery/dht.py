@@ -919,6 +919,24 @@ async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: f
     return [x for x in known if id(x[1]) in ids], [x for x in fallback if id(x[1]) in ids]
 
 
+def _own_refresh(dht, made: list) -> None:
+    """Replace libp2p 0.8.1's routing table refresh (``KadDHT.refresh_routing_table``, run by its
+    maintenance loop at start and every 600 s): a self-lookup with 10 queries in flight, then one
+    lookup of a random key per non-empty bucket. At start it duplicated the join's own self-lookup
+    (``SwarmDHT.fill_table``); every 600 s it ran at every node that started together at once. Now
+    the start's is skipped and the later ones are ``fill_table`` of the node in ``made`` (3 in
+    flight, bounded by ``JOIN_LOOKUP_S``): the table's far buckets are filled by the lookups of a
+    stage's announces (four keys every ``announce_interval_s``) and of its reads instead. Counted
+    with 9 nodes joining: 9 self-lookups and 2 bucket lookups by the library on top of the joins'
+    own 8 (issue 31, the 200-host bench's CPU)."""
+
+    async def refresh_routing_table() -> None:
+        if made:
+            await made[0].fill_table()
+
+    dht.refresh_routing_table = refresh_routing_table
+
+
 def _keep_peers(peer_cache, host, dht) -> None:
     """Write the DHT servers of the routing table to ``peer_cache`` (None: no cache); a cache that
     cannot be written is a missed hint, not a failure (logged), and so is a table that is empty by
@@ -1013,6 +1031,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                  validator=_validator(clock, accept_models), validator_changed=True, strict_validation=True)
     _skip_client_peers(dht)
     bound_provider_store(dht.provider_store)
+    made: list[SwarmDHT] = []  # the node, once joined
+    _own_refresh(dht, made)
     error: DiscoveryError | None = None
     async with background_trio_service(dht) as manager:
         for attempt in range(1, join_attempts + 1):
@@ -1056,6 +1076,7 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             log.info("dht.start mode=%s bootstrap=%d/%d", "server" if server else "client",
                      len(infos) - len(failures), len(infos))
             node = SwarmDHT(host, dht, through, clock, through_addrs)
+            made.append(node)
             await node.sync_clock(addrs=[a for a, _ in joined])
             if through and server:
                 # in the background, bounded by JOIN_LOOKUP_S: start-up does not wait for it. A client

@@ -50,6 +50,41 @@ async def _swarm(stack: AsyncExitStack, n_servers: int, client_clock=time.time):
 
 
 @pytest.mark.ring
+def test_joins_run_no_library_refresh_and_the_periodic_one_is_our_self_lookup(monkeypatch):
+    """libp2p's maintenance loop refreshes the routing table at start and every 600 s (a self-lookup
+    of 10 queries in flight, then one per bucket): at start it duplicated the join's own self-lookup
+    at every node. Joins run none of the library's lookups; its periodic refresh is ``fill_table``."""
+    from libp2p.kad_dht.peer_routing import PeerRouting
+
+    calls: list = []
+    original = PeerRouting.find_closest_peers_network
+
+    async def counted(self, key, *args, **kwargs):
+        calls.append(key)
+        return await original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(PeerRouting, "find_closest_peers_network", counted)
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            _, boot, servers, client = await _swarm(stack, 3)
+            for node in servers:
+                await node.table_filled.wait()
+            await trio.sleep(0.5)  # the maintenance loops' first round
+            assert calls == []
+            filled: list = []
+            monkeypatch.setattr(type(servers[0]), "fill_table", lambda self: filled.append(self) or _done())
+            await servers[0].dht.refresh_routing_table()
+            assert filled == [servers[0]] and calls == []
+
+    run(main, timeout_s=30)
+
+
+async def _done() -> int:
+    return 0
+
+
+@pytest.mark.ring
 def test_announce_and_find_fresh_records():
     async def main():
         async with AsyncExitStack() as stack:

@@ -18,6 +18,10 @@ the rebalance check (``should_move``). The async product code runs under ``trio.
 ``MockClock`` (virtual time) against ``SimDHT``: a real ``SwarmDHT`` whose libp2p objects are
 stand-ins that sleep the modelled network time, and whose ping (``rtt_ms``) is the RTT model.
 
+Clients run on ``CLIENT_MACHINES`` machines; each keeps a peer cache (the DHT servers its last route's
+lookups met, as ``open_dht`` writes on the way out), through which it joins during the bootstrap outage
+(``open_dht``'s known peers, timed as ``_join_any`` joins them); a machine that never ran waits.
+
 Modelled, not real: the network and libp2p (connections, streams, the routing tables), the DHT's
 storage, a stage's compute (per-layer ms from its card class), loading weights, sessions' KV
 room (not checked), speculative decoding (plain decode), and the world stays frozen during one
@@ -42,7 +46,8 @@ import trio.testing
 
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
-from swarm.discovery.dht import PLACEMENT_SHARDS, SwarmDHT, placement_key, placement_shard
+from swarm.discovery.dht import (JOIN_FALLBACK_AFTER_S, JOIN_GRACE_S, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
+                                 placement_key, placement_shard)
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
@@ -66,6 +71,7 @@ CARDS = (  # (name, speed vs reference, layers that fit, share of volunteers)
     ("T4-16G", 0.2, 10, 0.10), ("3060-12G", 0.35, 8, 0.20), ("3090-24G", 0.8, 16, 0.25),
     ("4090-24G", 1.0, 16, 0.25), ("A100-40G", 1.3, 28, 0.12), ("A100-80G", 1.5, 40, 0.08))
 NUM_REGIONS = 6
+CLIENT_MACHINES = 100  # machines the clients run on; each session is from one of them, at random
 EPOCH = 1.8e9  # unix seconds at virtual time 0 (records carry unix expiries)
 STAGE_CONFIG = StageConfig.__dataclass_fields__
 ANNOUNCE_INTERVAL_S = STAGE_CONFIG["announce_interval_s"].default
@@ -495,8 +501,11 @@ class SimDHT(SwarmDHT):
     """The product's SwarmDHT (read_records, _fresh_providers, _value_from_owner, _fresh_value run as
     written) over the modelled libp2p objects; only the ping is the RTT model."""
 
-    def __init__(self, op: _Op, clock):
-        super().__init__(_Host(op.me.name), _Kad(op), [_Info(b) for b in op.world.boot_ids], clock)
+    def __init__(self, op: _Op, clock, through: list[str] | None = None):
+        """``through``: the PeerIds ``open_dht`` joined through when no bootstrap node answered (a
+        peer cache's servers); None: the bootstrap nodes."""
+        super().__init__(_Host(op.me.name), _Kad(op), [_Info(b) for b in (op.world.boot_ids if through is None
+                                                                          else through)], clock)
         self.op = op
 
     async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
@@ -514,8 +523,8 @@ class SimDHT(SwarmDHT):
         return None
 
 
-def run_op(world: World, me: Endpoint, seed: int, fn) -> tuple[object, float, float]:
-    """Run ``await fn(dht)`` against the frozen world in virtual time.
+def run_op(world: World, me: Endpoint, seed: int, fn, through: list[str] | None = None) -> tuple[object, float, float]:
+    """Run ``await fn(dht)`` against the frozen world in virtual time (``through``: as for SimDHT).
 
     Returns:
         (result or the exception it raised, virtual seconds, CPU seconds of this process).
@@ -526,7 +535,7 @@ def run_op(world: World, me: Endpoint, seed: int, fn) -> tuple[object, float, fl
 
     async def main():
         start = trio.current_time()
-        dht = SimDHT(op, lambda: EPOCH + t0 + (trio.current_time() - start))
+        dht = SimDHT(op, lambda: EPOCH + t0 + (trio.current_time() - start), through)
         try:
             out = await fn(dht)
         except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
@@ -557,6 +566,7 @@ class Session:
     epoch: int = 0  # bumps when the route changes: events of an older route are ignored
     heals: int = 0
     done: bool = False
+    waited: bool = False  # waited out the bootstrap outage (no live peer in its client's cache)
 
 
 @dataclass
@@ -580,6 +590,8 @@ class Metrics:
     node_s: float = 0.0
     hops: list = field(default_factory=list)
     route_failures: dict = field(default_factory=dict)
+    outage_route_s: list = field(default_factory=list)  # routes during the bootstrap outage (joined via a cache)
+    outage_waits: int = 0  # sessions of clients without a peer cache that waited out the outage
 
 
 class Sim:
@@ -596,6 +608,8 @@ class Sim:
         self.seq = 0
         self.m = Metrics()
         self.sessions: list[Session] = []
+        self.machines: dict[int, Endpoint] = {}
+        self.caches: dict[str, list[str]] = {}  # client machine -> its peer cache (PeerIds of DHT servers)
         self.churn = churn
         self.shock_t = 0.4 * self.end_t
         self.w.boot_down = (0.6 * self.end_t, 0.6 * self.end_t + 300.0)
@@ -800,29 +814,63 @@ class Sim:
         if w.now > self.end_t:
             return
         self.at(w.now + self.rng.expovariate(self.sessions_per_min / 60.0), self.open_session)
-        s = Session(len(self.sessions), Endpoint(f"client-{len(self.sessions)}", w.region(), self.rng.uniform(2, 20)),
+        machine = self.rng.randrange(CLIENT_MACHINES)  # people who ran a client before come back
+        if machine not in self.machines:
+            self.machines[machine] = Endpoint(f"client-{machine}", w.region(), self.rng.uniform(2, 20))
+        s = Session(len(self.sessions), self.machines[machine],
                     w.now, prompt=int(min(2000, math.exp(self.rng.gauss(math.log(300), 0.8)))),
                     new_tokens=int(min(800, 16 + math.exp(self.rng.gauss(math.log(150), 0.8)))))
         self.sessions.append(s)
         self.m.sessions_started += 1
         self.route(s, first=True)
 
-    def route(self, s: Session, first: bool) -> None:
-        """A cold route: a new client's discover_ring (DHT read, probes, plan_route) in virtual time."""
+    def join_via_cache(self, client: Endpoint) -> tuple[list[str], float] | None:
+        """``open_dht`` while no bootstrap node answers: the servers of the client's peer cache that are
+        up, and the seconds the join took (``JOIN_FALLBACK_AFTER_S`` for the crashed bootstrap nodes,
+        then the first cached server's dial, then ``JOIN_GRACE_S`` while others still dial, as
+        ``dht._join_any``); None when the cache names no live server (or there is none: a first run)."""
         w = self.w
-        if not w.boot_up():  # open_dht: no bootstrap node answers, so a new client cannot join the DHT
-            self.m.route_failures["bootstrap down: open_dht fails"] = \
-                self.m.route_failures.get("bootstrap down: open_dht fails", 0) + 1
-            self.m.__dict__["waited_for_bootstrap"] = self.m.__dict__.get("waited_for_bootstrap", 0) + 1
-            self.at(w.now + 30.0, self.route, s, first)
-            return
+        cache = self.caches.get(client.name, [])
+        live = [n for n in cache if w.alive(w.peers[n]) and w.peers[n].state != "loading"]
+        if not live:
+            return None
+        jitter = random.Random(self.rng.getrandbits(32))
+        dials = sorted(w.connect_s(client, w.peers[n], jitter) for n in live)
+        end = dials[0] + JOIN_GRACE_S if len(live) < len(cache) else min(dials[0] + JOIN_GRACE_S, dials[-1])
+        return live, JOIN_FALLBACK_AFTER_S + end
+
+    def route(self, s: Session, first: bool) -> None:
+        """A cold route: a client's discover_ring (DHT read, probes, plan_route) in virtual time. During
+        the bootstrap outage a client that ran before joins through its peer cache (``open_dht``'s
+        known peers), the join's time counted in the route's; one without a cache waits."""
+        w = self.w
+        through, join_s = None, 0.0
+        if not w.boot_up():
+            joined = self.join_via_cache(s.client)
+            if joined is None:  # open_dht: no bootstrap node answers and no known peer: cannot join yet
+                self.m.route_failures["bootstrap down, no live cached peer: open_dht fails"] = \
+                    self.m.route_failures.get("bootstrap down, no live cached peer: open_dht fails", 0) + 1
+                if not s.waited:
+                    s.waited = True
+                    self.m.outage_waits += 1
+                self.at(w.now + 30.0, self.route, s, first)
+                return
+            through, join_s = joined
 
         async def fn(dht):
-            return await disc_client.discover_ring(dht, "sim-70b", MODEL_ID, NUM_LAYERS,
-                                                   context_tokens=s.prompt + s.new_tokens)
+            out = await disc_client.discover_ring(dht, "sim-70b", MODEL_ID, NUM_LAYERS,
+                                                  context_tokens=s.prompt + s.new_tokens)
+            met.extend(n for n in dht.op.connected if n in w.peers and w.peers[n].server)
+            return out
 
-        out, virt, cpu = run_op(w, s.client, self.rng.getrandbits(32), fn)
+        met: list[str] = []
+        out, virt, cpu = run_op(w, s.client, self.rng.getrandbits(32), fn, through=through)
+        virt += join_s
         took = virt + cpu
+        if met:  # the servers its lookups met: what open_dht writes to the cache on the way out
+            self.caches[s.client.name] = met[:PEER_CACHE_SIZE]
+        if through is not None and not isinstance(out, Exception):
+            self.m.outage_route_s.append(took)
         if isinstance(out, Exception):
             why = f"{type(out).__name__}: {str(out)[:60]}"
             self.m.route_failures[why] = self.m.route_failures.get(why, 0) + 1
@@ -990,6 +1038,12 @@ class Sim:
             "heal_p50_s": _r(pct(m.heal_s, 0.5)), "heal_p95_s": _r(pct(m.heal_s, 0.95)),
             "client_tok_s_mean": _r(m.tokens / m.token_s) if m.token_s else None,
             "route_failures": dict(sorted(m.route_failures.items(), key=lambda kv: -kv[1])[:5]),
+            # the bootstrap outage (5 minutes): routes of clients that joined through their peer cache
+            # (included in route_p50_s / route_p99_s above), and sessions of clients without one that
+            # waited for the bootstrap nodes to come back (their wait is in no route time)
+            "outage_routes": len(m.outage_route_s), "outage_route_p50_s": _r(pct(m.outage_route_s, 0.5)),
+            "outage_route_max_s": _r(max(m.outage_route_s, default=None)),
+            "outage_waits": m.outage_waits,
             "wall_s": _r(wall_s), "cpu_s": _r(cpu_s),
         }
 

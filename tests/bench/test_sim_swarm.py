@@ -90,3 +90,31 @@ def test_a_placement_read_sees_a_stage_the_model_key_no_longer_names():
         store.pop(a.peer_id, None)  # as if 256 newer providers had evicted it
     assert sim.w.visible_records() == []
     assert [r.peer_id for r in sim.w.visible_records(placement=True)] == [a.peer_id]
+
+
+def test_during_the_bootstrap_outage_a_client_that_ran_before_routes_through_its_peer_cache():
+    """open_dht joins through the known peers when no bootstrap node answers: in the simulator a client
+    machine that routed before joins through the live servers of its cache, in about
+    JOIN_FALLBACK_AFTER_S plus one dial, and routes; one that never ran has no cache and waits."""
+    sim = S.Sim(peers=30, minutes=1, seed=5, churn=False, sessions_per_min=0.001, warmup_s=600)
+    while sim.heap and sim.heap[0][0] <= 0:  # the warm-up: every stage placed and announced
+        t, _, fn, args = S.heapq.heappop(sim.heap)
+        sim.w.now = max(sim.w.now, t)
+        fn(*args)
+    sim.w.boot_down = (sim.w.now, sim.w.now + 300.0)
+    client = S.Endpoint("client-x", 0, 5.0)
+    assert sim.join_via_cache(client) is None  # its first run: no cache
+    servers = [p.peer_id for p in sim.w.peers.values() if p.server and p.state == "online"]
+    gone = servers[0]
+    sim.w.peers[gone].gone_t = sim.w.now  # one cached server left meanwhile
+    sim.caches["client-x"] = servers[:6]
+    live, join_s = sim.join_via_cache(client)
+    assert gone not in live and set(live) == set(servers[1:6])
+    assert S.JOIN_FALLBACK_AFTER_S < join_s < S.JOIN_FALLBACK_AFTER_S + S.JOIN_GRACE_S + 3.0
+
+    async def route(dht):
+        return await S.disc_client.discover_ring(dht, "sim-70b", S.MODEL_ID, S.NUM_LAYERS)
+
+    out, _, _ = S.run_op(sim.w, client, 1, route, through=live)
+    assert not isinstance(out, Exception), out
+    assert out.route.hops[0].layers[0] == 0 and out.route.hops[-1].layers[1] == S.NUM_LAYERS

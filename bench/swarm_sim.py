@@ -48,6 +48,7 @@ from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
 from swarm.discovery.dht import (JOIN_FALLBACK_AFTER_S, JOIN_GRACE_S, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
                                  placement_key, placement_shard)
+from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
@@ -367,11 +368,15 @@ class _Host:
 class _Op:
     """One client operation's view of the network: who it is, what it has dialed, its jitter."""
 
-    def __init__(self, world: World, me: Endpoint, seed: int):
+    def __init__(self, world: World, me: Endpoint, seed: int, through: list[str] | None = None):
         self.world, self.me = world, me
         self.jitter = random.Random(seed)
         self.connected: set[str] = set()
         self.key = node_key(me.name)
+        # the nodes it joined through: the bootstrap nodes, or its cached peers during their outage
+        self.seed_names = dict((k, b) for b, k in world.boot_keys.items()) if through is None else \
+            {world.peers[n].key: n for n in through}
+        self.seed_keys = list(self.seed_names)
 
     def endpoint(self, name: str):
         w = self.world
@@ -434,7 +439,9 @@ class _PeerRouting:
         w, op = self.op.world, self.op
         target = w.model_key
         w.refresh_tables()
-        start = list(w.boot_keys.values()) + w.closest_in_table(op.key, op.key, 7)
+        # the nodes it joined through (the bootstrap nodes, or its cached peers during their outage:
+        # a node never met is not in its table) and some of its table
+        start = op.seed_keys + w.closest_in_table(op.key, op.key, 7)
         closest = sorted(dict.fromkeys(start), key=lambda x: x ^ target)[:count]
         queried: set[int] = set()
         for _ in range(10):
@@ -508,6 +515,58 @@ class SimDHT(SwarmDHT):
                                                                           else through)], clock)
         self.op = op
 
+    async def closest_nodes(self, key: bytes, on_answer=None) -> list:
+        """``swarm.discovery.lookup.lookup`` as a model (what ``closest_nodes`` runs): ``LOOKUP_ALPHA``
+        requests in flight, each to the nearest node of the shortlist not yet asked, the next sent as
+        soon as one answers (no lock-step rounds), ``LOOKUP_QUERY_TIMEOUT_S`` each; ends when the k
+        nearest heard of have all answered or failed. Starts, as the product does, from the nodes it
+        joined through and its routing table's nearest. The target is the model key (routes read it)."""
+        op, w = self.op, self.op.world
+        target = w.model_key
+        w.refresh_tables()
+        names = dict(op.seed_names)
+        dist: dict[int, int] = {}
+        for k in list(names) + w.closest_in_table(op.key, op.key, 7):
+            dist.setdefault(k, k ^ target)
+        asked: set[int] = set()
+        answered: set[int] = set()
+        failed: set[int] = set()
+        send, receive = trio.open_memory_channel(math.inf)
+
+        def name_of(k: int) -> str:
+            if k in names:
+                return names[k]
+            entry = w.table_peer[k]
+            return entry if isinstance(entry, str) else entry.peer_id
+
+        async def query(k: int) -> None:
+            ok = await op.request(name_of(k), LOOKUP_QUERY_TIMEOUT_S)
+            await send.send((k, w.closest_in_table(k, target, 11) if ok else None))
+
+        in_flight = 0
+        async with trio.open_nursery() as nursery:
+            while True:
+                waiting = [x for x in sorted((x for x in dist if x not in failed), key=dist.__getitem__)[:K]
+                           if x not in asked]
+                while waiting and in_flight < LOOKUP_ALPHA:
+                    x = waiting.pop(0)
+                    asked.add(x)
+                    in_flight += 1
+                    nursery.start_soon(query, x)
+                if not in_flight:
+                    break
+                k, closer = await receive.receive()
+                in_flight -= 1
+                if closer is None:
+                    failed.add(k)
+                    continue
+                answered.add(k)
+                if on_answer is not None:
+                    on_answer(name_of(k))
+                for c in closer:
+                    dist.setdefault(c, c ^ target)
+        return [name_of(k) for k in sorted(answered, key=dist.__getitem__)[:K]]
+
     async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
         name = addr.rsplit("/", 1)[-1]
         with trio.move_on_after(timeout_s):
@@ -529,7 +588,7 @@ def run_op(world: World, me: Endpoint, seed: int, fn, through: list[str] | None 
     Returns:
         (result or the exception it raised, virtual seconds, CPU seconds of this process).
     """
-    op = _Op(world, me, seed)
+    op = _Op(world, me, seed, through)
     clock = trio.testing.MockClock(autojump_threshold=0)
     t0 = world.now
 
@@ -591,7 +650,9 @@ class Metrics:
     hops: list = field(default_factory=list)
     route_failures: dict = field(default_factory=dict)
     outage_route_s: list = field(default_factory=list)  # routes during the bootstrap outage (joined via a cache)
+    route_s_outside: list = field(default_factory=list)  # the other routes
     outage_waits: int = 0  # sessions of clients without a peer cache that waited out the outage
+    heal_parts: list = field(default_factory=list)  # per heal: detection, finding the replacement, refill (s)
 
 
 class Sim:
@@ -869,8 +930,8 @@ class Sim:
         took = virt + cpu
         if met:  # the servers its lookups met: what open_dht writes to the cache on the way out
             self.caches[s.client.name] = met[:PEER_CACHE_SIZE]
-        if through is not None and not isinstance(out, Exception):
-            self.m.outage_route_s.append(took)
+        if not isinstance(out, Exception):
+            (self.m.outage_route_s if through is not None else self.m.route_s_outside).append(took)
         if isinstance(out, Exception):
             why = f"{type(out).__name__}: {str(out)[:60]}"
             self.m.route_failures[why] = self.m.route_failures.get(why, 0) + 1
@@ -993,6 +1054,8 @@ class Sim:
         repair_s = sum(w.rtt_s(s.client, w.peers[h.peer_id]) for h in out) + refill_s
         t = w.now + virt + repair_s
         self.m.heal_s.append(t - broke_t + cpu)
+        self.m.heal_parts.append({"detect_s": _r(w.now - broke_t), "find_s": _r(virt + cpu), "refill_s": _r(repair_s),
+                                  "positions": s.prompt + s.committed})
         self.start_route(s, hops, s.records, t)
 
     # ---- measurements ----------------------------------------------------------------------------------------
@@ -1036,11 +1099,13 @@ class Sim:
             "sessions_failed": m.sessions_failed,
             "heals": len(m.heal_s), "heals_rerouted": m.heals_no_spare,
             "heal_p50_s": _r(pct(m.heal_s, 0.5)), "heal_p95_s": _r(pct(m.heal_s, 0.95)),
+            "heal_slowest": sorted(m.heal_parts, key=lambda h: -sum(v for k, v in h.items() if k != "positions"))[:3],
             "client_tok_s_mean": _r(m.tokens / m.token_s) if m.token_s else None,
             "route_failures": dict(sorted(m.route_failures.items(), key=lambda kv: -kv[1])[:5]),
             # the bootstrap outage (5 minutes): routes of clients that joined through their peer cache
             # (included in route_p50_s / route_p99_s above), and sessions of clients without one that
             # waited for the bootstrap nodes to come back (their wait is in no route time)
+            "route_p99_s_outside_outage": _r(pct(m.route_s_outside, 0.99)),
             "outage_routes": len(m.outage_route_s), "outage_route_p50_s": _r(pct(m.outage_route_s, 0.5)),
             "outage_route_max_s": _r(max(m.outage_route_s, default=None)),
             "outage_waits": m.outage_waits,

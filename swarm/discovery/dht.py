@@ -71,8 +71,8 @@ PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstr
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
 JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
 JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
-JOIN_GRACE_S = 1.0  # once one node of a round of joins answered, the others' joins get this long more, in seconds
-JOIN_FALLBACK_AFTER_S = 2.0  # no bootstrap node answered a join this long: known peers are joined through too
+JOIN_GRACE_S = 0.3  # once one node of a round of joins answered, the others' joins get this long more, in seconds
+JOIN_FALLBACK_AFTER_S = 1.0  # no bootstrap node answered a join this long: known peers are joined through too
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -445,10 +445,12 @@ class SwarmDHT:
             nursery.start_soon(ask_each_once, [info.peer_id for info in self.bootstrap], asked, one)
             nursery.start_soon(ask_each_once, await self.closest_nodes(kb), asked, one)
 
-    async def closest_nodes(self, key: bytes) -> list:
+    async def closest_nodes(self, key: bytes, on_answer: Callable[[object], None] | None = None) -> list:
         """The (up to) k DHT nodes closest to ``key`` that answer, nearest first: an iterative lookup
-        (``swarm.discovery.lookup``) from this node's routing table and the bootstrap nodes."""
-        found = await lookup(self.dht, key, protocol_id=PROTOCOL_ID, seeds=[i.peer_id for i in self.bootstrap])
+        (``swarm.discovery.lookup``) from this node's routing table and the bootstrap nodes;
+        ``on_answer(peer_id)`` for each node as it answers."""
+        found = await lookup(self.dht, key, protocol_id=PROTOCOL_ID, seeds=[i.peer_id for i in self.bootstrap],
+                             on_answer=on_answer)
         return list(found.closest)
 
     async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = 5.0) -> bytes | None:
@@ -650,7 +652,8 @@ class SwarmDHT:
         first = [i.peer_id for i in self.bootstrap]
         for key in ([keys] if isinstance(keys, str) else keys):
             with trio.move_on_after(timeout_s):
-                await lookup_providers(self.dht, _encode_key(key), found, first=first, settle_s=settle_s)
+                await lookup_providers(self.dht, _encode_key(key), found, first=first, settle_s=settle_s,
+                                       find_closest=self.closest_nodes)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():

@@ -150,7 +150,8 @@ class Lookup:
 
 async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = ALPHA, seeds: Iterable = (),
                  accept: Callable[[bytes], bool] | None = None, enough: int = 0,
-                 query_timeout_s: float = QUERY_TIMEOUT_S) -> Lookup:
+                 query_timeout_s: float = QUERY_TIMEOUT_S,
+                 on_answer: Callable[[object], None] | None = None) -> Lookup:
     """Find the ``k`` nodes closest to ``key`` (and, with ``accept``, the values they hold) by iterative lookup.
 
     Starts from the ``k`` closest nodes of this node's routing table plus ``seeds`` (e.g. the
@@ -169,6 +170,8 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
         accept: a value check (e.g. the record validator); None ignores values (a node lookup).
         enough: stop after this many accepted values; 0: run the lookup to its end.
         query_timeout_s: deadline per request, in seconds.
+        on_answer: called with each node's peer ID as it answers, while the lookup goes on (a
+            provider read asks it for providers at once: the last nodes to answer are the nearest).
     Returns:
         The Lookup.
     """
@@ -227,6 +230,8 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
                 failed.add(peer_id)
                 continue
             answered.add(peer_id)
+            if on_answer is not None:
+                on_answer(peer_id)
             for info in answer.closer:
                 hear(info.peer_id)
             if answer.value is not None and accept is not None and accept(answer.value):

@@ -153,7 +153,7 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
 
 
 async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *,
-                           settle_s: float | None = None) -> None:
+                           settle_s: float | None = None, find_closest=None) -> None:
     """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
 
     Asks, concurrently and each under ``QUERY_TIMEOUT_S``: the nodes in ``first`` (e.g. the
@@ -176,6 +176,15 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *
         first: libp2p peer IDs to ask before the lookup finishes.
         settle_s: seconds to keep listening after the first provider arrives (None: until the
             lookup and its queries end).
+        find_closest: ``await find_closest(key, on_answer)`` -> the nodes closest to ``key`` (libp2p
+            IDs), calling ``on_answer(peer_id)`` as each node of the lookup answers: that node is
+            asked for providers at once, so the read need not wait for the lookup's end. Default:
+            libp2p's ``find_closest_peers_network`` (no ``on_answer``), whose rounds each wait for
+            their slowest request, a departed node's costing the library's query timeout;
+            ``SwarmDHT`` passes its own iterative lookup (``closest_nodes``). Issue 31's simulator:
+            joined through a peer cache during a bootstrap outage (no bootstrap node to name
+            providers first), the library's rounds made routes miss every provider within the
+            read's deadline.
     """
     store = dht.provider_store
     me = dht.host.get_id()
@@ -206,9 +215,17 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *
                     settling = True
                     nursery.start_soon(settle)
 
+        def answered(peer) -> None:  # a node of the lookup answered: ask it for providers now
+            if peer not in asked:
+                asked.add(peer)
+                nursery.start_soon(ask, peer)
+
         nursery.start_soon(ask_each_once, list(first), asked, ask)
         try:
-            closest = await dht.peer_routing.find_closest_peers_network(key)
+            if find_closest is None:
+                closest = await dht.peer_routing.find_closest_peers_network(key)
+            else:
+                closest = await find_closest(key, answered)
         except Exception as e:  # a lookup failing on the way is fewer providers, not a failed read
             log.info("providers.lookup_failed key=%s error=%r", key.hex()[:16], e)
             closest = []

@@ -21,7 +21,8 @@ def test_small_swarm_completes_every_session_and_is_deterministic():
     # wall and CPU figures are this machine's; route_network_p50_s still wobbles in the last digits (seen: 9.77 vs
     # 9.83 s) though every event of the timeline repeats
     drop = ("wall_s", "cpu_s", "route_p50_s", "route_p99_s", "route_cpu_p50_s", "heal_p50_s", "heal_p95_s",
-            "route_network_p50_s", "stale_record_max_s")
+            "route_network_p50_s", "stale_record_max_s", "heal_slowest", "outage_route_p50_s", "outage_route_max_s",
+            "route_p99_s_outside_outage")
     # stale_record_max_s too since reads end once the stages read cover every layer (issue 31 item 2): seen 0.04 vs
     # 0.0 s between two runs (which records a cut-short read kept; cause not found yet)
     assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}

@@ -107,3 +107,26 @@ def test_a_provider_lookup_settles_after_the_first_answer_naming_providers():
     assert got == ["a", "b", "c"] and abs(took - 0.55) < 1e-6  # not waiting for the network lookup's 4 s
     got, took = trio.run(main, None, clock=trio.testing.MockClock(autojump_threshold=0))
     assert got == ["a", "b", "c", "d", "e"] and abs(took - 4.1) < 1e-6  # without settle_s: every answer
+
+
+def test_a_provider_read_asks_each_node_of_the_lookup_as_it_answers():
+    """With a lookup that reports nodes as they answer (``SwarmDHT.closest_nodes``' ``on_answer``), a node
+    holding providers is asked at once: the read settles without waiting for the lookup's end (issue
+    31: joined through a peer cache, no bootstrap node names providers first)."""
+    answers = {"cached": (0.1, []), "near": (0.2, ["a", "b"]), "far": (0.1, ["e"])}
+
+    async def find_closest(key, on_answer):
+        await trio.sleep(0.5)
+        on_answer("near")  # the lookup reached a node near the key
+        await trio.sleep(6.0)  # then waits out departed nodes
+        return ["near", "far"]
+
+    async def main():
+        found: dict = {}
+        start = trio.current_time()
+        await lookup_providers(_Kad(answers), b"k", found, first=["cached"], settle_s=0.25,
+                               find_closest=find_closest)
+        return sorted(found), trio.current_time() - start
+
+    got, took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == ["a", "b"] and abs(took - 0.95) < 1e-6, (got, took)  # 0.5 + 0.2 + 0.25, not 6.5

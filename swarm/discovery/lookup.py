@@ -38,6 +38,7 @@ ALPHA = 3  # requests in flight per lookup (the paper's alpha)
 QUERY_TIMEOUT_S = 3.0  # one request to one node, dial included
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # libp2p's MAX_DHT_MESSAGE_SIZE
 ADDR_TTL_S = 600  # how long addresses heard in an answer stay in the peerstore
+TABLE_OFFER_GRACE_S = 0.05  # a lookup's routing table offers still running at its end get this long, in seconds
 
 
 def distance(key: bytes, peer_id) -> int:
@@ -243,8 +244,11 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
                 addrs = []
             if addrs:
                 nursery.start_soon(_add_to_table, dht, PeerInfo(peer_id, addrs))
-        # table offers still pending (a full bucket pinging its oldest) are not worth waiting for
-        nursery.cancel_scope.cancel()
+        # table offers still pending get TABLE_OFFER_GRACE_S: an offer to a bucket with room ends at
+        # once (cancelled outright, the offers of the last answers, the nodes nearest the key, never
+        # ran, and a client's peer cache lacked the servers it met); one pinging a full bucket's
+        # oldest entry is not worth waiting for
+        nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + TABLE_OFFER_GRACE_S)
     closest = tuple(sorted(answered, key=dist.__getitem__)[:k])
     log.debug("lookup.done key=%s asked=%d failed=%d heard=%d values=%d", key[:16], len(asked), len(failed),
               len(dist), len(values))

@@ -277,7 +277,9 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
     re-route, ``pick_wider``: a replacement of a window of positions around it); swap; then, when something was
     committed and the engine can (``repair``), keep the survivors' session and ``resume``; else
     (or when ``repair`` says why not) reset and replay ``replay.prefix`` in full; check the driver
-    token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe.
+    token. A SwarmError during an attempt (a second failure) starts the next attempt from the probe;
+    when that probe blames nobody after a replacement was swapped in (the second failure was a
+    pause), the session is replayed in full on the ring as it is.
 
     Args:
         ops: the engine. replay: from ``plan_replay``. detected_at: ``ops.now()`` when the fault
@@ -292,13 +294,26 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
     """
     errors: list[str] = [cause]
     replaced: list[str] = []
+    swapped: HealEvent | None = None  # the last attempt's event once its replacement was swapped in
     for attempt in range(1, max_attempts + 1):
         t0 = ops.now()
         failure = await _blame(ops)
         if failure is None:
             if attempt == 1:
                 return None  # every stage answers and nothing is stuck: a pause, not a loss
-            raise HealError(f"recovery failed ({'; '.join(errors)}) and then no stage could be blamed")
+            if swapped is None:
+                raise HealError(f"recovery failed ({'; '.join(errors)}) and then no stage could be blamed")
+            # the replacement is in and every stage answers again: the second failure was a pause
+            # during the rebuild (issue 31's chaos soak: a survivor SIGSTOPped then). Rebuild in full
+            # on the ring as it is
+            try:
+                await _replay_in_full(ops, replay, swapped, attempt, errors)
+            except ReplayMismatch:
+                raise
+            except SwarmError as exc:
+                errors.append(f"attempt {attempt}: {exc}")
+                continue
+            return swapped
         layers = ops.range_of(failure.index)
         event = HealEvent(stage=failure.index, layers=layers, reason=failure.reason, attempts=attempt,
                           errors=list(errors), detect_s=t0 - detected_at, detected_at=detected_at)
@@ -323,6 +338,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
                 event.replaced = list(replaced)
             ids = await ops.swap(first, spare)
             event.spare, event.spares = str(spare), list(ids) if ids else [str(spare)]
+            swapped = event
             t2, token = await _rebuild(ops, replay, event, first)
             event.swap_s = t2 - t1
             t3 = ops.now()
@@ -338,6 +354,26 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         event.total_s = t3 - detected_at
         return event
     raise HealError(f"recovery failed {max_attempts} times: {'; '.join(errors)}")
+
+
+async def _replay_in_full(ops: SwarmOps, replay: Replay, event: HealEvent, attempt: int, errors: list[str]) -> None:
+    """Rebuild the session on the ring as it is (``reset``, ``replay`` in full) after an attempt that
+    swapped its replacement in and then failed during the rebuild; fills ``event``.
+
+    Raises:
+        ReplayMismatch: the replay gave another token than the driver. SwarmError: a stage failed again.
+    """
+    event.attempts, event.errors = attempt, list(errors)
+    event.replay, event.fallback = "full", f"a stage paused during the rebuild ({errors[-1]}): replayed in full"
+    event.refill_tokens, event.survivor_tokens, event.shadow_fallback = 0, len(replay.prefix), ""
+    await ops.reset()
+    t2 = ops.now()
+    token = await ops.replay(replay.prefix)
+    event.replay_s, event.replay_tokens = ops.now() - t2, len(replay.prefix)
+    if replay.driver is not None and token != replay.driver:
+        raise ReplayMismatch(f"replaying {len(replay.prefix)} tokens through the repaired ring gave token "
+                             f"{token}, but {replay.driver} was already committed: refusing to continue")
+    event.total_s = ops.now() - event.detected_at
 
 
 async def _blame(ops: SwarmOps) -> Failure | None:

@@ -362,3 +362,27 @@ def test_no_spare_and_no_window_still_names_the_lost_range():
     with pytest.raises(NoSpare, match=r"stage 1 holding layers \[10, 20\) is lost"):
         run(run_recovery(ops, REPLAY, 100.0, "timeout"))
     assert ("wider", 1) in ops.log and not any(isinstance(x, tuple) and x[0] == "swap" for x in ops.log)
+
+
+def test_a_pause_during_the_rebuild_replays_in_full_on_the_ring_as_it_is():
+    """Issue 31's chaos soak: the spare was swapped in, then a survivor paused (SIGSTOP) during the
+    replay; the next probe blames nobody. Before: "recovery failed ... and then no stage could be
+    blamed" (the request lost); now the session is replayed in full on the ring as it is."""
+    paused, resumed = [R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], [R(0, True, 5, 5), R(1, True, 4, 4),
+                                                                       R(2, True, 4, 4)]  # then nothing stuck
+    ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE, paused, resumed], spares={(10, 20): "spare-A"}, fail_replays=1)
+    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    # the replay failed, the re-check blamed nobody, the replay ran again in full
+    assert ops.log[-7:] == ["reset", ("replay", 5), "probe", "settle", "probe", "reset", ("replay", 5)]
+    assert ops.log.count(("swap", 1, "spare-A")) == 1
+    assert (event.stage, event.spare, event.attempts, event.replay) == (1, "spare-A", 2, "full")
+    assert "paused during the rebuild" in event.fallback and "lost during replay" in event.fallback
+    assert event.total_s > 0 and event.replay_tokens == 5
+
+
+def test_a_pause_before_anything_was_swapped_still_fails_loudly():
+    paused, resumed = [R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], [R(0, True, 5, 5), R(1, True, 4, 4),
+                                                                       R(2, True, 4, 4)]
+    ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE, paused, resumed], spares={(10, 20): "spare-A"}, fail_swaps=1)
+    with pytest.raises(HealError, match="then no stage could be blamed"):
+        run(run_recovery(ops, REPLAY, 100.0, "lost"))

@@ -583,6 +583,7 @@ class RingOps:
 # heartbeats means a stage is computing something long (e.g. a huge prefill chunk): fail with
 # that message rather than replacing a healthy, busy stage.
 HEALABLE = (StageLost,)
+OPEN_ATTEMPTS = 2  # opens of a session tried when a stage paused during one (no stage lost)
 
 
 @dataclass(frozen=True)
@@ -814,25 +815,35 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
     Returns:
         the leading prompt positions taken from the stages' prefix caches (``cached_tokens``).
     """
-    try:
-        reused = await ring.open_session(state["session"], state["max_len"], state["sampling"], options.wire_dtype,
-                                         job=options.job, shadow=shadowed,
-                                         prefix_ids=list(prompt_ids) if options.prefix_cache else None)
-        cached = min(reused, len(prompt_ids) - 1)
-        loop.skip_prefix(cached)
-        return cached
-    except HEALABLE as exc:
-        # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
-        # tail first, so some stages may hold the session: the heal's reset closes it there, opens a
-        # fresh one on the healed ring (a replacement holds no prefix: nothing is reused), and the
-        # prefill runs from position 0 (nothing committed)
-        if not options.heal:
-            raise
-        if not await recover(exc):
-            log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
-                        "replaced; the session could not be opened", exc)
-            raise
-        return 0
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            reused = await ring.open_session(state["session"], state["max_len"], state["sampling"],
+                                             options.wire_dtype, job=options.job, shadow=shadowed,
+                                             prefix_ids=list(prompt_ids) if options.prefix_cache else None)
+            cached = min(reused, len(prompt_ids) - 1)
+            loop.skip_prefix(cached)
+            return cached
+        except HEALABLE as exc:
+            # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
+            # tail first, so some stages may hold the session: the heal's reset closes it there, opens a
+            # fresh one on the healed ring (a replacement holds no prefix: nothing is reused), and the
+            # prefill runs from position 0 (nothing committed)
+            if not options.heal:
+                raise
+            if await recover(exc):
+                return 0
+            if attempt == OPEN_ATTEMPTS:
+                log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
+                            "replaced; the session could not be opened", exc)
+                raise
+            # a stage paused during the open and answers again (issue 31's chaos soak: a 503): the
+            # session is closed where it was opened and opened again under a fresh id
+            log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; opening the "
+                        "session again", exc)
+            with trio.move_on_after(2.0):
+                await ring.close_session(state["session"], timeout_s=1.0)
+            state["session"] = uuid.uuid4().hex
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, recover, on_ids,

@@ -39,3 +39,43 @@ def test_the_record_keeps_the_json_keys_and_their_order():
     parts = {"stage_receipts": [], "problems": []}
     rec = _result(receipt_parts=parts).as_record()
     assert list(rec) == RECORD_KEYS + ["receipt_parts"] and rec["receipt_parts"] is parts
+
+
+def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
+    """Issue 31's chaos soak: a stage SIGSTOPped during the open made it StageLost, the heal's re-check
+    found every stage answering again (a pause: nothing replaced) and the request failed with a 503.
+    Now the session is closed where it was opened and opened once more under a fresh id."""
+    import trio
+
+    from swarm.coordinator.generation import OPEN_ATTEMPTS, _open_session
+    from swarm.errors import StageLost
+
+    class Ring:
+        def __init__(self, fails):
+            self.fails, self.opened, self.closed = fails, [], []
+
+        async def open_session(self, session, *args, **kwargs):
+            self.opened.append(session)
+            if len(self.opened) <= self.fails:
+                raise StageLost("stage 0 stopped answering heartbeats (2.0 s) while opening the session")
+            return 0  # positions reused from the prefix cache
+
+        async def close_session(self, session, timeout_s=5.0):
+            self.closed.append(session)
+
+    class Loop:
+        def skip_prefix(self, n):
+            self.skipped = n
+
+    async def never_replaced(exc):  # the heal's re-check: every stage answers, nothing replaced
+        return False
+
+    def run_open(fails):
+        ring, state = Ring(fails), {"session": "s0", "max_len": 64, "sampling": None}
+        trio.run(_open_session, ring, Loop(), state, [1, 2, 3], DecodeOptions(4), False, never_replaced)
+        return ring, state
+
+    ring, state = run_open(1)
+    assert ring.opened[0] == "s0" and ring.closed == ["s0"] and state["session"] == ring.opened[1] != "s0"
+    with pytest.raises(StageLost, match="while opening the session"):  # paused at every try: it says so
+        run_open(OPEN_ATTEMPTS)

@@ -360,46 +360,9 @@ def test_a_chain_of_stages_from_the_dht_replaces_one_lost_stage(swarm_net, stori
     ring holds all of [1, 4), so the heal splices a chain from the DHT (A2 for the front, the relayed
     R for the back) into E's place; the ids equal the uninterrupted run, the ring grows to 4 stages
     and the job receipt verifies across the splice."""
-    from swarm import receipts
-    from swarm.config import RingSpec, StageSpec
-    from swarm.coordinator.generation import write_job_receipt
-
-    st = swarm_net["ring"].stages
-    a, a2, c, r, e = st  # RANGES order
-    new = 24
-    expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
-    mid = model_id(stories_dir)
-    spec = RingSpec(model=str(stories_dir), stages=(StageSpec(a.addr, LayerRange(0, 1)),
-                                                     StageSpec(e.addr, LayerRange(1, 4)),
-                                                     StageSpec(c.addr, LayerRange(4, 5))))
-
-    async def main():
-        key = load_or_create_key(tmp_path / "coord.key")
-        async with open_host(key) as host, trio.open_nursery() as nursery:
-            async with open_dht(host, server=False, bootstrap=[swarm_net["boot"].addr]) as dht:
-                ring = RingClient(host, spec, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-                ring.discovery = (dht, mid, await dht.find_records(mid))
-                digest = model_manifest_digest(stories_dir)
-                await ring.connect(5, digest, nursery)
-                killed = []
-
-                def on_ids(out):
-                    if len(out) >= 6 and not killed:
-                        os.kill(e.proc.pid, signal.SIGKILL)
-                        killed.append(len(out))
-
-                job = {"id": "chain-heal", "nonce": receipts.new_nonce()}
-                decoded = await decode(ring, PROMPT_IDS, DecodeOptions(new, spec=SpecConfig(), heal=True, job=job),
-                                       on_ids=on_ids)
-                out, timing = decoded.output_ids, decoded.as_record()
-                entries = [i.entry() for i in ring.infos]
-                res = write_job_receipt(tmp_path / "receipts", key, job, timing.pop("receipt_parts"),
-                                        model="stories260k", model_digest=digest, num_layers=5,
-                                        prompt_ids=PROMPT_IDS, output_ids=out, ring=entries, record=timing)
-                nursery.cancel_scope.cancel()
-        return out, timing, entries, res
-
-    out, timing, entries, res = trio.run(main)
+    a, a2, c, r, e = swarm_net["ring"].stages  # RANGES order
+    out, timing, entries, res, expected = _heal_by_hand(
+        swarm_net, stories_dir, tmp_path, [(a, (0, 1)), (e, (1, 4)), (c, (4, 5))], kill=e, job_id="chain-heal")
     assert out == expected
     (event,) = timing["heal_events"]
     assert event["stage"] == 1 and event["layers"] == [1, 4] and len(event["spares"]) == 2
@@ -462,20 +425,35 @@ def test_a_lost_stage_whose_layers_only_the_ring_holds_re_routes_a_window(swarm_
     R, both in the ring, so no spare exists; the heal re-routes positions 0 and 1 onto S holding all of
     [0, 3) and replays in full. The ids equal the uninterrupted run, the ring shrinks to 2 stages and the
     job receipt verifies with the window's heal event."""
-    from swarm import receipts
-    from swarm.config import RingSpec, StageSpec
-    from swarm.coordinator.generation import write_job_receipt
-
     a, a2, c, r, e = swarm_net["ring"].stages
     alive = [s for s in (a, a2) if s.proc.poll() is None]
     assert len(alive) == 1 and e.proc.poll() is not None, "the heal tests above kill E and one holder of [0, 3)"
     s = alive[0]
-    new = 24
+    out, timing, entries, res, expected = _heal_by_hand(
+        swarm_net, stories_dir, tmp_path, [(s, (0, 2)), (c, (2, 3)), (r, (3, 5))], kill=c, job_id="window-heal")
+    assert out == expected
+    (event,) = timing["heal_events"]
+    assert (event["stage"], event["positions"], event["lost_stage"], event["layers"]) == (0, 2, 1, [0, 3]), event
+    assert event["spares"] == [_peer(s)] and event["replay"] == "full" and "2 ring positions" in event["fallback"]
+    assert [(x["peer_id"], x["layers"]) for x in entries] == [(_peer(s), [0, 3]), (_peer(r), [3, 5])]
+    assert res["verified"], res
+
+
+def _heal_by_hand(swarm_net, stories_dir, tmp_path, hops, *, kill, job_id: str, new: int = 24):
+    """Generate ``new`` tokens of PROMPT_IDS over a ring of ``hops`` (``[(stage, (start, end))]``) given by
+    hand, with the DHT's records for heals and a job receipt, SIGKILLing ``kill`` after 6 tokens.
+
+    Returns:
+        (output ids, the decode record, the final ring's entries, write_job_receipt's result, the
+        uninterrupted reference ids).
+    """
+    from swarm import receipts
+    from swarm.config import RingSpec, StageSpec
+    from swarm.coordinator.generation import write_job_receipt
+
     expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
     mid = model_id(stories_dir)
-    spec = RingSpec(model=str(stories_dir), stages=(StageSpec(s.addr, LayerRange(0, 2)),
-                                                     StageSpec(c.addr, LayerRange(2, 3)),
-                                                     StageSpec(r.addr, LayerRange(3, 5))))
+    spec = RingSpec(model=str(stories_dir), stages=tuple(StageSpec(st.addr, LayerRange(*layers)) for st, layers in hops))
 
     async def main():
         key = load_or_create_key(tmp_path / "coord.key")
@@ -489,10 +467,10 @@ def test_a_lost_stage_whose_layers_only_the_ring_holds_re_routes_a_window(swarm_
 
                 def on_ids(out):
                     if len(out) >= 6 and not killed:
-                        os.kill(c.proc.pid, signal.SIGKILL)
+                        os.kill(kill.proc.pid, signal.SIGKILL)
                         killed.append(len(out))
 
-                job = {"id": "window-heal", "nonce": receipts.new_nonce()}
+                job = {"id": job_id, "nonce": receipts.new_nonce()}
                 decoded = await decode(ring, PROMPT_IDS, DecodeOptions(new, spec=SpecConfig(), heal=True, job=job),
                                        on_ids=on_ids)
                 out, timing = decoded.output_ids, decoded.as_record()
@@ -503,10 +481,4 @@ def test_a_lost_stage_whose_layers_only_the_ring_holds_re_routes_a_window(swarm_
                 nursery.cancel_scope.cancel()
         return out, timing, entries, res
 
-    out, timing, entries, res = trio.run(main)
-    assert out == expected
-    (event,) = timing["heal_events"]
-    assert (event["stage"], event["positions"], event["lost_stage"], event["layers"]) == (0, 2, 1, [0, 3]), event
-    assert event["spares"] == [_peer(s)] and event["replay"] == "full" and "2 ring positions" in event["fallback"]
-    assert [(x["peer_id"], x["layers"]) for x in entries] == [(_peer(s), [0, 3]), (_peer(r), [3, 5])]
-    assert res["verified"], res
+    return (*trio.run(main), expected)

@@ -307,7 +307,10 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
             # during the rebuild (issue 31's chaos soak: a survivor SIGSTOPped then). Rebuild in full
             # on the ring as it is
             try:
-                await _replay_in_full(ops, replay, swapped, attempt, errors)
+                swapped.attempts, swapped.errors, swapped.shadow_fallback = attempt, list(errors), ""
+                t2, token = await _replay_in_full(
+                    ops, replay, swapped, f"a stage paused during the rebuild ({errors[-1]}): replayed in full")
+                _finish(swapped, replay, token, t2, ops.now())
             except ReplayMismatch:
                 raise
             except SwarmError as exc:
@@ -347,33 +350,35 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
         except SwarmError as exc:  # a second failure during recovery: start over from the probe
             errors.append(f"attempt {attempt}: {exc}")
             continue
-        event.replay_s, event.replay_tokens = t3 - t2, len(replay.prefix)
-        if replay.driver is not None and token != replay.driver:
-            raise ReplayMismatch(f"replaying {len(replay.prefix)} tokens through the repaired ring gave token "
-                                 f"{token}, but {replay.driver} was already committed: refusing to continue")
-        event.total_s = t3 - detected_at
+        _finish(event, replay, token, t2, t3)
         return event
     raise HealError(f"recovery failed {max_attempts} times: {'; '.join(errors)}")
 
 
-async def _replay_in_full(ops: SwarmOps, replay: Replay, event: HealEvent, attempt: int, errors: list[str]) -> None:
-    """Rebuild the session on the ring as it is (``reset``, ``replay`` in full) after an attempt that
-    swapped its replacement in and then failed during the rebuild; fills ``event``.
+async def _replay_in_full(ops: SwarmOps, replay: Replay, event: HealEvent, why: str) -> tuple[float, int | None]:
+    """Reset and replay ``replay.prefix`` in full on the ring as it is; ``event`` says so (``why``).
 
-    Raises:
-        ReplayMismatch: the replay gave another token than the driver. SwarmError: a stage failed again.
+    Returns:
+        (``ops.now()`` when the replay began, the driver token it produced or None).
     """
-    event.attempts, event.errors = attempt, list(errors)
-    event.replay, event.fallback = "full", f"a stage paused during the rebuild ({errors[-1]}): replayed in full"
-    event.refill_tokens, event.survivor_tokens, event.shadow_fallback = 0, len(replay.prefix), ""
+    event.replay, event.fallback = "full", why
+    event.refill_tokens, event.survivor_tokens = 0, len(replay.prefix)
     await ops.reset()
     t2 = ops.now()
-    token = await ops.replay(replay.prefix)
-    event.replay_s, event.replay_tokens = ops.now() - t2, len(replay.prefix)
+    return t2, await ops.replay(replay.prefix)
+
+
+def _finish(event: HealEvent, replay: Replay, token: int | None, t2: float, t3: float) -> None:
+    """Close ``event`` for a rebuild that ran from ``t2`` to ``t3`` and gave ``token``.
+
+    Raises:
+        ReplayMismatch: ``token`` is not the driver already committed (the output would diverge).
+    """
+    event.replay_s, event.replay_tokens = t3 - t2, len(replay.prefix)
     if replay.driver is not None and token != replay.driver:
         raise ReplayMismatch(f"replaying {len(replay.prefix)} tokens through the repaired ring gave token "
                              f"{token}, but {replay.driver} was already committed: refusing to continue")
-    event.total_s = ops.now() - event.detected_at
+    event.total_s = t3 - event.detected_at
 
 
 async def _blame(ops: SwarmOps) -> Failure | None:
@@ -414,8 +419,4 @@ async def _rebuild(ops: SwarmOps, replay: Replay, event: HealEvent, index: int) 
         event.survivor_tokens = 1
         t2 = ops.now()
         return t2, await ops.resume()
-    event.replay, event.fallback = "full", why
-    event.refill_tokens, event.survivor_tokens = 0, len(replay.prefix)
-    await ops.reset()
-    t2 = ops.now()
-    return t2, await ops.replay(replay.prefix)
+    return await _replay_in_full(ops, replay, event, why)

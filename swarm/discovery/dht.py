@@ -652,8 +652,8 @@ class SwarmDHT:
         first = [i.peer_id for i in self.bootstrap]
         for key in ([keys] if isinstance(keys, str) else keys):
             with trio.move_on_after(timeout_s):
-                await lookup_providers(self.dht, _encode_key(key), found, first=first, settle_s=settle_s,
-                                       find_closest=self.closest_nodes)
+                await lookup_providers(self.dht, _encode_key(key), found, self.closest_nodes, first=first,
+                                       settle_s=settle_s)
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():

@@ -152,8 +152,8 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
     return finished
 
 
-async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *,
-                           settle_s: float | None = None, find_closest=None) -> None:
+async def lookup_providers(dht, key: bytes, found: dict, find_closest, first: Iterable = (), *,
+                           settle_s: float | None = None) -> None:
     """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
 
     Asks, concurrently and each under ``QUERY_TIMEOUT_S``: the nodes in ``first`` (e.g. the
@@ -165,26 +165,25 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *
 
     With ``settle_s``, the lookup ends ``settle_s`` after the first answer that names a provider
     (every node holding the key holds the same recent providers, up to ``MAX_PROVIDERS_PER_KEY``):
-    a cold client then waits for one answer, not for the network lookup's lock-step rounds, each
-    as slow as its slowest dial (issue 31: 2.7 s in a healthy swarm, up to the read's deadline
-    with departed nodes in routing tables).
+    a cold client then waits for one answer, not for the network lookup's end (issue 31: 2.7 s in
+    a healthy swarm with libp2p's lock-step rounds, up to the read's deadline with departed nodes
+    in routing tables).
 
     Args:
         dht: a running libp2p ``KadDHT`` (0.8.1: ``ProviderStore._get_providers_from_peer_with_closers``).
         key: the encoded provider key.
         found: filled in place; an entry with addresses is never replaced by one without.
+        find_closest: ``await find_closest(key, on_answer)`` -> the nodes closest to ``key`` (libp2p
+            IDs), calling ``on_answer(peer_id)`` as each node of the lookup answers: that node is
+            asked for providers at once, so the read need not wait for the lookup's end
+            (``SwarmDHT.closest_nodes``, the swarm's own iterative lookup). It replaced libp2p's
+            ``find_closest_peers_network``, whose rounds each wait for their slowest request, a
+            departed node's costing the library's query timeout: issue 31's simulator, joined
+            through a peer cache during a bootstrap outage (no bootstrap node to name providers
+            first), missed every provider within the read's deadline with it.
         first: libp2p peer IDs to ask before the lookup finishes.
         settle_s: seconds to keep listening after the first provider arrives (None: until the
             lookup and its queries end).
-        find_closest: ``await find_closest(key, on_answer)`` -> the nodes closest to ``key`` (libp2p
-            IDs), calling ``on_answer(peer_id)`` as each node of the lookup answers: that node is
-            asked for providers at once, so the read need not wait for the lookup's end. Default:
-            libp2p's ``find_closest_peers_network`` (no ``on_answer``), whose rounds each wait for
-            their slowest request, a departed node's costing the library's query timeout;
-            ``SwarmDHT`` passes its own iterative lookup (``closest_nodes``). Issue 31's simulator:
-            joined through a peer cache during a bootstrap outage (no bootstrap node to name
-            providers first), the library's rounds made routes miss every provider within the
-            read's deadline.
     """
     store = dht.provider_store
     me = dht.host.get_id()
@@ -222,10 +221,7 @@ async def lookup_providers(dht, key: bytes, found: dict, first: Iterable = (), *
 
         nursery.start_soon(ask_each_once, list(first), asked, ask)
         try:
-            if find_closest is None:
-                closest = await dht.peer_routing.find_closest_peers_network(key)
-            else:
-                closest = await find_closest(key, answered)
+            closest = await find_closest(key, answered)
         except Exception as e:  # a lookup failing on the way is fewer providers, not a failed read
             log.info("providers.lookup_failed key=%s error=%r", key.hex()[:16], e)
             closest = []

@@ -277,7 +277,10 @@ class CircuitClient:
                 return False
             circuits = [a for a in addrs if "/p2p-circuit" in a]
             if not circuits:
-                if addrs:  # known direct (a connection not yet set up may list no address yet)
+                # remembered only once libp2p set the connection's own addresses: until then it
+                # answers with the peerstore's addresses of the peer, direct ones even for a relayed
+                # connection (0.8.1's SwarmConn.get_transport_addresses; the version is pinned)
+                if getattr(conn, "_actual_transport_addresses", None):
                     self._direct.add(conn)
                 return False  # a direct connection
             relays = {peer_id_from_addr(relay_part(a)) for a in circuits}

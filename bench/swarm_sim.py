@@ -19,8 +19,9 @@ the rebalance check (``should_move``). The async product code runs under ``trio.
 stand-ins that sleep the modelled network time, and whose ping (``rtt_ms``) is the RTT model.
 
 Clients run on ``CLIENT_MACHINES`` machines; each keeps a peer cache (the DHT servers its last route's
-lookups met, as ``open_dht`` writes on the way out), through which it joins during the bootstrap outage
-(``open_dht``'s known peers, timed as ``_join_any`` joins them); a machine that never ran waits.
+lookups met, those that named providers first, as ``open_dht`` writes on the way out), through which it
+joins during the bootstrap outage (``open_dht``'s known peers, timed as ``_join_any`` joins them); a
+machine that never ran waits.
 
 Modelled, not real: the network and libp2p (connections, streams, the routing tables), the DHT's
 storage, a stage's compute (per-layer ms from its card class), loading weights, sessions' KV
@@ -46,7 +47,7 @@ import trio.testing
 
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
-from swarm.discovery.dht import (JOIN_FALLBACK_AFTER_S, JOIN_GRACE_S, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
+from swarm.discovery.dht import (JOIN_GRACE_S, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT, peer_cache_order,
                                  placement_key, placement_shard)
 from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
@@ -371,7 +372,9 @@ class _Op:
     def __init__(self, world: World, me: Endpoint, seed: int, through: list[str] | None = None):
         self.world, self.me = world, me
         self.jitter = random.Random(seed)
-        self.connected: set[str] = set()
+        # the peers it joined through during an outage are connected already (the join's dials are
+        # timed in its route, ``Sim.join_via_cache``)
+        self.connected: set[str] = set(through or ())
         self.key = node_key(me.name)
         # the nodes it joined through: the bootstrap nodes, or its cached peers during their outage
         self.seed_names = dict((k, b) for b, k in world.boot_keys.items()) if through is None else \
@@ -886,19 +889,20 @@ class Sim:
         self.route(s, first=True)
 
     def join_via_cache(self, client: Endpoint) -> tuple[list[str], float] | None:
-        """``open_dht`` while no bootstrap node answers: the servers of the client's peer cache that are
-        up, and the seconds the join took (``JOIN_FALLBACK_AFTER_S`` for the crashed bootstrap nodes,
-        then the first cached server's dial, then ``JOIN_GRACE_S`` while others still dial, as
-        ``dht._join_any``); None when the cache names no live server (or there is none: a first run)."""
+        """``open_dht`` while no bootstrap node answers (``dht._join_any``): the bootstrap nodes and
+        the servers of the client's peer cache are joined at once; the crashed bootstrap nodes never
+        answer, so the round ends ``JOIN_GRACE_S`` after the first cached server answered. Returns
+        the cached servers joined by then and the seconds the join took; None when the cache names
+        no live server (or there is none: a first run)."""
         w = self.w
         cache = self.caches.get(client.name, [])
         live = [n for n in cache if w.alive(w.peers[n]) and w.peers[n].state != "loading"]
         if not live:
             return None
         jitter = random.Random(self.rng.getrandbits(32))
-        dials = sorted(w.connect_s(client, w.peers[n], jitter) for n in live)
-        end = dials[0] + JOIN_GRACE_S if len(live) < len(cache) else min(dials[0] + JOIN_GRACE_S, dials[-1])
-        return live, JOIN_FALLBACK_AFTER_S + end
+        dials = {n: w.connect_s(client, w.peers[n], jitter) for n in live}
+        end = min(dials.values()) + JOIN_GRACE_S
+        return [n for n in live if dials[n] <= end], end
 
     def route(self, s: Session, first: bool) -> None:
         """A cold route: a client's discover_ring (DHT read, probes, plan_route) in virtual time. During
@@ -921,15 +925,18 @@ class Sim:
         async def fn(dht):
             out = await disc_client.discover_ring(dht, "sim-70b", MODEL_ID, NUM_LAYERS,
                                                   context_tokens=s.prompt + s.new_tokens)
-            met.extend(n for n in dht.op.connected if n in w.peers and w.peers[n].server)
+            met.extend(sorted(n for n in dht.op.connected if n in w.peers and w.peers[n].server))
+            holders.extend(dht.holders)
             return out
 
         met: list[str] = []
+        holders: list[str] = []
         out, virt, cpu = run_op(w, s.client, self.rng.getrandbits(32), fn, through=through)
         virt += join_s
         took = virt + cpu
-        if met:  # the servers its lookups met: what open_dht writes to the cache on the way out
-            self.caches[s.client.name] = met[:PEER_CACHE_SIZE]
+        if met:  # the servers its lookups met, what open_dht writes to the cache on the way out:
+            # those that named providers first (``peer_cache_order``), bootstrap nodes left out
+            self.caches[s.client.name] = [n for n in peer_cache_order(met, holders) if n in w.peers][:PEER_CACHE_SIZE]
         if not isinstance(out, Exception):
             (self.m.outage_route_s if through is not None else self.m.route_s_outside).append(took)
         if isinstance(out, Exception):

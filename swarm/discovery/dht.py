@@ -47,7 +47,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
@@ -72,7 +72,6 @@ JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its rout
 JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
 JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
 JOIN_GRACE_S = 0.3  # once one node of a round of joins answered, the others' joins get this long more, in seconds
-JOIN_FALLBACK_AFTER_S = 1.0  # no bootstrap node answered a join this long: known peers are joined through too
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -271,6 +270,10 @@ class SwarmDHT:
         self.bootstrap_addrs = tuple(bootstrap_addrs)
         self._bootstrap_slots = trio.CapacityLimiter(BOOTSTRAP_REQUESTS)
         self.table_filled = trio.Event()  # the join's self-lookup ended (``fill_table``), or none runs
+        # PeerIds of the nodes that named providers of a key this node read, most recent last: its
+        # peer cache leads with them (``_keep_peers``), so that through a bootstrap outage its first
+        # lookup starts at nodes holding the model's providers (issue 31's simulator)
+        self.holders: dict[str, None] = {}
 
     @property
     def server(self) -> bool:
@@ -318,6 +321,27 @@ class SwarmDHT:
             except DiscoveryError as e:
                 log.info("dht.rejoin_failed peer=%s error=%s", info.peer_id, e)
         return ok
+
+    async def join_late(self, late: Sequence[tuple[str, object]], timeout_s: float) -> None:
+        """Join through bootstrap nodes that had not answered when ``open_dht`` joined through known
+        peers instead (``_join_any``): each that answers within ``timeout_s`` becomes one of this
+        node's bootstrap nodes (asked first by its lookups, its clock measured against them)."""
+        async def one(addr: str, info) -> None:
+            try:
+                await _join_one(self.host, self.dht, info, timeout_s)
+            except DiscoveryError as e:
+                log.info("dht.late_bootstrap_failed %s: %s", addr, e)
+                return
+            if all(i.peer_id != info.peer_id for i in self.bootstrap):
+                self.bootstrap.append(info)
+                self.bootstrap_addrs += (addr,)
+            log.info("dht.late_bootstrap_joined %s", addr)
+
+        async with trio.open_nursery() as nursery:
+            for addr, info in late:
+                nursery.start_soon(one, addr, info)
+        if any(a in self.bootstrap_addrs for a, _ in late):
+            await self.sync_clock()
 
     async def fill_table(self, timeout_s: float = JOIN_LOOKUP_S) -> int:
         """Look up this node's own PeerId (Kademlia's join): the nodes met on the way enter the routing
@@ -653,7 +677,9 @@ class SwarmDHT:
         for key in ([keys] if isinstance(keys, str) else keys):
             with trio.move_on_after(timeout_s):
                 await lookup_providers(self.dht, _encode_key(key), found, self.closest_nodes, first=first,
-                                       settle_s=settle_s)
+                                       settle_s=settle_s, holders=self.holders)
+        for peer_id in list(self.holders)[:-PEER_CACHE_SIZE]:
+            del self.holders[peer_id]
         lh = self.host.libp2p_host
         peerstore, network = lh.get_peerstore(), lh.get_network()
         for info in found.values():
@@ -836,12 +862,26 @@ def save_peer_cache(path, addrs: Sequence[str]) -> None:
     write_atomic(path, json.dumps(list(addrs)[:PEER_CACHE_SIZE], indent=1) + "\n")
 
 
-def _server_addrs(host, dht) -> list[str]:
-    """Full multiaddrs of the DHT servers in this node's routing table (what a peer cache keeps)."""
+def peer_cache_order(table: Iterable, holders: Iterable) -> list:
+    """The order a peer cache keeps DHT servers in: ``holders`` (the nodes that named providers of
+    the keys this node read, given oldest first) newest first, then the rest of ``table`` (the
+    routing table's servers) in its order, each once. A node joining through its cache during a
+    bootstrap outage then has the model key's holders in its table, and its first lookup asks them
+    first (issue 31's simulator: 1.5-2 s of such a route was the walk towards them)."""
+    return list(dict.fromkeys([*reversed(list(holders)), *table]))
+
+
+def _server_addrs(host, dht, holders: Iterable = ()) -> list[str]:
+    """Full multiaddrs of the DHT servers a peer cache keeps: ``holders`` (PeerId strings, as in
+    ``SwarmDHT.holders``) first, then the routing table's (``peer_cache_order``)."""
+    from libp2p.peer.id import ID
+
     peerstore = host.libp2p_host.get_peerstore()
+    table = [str(p) for p in dht.routing_table.get_peer_ids()]
     out = []
-    for peer_id in dht.routing_table.get_peer_ids():
+    for peer in peer_cache_order(table, holders):
         try:
+            peer_id = ID.from_base58(peer)
             addrs = peerstore.addrs(peer_id)
         except Exception:  # no address kept for it any more
             continue
@@ -852,74 +892,67 @@ def _server_addrs(host, dht) -> list[str]:
 
 async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: float,
                     failures: list[str], transient: list[bool] | None = None, *,
-                    fallback: Sequence[tuple[str, object]] = (), fallback_failures: list[str] | None = None,
-                    fallback_after_s: float = JOIN_FALLBACK_AFTER_S) -> tuple[list, list]:
-    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` concurrently (``timeout_s`` each), and
-    through those of ``fallback`` too once none of ``known`` answered within ``fallback_after_s`` or
-    all of them failed (a client's or stage's known peers while the bootstrap nodes are down: it
-    joins in about ``fallback_after_s`` instead of after the bootstrap nodes' whole ``timeout_s``).
-    Once one answered, the others get ``JOIN_GRACE_S`` more and those still joining then are left
-    (one node is enough to join through): a crashed node, which never answers, no longer holds
-    every start-up for the whole ``timeout_s`` (issue 31's simulator, a bootstrap outage).
+                    fallback: Sequence[tuple[str, object]] = (),
+                    fallback_failures: list[str] | None = None) -> tuple[list, list, list]:
+    """Join through each ``(multiaddr, PeerInfo)`` of ``known`` (the bootstrap nodes) and of
+    ``fallback`` (known peers, the peer cache) at once, ``timeout_s`` each.
+
+    A bootstrap node that answers ends the known peers' joins (they were a hedge) and gives the
+    other bootstrap nodes ``JOIN_GRACE_S`` more. A known peer that answers first gives every
+    join still running ``JOIN_GRACE_S`` more, and then the round ends: a crashed bootstrap node,
+    which accepts connections and never answers, no longer holds a start for its whole
+    ``timeout_s`` (issue 31's simulator: 1.0 s of waiting before the cache was tried was most of a
+    client's route during a bootstrap outage). Bootstrap nodes still joining then are returned,
+    for the caller to keep joining in the background (``SwarmDHT.join_late``).
 
     Each failure adds a line to ``failures`` (``fallback_failures`` for ``fallback``'s) and, when
     ``transient`` is given, whether trying again may help (``JoinFailed.transient``).
 
     Returns:
-        (the ``known`` entries that answered, the ``fallback`` entries that answered), each in the
-        order given.
+        (the ``known`` entries that answered, the ``fallback`` entries that answered, the ``known``
+        entries still joining when the round ended), each in the order given.
     """
-    joined: list = []
-    pending = 0
-    first_done = trio.Event()  # one joined, or every one of ``known`` failed
-    known_left = len(known)
-    started = False  # the joins through ``fallback`` began
+    done: dict[int, bool] = {}  # id(PeerInfo) -> answered
+    pending = len(known) + len(fallback)
+    grace = False
+    hedge = trio.CancelScope()  # the known peers' joins
 
     async def one(addr: str, info, nursery, into: list[str], primary: bool) -> None:
-        nonlocal pending, known_left
+        nonlocal pending, grace
         try:
             await _join_one(host, dht, info, timeout_s)
-            joined.append((addr, info))
-            if len(joined) == 1:
-                first_done.set()
+            done[id(info)] = True
+            if primary:
+                hedge.cancel()
+            if not grace:
+                grace = True
                 nursery.start_soon(_cancel_after, JOIN_GRACE_S, nursery.cancel_scope)
         except DiscoveryError as e:
+            done[id(info)] = False
             into.append(f"{addr}: {e}")
             if transient is not None:
                 transient.append(getattr(e, "transient", False))
         finally:
             pending -= 1
-            if primary:
-                known_left -= 1
-                if not known_left:
-                    first_done.set()
-            if not pending and (joined or started or not fallback):  # every join ended: no grace to wait out
+            if not pending:  # every join ended: no grace to wait out
                 nursery.cancel_scope.cancel()
 
-    async def later(nursery) -> None:
-        nonlocal pending, started
-        with trio.move_on_after(fallback_after_s):
-            await first_done.wait()
-        if joined:
-            return
-        started = True
-        pending += len(fallback)
-        for addr, info in fallback:
-            nursery.start_soon(one, addr, info, nursery, fallback_failures if fallback_failures is not None
-                               else failures, False)
-        if not pending:
-            nursery.cancel_scope.cancel()
+    async def hedged(nursery) -> None:
+        with hedge:
+            async with trio.open_nursery() as inner:
+                for addr, info in fallback:
+                    inner.start_soon(one, addr, info, nursery, fallback_failures if fallback_failures is not None
+                                     else failures, False)
 
     async with trio.open_nursery() as nursery:
-        pending = len(known)
         for addr, info in known:
             nursery.start_soon(one, addr, info, nursery, failures, True)
         if fallback:
-            nursery.start_soon(later, nursery)
-        elif not known:
+            nursery.start_soon(hedged, nursery)
+        if not pending:
             nursery.cancel_scope.cancel()
-    ids = {id(info) for _, info in joined}
-    return [x for x in known if id(x[1]) in ids], [x for x in fallback if id(x[1]) in ids]
+    return ([x for x in known if done.get(id(x[1]))], [x for x in fallback if done.get(id(x[1]))],
+            [x for x in known if id(x[1]) not in done])
 
 
 def _own_refresh(dht, made: list) -> None:
@@ -940,13 +973,13 @@ def _own_refresh(dht, made: list) -> None:
     dht.refresh_routing_table = refresh_routing_table
 
 
-def _keep_peers(peer_cache, host, dht) -> None:
-    """Write the DHT servers of the routing table to ``peer_cache`` (None: no cache); a cache that
-    cannot be written is a missed hint, not a failure (logged), and so is a table that is empty by
-    now (the file is left as it was)."""
+def _keep_peers(peer_cache, host, dht, holders: Iterable = ()) -> None:
+    """Write the DHT servers of the routing table to ``peer_cache`` (None: no cache), ``holders``
+    first (``_server_addrs``); a cache that cannot be written is a missed hint, not a failure
+    (logged), and so is a table that is empty by now (the file is left as it was)."""
     if peer_cache is None:
         return
-    addrs = _server_addrs(host, dht)
+    addrs = _server_addrs(host, dht, holders)
     if not addrs:
         return
     try:
@@ -981,15 +1014,16 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
             check record expiries in that corrected time (``SwarmClock``); False uses ``clock``
             as it is (tests that move time by hand). Server nodes answer others' time requests.
         accept_models: model ids this node stores records for (None: any).
-        peers: multiaddrs of any other swarm DHT servers (stages) this node knows; joined
-            through too when no bootstrap node answered within ``JOIN_FALLBACK_AFTER_S`` or all
-            failed (issue 31: during a bootstrap outage no new node could join), and used only
-            when no bootstrap node answers.
-        peer_cache: a file of DHT servers this node met before (``load_peer_cache``): joined
-            through as ``peers`` are (not read when
-            none is given), and rewritten with the servers of its routing table once joined.
-            None: no cache.
-        join_attempts: rounds of joins (bootstrap nodes, then ``peers`` and the cache) before
+        peers: multiaddrs of any other swarm DHT servers (stages) this node knows: joined
+            through at the same time as the bootstrap nodes, as a hedge (``_join_any``: the first
+            bootstrap node to answer ends these joins; a known peer answering first ends the round
+            ``JOIN_GRACE_S`` later, and bootstrap nodes still joining then are joined in the
+            background). Issue 31: during a bootstrap outage no new node could join.
+        peer_cache: a file of DHT servers this node met before (``load_peer_cache``, the nodes that
+            held the keys it read first): joined through as ``peers`` are (not read when no
+            bootstrap node is given), and rewritten with the servers of its routing table once
+            joined and again on the way out. None: no cache.
+        join_attempts: rounds of joins (bootstrap nodes, ``peers`` and the cache) before
             giving up, while some failure may pass (``JoinFailed.transient``: no answer in time,
             nothing accepting connections); >= 1.
         join_backoff_s: pause before the second round, in seconds; doubled each round, plus a
@@ -1017,11 +1051,15 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     # a node given no bootstrap node starts a swarm of its own: its cache (of some other swarm, maybe) is not read
     cached = list(dict.fromkeys([*peers, *(load_peer_cache(peer_cache) if peer_cache is not None and infos else [])]))
     cached_infos = []
+    boot_ids = {info.peer_id for info in infos}
     for addr in cached:
         try:
-            cached_infos.append((addr, parse_bootstrap(addr)))
+            info = parse_bootstrap(addr)
         except ConfigError as e:  # a stale or hand-edited entry: the others may still answer
             log.warning("dht.peer_cache_entry_skipped addr=%s error=%s", addr, e)
+            continue
+        if info.peer_id not in boot_ids:  # joined through as a bootstrap node already (one dial per node)
+            cached_infos.append((addr, info))
     clock = clock or local_clock
     if sync_clock:
         clock = SwarmClock(clock)
@@ -1039,21 +1077,25 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     error: DiscoveryError | None = None
     async with background_trio_service(dht) as manager:
         for attempt in range(1, join_attempts + 1):
-            # every bootstrap node at once (one busy or gone costs its timeout, not the sum of all), and
-            # the known peers too once none answered within JOIN_FALLBACK_AFTER_S (at once without any)
+            # every bootstrap node and every known peer at once (one busy or gone costs its timeout, not
+            # the sum of all); a bootstrap node answering ends the known peers' joins
             failures: list[str] = []
             transient: list[bool] = []
             others: list[str] = []
             primary = list(zip(bootstrap, infos))
-            joined, via_known = await _join_any(host, dht, primary, timeout_s, failures, transient,
-                                                fallback=cached_infos, fallback_failures=others,
-                                                fallback_after_s=JOIN_FALLBACK_AFTER_S if primary else 0.0)
+            joined, via_known, late = await _join_any(host, dht, primary, timeout_s, failures, transient,
+                                                      fallback=cached_infos, fallback_failures=others)
             all_failed = bool(infos) and not joined
             through, through_addrs = infos, list(bootstrap)
             if cached_infos and (all_failed or not infos):
                 if via_known:
-                    log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
-                                len(via_known), len(cached_infos), "; ".join(failures) or "none given")
+                    if late:  # slow, or crashed with its port still open: keep trying it in the background
+                        log.info("dht.joined_before_bootstrap through=%d/%d known peers; still joining %d "
+                                 "bootstrap node(s)%s", len(via_known), len(cached_infos), len(late),
+                                 "; " + "; ".join(failures) if failures else "")
+                    else:
+                        log.warning("dht.joined_without_bootstrap through=%d/%d known peers; bootstrap: %s",
+                                    len(via_known), len(cached_infos), "; ".join(failures) or "none given")
                     through, through_addrs = [i for _, i in via_known], [a for a, _ in via_known]
                     joined, all_failed, failures = via_known, False, []
                 else:
@@ -1080,6 +1122,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                      len(infos) - len(failures), len(infos))
             node = SwarmDHT(host, dht, through, clock, through_addrs)
             made.append(node)
+            if late and through is not infos:
+                manager.run_task(node.join_late, late, timeout_s, name="swarm-dht-late-bootstrap")
             await node.sync_clock(addrs=[a for a, _ in joined])
             if through and server:
                 # in the background, bounded by JOIN_LOOKUP_S: start-up does not wait for it. A client
@@ -1087,13 +1131,13 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 manager.run_task(node.fill_table, name="swarm-dht-join-lookup")
             else:
                 node.table_filled.set()
-            _keep_peers(peer_cache, host, dht)
+            _keep_peers(peer_cache, host, dht, node.holders)
             try:
                 yield node
             finally:
                 # again on the way out: a client's table held only the bootstrap nodes when it joined
                 # (it runs no self-lookup), so its cache could not carry it through their outage; its
                 # lookups since met the servers near the keys it read (issue 31's simulator)
-                _keep_peers(peer_cache, host, dht)
+                _keep_peers(peer_cache, host, dht, node.holders)
     if error is not None:
         raise error

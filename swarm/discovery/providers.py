@@ -153,7 +153,7 @@ async def gather_settled(jobs: list[Callable[[], Awaitable[None]]], *, quorum: f
 
 
 async def lookup_providers(dht, key: bytes, found: dict, find_closest, first: Iterable = (), *,
-                           settle_s: float | None = None) -> None:
+                           settle_s: float | None = None, holders: dict | None = None) -> None:
     """Collect the providers of ``key`` into ``found`` (``{peer_id str: PeerInfo}``), as they arrive.
 
     Asks, concurrently and each under ``QUERY_TIMEOUT_S``: the nodes in ``first`` (e.g. the
@@ -184,6 +184,9 @@ async def lookup_providers(dht, key: bytes, found: dict, find_closest, first: It
         first: libp2p peer IDs to ask before the lookup finishes.
         settle_s: seconds to keep listening after the first provider arrives (None: until the
             lookup and its queries end).
+        holders: when given, the PeerId (str) of each node that named providers is moved to its
+            end (an insertion-ordered dict used as a set, most recent last): the nodes a peer
+            cache should lead with (``SwarmDHT.holders``).
     """
     store = dht.provider_store
     me = dht.host.get_id()
@@ -210,6 +213,9 @@ async def lookup_providers(dht, key: bytes, found: dict, find_closest, first: It
                 providers, _ = await store._get_providers_from_peer_with_closers(peer, key)
                 for info in providers:
                     keep(info)
+                if providers and holders is not None:
+                    holders.pop(str(peer), None)
+                    holders[str(peer)] = None
                 if providers and settle_s is not None and not settling:
                     settling = True
                     nursery.start_soon(settle)

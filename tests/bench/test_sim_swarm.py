@@ -95,8 +95,9 @@ def test_a_placement_read_sees_a_stage_the_model_key_no_longer_names():
 
 def test_during_the_bootstrap_outage_a_client_that_ran_before_routes_through_its_peer_cache():
     """open_dht joins through the known peers when no bootstrap node answers: in the simulator a client
-    machine that routed before joins through the live servers of its cache, in about
-    JOIN_FALLBACK_AFTER_S plus one dial, and routes; one that never ran has no cache and waits."""
+    machine that routed before joins through the live servers of its cache (joined at once with the
+    crashed bootstrap nodes), in one dial plus JOIN_GRACE_S, and routes; one that never ran has no
+    cache and waits."""
     sim = S.Sim(peers=30, minutes=1, seed=5, churn=False, sessions_per_min=0.001, warmup_s=600)
     while sim.heap and sim.heap[0][0] <= 0:  # the warm-up: every stage placed and announced
         t, _, fn, args = S.heapq.heappop(sim.heap)
@@ -110,8 +111,8 @@ def test_during_the_bootstrap_outage_a_client_that_ran_before_routes_through_its
     sim.w.peers[gone].gone_t = sim.w.now  # one cached server left meanwhile
     sim.caches["client-x"] = servers[:6]
     live, join_s = sim.join_via_cache(client)
-    assert gone not in live and set(live) == set(servers[1:6])
-    assert S.JOIN_FALLBACK_AFTER_S < join_s < S.JOIN_FALLBACK_AFTER_S + S.JOIN_GRACE_S + 3.0
+    assert live and gone not in live and set(live) <= set(servers[1:6])
+    assert S.JOIN_GRACE_S < join_s < S.JOIN_GRACE_S + 3.0
 
     async def route(dht):
         return await S.disc_client.discover_ring(dht, "sim-70b", S.MODEL_ID, S.NUM_LAYERS)

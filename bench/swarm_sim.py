@@ -47,8 +47,8 @@ import trio.testing
 
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
-from swarm.discovery.dht import (JOIN_GRACE_S, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT, peer_cache_order,
-                                 placement_key, placement_shard)
+from swarm.discovery.dht import (JOIN_GRACE_S, OUTAGE_READ_ALPHA, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
+                                 peer_cache_order, placement_key, placement_shard)
 from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
@@ -517,9 +517,11 @@ class SimDHT(SwarmDHT):
         super().__init__(_Host(op.me.name), _Kad(op), [_Info(b) for b in (op.world.boot_ids if through is None
                                                                           else through)], clock)
         self.op = op
+        if through is not None:  # as open_dht sets it for a node joined through known peers
+            self.read_alpha = OUTAGE_READ_ALPHA
 
-    async def closest_nodes(self, key: bytes, on_answer=None) -> list:
-        """``swarm.discovery.lookup.lookup`` as a model (what ``closest_nodes`` runs): ``LOOKUP_ALPHA``
+    async def closest_nodes(self, key: bytes, on_answer=None, *, alpha: int = LOOKUP_ALPHA) -> list:
+        """``swarm.discovery.lookup.lookup`` as a model (what ``closest_nodes`` runs): ``alpha``
         requests in flight, each to the nearest node of the shortlist not yet asked, the next sent as
         soon as one answers (no lock-step rounds), ``LOOKUP_QUERY_TIMEOUT_S`` each; ends when the k
         nearest heard of have all answered or failed. Starts, as the product does, from the nodes it
@@ -551,7 +553,7 @@ class SimDHT(SwarmDHT):
             while True:
                 waiting = [x for x in sorted((x for x in dist if x not in failed), key=dist.__getitem__)[:K]
                            if x not in asked]
-                while waiting and in_flight < LOOKUP_ALPHA:
+                while waiting and in_flight < alpha:
                     x = waiting.pop(0)
                     asked.add(x)
                     in_flight += 1

@@ -55,7 +55,7 @@ from importlib.metadata import version as _dist_version
 import multiaddr
 import trio
 
-from swarm.discovery.lookup import lookup
+from swarm.discovery.lookup import ALPHA, lookup
 from swarm.discovery.providers import (QUERY_TIMEOUT_S, SETTLE_GRACE_S, SETTLE_QUORUM, ask_each_once,
                                       bound_provider_store, gather_settled, lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
@@ -72,6 +72,11 @@ JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its rout
 JOIN_ATTEMPTS = 3  # rounds of joins through every address given before a node gives up
 JOIN_BACKOFF_S = 1.0  # pause before the second round of joins, doubled each round, plus up to half again (jitter)
 JOIN_GRACE_S = 0.3  # once one node of a round of joins answered, the others' joins get this long more, in seconds
+# requests in flight in a provider lookup of a node that joined without a bootstrap node (go-libp2p-kad-dht's
+# default concurrency): it walks to a key's holders from wherever its peer cache put it, not from a bootstrap
+# node holding every provider, and the fastest of more dials sets each step (issue 31's simulator, seed 2:
+# routes during the bootstrap outage p50 / max 2.33 / 3.97 s with 3, 2.21 / 3.02 s with 10)
+OUTAGE_READ_ALPHA = 10
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
@@ -274,6 +279,7 @@ class SwarmDHT:
         # peer cache leads with them (``_keep_peers``), so that through a bootstrap outage its first
         # lookup starts at nodes holding the model's providers (issue 31's simulator)
         self.holders: dict[str, None] = {}
+        self.read_alpha = ALPHA  # requests in flight in a provider lookup (``OUTAGE_READ_ALPHA``: see there)
 
     @property
     def server(self) -> bool:
@@ -325,7 +331,8 @@ class SwarmDHT:
     async def join_late(self, late: Sequence[tuple[str, object]], timeout_s: float) -> None:
         """Join through bootstrap nodes that had not answered when ``open_dht`` joined through known
         peers instead (``_join_any``): each that answers within ``timeout_s`` becomes one of this
-        node's bootstrap nodes (asked first by its lookups, its clock measured against them)."""
+        node's bootstrap nodes (asked first by its lookups, its clock measured against them), and
+        provider lookups run with ``ALPHA`` requests in flight again."""
         async def one(addr: str, info) -> None:
             try:
                 await _join_one(self.host, self.dht, info, timeout_s)
@@ -335,6 +342,7 @@ class SwarmDHT:
             if all(i.peer_id != info.peer_id for i in self.bootstrap):
                 self.bootstrap.append(info)
                 self.bootstrap_addrs += (addr,)
+            self.read_alpha = ALPHA  # a bootstrap node to read from again
             log.info("dht.late_bootstrap_joined %s", addr)
 
         async with trio.open_nursery() as nursery:
@@ -469,12 +477,13 @@ class SwarmDHT:
             nursery.start_soon(ask_each_once, [info.peer_id for info in self.bootstrap], asked, one)
             nursery.start_soon(ask_each_once, await self.closest_nodes(kb), asked, one)
 
-    async def closest_nodes(self, key: bytes, on_answer: Callable[[object], None] | None = None) -> list:
+    async def closest_nodes(self, key: bytes, on_answer: Callable[[object], None] | None = None, *,
+                            alpha: int = ALPHA) -> list:
         """The (up to) k DHT nodes closest to ``key`` that answer, nearest first: an iterative lookup
-        (``swarm.discovery.lookup``) from this node's routing table and the bootstrap nodes;
-        ``on_answer(peer_id)`` for each node as it answers."""
-        found = await lookup(self.dht, key, protocol_id=PROTOCOL_ID, seeds=[i.peer_id for i in self.bootstrap],
-                             on_answer=on_answer)
+        (``swarm.discovery.lookup``, ``alpha`` requests in flight) from this node's routing table and
+        the bootstrap nodes; ``on_answer(peer_id)`` for each node as it answers."""
+        found = await lookup(self.dht, key, protocol_id=PROTOCOL_ID, alpha=alpha,
+                             seeds=[i.peer_id for i in self.bootstrap], on_answer=on_answer)
         return list(found.closest)
 
     async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = 5.0) -> bytes | None:
@@ -676,7 +685,8 @@ class SwarmDHT:
         first = [i.peer_id for i in self.bootstrap]
         for key in ([keys] if isinstance(keys, str) else keys):
             with trio.move_on_after(timeout_s):
-                await lookup_providers(self.dht, _encode_key(key), found, self.closest_nodes, first=first,
+                await lookup_providers(self.dht, _encode_key(key), found,
+                                       functools.partial(self.closest_nodes, alpha=self.read_alpha), first=first,
                                        settle_s=settle_s, holders=self.holders)
         for peer_id in list(self.holders)[:-PEER_CACHE_SIZE]:
             del self.holders[peer_id]
@@ -1122,8 +1132,10 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                      len(infos) - len(failures), len(infos))
             node = SwarmDHT(host, dht, through, clock, through_addrs)
             made.append(node)
-            if late and through is not infos:
-                manager.run_task(node.join_late, late, timeout_s, name="swarm-dht-late-bootstrap")
+            if through is not infos:  # joined through known peers: no bootstrap node to read from
+                node.read_alpha = OUTAGE_READ_ALPHA
+                if late:
+                    manager.run_task(node.join_late, late, timeout_s, name="swarm-dht-late-bootstrap")
             await node.sync_clock(addrs=[a for a, _ in joined])
             if through and server:
                 # in the background, bounded by JOIN_LOOKUP_S: start-up does not wait for it. A client

@@ -324,10 +324,20 @@ def _delaying_proxy(port: int, delay_s: float):
 
 
 @pytest.mark.ring
-def test_a_bootstrap_node_slower_than_a_known_peer_is_joined_in_the_background():
+def test_a_bootstrap_node_slower_than_a_known_peer_is_joined_in_the_background(monkeypatch):
     """Issue 31: known peers are joined through at the same time as the bootstrap nodes. One that
     answers first lets the node start JOIN_GRACE_S later; the bootstrap node, still joining then,
-    becomes one of its bootstrap nodes once it answers."""
+    becomes one of its bootstrap nodes once it answers. Meanwhile its provider lookups run with
+    OUTAGE_READ_ALPHA requests in flight."""
+    alphas: list = []
+    original = dht_mod.lookup
+
+    async def counted(*args, **kwargs):
+        alphas.append(kwargs.get("alpha"))
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(dht_mod, "lookup", counted)
+
     async def main(nursery):
         async with AsyncExitStack() as stack:
             keys = [create_new_key_pair() for _ in range(3)]
@@ -336,19 +346,22 @@ def test_a_bootstrap_node_slower_than_a_known_peer_is_joined_in_the_background()
             boot_id = str(hosts[0].libp2p_host.get_id())
             await stack.enter_async_context(open_dht(hosts[1], server=True, bootstrap=[hosts[0].addrs()[0]]))
             port = int(str(hosts[0].addrs()[0]).split("/tcp/")[1].split("/")[0])
-            listener = (await nursery.start(trio.serve_tcp, _delaying_proxy(port, 1.5), 0))[0]
+            listener = (await nursery.start(trio.serve_tcp, _delaying_proxy(port, 2.5), 0))[0]
             slow = f"/ip4/127.0.0.1/tcp/{listener.socket.getsockname()[1]}/p2p/{boot_id}"
             start = time.monotonic()
             async with open_dht(hosts[2], server=False, bootstrap=[slow], peers=[hosts[1].addrs()[0]],
                                 timeout_s=8) as node:
                 took_s = time.monotonic() - start
                 assert [str(i.peer_id) for i in node.bootstrap] == [str(hosts[1].libp2p_host.get_id())]
-                assert took_s < 1.2, took_s  # not the bootstrap node's 1.5 s
+                assert took_s < 1.2, took_s  # not the bootstrap node's 2.5 s
+                await node.find_records(MODEL)
+                assert alphas[-1] == dht_mod.OUTAGE_READ_ALPHA
                 with trio.fail_after(8):
                     while boot_id not in {str(i.peer_id) for i in node.bootstrap}:
                         await trio.sleep(0.05)
                 assert slow in node.bootstrap_addrs
                 assert node.dht.routing_table.peer_in_table(hosts[0].libp2p_host.get_id())
+                assert node.read_alpha == 3
 
     async def outer():
         async with trio.open_nursery() as nursery:
@@ -373,6 +386,7 @@ def test_a_peer_cache_leads_with_the_nodes_that_named_providers(tmp_path):
             async with open_dht(host, server=False, bootstrap=[boot.host.addrs()[0]], peer_cache=cache) as client:
                 assert await client.find_records(MODEL)
                 holders = list(client.holders)
+                assert client.read_alpha == 3  # joined through the bootstrap node: the paper's alpha
                 assert holders  # the bootstrap node at least: every provide reaches it
             named = [a.rsplit("/", 1)[-1] for a in load_peer_cache(cache)]
             assert named[:len(holders)] == holders[::-1]

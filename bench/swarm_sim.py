@@ -49,7 +49,7 @@ from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
 from swarm.discovery.dht import (JOIN_GRACE_S, OUTAGE_READ_ALPHA, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
                                  peer_cache_order, placement_key, placement_shard)
-from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S
+from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S, walk
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
@@ -521,22 +521,14 @@ class SimDHT(SwarmDHT):
             self.read_alpha = OUTAGE_READ_ALPHA
 
     async def closest_nodes(self, key: bytes, on_answer=None, *, alpha: int = LOOKUP_ALPHA) -> list:
-        """``swarm.discovery.lookup.lookup`` as a model (what ``closest_nodes`` runs): ``alpha``
-        requests in flight, each to the nearest node of the shortlist not yet asked, the next sent as
-        soon as one answers (no lock-step rounds), ``LOOKUP_QUERY_TIMEOUT_S`` each; ends when the k
-        nearest heard of have all answered or failed. Starts, as the product does, from the nodes it
-        joined through and its routing table's nearest. The target is the model key (routes read it)."""
+        """What the product's ``closest_nodes`` runs: ``swarm.discovery.lookup.walk`` (the iterative
+        walk of ``lookup``, ``LOOKUP_QUERY_TIMEOUT_S`` per request) over the network model, from the
+        nodes it joined through and its routing table's nearest. Nodes are table keys here; the
+        target is the model key (routes read it)."""
         op, w = self.op, self.op.world
         target = w.model_key
         w.refresh_tables()
         names = dict(op.seed_names)
-        dist: dict[int, int] = {}
-        for k in list(names) + w.closest_in_table(op.key, op.key, 7):
-            dist.setdefault(k, k ^ target)
-        asked: set[int] = set()
-        answered: set[int] = set()
-        failed: set[int] = set()
-        send, receive = trio.open_memory_channel(math.inf)
 
         def name_of(k: int) -> str:
             if k in names:
@@ -544,33 +536,13 @@ class SimDHT(SwarmDHT):
             entry = w.table_peer[k]
             return entry if isinstance(entry, str) else entry.peer_id
 
-        async def query(k: int) -> None:
+        async def query(k: int):
             ok = await op.request(name_of(k), LOOKUP_QUERY_TIMEOUT_S)
-            await send.send((k, w.closest_in_table(k, target, 11) if ok else None))
+            return w.closest_in_table(k, target, 11) if ok else None
 
-        in_flight = 0
-        async with trio.open_nursery() as nursery:
-            while True:
-                waiting = [x for x in sorted((x for x in dist if x not in failed), key=dist.__getitem__)[:K]
-                           if x not in asked]
-                while waiting and in_flight < alpha:
-                    x = waiting.pop(0)
-                    asked.add(x)
-                    in_flight += 1
-                    nursery.start_soon(query, x)
-                if not in_flight:
-                    break
-                k, closer = await receive.receive()
-                in_flight -= 1
-                if closer is None:
-                    failed.add(k)
-                    continue
-                answered.add(k)
-                if on_answer is not None:
-                    on_answer(name_of(k))
-                for c in closer:
-                    dist.setdefault(c, c ^ target)
-        return [name_of(k) for k in sorted(answered, key=dist.__getitem__)[:K]]
+        walked = await walk(list(names) + w.closest_in_table(op.key, op.key, 7), query, lambda k: k ^ target,
+                            k=K, alpha=alpha, on_answer=None if on_answer is None else lambda k: on_answer(name_of(k)))
+        return [name_of(k) for k in walked.closest]
 
     async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
         name = addr.rsplit("/", 1)[-1]

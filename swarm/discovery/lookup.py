@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -180,61 +180,18 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
 
     host = dht.host
     me = host.get_id()
-    dist: dict = {}  # every node heard of -> its distance to the key
-    asked: set = set()
-    answered: set = set()
-    failed: set = set()
+    start = list(dht.routing_table.find_local_closest_peers(key, k)) + list(seeds)
+    if len(set(start) - {me}) < k:  # a node that just joined: its connections are all it knows
+        start += [p for p in host.get_connected_peers() if dht.routing_table.peer_in_table(p)]
     values: list[tuple[object, bytes]] = []
 
-    def hear(peer_id) -> None:
-        if peer_id != me and peer_id not in dist:
-            dist[peer_id] = distance(key, peer_id)
-
-    for peer_id in dht.routing_table.find_local_closest_peers(key, k):
-        hear(peer_id)
-    for peer_id in seeds:
-        hear(peer_id)
-    if len(dist) < k:  # a node that just joined: its connections are all it knows
-        for peer_id in host.get_connected_peers():
-            if dht.routing_table.peer_in_table(peer_id):
-                hear(peer_id)
-
-    send, receive = trio.open_memory_channel(math.inf)
-
-    async def query(peer_id) -> None:
-        try:
-            answer = await ask(host, protocol_id, peer_id, key, query_timeout_s)
-        except AskFailed as e:
-            log.debug("lookup.ask_failed key=%s error=%s", key[:16], e)
-            answer = None
-        await send.send((peer_id, answer))
-
-    def shortlist() -> list:
-        return sorted((p for p in dist if p not in failed), key=dist.__getitem__)[:k]
-
-    in_flight = 0
-    async with trio.open_nursery() as nursery:
-        while True:
-            if enough and len(values) >= enough:
-                break
-            waiting = [p for p in shortlist() if p not in asked]
-            while waiting and in_flight < alpha:
-                peer_id = waiting.pop(0)
-                asked.add(peer_id)
-                in_flight += 1
-                nursery.start_soon(query, peer_id)
-            if not in_flight:
-                break  # the k nearest heard of have all answered
-            peer_id, answer = await receive.receive()
-            in_flight -= 1
-            if answer is None:
-                failed.add(peer_id)
-                continue
-            answered.add(peer_id)
-            if on_answer is not None:
-                on_answer(peer_id)
-            for info in answer.closer:
-                hear(info.peer_id)
+    async with trio.open_nursery() as offers:
+        async def query(peer_id):
+            try:
+                answer = await ask(host, protocol_id, peer_id, key, query_timeout_s)
+            except AskFailed as e:
+                log.debug("lookup.ask_failed key=%s error=%s", key[:16], e)
+                return None
             if answer.value is not None and accept is not None and accept(answer.value):
                 values.append((peer_id, answer.value))
             # it serves the DHT: a candidate for our routing table (whose rules decide)
@@ -243,16 +200,99 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
             except Exception:  # libp2p raises when the peerstore has no entry: nothing to dial it at
                 addrs = []
             if addrs:
-                nursery.start_soon(_add_to_table, dht, PeerInfo(peer_id, addrs))
+                offers.start_soon(_add_to_table, dht, PeerInfo(peer_id, addrs))
+            return [info.peer_id for info in answer.closer]
+
+        walked = await walk([p for p in start if p != me], query, lambda p: distance(key, p), k=k, alpha=alpha,
+                            done=(lambda: len(values) >= enough) if enough else None, on_answer=on_answer)
         # table offers still pending get TABLE_OFFER_GRACE_S: an offer to a bucket with room ends at
         # once (cancelled outright, the offers of the last answers, the nodes nearest the key, never
         # ran, and a client's peer cache lacked the servers it met); one pinging a full bucket's
         # oldest entry is not worth waiting for
-        nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + TABLE_OFFER_GRACE_S)
-    closest = tuple(sorted(answered, key=dist.__getitem__)[:k])
-    log.debug("lookup.done key=%s asked=%d failed=%d heard=%d values=%d", key[:16], len(asked), len(failed),
-              len(dist), len(values))
-    return Lookup(closest, tuple(values), len(asked), len(failed))
+        offers.cancel_scope.deadline = min(offers.cancel_scope.deadline, trio.current_time() + TABLE_OFFER_GRACE_S)
+    log.debug("lookup.done key=%s asked=%d failed=%d heard=%d values=%d", key[:16], walked.asked, walked.failed,
+              walked.heard, len(values))
+    return Lookup(walked.closest, tuple(values), walked.asked, walked.failed)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """What ``walk`` did: ``closest`` (up to k nodes that answered, nearest first), requests
+    ``asked``, of those ``failed``, and nodes ``heard`` of."""
+
+    closest: tuple
+    asked: int
+    failed: int
+    heard: int
+
+
+async def walk(start: Iterable, query: Callable[[object], Awaitable[Iterable | None]],
+               distance_of: Callable[[object], int], *, k: int = K, alpha: int = ALPHA,
+               done: Callable[[], bool] | None = None,
+               on_answer: Callable[[object], None] | None = None) -> Walk:
+    """Kademlia's iterative walk (Maymounkov & Mazieres 2002, section 2.3), whatever a node and a
+    request are: ``alpha`` requests in flight, each to the nearest node of the shortlist (the ``k``
+    nearest heard of that did not fail) not yet asked, the next sent as soon as one ends (no
+    lock-step rounds); ends when the shortlist has all answered, or once ``done()`` is true.
+
+    ``lookup`` runs it over libp2p (``ask``); the swarm simulator (``bench/swarm_sim.py``) runs it
+    over its network model, so both measure the same algorithm.
+
+    Args:
+        start: the nodes to begin from (any hashable ids).
+        query: ``await query(node)`` -> the nodes it names (closer to the key), or None when it
+            did not answer; it bounds its own time.
+        distance_of: a node's distance to the key (smaller is nearer).
+        k, alpha: Kademlia's parameters.
+        done: checked before each step: true ends the walk (a lookup that has enough values).
+        on_answer: called with each node as it answers, before the nodes it named are heard of.
+    Returns:
+        The Walk.
+    """
+    dist: dict = {}  # every node heard of -> its distance to the key
+    asked: set = set()
+    answered: set = set()
+    failed: set = set()
+
+    def hear(node) -> None:
+        if node not in dist:
+            dist[node] = distance_of(node)
+
+    for node in start:
+        hear(node)
+    send, receive = trio.open_memory_channel(math.inf)
+
+    async def one(node) -> None:
+        await send.send((node, await query(node)))
+
+    def shortlist() -> list:
+        return sorted((p for p in dist if p not in failed), key=dist.__getitem__)[:k]
+
+    in_flight = 0
+    async with trio.open_nursery() as nursery:
+        while True:
+            if done is not None and done():
+                nursery.cancel_scope.cancel()
+                break
+            waiting = [p for p in shortlist() if p not in asked]
+            while waiting and in_flight < alpha:
+                node = waiting.pop(0)
+                asked.add(node)
+                in_flight += 1
+                nursery.start_soon(one, node)
+            if not in_flight:
+                break  # the k nearest heard of have all answered
+            node, closer = await receive.receive()
+            in_flight -= 1
+            if closer is None:
+                failed.add(node)
+                continue
+            answered.add(node)
+            if on_answer is not None:
+                on_answer(node)
+            for other in closer:
+                hear(other)
+    return Walk(tuple(sorted(answered, key=dist.__getitem__)[:k]), len(asked), len(failed), len(dist))
 
 
 async def _add_to_table(dht, info) -> None:

@@ -14,7 +14,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.discovery import dht as dht_mod
 from swarm.discovery.dht import PROTOCOL_ID, open_dht
-from swarm.discovery.lookup import distance, lookup
+from swarm.discovery.lookup import distance, lookup, walk
 from swarm.discovery.records import record_key
 from swarm.transport.host import open_host
 from swarm.transport.identity import peer_id_of
@@ -134,3 +134,43 @@ def test_an_expired_record_is_refused_on_every_read():
             got = await reader._fresh_value(key)
             assert got is None or not reader._valid(key, got)
     run(main, timeout_s=60)
+
+
+def test_walk_reaches_the_k_nearest_with_alpha_in_flight_and_stops_when_done():
+    """``walk`` over a made-up network of 200 integer nodes (distance: XOR with a target): each
+    node names the 8 nodes nearest the target among those within 64 ids of it, so the walk must
+    hop. It finds the k nearest live nodes, never has more than alpha requests in flight, drops
+    nodes that do not answer, and ``done`` ends it early."""
+    target = 0b1010_1010
+    alive = set(range(200)) - {target ^ 1, target ^ 2}  # two of the nearest never answer
+    state = {"in_flight": 0, "most": 0, "asked": []}
+
+    async def query(node):
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        state["asked"].append(node)
+        try:
+            await trio.sleep(0.01 * (1 + node % 3))
+            if node not in alive:
+                return None
+            near = [n for n in range(200) if abs(n - node) <= 64]
+            return sorted(near, key=lambda n: n ^ target)[:8]
+        finally:
+            state["in_flight"] -= 1
+
+    answered = []
+
+    async def main():
+        return await walk([0, 199], query, lambda n: n ^ target, k=5, alpha=3, on_answer=answered.append)
+
+    got = trio.run(main)
+    assert list(got.closest) == sorted(alive, key=lambda n: n ^ target)[:5]
+    assert state["most"] == 3 and got.failed == 2 and got.asked == len(state["asked"]) == len(set(state["asked"]))
+    assert set(got.closest) <= set(answered) and target ^ 1 not in answered
+
+    state.update(asked=[])
+
+    async def early():
+        return await walk([0, 199], query, lambda n: n ^ target, k=5, alpha=3, done=lambda: len(state["asked"]) >= 4)
+
+    assert trio.run(early).asked < got.asked

@@ -3,8 +3,8 @@
 Owns the model of the world: peers (region, card class, relay, lifetime), the network (RTT,
 jitter, loss, dial costs, dead peers), churn (departures, a correlated shock, a bootstrap outage),
 clients opening sessions and generating, and a Kademlia DHT model (XOR distance, k-buckets that
-lag behind churn, iterative lookups of ``ALPHA`` queries a round, provider stores bounded as the
-product bounds them, values at the k closest nodes and the bootstrap nodes).
+lag behind churn; the product's iterative walk, ``swarm.discovery.lookup.walk``, runs over it; provider
+stores bounded as the product bounds them, values at the k closest nodes and the bootstrap nodes).
 
 What runs for real, unchanged: record building (``Announcer.record``: seq and expiry),
 ``sign_record``, ``open_record``/``select_record`` (every record a reader opens), the client's whole
@@ -47,8 +47,8 @@ import trio.testing
 
 from swarm.discovery import client as disc_client
 from swarm.discovery.announce import JOINING_TTL_S, LEAVING_TTL_S, Announcer, joining_fields, moved_fields
-from swarm.discovery.dht import (JOIN_GRACE_S, OUTAGE_READ_ALPHA, PEER_CACHE_SIZE, PLACEMENT_SHARDS, SwarmDHT,
-                                 peer_cache_order, placement_key, placement_shard)
+from swarm.discovery.dht import (GET_ENOUGH, JOIN_GRACE_S, OUTAGE_READ_ALPHA, PEER_CACHE_SIZE, PLACEMENT_SHARDS,
+                                 SwarmDHT, peer_cache_order, placement_key, placement_shard)
 from swarm.discovery.lookup import ALPHA as LOOKUP_ALPHA, QUERY_TIMEOUT_S as LOOKUP_QUERY_TIMEOUT_S, walk
 from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
@@ -62,8 +62,6 @@ REF_LAYER_MS = 1.0  # one decode step of one layer on the reference card (speed 
 PROBE_ERROR = 0.15  # sigma (log scale) of a stage's one-layer speed probe before choosing (membership.estimate_block_tps)
 PREFILL_GAIN = 32.0  # a prefill or replay position costs 1/32 of a decode step (batched)
 K = 20  # Kademlia bucket size and replication
-ALPHA = 10  # libp2p 0.8.1's lookup concurrency
-LIB_QUERY_TIMEOUT_S = 10.0  # libp2p 0.8.1's per-query timeout in a lookup (a crashed peer hangs it)
 HAPPY_EYEBALLS_S = 0.25  # every py-libp2p connect() waits this long (DESIGN.md)
 TABLE_REFRESH_S = 600.0  # a node's routing table lags the swarm by up to this long
 LOSS = 0.005
@@ -430,51 +428,6 @@ class _ProviderStore:
         return [_Info(n) for n in names], []
 
 
-class _PeerRouting:
-    """libp2p 0.8.1's ``find_closest_peers_network`` as a model: rounds of up to ALPHA queries to the
-    closest unqueried nodes, each round waiting for all its queries (a crashed node: the library's
-    query timeout), until the k closest stop changing."""
-
-    def __init__(self, op: _Op):
-        self.op = op
-
-    async def find_closest_peers_network(self, key, count: int = K):
-        w, op = self.op.world, self.op
-        target = w.model_key
-        w.refresh_tables()
-        # the nodes it joined through (the bootstrap nodes, or its cached peers during their outage:
-        # a node never met is not in its table) and some of its table
-        start = op.seed_keys + w.closest_in_table(op.key, op.key, 7)
-        closest = sorted(dict.fromkeys(start), key=lambda x: x ^ target)[:count]
-        queried: set[int] = set()
-        for _ in range(10):
-            batch = [k for k in closest if k not in queried][:ALPHA]
-            if not batch:
-                break
-            found: list[int] = []
-
-            async def one(k):
-                queried.add(k)
-                entry = w.table_peer.get(k)
-                name = entry if isinstance(entry, str) else entry.peer_id
-                with trio.move_on_after(LIB_QUERY_TIMEOUT_S):
-                    if await op.request(name, LIB_QUERY_TIMEOUT_S):
-                        found.extend(w.closest_in_table(k, target, 11))
-
-            async with trio.open_nursery() as nursery:
-                for k in batch:
-                    nursery.start_soon(one, k)
-            new = sorted(dict.fromkeys(closest + found), key=lambda x: x ^ target)[:count]
-            if new == closest:
-                break
-            closest = new
-        out = []
-        for k in closest:
-            e = w.table_peer[k]
-            out.append(e if isinstance(e, str) else e.peer_id)
-        return out
-
-
 class _ValueStore:
     def __init__(self, op: _Op):
         self.op, self.store = op, {}
@@ -497,14 +450,7 @@ class _Kad:
         self.op = op
         self.host = _LibHost(op.me.name)
         self.provider_store = _ProviderStore(op)
-        self.peer_routing = _PeerRouting(op)
         self.value_store = _ValueStore(op)
-
-    async def get_value(self, key):
-        """A network GET: a lookup, then the k closest nodes hold what the stage last published."""
-        await self.peer_routing.find_closest_peers_network(key.encode())
-        p = self.op.world.peers.get(key.rsplit("/", 1)[-1])
-        return p.value if p is not None else None
 
 
 class SimDHT(SwarmDHT):
@@ -520,29 +466,58 @@ class SimDHT(SwarmDHT):
         if through is not None:  # as open_dht sets it for a node joined through known peers
             self.read_alpha = OUTAGE_READ_ALPHA
 
+    def _name_of(self, k: int) -> str:
+        """The PeerId of the node whose table key is ``k``."""
+        names = self.op.seed_names
+        if k in names:
+            return names[k]
+        entry = self.op.world.table_peer[k]
+        return entry if isinstance(entry, str) else entry.peer_id
+
+    def _start(self) -> list[int]:
+        """Where a lookup starts, as the product's: the nodes it joined through and its table's nearest."""
+        op = self.op
+        op.world.refresh_tables()
+        return list(op.seed_names) + op.world.closest_in_table(op.key, op.key, 7)
+
     async def closest_nodes(self, key: bytes, on_answer=None, *, alpha: int = LOOKUP_ALPHA) -> list:
         """What the product's ``closest_nodes`` runs: ``swarm.discovery.lookup.walk`` (the iterative
-        walk of ``lookup``, ``LOOKUP_QUERY_TIMEOUT_S`` per request) over the network model, from the
-        nodes it joined through and its routing table's nearest. Nodes are table keys here; the
-        target is the model key (routes read it)."""
+        walk of ``lookup``, ``LOOKUP_QUERY_TIMEOUT_S`` per request) over the network model, from
+        ``_start``. Nodes are table keys here; the target is the model key (routes read it)."""
         op, w = self.op, self.op.world
         target = w.model_key
-        w.refresh_tables()
-        names = dict(op.seed_names)
-
-        def name_of(k: int) -> str:
-            if k in names:
-                return names[k]
-            entry = w.table_peer[k]
-            return entry if isinstance(entry, str) else entry.peer_id
 
         async def query(k: int):
-            ok = await op.request(name_of(k), LOOKUP_QUERY_TIMEOUT_S)
+            ok = await op.request(self._name_of(k), LOOKUP_QUERY_TIMEOUT_S)
             return w.closest_in_table(k, target, 11) if ok else None
 
-        walked = await walk(list(names) + w.closest_in_table(op.key, op.key, 7), query, lambda k: k ^ target,
-                            k=K, alpha=alpha, on_answer=None if on_answer is None else lambda k: on_answer(name_of(k)))
-        return [name_of(k) for k in walked.closest]
+        walked = await walk(self._start(), query, lambda k: k ^ target, k=K, alpha=alpha,
+                            on_answer=None if on_answer is None else lambda k: on_answer(self._name_of(k)))
+        return [self._name_of(k) for k in walked.closest]
+
+    async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = 5.0) -> bytes | None:
+        """The product's ``get_value`` over the network model: ``walk`` towards the key until ``enough``
+        valid copies arrived or the walk ends, within ``timeout_s``. The k nodes nearest the key (as of
+        the last table refresh) hold what the stage last published (``announce`` stores it there), also
+        after the stage left; a copy counts once it passes the product's check (``_valid``: its expiry)."""
+        op, w = self.op, self.op.world
+        target = node_key(key)
+        start = self._start()
+        holders = set(sorted(w.table_keys, key=lambda x: x ^ target)[:K])
+        owner = w.peers.get(key.rsplit("/", 1)[-1])
+        value = owner.value if owner is not None else None
+        copies: list[bytes] = []
+
+        async def query(k: int):
+            if not await op.request(self._name_of(k), LOOKUP_QUERY_TIMEOUT_S):
+                return None
+            if k in holders and value is not None and self._valid(key, value):
+                copies.append(value)
+            return w.closest_in_table(k, target, 11)
+
+        with trio.move_on_after(timeout_s):
+            await walk(start, query, lambda k: k ^ target, k=K, done=lambda: len(copies) >= enough)
+        return copies[0] if copies else None
 
     async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
         name = addr.rsplit("/", 1)[-1]

@@ -337,7 +337,7 @@ class SwarmDHT:
             try:
                 await _join_one(self.host, self.dht, info, timeout_s)
             except DiscoveryError as e:
-                log.info("dht.late_bootstrap_failed %s: %s", addr, e)
+                log.warning("dht.late_bootstrap_failed %s: %s", addr, e)
                 return
             if all(i.peer_id != info.peer_id for i in self.bootstrap):
                 self.bootstrap.append(info)

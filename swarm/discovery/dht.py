@@ -896,7 +896,9 @@ def _server_addrs(host, dht, holders: Iterable = ()) -> list[str]:
         except Exception:  # no address kept for it any more
             continue
         if addrs:
-            out.append(f"{addrs[0]}/p2p/{peer_id}")
+            # the peerstore keeps some addresses with the PeerId on (those a join was given)
+            addr, suffix = str(addrs[0]), f"/p2p/{peer_id}"
+            out.append(addr if addr.endswith(suffix) else addr + suffix)
     return out
 
 
@@ -963,6 +965,25 @@ async def _join_any(host, dht, known: Sequence[tuple[str, object]], timeout_s: f
             nursery.cancel_scope.cancel()
     return ([x for x in known if done.get(id(x[1]))], [x for x in fallback if done.get(id(x[1]))],
             [x for x in known if id(x[1]) not in done])
+
+
+async def _push_protocols(host, timeout_s: float = 2.0) -> None:
+    """Send identify push (libp2p's ``/ipfs/id/push/1.0.0``) to every peer this host is connected to,
+    so they see that it now serves ``PROTOCOL_ID``.
+
+    A stage dials a bootstrap node for its dial-back check before it joins the DHT; identify ran on
+    that connection while the DHT handler was not registered yet, the bootstrap node kept that
+    protocol list, and ``_skip_client_peers`` then kept the stage out of its routing table for
+    good. No other node learned of the stage through it, so when the bootstrap node went away each
+    stage knew only itself (found by a fresh user's check of issue 31's outage; reproduced with two
+    ``swarm stage`` processes). Bounded by ``timeout_s``; a peer that misses it learns on its next
+    identify."""
+    from libp2p.identity.identify_push.identify_push import push_identify_to_peers
+
+    lh = host.libp2p_host
+    if lh.get_connected_peers():
+        with trio.move_on_after(timeout_s):
+            await push_identify_to_peers(lh)
 
 
 def _own_refresh(dht, made: list) -> None:
@@ -1086,6 +1107,8 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
     _own_refresh(dht, made)
     error: DiscoveryError | None = None
     async with background_trio_service(dht) as manager:
+        if server:  # peers met before the DHT handler existed (the dial-back check) learn it serves the DHT
+            await _push_protocols(host)
         for attempt in range(1, join_attempts + 1):
             # every bootstrap node and every known peer at once (one busy or gone costs its timeout, not
             # the sum of all); a bootstrap node answering ends the known peers' joins

@@ -377,7 +377,6 @@ class _Op:
         # the nodes it joined through: the bootstrap nodes, or its cached peers during their outage
         self.seed_names = dict((k, b) for b, k in world.boot_keys.items()) if through is None else \
             {world.peers[n].key: n for n in through}
-        self.seed_keys = list(self.seed_names)
 
     def endpoint(self, name: str):
         w = self.world

@@ -62,7 +62,10 @@ REF_LAYER_MS = 1.0  # one decode step of one layer on the reference card (speed 
 PROBE_ERROR = 0.15  # sigma (log scale) of a stage's one-layer speed probe before choosing (membership.estimate_block_tps)
 PREFILL_GAIN = 32.0  # a prefill or replay position costs 1/32 of a decode step (batched)
 K = 20  # Kademlia bucket size and replication
-HAPPY_EYEBALLS_S = 0.25  # every py-libp2p connect() waits this long (DESIGN.md)
+# py-libp2p's dial waits up to 250 ms for more connections (happy eyeballs; DESIGN.md) unless it has
+# max_connections_per_peer of them: swarm's hosts set that to 1 (swarm/transport/host.py), so a dial
+# is its round trips only (a loopback connect measured 5-12 ms). This was 0.25 s until 2026-12-04.
+DIAL_WAIT_S = 0.0
 TABLE_REFRESH_S = 600.0  # a node's routing table lags the swarm by up to this long
 LOSS = 0.005
 DETECT_CRASH_S = 1.8  # the connection health monitor finds a frozen/vanished peer (DESIGN.md)
@@ -213,9 +216,9 @@ class World:
         return ms / 1000.0
 
     def connect_s(self, a, b, jitter: random.Random) -> float:
-        """A cold py-libp2p dial: happy eyeballs, TCP, Noise XX, multistream + yamux (about 3 RTT)."""
+        """A cold py-libp2p dial: TCP, Noise XX, multistream + yamux (about 3 RTT; ``DIAL_WAIT_S``)."""
         extra = 1.0 if jitter.random() < LOSS else 0.0  # a lost SYN waits for the 1 s initial RTO
-        return HAPPY_EYEBALLS_S + 3 * self.rtt_s(a, b, jitter) + extra
+        return DIAL_WAIT_S + 3 * self.rtt_s(a, b, jitter) + extra
 
     # ---- DHT model -------------------------------------------------------------------------------------------
     def servers(self) -> list[Peer]:

@@ -75,7 +75,8 @@ JOIN_GRACE_S = 0.3  # once one node of a round of joins answered, the others' jo
 # requests in flight in a provider lookup of a node that joined without a bootstrap node (go-libp2p-kad-dht's
 # default concurrency): it walks to a key's holders from wherever its peer cache put it, not from a bootstrap
 # node holding every provider, and the fastest of more dials sets each step (issue 31's simulator, seed 2:
-# routes during the bootstrap outage p50 / max 2.33 / 3.97 s with 3, 2.21 / 3.02 s with 10)
+# routes during the bootstrap outage p50 / max 1.58 / 2.97 s with 3, 1.36 / 2.19 s with 10; all routes' p99
+# 2.53 / 2.03 s)
 OUTAGE_READ_ALPHA = 10
 
 PROTOCOL_ID = "/swarm/kad/1.0.0"

@@ -52,6 +52,9 @@ class StageReport:
             merely silent; a silent stage may be paused and is re-checked before it is blamed.
         refusing: it answers but will never take the session: it is draining and does not hold it
             (it refused the open because it began to drain after the route was chosen).
+        lost_successor: its stream to its successor failed (a send failed, or the peer or the
+            connection under it went away, e.g. a relayed hop whose relay died), and no repair has
+            named a new successor since: whatever it computes goes nowhere.
     """
 
     index: int
@@ -61,6 +64,7 @@ class StageReport:
     busy: bool = False
     gone: bool = False
     refusing: bool = False
+    lost_successor: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,10 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
 
     The chain is coordinator (``sent``) -> stage 0 -> ... -> tail -> coordinator (``returned``):
     a hop is broken where the upstream side sent a chunk the downstream side never received (the
-    downstream stage is blamed: it stopped reading), or where the tail sent a result the
-    coordinator never got. Failing that, the first stage still busy with a chunk is stalled. Call
+    downstream stage is blamed: it stopped reading), where the upstream side says it lost its
+    stream to the downstream one (the downstream stage is blamed: the coordinator still reaches
+    the upstream one, which cannot reach it; a chunk that stage received then went nowhere, so no
+    gap in the counters shows it), or where the tail sent a result the coordinator never got. Failing that, the first stage still busy with a chunk is stalled. Call
     it after a timeout, so "busy" means stuck rather than computing.
 
     With ``earlier`` (a probe taken a settling interval before this one), only what persisted is
@@ -118,10 +124,13 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
     else:  # what each hop's upstream side had already sent at the earlier probe (-1: unknown)
         before_sent = [earlier.sent] + [r.sent if r.reachable else -1 for r in earlier.reports]
     upstream = sent
-    for r, was_sent in zip(reports, before_sent):
+    for i, (r, was_sent) in enumerate(zip(reports, before_sent)):
         if r.received < min(upstream, was_sent):
             return Failure(r.index, f"silent: it never got chunk {min(upstream, was_sent)} sent to it "
                                     f"({'none arrived' if r.received < 0 else f'the last was {r.received}'})")
+        if r.lost_successor and i + 1 < len(reports):
+            return Failure(reports[i + 1].index, f"cut off: stage {r.index} lost its stream to it (the last chunk "
+                                                 f"sent on was {r.sent}; it got chunk {r.received})")
         upstream = r.sent
     if reports and returned < min(upstream, before_sent[-1]):
         return Failure(reports[-1].index, f"silent: it sent result {min(upstream, before_sent[-1])}, the "

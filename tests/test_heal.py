@@ -34,6 +34,15 @@ R = StageReport
     # the tail sent result 5, the coordinator never got it
     ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 5, 4,
      Failure(2, "silent: it sent result 5, the coordinator got only 4")),
+    # stage 0 lost its stream to stage 1 while sending chunk 6: no counter shows a gap (chunk 6 was
+    # received and never sent, as a stale one is), its report names the cut-off successor
+    ([R(0, True, 6, 5, lost_successor=True), R(1, True, 5, 5), R(2, True, 5, 5)], 6, 5,
+     Failure(1, "cut off: stage 0 lost its stream to it (the last chunk sent on was 5; it got chunk 6)")),
+    # a gap before the stage that lost its successor is blamed first (ring order)
+    ([R(0, True, 5, 5), R(1, True, 5, 5, lost_successor=True), R(2, True, 5, 5)], 6, 5,
+     Failure(0, "silent: it never got chunk 6 sent to it (the last was 5)")),
+    # the tail has no successor to lose: the flag means nothing there
+    ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 5, 5, lost_successor=True)], 5, 5, None),
     # stale chunks dropped at stage 0 are not a gap downstream
     ([R(0, True, 7, 5), R(1, True, 5, 5), R(2, True, 5, 5)], 7, 5, None),
     # a stage stuck on chunk 6, which stage 0 forwarded to it

@@ -338,5 +338,6 @@ class RingLinks:
                 reports.append(StageReport(i, False, gone=i in lost))
             else:
                 reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy")),
-                                           refusing=bool(m.get("draining")) and m.get("known") is False))
+                                           refusing=bool(m.get("draining")) and m.get("known") is False,
+                                           lost_successor=bool(m.get("lost_successor"))))
         return reports

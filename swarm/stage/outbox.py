@@ -117,8 +117,9 @@ class Outboxes:
         async def relay(err):  # once promoted, the shadow is the successor: its errors go to the coordinator
             await try_send(sess.reply, err)
 
-        async def end(s):
+        async def end(s):  # the promoted shadow's stream ended: as any successor stream's end
             box = self.close(s)
+            self._successor_gone(s, StreamClosed(f"the stream to {mirror.addr} ended"))
             if box is not None:
                 with trio.move_on_after(1.0):
                     await box.done.wait()
@@ -130,10 +131,11 @@ class Outboxes:
         while True:
             try:
                 msg = await s.recv()
-            except (StreamClosed, ProtocolError):
+            except (StreamClosed, ProtocolError) as exc:
                 if self.successors.get(addr) is s:
                     del self.successors[addr]
                 self.close(s)
+                self._successor_gone(s, exc)
                 return
             sess = self.sessions.get(session_of(msg) or "")
             if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
@@ -208,8 +210,7 @@ class Outboxes:
                             box.dead = True  # a successor that does not take frames takes none of them
                             for addr in [a for a, s in self.successors.items() if s is stream]:
                                 del self.successors[addr]
-                            for other in [s for s in self.sessions.values() if s.next_stream is stream]:
-                                self._lose_successor(other, exc)
+                            self._successor_gone(stream, exc)
                     else:
                         if chunk is not None:
                             sess.frames_out += 1
@@ -226,13 +227,22 @@ class Outboxes:
         finally:
             box.done.set()
 
+    def _successor_gone(self, stream, exc: SwarmError) -> None:
+        """``stream`` to a successor failed a send or ended (its peer closed or reset it, or the
+        connection under it died, e.g. a relayed hop whose relay went away): every session that sends
+        on it has lost its successor (:meth:`_lose_successor`). Told at once either way: a stream that
+        ended while its sessions were between chunks would otherwise swallow their next frames, and the
+        coordinators would find out only by probing for the gap (seconds)."""
+        for sess in [s for s in self.sessions.values() if s.next_stream is stream]:
+            self._lose_successor(sess, exc)
+
     def _lose_successor(self, sess: Session, exc: SwarmError) -> None:
         """A session's successor stopped taking frames: tell its coordinator (``error`` code
         ``unavailable``), and keep the session, its KV cache and the hidden states it sent, so a
         heal can re-point it at a replacement (``repair``) without recomputing anything here.
         Frames computed meanwhile go nowhere; the coordinator's ``close`` (or its stream closing,
         or ``--session-ttl-s``) drops the session when it does not heal."""
-        sess.next_stream = None
+        sess.next_stream, sess.successor_lost = None, True
         log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
         err = self._error(f"stage {self.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
                           "unavailable", sess.session_id)

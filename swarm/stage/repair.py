@@ -170,7 +170,7 @@ class Repairs:
                 sess.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if promoted is not None:  # the shadow's input digest began with the mirrored frames
                     sess.ledger.output = promoted.digest
-            sess.next_addr, sess.next_stream = msg.get("next"), new_stream
+            sess.next_addr, sess.next_stream, sess.successor_lost = msg.get("next"), new_stream, False
             sess.sent = -1  # progress on the new hop starts afresh
 
     def _resend(self, sess: Session, msg: dict, start: int) -> int:
@@ -205,7 +205,7 @@ class Repairs:
             new_stream = await self._successor_or_answer(stream, sid, next_addr)
             if new_stream is None:
                 return
-            sess.next_stream, sess.next_addr = new_stream, next_addr
+            sess.next_stream, sess.next_addr, sess.successor_lost = new_stream, next_addr, False
         sess.shadow = False
         kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
         log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)

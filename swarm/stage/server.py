@@ -234,6 +234,7 @@ class StageServer:
                 await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
                                              received=sess.received if sess else -1,
                                              sent=sess.sent if sess else -1, busy=bool(sess and sess.busy),
+                                             lost_successor=bool(sess and sess.successor_lost),
                                              draining=bool(self.draining)))
             else:
                 self.sessions.pop(msg["session"], None)

@@ -109,6 +109,7 @@ class Session:
     coordinator: str = ""  # PeerId that opened (and alone may steer) the session
     source: str = ""  # PeerId whose forward frames the session accepts: the predecessor, or the coordinator
     next_stream: object | None = None
+    successor_lost: bool = False  # its successor stopped taking frames (until a repair names a new one)
     epoch: int = 0
     sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
     wire_dtype: object = None  # torch dtype of hidden states sent on; None = the stage's dtype

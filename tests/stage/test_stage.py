@@ -492,3 +492,41 @@ def test_sessions_run_sub_ranges_of_overlapping_blocks(synthetic, tmp_path, fami
     assert outs == [ref, ref]
     assert [e["layers"] for e in infos[0]["ring"]] == [[0, 1], [1, 4]]
     assert [e["layers"] for e in infos[1]["ring"]] == [[0, 3], [3, 4]]
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "no-spare"])
+def test_a_successor_stream_that_fails_mid_answer_gets_the_successor_replaced(model, tmp_path, spare):
+    """Stage 0's stream to stage 1 fails while it sends a chunk (a relayed hop whose relay died): the
+    chunk stage 0 received is never sent on, so the coordinator's probes see no gap in the chain of
+    progress; stage 0's report says it lost its successor, and the heal blames stage 1 within
+    seconds: onto a spare the answer comes out identical, without one it fails naming [2, 4).
+    Before, the heal blamed nobody ("a pause"), and the answer waited out the hop timeout."""
+    import dataclasses as dc
+
+    from swarm.heal import NoSpare
+
+    async def body(spec, servers, host):
+        ring = dc.replace(spec, stages=spec.stages[:2], spares=spec.stages[2:] if spare else ())
+        cut = []
+
+        def cut_the_hop(ids):  # after the 3rd token: stage 0's next send to stage 1 fails
+            if len(ids) >= 3 and not cut:
+                (succ,) = servers[0].outboxes.successors.values()
+
+                async def broken(msg, timeout_s=None):
+                    raise StreamClosed("the relay under this hop died")
+
+                succ.send = broken
+                cut.append(trio.current_time())
+
+        try:
+            out = await ring_generate(ring, model, 4, PROMPT, 8, tmp_path, hop_timeout_s=30.0, on_ids=cut_the_hop)
+        except SwarmError as exc:
+            return exc, trio.current_time() - cut[0]
+        return out, trio.current_time() - cut[0]
+
+    got, took = run_with_ring(model, [(0, 2), (2, 4), (2, 4)], tmp_path, body, timeout_s=90)
+    if spare:
+        assert got == reference_greedy(model, PROMPT, 8, "float64") and took < 10, (got, took)
+    else:
+        assert isinstance(got, NoSpare) and "[2, 4)" in str(got) and "cut off" in str(got) and took < 10, (got, took)

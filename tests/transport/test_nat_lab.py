@@ -101,10 +101,12 @@ def test_behind_random_port_nats_the_ring_stays_relayed_and_exact(lab_ok, storie
     # the client is public: A and B reach it directly by themselves (DCUtR's unilateral upgrade),
     # so the client's streams move; the hop A -> B has a random-port NAT on both ends and stays
     # on the relay: when the relay dies mid-answer, that hop is gone, and (no spare is listed) the
-    # answer fails at once naming the stage, where in the port-preserving lab it went on; libp2p
-    # alone would let the hop swallow frames until a timeout
+    # answer fails at once naming the stage (stage A reports its lost successor; the heal blames
+    # the stage cut off), where in the port-preserving lab it went on
     assert got["moves"] >= 4, got
     (hop,) = got["stage_hops"]
     assert hop["relayed"] and hop["moves"] == 0, got  # A -> B: no punch through random-port NATs
     assert got["after_relay_died"].startswith("NoSpare") and "[2, 4)" in got["after_relay_died"], got
-    assert got["failed_after_s"] < 10, got
+    # stage A finds its hop's stream gone and says so at once (measured here: 1.0 s, where finding the
+    # gap by probing took 8 s, and a send that failed mid-chunk waited out the hop timeout)
+    assert got["failed_after_s"] < 5, got

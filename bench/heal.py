@@ -36,7 +36,7 @@ from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
-from swarm.ranges import LayerRange, even_split  # noqa: E402
+from swarm.ranges import even_split  # noqa: E402
 from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402
 

@@ -596,7 +596,7 @@ def text_arg(value: str, flag: str) -> str:
 def cmd_coordinate(args) -> int:
     import trio
 
-    from swarm.config import CoordinatorConfig, RingSpec, SamplingParams, SpecConfig
+    from swarm.config import CoordinatorConfig, SamplingParams, SpecConfig
     from swarm.coordinator.generation import generate
 
     prompt = text_arg(args.prompt, "--prompt")  # before anything is dialed

@@ -570,7 +570,7 @@ class RingOps:
                                      prefix_ids=[] if self.state.get("prefix_cache") else None)
 
     async def replay(self, prefix) -> int | None:
-        loop, session = self.loop, self.state["session"]
+        loop = self.loop
         loop.restart()
         if len(prefix) != loop.prefill_end or list(prefix) != loop.seq[: len(prefix)]:
             raise ConfigError("internal: the replay plan and the generation state disagree")

@@ -22,8 +22,6 @@ from __future__ import annotations
 import logging
 import time
 
-import trio
-
 from swarm import receipts, wire
 from swarm.config import RingSpec
 from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError

@@ -22,7 +22,6 @@ from swarm.coordinator.generation import DecodeOptions, RingClient, decode, writ
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.resolve import model_manifest_digest
-from swarm.stage.daemon import serve
 from swarm.stage.session import SentLog
 from swarm.transport import load_or_create_key, open_host
 from tests.support.models import reference_greedy

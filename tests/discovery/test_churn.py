@@ -9,7 +9,6 @@ import time
 from contextlib import AsyncExitStack
 
 import pytest
-import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.discovery.dht import open_dht

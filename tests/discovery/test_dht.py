@@ -11,7 +11,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.addrs import without_peer_id
 from swarm.discovery import dht as dht_mod
-from swarm.discovery.dht import (ALL_STAGES_KEY, PLACEMENT_SHARDS, DiscoveryError, load_peer_cache, open_dht,
+from swarm.discovery.dht import (PLACEMENT_SHARDS, DiscoveryError, load_peer_cache, open_dht,
                                  pin_protocol, placement_key, placement_shard, save_peer_cache)
 from swarm.discovery.records import record_key
 from swarm.errors import ConfigError

@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.ring, pytest.mark.process]
 def _leave(boot_addr: str, mid: str, n: int) -> list[str]:
     """n stages of the model that announce [0, 5) as DHT servers and leave after draining (their
     last record says ``draining``, as a stage of the previous version left it), one after another."""
-    import time
 
     async def main() -> list[str]:
         gone = []

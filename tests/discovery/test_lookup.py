@@ -17,7 +17,6 @@ from swarm.discovery.dht import PROTOCOL_ID, open_dht
 from swarm.discovery.lookup import distance, lookup, walk
 from swarm.discovery.records import record_key
 from swarm.transport.host import open_host
-from swarm.transport.identity import peer_id_of
 from tests.support.dht import MODEL, signed_record
 from tests.support.transport import run
 

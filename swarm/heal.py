@@ -95,8 +95,9 @@ def locate_failure(reports: Sequence[StageReport], sent: int, returned: int,
     downstream stage is blamed: it stopped reading), where the upstream side says it lost its
     stream to the downstream one (the downstream stage is blamed: the coordinator still reaches
     the upstream one, which cannot reach it; a chunk that stage received then went nowhere, so no
-    gap in the counters shows it), or where the tail sent a result the coordinator never got. Failing that, the first stage still busy with a chunk is stalled. Call
-    it after a timeout, so "busy" means stuck rather than computing.
+    gap in the counters shows it), or where the tail sent a result the coordinator never got.
+    Failing that, the first stage still busy with a chunk is stalled. Call it after a timeout, so
+    "busy" means stuck rather than computing.
 
     With ``earlier`` (a probe taken a settling interval before this one), only what persisted is
     a fault, since one snapshot cannot tell a frame in flight from a lost one: a hop is broken only

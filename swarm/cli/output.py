@@ -24,10 +24,19 @@ class TextOut:
             sys.stdout.flush()
             cls.midline = not text.endswith("\n")
 
+    @staticmethod
+    def on_terminal() -> bool:
+        """stdout and stderr both go to a terminal: a log line would land on the streamed line."""
+        try:
+            return sys.stdout.isatty() and sys.stderr.isatty()
+        except (AttributeError, ValueError):  # replaced or closed streams
+            return False
+
     @classmethod
     def break_line(cls, record=None) -> bool:
-        """A logging filter: end the streamed line first (always lets the record through)."""
-        if cls.midline:
+        """A logging filter: on a terminal, end the streamed line first (always lets the record
+        through). Redirected, stdout keeps exactly the generated text (as ``--json``'s ``text``)."""
+        if cls.midline and cls.on_terminal():
             sys.stdout.write("\n")
             sys.stdout.flush()
             cls.midline = False

@@ -355,12 +355,15 @@ def test_demo_with_quantized_stages_gives_one_process_ids(stories_dir):
     assert ids and ids == chained_greedy(blocks, out["prompt_ids"], 12)[:len(ids)]  # the demo may stop at EOS
 
 
-def test_a_log_line_never_lands_inside_streamed_text(capsys):
-    """swarm demo --spares --kill-stage: a heal's log line must start on its own line, not mid-word."""
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "redirected"])
+def test_a_log_line_never_lands_inside_streamed_text(capsys, monkeypatch, terminal):
+    """swarm demo --spares --kill-stage: on a terminal, a heal's log line must start on its own line,
+    not mid-word; redirected, stdout holds exactly the generated text (no newline a heal put in)."""
     import logging
 
     from swarm.cli.main import TextOut
 
+    monkeypatch.setattr(TextOut, "on_terminal", staticmethod(lambda: terminal))
     handler = logging.StreamHandler()
     handler.addFilter(TextOut.break_line)
     log = logging.getLogger("swarm.test_textout")
@@ -375,7 +378,8 @@ def test_a_log_line_never_lands_inside_streamed_text(capsys):
         log.removeHandler(handler)
         TextOut.midline = False
     out = capsys.readouterr()
-    assert out.out == "The sky is bl\nue.\n"  # the line was ended once, before the first record only
+    # on a terminal the line was ended once, before the first record only
+    assert out.out == ("The sky is bl\nue.\n" if terminal else "The sky is blue.\n")
     assert out.err.splitlines() == ["heal.start cause=stage 1 lost", "heal.done"]
 
 

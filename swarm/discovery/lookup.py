@@ -203,7 +203,7 @@ async def lookup(dht, key: bytes, *, protocol_id: str, k: int = K, alpha: int = 
                 offers.start_soon(_add_to_table, dht, PeerInfo(peer_id, addrs))
             return [info.peer_id for info in answer.closer]
 
-        walked = await walk([p for p in start if p != me], query, lambda p: distance(key, p), k=k, alpha=alpha,
+        walked = await walk(start, query, lambda p: distance(key, p), k=k, alpha=alpha, me=me,
                             done=(lambda: len(values) >= enough) if enough else None, on_answer=on_answer)
         # table offers still pending get TABLE_OFFER_GRACE_S: an offer to a bucket with room ends at
         # once (cancelled outright, the offers of the last answers, the nodes nearest the key, never
@@ -227,7 +227,7 @@ class Walk:
 
 
 async def walk(start: Iterable, query: Callable[[object], Awaitable[Iterable | None]],
-               distance_of: Callable[[object], int], *, k: int = K, alpha: int = ALPHA,
+               distance_of: Callable[[object], int], *, k: int = K, alpha: int = ALPHA, me: object = None,
                done: Callable[[], bool] | None = None,
                on_answer: Callable[[object], None] | None = None) -> Walk:
     """Kademlia's iterative walk (Maymounkov & Mazieres 2002, section 2.3), whatever a node and a
@@ -244,6 +244,8 @@ async def walk(start: Iterable, query: Callable[[object], Awaitable[Iterable | N
             did not answer; it bounds its own time.
         distance_of: a node's distance to the key (smaller is nearer).
         k, alpha: Kademlia's parameters.
+        me: the node walking, never asked nor counted when a start or an answer names it (other
+            nodes' answers name it: it is in their tables).
         done: checked before each step: true ends the walk (a lookup that has enough values).
         on_answer: called with each node as it answers, before the nodes it named are heard of.
     Returns:
@@ -255,7 +257,7 @@ async def walk(start: Iterable, query: Callable[[object], Awaitable[Iterable | N
     failed: set = set()
 
     def hear(node) -> None:
-        if node not in dist:
+        if node not in dist and node != me:
             dist[node] = distance_of(node)
 
     for node in start:

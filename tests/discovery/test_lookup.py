@@ -173,3 +173,13 @@ def test_walk_reaches_the_k_nearest_with_alpha_in_flight_and_stops_when_done():
         return await walk([0, 199], query, lambda n: n ^ target, k=5, alpha=3, done=lambda: len(state["asked"]) >= 4)
 
     assert trio.run(early).asked < got.asked
+
+    state.update(asked=[])
+    me = sorted(alive, key=lambda n: n ^ target)[0]  # the walking node: the nearest, named in every answer
+
+    async def as_me():
+        return await walk([0, 199, me], query, lambda n: n ^ target, k=5, alpha=3, me=me)
+
+    mine = trio.run(as_me)
+    assert me not in state["asked"] and me not in mine.closest
+    assert list(mine.closest) == sorted(alive - {me}, key=lambda n: n ^ target)[:5]

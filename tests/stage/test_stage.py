@@ -501,12 +501,10 @@ def test_a_successor_stream_that_fails_mid_answer_gets_the_successor_replaced(mo
     progress; stage 0's report says it lost its successor, and the heal blames stage 1 within
     seconds: onto a spare the answer comes out identical, without one it fails naming [2, 4).
     Before, the heal blamed nobody ("a pause"), and the answer waited out the hop timeout."""
-    import dataclasses as dc
-
     from swarm.heal import NoSpare
 
     async def body(spec, servers, host):
-        ring = dc.replace(spec, stages=spec.stages[:2], spares=spec.stages[2:] if spare else ())
+        ring = dataclasses.replace(spec, stages=spec.stages[:2], spares=spec.stages[2:] if spare else ())
         cut = []
 
         def cut_the_hop(ids):  # after the 3rd token: stage 0's next send to stage 1 fails

@@ -10,7 +10,6 @@ constants, and the weights digest of the span a session runs), turned into a
 from __future__ import annotations
 
 import functools
-import hashlib
 import platform
 import re
 from pathlib import Path
@@ -72,10 +71,13 @@ def machine_facts(device_type: str = "cpu", device_index: int = 0) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _fma_source_digest() -> str:
-    from swarm.kernels import fma
+def _fma_arithmetic() -> tuple[str, str]:
+    """The fma kernels' arithmetic name and the digest of their sources: the same on every ISA they run
+    in (AVX-512, AVX2, NEON give the same bits: tests/kernels/test_isa.py), so the ISA is no fact."""
+    from swarm.kernels import build, fma
 
-    return hashlib.sha256(fma.SOURCE.read_bytes() + " ".join(fma.FLAGS).encode()).hexdigest()[:16]
+    path = fma.describe()
+    return (path.arithmetic if path else ""), build.source_digest()
 
 
 def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: bool = True) -> dict:
@@ -102,7 +104,9 @@ def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: b
     if tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
     if mode == "fma":
-        return {"mode": "fma", "source": _fma_source_digest(), "key_block": 64, "norm_tile": invariant.TILE_ROWS}
+        arithmetic, source = _fma_arithmetic()
+        return {"mode": "fma", "arithmetic": arithmetic, "source": source, "key_block": 64,
+                "norm_tile": invariant.TILE_ROWS}
     if mode == "triton":
         from swarm.kernels import triton_ops
 

@@ -1,27 +1,23 @@
-"""Batch-invariant float32 GEMM and attention on x86-64 CPUs (AVX2 + FMA), from ``fma.c``.
+"""swarm's one CPU arithmetic (``fma.c``): batch-invariant float32 GEMM (float32 or bfloat16 weights),
+attention, RMSNorm and SiLU, the same bits on every instruction set that runs them.
 
-Owns: building ``fma.c`` once per machine (the system C compiler, into the swarm cache) and calling
-it on torch tensors through ctypes. Each output element is one fixed function of its own row's
-inputs (``fma.c`` states them), so a row's bits never depend on how many rows share the call: a
-decode row, a verify chunk, a prefill slice and packed sessions get the same bits, while a chunk
-reads each weight once per block of rows, not once per row.
+Owns: finding the compiled kernels (the extension ``pip install`` built, ``swarm/kernels/_fma*.so``;
+else a build with the system C compiler into the swarm cache, with a warning), choosing the
+instruction set (the best the CPU has, or ``SWARM_ISA``), and calling them on torch tensors through
+ctypes. Each output element is one fixed function of its own row's inputs (``fma.c`` states them),
+so a row's bits never depend on how many rows share the call (a decode row, a verify chunk, a
+prefill slice, packed sessions), nor on the thread count, nor on the ISA (AVX-512, AVX2 + FMA, NEON:
+``tests/kernels/test_isa.py``), while a chunk reads each weight once per block of rows.
 
 Why our own kernel (measured 2026-12-02 on a 2-core AMD EPYC, torch 2.13 CPU, 1 thread): MKL's
 sgemm gives a row the same bits for every M >= 4 but other bits at M = 1 (its GEMV path) and at
-M = 2-3; oneDNN's matmul agrees for every M >= 2 but not at M = 1. Padding a decode row to 4 rows
-(MKL) or 2 (oneDNN) to stay in the invariant regime made a decode step's GEMMs 1.5-1.8x slower
-(SmolLM2's 30 layers: 57 ms as GEMVs, 88 ms as 2-row oneDNN, 105 ms as 4-row MKL), and GEMMs of a
-fixed tile of 8-16 rows cost 1.5-2x a large GEMM per row. No stock CPU kernel gave both.
+M = 2-3; oneDNN's matmul agrees for every M >= 2 but not at M = 1; and MKL takes other code paths
+(other bits) on AVX-512 than on AVX2. No stock CPU kernel gave invariance at full speed.
 
-Threads: each call splits its work into tasks with disjoint outputs (blocks of GEMM columns; query
-rows and heads of attention) over a small POSIX-thread pool in ``fma.c``; every output element is
-computed by the same code whichever thread takes it, so the thread count (:func:`set_threads`, else
-torch's) never changes a bit.
-
-:func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler,
-``SWARM_KERNELS`` unset, ``auto`` or ``fma``; ``rows`` or ``triton`` turns them off), with the reason
-when not.
-``CC`` names the compiler (split like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.
+:func:`available` says whether the kernels run here (an x86-64 CPU with AVX2 and FMA or an aarch64
+CPU, a library, ``SWARM_KERNELS`` unset, ``auto`` or ``fma``), with the reason when not;
+:func:`describe` says which ISA and which library. ``CC`` names the fallback build's compiler (split
+like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -37,21 +34,49 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from swarm.kernels import build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fma.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread")
+FLAGS = build.FLAGS
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernels are unavailable (None: not decided yet, "": available)
+_origin = ""  # "installed" or "built at run time"
+_isa_now = ""  # the ISA in use (set with the library)
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _threads: int | None = None  # set_threads: the kernels' own thread count (None: torch's)
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """Which compiled kernels a process runs.
+
+    Attributes:
+        isa: the instruction set in use (``avx512``, ``avx2``, ``neon``).
+        isas: every ISA this CPU and library can run, best first.
+        arithmetic: the name of the arithmetic (the same on every ISA; what an auditor must match).
+        library: ``installed`` (the extension pip built) or ``built at run time`` (the fallback).
+        path: the shared library's file.
+    """
+
+    isa: str
+    isas: tuple[str, ...]
+    arithmetic: str
+    library: str
+    path: str
+
+    def as_dict(self) -> dict:
+        return {"isa": self.isa, "isas": list(self.isas), "arithmetic": self.arithmetic, "library": self.library,
+                "path": self.path}
 
 
 def set_threads(threads: int | None) -> None:
@@ -74,22 +99,30 @@ def threads() -> int:
     return _threads or torch.get_num_threads()
 
 
-def _cpu_flags() -> set[str]:
+def _installed() -> tuple[ctypes.CDLL | None, str]:
+    """The extension ``pip install`` built, if there is one built from these very sources."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+        spec = importlib.util.find_spec(build.EXTENSION)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None, "no installed kernel extension (swarm/kernels/_fma*.so: pip install builds it)"
+    try:
+        lib = _bind(ctypes.CDLL(spec.origin))
+    except (OSError, AttributeError) as exc:
+        return None, f"the installed kernel extension {spec.origin} cannot be loaded: {exc}"
+    built_from, want = lib.swarm_source_digest().decode(), build.source_digest()
+    if built_from != want:
+        return None, (f"the installed kernel extension {spec.origin} was built from other sources ({built_from or '?'}, "
+                      f"these are {want}): reinstall swarm (pip install .) to rebuild it")
+    return lib, spec.origin
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"not an x86-64 CPU ({platform.machine()})"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    """Build the kernels with the system C compiler into the swarm cache (the fallback): (library, "") or
+    (None, why not)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return None, f"not an x86-64 or aarch64 CPU ({platform.machine()})"
     found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     try:
         cc = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
@@ -99,13 +132,12 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler (cc, gcc or clang) on PATH to build swarm/kernels/fma.c"
     from swarm.config import cache_root
 
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"fma-{digest}.so"
+    digest = build.source_digest()
+    target = cache_root() / "kernels" / f"fma-{digest}-{hashlib.sha256(' '.join(cc).encode()).hexdigest()[:8]}.so"
     if target.exists():
         try:
             return _bind(ctypes.CDLL(str(target))), ""
-        except OSError as exc:  # a truncated or foreign file: build it again
+        except (OSError, AttributeError) as exc:  # a truncated or foreign file: build it again
             log.warning("kernels.rebuild library=%s: cannot load it (%s)", target, exc)
     try:
         try:
@@ -121,8 +153,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                         "SWARM_CACHE to a writable directory to keep the build", target.parent, exc.strerror)
             target = Path(tempfile.mkdtemp(prefix="swarm-kernels-")) / target.name
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True,
-                              text=True, timeout=120)
+        sources = [str(build.HERE / name) for name in build.C_SOURCES]
+        proc = subprocess.run([*cc, *FLAGS, build.define_digest(), "-shared", *sources, "-o", str(tmp), "-lm"],
+                              capture_output=True, text=True, timeout=180)
         if proc.returncode != 0 or not tmp.is_file():
             tmp.unlink(missing_ok=True)
             said = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}, no output file"
@@ -132,7 +165,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"could not build {SOURCE.name} with {' '.join(cc)}: {exc}"
     try:
         lib = _bind(ctypes.CDLL(str(target)))
-    except OSError as exc:
+    except (OSError, AttributeError) as exc:
         return None, f"could not load {target}: {exc}"
     finally:
         if target.parent.name.startswith("swarm-kernels-"):  # a temporary build: loaded (mapped), not kept
@@ -142,17 +175,60 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the C signatures on a loaded library."""
+    """Declare the C signatures on a loaded library (AttributeError: not this library's symbols)."""
     lib.swarm_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
     lib.swarm_linear.restype = None
+    lib.swarm_linear_bf16.argtypes = lib.swarm_linear.argtypes
+    lib.swarm_linear_bf16.restype = None
     lib.swarm_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
                                     _ptr, _int]
     lib.swarm_attention.restype = ctypes.c_int
+    lib.swarm_attention_bf16.argtypes = lib.swarm_attention.argtypes
+    lib.swarm_attention_bf16.restype = ctypes.c_int
     lib.swarm_rmsnorm.argtypes = [_ptr, _i64, _i64, _ptr, _f32, _ptr]
     lib.swarm_rmsnorm.restype = None
     lib.swarm_silu.argtypes = [_ptr, _i64, _ptr]
     lib.swarm_silu.restype = None
+    for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_source_digest"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.swarm_isa_name.argtypes = lib.swarm_isa_supported.argtypes = lib.swarm_use_isa.argtypes = [_int]
+    lib.swarm_isa_count.argtypes = []
     return lib
+
+
+def _isa_names(lib: ctypes.CDLL) -> list[str]:
+    """The ISAs ``lib`` holds that this CPU runs, best first."""
+    return [lib.swarm_isa_name(i).decode() for i in range(lib.swarm_isa_count()) if lib.swarm_isa_supported(i)]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The installed extension, else a build at run time (with a warning saying why); then the ISA:
+    ``SWARM_ISA`` (``auto``, or a name the CPU runs), else the best."""
+    global _origin, _isa_now
+    lib, where = _installed()
+    if lib is not None:
+        _origin = "installed"
+    else:
+        log.warning("kernels.fallback %s; building swarm/kernels/fma.c at run time", where)
+        lib, why = _build()
+        if lib is None:
+            return None, why
+        _origin = "built at run time"
+    names = _isa_names(lib)
+    if not names:
+        return None, "the CPU has none of the kernels' instruction sets (x86-64 AVX2 + FMA, AVX-512F, aarch64 NEON)"
+    wanted = os.environ.get("SWARM_ISA", "").strip().lower()
+    if wanted in ("", "auto"):
+        wanted = names[0]
+    if wanted not in names:
+        return None, f"SWARM_ISA={wanted!r} is not an instruction set this CPU runs the kernels in ({', '.join(names)})"
+    lib.swarm_use_isa(_index(lib, wanted))
+    _isa_now = wanted
+    return lib, ""
+
+
+def _index(lib: ctypes.CDLL, name: str) -> int:
+    return next(i for i in range(lib.swarm_isa_count()) if lib.swarm_isa_name(i).decode() == name)
 
 
 def available() -> tuple[bool, str]:
@@ -165,7 +241,7 @@ def available() -> tuple[bool, str]:
         return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, triton, rows"
     with _lock:
         if _reason is None:
-            _lib, _reason = _build()
+            _lib, _reason = _load()
         return _lib is not None, _reason
 
 
@@ -176,6 +252,41 @@ def _library() -> ctypes.CDLL:
     if not ok:
         raise RuntimeError(f"swarm's FMA kernels are unavailable: {reason}")
     return _lib
+
+
+def describe() -> KernelPath | None:
+    """Which ISA and library the kernels run here (None where they cannot run: :func:`available` says why)."""
+    ok, _ = available()
+    if not ok:
+        return None
+    lib = _library()
+    path = getattr(lib, "_name", "")
+    return KernelPath(isa=isa(), isas=tuple(_isa_names(lib)), arithmetic=lib.swarm_arithmetic().decode(),
+                      library=_origin, path=str(path))
+
+
+def isa() -> str:
+    """The instruction set the kernels run in now (``avx512``, ``avx2``, ``neon``)."""
+    _library()
+    return _isa_now
+
+
+def use_isa(name: str) -> str:
+    """Run the kernels in ISA ``name`` from now on (every thread of the process); returns the previous one.
+
+    For tests and benchmarks that compare ISAs on one machine: every ISA gives the same bits.
+    Raises:
+        ValueError: ``name`` is not an ISA this CPU and library run. RuntimeError: kernels unavailable.
+    """
+    global _isa_now
+    lib = _library()
+    names = _isa_names(lib)
+    if name not in names:
+        raise ValueError(f"{name!r} is not an instruction set this CPU runs the kernels in ({', '.join(names)})")
+    before = _isa_now
+    lib.swarm_use_isa(_index(lib, name))
+    _isa_now = name
+    return before
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +302,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Args:
         x: (M, K) float32 on the CPU, M >= 0.
-        weight: (N, K) float32 with a unit last stride (an ``nn.Linear`` weight).
+        weight: (N, K) float32 or bfloat16 with a unit last stride (an ``nn.Linear`` weight); a bfloat16
+            weight is widened in registers (exact), so the bits equal ``linear(x, weight.float())``.
         bias: (N,) float32 or None.
     Returns:
         (M, N) float32, a new tensor.
@@ -199,7 +311,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ValueError: other dtypes, devices or mismatched shapes. RuntimeError: kernels unavailable.
     """
     lib = _library()
-    x, weight = _rows(x), _rows(weight)
+    bf16 = weight.dtype is torch.bfloat16
+    x = _rows(x)
+    if bf16:
+        if not weight.is_cpu:
+            raise ValueError(f"the FMA kernels take CPU tensors, got a weight on {weight.device}")
+        if weight.stride(-1) != 1 or (weight.dim() == 2 and weight.stride(0) < weight.shape[-1]):
+            weight = weight.contiguous()
+    else:
+        weight = _rows(weight)
     m, k = x.shape
     n, kw = weight.shape
     if kw != k or (bias is not None and bias.shape != (n,)):
@@ -208,8 +328,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=torch.float32)
     if m and n:
         b = None if bias is None else _rows(bias).contiguous().data_ptr()
-        lib.swarm_linear(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), b, out.data_ptr(),
-                         n, _threads or torch.get_num_threads())
+        call = lib.swarm_linear_bf16 if bf16 else lib.swarm_linear
+        call(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), b, out.data_ptr(), n,
+             _threads or torch.get_num_threads())
     return out
 
 
@@ -220,8 +341,9 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
 
     Args:
         query: (T, H, Dh) float32, heads contiguous per token.
-        keys, values: (S, Hkv, Dh) float32 position-major cache views with S >= pos + T, unit strides
-            for heads and dims (a ``KVCache`` buffer); H must be a multiple of Hkv (grouped-query).
+        keys, values: (S, Hkv, Dh) float32 or bfloat16 (both the same) position-major cache views with
+            S >= pos + T, unit strides for heads and dims (a ``KVCache`` buffer); H must be a multiple of
+            Hkv (grouped-query). A bfloat16 cache is widened on load (exact): the bits of its float copy.
         pos: absolute position of query row 0.
         scale: the score scale (1 / sqrt(Dh) usually).
         window: sliding window in positions, or None.
@@ -239,14 +361,14 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
         raise ValueError(f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}, pos {pos}")
     ks, vs = keys.stride(), values.stride()
-    if ks != vs or ks[1:] != (dh, 1) or keys.dtype is not torch.float32 or values.dtype is not torch.float32 \
-            or not keys.is_cpu or not values.is_cpu:
-        raise ValueError(f"keys and values must be float32 position-major CPU cache views, got {keys.dtype} and "
-                         f"{values.dtype} with strides {ks} and {vs}")
+    if ks != vs or ks[1:] != (dh, 1) or keys.dtype not in (torch.float32, torch.bfloat16) \
+            or values.dtype is not keys.dtype or not keys.is_cpu or not values.is_cpu:
+        raise ValueError(f"keys and values must be float32 or bfloat16 position-major CPU cache views, got "
+                         f"{keys.dtype} and {values.dtype} with strides {ks} and {vs}")
+    call = lib.swarm_attention_bf16 if keys.dtype is torch.bfloat16 else lib.swarm_attention
     out = torch.empty((t, h, dh), dtype=torch.float32)
-    if t and lib.swarm_attention(query.data_ptr(), t, h, dh, query.stride(0), keys.data_ptr(), values.data_ptr(),
-                                 hkv, keys.stride(0), pos, int(window or 0), float(scale), out.data_ptr(),
-                                 _threads or torch.get_num_threads()):
+    if t and call(query.data_ptr(), t, h, dh, query.stride(0), keys.data_ptr(), values.data_ptr(), hkv,
+                  keys.stride(0), pos, int(window or 0), float(scale), out.data_ptr(), _threads or torch.get_num_threads()):
         raise MemoryError(f"attention over {pos + t} positions could not allocate its transposed keys")
     return out
 

@@ -152,7 +152,8 @@ class LayerBlock(torch.nn.Module):
         self.model_dir: Path | None = None  # set by load_block (sub-range digests read it)
         self._span_digests: dict[LayerRange, str] = {}
         self._tile: int | None = None  # rows per GEMM while forward_batch runs (None outside it)
-        # "fma": swarm/kernels/fma.c's batch-invariant GEMM and attention (float32 on an AVX2+FMA CPU),
+        # "fma": swarm/kernels/fma.c's batch-invariant GEMM and attention (float32 or bfloat16 on an x86-64
+        # CPU with AVX2+FMA or AVX-512, or an aarch64 one),
         # whole chunks per call; "triton": the same contract in Triton kernels (CUDA; on the CPU only
         # under Triton's interpreter, for tests); "rows": stock torch ops, one GEMV and one attention
         # call per row. load_block picks it (pick_kernel_mode); the stage's start-up proof may fall back
@@ -182,7 +183,7 @@ class LayerBlock(torch.nn.Module):
         """Choose the arithmetic of every later forward: ``fma``, ``triton`` or ``rows`` (see ``kernel_mode``).
 
         Raises:
-            ConfigError: ``fma`` or ``triton`` where those kernels cannot run (fma: not float32 on the
+            ConfigError: ``fma`` or ``triton`` where those kernels cannot run (fma: not float32 or bfloat16 on the
             CPU, or no AVX2+FMA CPU or C compiler; triton: not importable, not CUDA nor Triton's
             interpreter, another dtype: the reason is in the message).
         """
@@ -512,15 +513,24 @@ def _chunk_attention(plan: _Plan, module, query: torch.Tensor, kwargs: dict) -> 
         scaling = query.shape[-1] ** -0.5
     window = plan.block._window(module)
     rows = query[0].transpose(0, 1)  # (N, H, Dh), token-major
+    widen = plan.block.kernel_mode == "fma" and rows.dtype is not torch.float32  # bfloat16: fma.c reads the cache as is
+    if widen:
+        rows = rows.float()
     outs = [kernels.attention(rows[s.off:s.off + s.t], s.keys[0].transpose(0, 1), s.values[0].transpose(0, 1), s.pos,
                           scaling, window) for s in plan.segs]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0)
+    return out.to(query.dtype) if widen else out
+
+
+FMA_DTYPES = (torch.float32, torch.bfloat16)  # the block dtypes the fma kernels run (swarm.kernels.fma)
 
 
 def fma_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether a block on ``device`` in ``dtype`` can run the fma kernels, and why not."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return False, f"they take float32 on the CPU, this block is {str(dtype).removeprefix('torch.')} on {device}"
+    """Whether a block on ``device`` in ``dtype`` can run the fma kernels, and why not (they take float32
+    or bfloat16 weights on the CPU: a bfloat16 block's activations enter them widened, exactly)."""
+    if device.type != "cpu" or dtype not in FMA_DTYPES:
+        return False, (f"they take float32 or bfloat16 on the CPU, this block is "
+                       f"{str(dtype).removeprefix('torch.')} on {device}")
     from swarm.kernels import fma
 
     return fma.available()
@@ -544,7 +554,7 @@ def triton_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[boo
 def pick_kernel_mode(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """The kernel mode a block on ``device`` in ``dtype`` starts in, and why not a batch-invariant one.
 
-    ``SWARM_KERNELS``: unset or ``auto`` picks ``triton`` on CUDA and ``fma`` for float32 on the CPU;
+    ``SWARM_KERNELS``: unset or ``auto`` picks ``triton`` on CUDA and ``fma`` for float32 or bfloat16 on the CPU;
     ``triton`` or ``fma`` asks for that mode (``triton`` runs on the CPU only under Triton's
     interpreter); ``rows`` turns both off. Where the wanted mode cannot run: ``rows``.
 
@@ -559,7 +569,7 @@ def pick_kernel_mode(device: torch.device, dtype: torch.dtype) -> tuple[str, str
     ok, why = fma_kernels_usable(device, dtype)
     if ok:
         return "fma", ""
-    wanted = choice not in ("", "auto", "rows") or (device.type == "cpu" and dtype == torch.float32)
+    wanted = choice not in ("", "auto", "rows") or (device.type == "cpu" and dtype in FMA_DTYPES)
     return "rows", f"the fma kernels cannot run: {why}" if wanted else ""
 
 
@@ -589,7 +599,12 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
         if block.kernel_mode == "fma":
             if held[2] is None:  # (N, K) rows with a unit stride: a Linear's own weight, a Conv1D's transposed once
                 held[2] = weight if linear and weight.is_contiguous() else held[1].t().contiguous()
-            out = fma.linear(x.reshape(-1, x.shape[-1]), held[2], params.get("bias"))
+            bias = params.get("bias")
+            if x.dtype is torch.float32:
+                out = fma.linear(x.reshape(-1, x.shape[-1]), held[2], bias)
+            else:  # bfloat16: widened in, float32 sums, rounded once on the way out
+                out = fma.linear(x.reshape(-1, x.shape[-1]).float(), held[2], None if bias is None else bias.float())
+                out = out.to(x.dtype)
             return out.reshape(*lead, out.shape[-1])
         if block.kernel_mode == "triton":
             from swarm.kernels import triton_ops
@@ -630,6 +645,10 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
                 kernels = fma
             else:
                 from swarm.kernels import triton_ops as kernels
+            if kernels is fma and x.dtype is not torch.float32 and (rms or silu):  # bfloat16: widened, rounded once
+                wide = x.float()
+                out = fma.rms_norm(wide, module.weight.float(), module.variance_epsilon) if rms else fma.silu(wide)
+                return out.to(x.dtype)
             if rms:
                 return kernels.rms_norm(x, module.weight, module.variance_epsilon)
             if silu:

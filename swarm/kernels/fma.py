@@ -108,13 +108,19 @@ def _installed() -> tuple[ctypes.CDLL | None, str]:
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None, "no installed kernel extension (swarm/kernels/_fma*.so: pip install builds it)"
     try:
-        lib = _bind(ctypes.CDLL(spec.origin))
+        lib = ctypes.CDLL(spec.origin)
+        lib.swarm_source_digest.restype = ctypes.c_char_p
+        built_from = lib.swarm_source_digest().decode()
     except (OSError, AttributeError) as exc:
         return None, f"the installed kernel extension {spec.origin} cannot be loaded: {exc}"
-    built_from, want = lib.swarm_source_digest().decode(), build.source_digest()
+    want = build.source_digest()
     if built_from != want:
         return None, (f"the installed kernel extension {spec.origin} was built from other sources ({built_from or '?'}, "
                       f"these are {want}): reinstall swarm (pip install .) to rebuild it")
+    try:
+        lib = _bind(lib)
+    except AttributeError as exc:
+        return None, f"the installed kernel extension {spec.origin} lacks a kernel: {exc}"
     return lib, spec.origin
 
 

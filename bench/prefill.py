@@ -9,13 +9,19 @@ the ring's first token must equal transformers' argmax. Then, in this process at
 stage's blocks (all 30 layers) against transformers: a decode step's seconds, and a verify chunk of
 5 rows over a decode step. Prints one JSON object.
 
-Usage: python bench/prefill.py [--lengths 1700 4000] [--rounds 1] [--skip-three]
+``--dtype bfloat16`` runs the model, the stages and transformers in bfloat16 (the stages' fma kernels
+take bfloat16 weights and caches, float32 sums); ``--isa avx2`` makes the stages and the in-process
+blocks run that instruction set of the kernels (``SWARM_ISA``; the same bits as any other). The JSON
+names the CPU, its widest vector unit and the kernel path the blocks ran.
+
+Usage: python bench/prefill.py [--lengths 1700 4000] [--rounds 1] [--skip-three] [--dtype bfloat16] [--isa avx2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -64,12 +70,15 @@ async def ring_ttft(spec: RingSpec, model_dir: Path, ids: list[int], key: Path, 
     return timing["ttft_s"], out[0]
 
 
-def in_process(model, model_dir: Path, context: int = 128, reps: int = 10) -> dict:
+def in_process(model, model_dir: Path, dtype: str = "float32", context: int = 128, reps: int = 10) -> dict:
     """Decode step and 5-row verify chunk of the stage's blocks vs transformers' decode step, 1 thread."""
     from transformers import DynamicCache
 
+    from swarm.kernels import fma
+
     torch.set_num_threads(1)
-    block = load_block(model_dir, LayerRange(0, model_num_layers(model_dir)), dtype="float32", device="cpu")
+    fma.set_threads(1)
+    block = load_block(model_dir, LayerRange(0, model_num_layers(model_dir)), dtype=dtype, device="cpu")
     ids = torch.randint(0, block.vocab_size, (1, context + 5), generator=torch.Generator().manual_seed(0))
     cache = block.new_cache(context + 8)
     block.forward_batch([(cache, 0, ids[:, :context])], logits_rows=[1])
@@ -95,7 +104,8 @@ def in_process(model, model_dir: Path, context: int = 128, reps: int = 10) -> di
         verify_s.append(step(5))
         ref_s.append(ref_step())
     d, v, r = (statistics.median(x) for x in (decode_s, verify_s, ref_s))
-    return {"kernel_mode": block.kernel_mode, "context": context, "blocks_decode_step_s": round(d, 4),
+    path = fma.describe() if block.kernel_mode == "fma" else None
+    return {"kernel_mode": block.kernel_mode, "kernels": path.as_dict() if path else None, "context": context, "blocks_decode_step_s": round(d, 4),
             "transformers_decode_step_s": round(r, 4), "decode_ratio": round(r / d, 3),
             "verify5_step_s": round(v, 4), "verify5_over_decode": round(v / d, 3)}
 
@@ -108,15 +118,19 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=SpecConfig().prefill_chunk,
                         help="positions per prefill chunk of the ring (default: the coordinator's)")
     parser.add_argument("--skip-three", action="store_true", help="no 3-stage ring (and no 2-thread reference)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype in the stages and in transformers (default float32)")
+    parser.add_argument("--isa", default="auto", help="the kernels' instruction set (SWARM_ISA: auto, avx512, avx2, neon)")
     args = parser.parse_args()
+    os.environ["SWARM_ISA"] = args.isa  # the stages inherit it; this process's blocks read it on first use
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype)).eval()
     layers = model_num_layers(model_dir)
-    result = {"model": args.model, "dtype": "float32", "prefill_chunk": args.prefill_chunk, "prompts": []}
+    result = {"model": args.model, "dtype": args.dtype, "prefill_chunk": args.prefill_chunk, "prompts": []}
     setups = [("one_stage", [LayerRange(0, layers)], 1)]
     if not args.skip_three:
         thirds = [layers // 3, 2 * layers // 3]
@@ -128,7 +142,7 @@ def main() -> None:
             entry = {"prompt_tokens": len(ids)}
             for name, ranges, threads in setups:
                 with LocalRing(args.model, ranges, Path(tmp) / name, threads=1,
-                               extra_args=["--dtype", "float32"]) as ring:
+                               extra_args=["--dtype", args.dtype]) as ring:
                     spec = RingSpec(model=args.model, stages=ring.ring_spec().stages)
                     rings, refs = [], []
                     for _ in range(args.rounds):  # alternate, so noise hits both alike
@@ -144,10 +158,24 @@ def main() -> None:
                                "reference_runs": [round(r[0], 3) for r in refs]}
                 print(json.dumps({"progress": name, "prompt_tokens": len(ids), **entry[name]}), file=sys.stderr)
             result["prompts"].append(entry)
-    result["in_process"] = in_process(model, model_dir)
+    result["in_process"] = in_process(model, model_dir, args.dtype)
     result["cpu"] = cpu_name()
+    result["vector_unit"] = vector_unit()
     result["date"] = time.strftime("%Y-%m-%d")
     print(json.dumps(result, indent=1))
+
+
+def vector_unit() -> str:
+    """The widest vector unit the CPU reports (/proc/cpuinfo flags): avx512f, avx2, neon (asimd) or none."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    for unit in ("avx512f", "avx2", "asimd"):
+        if unit in flags:
+            return "neon" if unit == "asimd" else unit
+    return "none"
 
 
 def cpu_name() -> str:

@@ -1,8 +1,14 @@
 """The arithmetic a stage runs, chosen per device rather than left to whatever a library dispatches.
 
-- ``fma``: the fma kernel mode: batch-invariant float32 GEMM, attention, RMSNorm and SiLU for
-  x86-64 CPUs with AVX2 and FMA (``fma.c``, built once per machine, called through ctypes), whole
-  chunks per call.
+- ``fma``: the fma kernel mode: batch-invariant GEMM (float32 or bfloat16 weights), attention
+  (float32 or bfloat16 caches), RMSNorm and SiLU in one arithmetic (``fma.c`` states it) that the
+  AVX-512, AVX2 + FMA and NEON paths (``fma_kernels.h``) compute bit for bit alike; whole chunks per
+  call, through ctypes.
+- ``build``: the kernels' sources, flags and digest: ``setup.py`` builds them into the extension
+  ``swarm.kernels._fma`` at install; ``fma`` builds them at run time only where that is missing.
+- ``qblocks``: weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and their
+  GEMM in the same arithmetic family (``qblocks_kernels.h``: activations quantized per row, integer
+  dots per block, float accumulation in a fixed order).
 - ``triton_ops``: the triton kernel mode: the same contract in Triton kernels (GEMM in fixed tiles
   without split-K, attention per query row in fixed 64-key blocks, RMSNorm, SiLU) for CUDA stages,
   and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which is where it is tested.

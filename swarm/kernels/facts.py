@@ -4,11 +4,14 @@ Owns: :func:`machine_facts` (device, ISA, CPU vendor, BLAS, library versions: re
 process) and :func:`stage_class` (those facts plus the block's dtype, kernel mode and its
 constants, and the weights digest of the span a session runs), turned into a
 :class:`swarm.repro.ReproClass`. The canonical form, the id and ``comparable`` are pure and live in
-``swarm.repro``. May import torch, the shared core; no networking.
+``swarm.repro``. Also :func:`kernels_in_use`: which kernels a stage runs (mode, ISA, library) and why
+rows, as its READY line, ``--check``, ``info_ok``, ``/metrics`` and the dashboard report them.
+May import torch, the shared core; no networking.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 import re
@@ -78,6 +81,53 @@ def _fma_arithmetic() -> tuple[str, str]:
 
     path = fma.describe()
     return (path.arithmetic if path else ""), build.source_digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsInUse:
+    """Which kernels a stage runs, and why one row at a time where it does.
+
+    Attributes:
+        mode: the block's ``kernel_mode``: ``fma``, ``triton`` or ``rows``.
+        isa: the fma kernels' instruction set (``avx512``, ``avx2``, ``neon``); "" in the other modes.
+        library: ``installed`` (the extension pip built) or ``built at run time`` (the fallback build) for
+            fma; ``triton VERSION`` (``(interpreter)`` off CUDA); ``torch`` for rows (stock torch ops).
+        arithmetic: the fma kernels' arithmetic (the same bits on every ISA); "" in the other modes.
+        why: in the ``rows`` mode, why not a batch-invariant one (those kernels cannot run here, or
+            failed the stage's start-up proof); "" in the other modes.
+    """
+
+    mode: str
+    isa: str = ""
+    library: str = ""
+    arithmetic: str = ""
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def kernels_in_use(mode: str, why: str = "") -> KernelsInUse:
+    """What runs a block in kernel mode ``mode``, read off this process (``why``: kept for ``rows`` only).
+
+    Raises:
+        ValueError: an unknown mode. RuntimeError: ``fma`` where those kernels cannot run.
+    """
+    if mode == "fma":
+        from swarm.kernels import fma
+
+        path = fma.describe()
+        if path is None:
+            raise RuntimeError(f"swarm's FMA kernels are unavailable: {fma.available()[1]}")
+        return KernelsInUse("fma", isa=path.isa, library=path.library, arithmetic=path.arithmetic)
+    if mode == "triton":
+        from swarm.kernels import triton_ops
+
+        d = triton_ops.describe()
+        return KernelsInUse("triton", library=f"triton {d['triton']}" + (" (interpreter)" if d["interpreter"] else ""))
+    if mode == "rows":
+        return KernelsInUse("rows", library="torch", why=why)
+    raise ValueError(f"unknown kernel mode {mode!r}")
 
 
 def kernel_facts(mode: str, tile: int = 1, threads: int | None = None, *, cpu: bool = True) -> dict:

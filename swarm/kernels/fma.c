@@ -25,7 +25,8 @@
  *   silu: x / (1 + exp(-x)).
  * Implementations (fma_kernels.h): AVX-512F (fma_avx512.c: dot's 8 lanes of two columns side by side
  * in one zmm register), AVX2 + FMA (fma_avx2.c: one column per ymm register), NEON (fma_neon.c,
- * aarch64: the 8 lanes in two q registers). One library holds every implementation its architecture
+ * aarch64: the 8 lanes in two q registers), and plain C one lane at a time (fma_generic.c: the
+ * reference, on any CPU). One library holds every implementation its architecture
  * has; swarm_use_isa picks one (the best the CPU runs, by default). They give the same bits: lanes
  * never cross inside a sum, and every sum across lanes is dot's tree. These are the bits of swarm's
  * AVX2-only fma.c before the ISAs were split (2026-12-06), so earlier receipts still re-run.
@@ -153,26 +154,28 @@ void swarm_parallel_for(int threads, swarm_task_fn fn, const void *ctx, int64_t 
 
 /* ---- The instruction sets this library holds, best first, and the one in use. */
 #if defined(__x86_64__) || defined(_M_X64)
-extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_avx512, swarm_isa_avx2;
-static const swarm_isa *const isas[] = {&swarm_isa_avx512, &swarm_isa_avx2};
+extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_avx512, swarm_isa_avx2, swarm_isa_generic;
+static const swarm_isa *const isas[] = {&swarm_isa_avx512, &swarm_isa_avx2, &swarm_isa_generic};
 static int isa_supported(int i) {
     __builtin_cpu_init();
     if (i == 0) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (i == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return 1;
 }
 #elif defined(__aarch64__)
-extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_neon;
-static const swarm_isa *const isas[] = {&swarm_isa_neon};
+extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_neon, swarm_isa_generic;
+static const swarm_isa *const isas[] = {&swarm_isa_neon, &swarm_isa_generic};
 static int isa_supported(int i) { (void)i; return 1; }
 #else
-static const swarm_isa *const isas[] = {0};
-static int isa_supported(int i) { (void)i; return 0; }
+extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_generic;
+static const swarm_isa *const isas[] = {&swarm_isa_generic};
+static int isa_supported(int i) { (void)i; return 1; }
 #endif
 #define N_ISAS ((int)(sizeof(isas) / sizeof(isas[0])))
 
 static const swarm_isa *isa;  /* the one in use: swarm_use_isa, else the best supported */
 
-int swarm_isa_count(void) { return isas[0] ? N_ISAS : 0; }
+int swarm_isa_count(void) { return N_ISAS; }
 const char *swarm_isa_name(int i) { return i >= 0 && i < swarm_isa_count() ? isas[i]->name : ""; }
 int swarm_isa_supported(int i) { return i >= 0 && i < swarm_isa_count() && isa_supported(i); }
 const char *swarm_arithmetic(void) { return SWARM_ARITHMETIC; }
@@ -234,6 +237,16 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
                          const uint16_t *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
                          float *out, int threads) {
     return current()->attention_bf16(q, T, H, Dh, ldq, k, v, Hkv, ldkv, pos0, window, scale, out, threads);
+}
+
+/* out (M, N), row stride ldo = x (M, K) times w (N rows of ldw bytes, each the blocks of one weight row in
+ * llama.cpp's block format fmt: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) transposed, + bias (N) or NULL:
+ * activations quantized per row into blocks of 32, integer dots per block, float accumulation over the
+ * blocks in k order (qblocks_kernels.h states each step). Returns 0, -1 for an unknown format or a K the
+ * format cannot hold, -2 when out of memory. */
+int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                  int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
+    return current()->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
 }
 
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {

@@ -195,6 +195,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_rmsnorm.restype = None
     lib.swarm_silu.argtypes = [_ptr, _i64, _ptr]
     lib.swarm_silu.restype = None
+    lib.swarm_qlinear.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
+    lib.swarm_qlinear.restype = ctypes.c_int
     for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_source_digest"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.swarm_isa_name.argtypes = lib.swarm_isa_supported.argtypes = lib.swarm_use_isa.argtypes = [_int]
@@ -221,11 +223,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             return None, why
         _origin = "built at run time"
     names = _isa_names(lib)
-    if not names:
-        return None, "the CPU has none of the kernels' instruction sets (x86-64 AVX2 + FMA, AVX-512F, aarch64 NEON)"
+    fast = [name for name in names if name != "generic"]  # generic: plain C, the reference, slow
     wanted = os.environ.get("SWARM_ISA", "").strip().lower()
     if wanted in ("", "auto"):
-        wanted = names[0]
+        if not fast:
+            return None, ("the CPU has none of the kernels' vector units (x86-64 AVX2 + FMA, AVX-512F, aarch64 "
+                          "NEON); SWARM_ISA=generic runs them in plain C, slowly")
+        wanted = fast[0]
     if wanted not in names:
         return None, f"SWARM_ISA={wanted!r} is not an instruction set this CPU runs the kernels in ({', '.join(names)})"
     lib.swarm_use_isa(_index(lib, wanted))

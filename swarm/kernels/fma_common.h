@@ -25,6 +25,8 @@ typedef struct swarm_isa {
                           float *out, int threads);
     void (*rmsnorm)(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
     void (*silu)(const float *x, int64_t n, float *out);
+    int (*qlinear)(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
     /* where the GEMM of a single row (a decode step) runs faster in another ISA of the library (the same
      * bits by construction): AVX-512's column pairs cost a shuffle per load that one row cannot share */
     const struct swarm_isa *one_row;

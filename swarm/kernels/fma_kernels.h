@@ -114,8 +114,53 @@ AI float v8_tree(v8 v) {
 AI void v8_sums4(v8 a, v8 b, v8 c, v8 d, float *out) {
     out[0] = v8_tree(a), out[1] = v8_tree(b), out[2] = v8_tree(c), out[3] = v8_tree(d);
 }
+#elif defined(SWARM_ISA_GENERIC)
+/* Plain C, one lane at a time: the definition run as written (any CPU; a reference for the others). */
+typedef struct { float f[8]; } v8;
+#define LANES(expr) do { for (int i_ = 0; i_ < 8; i_++) { expr; } } while (0)
+AI v8 v8_load(const float *p) { v8 v; LANES(v.f[i_] = p[i_]); return v; }
+AI v8 v8_load_bf16(const uint16_t *p) {
+    v8 v;
+    LANES(union { uint32_t u; float f; } c = {(uint32_t)p[i_] << 16}; v.f[i_] = c.f);
+    return v;
+}
+AI void v8_store(float *p, v8 v) { LANES(p[i_] = v.f[i_]); }
+AI v8 v8_set1(float a) { v8 v; LANES(v.f[i_] = a); return v; }
+AI v8 v8_zero(void) { return v8_set1(0.0f); }
+AI v8 v8_fma(v8 a, v8 b, v8 c) { LANES(c.f[i_] = fmaf(a.f[i_], b.f[i_], c.f[i_])); return c; }
+AI v8 v8_add(v8 a, v8 b) { LANES(a.f[i_] = a.f[i_] + b.f[i_]); return a; }
+AI v8 v8_sub(v8 a, v8 b) { LANES(a.f[i_] = a.f[i_] - b.f[i_]); return a; }
+AI v8 v8_mul(v8 a, v8 b) { LANES(a.f[i_] = a.f[i_] * b.f[i_]); return a; }
+AI v8 v8_div(v8 a, v8 b) { LANES(a.f[i_] = a.f[i_] / b.f[i_]); return a; }
+AI v8 v8_max(v8 a, v8 b) { LANES(a.f[i_] = a.f[i_] > b.f[i_] ? a.f[i_] : b.f[i_]); return a; }
+AI float exp1(float x) {  /* the steps of the x86 v8_exp, one lane, with x86's min and max rules */
+    const int valid = x >= -87.0f;
+    x = x > -87.0f ? x : -87.0f;
+    x = x < 88.0f ? x : 88.0f;
+    const float fx = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-fx, 0.693359375f, x);
+    r = fmaf(-fx, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r);
+    y = y + 1.0f;
+    union { uint32_t u; float f; } e = {(uint32_t)((int32_t)fx + 127) << 23};
+    return valid ? y * e.f : 0.0f;
+}
+AI v8 v8_exp(v8 x) { LANES(x.f[i_] = exp1(x.f[i_])); return x; }
+AI void v8_sums4(v8 a, v8 b, v8 c, v8 d, float *out) {
+    const v8 *v[4] = {&a, &b, &c, &d};
+    for (int k = 0; k < 4; k++) {
+        const float *l = v[k]->f;
+        out[k] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    }
+}
 #else
-#error "define SWARM_ISA_AVX512, SWARM_ISA_AVX2 or SWARM_ISA_NEON before including fma_kernels.h"
+#error "define SWARM_ISA_AVX512, SWARM_ISA_AVX2, SWARM_ISA_NEON or SWARM_ISA_GENERIC before including fma_kernels.h"
 #endif
 
 /* dot's tree of one vector: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
@@ -361,9 +406,11 @@ static void silu(const float *x, int64_t n, float *out) {
     }
 }
 
+#include "qblocks_kernels.h"
+
 /* ONE_ROW: the ISA whose GEMM runs single rows (a decode step), or 0 for this one */
 #define SWARM_DEFINE_ISA(NAME, ONE_ROW)                                                                           \
     __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_##NAME = {                                   \
-        #NAME, linear_f32, linear_bf16, attention_f32, attention_bf16, rmsnorm, silu, ONE_ROW};
+        #NAME, linear_f32, linear_bf16, attention_f32, attention_bf16, rmsnorm, silu, qlinear, ONE_ROW};
 
 #endif

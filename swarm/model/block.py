@@ -159,6 +159,7 @@ class LayerBlock(torch.nn.Module):
         # call per row. load_block picks it (pick_kernel_mode); the stage's start-up proof may fall back
         # to "rows" (set_kernel_mode).
         self.kernel_mode = "rows"
+        self.kernel_why = ""  # in the rows mode: why not fma or triton (rows_reason, or the failed proof)
         self.quantize: str | None = None  # int8 / int4: Linear weights held quantized (load_block's quantize)
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
@@ -179,8 +180,9 @@ class LayerBlock(torch.nn.Module):
             elif (invariant.is_activation(mod) or invariant.is_norm(mod)) and id(mod) not in in_moe:
                 _per_token(mod, self)
 
-    def set_kernel_mode(self, mode: str) -> None:
-        """Choose the arithmetic of every later forward: ``fma``, ``triton`` or ``rows`` (see ``kernel_mode``).
+    def set_kernel_mode(self, mode: str, why: str = "") -> None:
+        """Choose the arithmetic of every later forward: ``fma``, ``triton`` or ``rows`` (see ``kernel_mode``);
+        ``why``: for ``rows``, the reason a stage reports (``kernel_why``).
 
         Raises:
             ConfigError: ``fma`` or ``triton`` where those kernels cannot run (fma: not float32 or bfloat16 on the
@@ -195,6 +197,7 @@ class LayerBlock(torch.nn.Module):
         elif mode != "rows":
             raise ConfigError(f"unknown kernel mode {mode!r}: use fma, triton or rows")
         self.kernel_mode = mode
+        self.kernel_why = why if mode == "rows" else ""
 
     def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers, or those of
@@ -573,6 +576,19 @@ def pick_kernel_mode(device: torch.device, dtype: torch.dtype) -> tuple[str, str
     return "rows", f"the fma kernels cannot run: {why}" if wanted else ""
 
 
+def rows_reason(device: torch.device, dtype: torch.dtype) -> str:
+    """Why a block on ``device`` in ``dtype`` starts in the rows mode ("" where it starts in another):
+    :func:`pick_kernel_mode`'s reason, or what keeps the mode of that device (triton on CUDA, else
+    fma) from running it, e.g. ``SWARM_KERNELS=rows`` or a float64 block."""
+    mode, why = pick_kernel_mode(device, dtype)
+    if mode != "rows" or why:
+        return why
+    if os.environ.get("SWARM_KERNELS", "").strip().lower() == "rows":
+        return "SWARM_KERNELS=rows"
+    name, usable = ("triton", triton_kernels_usable) if device.type == "cuda" else ("fma", fma_kernels_usable)
+    return f"the {name} kernels cannot run: {usable(device, dtype)[1]}"
+
+
 def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     """Route ``module``'s forward (a Linear or GPT-2 Conv1D) through fixed ``block._tile``-row GEMMs
     on fresh aligned copies while ``block._tile`` is set (:func:`swarm.kernels.invariant.linear_rows`)."""
@@ -827,6 +843,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if why:
         log.warning("kernels.rows layers=%s: %s; every chunk runs one row at a time, exact but slower",
                     layer_range, why)
+    block.kernel_why = rows_reason(dev, dt) if block.kernel_mode == "rows" else ""
     block.range_digest = weights_digest(model_dir, block.loaded_tensors)  # signed in every receipt
     block.model_dir = model_dir
     log.info("block.loaded layers=%s tensors=%d bytes=%d dtype=%s device=%s kernels=%s range_digest=%s", layer_range,

@@ -1,6 +1,6 @@
 /* Runs swarm's CPU kernels (swarm/kernels/fma*.c) on fixed pseudo-random inputs in one instruction set
  * and writes every output's float32 bytes to stdout, so tests/kernels/test_isa.py can compare the
- * bytes of each ISA: AVX-512 and AVX2 natively, NEON under qemu-aarch64.
+ * bytes of each ISA: AVX-512, AVX2 and plain C natively, NEON under qemu-aarch64.
  *
  * usage: kernel_harness ISA_INDEX   (exit 2: this CPU does not run that ISA; 3: out of memory)
  */
@@ -18,6 +18,8 @@ int swarm_attention(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ld
 int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const uint16_t *k,
                          const uint16_t *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
                          float *out, int threads);
+int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                  int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
 void swarm_silu(const float *x, int64_t n, float *out);
 
@@ -46,6 +48,20 @@ static uint16_t *bf16s(int64_t n) {  /* bfloat16 patterns of floats in [-4, 4) *
     }
     return p;
 }
+
+static uint8_t *bytes(int64_t n) {  /* random block bytes; fp16 scale fields made finite below */
+    uint8_t *p = malloc((size_t)(n > 0 ? n : 1));
+    if (!p) exit(3);
+    for (int64_t i = 0; i < n; i++) {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        p[i] = (uint8_t)(state >> 11);
+    }
+    return p;
+}
+
+static void fix_half(uint8_t *p) { p[1] = (uint8_t)((p[1] & 0x83) | 0x1c); }  /* |h| in [2^-8, 2^-4) */
 
 static void emit(const float *p, int64_t n) { fwrite(p, sizeof(float), (size_t)n, stdout); }
 
@@ -77,6 +93,26 @@ int main(int argc, char **argv) {
         if (swarm_attention_bf16(q, T, H, Dh, H * Dh, kb, vb, Hkv, Hkv * Dh, pos, win, 0.125f, out, 1)) return 3;
         emit(out, T * H * Dh);
         free(q), free(k), free(v), free(out), free(kb), free(vb);
+    }
+    /* block formats: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, random bytes with finite scales */
+    static const int qbytes[] = {34, 18, 20, 144, 210}, qblock[] = {32, 32, 32, 256, 256};
+    for (int f = 0; f < 5; f++) {
+        const int64_t M = f % 2 ? 5 : 1, K = 512, N = 38, blocks = K / qblock[f], ldw = blocks * qbytes[f];
+        float *x = floats(M * K), *b = floats(N), *out = floats(M * N);
+        uint8_t *w = bytes(N * ldw);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t j = 0; j < blocks; j++) {
+                uint8_t *blk = w + n * ldw + j * qbytes[f];
+                if (f == 4) {
+                    fix_half(blk + 208);
+                } else {
+                    fix_half(blk);
+                    if (f == 2 || f == 3) fix_half(blk + 2);
+                }
+            }
+        if (swarm_qlinear(f, x, M, K, K, w, N, ldw, f % 2 ? b : 0, out, N, 1 + f % 2)) return 3;
+        emit(out, M * N);
+        free(x), free(b), free(out), free(w);
     }
     float *x = floats(21 * 41), *w = floats(41), *out = floats(21 * 41);
     swarm_rmsnorm(x, 21, 41, w, 1e-5f, out);

@@ -1,0 +1,140 @@
+"""Weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), multiplied exactly by
+construction: activations quantized per row into 8-bit blocks of 32, integer dot products per block
+(exact in any order), float accumulation over blocks in one fixed order (``fma.c`` states it).
+
+Owns: :class:`QWeight` (a matrix in a block format, the bytes as a GGUF file stores them), the facts
+of each format (:data:`FORMATS`), :func:`linear` (``qblocks_kernels.h`` through ctypes: the same bits on
+every ISA), and :func:`quantize` / :func:`dequantize` through the ``gguf`` package (llama.cpp's own
+Python reference of the formats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One of llama.cpp's block formats.
+
+    Attributes:
+        name: ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` or ``q6_k`` (GGML's type name, lower case).
+        block: weights per block along K.
+        block_bytes: bytes one block takes.
+        ggml_type: the GGML type id (``gguf.GGMLQuantizationType``).
+    """
+
+    name: str
+    block: int
+    block_bytes: int
+    ggml_type: int
+
+
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
+    BlockFormat("q8_0", 32, 34, 8),  # the order is fma.c's format index
+    BlockFormat("q4_0", 32, 18, 2),
+    BlockFormat("q4_1", 32, 20, 3),
+    BlockFormat("q4_k", 256, 144, 12),
+    BlockFormat("q6_k", 256, 210, 14),
+)}
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A (N, K) weight matrix held in a block format.
+
+    Attributes:
+        fmt: the format's name (a key of :data:`FORMATS`).
+        n: output features (rows of an ``nn.Linear`` weight).
+        k: input features; a multiple of the format's block.
+        data: uint8 (N, K // block * block_bytes) on the CPU: row n holds the blocks of weight row n in
+            k order, each laid out as GGML lays it out (a GGUF tensor's bytes, rows in the Linear's order).
+    """
+
+    fmt: str
+    n: int
+    k: int
+    data: torch.Tensor
+
+    def __post_init__(self):
+        f = FORMATS.get(self.fmt)
+        if f is None:
+            raise ValueError(f"unknown block format {self.fmt!r}: one of {', '.join(FORMATS)}")
+        if self.k % f.block:
+            raise ValueError(f"{self.fmt} needs K a multiple of {f.block}, got {self.k}")
+        want = (self.n, self.k // f.block * f.block_bytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+            raise ValueError(f"{self.fmt} data for ({self.n}, {self.k}) must be uint8 {want}, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+_INDEX = {name: i for i, name in enumerate(FORMATS)}  # the format's number in swarm_qlinear
+
+
+def linear(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantized(weight).T + bias`` the way ``qblocks_kernels.h`` defines it: x quantized per row
+    into 8-bit blocks of 32, integer dots per block, float accumulation over blocks in k order. A row's
+    bits depend on its own data only (any number of rows, threads, any ISA).
+
+    Args:
+        x: (M, K) float32 on the CPU. weight: a :class:`QWeight` of K columns. bias: (N,) float32 or None.
+    Returns:
+        (M, N) float32, a new tensor.
+    Raises:
+        ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
+    """
+    from swarm.kernels import fma
+
+    lib = fma._library()
+    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
+        raise ValueError(f"qblocks.linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
+        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, weight.n), dtype=torch.float32)
+    if m and weight.n:
+        data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+        rc = lib.swarm_qlinear(_INDEX[weight.fmt], x.data_ptr(), m, weight.k, x.stride(0), data.data_ptr(), weight.n,
+                               data.stride(0), None if bias is None else bias.contiguous().data_ptr(),
+                               out.data_ptr(), weight.n, fma.threads())
+        if rc == -2:
+            raise MemoryError(f"no memory for {m} rows of quantized activations")
+        if rc:
+            raise ValueError(f"{weight.fmt} cannot hold K = {weight.k}")
+    return out
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QWeight:
+    """A float (N, K) weight in block format ``fmt`` by the ``gguf`` package's reference quantizer
+    (llama.cpp's rounding). Raises ValueError: a format it cannot write (q4_k, q6_k) or K that the format
+    cannot hold."""
+    import gguf.quants
+    import numpy as np
+
+    f = FORMATS.get(fmt)
+    if f is None or fmt in ("q4_k", "q6_k"):
+        raise ValueError(f"cannot quantize to {fmt!r} here: q8_0, q4_0 or q4_1 (the gguf package writes those)")
+    n, k = weight.shape
+    if k % f.block:
+        raise ValueError(f"{fmt} needs K a multiple of {f.block}, got {k}")
+    raw = gguf.quants.quantize(weight.detach().float().cpu().numpy().astype(np.float32),
+                               gguf.GGMLQuantizationType(f.ggml_type))
+    return QWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(n, -1))
+
+
+def dequantize(weight: QWeight) -> torch.Tensor:
+    """The float32 (N, K) values of ``weight`` by the ``gguf`` package's reference dequantizer."""
+    import gguf.quants
+
+    raw = weight.data.contiguous().numpy()
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(FORMATS[weight.fmt].ggml_type))
+    return torch.from_numpy(values.reshape(weight.n, weight.k).astype("float32", copy=False))

@@ -22,8 +22,8 @@ async def ring_health(state) -> list[dict]:
         state: a ``swarm.serve.state.ServeState`` (its ``ring``, ``host`` and ``config.connect_timeout_s``).
     Returns:
         one dict per stage, in ring order: ``index``, ``layers``, ``addr``, ``peer_id``, ``ok`` and
-        either what the stage reported (``latency_ms``, ``max_ctx``, ``sessions``, KV bytes, ...) or
-        ``error``.
+        either what the stage reported (``latency_ms``, ``max_ctx``, ``sessions``, KV bytes, ``kernels``:
+        the mode, ISA and library it runs and why rows, ...) or ``error``.
     """
     results: list[dict] = [{} for _ in state.ring.stages]
 
@@ -42,7 +42,7 @@ async def ring_health(state) -> list[dict]:
             entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
                          and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
                          **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
-                                                    "draining", "batching", "prefix_cache")})
+                                                    "draining", "batching", "prefix_cache", "kernels")})
         except (SwarmError, trio.TooSlowError) as exc:
             entry["error"] = str(exc) or "no answer within 5 s"
         results[i] = entry

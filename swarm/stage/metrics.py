@@ -4,7 +4,8 @@ Counters and gauges that the stage already keeps (sessions, KV bytes, steps, fra
 its streams, refusals, prefix cache) are read at scrape time by a collector, so they cost nothing
 per frame; histograms (step time, rows per step, send time) are observed where the event happens.
 Labels are fixed small sets (a refusal reason); ``swarm_stage_info`` names the stage's public
-PeerId, model and layers. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
+PeerId, model and layers, ``swarm_stage_kernels_info`` the kernels it runs (mode, ISA, library) and
+why rows. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
 (prometheus_client's own HTTP server, in a thread).
 
 May import: prometheus_client, ``swarm.metrics``; it reads a StageServer duck-typed (no import of it).
@@ -59,6 +60,13 @@ class _StageCollector:
         info.add_metric([getattr(host, "peer_id", "") or "", s.model_name,
                          f"{b.layer_range.start}:{b.layer_range.end}", str(b.dtype).removeprefix("torch.")], 1)
         yield info
+        k = s.kernels
+        kernels = GaugeMetricFamily("swarm_stage_kernels_info", "The kernels this stage runs after its start-up "
+                                    "proof: mode (fma, triton, rows), ISA, library (installed, built at run time, "
+                                    "...), arithmetic, and why rows (always 1)",
+                                    labels=["mode", "isa", "library", "arithmetic", "why"])
+        kernels.add_metric([str(k.get(x) or "")[:200] for x in ("mode", "isa", "library", "arithmetic", "why")], 1)
+        yield kernels
         yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
         yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
                      sum(len(x.queue) for x in sessions))

@@ -3,7 +3,8 @@
 Owns: the preflight of a StageConfig: the engine imports, the model resolves locally (the hub is
 put offline), its family is supported, the layer range is in bounds and every tensor it needs is
 in the checkpoint with a dtype we can load, the device exists and takes the dtype, the key file
-is usable (0600, or creatable), and the memory the stage will need fits in what is available.
+is usable (0600, or creatable), and the memory the stage will need fits in what is available; and
+which kernels it would run (the fma kernels are built here if no installed library serves).
 Glue over ``swarm.model`` and ``swarm.transport.identity``; imported only by ``swarm.stage``.
 """
 
@@ -67,7 +68,9 @@ def preflight(config: StageConfig) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"  # a hub id must already be in the local cache
     import torch  # noqa: F401  (the engine imports)
 
-    from swarm.model.block import FAMILIES, block_tensor_names, load_config, pick_device, pick_dtype
+    from swarm.kernels.facts import kernels_in_use
+    from swarm.model.block import (FAMILIES, block_tensor_names, load_config, pick_device, pick_dtype,
+                                   pick_kernel_mode, rows_reason)
     from swarm.model.plan import kv_elements_per_token_layer
     from swarm.model.resolve import model_manifest_digest, resolve_model, tensor_index
     from swarm.weights.manifest import read_header
@@ -137,6 +140,8 @@ def preflight(config: StageConfig) -> dict:
         "weights_bytes": weights,
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
         "memory_available_bytes": available, **_check_key(config.key_path),
+        # the kernels the stage starts in (its start-up proof may still fall back to rows: READY says)
+        "kernels": kernels_in_use(pick_kernel_mode(device, dtype)[0], rows_reason(device, dtype)).as_dict(),
     }
 
 

@@ -105,3 +105,21 @@ def test_bad_kernel_facts_are_refused():
         facts.kernel_facts("turbo")
     with pytest.raises(ValueError, match="at least 1"):
         facts.kernel_facts("rows", 0)
+
+
+def test_kernels_in_use_names_the_isa_and_library_or_why_rows():
+    """What a stage reports of its kernels (READY, --check, info_ok, /metrics, the dashboard)."""
+    rows = facts.kernels_in_use("rows", "SWARM_KERNELS=rows")
+    assert rows.as_dict() == {"mode": "rows", "isa": "", "library": "torch", "arithmetic": "",
+                              "why": "SWARM_KERNELS=rows"}
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        facts.kernels_in_use("gemv")
+    if not FMA_OK:
+        with pytest.raises(RuntimeError, match="unavailable"):
+            facts.kernels_in_use("fma")
+        return
+    path = fma.describe()
+    used = facts.kernels_in_use("fma", "ignored outside rows")
+    assert used == facts.KernelsInUse("fma", isa=fma.isa(), library=path.library, arithmetic=path.arithmetic)
+    assert used.isa in ("avx512", "avx2", "neon") and used.library in ("installed", "built at run time")
+    assert used.why == "" and used.arithmetic

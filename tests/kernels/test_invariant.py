@@ -86,6 +86,8 @@ def test_the_proof_fails_where_the_fma_gemm_is_swapped_for_a_blas_gemm(synthetic
     monkeypatch.setattr(check, "_REPORTS", {})  # proofs of the same weights by earlier tests
     kernels = _prove_kernels(block)
     assert kernels["mode"] == "rows" and kernels["rows_ok"] and block.kernel_mode == "rows"
+    assert kernels["why"].startswith("the fma kernels failed the start-up proof: ") and \
+        "differs when chunked" in kernels["why"] and kernels["library"] == "torch" and kernels["isa"] == ""
 
 
 @needs_fma

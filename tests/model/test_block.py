@@ -114,3 +114,28 @@ def test_stories260k_blocks_match_transformers(stories_dir, stages):
     ref = reference_greedy(stories_dir, prompt, 24, "float32")
     blocks = [load_block(stories_dir, LayerRange(a, b), dtype="float32", device="cpu") for a, b in ranges]
     assert chained_greedy(blocks, prompt, 24) == ref
+
+
+def test_a_block_says_why_it_runs_the_rows_mode(synthetic, monkeypatch):
+    """``kernel_why`` (what a stage reports with ``kernels.mode == "rows"``): the dtype or the setting
+    that keeps the fma kernels off; empty in the fma mode; set_kernel_mode's reason after a fallback."""
+    from swarm.kernels import fma
+    from swarm.model.block import rows_reason
+
+    cpu = torch.device("cpu")
+    wide = load_block(synthetic("llama"), LayerRange(0, 2), dtype="float64", device="cpu")
+    assert wide.kernel_mode == "rows"
+    assert wide.kernel_why == rows_reason(cpu, torch.float64) == (
+        "the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this block is float64 on cpu")
+    monkeypatch.setenv("SWARM_KERNELS", "rows")
+    block = load_block(synthetic("llama", "float32"), LayerRange(0, 2), dtype="float32", device="cpu")
+    assert block.kernel_mode == "rows" and block.kernel_why == "the fma kernels cannot run: SWARM_KERNELS=rows"
+    assert rows_reason(cpu, torch.float64) == "SWARM_KERNELS=rows"  # asked for: the dtype is not the reason
+    monkeypatch.delenv("SWARM_KERNELS")
+    if not fma.available()[0]:
+        pytest.skip(f"no fma kernels here: {fma.available()[1]}")
+    assert rows_reason(cpu, torch.float32) == ""
+    block.set_kernel_mode("fma")
+    assert block.kernel_why == ""
+    block.set_kernel_mode("rows", why="the fma kernels failed the start-up proof: ...")
+    assert block.kernel_why == "the fma kernels failed the start-up proof: ..."

@@ -57,6 +57,11 @@ def coverage_cells(dom: str) -> list[int]:
     return [int(n) for n in re.findall(r'class="layer c[0-2]"[^>]*>(\d+)<', dom)]
 
 
+def kernel_cells(dom: str) -> list[tuple[str, str, str]]:
+    """(class, title, text) of each stage's kernels cell, in table order."""
+    return re.findall(r'<td class="kernels ([a-z]+)"(?: title="([^"]*)")?>([^<]*)</td>', dom)
+
+
 def plot_points(dom: str, plot_id: str) -> int:
     """How many points the latency plot ``plot_id`` draws."""
     m = re.search(rf'<svg id="{plot_id}"[^>]*>(.*?)</svg>', dom, re.S)
@@ -90,6 +95,11 @@ def test_the_served_dashboard_shows_the_live_ring_and_its_throughput(stories_dir
     # layer coverage of the ring file: each of the 5 layers held once; latency over time: a point
     # per request in both plots, none before any request
     assert coverage_cells(dom) == [1, 1, 1, 1, 1] and "every layer is held" in dom
+    # the kernels each stage runs, as its READY line said: fma with its ISA and library, or rows
+    shown = [text for _, _, text in kernel_cells(dom)]
+    ready = [sp.ready["kernels"] for sp in ring.stages]
+    assert shown == [" ".join(x for x in (k["mode"], k["isa"]) if x) + (f", {k['library']}" if k["mode"] == "fma"
+                                                                         else "") for k in ready], shown
     assert plot_points(dom, "ttft-plot") == 2 and plot_points(dom, "itl-plot") == 2
     assert plot_points(before, "ttft-plot") == 0
     assert "Once upon" not in dom  # no prompt text on the page
@@ -203,13 +213,19 @@ setTimeout(() => {
 </script></body></html>"""
 
 
+KERNELS = [{"mode": "fma", "isa": "avx512", "library": "installed", "why": ""},
+           {"mode": "fma", "isa": "avx2", "library": "built at run time", "why": ""},
+           {"mode": "rows", "isa": "", "library": "torch", "why": "the fma kernels cannot run: SWARM_KERNELS=rows"}]
+
+
 def served_state(tokens_per_s: float, receipts: str | None = None) -> dict:
     """A `swarm serve` dashboard state (the keys ``serve_state`` returns) of a healthy 3-stage ring."""
     from swarm.config import RingSpec, StageSpec
     from swarm.serve.dashboard import rate_series, ring_coverage
 
     stages = [{"index": i, "layers": [r.start, r.end], "peer_id": pid, "ok": True, "error": None, "sessions": 12,
-               "kv_bytes": 123456789, "latency_ms": 1.5} for i, (r, pid) in enumerate(zip(RANGES, PEER_IDS))]
+               "kv_bytes": 123456789, "latency_ms": 1.5, "kernels": k}
+              for i, (r, pid, k) in enumerate(zip(RANGES, PEER_IDS, KERNELS))]
     ring = RingSpec(model="m", stages=tuple(StageSpec(f"/ip4/127.0.0.1/tcp/{4001 + i}/p2p/{pid}", r)
                                             for i, (r, pid) in enumerate(zip(RANGES, PEER_IDS))))
     now = __import__("time").time()
@@ -315,6 +331,20 @@ def test_the_stage_table_shows_audits_and_the_stages_shut_out(chromium, tmp_path
     assert cells[2][1].startswith("REFUSED (honest stage framed)") and cells[3][1].startswith("VALID proof")
     assert dom.count('class="stage-row"') == 3 and dom.count('class="excluded-row"') == 1
     assert "audits: audited/passed/failed from /srv/audits.json" in dom
+
+
+@pytest.mark.process
+def test_the_stage_table_shows_the_kernels_each_stage_runs_and_why_rows(chromium, tmp_path):
+    state = served_state(1.0)
+    state["stages"].append({**state["stages"][2], "index": 3, "ok": False, "error": "no answer within 5 s",
+                            "kernels": None})  # a stage that did not answer: nothing known of its kernels
+    with state_server([state]) as url:
+        dom, log = browse(chromium, url + "/dashboard", tmp_path, "kernels")
+    assert console_errors(log) == [], console_errors(log)
+    assert kernel_cells(dom) == [("fast", "installed", "fma avx512, installed"),
+                                 ("fast", "built at run time", "fma avx2, built at run time"),
+                                 ("warn", "the fma kernels cannot run: SWARM_KERNELS=rows", "rows"),
+                                 ("num", "", "-")], kernel_cells(dom)
 
 
 def test_ring_coverage_counts_only_stages_that_answer_and_the_spares():

@@ -58,10 +58,21 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     assert not (tmp_path / "k").exists()  # a check creates nothing
     assert fatal.returncode == 2, (fatal.stdout, fatal.stderr)
     assert "out of bounds: the model has 4 layers" in line(fatal, "FATAL")["reason"], fatal.stdout
+    from swarm.kernels import fma
+
+    fma_ok, fma_why = fma.available()  # the kernels it would run: which ISA and library, or rows and why
+    if fma_ok and ok["dtype"] in ("float32", "bfloat16"):
+        path = fma.describe()
+        assert ok["kernels"] == {"mode": "fma", "isa": fma.isa(), "library": path.library,
+                                 "arithmetic": path.arithmetic, "why": ""}, ok
+    else:
+        assert ok["kernels"]["mode"] == "rows" and ok["kernels"]["why"].startswith("the fma kernels cannot run"), ok
     load_or_create_key(tmp_path / "k" / "s.key")
     again = line(run_cli("stage", "--model", str(model), "--layers", "1:3", "--check", "--key",
-                         str(tmp_path / "k" / "s.key")), "OK")
+                         str(tmp_path / "k" / "s.key"), "--dtype", "float64"), "OK")
     assert again["key_exists"] and again["peer_id"].startswith("12D3KooW")
+    assert again["kernels"] == {"mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "why": (
+        "the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this block is float64 on cpu")}
     (tmp_path / "k" / "s.key").chmod(0o644)
     bad = tmp_path / "bad-model"
     bad.mkdir()
@@ -153,10 +164,20 @@ def one_stage(model, tmp_path, *extra):
 
 @pytest.mark.process
 def test_ready_line_and_sigterm_on_an_idle_stage(synthetic, tmp_path):
-    with one_stage(synthetic("llama"), tmp_path, "--max-ctx", "64") as ring:
+    from tests.support.metrics import scrape
+
+    with one_stage(synthetic("llama"), tmp_path, "--max-ctx", "64", "--metrics-listen", "127.0.0.1:0") as ring:
         sp = ring.stages[0]
-        assert set(sp.ready) >= {"peer_id", "addrs", "layers", "model", "model_digest", "max_ctx"}
+        assert set(sp.ready) >= {"peer_id", "addrs", "layers", "model", "model_digest", "max_ctx", "kernels"}
         assert sp.ready["layers"] == [0, 4] and sp.ready["max_ctx"] == 64
+        # the kernels it runs after its start-up proof, and why rows: a float64 stage runs no fma kernels
+        why = "the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this block is float64 on cpu"
+        kernels = sp.ready["kernels"]
+        assert {k: kernels[k] for k in ("mode", "isa", "library", "arithmetic", "why", "rows_ok")} == {
+            "mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "why": why, "rows_ok": True}, kernels
+        metrics = scrape(sp.ready["metrics_url"])
+        assert metrics[f"swarm_stage_kernels_info{{arithmetic=}}{{isa=}}{{library=torch}}{{mode=rows}}{{why={why}}}"] \
+            == 1, [k for k in metrics if "kernels" in k]
         t0 = time.monotonic()
         os.kill(sp.proc.pid, signal.SIGTERM)
         drained = _wait_line(sp, "DRAINED")

@@ -1,14 +1,14 @@
 """The live dashboard (issue 18): one page, no build step, no CDN (``index.html`` ships in the package).
 
 Owns: the page, and the JSON it polls every second (``state``): the ring as a picture (stages,
-layer ranges, PeerIds, state, sessions, KV memory), layer coverage per model (how many stages hold
-each layer: from the swarm's DHT when there is one, else from the ring and its spares), tokens/s
-and latency (time to first token, inter-token) over the last two minutes, the recent jobs with
-their receipt verdicts (verified, or failed and which check), heal events, and audits per stage
-(the fraud proof against it as the server judged it: excluded / refused / none; audited / passed /
-failed from ``--audits``' tally file). ``swarm serve`` serves it at ``/dashboard`` (state from its
-ring and metrics); ``swarm dashboard --receipts DIR`` and/or ``--bootstrap ADDR`` serves it alone,
-over a receipt directory and the swarm's coverage.
+layer ranges, PeerIds, state, sessions, KV memory, the kernels each runs and why rows), layer
+coverage per model (how many stages hold each layer: from the swarm's DHT when there is one, else
+from the ring and its spares), tokens/s and latency (time to first token, inter-token) over the
+last two minutes, the recent jobs with their receipt verdicts (verified, or failed and which
+check), heal events, and audits per stage (the fraud proof against it as the server judged it:
+excluded / refused / none; audited / passed / failed from ``--audits``' tally file). ``swarm
+serve`` serves it at ``/dashboard`` (state from its ring and metrics); ``swarm dashboard --receipts
+DIR`` and/or ``--bootstrap ADDR`` serves it alone, over a receipt directory and the swarm's coverage.
 
 Nothing sensitive reaches the page: no prompt text, token ids or key material; PeerIds and
 addresses are public by nature. It binds where its server binds: keep that private.
@@ -178,7 +178,8 @@ async def serve_state(state) -> dict:
         "model": state.model_id, "num_layers": state.num_layers,
         "status": "ok" if all(s["ok"] for s in stages) else "degraded",
         "stages": [{**{k: s.get(k) for k in ("index", "layers", "peer_id", "ok", "error", "sessions", "kv_bytes",
-                                             "latency_ms")}, "audit": audits["per_stage"].get(s["peer_id"])}
+                                             "latency_ms")}, "kernels": _kernels(s.get("kernels")),
+                    "audit": audits["per_stage"].get(s["peer_id"])}
                    for s in stages],
         "shut_out": audits["shut_out"], "audits": audits["tally"], "audits_error": audits["error"],
         "tokens_per_s": sum(n for _, n in recent) / 10.0,
@@ -191,6 +192,14 @@ async def serve_state(state) -> dict:
         "receipts": str(listed) if listed else None,  # None: the page says
         # how to get receipts listed (--receipt-dir)
     }
+
+
+def _kernels(reported) -> dict | None:
+    """What the stage table shows of a stage's ``info_ok`` ``kernels``: ``{"mode", "isa", "library", "why"}``
+    (None when the stage did not answer, or did not say)."""
+    if not isinstance(reported, dict):
+        return None
+    return {k: str(reported.get(k) or "") for k in ("mode", "isa", "library", "why")}
 
 
 async def audit_state(state, peer_ids: list[str]) -> dict:

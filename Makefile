@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swarm-installed
 KERNELS := $(VENV)/.swarm-kernels
-KERNEL_SOURCES := setup.py $(wildcard swarm/kernels/fma*.c swarm/kernels/fma*.h swarm/kernels/build.py)
+KERNEL_SOURCES := setup.py $(wildcard swarm/kernels/*.c swarm/kernels/*.h swarm/kernels/build.py)
 
 .PHONY: demo test test-unit test-fast bench clean
 

@@ -25,6 +25,9 @@ from swarm.errors import CacheUnwritable, ConfigError
 from swarm.ranges import LayerRange
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+# --quantize: int8 / int4 (torch's ops, bfloat16); q8_0 / q4_0 / q4_1 (llama.cpp's block formats, quantized at
+# load) and gguf (the blocks of the GGUF file itself), float32 activations in swarm's kernels
+QUANTIZE_SCHEMES = ("int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class StageConfig:
     threads: int | None = None
     dtype: str = "auto"
     device: str = "auto"
-    quantize: str | None = None  # int8 / int4: Linear weights held quantized (swarm.kernels.quant)
+    quantize: str | None = None  # int8 / int4 (swarm.kernels.quant); q8_0 / q4_0 / q4_1 / gguf (swarm.model.qformats)
     hop_timeout_s: float = 30.0
     allow_coordinators: tuple[str, ...] = ()  # PeerIds that may open sessions; empty: anyone
     admins: tuple[str, ...] = ()  # PeerIds that may send a drain request
@@ -96,8 +99,8 @@ class StageConfig:
         return None if self.kv_budget_mb is None else int(self.kv_budget_mb * 2**20)
 
     def __post_init__(self) -> None:
-        if self.quantize is not None and self.quantize not in ("int8", "int4"):
-            raise ConfigError(f"--quantize {self.quantize!r} is not one of int8, int4")
+        if self.quantize is not None and self.quantize not in QUANTIZE_SCHEMES:
+            raise ConfigError(f"--quantize {self.quantize!r} is not one of {', '.join(QUANTIZE_SCHEMES)}")
         if not self.model:
             raise ConfigError("--model is required")
         if self.layers is None and not self.bootstrap:

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from swarm.config import QUANTIZE_SCHEMES
 from swarm.errors import ConfigError, SwarmError, collapse
 from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
 
@@ -36,12 +37,14 @@ def _stage_parser(sub) -> None:
                    help="CPU threads for this process's compute (default: torch's, the machine's cores); a "
                         "stage in the fma kernel mode gives them to swarm's kernels and keeps torch at one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="hold the decoder layers' Linear weights (and an untied LM head's) quantized: int8 per "
-                        "output row or int4 in groups of 32, multiplied by torch's own CPU ops in bfloat16 (about "
-                        "0.25x / 0.16x of float32 for those weights; `swarm plan` shows a block's bytes). CPU only; "
-                        "the "
-                        "start-up proof covers it; a weight whose shape the scheme does not take stays bfloat16")
+    p.add_argument("--quantize", choices=list(QUANTIZE_SCHEMES),
+                   help="hold the decoder layers' Linear weights (and the LM head's) quantized, CPU only, the start-up "
+                        "proof covering it. gguf: the model's own GGUF blocks as the file stores them (Q8_0, Q4_0, "
+                        "Q4_1, Q4_K, Q6_K; give --model the .gguf file or a built-in name), never expanded; q8_0, "
+                        "q4_0, q4_1: a float checkpoint quantized at load into those llama.cpp block formats; both run "
+                        "swarm's kernels (activations in 8-bit blocks, exact integer dots: the same bits on every "
+                        "CPU) with float32 activations. int8 (per output row) or int4 (groups of 32): torch's own "
+                        "CPU ops in bfloat16, an untied LM head only. A weight a scheme cannot take stays as loaded")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
     p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
@@ -303,8 +306,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="every stage holds its Linear weights quantized (`swarm stage --quantize`; CPU, bfloat16)")
+    p.add_argument("--quantize", choices=list(QUANTIZE_SCHEMES),
+                   help="every stage holds its Linear weights quantized (`swarm stage --quantize`; CPU)")
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--serve", action="store_true",

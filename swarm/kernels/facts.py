@@ -190,8 +190,10 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
     facts.update(schema=repro.SCHEMA, dtype=str(block.dtype).removeprefix("torch."),
                  kernel=kernel_facts(mode, tile, cpu=device.type == "cpu"), weights=block.digest_of(span))
     quant = getattr(block, "quantize", None)
-    if quant is not None:  # weights held quantized (swarm.kernels.quant): the scheme and torch's ops decide the bits
+    if quant in ("int8", "int4"):  # weights held quantized (swarm.kernels.quant): the scheme and torch's ops decide the bits
         from swarm.kernels import quant as quant_ops
 
         facts["quant"] = {"scheme": quant, "int4_group": quant_ops.INT4_GROUP, "int8_k": quant_ops.INT8_K}
+    elif quant is not None:  # llama.cpp's block formats in the fma kernels' arithmetic (qblocks_kernels.h)
+        facts["quant"] = {"scheme": quant, "arithmetic": "swarm-q8-blocks-1: 8 int32 lanes of 4 products, fmaf per block"}
     return repro.make(facts)

@@ -158,8 +158,9 @@ extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_avx512, s
 static const swarm_isa *const isas[] = {&swarm_isa_avx512, &swarm_isa_avx2, &swarm_isa_generic};
 static int isa_supported(int i) {
     __builtin_cpu_init();
-    if (i == 0) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (i == 1) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (i == 0) return avx2 && __builtin_cpu_supports("avx512f");
+    if (i == 1) return avx2;
     return 1;
 }
 #elif defined(__aarch64__)
@@ -241,12 +242,13 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
 
 /* out (M, N), row stride ldo = x (M, K) times w (N rows of ldw bytes, each the blocks of one weight row in
  * llama.cpp's block format fmt: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) transposed, + bias (N) or NULL:
- * activations quantized per row into blocks of 32, integer dots per block, float accumulation over the
- * blocks in k order (qblocks_kernels.h states each step). Returns 0, -1 for an unknown format or a K the
- * format cannot hold, -2 when out of memory. */
+ * swarm_linear over the weights' values as the gguf package dequantizes them (qblocks_kernels.h), the
+ * blocks dequantized a block of columns at a time. Returns 0, -1 for an unknown format or a K the format
+ * cannot hold, -2 when out of memory. */
 int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
-    return current()->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+    const swarm_isa *i = current();
+    return (M == 1 && i->one_row ? i->one_row : i)->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
 }
 
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {

@@ -1,6 +1,8 @@
 """Weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), multiplied exactly by
-construction: activations quantized per row into 8-bit blocks of 32, integer dot products per block
-(exact in any order), float accumulation over blocks in one fixed order (``fma.c`` states it).
+construction: each weight is its format's value as the ``gguf`` package dequantizes it (exact float32
+products, one rounded add for the formats with a minimum), and the product is ``fma.c``'s linear over
+those values. So a stage holding the blocks computes the bits of a float32 stage holding the dequantized
+checkpoint, on every ISA, while it holds only the blocks.
 
 Owns: :class:`QWeight` (a matrix in a block format, the bytes as a GGUF file stores them), the facts
 of each format (:data:`FORMATS`), :func:`linear` (``qblocks_kernels.h`` through ctypes: the same bits on
@@ -78,9 +80,8 @@ _INDEX = {name: i for i, name in enumerate(FORMATS)}  # the format's number in s
 
 
 def linear(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequantized(weight).T + bias`` the way ``qblocks_kernels.h`` defines it: x quantized per row
-    into 8-bit blocks of 32, integer dots per block, float accumulation over blocks in k order. A row's
-    bits depend on its own data only (any number of rows, threads, any ISA).
+    """``x @ dequantize(weight).T + bias``, bit for bit ``fma.linear(x, dequantize(weight), bias)``
+    (``qblocks_kernels.h``): a row's bits depend on its own data only (any number of rows, threads, ISA).
 
     Args:
         x: (M, K) float32 on the CPU. weight: a :class:`QWeight` of K columns. bias: (N,) float32 or None.
@@ -107,7 +108,7 @@ def linear(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None = None) -
                                data.stride(0), None if bias is None else bias.contiguous().data_ptr(),
                                out.data_ptr(), weight.n, fma.threads())
         if rc == -2:
-            raise MemoryError(f"no memory for {m} rows of quantized activations")
+            raise MemoryError(f"no memory to dequantize a block of {weight.fmt} columns")
         if rc:
             raise ValueError(f"{weight.fmt} cannot hold K = {weight.k}")
     return out

@@ -21,7 +21,7 @@ import torch
 from swarm.errors import ConfigError, ModelError
 from swarm.kernels import invariant
 from swarm.kernels.invariant import RotaryTable
-from swarm.model import mla, moe
+from swarm.model import mla, moe, qformats
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -600,6 +600,12 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
+        qw = module.__dict__.get(qformats.ATTR)
+        if qw is not None:  # a llama.cpp block format: the fma family's kernel, any number of rows, in forward_batch or not
+            from swarm.kernels import qblocks
+
+            out = qblocks.linear(x.reshape(-1, x.shape[-1]), qw, params.get("bias"))
+            return out.reshape(*x.shape[:-1], qw.n)
         q = module.__dict__.get("swarm_quant")
         if q is not None:  # held quantized: fixed-shape row calls of torch's own op, inside forward_batch or not
             from swarm.kernels import quant
@@ -765,7 +771,10 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         progress: show a progress bar while reading tensors.
         quantize: ``int8`` or ``int4``: hold the decoder layers' Linear weights (and an untied LM
             head's) quantized (:mod:`swarm.kernels.quant`; a weight the scheme does not take stays in
-            the compute dtype); the block computes in bfloat16 on the CPU. None: as loaded.
+            the compute dtype); the block computes in bfloat16 on the CPU. ``q8_0``, ``q4_0``, ``q4_1``:
+            llama.cpp's block formats quantized at load; ``gguf``: the blocks of the GGUF file the model
+            was converted from, as stored (:mod:`swarm.model.qformats`); both compute in float32 on the
+            CPU in the fma kernels' arithmetic. None: as loaded.
     Returns:
         A LayerBlock in eval mode.
     Raises:
@@ -780,11 +789,19 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     family = FAMILIES[config.model_type]
     layer_range.check_within(config.num_hidden_layers)
     dev = pick_device("cpu" if quantize is not None and device == "auto" else device)  # quantized: the CPU's ops
+    blocks = quantize in qformats.SCHEMES  # llama.cpp's block formats (else int8 / int4: torch's ops)
     if quantize is not None:
-        dtype = _quantized_dtype(quantize, dtype, dev)
+        dtype = qformats.compute_dtype(quantize, dtype, dev) if blocks else _quantized_dtype(quantize, dtype, dev)
     dt = pick_dtype(dtype, dev)
 
     modules, wanted, base = _plan(model_dir, config, family, layer_range)
+    from_gguf = {}  # full parameter name -> its Linear and the GGUF's block-format matrix
+    if quantize == "gguf":
+        head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
+        for full, q in qformats.gguf_weights(model_dir, config, layer_range, head=head, tail=tail).items():
+            linear = qformats.linear_of(*wanted[full][:2]) if full in wanted else None
+            if linear is not None:  # the embedding (a lookup) stays float: read from the conversion below
+                from_gguf[full] = (linear, q)
     index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
     by_file: dict[Path, list[str]] = {}
@@ -798,7 +815,10 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for full in names:
                 module, pname, src = wanted[full]
-                if src in held:  # read once, held once (a stage holding head and tail of a tied model)
+                if full in from_gguf:  # held as the GGUF stores it: its float conversion is never read
+                    block.loaded_bytes += qformats.hold(*from_gguf[full])
+                    block.loaded_tensors.append(src)
+                elif src in held:  # read once, held once (a stage holding head and tail of a tied model)
                     _assign(module, pname, held[src])
                 else:
                     keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
@@ -837,8 +857,13 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
-    if quantize is not None:
+    if quantize in ("q8_0", "q4_0", "q4_1"):
+        qformats.quantize_loaded(block, quantize)
+    elif quantize is not None and not blocks:
         _quantize_block(block, quantize, tied=bool(getattr(config, "tie_word_embeddings", False)))
+    if blocks:
+        qformats.require_fma(block, quantize)
+        block.quantize = quantize
     block.kernel_mode, why = pick_kernel_mode(dev, dt)
     if why:
         log.warning("kernels.rows layers=%s: %s; every chunk runs one row at a time, exact but slower",

@@ -2,8 +2,8 @@
 
 Owns: the GGUF header (`read_index`: names, GGML types, shapes and offsets, read without touching
 tensor data), the names of llama.cpp's tensors in Hugging Face's spelling, llama.cpp's rope
-permutation of ``attn_q`` / ``attn_k`` rows undone on the raw block bytes, and `dequantize` (a
-reference for tests).
+permutation of ``attn_q`` / ``attn_k`` rows undone on the raw block bytes. (Dequantizing a block-format
+matrix is :func:`swarm.kernels.qblocks.dequantize`.)
 
 Tensor data is memory-mapped copy-on-write (``MAP_PRIVATE``): a tensor that needs no change is a
 view of the file's pages (no copy, nothing read until used; a write stays private to the process
@@ -175,21 +175,6 @@ def read_layer_tensors(gguf_path: Path, config, layer_range: LayerRange, *, head
     log.debug("model.gguf.read file=%s layers=%s tensors=%d bytes=%d", index.path.name, layer_range,
               len(read), sum(_nbytes(t) for t in read.values()))
     return out
-
-
-def dequantize(q: QWeight) -> torch.Tensor:
-    """The float32 (N, K) matrix a `QWeight` holds, by ``gguf.quants.dequantize`` (a reference, slow).
-
-    Args:
-        q: a weight in one of `FORMATS`.
-    Returns:
-        float32 (N, K), a new tensor.
-    """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
-    rows = gguf_dequantize(q.data.numpy(), GGMLQuantizationType(FORMATS[q.fmt].ggml_type))  # (N, K) float32
-    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
 
 
 def type_name(ggml_type: int) -> str:

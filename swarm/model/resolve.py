@@ -406,6 +406,33 @@ def _check_tokenizer_roundtrip(tokenizer, out_dir: Path) -> None:
         raise ModelError(f"tokenizer written to {out_dir} does not reproduce the GGUF tokenizer")
 
 
+GGUF_SOURCE = "swarm-gguf-source"  # in a converted directory: the path of the GGUF it was converted from
+
+
+def gguf_source(model_dir: Path | str) -> Path | None:
+    """The GGUF file a converted directory came from (``--quantize gguf`` holds its own blocks), or None
+    for a directory that is not a conversion or whose GGUF is gone."""
+    marker = Path(model_dir) / GGUF_SOURCE
+    try:
+        path = Path(marker.read_text().strip())
+    except OSError:
+        return None
+    return path if path.is_file() else None
+
+
+def _mark_source(converted: Path, gguf: Path) -> None:
+    """Record where ``converted`` came from (conversions made before the marker existed get it too); a
+    read-only cache only costs the ``gguf`` scheme, said in the log."""
+    marker = converted / GGUF_SOURCE
+    try:
+        if not marker.is_file() or marker.read_text().strip() != str(gguf):
+            tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(f"{gguf}\n")
+            tmp.replace(marker)
+    except OSError as exc:
+        log.warning("model.gguf_source.unwritten dir=%s (%s): --quantize gguf cannot find %s", converted, exc, gguf)
+
+
 def _converted(gguf: Path, progress: bool | None) -> Path:
     """Return the cached conversion of gguf, converting it first if absent (atomic rename)."""
     models = cache_root() / "models"
@@ -414,6 +441,7 @@ def _converted(gguf: Path, progress: bool | None) -> Path:
         try:
             _check_hf_dir(final)
             log.info("model.cache.hit path=%s", final)
+            _mark_source(final, gguf)
             return final
         except ModelError as e:
             log.warning("model.cache.broken path=%s reason=%s; converting again", final, e)
@@ -435,6 +463,7 @@ def _converted(gguf: Path, progress: bool | None) -> Path:
             log.info("model.cache.raced path=%s; another process converted it first", final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _mark_source(final, gguf)
     return final
 
 

@@ -88,7 +88,11 @@ def preflight(config: StageConfig) -> dict:
     config.layers.check_within(num_layers)
     names = block_tensor_names(resolved.path, config.layers)
     device = pick_device("cpu" if config.quantize is not None and config.device == "auto" else config.device)
-    if config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
+    from swarm.model import qformats
+
+    if config.quantize in qformats.SCHEMES:  # llama.cpp's block formats: checked as load_block checks them
+        dtype = pick_dtype(qformats.compute_dtype(config.quantize, config.dtype, device), device)
+    elif config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
         from swarm.model.block import _quantized_dtype
 
         dtype = pick_dtype(_quantized_dtype(config.quantize, config.dtype, device), device)
@@ -113,7 +117,9 @@ def preflight(config: StageConfig) -> dict:
             numel *= int(d)
         weights += numel * (max(itemsize, 4) if family.keeps_float32(name) else itemsize)  # DeepSeek-V3's router
     _check_retention_dir(config.audit_retention_dir)
-    if config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
+    if config.quantize in qformats.SCHEMES:  # what the block holds, counted as load_block holds it
+        weights = qformats.held_bytes(resolved.path, config.layers, config.quantize)
+    elif config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
         from swarm.model.plan import model_shapes, range_bytes
 
         weights = range_bytes(model_shapes(resolved.path), config.layers, config.quantize)

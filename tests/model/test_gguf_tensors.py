@@ -16,7 +16,8 @@ import torch
 
 from swarm.errors import ConfigError, ModelError
 from swarm.kernels.qblocks import QWeight
-from swarm.model.gguf_tensors import dequantize, read_index, read_layer_tensors
+from swarm.kernels.qblocks import dequantize
+from swarm.model.gguf_tensors import read_index, read_layer_tensors
 from swarm.ranges import LayerRange
 
 gguf = pytest.importorskip("gguf")

@@ -1,0 +1,163 @@
+"""A block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|gguf``).
+
+Owns: which weights a scheme takes, reading them (``gguf``: the model's own GGUF file, its blocks as
+stored, through :mod:`swarm.model.gguf_tensors`; ``q8_0``/``q4_0``/``q4_1``: a float checkpoint
+quantized at load by the ``gguf`` package) and attaching them to the Linear modules, whose forward then
+runs :func:`swarm.kernels.qblocks.linear` (the fma kernels' arithmetic family: the same bits on every
+ISA, for any number of rows). Activations stay float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from swarm.errors import ConfigError, ModelError
+from swarm.kernels.qblocks import QWeight
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("q8_0", "q4_0", "q4_1", "gguf")  # gguf: the blocks of the GGUF file the model was converted from
+ATTR = "swarm_qweight"  # the QWeight a Linear module holds, in its __dict__ (its weight parameter is emptied)
+
+
+def compute_dtype(scheme: str, dtype: str, device: torch.device) -> str:
+    """The dtype a block held in ``scheme`` computes in (float32), checked against ``dtype`` and ``device``.
+
+    Raises:
+        ConfigError: not the CPU, or a dtype other than float32.
+    """
+    if device.type != "cpu":
+        raise ConfigError(f"--quantize {scheme} runs on the CPU (swarm's block-format kernels), not {device}")
+    if dtype not in ("auto", "float32"):
+        raise ConfigError(f"--quantize {scheme} computes in float32 (activations); --dtype {dtype} cannot go with it")
+    return "float32"
+
+
+def linear_of(owner: torch.nn.Module, pname: str) -> torch.nn.Linear | None:
+    """The Linear whose ``weight`` is ``owner``'s parameter ``pname`` (``self_attn.q_proj.weight``), or None."""
+    *path, leaf = pname.split(".")
+    mod = owner
+    for part in path:
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod if isinstance(mod, torch.nn.Linear) and leaf == "weight" else None
+
+
+def hold(linear: torch.nn.Linear, q: QWeight) -> int:
+    """Attach ``q`` to ``linear`` (its float weight freed); returns the bytes held.
+
+    Raises:
+        ModelError: ``q``'s shape is not the Linear's.
+    """
+    if (q.n, q.k) != (linear.out_features, linear.in_features):
+        raise ModelError(f"a {q.fmt} weight of ({q.n}, {q.k}) does not fit a Linear of ({linear.out_features}, "
+                         f"{linear.in_features})")
+    linear.__dict__[ATTR] = q
+    linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return q.nbytes
+
+
+def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool) -> dict[str, QWeight]:
+    """The GGUF file's block-format matrices for ``layer_range`` by Hugging Face parameter name.
+
+    Raises:
+        ConfigError: ``model_dir`` is not a conversion of a GGUF file that still exists.
+        ModelError: the file's tensors do not fit (gguf_tensors names the tensor).
+    """
+    tensors = _gguf_tensors(model_dir, config, layer_range, head, tail)
+    return {name: t for name, t in tensors.items() if isinstance(t, QWeight)}
+
+
+def quantize_loaded(block, scheme: str) -> None:
+    """Hold the block's decoder-layer Linear weights and its LM head (tied or not: the embedding keeps its
+    own float copy) in ``scheme`` (q8_0, q4_0, q4_1), quantized by the ``gguf`` package; a weight whose
+    inputs are not a multiple of 32 stays float32 (logged). ``loaded_bytes`` becomes what is held."""
+    from swarm.kernels import qblocks
+
+    targets = [m for m in block.layers.modules() if isinstance(m, torch.nn.Linear)]
+    if isinstance(block.lm_head, torch.nn.Linear):
+        targets.append(block.lm_head)
+    kept = 0
+    for mod in targets:
+        if mod.in_features % 32:
+            kept += 1
+            continue
+        w = mod.weight
+        q = qblocks.quantize(w.detach(), scheme)
+        shared = block.lm_head is mod and block.embed is not None and block.embed.weight is w
+        block.loaded_bytes += hold(mod, q) - (0 if shared else w.numel() * w.element_size())
+    if kept:
+        log.warning("quantize.kept_float32 layers=%s scheme=%s weights=%d of %d: inputs not a multiple of 32",
+                    block.layer_range, scheme, kept, len(targets))
+
+
+def require_fma(block, scheme: str) -> None:
+    """Block formats are multiplied by the fma kernels' library (any ISA): refuse where it cannot run.
+
+    Raises:
+        ConfigError: the kernels are unavailable, with the reason.
+    """
+    from swarm.kernels import fma
+
+    ok, why = fma.available()
+    if not ok:
+        raise ConfigError(f"--quantize {scheme} needs swarm's CPU kernels, which cannot run here: {why}")
+
+
+def _is_linear_weight(name: str) -> bool:
+    return name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
+
+
+def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
+    """The weight bytes a block of ``layer_range`` holds in ``scheme`` (what ``load_block`` reports): its
+    Linear weights and LM head in the block format, every other tensor float32 (the GGUF's or the
+    checkpoint's). Reads headers only (the GGUF file's, or the safetensors')."""
+    from transformers import AutoConfig
+
+    from swarm.model.plan import model_shapes
+    from swarm.weights.select import select_tensors
+
+    config = AutoConfig.from_pretrained(str(model_dir))  # preflight has checked it (block.load_config)
+    head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
+    if scheme == "gguf":
+        tensors = _gguf_tensors(model_dir, config, layer_range, head, tail)
+        return sum(t.nbytes if _is_linear_weight(name) else
+                   (t.n * t.k if isinstance(t, QWeight) else t.numel()) * 4  # the embedding: a float lookup
+                   for name, t in tensors.items() if isinstance(t, QWeight) or t.numel())
+    from swarm.kernels.qblocks import FORMATS
+
+    fmt = FORMATS[scheme]
+    shapes = model_shapes(model_dir)
+    names = list(select_tensors(shapes.shapes, shapes.config, layer_range))
+    total = 0
+    for name in names:
+        shape = shapes.shapes[name]
+        linear = _is_linear_weight(name) and len(shape) == 2 and shape[1] % fmt.block == 0
+        total += shape[0] * shape[1] // fmt.block * fmt.block_bytes if linear else _numel(shape) * 4
+    if tail and getattr(config, "tie_word_embeddings", False):  # the tied LM head: quantized from the embedding
+        n, k = shapes.shapes.get("model.embed_tokens.weight", (0, 0))
+        quantized = n * k // fmt.block * fmt.block_bytes if k % fmt.block == 0 else n * k * 4
+        total += quantized - (0 if head else n * k * 4)
+    return total
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _gguf_tensors(model_dir: Path, config, layer_range, head: bool, tail: bool) -> dict:
+    from swarm.model.gguf_tensors import read_layer_tensors
+    from swarm.model.resolve import gguf_source
+
+    source = gguf_source(model_dir)
+    if source is None:
+        raise ConfigError(f"--quantize gguf holds the blocks of the GGUF file a model came from; {model_dir} was not "
+                          "converted from one that still exists (give the .gguf file or a built-in name as --model)")
+    return read_layer_tensors(source, config, layer_range, head=head, tail=tail)

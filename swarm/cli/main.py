@@ -40,11 +40,13 @@ def _stage_parser(sub) -> None:
     p.add_argument("--quantize", choices=list(QUANTIZE_SCHEMES),
                    help="hold the decoder layers' Linear weights (and the LM head's) quantized, CPU only, the start-up "
                         "proof covering it. gguf: the model's own GGUF blocks as the file stores them (Q8_0, Q4_0, "
-                        "Q4_1, Q4_K, Q6_K; give --model the .gguf file or a built-in name), never expanded; q8_0, "
-                        "q4_0, q4_1: a float checkpoint quantized at load into those llama.cpp block formats; both run "
-                        "swarm's kernels (activations in 8-bit blocks, exact integer dots: the same bits on every "
-                        "CPU) with float32 activations. int8 (per output row) or int4 (groups of 32): torch's own "
-                        "CPU ops in bfloat16, an untied LM head only. A weight a scheme cannot take stays as loaded")
+                        "Q4_1, Q4_K, Q6_K; give --model the .gguf file or a built-in name), the decoder layers' and "
+                        "LM head's never expanded (norms and, on the first stage, the embedding stay float32); q8_0, "
+                        "q4_0, q4_1: a float checkpoint quantized at load into those llama.cpp block formats. Both "
+                        "run swarm's kernels over the values as the gguf package dequantizes them, with float32 "
+                        "activations: the bits of a float32 stage over the expanded model, on every CPU. int8 "
+                        "(per output row) or int4 (groups of 32): torch's own CPU ops in bfloat16, an untied LM "
+                        "head only. A weight a scheme cannot take stays as loaded")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
     p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",

@@ -33,3 +33,39 @@ def source_digest(root: Path = HERE) -> str:
 def define_digest(root: Path = HERE) -> str:
     """The ``-D`` flag that compiles the digest into the library."""
     return f'-DSWARM_SOURCE_DIGEST="{source_digest(root)}"'
+
+
+def compile_library(cc: list[str], out: Path, *, flags: tuple[str, ...] = FLAGS, extra: tuple[str, ...] = (),
+                    sources: tuple[Path, ...] | None = None, timeout_s: float = 300.0) -> tuple[int, str]:
+    """Compile ``sources`` (default: every kernel source) to objects in parallel, one compiler per source
+    (one per ISA file: they take most of the time), then link them into ``out``.
+
+    Args:
+        cc: the compiler command line. out: the shared library or program to write. flags: compile
+            flags. extra: flags for both steps (``-shared``, ``-static``, a ``-D``). sources: C files.
+    Returns:
+        (exit status, the compiler's stderr): 0 and the file written, or the first failure.
+    """
+    import subprocess
+    import tempfile
+
+    sources = tuple(sources or (HERE / name for name in C_SOURCES))
+    with tempfile.TemporaryDirectory(prefix="swarm-kernels-obj-") as tmp:
+        objects = [Path(tmp) / f"{i}-{Path(src).stem}.o" for i, src in enumerate(sources)]
+        procs = [subprocess.Popen([*cc, *flags, *extra, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(sources, objects)]
+        failed = None
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+                err = f"timed out after {timeout_s:.0f} s"
+            if proc.returncode != 0 and failed is None:
+                failed = (proc.returncode or 1, err)
+        if failed:
+            return failed
+        link = subprocess.run([*cc, *flags, *extra, *map(str, objects), "-o", str(out), "-lm"], capture_output=True,
+                              text=True, timeout=timeout_s)
+        return link.returncode, link.stderr

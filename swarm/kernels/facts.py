@@ -194,6 +194,6 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
         from swarm.kernels import quant as quant_ops
 
         facts["quant"] = {"scheme": quant, "int4_group": quant_ops.INT4_GROUP, "int8_k": quant_ops.INT8_K}
-    elif quant is not None:  # llama.cpp's block formats in the fma kernels' arithmetic (qblocks_kernels.h)
-        facts["quant"] = {"scheme": quant, "arithmetic": "swarm-q8-blocks-1: 8 int32 lanes of 4 products, fmaf per block"}
+    elif quant is not None:  # llama.cpp's block formats: fma.c's linear over their dequantized values (qblocks_kernels.h)
+        facts["quant"] = {"scheme": quant, "arithmetic": "swarm-qblocks-2: gguf's dequantized values, fma linear"}
     return repro.make(facts)

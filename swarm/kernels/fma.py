@@ -159,12 +159,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                         "SWARM_CACHE to a writable directory to keep the build", target.parent, exc.strerror)
             target = Path(tempfile.mkdtemp(prefix="swarm-kernels-")) / target.name
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        sources = [str(build.HERE / name) for name in build.C_SOURCES]
-        proc = subprocess.run([*cc, *FLAGS, build.define_digest(), "-shared", *sources, "-o", str(tmp), "-lm"],
-                              capture_output=True, text=True, timeout=180)
-        if proc.returncode != 0 or not tmp.is_file():
+        status, stderr = build.compile_library(cc, tmp, extra=(build.define_digest(), "-shared"))
+        if status != 0 or not tmp.is_file():
             tmp.unlink(missing_ok=True)
-            said = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}, no output file"
+            said = stderr.strip()[-300:] or f"exit status {status}, no output file"
             return None, f"{' '.join(cc)} could not build {SOURCE.name}: {said}"
         tmp.replace(target)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -242,13 +240,20 @@ def _index(lib: ctypes.CDLL, name: str) -> int:
 
 
 def available() -> tuple[bool, str]:
-    """Whether the kernels run on this machine (built on first call), and why not when they do not."""
-    global _lib, _reason
+    """Whether the fma kernel mode can run on this machine (the library loaded on first call, and
+    ``SWARM_KERNELS`` not choosing another mode), and why not when it cannot."""
     choice = os.environ.get("SWARM_KERNELS", "").strip().lower()  # read every time: a test or a stage may set it
     if choice in ("rows", "triton"):
         return False, f"SWARM_KERNELS={choice}"
     if choice not in ("", "auto", "fma"):
         return False, f"SWARM_KERNELS={choice!r} is not one of auto, fma, triton, rows"
+    return library_available()
+
+
+def library_available() -> tuple[bool, str]:
+    """Whether the kernels' library loads here, whatever mode a block runs in (weights in block formats
+    need it in every mode: ``swarm.kernels.qblocks``), and why not when it does not."""
+    global _lib, _reason
     with _lock:
         if _reason is None:
             _lib, _reason = _load()
@@ -258,15 +263,16 @@ def available() -> tuple[bool, str]:
 def _library() -> ctypes.CDLL:
     if _reason == "":  # built and loaded: the per-call path of a decode step stays short
         return _lib
-    ok, reason = available()
+    ok, reason = library_available()
     if not ok:
-        raise RuntimeError(f"swarm's FMA kernels are unavailable: {reason}")
+        raise RuntimeError(f"swarm's CPU kernels are unavailable: {reason}")
     return _lib
 
 
 def describe() -> KernelPath | None:
-    """Which ISA and library the kernels run here (None where they cannot run: :func:`available` says why)."""
-    ok, _ = available()
+    """Which ISA and library the kernels run here (None where they cannot load: :func:`library_available`
+    says why)."""
+    ok, _ = library_available()
     if not ok:
         return None
     lib = _library()

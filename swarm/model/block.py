@@ -799,9 +799,13 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if quantize == "gguf":
         head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
         for full, q in qformats.gguf_weights(model_dir, config, layer_range, head=head, tail=tail).items():
-            linear = qformats.linear_of(*wanted[full][:2]) if full in wanted else None
-            if linear is not None:  # the embedding (a lookup) stays float: read from the conversion below
-                from_gguf[full] = (linear, q)
+            if full not in wanted:
+                continue
+            linear = qformats.linear_of(*wanted[full][:2])
+            if linear is not None:
+                from_gguf[full] = (qformats.hold, linear, q)
+            elif isinstance(modules.get("embed"), torch.nn.Embedding) and full.endswith(".embed_tokens.weight"):
+                from_gguf[full] = (qformats.hold_embedding, modules["embed"], q)
     index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
     by_file: dict[Path, list[str]] = {}
@@ -811,13 +815,18 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
             by_file.setdefault(index[src], []).append(full)
     bar = _progress(len(wanted), progress, f"loading layers {layer_range}")
     held: dict[str, torch.nn.Parameter] = {}  # file tensor -> its parameter: a tied LM head shares the embedding's
+    held_q: set[int] = set()  # block-format matrices held (ids)
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for full in names:
                 module, pname, src = wanted[full]
                 if full in from_gguf:  # held as the GGUF stores it: its float conversion is never read
-                    block.loaded_bytes += qformats.hold(*from_gguf[full])
-                    block.loaded_tensors.append(src)
+                    attach, module_of, q = from_gguf[full]
+                    held_bytes = attach(module_of, q)
+                    if id(q) not in held_q:  # a tied embedding and LM head in one stage: one matrix
+                        held_q.add(id(q))
+                        block.loaded_bytes += held_bytes
+                        block.loaded_tensors.append(src)
                 elif src in held:  # read once, held once (a stage holding head and tail of a tied model)
                     _assign(module, pname, held[src])
                 else:
@@ -862,7 +871,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     elif quantize is not None and not blocks:
         _quantize_block(block, quantize, tied=bool(getattr(config, "tie_word_embeddings", False)))
     if blocks:
-        qformats.require_fma(block, quantize)
+        qformats.require_kernels(quantize)
         block.quantize = quantize
     block.kernel_mode, why = pick_kernel_mode(dev, dt)
     if why:

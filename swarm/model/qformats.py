@@ -1,4 +1,5 @@
-"""A block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|gguf``).
+"""A block's Linear weights (and, from a GGUF, its token embedding) held in llama.cpp's block formats
+(``--quantize q8_0|q4_0|q4_1|gguf``).
 
 Owns: which weights a scheme takes, reading them (``gguf``: the model's own GGUF file, its blocks as
 stored, through :mod:`swarm.model.gguf_tensors`; ``q8_0``/``q4_0``/``q4_1``: a float checkpoint
@@ -61,6 +62,33 @@ def hold(linear: torch.nn.Linear, q: QWeight) -> int:
     return q.nbytes
 
 
+def hold_embedding(embedding: torch.nn.Embedding, q: QWeight) -> int:
+    """Attach ``q`` (the token embedding, a (V, D) block-format matrix) to ``embedding``, whose lookups then
+    dequantize only the rows asked for (the gguf package's values: the float expansion's bits); returns
+    the bytes held.
+
+    Raises:
+        ModelError: ``q``'s shape is not the embedding's.
+    """
+    from swarm.kernels import qblocks
+
+    if (q.n, q.k) != (embedding.num_embeddings, embedding.embedding_dim):
+        raise ModelError(f"a {q.fmt} embedding of ({q.n}, {q.k}) does not fit an embedding of "
+                         f"({embedding.num_embeddings}, {embedding.embedding_dim})")
+    embedding.__dict__[ATTR] = q
+    embedding.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= q.n):
+            raise IndexError(f"token ids must lie in [0, {q.n}), got {int(flat.min())}..{int(flat.max())}")
+        rows = qblocks.dequantize(QWeight(q.fmt, flat.numel(), q.k, q.data[flat]))
+        return rows.reshape(*ids.shape, q.k).to(ids.device)
+
+    embedding.forward = forward
+    return q.nbytes
+
+
 def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool) -> dict[str, QWeight]:
     """The GGUF file's block-format matrices for ``layer_range`` by Hugging Face parameter name.
 
@@ -95,21 +123,26 @@ def quantize_loaded(block, scheme: str) -> None:
                     block.layer_range, scheme, kept, len(targets))
 
 
-def require_fma(block, scheme: str) -> None:
-    """Block formats are multiplied by the fma kernels' library (any ISA): refuse where it cannot run.
+def require_kernels(scheme: str) -> None:
+    """Block formats are multiplied by swarm's kernel library (any ISA, any kernel mode of the rest of the
+    block): refuse where it does not load (``load_block`` and ``swarm stage --check`` alike).
 
     Raises:
-        ConfigError: the kernels are unavailable, with the reason.
+        ConfigError: the library does not load, with the reason.
     """
     from swarm.kernels import fma
 
-    ok, why = fma.available()
+    ok, why = fma.library_available()
     if not ok:
-        raise ConfigError(f"--quantize {scheme} needs swarm's CPU kernels, which cannot run here: {why}")
+        raise ConfigError(f"--quantize {scheme} needs swarm's CPU kernels, which do not load here: {why}")
 
 
 def _is_linear_weight(name: str) -> bool:
     return name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
+
+
+def _held_as_blocks(name: str) -> bool:  # by load_block with --quantize gguf: Linear weights and the embedding
+    return _is_linear_weight(name) or name.endswith(".embed_tokens.weight")
 
 
 def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
@@ -125,9 +158,16 @@ def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
     head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
     if scheme == "gguf":
         tensors = _gguf_tensors(model_dir, config, layer_range, head, tail)
-        return sum(t.nbytes if _is_linear_weight(name) else
-                   (t.n * t.k if isinstance(t, QWeight) else t.numel()) * 4  # the embedding: a float lookup
-                   for name, t in tensors.items() if isinstance(t, QWeight) or t.numel())
+        total, seen = 0, set()
+        for name, t in tensors.items():
+            if id(t) in seen:  # a tied head and tail in one stage hold one matrix
+                continue
+            seen.add(id(t))
+            if isinstance(t, QWeight):
+                total += t.nbytes if _held_as_blocks(name) else t.n * t.k * 4
+            else:
+                total += t.numel() * 4
+        return total
     from swarm.kernels.qblocks import FORMATS
 
     fmt = FORMATS[scheme]
@@ -158,6 +198,7 @@ def _gguf_tensors(model_dir: Path, config, layer_range, head: bool, tail: bool) 
 
     source = gguf_source(model_dir)
     if source is None:
-        raise ConfigError(f"--quantize gguf holds the blocks of the GGUF file a model came from; {model_dir} was not "
-                          "converted from one that still exists (give the .gguf file or a built-in name as --model)")
+        raise ConfigError(f"--quantize gguf holds the blocks of the GGUF file a model came from, and {model_dir} is no "
+                          "conversion of a GGUF file that exists: give --model the .gguf file or a built-in name "
+                          "(smollm2-135m); a float checkpoint takes --quantize q8_0, q4_0 or q4_1")
     return read_layer_tensors(source, config, layer_range, head=head, tail=tail)

@@ -92,6 +92,7 @@ def preflight(config: StageConfig) -> dict:
 
     if config.quantize in qformats.SCHEMES:  # llama.cpp's block formats: checked as load_block checks them
         dtype = pick_dtype(qformats.compute_dtype(config.quantize, config.dtype, device), device)
+        qformats.require_kernels(config.quantize)
     elif config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
         from swarm.model.block import _quantized_dtype
 

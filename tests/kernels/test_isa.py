@@ -112,13 +112,12 @@ def _cc_for(target: str) -> list[str] | None:
 
 
 def _harness(tmp_path: Path, target: str) -> Path:
-    cc = _cc_for(target)
     out = tmp_path / f"harness-{target}"
-    sources = [str(HARNESS), *(str(build.HERE / name) for name in build.C_SOURCES)]
-    static = ["-static"] if target == "aarch64" else []
-    proc = subprocess.run([*cc, *[f for f in build.FLAGS if f != "-fPIC"], *static, *sources, "-o", str(out), "-lm"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    flags = tuple(f for f in build.FLAGS if f != "-fPIC")
+    sources = (HARNESS, *(build.HERE / name for name in build.C_SOURCES))
+    status, stderr = build.compile_library(_cc_for(target), out, flags=flags, sources=sources,
+                                           extra=("-static",) if target == "aarch64" else ())
+    assert status == 0, stderr[-2000:]
     return out
 
 

@@ -23,7 +23,8 @@
 
 Not here yet: the triton mode's figures on a real GPU (its bits there are proven by each stage's
 check_block and the ``gpu`` tests, which no session has run: no GPU lent; tiles untuned), CUDA graphs
-(issue 12), quantized wire kernels.
+(issue 12), quantized wire kernels, an exact use of bfloat16 or int8 dot-product instructions (VNNI,
+AVX512_BF16: their flush-to-zero and pair order are no part of the arithmetic yet).
 Rule: may import the shared core (``swarm.config``); torch, triton (``triton_ops`` only). Importing this
 package imports nothing.
 """

@@ -44,7 +44,6 @@ from swarm.kernels import build
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fma.c")
-FLAGS = build.FLAGS
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

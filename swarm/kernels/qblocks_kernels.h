@@ -42,6 +42,17 @@ AI float f16_to_f32(const uint8_t *p) {  /* IEEE half, little endian, widened ex
     return v.f;
 }
 
+/* Q4_K's 6-bit scale and minimum of sub-block j (0-7) from the super-block's 12 scale bytes (GGML's
+ * get_scale_min_k4). */
+AI void q4k_scale_min(const uint8_t *sc, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = sc[j] & 63, *min = sc[j + 4] & 63;
+    } else {
+        *scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+        *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
 /* Weights [0, K) of one row in format f, as float32 values (the header's formulas). */
 static void dequant_row(int f, const uint8_t *row, int64_t K, float *out) {
     if (f == QF_Q8_0 || f == QF_Q4_0 || f == QF_Q4_1) {
@@ -73,12 +84,7 @@ static void dequant_row(int f, const uint8_t *row, int64_t K, float *out) {
             const float d = f16_to_f32(p), dmin = f16_to_f32(p + 2);
             for (int j = 0; j < 8; j++) {
                 int scale, min;
-                if (j < 4) {
-                    scale = sc[j] & 63, min = sc[j + 4] & 63;
-                } else {
-                    scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-                    min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-                }
+                q4k_scale_min(sc, j, &scale, &min);
                 const float ds = d * (float)scale, dm = dmin * (float)min;
                 const uint8_t *q = qs + 32 * (j / 2);
                 const int shift = 4 * (j % 2);
@@ -166,12 +172,7 @@ AI void q_block8(const int F, const uint8_t *row, int64_t b, __m256 w[4]) {
         const uint8_t *p = row + 144 * (b / 8), *sc = p + 4;
         const int j = (int)(b % 8);
         int scale, min;
-        if (j < 4) {
-            scale = sc[j] & 63, min = sc[j + 4] & 63;
-        } else {
-            scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-            min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        }
+        q4k_scale_min(sc, j, &scale, &min);
         const __m256 ds = _mm256_set1_ps(q_half(p) * (float)scale), dm = _mm256_set1_ps(q_half(p + 2) * (float)min);
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (j / 2)));
         const __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));

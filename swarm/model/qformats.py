@@ -54,11 +54,19 @@ def hold(linear: torch.nn.Linear, q: QWeight) -> int:
     Raises:
         ModelError: ``q``'s shape is not the Linear's.
     """
-    if (q.n, q.k) != (linear.out_features, linear.in_features):
-        raise ModelError(f"a {q.fmt} weight of ({q.n}, {q.k}) does not fit a Linear of ({linear.out_features}, "
-                         f"{linear.in_features})")
-    linear.__dict__[ATTR] = q
-    linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return _attach(linear, q, (linear.out_features, linear.in_features), "Linear")
+
+
+def _attach(module: torch.nn.Module, q: QWeight, shape: tuple[int, int], kind: str) -> int:
+    """Put ``q`` in ``module``'s ``__dict__`` (``ATTR``) and free its float weight; returns the bytes held.
+
+    Raises:
+        ModelError: ``q`` is not ``shape`` (the module's (N, K)).
+    """
+    if (q.n, q.k) != shape:
+        raise ModelError(f"a {q.fmt} matrix of ({q.n}, {q.k}) does not fit the {kind} of {shape}")
+    module.__dict__[ATTR] = q
+    module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     return q.nbytes
 
 
@@ -72,11 +80,7 @@ def hold_embedding(embedding: torch.nn.Embedding, q: QWeight) -> int:
     """
     from swarm.kernels import qblocks
 
-    if (q.n, q.k) != (embedding.num_embeddings, embedding.embedding_dim):
-        raise ModelError(f"a {q.fmt} embedding of ({q.n}, {q.k}) does not fit an embedding of "
-                         f"({embedding.num_embeddings}, {embedding.embedding_dim})")
-    embedding.__dict__[ATTR] = q
-    embedding.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    held = _attach(embedding, q, (embedding.num_embeddings, embedding.embedding_dim), "embedding")
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu()
@@ -86,7 +90,7 @@ def hold_embedding(embedding: torch.nn.Embedding, q: QWeight) -> int:
         return rows.reshape(*ids.shape, q.k).to(ids.device)
 
     embedding.forward = forward
-    return q.nbytes
+    return held
 
 
 def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool) -> dict[str, QWeight]:

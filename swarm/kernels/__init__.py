@@ -3,7 +3,8 @@
 - ``fma``: the fma kernel mode: batch-invariant GEMM (float32 or bfloat16 weights), attention
   (float32 or bfloat16 caches), RMSNorm and SiLU in one arithmetic (``fma.c`` states it) that the
   AVX-512, AVX2 + FMA and NEON paths (``fma_kernels.h``) compute bit for bit alike; whole chunks per
-  call, through ctypes.
+  call, through ctypes; ``fma_layer.c`` runs a whole Llama-structured decoder layer in one call through
+  those kernels (``decoder_layer``: the module path's operations and roundings, in its order).
 - ``build``: the kernels' sources, flags and digest: ``setup.py`` builds them into the extension
   ``swarm.kernels._fma`` at install; ``fma`` builds them at run time only where that is missing.
 - ``qblocks``: weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and their

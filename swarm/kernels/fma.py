@@ -8,6 +8,8 @@ ctypes. Each output element is one fixed function of its own row's inputs (``fma
 so a row's bits never depend on how many rows share the call (a decode row, a verify chunk, a
 prefill slice, packed sessions), nor on the thread count, nor on the ISA (AVX-512, AVX2 + FMA, NEON:
 ``tests/kernels/test_isa.py``), while a chunk reads each weight once per block of rows.
+:func:`decoder_layer` runs a whole Llama-structured decoder layer in one call of ``fma_layer.c`` through
+these same kernels (the module path's operations, roundings and order: its bits, without its Python).
 
 Why our own kernel (measured 2026-12-02 on a 2-core AMD EPYC, torch 2.13 CPU, 1 thread): MKL's
 sgemm gives a row the same bits for every M >= 4 but other bits at M = 1 (its GEMV path) and at
@@ -194,6 +196,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_silu.restype = None
     lib.swarm_qlinear.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
     lib.swarm_qlinear.restype = ctypes.c_int
+    lib.swarm_layer_forward.argtypes = [_ptr, _ptr, _i64, _int]
+    lib.swarm_layer_forward.restype = ctypes.c_int
     for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_source_digest"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.swarm_isa_name.argtypes = lib.swarm_isa_supported.argtypes = lib.swarm_use_isa.argtypes = [_int]
@@ -418,3 +422,185 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if x.numel():
         lib.swarm_silu(x.data_ptr(), x.numel(), out.data_ptr())
     return out
+
+
+# ---- one decoder layer per call (fma_layer.c): the module path's operations, in its order, in C
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # a decoder layer's Linears, in fma_layer.c's order
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("fmt", ctypes.c_int32), ("w", _ptr), ("ldw", _i64), ("n", _i64),
+                ("k", _i64), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("bf16", ctypes.c_int32), ("pad", ctypes.c_int32), ("D", _i64), ("H", _i64), ("Hkv", _i64),
+                ("Dh", _i64), ("I", _i64), ("eps_in", _f32), ("eps_post", _f32), ("eps_qk", _f32), ("scale", _f32),
+                ("window", _i64), ("norm_in", _ptr), ("norm_post", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                *((name, _Projection) for name in PROJECTIONS)]
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("pos", _i64), ("t", _i64), ("off", _i64), ("keys", _ptr), ("values", _ptr)]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("N", _i64), ("h", _ptr), ("cos", _ptr), ("sin", _ptr), ("nseg", _i64), ("segs", _ptr)]
+
+
+class LayerPlan:
+    """One decoder layer's weights and constants as ``fma_layer.c`` takes them (:func:`layer_plan`); holds
+    every tensor its struct points at."""
+
+    def __init__(self, struct: _Layer, held: list):
+        self.struct = struct
+        self.held = held
+        self.ref = ctypes.byref(struct)
+
+
+class LayerRows:
+    """A packed step's rows as ``fma_layer.c`` takes them (:func:`layer_rows`); ``h`` is updated in place."""
+
+    def __init__(self, struct: _Rows, h: torch.Tensor, held: list):
+        self.struct = struct
+        self.h = h
+        self.held = held
+        self.ref = ctypes.byref(struct)
+
+    def use(self, h: torch.Tensor) -> None:
+        """Run the next layers on ``h`` (N, D), contiguous, of the rows' dtype (a module-path layer's output).
+
+        Raises:
+            ValueError: another shape, dtype or layout.
+        """
+        if h.shape != self.h.shape or h.dtype is not self.h.dtype or not h.is_contiguous():
+            raise ValueError(f"rows of {self.h.dtype} {tuple(self.h.shape)} cannot go on as {h.dtype} {tuple(h.shape)}")
+        self.h = h
+        self.struct.h = h.data_ptr()
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A (N, K) weight in one of llama.cpp's block formats, as ``swarm_qlinear`` takes it.
+
+    Attributes:
+        data: uint8 (N, row bytes) on the CPU, the blocks of weight row n in row n (``qblocks.QWeight.data``).
+        fmt: the format's number in ``swarm_qlinear`` (the order of ``qblocks.FORMATS``).
+        k: input features.
+    """
+
+    data: torch.Tensor
+    fmt: int
+    k: int
+
+
+def _projection(weight, bias: torch.Tensor | None, dtype: torch.dtype, held: list) -> _Projection:
+    """A Linear's weight (an (N, K) tensor of the block dtype, or :class:`Blocks`) and bias as fma_layer.c
+    takes them: the very arguments the module path's kernel call gets."""
+    if isinstance(weight, Blocks):
+        if dtype is not torch.float32 or weight.data.dtype is not torch.uint8 or weight.data.dim() != 2:
+            raise ValueError(f"block-format weights are uint8 rows computing in float32, got {weight.data.dtype} "
+                             f"{tuple(weight.data.shape)} in a {dtype} block")
+        data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
+        kind, fmt, ptr, ld, n, k = 2, weight.fmt, data.data_ptr(), data.stride(0), data.shape[0], weight.k
+        held.append(data)
+    else:
+        if weight.dtype is not dtype or weight.dim() != 2 or not weight.is_cpu:
+            raise ValueError(f"a {dtype} block's weight must be a 2-D {dtype} CPU tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        kind, fmt, ptr, ld, (n, k) = int(dtype is torch.bfloat16), 0, w.data_ptr(), w.stride(0), w.shape
+        held.append(w)
+    b = None
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias {tuple(bias.shape)} does not fit {n} outputs")
+        b = bias.detach().float().contiguous()  # a bfloat16 block's bias enters widened, as the module path's
+        held.append(b)
+    return _Projection(kind, fmt, ptr, ld, n, k, None if b is None else b.data_ptr())
+
+
+def layer_plan(*, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, norm_in: torch.Tensor,
+               norm_post: torch.Tensor, eps_in: float, eps_post: float, projections: dict, scale: float,
+               window: int | None = None, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+               eps_qk: float = 0.0) -> LayerPlan:
+    """One Llama-structured decoder layer for :func:`decoder_layer`, built once.
+
+    Args:
+        dtype: the block dtype, float32 or bfloat16 (h, rotary tables and KV cache in it).
+        heads, kv_heads, head_dim: H, Hkv, Dh.
+        norm_in, norm_post: (D,) RMSNorm weights (input_layernorm, post_attention_layernorm); eps_*: theirs.
+        projections: ``q k v o gate up down`` -> (weight, bias): an (N, K) tensor of ``dtype`` or
+            :class:`Blocks` (a float32 block), and an (N,) bias or None.
+        scale: attention's score scale. window: sliding window in positions, or None.
+        q_norm, k_norm, eps_qk: (Dh,) per-head RMSNorm weights applied to q and k before rotary (Qwen3), or None.
+    Returns:
+        A :class:`LayerPlan`.
+    Raises:
+        ValueError: shapes or dtypes that do not fit one another.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the fused layer runs float32 or bfloat16 blocks, not {dtype}")
+    held: list = []
+    proj = {name: _projection(*projections[name], dtype, held) for name in PROJECTIONS}
+    d, inter = proj["q"].k, proj["gate"].n
+    want = {"q": (heads * head_dim, d), "k": (kv_heads * head_dim, d), "v": (kv_heads * head_dim, d),
+            "o": (d, heads * head_dim), "gate": (inter, d), "up": (inter, d), "down": (d, inter)}
+    got = {name: (p.n, p.k) for name, p in proj.items()}
+    if got != want or head_dim % 2 or heads % kv_heads:
+        raise ValueError(f"a decoder layer of H {heads}, Hkv {kv_heads}, Dh {head_dim} cannot have projections {got}")
+
+    def vector(w: torch.Tensor, n: int) -> int:
+        if tuple(w.shape) != (n,):
+            raise ValueError(f"a norm weight of {tuple(w.shape)} does not fit rows of {n}")
+        w = w.detach().float().contiguous()  # a bfloat16 block's norm weights enter widened, as the module path's
+        held.append(w)
+        return w.data_ptr()
+
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    struct = _Layer(int(dtype is torch.bfloat16), 0, d, heads, kv_heads, head_dim, inter, eps_in, eps_post, eps_qk,
+                    scale, int(window or 0), vector(norm_in, d), vector(norm_post, d),
+                    None if q_norm is None else vector(q_norm, head_dim),
+                    None if k_norm is None else vector(k_norm, head_dim), *(proj[name] for name in PROJECTIONS))
+    return LayerPlan(struct, held)
+
+
+def layer_rows(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list) -> LayerRows:
+    """A packed step's rows for :func:`decoder_layer`, built once per forward.
+
+    Args:
+        h: (N, D) contiguous, float32 or bfloat16: the rows entering the next layer (updated in place).
+        cos, sin: (N, Dh) of h's dtype, contiguous: each row's rotary table.
+        segments: per session ``(pos, t, off, keys, values)``: positions ``[pos, pos + t)`` at rows
+            ``[off, off + t)``; keys / values: ctypes arrays of the session's (capacity, Hkv, Dh) buffer
+            addresses, one per layer slot, each holding at least ``pos + t`` positions.
+    Raises:
+        ValueError: dtypes or shapes that do not fit.
+    """
+    if h.dtype not in (torch.float32, torch.bfloat16) or cos.dtype is not h.dtype or sin.dtype is not h.dtype \
+            or not h.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous() \
+            or h.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != h.shape[0]:
+        raise ValueError(f"layer rows take contiguous (N, D) h and (N, Dh) cos, sin of one dtype, got {h.dtype} "
+                         f"{tuple(h.shape)}, {cos.dtype} {tuple(cos.shape)}, {sin.dtype} {tuple(sin.shape)}")
+    segs = (_Segment * len(segments))(*(_Segment(pos, t, off, ctypes.addressof(k), ctypes.addressof(v))
+                                        for pos, t, off, k, v in segments))
+    struct = _Rows(h.shape[0], h.data_ptr(), cos.data_ptr(), sin.data_ptr(), len(segments), ctypes.addressof(segs))
+    return LayerRows(struct, h, [cos, sin, segs, segments])
+
+
+def decoder_layer(plan: LayerPlan, rows: LayerRows, slot: int) -> None:
+    """Run one decoder layer over ``rows`` (``rows.h`` updated in place, each session's K/V rows written to its
+    buffers of layer slot ``slot``) in one ``fma_layer.c`` call: bit for bit the module path's layer.
+
+    Raises:
+        MemoryError: no memory for the layer's scratch or attention's transposed keys. ValueError: a block
+        format or K that the block-format GEMM refuses. (Either may leave the layer's cache rows written:
+        roll the forward back.)
+    """
+    rc = _library().swarm_layer_forward(plan.ref, rows.ref, slot, _threads or torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"no memory for a decoder layer over {rows.struct.N} rows")
+    if rc:
+        raise ValueError("the block-format GEMM refused a weight of this layer (format or K)")

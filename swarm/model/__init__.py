@@ -7,6 +7,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``qformats``  a block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|gguf``)
 - ``block``     ``LayerBlock``: a stage's layers ``[start, end)`` loaded from only its own tensors
 - ``cache``     the per-session KV cache, addressed by absolute position
+- ``fused``     the fma mode's Llama-structured decoder layers, one C call each (the module path's bits)
 - ``sampling``  keyed sampling: the token at position n drawn with noise keyed by (seed, n)
 - ``recompute`` a block re-run on a stage's opened input rows: the rows it should have sent (audits)
 - ``moe``       sparse mixture-of-experts blocks run per token, stable routing, per-expert weights fused

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from swarm.errors import ConfigError, ModelError
-from swarm.kernels import invariant
+from swarm.kernels import fma, invariant
 from swarm.kernels.invariant import RotaryTable
-from swarm.model import mla, moe, qformats
+from swarm.model import fused, mla, moe, qformats
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -162,6 +162,10 @@ class LayerBlock(torch.nn.Module):
         self.kernel_why = ""  # in the rows mode: why not fma or triton (rows_reason, or the failed proof)
         self.quantize: str | None = None  # int8 / int4: Linear weights held quantized (load_block's quantize)
         self._rope_table: RotaryTable | None = None  # set by load_block once the rotary module exists
+        # fma mode: Llama-structured decoder layers run as one fma_layer.c call each (swarm.model.fused), the
+        # module path's bits; False: every layer through its modules (tests compare the two)
+        self.fused = True
+        self._fused_plans: list | None = None  # per layer of the block: its fma.LayerPlan or None (built once)
         owned = [*self.layers.modules(), *(m for m in (self.norm, self.lm_head) if m is not None)]
         in_moe: set[int] = set()  # modules inside a sparse-MoE block, which runs once per token (swarm.model.moe)
         for mod in self.layers.modules():
@@ -198,6 +202,7 @@ class LayerBlock(torch.nn.Module):
             raise ConfigError(f"unknown kernel mode {mode!r}: use fma, triton or rows")
         self.kernel_mode = mode
         self.kernel_why = why if mode == "rows" else ""
+        self._fused_plans = None  # built again from the weights held now, at the next fused forward
 
     def kv_bytes_per_position(self, span: LayerRange | None = None) -> int:
         """Bytes of K and V one position takes in this block's KV cache (all its layers, or those of
@@ -328,7 +333,8 @@ class LayerBlock(torch.nn.Module):
             raise ValueError(f"tile must be a positive int, got {tile!r}")
         span = self.check_span(span)
         head, tail = span.start == 0, span.end == self.num_layers
-        layers = self.layers[span.start - self.layer_range.start: span.end - self.layer_range.start]
+        # a plain list: slicing the ModuleList builds a new one, registering each layer again (~0.2 ms a step)
+        layers = list(self.layers)[span.start - self.layer_range.start: span.end - self.layer_range.start]
         segs, xs = self._pack(rows, span, head, logits_rows)
         begun = []
         try:
@@ -344,9 +350,18 @@ class LayerBlock(torch.nn.Module):
                 h = h + self.pos_embed(position_ids)
             rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
             plan = _Plan(self, segs)
+            plans, rows_c = self._fused_rows(h, rope, segs, span)
+            rows_of = h  # the (1, N, D) tensor rows_c runs on, in place
             for i, layer in enumerate(layers):
                 if i:
                     yield  # _tile is None here: another forward may run before this one goes on
+                if rows_c is not None and plans[i] is not None and "forward" not in layer.__dict__:
+                    # one C call (a layer whose forward was replaced, e.g. by a test double, runs that instead)
+                    if h is not rows_of:  # the rows come from a module-path layer: run on its output
+                        h = rows_of = h.contiguous()
+                        rows_c.use(h[0])
+                    fma.decoder_layer(plans[i], rows_c, i)
+                    continue
                 self._tile = tile
                 try:
                     with invariant.attention_backends(self.device):
@@ -371,6 +386,23 @@ class LayerBlock(torch.nn.Module):
         for cache in begun:
             cache.commit()
         return [h[:, s.off:s.off + s.t] for s in segs]
+
+    def _fused_rows(self, h: torch.Tensor, rope, segs: list, span: LayerRange):
+        """The fused path's plans for ``span``'s layers and the step's rows (they run on ``h`` in place), or
+        (None, None) where every layer takes the module path."""
+        if not self.fused or self.kernel_mode != "fma" or rope is None or h.dtype != self.dtype \
+                or not h.is_contiguous():
+            return None, None
+        if self._fused_plans is None:
+            self._fused_plans = [fused.layer_plan(layer, self.dtype, self._window(layer.self_attn))
+                                 if hasattr(layer, "self_attn") else None for layer in self.layers]
+        plans = self._fused_plans[span.start - self.layer_range.start: span.end - self.layer_range.start]
+        ready = [p for p in plans if p is not None]
+        if not ready:
+            return None, None
+        kv_heads, head_dim = ready[0].struct.Hkv, ready[0].struct.Dh
+        rows = fused.step_rows(h, rope, segs, span.start, span.end, kv_heads, head_dim)
+        return (None, None) if rows is None else (plans, rows)
 
     def _pack(self, rows: list, span: LayerRange, head: bool,
               logits_rows: list[int] | None) -> tuple[list[_Segment], list[torch.Tensor]]:
@@ -534,8 +566,6 @@ def fma_kernels_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, 
     if device.type != "cpu" or dtype not in FMA_DTYPES:
         return False, (f"they take float32 or bfloat16 on the CPU, this block is "
                        f"{str(dtype).removeprefix('torch.')} on {device}")
-    from swarm.kernels import fma
-
     return fma.available()
 
 
@@ -596,7 +626,6 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
     params = module._parameters  # read directly: nn.Module.__getattr__ costs more than a decode row's GEMV setup
     linear = isinstance(module, torch.nn.Linear)
     held: list = [None, None, None]  # the weight the views below were made of, its (K, N) view, its (N, K) rows
-    from swarm.kernels import fma
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
@@ -652,8 +681,6 @@ def _per_token(module: torch.nn.Module, block: LayerBlock) -> None:
     may split by shape, so where a row sits in the packed tensor must not decide how it is computed.
     fma (triton) mode: the Llama-family RMSNorms and SiLU run in ``fma.c`` (Triton kernels) over all
     rows at once, other norms and activations in fixed 16-row tiles; rows mode: one call per token."""
-    from swarm.kernels import fma
-
     plain = module.forward
     kind = type(module).__name__
     rms = kind in RMS_NORMS and hasattr(module, "variance_epsilon")

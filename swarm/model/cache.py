@@ -34,6 +34,7 @@ class KVCache:
         self.max_len = int(max_len)
         self.kv_len = 0
         self._pending = 0
+        self.version = 0  # bumped whenever a layer's buffers are replaced (grown): addresses held elsewhere go stale
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
 
@@ -65,27 +66,36 @@ class KVCache:
         """
         t = key_states.shape[2]
         end = self.kv_len + t
-        keys = self._keys.get(layer_idx)
-        b, h = key_states.shape[:2]
-        if keys is None or keys.shape[1] < end or (keys.shape[0], keys.shape[2]) != (b, h):
-            keys, values = self._grow(layer_idx, key_states, value_states, end)
-        else:
-            values = self._values[layer_idx]
+        b, h, _, dh = key_states.shape
+        keys, values = self._room(layer_idx, b, h, dh, value_states.shape[-1], key_states.dtype, key_states.device, end)
         keys[:, self.kv_len:end] = key_states.transpose(1, 2)
         values[:, self.kv_len:end] = value_states.transpose(1, 2)
         return _prefix(keys, end), _prefix(values, end)
 
-    def _grow(self, layer_idx, key_states, value_states, needed):
+    def reserve(self, layer_ids, needed: int, heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Make room for ``needed`` positions in each of ``layer_ids``' buffers (B = 1; grown as ``update``
+        grows them) and return their (keys, values) buffers, each (1, capacity, Hkv, Dh), for a kernel
+        that writes rows itself. ``version`` changes whenever a buffer is replaced."""
+        return [self._room(i, 1, heads, head_dim, head_dim, dtype, device, needed) for i in layer_ids]
+
+    def _room(self, layer_idx, b, h, dk, dv, dtype, device, needed):
+        keys = self._keys.get(layer_idx)
+        if keys is None or keys.shape[1] < needed or (keys.shape[0], keys.shape[2]) != (b, h):
+            return self._grow(layer_idx, b, h, dk, dv, dtype, device, needed)
+        return keys, self._values[layer_idx]
+
+    def _grow(self, layer_idx, b, h, dk, dv, dtype, device, needed):
         capacity = min(self.max_len, max(256, 1 << (needed - 1).bit_length()))
         capacity = max(capacity, needed)
-        b, h, _, dh = key_states.shape
-        new_k = key_states.new_zeros((b, capacity, h, dh))
-        new_v = value_states.new_zeros((b, capacity, h, value_states.shape[-1]))
+        new_k = torch.zeros((b, capacity, h, dk), dtype=dtype, device=device)
+        new_v = torch.zeros((b, capacity, h, dv), dtype=dtype, device=device)
         old_k = self._keys.get(layer_idx)
         if old_k is not None and (old_k.shape[0], old_k.shape[2]) == (b, h):
             new_k[:, : self.kv_len] = old_k[:, : self.kv_len]
             new_v[:, : self.kv_len] = self._values[layer_idx][:, : self.kv_len]
         self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
+        self.version += 1
         return new_k, new_v
 
     def commit(self) -> None:

@@ -43,8 +43,8 @@ def _stage_parser(sub) -> None:
                         "Q4_1, Q4_K, Q6_K; give --model the .gguf file or a built-in name), the decoder layers' and "
                         "LM head's never expanded (norms and, on the first stage, the embedding stay float32); q8_0, "
                         "q4_0, q4_1: a float checkpoint quantized at load into those llama.cpp block formats. Both "
-                        "run swarm's kernels over the values as the gguf package dequantizes them, with float32 "
-                        "activations: the bits of a float32 stage over the expanded model, on every CPU. int8 "
+                        "run swarm's integer kernels (activations rounded to 16 bits per block of 32, exact "
+                        "integer dots, float32 sums in a fixed order): the same bits on every CPU. int8 "
                         "(per output row) or int4 (groups of 32): torch's own CPU ops in bfloat16, an untied LM "
                         "head only. A weight a scheme cannot take stays as loaded")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])

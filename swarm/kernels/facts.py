@@ -194,6 +194,8 @@ def stage_class(block, span=None, tile: int = 1) -> repro.ReproClass:
         from swarm.kernels import quant as quant_ops
 
         facts["quant"] = {"scheme": quant, "int4_group": quant_ops.INT4_GROUP, "int8_k": quant_ops.INT8_K}
-    elif quant is not None:  # llama.cpp's block formats: fma.c's linear over their dequantized values (qblocks_kernels.h)
-        facts["quant"] = {"scheme": quant, "arithmetic": "swarm-qblocks-2: gguf's dequantized values, fma linear"}
+    elif quant is not None:  # llama.cpp's block formats: qblocks_kernels.h's integer arithmetic (fma.c names it)
+        from swarm.kernels.qblocks import ARITHMETIC
+
+        facts["quant"] = {"scheme": quant, "arithmetic": ARITHMETIC}
     return repro.make(facts)

@@ -23,7 +23,7 @@
  *     over key blocks at fixed positions (multiples of 64), as swarm_attention states.
  *   rmsnorm: r = 1 / sqrt(dot(x, x, D) / D + eps); out[d] = w[d] * (x[d] * r).
  *   silu: x / (1 + exp(-x)).
- * Implementations (fma_kernels.h): AVX-512F (fma_avx512.c: dot's 8 lanes of two columns side by side
+ * Implementations (fma_kernels.h): AVX-512F + BW (fma_avx512.c: dot's 8 lanes of two columns side by side
  * in one zmm register), AVX2 + FMA (fma_avx2.c: one column per ymm register), NEON (fma_neon.c,
  * aarch64: the 8 lanes in two q registers), and plain C one lane at a time (fma_generic.c: the
  * reference, on any CPU). One library holds every implementation its architecture
@@ -49,6 +49,8 @@
 #endif
 
 #define SWARM_ARITHMETIC "swarm-f32-1: dot8 fma lanes, pairwise tree; attention key blocks of 64; cephes exp"
+/* the block formats' (qblocks_kernels.h) */
+#define QBLOCKS_ARITHMETIC "swarm-q16dot-1: x in 16-bit blocks of 32 (float32 scale, half-even), integer pair sums, fma lanes, pairwise tree"
 #ifndef SWARM_SOURCE_DIGEST
 #define SWARM_SOURCE_DIGEST ""  /* setup.py passes the digest of the sources it built from */
 #endif
@@ -159,7 +161,7 @@ static const swarm_isa *const isas[] = {&swarm_isa_avx512, &swarm_isa_avx2, &swa
 static int isa_supported(int i) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (i == 0) return avx2 && __builtin_cpu_supports("avx512f");
+    if (i == 0) return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     if (i == 1) return avx2;
     return 1;
 }
@@ -180,6 +182,7 @@ int swarm_isa_count(void) { return N_ISAS; }
 const char *swarm_isa_name(int i) { return i >= 0 && i < swarm_isa_count() ? isas[i]->name : ""; }
 int swarm_isa_supported(int i) { return i >= 0 && i < swarm_isa_count() && isa_supported(i); }
 const char *swarm_arithmetic(void) { return SWARM_ARITHMETIC; }
+const char *swarm_qblocks_arithmetic(void) { return QBLOCKS_ARITHMETIC; }
 const char *swarm_source_digest(void) { return SWARM_SOURCE_DIGEST; }
 
 /* Use ISA i from now on (-1: the best this CPU runs). Returns the index in use, or -1 when i is not
@@ -241,10 +244,10 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
 }
 
 /* out (M, N), row stride ldo = x (M, K) times w (N rows of ldw bytes, each the blocks of one weight row in
- * llama.cpp's block format fmt: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) transposed, + bias (N) or NULL:
- * swarm_linear over the weights' values as the gguf package dequantizes them (qblocks_kernels.h), the
- * blocks dequantized a block of columns at a time. Returns 0, -1 for an unknown format or a K the format
- * cannot hold, -2 when out of memory. */
+ * llama.cpp's block format fmt: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) transposed, + bias (N) or NULL, in
+ * QBLOCKS_ARITHMETIC (qblocks_kernels.h states it): x's rows rounded to 16-bit integers per block of 32,
+ * exact integer dot products per block, float32 sums in a fixed order. Returns 0, -1 for an unknown format
+ * or a K the format cannot hold, -2 when out of memory (out untouched). */
 int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
     const swarm_isa *i = current();

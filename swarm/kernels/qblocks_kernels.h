@@ -1,15 +1,26 @@
-/* GEMMs over weights in llama.cpp's block formats, in swarm's one arithmetic (fma.c states it): included
- * by each ISA's file after fma_kernels.h.
+/* GEMMs over weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) with activations
+ * quantized to 16 bits per block of 32, integer dot products and float32 sums in a fixed order: one
+ * arithmetic that every ISA gives bit for bit (fma.c's QBLOCKS_ARITHMETIC names it); included by each
+ * ISA's file after fma_kernels.h. (llama.cpp rounds activations to 8 bits; 16 keep the next-token argmax of the float32
+ * expansion, and integer sums cost no more memory traffic, which is what a decode step waits on.)
  *
- * A weight is its format's value, computed exactly as the gguf package (llama.cpp's Python reference)
- * dequantizes it, in float32 (fp16 fields widened exactly; each product below is exact in float32, so
- * only the one add of Q4_1 and Q4_K rounds):
- *   Q8_0: d * q.   Q4_0: d * (q - 8).   Q4_1: d * q + m.   Q4_K: (d * sc_j) * q - dmin * m_j.
- *   Q6_K: (d * sc_16) * (q - 32).
- * and the product is fma.c's linear over those values: out[m, n] = dot(x[m], w[n], K) (+ bias[n]). So a
- * stage holding the blocks computes the very bits of a float32 stage holding the dequantized checkpoint
- * (swarm's conversion of a GGUF), on every ISA, for any number of rows, while it holds only the blocks:
- * each task dequantizes a block of columns into a buffer its GEMM tiles then read from L2.
+ * Activations: each row of x, per block b of 32 (k = 32b + i):
+ *   a = the largest |x_i| that is not NaN (+0 if none); d_x = a / 32767; id = d_x != 0 ? 1 / d_x : 0;
+ *   q_i = round-half-even(clamp(x_i * id, -32767, 32767)), NaN -> 0 (float32 ops, then an integer).
+ * Lanes: lane l = 0..7 of a block holds k in A_l = {2l, 2l + 1} and B_l = {16 + 2l, 17 + 2l};
+ *   s_l = sum of q over A_l and B_l (an integer), t_l = d_x * s_l (float32).
+ * Weights of block b: integers w and float32 scales (fp16 fields widened exactly; each product here is
+ * exact: an fp16 times an integer of at most 8 bits):
+ *   Q8_0: w = q, c = d.   Q4_0: w = q - 8, c = d.   Q4_1: w = q, c = d, mn = m.
+ *   Q4_K (sub-block j): w = q, c = d * sc_j, mn = -(dmin * m_j).
+ *   Q6_K: w = q - 32; the block's two sub-blocks of 16 have cA = d * sc_2j (k < 16), cB = d * sc_2j+1.
+ * Product, per output (m, n), 8 float32 lanes from +0, blocks b in k order, integer sums exact (at
+ * most 4 * 128 * 32767 < 2^24, so any instruction may form them and the float conversion is exact):
+ *   PA_l = sum over A_l of w_k q_k, PB_l likewise, P_l = PA_l + PB_l;
+ *   Q6_K: acc_l = fma(cA * d_x, PA_l, acc_l); acc_l = fma(cB * d_x, PB_l, acc_l);
+ *   others: acc_l = fma(c * d_x, P_l, acc_l); then where the format has mn: acc_l = fma(mn, t_l, acc_l);
+ *   out = dot's tree over the 8 lanes (fma.c), + bias[n].
+ * A row's bits are its own (its scales, its integers): any number of rows, threads, ISA.
  */
 #ifndef SWARM_QBLOCKS_KERNELS_H
 #define SWARM_QBLOCKS_KERNELS_H
@@ -20,6 +31,7 @@ enum { QF_Q8_0 = 0, QF_Q4_0 = 1, QF_Q4_1 = 2, QF_Q4_K = 3, QF_Q6_K = 4 };
 
 static const int qf_block[] = {32, 32, 32, 256, 256};       /* weights per block */
 static const int qf_bytes[] = {34, 18, 20, 144, 210};       /* bytes per block */
+#define QF_HAS_MIN(F) ((F) == QF_Q4_1 || (F) == QF_Q4_K)
 
 AI float f16_to_f32(const uint8_t *p) {  /* IEEE half, little endian, widened exactly */
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -53,222 +65,460 @@ AI void q4k_scale_min(const uint8_t *sc, int j, int *scale, int *min) {
     }
 }
 
-/* Weights [0, K) of one row in format f, as float32 values (the header's formulas). */
-static void dequant_row(int f, const uint8_t *row, int64_t K, float *out) {
-    if (f == QF_Q8_0 || f == QF_Q4_0 || f == QF_Q4_1) {
-        for (int64_t b = 0; b < K / 32; b++) {
-            const uint8_t *p = row + qf_bytes[f] * b;
-            const float d = f16_to_f32(p);
-            float *o = out + 32 * b;
-            if (f == QF_Q8_0) {
-                const int8_t *q = (const int8_t *)(p + 2);
-                for (int i = 0; i < 32; i++) o[i] = d * (float)q[i];
-            } else if (f == QF_Q4_0) {
-                const uint8_t *q = p + 2;
-                for (int i = 0; i < 16; i++) {
-                    o[i] = d * (float)((q[i] & 15) - 8);
-                    o[i + 16] = d * (float)((q[i] >> 4) - 8);
-                }
-            } else {
-                const float m = f16_to_f32(p + 2);
-                const uint8_t *q = p + 4;
-                for (int i = 0; i < 16; i++) {
-                    o[i] = d * (float)(q[i] & 15) + m;
-                    o[i + 16] = d * (float)(q[i] >> 4) + m;
-                }
-            }
+/* x's rows quantized (the header's activations): q (M, K), d (M, K / 32), t (M, K / 32, 8). */
+typedef struct {
+    int16_t *q;
+    float *d;
+    float *t;
+} qx_rows;
+
+/* Row x[0, K) into q, d, t (one row's slices): the header's activations, one implementation per ISA. */
+#if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
+static void qx_row(const float *x, int64_t K, int16_t *q, float *d, float *t) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-32767.0f), hi = _mm256_set1_ps(32767.0f);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  /* hadd works per 128-bit half */
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);  /* a NaN first operand gives m */
         }
-    } else if (f == QF_Q4_K) {
-        for (int64_t sb = 0; sb < K / 256; sb++) {
-            const uint8_t *p = row + 144 * sb, *sc = p + 4, *qs = p + 16;
-            const float d = f16_to_f32(p), dmin = f16_to_f32(p + 2);
-            for (int j = 0; j < 8; j++) {
-                int scale, min;
-                q4k_scale_min(sc, j, &scale, &min);
-                const float ds = d * (float)scale, dm = dmin * (float)min;
-                const uint8_t *q = qs + 32 * (j / 2);
-                const int shift = 4 * (j % 2);
-                float *o = out + 256 * sb + 32 * j;
-                for (int i = 0; i < 32; i++) o[i] = ds * (float)((q[i] >> shift) & 15) - dm;
-            }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float a = _mm_cvtss_f32(h), db = a / 32767.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) {
+            __m256 u = _mm256_mul_ps(v[i], _mm256_set1_ps(id));
+            u = _mm256_and_ps(u, _mm256_cmp_ps(u, u, _CMP_ORD_Q));  /* NaN -> +0 */
+            u = _mm256_min_ps(_mm256_max_ps(u, lo), hi);
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
-    } else {  /* Q6_K: ql[128] qh[64] scales[16] d */
-        for (int64_t sb = 0; sb < K / 256; sb++) {
-            const uint8_t *p = row + 210 * sb;
-            const int8_t *scales = (const int8_t *)(p + 192);
-            const float d = f16_to_f32(p + 208);
-            for (int half = 0; half < 2; half++)
-                for (int g = 0; g < 4; g++) {
-                    const uint8_t *ql = p + 64 * half + 32 * (g % 2), *qh = p + 128 + 32 * half;
-                    float *o = out + 256 * sb + 128 * half + 32 * g;
-                    for (int i = 0; i < 32; i++) {
-                        const int lo = (g < 2 ? ql[i] : ql[i] >> 4) & 15, hi = (qh[i] >> (2 * g)) & 3;
-                        const float ds = d * (float)scales[8 * half + 2 * g + i / 16];
-                        o[i] = ds * (float)((lo | (hi << 4)) - 32);
-                    }
-                }
-        }
+        /* packs_epi32 interleaves 128-bit halves: [0-3, 8-11 | 4-7, 12-15] -> permute 64-bit quarters */
+        const __m256i q01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
+        const __m256i q23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), q01);
+        _mm256_storeu_si256((__m256i *)(q + 32 * b + 16), q23);
+        /* pair sums 2j, 2j + 1 of k < 16 and of k >= 16, in j order, then added: s_l */
+        const __m256i pa = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(qi[0], qi[1]), order);
+        const __m256i pb = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(qi[2], qi[3]), order);
+        _mm256_storeu_ps(t + 8 * b, _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(_mm256_add_epi32(pa, pb))));
+        d[b] = db;
     }
 }
+#elif defined(SWARM_ISA_NEON)
+static void qx_row(const float *x, int64_t K, int16_t *q, float *d, float *t) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float32x4_t v[8], m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 8; i++) {
+            v[i] = vld1q_f32(x + 32 * b + 4 * i);
+            m = vmaxnmq_f32(m, vabsq_f32(v[i]));  /* maxNum: a NaN operand gives the other */
+        }
+        const float a = vmaxnmvq_f32(m), db = a / 32767.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        int32x4_t qi[8];
+        for (int i = 0; i < 8; i++) {
+            float32x4_t u = vmulq_f32(v[i], vdupq_n_f32(id));
+            u = vbslq_f32(vceqq_f32(u, u), u, vdupq_n_f32(0.0f));  /* NaN -> +0 */
+            u = vminq_f32(vmaxq_f32(u, vdupq_n_f32(-32767.0f)), vdupq_n_f32(32767.0f));
+            qi[i] = vcvtnq_s32_f32(u);  /* to nearest, ties to even */
+        }
+        for (int i = 0; i < 8; i += 2) vst1q_s16(q + 32 * b + 4 * i, vcombine_s16(vmovn_s32(qi[i]), vmovn_s32(qi[i + 1])));
+        /* pair sums: vpaddq gives [2j + 2j+1] for j in order */
+        const int32x4_t s0 = vaddq_s32(vpaddq_s32(qi[0], qi[1]), vpaddq_s32(qi[4], qi[5]));
+        const int32x4_t s1 = vaddq_s32(vpaddq_s32(qi[2], qi[3]), vpaddq_s32(qi[6], qi[7]));
+        vst1q_f32(t + 8 * b, vmulq_f32(vdupq_n_f32(db), vcvtq_f32_s32(s0)));
+        vst1q_f32(t + 8 * b + 4, vmulq_f32(vdupq_n_f32(db), vcvtq_f32_s32(s1)));
+        d[b] = db;
+    }
+}
+#else
+static void qx_row(const float *x, int64_t K, int16_t *q, float *d, float *t) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        int16_t *qb = q + 32 * b;
+        float a = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float v = fabsf(xb[i]);
+            a = v > a ? v : a;  /* a NaN never compares greater */
+        }
+        const float db = a / 32767.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float v = xb[i] * id;
+            v = v != v ? 0.0f : v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+            qb[i] = (int16_t)nearbyintf(v);  /* the default rounding: to nearest, ties to even */
+        }
+        d[b] = db;
+        for (int l = 0; l < 8; l++)
+            t[8 * b + l] = db * (float)(qb[2 * l] + qb[2 * l + 1] + qb[16 + 2 * l] + qb[17 + 2 * l]);
+    }
+}
+#endif
 
 typedef struct {
     int fmt;
     const float *x, *bias;
     const uint8_t *w;
     float *out;
-    int64_t M, K, ldx, N, ldw, ldo, nb;
-    int failed;  /* a task could not allocate its buffer */
+    int64_t M, K, ldx, N, ldw, ldo, nb, rows_per_task;
+    int vnni;  /* x86: q_vnni() */
+    qx_rows xq;
 } qlinear_ctx;
 
-/* Columns [t * nb, (t + 1) * nb): dequantized into a buffer, then fma.c's linear over it. */
-static void qlinear_task(const void *c_, int64_t t) {
-    qlinear_ctx *c = (qlinear_ctx *)c_;
-    const int64_t n0 = t * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
-    float *buf = malloc((size_t)((n1 - n0) * c->K) * sizeof(float));
-    if (!buf) {
-        c->failed = 1;
-        return;
+AI const int16_t *qx_q(const qlinear_ctx *c, int64_t m, int64_t b) { return c->xq.q + m * c->K + 32 * b; }
+AI float qx_d(const qlinear_ctx *c, int64_t m, int64_t b) { return c->xq.d[m * (c->K / 32) + b]; }
+AI const float *qx_t(const qlinear_ctx *c, int64_t m, int64_t b) { return c->xq.t + (m * (c->K / 32) + b) * 8; }
+
+static void quantize_task(const void *c_, int64_t t) {
+    const qlinear_ctx *c = c_;
+    const int64_t m1 = (t + 1) * c->rows_per_task < c->M ? (t + 1) * c->rows_per_task : c->M, nb = c->K / 32;
+    for (int64_t m = t * c->rows_per_task; m < m1; m++)
+        qx_row(c->x + m * c->ldx, c->K, c->xq.q + m * c->K, c->xq.d + m * nb, c->xq.t + m * nb * 8);
+}
+
+/* Block b (of 32 weights) of weight row `row` in format F: its integers w (the header's, offsets applied),
+ * scales c (of k < 16 and k >= 16: equal but for Q6_K) and minimum mn (0 where the format has none). */
+AI void q_block_ints(const int F, const uint8_t *row, int64_t b, int8_t w[32], float c[2], float *mn) {
+    *mn = 0.0f;
+    if (F == QF_Q8_0 || F == QF_Q4_0 || F == QF_Q4_1) {
+        const uint8_t *p = row + qf_bytes[F] * b;
+        c[0] = c[1] = f16_to_f32(p);
+        if (F == QF_Q8_0) {
+            for (int i = 0; i < 32; i++) w[i] = (int8_t)p[2 + i];
+        } else {
+            const uint8_t *q = p + (F == QF_Q4_0 ? 2 : 4);
+            const int off = F == QF_Q4_0 ? 8 : 0;
+            for (int i = 0; i < 16; i++) w[i] = (int8_t)((q[i] & 15) - off), w[i + 16] = (int8_t)((q[i] >> 4) - off);
+            if (F == QF_Q4_1) *mn = f16_to_f32(p + 2);
+        }
+    } else if (F == QF_Q4_K) {
+        const uint8_t *p = row + 144 * (b / 8);
+        const int j = (int)(b % 8);
+        int scale, min;
+        q4k_scale_min(p + 4, j, &scale, &min);
+        c[0] = c[1] = f16_to_f32(p) * (float)scale;
+        *mn = -(f16_to_f32(p + 2) * (float)min);
+        const uint8_t *q = p + 16 + 32 * (j / 2);
+        for (int i = 0; i < 32; i++) w[i] = (int8_t)((q[i] >> (4 * (j % 2))) & 15);
+    } else {  /* Q6_K: ql[128] qh[64] scales[16] d */
+        const uint8_t *p = row + 210 * (b / 8);
+        const int j = (int)(b % 8), half = j / 4, g = j % 4;
+        const int8_t *scales = (const int8_t *)(p + 192);
+        const float d = f16_to_f32(p + 208);
+        const uint8_t *ql = p + 64 * half + 32 * (g % 2), *qh = p + 128 + 32 * half;
+        for (int i = 0; i < 32; i++) {
+            const int lo = (g < 2 ? ql[i] : ql[i] >> 4) & 15, hi = (qh[i] >> (2 * g)) & 3;
+            w[i] = (int8_t)((lo | (hi << 4)) - 32);
+        }
+        c[0] = d * (float)scales[8 * half + 2 * g];
+        c[1] = d * (float)scales[8 * half + 2 * g + 1];
     }
-    for (int64_t n = n0; n < n1; n++) dequant_row(c->fmt, c->w + n * c->ldw, c->K, buf + (n - n0) * c->K);
-    const linear_ctx_f32 lc = {c->x, c->bias ? c->bias + n0 : 0, buf, c->out + n0, c->M, c->K, c->ldx, n1 - n0, c->K,
-                               c->ldo, n1 - n0};
-    linear_task_f32(&lc, 0);
-    free(buf);
+}
+
+/* ---- Any ISA (the definition as written; NEON and plain C run it): per column, a few rows at a time. */
+#define Q_RT 4  /* rows per pass of the portable path (order of work only) */
+
+static void q_cols_portable(const int F, const qlinear_ctx *c, int64_t n0, int64_t n1) {
+    const int64_t nb = c->K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < c->M; m0 += Q_RT) {
+            const int rt = c->M - m0 < Q_RT ? (int)(c->M - m0) : Q_RT;
+            v8 acc[Q_RT];
+            for (int r = 0; r < rt; r++) acc[r] = v8_zero();
+            for (int64_t b = 0; b < nb; b++) {
+                int8_t w[32];
+                float cw[2], mn;
+                q_block_ints(F, c->w + n * c->ldw, b, w, cw, &mn);
+                for (int r = 0; r < rt; r++) {
+                    const int16_t *xq = qx_q(c, m0 + r, b);
+                    float pa[8], pb[8];
+                    for (int l = 0; l < 8; l++) {
+                        const int32_t a = w[2 * l] * xq[2 * l] + w[2 * l + 1] * xq[2 * l + 1];
+                        const int32_t bb = w[16 + 2 * l] * xq[16 + 2 * l] + w[17 + 2 * l] * xq[17 + 2 * l];
+                        pa[l] = (float)a, pb[l] = (float)bb;
+                        if (F != QF_Q6_K) pa[l] = (float)(a + bb);
+                    }
+                    const v8 dx = v8_set1(qx_d(c, m0 + r, b));
+                    acc[r] = v8_fma(v8_mul(v8_set1(cw[0]), dx), v8_load(pa), acc[r]);
+                    if (F == QF_Q6_K) acc[r] = v8_fma(v8_mul(v8_set1(cw[1]), dx), v8_load(pb), acc[r]);
+                    if (QF_HAS_MIN(F)) acc[r] = v8_fma(v8_set1(mn), v8_load(qx_t(c, m0 + r, b)), acc[r]);
+                }
+            }
+            for (int r = 0; r < rt; r++) {
+                const float s = v8_sum(acc[r]);
+                c->out[(m0 + r) * c->ldo + n] = c->bias ? s + c->bias[n] : s;
+            }
+        }
 }
 
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
-/* x86, a few rows (decode steps, verify chunks): each block of one column dequantized into four ymm
- * registers by the header's formulas (an FMA where the product it fuses is exact, which rounds as the
- * product then the add), then dot's chain for every row: lane l takes k = 8i + l in i order, as
- * linear_f32 does, so the bits are the buffer path's. */
-AI __m256 q_f32(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }  /* bytes 0-7, unsigned */
-
+/* ---- x86: block b of a column as 32 signed bytes in k order (offsets applied), its scales and minimum. */
 AI float q_half(const uint8_t *p) {  /* f16_to_f32 by F16C: the same exact widening, one instruction */
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
 
-AI void q_block8(const int F, const uint8_t *row, int64_t b, __m256 w[4]) {
-    if (F == QF_Q8_0) {
-        const uint8_t *p = row + 34 * b;
-        const __m256 d = _mm256_set1_ps(q_half(p));
-        for (int v = 0; v < 4; v++)
-            w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * v)))));
-    } else if (F == QF_Q4_0 || F == QF_Q4_1) {
-        const uint8_t *p = row + qf_bytes[F] * b;
-        const __m256 d = _mm256_set1_ps(q_half(p));
-        const __m128i q = _mm_loadu_si128((const __m128i *)(p + (F == QF_Q4_0 ? 2 : 4)));
-        const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        if (F == QF_Q4_0) {
-            const __m256 eight = _mm256_set1_ps(8.0f);
-            for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(d, _mm256_sub_ps(q_f32(parts[v]), eight));
-        } else {
-            const __m256 m = _mm256_set1_ps(q_half(p + 2));
-            for (int v = 0; v < 4; v++) w[v] = _mm256_fmadd_ps(d, q_f32(parts[v]), m);  /* d * q exact */
-        }
-    } else if (F == QF_Q4_K) {
-        const uint8_t *p = row + 144 * (b / 8), *sc = p + 4;
-        const int j = (int)(b % 8);
-        int scale, min;
-        q4k_scale_min(sc, j, &scale, &min);
-        const __m256 ds = _mm256_set1_ps(q_half(p) * (float)scale), dm = _mm256_set1_ps(q_half(p + 2) * (float)min);
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (j / 2)));
-        const __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
-        const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
-        const __m128i parts[4] = {qlo, _mm_srli_si128(qlo, 8), qhi, _mm_srli_si128(qhi, 8)};
-        for (int v = 0; v < 4; v++) w[v] = _mm256_fmsub_ps(ds, q_f32(parts[v]), dm);  /* ds * q exact */
-    } else {  /* Q6_K */
-        const uint8_t *p = row + 210 * (b / 8);
-        const int j = (int)(b % 8), half = j / 4, g = j % 4;
-        const int8_t *scales = (const int8_t *)(p + 192);
-        const float d = q_half(p + 208);
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (g % 2)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
-        const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(15));
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3));
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-        const __m128i qlo = _mm256_castsi256_si128(q), qhi = _mm256_extracti128_si256(q, 1);
-        const __m128i parts[4] = {qlo, _mm_srli_si128(qlo, 8), qhi, _mm_srli_si128(qhi, 8)};
-        for (int v = 0; v < 4; v++) {
-            const __m256 ds = _mm256_set1_ps(d * (float)scales[8 * half + 2 * g + v / 2]);
-            w[v] = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[v])));
-        }
-    }
+AI __m256i nibbles32(__m128i q) {  /* 16 bytes -> low nibbles then high nibbles, 32 bytes */
+    const __m128i m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
 }
 
-/* MR rows x NC columns from column n: NC independent chains per row keep the FMA pipes busy. */
-AI void q_rows_tile(const int F, const int MR, const int NC, const qlinear_ctx *c, int64_t n) {
-    __m256 acc[SWARM_MR_SMALL][4];
+AI __m256i q_w32(const int F, const uint8_t *row, int64_t b, float *ca, float *cb, float *mn) {
+    if (F == QF_Q8_0) {
+        const uint8_t *p = row + 34 * b;
+        *ca = *cb = q_half(p);
+        return _mm256_loadu_si256((const __m256i *)(p + 2));
+    }
+    if (F == QF_Q4_0 || F == QF_Q4_1) {
+        const uint8_t *p = row + qf_bytes[F] * b;
+        *ca = *cb = q_half(p);
+        if (F == QF_Q4_1) *mn = q_half(p + 2);
+        const __m256i q = nibbles32(_mm_loadu_si128((const __m128i *)(p + (F == QF_Q4_0 ? 2 : 4))));
+        return F == QF_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+    }
+    if (F == QF_Q4_K) {
+        const uint8_t *p = row + 144 * (b / 8);
+        const int j = (int)(b % 8);
+        int scale, min;
+        q4k_scale_min(p + 4, j, &scale, &min);
+        *ca = *cb = q_half(p) * (float)scale;
+        *mn = -(q_half(p + 2) * (float)min);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (j / 2)));
+        return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+    }
+    /* Q6_K */
+    const uint8_t *p = row + 210 * (b / 8);
+    const int j = (int)(b % 8), half = j / 4, g = j % 4;
+    const int8_t *scales = (const int8_t *)(p + 192) + 8 * half + 2 * g;
+    const float d = q_half(p + 208);
+    *ca = d * (float)scales[0], *cb = d * (float)scales[1];
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (g % 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+    const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+/* VNNI's vpdpwssd: acc + the dot of 2 by 2 signed 16-bit integers in each 32-bit lane, exact (the same sum
+ * as madd then add). Inline asm, so the file's target need not name the extension: run only where the CPU
+ * has it (q_vnni). */
+AI __m256i dpwssd_evex(__m256i acc, __m256i a, __m256i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
+AI __m256i dpwssd_vex(__m256i acc, __m256i a, __m256i b) {
+    __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
+AI __m256i q_dot16(const int V, __m256i acc, __m256i a, __m256i b) {
+    if (V == 1) return dpwssd_evex(acc, a, b);
+    if (V == 2) return dpwssd_vex(acc, a, b);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
+/* Which vpdpwssd this CPU runs: 1 AVX512-VNNI (with VL), 2 AVX-VNNI, 0 none or SWARM_VNNI=0 (madd). */
+static int q_vnni(void) {
+    const char *env = getenv("SWARM_VNNI");
+    if (env && env[0] == '0') return 0;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return 1;
+    return __builtin_cpu_supports("avxvnni") ? 2 : 0;
+}
+
+#define Q_PF 2  /* prefetch this many tiles ahead */
+
+/* The bytes at block b's depth of the NC columns from pf (a later tile's, while this one computes: a decode
+ * step streams the weights from memory). Order of work only. */
+AI void q_prefetch(const int F, const qlinear_ctx *c, const uint8_t *pf, const int NC, int64_t b) {
+    const int64_t off = b * qf_bytes[F] * 32 / qf_block[F];
+    for (int k = 0; k < NC; k++) __builtin_prefetch(pf + k * c->ldw + off);
+}
+#endif
+
+#if defined(SWARM_ISA_AVX2)
+/* MR rows x NC columns from (m, n): every block's weights widened once for the MR rows. */
+AI void q_tile(const int F, const int V, const int MR, const int NC, const qlinear_ctx *c, int64_t m, int64_t n,
+               const uint8_t *pf) {
+    __m256 acc[4][4];
     for (int r = 0; r < MR; r++)
         for (int k = 0; k < NC; k++) acc[r][k] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c->K / 32; b++) {
+        if (pf) q_prefetch(F, c, pf, NC, b);
         for (int k = 0; k < NC; k++) {
-            __m256 w[4];
-            q_block8(F, c->w + (n + k) * c->ldw, b, w);
+            float ca, cb, mn = 0.0f;
+            const __m256i w = q_w32(F, c->w + (n + k) * c->ldw, b, &ca, &cb, &mn);
+            const __m256i wa = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+            const __m256i wb = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
             for (int r = 0; r < MR; r++) {
-                const float *x = c->x + r * c->ldx + 32 * b;
-                for (int v = 0; v < 4; v++) acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8 * v), w[v], acc[r][k]);
+                const int16_t *xq = qx_q(c, m + r, b);
+                const __m256 dx = _mm256_set1_ps(qx_d(c, m + r, b));
+                const __m256i xa = _mm256_loadu_si256((const __m256i *)xq);
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + 16));
+                if (F == QF_Q6_K) {
+                    const __m256 pa = _mm256_cvtepi32_ps(_mm256_madd_epi16(wa, xa));
+                    const __m256 pb = _mm256_cvtepi32_ps(_mm256_madd_epi16(wb, xb));
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(ca), dx), pa, acc[r][k]);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(cb), dx), pb, acc[r][k]);
+                } else {
+                    const __m256i p = q_dot16(V, _mm256_madd_epi16(wa, xa), wb, xb);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(ca), dx), _mm256_cvtepi32_ps(p), acc[r][k]);
+                }
+                if (QF_HAS_MIN(F)) acc[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(mn), _mm256_loadu_ps(qx_t(c, m + r, b)), acc[r][k]);
             }
         }
     }
     for (int r = 0; r < MR; r++) {
         float s[4];
         v8_sums4(acc[r][0], acc[r][NC > 1 ? 1 : 0], acc[r][NC > 2 ? 2 : 0], acc[r][NC > 3 ? 3 : 0], s);
-        for (int k = 0; k < NC; k++) c->out[r * c->ldo + n + k] = c->bias ? s[k] + c->bias[n + k] : s[k];
+        for (int k = 0; k < NC; k++) c->out[(m + r) * c->ldo + n + k] = c->bias ? s[k] + c->bias[n + k] : s[k];
     }
 }
-
-AI void q_rows(const int F, const int MR, const qlinear_ctx *c, int64_t n0, int64_t n1) {
-    const int nc = MR <= 2 ? 4 : 2;  /* accumulators MR x nc and four ymm of weights in 16 registers */
-    int64_t n = n0;
-    for (; n + nc <= n1; n += nc) q_rows_tile(F, MR, MR <= 2 ? 4 : 2, c, n);
-    for (; n < n1; n++) q_rows_tile(F, MR, 1, c, n);
+#define Q_COLS 4  /* columns per tile at one or two rows; two at three or four */
+#elif defined(SWARM_ISA_AVX512)
+/* MR rows x NC columns from (m, n), two columns per zmm register (lanes 0-7 one, 8-15 the next); an odd NC's
+ * last register repeats its column in the upper half, never stored. */
+AI __m512 join8(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
 }
+AI __m512i dpwssd512(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+AI void q_tile(const int F, const int V, const int MR, const int NC, const qlinear_ctx *c, int64_t m, int64_t n,
+               const uint8_t *pf) {
+    enum { NP = 4 };
+    const int np = (NC + 1) / 2;
+    __m512 acc[4][NP];
+    for (int r = 0; r < MR; r++)
+        for (int k = 0; k < np; k++) acc[r][k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < c->K / 32; b++) {
+        __m512i xa[4], xb[4];
+        __m512 dx[4], tv[4];
+        for (int r = 0; r < MR; r++) {
+            const int16_t *xq = qx_q(c, m + r, b);
+            xa[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));
+            xb[r] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + 16)));
+            dx[r] = _mm512_set1_ps(qx_d(c, m + r, b));
+            tv[r] = QF_HAS_MIN(F) ? _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qx_t(c, m + r, b)))))
+                                  : _mm512_setzero_ps();
+        }
+        if (pf) q_prefetch(F, c, pf, NC, b);
+        for (int k = 0; k < np; k++) {
+            const int64_t na = n + 2 * k, nb = 2 * k + 1 < NC ? na + 1 : na;
+            float caa, cba, ma = 0.0f, cab, cbb, mb = 0.0f;
+            const __m256i w0 = q_w32(F, c->w + na * c->ldw, b, &caa, &cba, &ma);
+            const __m256i w1 = q_w32(F, c->w + nb * c->ldw, b, &cab, &cbb, &mb);
+            /* [column a's k < 16 | column b's k < 16] and the same for k >= 16, widened to 16 bits */
+            const __m512i wa = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x20));
+            const __m512i wb = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x31));
+            const __m512 ca = join8(_mm256_set1_ps(caa), _mm256_set1_ps(cab));
+            const __m512 mw = join8(_mm256_set1_ps(ma), _mm256_set1_ps(mb));
+            for (int r = 0; r < MR; r++) {
+                if (F == QF_Q6_K) {
+                    const __m512 cb = join8(_mm256_set1_ps(cba), _mm256_set1_ps(cbb));
+                    const __m512 pa = _mm512_cvtepi32_ps(_mm512_madd_epi16(wa, xa[r]));
+                    const __m512 pb = _mm512_cvtepi32_ps(_mm512_madd_epi16(wb, xb[r]));
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_mul_ps(ca, dx[r]), pa, acc[r][k]);
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_mul_ps(cb, dx[r]), pb, acc[r][k]);
+                } else {
+                    const __m512i pa = _mm512_madd_epi16(wa, xa[r]);
+                    const __m512i p = V ? dpwssd512(pa, wb, xb[r]) : _mm512_add_epi32(pa, _mm512_madd_epi16(wb, xb[r]));
+                    acc[r][k] = _mm512_fmadd_ps(_mm512_mul_ps(ca, dx[r]), _mm512_cvtepi32_ps(p), acc[r][k]);
+                }
+                if (QF_HAS_MIN(F)) acc[r][k] = _mm512_fmadd_ps(mw, tv[r], acc[r][k]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        float s8[2 * NP + 2];
+        vg_sums(acc[r], np, s8);
+        for (int k = 0; k < NC; k++) c->out[(m + r) * c->ldo + n + k] = c->bias ? s8[k] + c->bias[n + k] : s8[k];
+    }
+}
+#define Q_COLS 8  /* columns per tile at one or two rows; four at three or four */
+#endif
 
-static void qrows_task(const void *c_, int64_t t) {
-    const qlinear_ctx *c = c_;
-    const int64_t n0 = t * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
-#define QR(F)                                                                                                    \
-    switch (c->M) {                                                                                             \
-        case 1: q_rows(F, 1, c, n0, n1); break;                                                                 \
-        case 2: q_rows(F, 2, c, n0, n1); break;                                                                 \
-        case 3: q_rows(F, 3, c, n0, n1); break;                                                                 \
-        case 4: q_rows(F, 4, c, n0, n1); break;                                                                 \
-        case 5: q_rows(F, 5, c, n0, n1); break;                                                                 \
-        default: q_rows(F, 6, c, n0, n1); break;                                                                \
+#if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
+/* Columns [n0, n1) of every row: tiles of up to 4 rows; Q_COLS columns at 1-2 rows, Q_COLS / 2 at 3-4. */
+AI void q_cols_x86(const int F, const int V, const qlinear_ctx *c, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < c->M;) {
+        const int mr = c->M - m >= 4 ? 4 : (int)(c->M - m);
+        const int nc = mr <= 2 ? Q_COLS : Q_COLS / 2;
+        int64_t n = n0;
+        for (; n + nc <= n1; n += nc) {  /* whole tiles, then pairs and a last single column */
+            const uint8_t *pf = m == 0 && n + (Q_PF + 1) * nc <= n1 ? c->w + (n + Q_PF * nc) * c->ldw : 0;
+            switch (mr) {
+                case 1: q_tile(F, V, 1, Q_COLS, c, m, n, pf); break;
+                case 2: q_tile(F, V, 2, Q_COLS, c, m, n, pf); break;
+                case 3: q_tile(F, V, 3, Q_COLS / 2, c, m, n, pf); break;
+                default: q_tile(F, V, 4, Q_COLS / 2, c, m, n, pf); break;
+            }
+        }
+        for (; n < n1; n += 2) {
+            const int two = n + 2 <= n1;
+#define QT(R) two ? q_tile(F, V, R, 2, c, m, n, 0) : q_tile(F, V, R, 1, c, m, n, 0)
+            switch (mr) {
+                case 1: QT(1); break;
+                case 2: QT(2); break;
+                case 3: QT(3); break;
+                default: QT(4); break;
+            }
+#undef QT
+        }
+        m += mr;
     }
-    switch (c->fmt) {
-        case QF_Q8_0: QR(QF_Q8_0) break;
-        case QF_Q4_0: QR(QF_Q4_0) break;
-        case QF_Q4_1: QR(QF_Q4_1) break;
-        case QF_Q4_K: QR(QF_Q4_K) break;
-        default: QR(QF_Q6_K) break;
-    }
-#undef QR
 }
 #endif
 
-/* out (M, N) = x (M, K) times the block-format weight w (N rows of ldw bytes) transposed, + bias.
- * Returns 0, -1 when K is not a multiple of the format's block or the format is unknown, -2 when out of
- * memory for a task's buffer (out is then incomplete). */
+#if defined(SWARM_ISA_AVX512)
+#define Q_VARIANTS(F) c->vnni ? q_cols_x86(F, 1, c, n0, n1) : q_cols_x86(F, 0, c, n0, n1)
+#elif defined(SWARM_ISA_AVX2)
+#define Q_VARIANTS(F) c->vnni == 1 ? q_cols_x86(F, 1, c, n0, n1) : c->vnni == 2 ? q_cols_x86(F, 2, c, n0, n1) : q_cols_x86(F, 0, c, n0, n1)
+#else
+#define Q_VARIANTS(F) q_cols_portable(F, c, n0, n1)
+#endif
+
+static void qdot_task(const void *c_, int64_t t) {
+    const qlinear_ctx *c = c_;
+    const int64_t n0 = t * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+    switch (c->fmt) {
+        case QF_Q8_0: Q_VARIANTS(QF_Q8_0); break;
+        case QF_Q4_0: Q_VARIANTS(QF_Q4_0); break;
+        case QF_Q4_1: Q_VARIANTS(QF_Q4_1); break;
+        case QF_Q4_K: Q_VARIANTS(QF_Q4_K); break;
+        default: Q_VARIANTS(QF_Q6_K); break;
+    }
+}
+#undef Q_VARIANTS
+
+/* out (M, N) = x (M, K) times the block-format weight w (N rows of ldw bytes) transposed, + bias, in the
+ * header's arithmetic. Returns 0, -1 when K is not a multiple of the format's block or the format is unknown,
+ * -2 when out of memory for x's quantized copy (out untouched). */
 static int qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                    int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
     if (fmt < 0 || fmt > QF_Q6_K || K % qf_block[fmt]) return -1;
-    const int64_t step = SWARM_NG * G;  /* whole GEMM tiles per task */
-    int64_t nb = (int64_t)(196608 / (K * 4 > 0 ? K * 4 : 1));
-    nb -= nb % step;
-    if (nb < step) nb = step;
-    qlinear_ctx c = {fmt, x, bias, w, out, M, K, ldx, N, ldw, ldo, nb, 0};
+    const int64_t nbk = K / 32;
+    char *buf = malloc((size_t)(2 * M * K + M * nbk * (4 + 32)) + 64);
+    if (!buf) return -2;
+    qlinear_ctx c = {fmt, x, bias, w, out, M, K, ldx, N, ldw, ldo, 0, 0, 0, {0}};
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
-    if (M <= SWARM_MR_SMALL) {  /* a few rows: in registers, no buffer */
-        swarm_parallel_for(threads, qrows_task, &c, (N + nb - 1) / nb);
-        return 0;
-    }
+    c.vnni = q_vnni();
 #endif
-    swarm_parallel_for(threads, qlinear_task, &c, (N + nb - 1) / nb);
-    return c.failed ? -2 : 0;
+    c.xq.d = (float *)buf;
+    c.xq.t = (float *)(buf + M * nbk * 4);
+    c.xq.q = (int16_t *)(buf + M * nbk * 36);
+    const int tasks_q = threads > 1 && M >= 8 ? threads : 1;
+    c.rows_per_task = (M + tasks_q - 1) / tasks_q;
+    swarm_parallel_for(threads, quantize_task, &c, tasks_q);
+    /* columns per task: a block of w that stays in L2 while the rows pass, and work for every thread */
+    int64_t nb = (int64_t)(196608 / (ldw > 0 ? ldw : 1));
+    const int64_t spread = (N + 2 * threads - 1) / (2 * threads);
+    if (threads > 1 && nb > spread) nb = spread;
+    nb = (nb + 7) & ~(int64_t)7;
+    c.nb = nb;
+    swarm_parallel_for(threads, qdot_task, &c, (N + nb - 1) / nb);
+    free(buf);
+    return 0;
 }
 
 #endif

@@ -4,8 +4,9 @@
 Owns: which weights a scheme takes, reading them (``gguf``: the model's own GGUF file, its blocks as
 stored, through :mod:`swarm.model.gguf_tensors`; ``q8_0``/``q4_0``/``q4_1``: a float checkpoint
 quantized at load by the ``gguf`` package) and attaching them to the Linear modules, whose forward then
-runs :func:`swarm.kernels.qblocks.linear` (the fma kernels' arithmetic family: the same bits on every
-ISA, for any number of rows). Activations stay float32.
+runs :func:`swarm.kernels.qblocks.linear` (activations rounded to 16 bits per block of 32, exact integer
+dots, float32 sums in a fixed order: the same bits on every ISA, for any number of rows). Hidden states
+between modules stay float32.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""llama.cpp's block formats in swarm's arithmetic (``swarm.kernels.qblocks``): the product is, bit for
-bit, ``fma.linear`` over the weights as the ``gguf`` package dequantizes them; a row's bits never depend
-on the rows, threads or ISA that share its call; bad input is refused by name."""
+"""llama.cpp's block formats in swarm's arithmetic (``swarm.kernels.qblocks``, ``qblocks_kernels.h``): the
+product is, bit for bit, the arithmetic the header states (computed here again in Python, exactly), close
+to the float64 product over the ``gguf`` package's dequantized values; a row's bits never depend on the
+rows, threads, ISA or integer instruction (VNNI or not) that share its call; bad input is refused by name."""
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -27,20 +30,117 @@ def _random_blocks(fmt: str, n: int, k: int, seed: int) -> QWeight:  # also test
     return QWeight(fmt, n, k, torch.from_numpy(raw.reshape(n, -1)))
 
 
+def _f32(exact: Fraction) -> np.float32:
+    """``exact`` rounded to the nearest float32, ties to even (no double rounding)."""
+    near = np.float32(float(exact))
+    cands = (np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf)))
+    return min(cands, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.array(c).view(np.int32)) & 1))
+
+
+def _fma(a, b, c) -> np.float32:
+    return _f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def _half(raw: bytes) -> np.float32:
+    return np.frombuffer(raw, np.float16)[0].astype(np.float32)
+
+
+def _block(fmt: str, row: bytes, b: int):
+    """Block b of 32 weights: integers w (offsets applied), scales (k < 16, k >= 16) and minimum (or None),
+    as the header states them."""
+    if fmt in ("q8_0", "q4_0", "q4_1"):
+        size = FORMATS[fmt].block_bytes
+        p = row[size * b:size * (b + 1)]
+        d = _half(p[0:2])
+        if fmt == "q8_0":
+            return [int(v) for v in np.frombuffer(p[2:], np.int8)], (d, d), None
+        qs, off = (p[2:], 8) if fmt == "q4_0" else (p[4:], 0)
+        w = [(v & 15) - off for v in qs] + [(v >> 4) - off for v in qs]
+        return w, (d, d), (_half(p[2:4]) if fmt == "q4_1" else None)
+    j = b % 8
+    if fmt == "q4_k":
+        p = row[144 * (b // 8):144 * (b // 8 + 1)]
+        sc = p[4:16]
+        if j < 4:
+            scale, mn = sc[j] & 63, sc[j + 4] & 63
+        else:
+            scale, mn = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+        q = p[16 + 32 * (j // 2):48 + 32 * (j // 2)]
+        c = np.float32(_half(p[0:2]) * np.float32(scale))
+        return [(v >> (4 * (j % 2))) & 15 for v in q], (c, c), np.float32(-(_half(p[2:4]) * np.float32(mn)))
+    p = row[210 * (b // 8):210 * (b // 8 + 1)]
+    half, g = j // 4, j % 4
+    ql, qh = p[64 * half + 32 * (g % 2):][:32], p[128 + 32 * half:][:32]
+    w = [((((ql[i] if g < 2 else ql[i] >> 4) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)) - 32) for i in range(32)]
+    scales, d = np.frombuffer(p[192:208], np.int8), _half(p[208:210])
+    return w, (np.float32(d * np.float32(scales[8 * half + 2 * g])), np.float32(d * np.float32(scales[8 * half + 2 * g + 1]))), None
+
+
+def _reference(fmt: str, x: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> np.ndarray:
+    """qblocks_kernels.h's arithmetic as its comment states it, in numpy float32 and exact integers."""
+    m_rows, k = x.shape
+    out = np.zeros((m_rows, w.n), np.float32)
+    rows = []
+    for xr in x.numpy():
+        blocks = []
+        for b in range(k // 32):
+            xb = xr[32 * b:32 * b + 32]
+            a = np.float32(0)
+            for v in np.abs(xb):
+                a = v if v > a else a
+            d = np.float32(a / np.float32(32767))
+            inv = np.float32(np.float32(1) / d) if d != 0 else np.float32(0)
+            q = [0 if np.isnan(v * inv) else int(np.rint(min(max(np.float32(v * inv), np.float32(-32767)),
+                                                             np.float32(32767)))) for v in xb]
+            blocks.append((d, q, [q[2 * l] + q[2 * l + 1] + q[16 + 2 * l] + q[17 + 2 * l] for l in range(8)]))
+        rows.append(blocks)
+    for n in range(w.n):
+        row = bytes(w.data[n].numpy())
+        for m in range(m_rows):
+            acc = [np.float32(0)] * 8
+            for b, (d, q, s) in enumerate(rows[m]):
+                wi, (ca, cb), mn = _block(fmt, row, b)
+                for l in range(8):
+                    pa = wi[2 * l] * q[2 * l] + wi[2 * l + 1] * q[2 * l + 1]
+                    pb = wi[16 + 2 * l] * q[16 + 2 * l] + wi[17 + 2 * l] * q[17 + 2 * l]
+                    if fmt == "q6_k":
+                        acc[l] = _fma(np.float32(ca * d), pa, acc[l])
+                        acc[l] = _fma(np.float32(cb * d), pb, acc[l])
+                    else:
+                        acc[l] = _fma(np.float32(ca * d), pa + pb, acc[l])
+                    if mn is not None:
+                        acc[l] = _fma(mn, np.float32(d * np.float32(s[l])), acc[l])
+            t = [np.float32(acc[2 * i] + acc[2 * i + 1]) for i in range(4)]
+            total = np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
+            out[m, n] = total if bias is None else np.float32(total + bias[n].item())
+    return out
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_each_format_gives_the_bits_of_the_float_linear_over_its_dequantized_values(fmt):
-    """linear() == fma.linear over gguf.quants' dequantized values, bit for bit, for a few rows (the
-    in-register path) and many (dequantized into a buffer), with and without bias; and close to float64."""
-    k, n = 512, 45  # two super-blocks of 256; 45 columns: whole tiles and a tail
-    w = _random_blocks(fmt, n, k, seed=sum(map(ord, fmt)))
-    values = qblocks.dequantize(w)
-    gen = torch.Generator().manual_seed(1)
-    b = torch.randn(n, generator=gen)
-    for m in (1, 2, 3, 6, 7, 30):
-        x = torch.randn(m, k, generator=gen)
-        assert torch.equal(qblocks.linear(x, w), fma.linear(x, values)), m
-        assert torch.equal(qblocks.linear(x, w, b), fma.linear(x, values, b)), m
-    torch.testing.assert_close(qblocks.linear(x, w).double(), x.double() @ values.double().t(), rtol=1e-4, atol=1e-3)
+def test_each_format_computes_the_stated_arithmetic_bit_for_bit(fmt):
+    """linear() == the header's arithmetic redone in Python (exact integers, float32 steps, exact fma), with a
+    zero block and a NaN (rounded to 0) in x, with and without bias; and within 1e-4 of the float64 product
+    over the gguf package's dequantized values (16-bit activations)."""
+    k = 256 if fmt in ("q4_k", "q6_k") else 64
+    w = _random_blocks(fmt, 3, k, seed=sum(map(ord, fmt)))
+    gen = torch.Generator().manual_seed(5)
+    x, b = torch.randn(2, k, generator=gen) * 3, torch.randn(3, generator=gen)
+    x[1, :32], x[0, 7] = 0.0, float("nan")
+    assert np.array_equal(qblocks.linear(x, w, b).numpy().view(np.int32), _reference(fmt, x, w, b).view(np.int32))
+    assert np.array_equal(qblocks.linear(x, w).numpy().view(np.int32), _reference(fmt, x, w, None).view(np.int32))
+    values = qblocks.dequantize(_random_blocks(fmt, 45, 512, seed=9)).double()
+    xs = torch.randn(30, 512, generator=gen)
+    got = qblocks.linear(xs, _random_blocks(fmt, 45, 512, seed=9)).double()
+    exact = xs.double() @ values.t()
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-4
+
+
+def test_the_arithmetic_receipts_name_is_the_librarys():
+    import ctypes
+
+    lib = fma._library()
+    lib.swarm_qblocks_arithmetic.restype = ctypes.c_char_p
+    assert lib.swarm_qblocks_arithmetic().decode() == qblocks.ARITHMETIC
 
 
 def test_quantize_and_dequantize_go_through_the_gguf_package():
@@ -63,7 +163,7 @@ def test_a_row_gets_the_same_bits_alone_in_any_chunk_on_any_threads_and_isa(fmt)
     x = torch.randn(11, 256, generator=torch.Generator().manual_seed(3))
     b = torch.randn(37, generator=torch.Generator().manual_seed(4))
     ref = qblocks.linear(x, w, b)
-    for start, m in ((0, 1), (3, 1), (2, 5), (4, 7), (0, 11)):
+    for start, m in ((0, 1), (3, 1), (2, 2), (2, 5), (4, 7), (0, 11)):
         assert torch.equal(qblocks.linear(x[start:start + m].clone(), w, b), ref[start:start + m])
     before_threads, before_isa = fma.threads(), fma.isa()
     try:
@@ -74,6 +174,9 @@ def test_a_row_gets_the_same_bits_alone_in_any_chunk_on_any_threads_and_isa(fmt)
         for isa in fma.describe().isas:  # generic: the steps as written, one lane at a time
             fma.use_isa(isa)
             assert torch.equal(qblocks.linear(x, w, b), ref), isa
+            with pytest.MonkeyPatch.context() as mp:  # the integer sums by madd where vpdpwssd would run
+                mp.setenv("SWARM_VNNI", "0")
+                assert torch.equal(qblocks.linear(x, w, b), ref), (isa, "no vnni")
     finally:
         fma.set_threads(before_threads)
         fma.use_isa(before_isa)

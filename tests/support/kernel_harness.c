@@ -94,26 +94,31 @@ int main(int argc, char **argv) {
         emit(out, T * H * Dh);
         free(q), free(k), free(v), free(out), free(kb), free(vb);
     }
-    /* block formats: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, random bytes with finite scales */
+    /* block formats: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, random bytes with finite scales; a decode row, a verify
+     * chunk and a prefill block; x with a zero block and a NaN (rounded to 0) */
     static const int qbytes[] = {34, 18, 20, 144, 210}, qblock[] = {32, 32, 32, 256, 256};
-    for (int f = 0; f < 5; f++) {
-        const int64_t M = f % 2 ? 5 : 1, K = 512, N = 38, blocks = K / qblock[f], ldw = blocks * qbytes[f];
-        float *x = floats(M * K), *b = floats(N), *out = floats(M * N);
-        uint8_t *w = bytes(N * ldw);
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t j = 0; j < blocks; j++) {
-                uint8_t *blk = w + n * ldw + j * qbytes[f];
-                if (f == 4) {
-                    fix_half(blk + 208);
-                } else {
-                    fix_half(blk);
-                    if (f == 2 || f == 3) fix_half(blk + 2);
+    static const int64_t qrows[] = {1, 5, 9};
+    for (int f = 0; f < 5; f++)
+        for (int r = 0; r < 3; r++) {
+            const int64_t M = qrows[r], K = 512, N = 38, blocks = K / qblock[f], ldw = blocks * qbytes[f];
+            float *x = floats(M * K), *b = floats(N), *out = floats(M * N);
+            uint8_t *w = bytes(N * ldw);
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t j = 0; j < blocks; j++) {
+                    uint8_t *blk = w + n * ldw + j * qbytes[f];
+                    if (f == 4) {
+                        fix_half(blk + 208);
+                    } else {
+                        fix_half(blk);
+                        if (f == 2 || f == 3) fix_half(blk + 2);
+                    }
                 }
-            }
-        if (swarm_qlinear(f, x, M, K, K, w, N, ldw, f % 2 ? b : 0, out, N, 1 + f % 2)) return 3;
-        emit(out, M * N);
-        free(x), free(b), free(out), free(w);
-    }
+            for (int64_t i = 32; i < 64; i++) x[(M - 1) * K + i] = 0.0f;
+            x[(M - 1) * K + 100] = __builtin_nanf("");
+            if (swarm_qlinear(f, x, M, K, K, w, N, ldw, (f + r) % 2 ? b : 0, out, N, 1 + r % 2)) return 3;
+            emit(out, M * N);
+            free(x), free(b), free(out), free(w);
+        }
     float *x = floats(21 * 41), *w = floats(41), *out = floats(21 * 41);
     swarm_rmsnorm(x, 21, 41, w, 1e-5f, out);
     emit(out, 21 * 41);

@@ -14,8 +14,9 @@ decoding of ``--new-tokens`` tokens with EOS ignored, and one short warm-up requ
   decode speed is the coordinator's ``tokens_per_s`` (after the first token).
 
 Ratios are swarm over llama.cpp (below 1: swarm is slower). ``same_text`` is a sanity check, not a
-promise: llama.cpp rounds activations to 8 bits in its quantized dot products and swarm computes on
-weights expanded to float32, so two near-equal logits can pick different tokens. The JSON also holds the GGUF's tensor
+promise: llama.cpp rounds activations to 8 bits in its quantized dot products and swarm to 16 (or,
+without ``--quantize``, computes on weights expanded to float32), so two near-equal logits can pick
+different tokens. The JSON also holds the GGUF's tensor
 bytes of the layers (``blk.*``), the stage's held weight bytes when its READY line names them (else
 null), the CPU and its widest vector unit. Prints one JSON object.
 

@@ -32,20 +32,20 @@ static void ATT(pv_block)(int hr, int dv, const float *e, int64_t lde, const KV_
 typedef struct {
     const float *q;
     const KV_T *k, *v;
-    float *out, *kt;     /* kt: the call's key blocks transposed, (Hkv, nblk, Dh, SWARM_KB) */
+    float *out, *kt;     /* kt: the call's key blocks transposed, (Hkv, nblk, Dh, SWARM_KB); NULL: each task
+                          * transposes its kv head's blocks itself, one at a time (a decode step's few rows) */
     int64_t T, H, Dh, ldq, Hkv, ldkv, pos0, window, nhb, b0, nblk, nkeys;
     float scale;
+    float *own;          /* with kt NULL: a block of Dh x SWARM_KB per head block */
     const int64_t *h0s;  /* head blocks: first head and count, at most 3 heads of one kv head */
     const int *hrs;
 } ATT(attention_ctx);
 
-/* Key block b0 + (i % nblk) of kv head i / nblk, transposed into kt; keys past nkeys are +0. A copy:
+/* Key block b0 + blk of kv head g, transposed into dst (Dh x SWARM_KB); keys past nkeys are +0. A copy:
  * no arithmetic, so its order is free. */
-static void ATT(transpose_task)(const void *c_, int64_t i) {
-    const ATT(attention_ctx) *c = c_;
-    const int64_t g = i / c->nblk, kb0 = (c->b0 + i % c->nblk) * SWARM_KB, Dh = c->Dh;
+static void ATT(transpose_block)(const ATT(attention_ctx) *c, int64_t g, int64_t blk, float *dst) {
+    const int64_t kb0 = (c->b0 + blk) * SWARM_KB, Dh = c->Dh;
     const KV_T *src = c->k + g * Dh;
-    float *dst = c->kt + i * Dh * SWARM_KB;
     for (int64_t j0 = 0; j0 < SWARM_KB; j0 += 8) {
         int64_t d0 = 0;
 #if (defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)) && KV_FLOAT
@@ -76,6 +76,11 @@ static void ATT(transpose_task)(const void *c_, int64_t i) {
     }
 }
 
+static void ATT(transpose_task)(const void *c_, int64_t i) {
+    const ATT(attention_ctx) *c = c_;
+    ATT(transpose_block)(c, i / c->nblk, i % c->nblk, c->kt + i * c->Dh * SWARM_KB);
+}
+
 /* Query rows [t0, t0 + SWARM_RB) and one head block: the online softmax over fixed key blocks. */
 static void ATT(attention_task)(const void *c_, int64_t i) {
     const ATT(attention_ctx) *c = c_;
@@ -84,15 +89,20 @@ static void ATT(attention_task)(const void *c_, int64_t i) {
     const int hr = c->hrs[hb], nr = (int)(t1 - t0);
     const int64_t g = h0 / (c->H / c->Hkv), d8 = Dh & ~(int64_t)7;
     const KV_T *vg_ = c->v + g * Dh;
-    const float *ktg = c->kt + g * c->nblk * Dh * SWARM_KB;
+    const float *ktg = c->kt ? c->kt + g * c->nblk * Dh * SWARM_KB : 0;
     float acc[SWARM_RB * 3 * Dh], m[SWARM_RB * 3], l[SWARM_RB * 3], s[3 * SWARM_KB], alpha[3];
+    float *own = c->kt ? 0 : c->own + (i % c->nhb) * Dh * SWARM_KB;  /* this task's block, L1-sized */
     for (int64_t x = 0; x < nr * 3 * Dh; x++) acc[x] = 0.0f;
     for (int x = 0; x < nr * 3; x++) m[x] = -INFINITY, l[x] = 0.0f;
     const int64_t plast = c->pos0 + t1 - 1, pfirst = c->pos0 + t0;
     const int64_t lofirst = c->window > 0 && pfirst - c->window + 1 > 0 ? pfirst - c->window + 1 : 0;
     const v8 sc = v8_set1(c->scale);
     for (int64_t kb0 = lofirst / SWARM_KB * SWARM_KB; kb0 <= plast; kb0 += SWARM_KB) {
-        const float *kt = ktg + (kb0 / SWARM_KB - c->b0) * Dh * SWARM_KB;
+        const float *kt = own;
+        if (own)
+            ATT(transpose_block)(c, g, kb0 / SWARM_KB - c->b0, own);
+        else
+            kt = ktg + (kb0 / SWARM_KB - c->b0) * Dh * SWARM_KB;
         for (int r = 0; r < nr; r++) {
             const int64_t p = pfirst + r;
             const int64_t lo = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
@@ -162,13 +172,17 @@ static int ATT(attention)(const float *q, int64_t T, int64_t H, int64_t Dh, int6
     }
     const int64_t lo0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
     const int64_t b0 = lo0 / SWARM_KB, nblk = (pos0 + T - 1) / SWARM_KB - b0 + 1;
-    float *kt = malloc((size_t)(Hkv * nblk * Dh * SWARM_KB) * sizeof(float));
-    if (!kt) return -1;
-    const ATT(attention_ctx) c = {q, k, v, out, kt, T, H, Dh, ldq, Hkv, ldkv, pos0, window, nhb, b0, nblk,
-                             pos0 + T, scale, h0s, hrs};
-    swarm_parallel_for(threads, ATT(transpose_task), &c, Hkv * nblk);
+    /* one task per kv head (a decode step or a short chunk, heads of a kv head in one block): each task
+     * transposes its keys a block at a time, in L1; else every block once, up front, for all tasks */
+    const int per_task = T <= SWARM_RB && nhb == Hkv;
+    const int64_t floats = per_task ? nhb * Dh * SWARM_KB : Hkv * nblk * Dh * SWARM_KB;
+    float *buf = malloc((size_t)floats * sizeof(float));
+    if (!buf) return -1;
+    const ATT(attention_ctx) c = {q, k, v, out, per_task ? 0 : buf, T, H, Dh, ldq, Hkv, ldkv, pos0, window, nhb, b0,
+                             nblk, pos0 + T, scale, per_task ? buf : 0, h0s, hrs};
+    if (!per_task) swarm_parallel_for(threads, ATT(transpose_task), &c, Hkv * nblk);
     swarm_parallel_for(threads, ATT(attention_task), &c, nhb * ((T + SWARM_RB - 1) / SWARM_RB));
-    free(kt);
+    free(buf);
     return 0;
 }
 

@@ -214,7 +214,8 @@ AI void q_block_ints(const int F, const uint8_t *row, int64_t b, int8_t w[32], f
     }
 }
 
-/* ---- Any ISA (the definition as written; NEON and plain C run it): per column, a few rows at a time. */
+#if !defined(SWARM_ISA_AVX2) && !defined(SWARM_ISA_AVX512)
+/* ---- NEON and plain C: the definition as written, per column, a few rows at a time. */
 #define Q_RT 4  /* rows per pass of the portable path (order of work only) */
 
 static void q_cols_portable(const int F, const qlinear_ctx *c, int64_t n0, int64_t n1) {
@@ -249,6 +250,7 @@ static void q_cols_portable(const int F, const qlinear_ctx *c, int64_t n0, int64
             }
         }
 }
+#endif
 
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
 /* ---- x86: block b of a column as 32 signed bytes in k order (offsets applied), its scales and minimum. */

@@ -4,8 +4,11 @@ Owns: ``BatchedNoiseTransport`` (libp2p's Noise XX transport whose sessions encr
 into consecutive Noise messages and send them in one socket write, and read the socket in large
 blocks, decrypting every complete message buffered) and ``BulkYamuxStream`` (libp2p's Yamux
 stream sending DATA frames of up to ``BULK_FRAME_BYTES`` within the peer's window, instead of one
-frame per 64 KiB; ``bulk_stream`` re-types a stream). ``open_host`` uses the transport for every
-connection and ``SwarmHost`` the stream class for every stream it opens or accepts.
+frame per 64 KiB, and returning receive credit once per half window, not per read;
+``bulk_stream`` re-types a stream), and ``QuickLock`` (the per-frame locks of libp2p's stream,
+connection and TCP socket, taken without a pass through trio's scheduler when free).
+``open_host`` uses the transport for every connection and ``SwarmHost`` the stream class for
+every stream it opens or accepts.
 
 Nothing about the protocols changes, so either end may be a stock libp2p:
 
@@ -21,7 +24,8 @@ Nothing about the protocols changes, so either end may be a stock libp2p:
 Measured on loopback (two processes, 2 cores): see ``bench/transport.py``.
 
 Pinned to libp2p 0.8.1 (``check_version``): the subclasses rely on its internals (the Noise
-read-writer's ``read_writer``/``noise_state``, the Yamux stream's window fields and locks), which
+read-writer's ``read_writer``/``noise_state``, the Yamux stream's window fields and locks, the
+attributes holding the locks of the net stream, the Yamux connection and ``TrioTCPStream``), which
 ``tests/transport/test_dataplane.py`` exercises against stock peers of the same version.
 May import: stdlib, trio, libp2p.
 """
@@ -29,10 +33,13 @@ May import: stdlib, trio, libp2p.
 from __future__ import annotations
 
 import logging
+import struct
 from importlib.metadata import version
 
 import trio
 from libp2p.io.exceptions import IncompleteReadError
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.security.secure_session import SecureSession
@@ -56,6 +63,7 @@ WINDOW_POLL_S = 0.001
 WINDOW_WAIT_S = 5.0
 """A writer whose window stays empty this long fails (as libp2p's own)."""
 _LEN = 2  # bytes of a Noise message's length prefix
+_DATA_HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
 
 
 def check_version() -> None:
@@ -81,6 +89,9 @@ class BatchedNoiseReadWriter(NoiseTransportReadWriter):
         super().__init__(conn, noise_state)
         self._raw = conn
         self._inbuf = bytearray()
+        inner = getattr(conn, "stream", None)
+        if type(conn) is RawConnection and type(inner) is TrioTCPStream:  # libp2p's TCP: its socket locks
+            quicken(inner, "read_lock", "write_lock")
 
     async def write_msg(self, msg: bytes, prefix_encoded: bool = False) -> None:
         if prefix_encoded:  # handshake-only framing; never used once the session is up
@@ -149,10 +160,12 @@ class BulkYamuxStream(YamuxStream):
     may grow), not after every read; otherwise libp2p's."""
 
     async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
-        # libp2p 0.8.1's own, less its PY_YAMUX_RELEASE_ON_READ branch (on by default), which sends
-        # a WINDOW_UPDATE after every read: two more Noise messages and socket writes per decode
-        # frame. Credit still returns once it reaches the threshold (half the target window), so a
-        # writer blocked on a full window always gets it: everything it sent has been read then.
+        # libp2p 0.8.1's own, less two branches that return credit after every read: the one of
+        # PY_YAMUX_RELEASE_ON_READ (on by default), and the one for a consumed amount still below
+        # the threshold (it made every decode-sized frame cost a WINDOW_UPDATE frame: one more
+        # Noise message and socket write per frame, and a wakeup of the peer to read it). Credit
+        # still returns once it reaches the threshold (half the target window), so a writer blocked
+        # on a full window always gets it: everything it sent has been read by then.
         total_delta = 0
         async with self.window_lock:
             if bytes_read > 0:
@@ -169,17 +182,12 @@ class BulkYamuxStream(YamuxStream):
                 total_delta = pending
                 self._pending_recv_release = 0
                 total_delta += self._apply_autotune_epoch(buffered)
-            elif 0 < delta < threshold and bytes_read > 0:
-                self.recv_window += delta + bytes_read
-                total_delta = delta + bytes_read
-                self._pending_recv_release -= bytes_read
-                total_delta += self._apply_autotune_epoch(buffered)
         if total_delta > 0:
             await self.send_window_update(total_delta, skip_lock=True)
 
     async def write(self, data: bytes) -> None:
-        import struct
-
+        # libp2p's also holds the stream's rw_lock (writer side) around taking the window: a lock
+        # between writers of one stream, which FramedStream's send lock already is
         if self.send_closed:
             raise MuxedStreamError("Stream is closed for sending")
         view = memoryview(data)
@@ -188,33 +196,97 @@ class BulkYamuxStream(YamuxStream):
             frame = None
             with trio.move_on_after(WINDOW_WAIT_S) as waited:
                 while frame is None:
-                    async with self.rw_lock.write_lock():
+                    async with self.window_lock:
                         if self.send_closed:
                             raise MuxedStreamError("Stream is closed for sending")
-                        async with self.window_lock:
-                            if self.closed:
-                                raise MuxedStreamError("Stream is closed")
-                            if self.send_window > 0:
-                                n = min(self.send_window, BULK_FRAME_BYTES, total - sent)
-                                self.send_window -= n
-                                frame = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, self.stream_id, n) \
-                                    + view[sent:sent + n].tobytes()
+                        if self.closed:
+                            raise MuxedStreamError("Stream is closed")
+                        if self.send_window > 0:
+                            n = min(self.send_window, BULK_FRAME_BYTES, total - sent)
+                            self.send_window -= n
+                            frame = _DATA_HEADER.pack(0, TYPE_DATA, 0, self.stream_id, n) + view[sent:sent + n]
                     if frame is None:
                         self._zero_window_waits += 1
                         await trio.sleep(WINDOW_POLL_S)
             if waited.cancelled_caught:
                 raise MuxedStreamError(f"Timed out waiting for window update after {WINDOW_WAIT_S:g} seconds.")
-            await self.conn._write_frame(frame)
+            await _write_frame(self.conn, frame)
             sent += len(frame) - HEADER_SIZE
+
+
+async def _write_frame(conn, frame: bytes) -> None:
+    """libp2p's ``Yamux._write_frame`` (whole frames on the connection, one at a time, under its
+    write lock), less the header it decodes for a debug line and its trailing checkpoint (the
+    socket write has just passed through trio's scheduler)."""
+    async with conn._write_lock:
+        await conn.secured_conn.write(frame)
+
+
+class QuickLock:
+    """A trio Lock that ``async with`` takes without a pass through trio's scheduler when it is
+    free; waited for as before when it is held. Wraps the lock (its state stays in it).
+
+    libp2p 0.8.1 takes a trio Lock around most steps of a frame (the stream's state, its window,
+    the connection's stream table and writes, the TCP socket's reads and writes), each around a
+    few statements, and trio's ``Lock.acquire`` always yields to the scheduler (about 5 us, with
+    an epoll call, each time): a dozen passes per frame and side. Mutual exclusion is the same,
+    and so is cancellation: a cancelled caller raises ``Cancelled`` before taking it (a send must
+    stop before Noise encrypts, or the nonces of the two ends part); only the cancel-shielded
+    checkpoint after taking a free lock is dropped.
+    """
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: trio.Lock) -> None:
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        # trio's Lock.acquire, less the cancel-shielded checkpoint after taking a free lock
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.lock.release()
+
+    async def acquire(self) -> None:
+        await self.__aenter__()
+
+    def acquire_nowait(self) -> None:
+        self.lock.acquire_nowait()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def locked(self) -> bool:
+        return self.lock.locked()
+
+    def statistics(self):
+        return self.lock.statistics()
+
+
+def quicken(obj, *names: str) -> None:
+    """Replace the trio Locks ``obj.<name>`` by ``QuickLock`` wrappers around them (idempotent)."""
+    for name in names:
+        lock = getattr(obj, name, None)
+        if type(lock) is trio.Lock:
+            setattr(obj, name, QuickLock(lock))
 
 
 def bulk_stream(net_stream):
     """Make the Yamux stream under a libp2p net stream a ``BulkYamuxStream`` and return the net
     stream. libp2p 0.8.1 builds every Yamux connection with its own class (its muxer selector
     ignores the class a host is given), so the streams swarm reads and writes are re-typed one by
-    one as ``SwarmHost`` opens or accepts them: the subclass adds a method and no state, and any
-    other stream (a DHT or identify stream, or another muxer's) is left as it is."""
+    one as ``SwarmHost`` opens or accepts them: the subclass adds methods and no state, and any
+    other stream (a DHT or identify stream, or another muxer's) is left as it is. The locks that
+    the net stream, the Yamux stream and its connection take per frame become ``QuickLock``s."""
     muxed = getattr(net_stream, "muxed_stream", None)
     if type(muxed) is YamuxStream:
         muxed.__class__ = BulkYamuxStream
+    if type(muxed) is BulkYamuxStream:
+        quicken(net_stream, "_state_lock")
+        quicken(muxed, "window_lock")
+        quicken(muxed.conn, "streams_lock", "_write_lock")
     return net_stream

@@ -217,11 +217,18 @@ def test_a_corrupted_block_at_one_stage_is_recomputed_and_the_ids_stay_exact(syn
 
     async def corrupt(conversation, turn, servers):
         if turn == 1:  # before the second turn: one value of block 1 flips in the middle stage's memory
-            while servers[1].reuse.storing:  # the first turn's blocks are being kept
-                await trio.sleep(0.01)
             blocks = servers[1].prefix._blocks
-            second = next(b for b in blocks.values() if b.parent in blocks and blocks[b.parent].parent not in blocks)
-            second.keys[0, 0, 0, 0] += 1e-9
+
+            def second_block():
+                return next((b for b in blocks.values() if b.parent in blocks and blocks[b.parent].parent not in blocks),
+                            None)
+
+            # the first turn's blocks are kept once the stage has read the coordinator's close, which
+            # may still be on its way when decode returns (the coordinator does not wait for close_ok)
+            with trio.fail_after(10):
+                while servers[1].sessions or servers[1].reuse.storing or second_block() is None:
+                    await trio.sleep(0.01)
+            second_block().keys[0, 0, 0, 0] += 1e-9
 
     [(resumed, cached)], servers = converse(model, tmp_path / "b", turns=TURNS[:3], on_turn=corrupt)
     assert resumed == fresh

@@ -646,10 +646,21 @@ class Scheduler:
         """Tail: the token after each of the rows at ``[pos, pos + T)``: argmax, or sampled keyed by
         (seed, that position)."""
         if sess.sampling is None:
-            return logits[0].argmax(dim=-1).tolist()
+            return greedy_ids(logits)
         from swarm.model.sampling import sample
 
         return [sample(logits[0, i], pos + i + 1, sess.sampling) for i in range(logits.shape[1])]
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """The argmax id of each row of (1, T, V) logits: the first of the largest values, a NaN
+    counting as the largest, as ``torch.argmax``. On the CPU numpy's: the same index, faster on the
+    tail's path of every token (SmolLM2's 49,152-wide row right after its step: 0.10 vs 0.14 ms;
+    a warm verify chunk of 4 rows: 0.02 vs 0.25 ms)."""
+    rows = logits[0]
+    if rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float64) and not rows.requires_grad:
+        return rows.numpy().argmax(axis=-1).tolist()
+    return rows.argmax(dim=-1).tolist()
 
 
 def overtakes(rows: int, slice_left: int) -> bool:

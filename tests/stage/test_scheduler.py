@@ -13,7 +13,7 @@ from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
 from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_MIN_S, DUE_SLACK_S, FIRST_GAP_S,
                                    MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
-                                   long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows)
+                                   greedy_ids, long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows)
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
 
@@ -113,3 +113,27 @@ def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):
 def test_chunk_input_refuses_before_decoding(msg, sess, reason):
     with pytest.raises(ProtocolError, match=reason):
         chunk_input(msg, sess, block=None)
+
+
+def test_greedy_ids_pick_what_torch_argmax_picks():
+    # ties (the first), NaN (counts as the largest: the first NaN), +-inf, rows all -inf, float64,
+    # one row and a verify chunk's several, inference tensors
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        rows = 1 + trial % 5
+        x = torch.randn(1, rows, 257, generator=g, dtype=torch.float64 if trial % 3 == 0 else torch.float32)
+        if trial % 4 == 0:
+            x[0, :, 7] = x[0, :, 200] = x.max() + 1  # a tie
+        if trial % 6 == 0:
+            x[0, 0, 90] = x[0, 0, 30] = float("nan")
+        if trial % 9 == 0:
+            x[0, -1] = float("-inf")
+        if trial % 10 == 0:
+            x[0, 0, 3] = x[0, 0, 250] = float("inf")
+        with torch.inference_mode():
+            got = greedy_ids(x * 1)
+        want = x[0].argmax(dim=-1).tolist()
+        assert got == want and all(type(i) is int for i in got), (trial, got, want)
+    assert greedy_ids(torch.tensor([[[0.0, 2.0, 1.0]]], dtype=torch.bfloat16)) == [1]  # other dtypes: torch's

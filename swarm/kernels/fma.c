@@ -59,7 +59,10 @@
  * Work is cut into tasks whose outputs do not overlap (columns of a GEMM, query rows and heads of
  * attention), and every output element is computed by the same code whichever thread takes its
  * task, so the number of threads never changes a bit. One dispatch at a time: a caller that finds
- * the pool busy (another thread of the process is in a kernel) runs its tasks itself. */
+ * the pool busy (another thread of the process is in a kernel) runs its tasks itself. The caller takes
+ * tasks too and waits only for workers that joined before it ran out of tasks: a worker the OS has not
+ * scheduled yet (another process on the core) finds the dispatch closed and skips it, so a busy core
+ * slows a call by the tasks it ran, never by a wake-up. */
 #define SWARM_MAX_THREADS 64
 #define SWARM_SPIN 4000  /* pause loops a worker spins on before it sleeps (~50-150 us): decode steps come fast */
 
@@ -71,7 +74,8 @@ static struct {
     unsigned long seen0[SWARM_MAX_THREADS];
     atomic_ulong gen;               /* bumped once per dispatch */
     atomic_llong next;              /* the next task index to take */
-    atomic_int running;             /* workers of this dispatch still busy */
+    atomic_int running;             /* workers inside a dispatch (joined, not yet left) */
+    atomic_ulong closed;            /* the last dispatch whose caller ran out of tasks: late workers skip it */
     swarm_task_fn fn;
     const void *ctx;
     int64_t ntasks;
@@ -100,7 +104,9 @@ static void *worker_main(void *arg) {
         }
         seen = g;
         if (id > pool.want) continue;
-        run_tasks(pool.fn, pool.ctx, pool.ntasks);
+        atomic_fetch_add(&pool.running, 1);
+        /* joined: the caller now waits for this worker, unless the dispatch closed or a newer one began */
+        if (atomic_load(&pool.gen) == g && atomic_load(&pool.closed) != g) run_tasks(pool.fn, pool.ctx, pool.ntasks);
         if (atomic_fetch_sub(&pool.running, 1) == 1) {
             pthread_mutex_lock(&pool.mu);
             pthread_cond_signal(&pool.done);
@@ -142,11 +148,11 @@ void swarm_parallel_for(int threads, swarm_task_fn fn, const void *ctx, int64_t 
     pool.ntasks = ntasks;
     pool.want = want;
     atomic_store(&pool.next, 0);
-    atomic_store(&pool.running, want);
-    atomic_fetch_add(&pool.gen, 1);
+    const unsigned long g = atomic_fetch_add(&pool.gen, 1) + 1;
     pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
     run_tasks(fn, ctx, ntasks);
+    atomic_store(&pool.closed, g);  /* every task taken: wait only for workers already inside */
     for (int spins = 0; atomic_load(&pool.running) != 0 && spins < SWARM_SPIN; spins++) cpu_relax();
     pthread_mutex_lock(&pool.mu);
     while (atomic_load(&pool.running) != 0) pthread_cond_wait(&pool.done, &pool.mu);

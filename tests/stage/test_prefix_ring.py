@@ -125,7 +125,9 @@ def test_resumed_equals_fresh_over_five_turns(synthetic, tmp_path, family, monke
     kv.clear()
     [(resumed, cached)], servers = converse(model, tmp_path / "b")
     assert resumed == fresh
-    assert len(kv) == 15 and kv == kv_fresh  # every stage's KV rows at the end of every turn: the same bits
+    # every stage's KV rows at the end of every turn: the same bits (the stages' close frames may arrive in
+    # either order, so the records are compared as sets of (span, kv_len, digest))
+    assert len(kv) == 15 and sorted(kv) == sorted(kv_fresh)
     assert fresh_cached == [0] * 5
     assert cached == _expected_min_cached(TURNS, fresh), cached
     for s in servers:

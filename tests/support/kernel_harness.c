@@ -8,20 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "../../swarm/kernels/fma_common.h"  /* the kernels' public entry points */
+
 int swarm_use_isa(int i);
-void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
-                  const float *bias, float *out, int64_t ldo, int threads);
-void swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
-                       const float *bias, float *out, int64_t ldo, int threads);
-int swarm_attention(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const float *k, const float *v,
-                    int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale, float *out, int threads);
-int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const uint16_t *k,
-                         const uint16_t *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
-                         float *out, int threads);
-int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                  int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
-void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
-void swarm_silu(const float *x, int64_t n, float *out);
 
 static uint32_t state = 2463534242u;
 

@@ -20,7 +20,7 @@ rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-t
 and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
 
 The choice of a step's rows is pure (:func:`pick_rows`, :func:`decoder_due`, :func:`ride_rows`,
-:func:`overtakes`, :func:`prompt_ends`, :func:`long_chunk_shares`); the
+:func:`overtakes`, :func:`prompt_ends`, :func:`long_chunk_shares`, :func:`stale_needed`); the
 :class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
 config, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
 chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
@@ -358,7 +358,7 @@ class Scheduler:
         """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
         sess, job, *_, steps = self._suspended
         if self.sessions.get(sess.session_id) is not sess or not sess.queue or sess.queue[0] is not job \
-                or job.msg["epoch"] < sess.epoch:
+                or job.msg["epoch"] < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
             self._suspended = None
             steps.close()  # its cache rolls back to before the slice
             return True
@@ -520,7 +520,7 @@ class Scheduler:
                 except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
                     log.exception("receipt.failed session=%s", sess.session_id)
                     self._fail(sess, f"cannot sign the receipt: {exc}")
-            elif job.msg["epoch"] < sess.epoch:
+            elif job.msg["epoch"] < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
                 sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:
                 return job
@@ -669,6 +669,20 @@ def overtakes(rows: int, slice_left: int) -> bool:
     a decode/verify chunk always, a long one with fewer positions (the one :func:`pick_rows` would
     take first)."""
     return rows <= BATCH_CHUNK_MAX or rows < slice_left
+
+
+def stale_needed(queue: Iterable[Job], epoch: int, kv_len: int) -> bool:
+    """Whether the chunks of epochs before ``epoch`` at the front of a session's ``queue`` must still
+    be computed: its first chunk of ``epoch`` starts past ``kv_len`` (the cache's end), so it builds
+    on their positions. A ring stage's stale chunks are never needed (the coordinator rolls back only
+    to positions every stage computed); a stage fed copies of what another stage computed is: a
+    shadow lagging behind the stage it shadows, whose chunks speculation rolled back after that
+    stage had computed them, or a promoted shadow whose heal's first frame follows mirrored frames
+    still queued. False while no chunk of ``epoch`` is queued (a ``cancel`` ran ahead of it)."""
+    for job in queue:
+        if job.x is not None and job.msg["epoch"] >= epoch:
+            return job.msg["pos"] > kv_len
+    return False
 
 
 def prompt_ends(msg: dict, rows: int) -> bool:

@@ -13,7 +13,9 @@ from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
 from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_MIN_S, DUE_SLACK_S, FIRST_GAP_S,
                                    MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
-                                   greedy_ids, long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows)
+                                   greedy_ids, long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows,
+                                   stale_needed)
+from swarm.stage.session import Job
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
 
@@ -98,6 +100,29 @@ def test_overtakes(rows, left, pauses):
 ])
 def test_prompt_ends(msg, rows, ends):
     assert prompt_ends(msg, rows) is ends
+
+
+def _jobs(*chunks):
+    """Queued jobs from (epoch, pos) pairs; None: a receipt request."""
+    return [Job({"type": "receipt"}) if c is None else Job({"type": "refill", "epoch": c[0], "pos": c[1]}, x=1)
+            for c in chunks]
+
+
+@pytest.mark.parametrize("queue, epoch, kv_len, needed", [
+    # a ring stage after a cancel or a rejected draft: the new epoch's chunk starts within the cache
+    (_jobs((0, 15), (1, 13)), 1, 15, False),
+    (_jobs((0, 15), (0, 18), (1, 15)), 1, 15, False),  # exactly at the cache's end: not needed either
+    (_jobs((0, 15)), 1, 15, False),  # a cancel ran ahead of the new epoch's chunk: dropped
+    # a lagging shadow: its stage computed [15, 18) before the draft after it was rejected at 16
+    (_jobs((0, 15), (1, 16)), 1, 15, True),
+    (_jobs((0, 12), (0, 15), (1, 16)), 1, 12, True),  # two stale chunks, both needed in turn
+    (_jobs((0, 15), None, (2, 18)), 2, 15, True),  # receipt requests in between are skipped over
+    # a promoted shadow: the heal's epoch starts at 18, where the mirrored frames queued end
+    (_jobs((3, 15), (4, 18)), 4, 15, True),
+    (_jobs((3, 15), (4, 18)), 4, 18, False),
+])
+def test_stale_needed(queue, epoch, kv_len, needed):
+    assert stale_needed(deque(queue), epoch, kv_len) is needed
 
 
 def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):

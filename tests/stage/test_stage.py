@@ -528,3 +528,46 @@ def test_a_successor_stream_that_fails_mid_answer_gets_the_successor_replaced(mo
         assert got == reference_greedy(model, PROMPT, 8, "float64") and took < 10, (got, took)
     else:
         assert isinstance(got, NoSpare) and "[2, 4)" in str(got) and "cut off" in str(got) and took < 10, (got, took)
+
+
+def test_a_lagging_shadow_computes_the_rolled_back_chunks_the_next_one_builds_on(model, tmp_path):
+    """A shadow is sent copies of what its stage computed, at the ring's pace. When it lags, a chunk
+    of speculation that the ring rolled back (after its stage had computed it) may still be queued
+    there as the next epoch's chunk arrives, starting inside it: the shadow computes it rather than
+    dropping it as stale (which left a gap and failed the session), and holds the same bits as a
+    session fed only what was kept."""
+    held = object()
+
+    async def until(cond, what):
+        with trio.move_on_after(20):
+            while not cond():
+                await trio.sleep(0.005)
+        assert cond(), f"not {what} within 20 s"
+
+    async def body(spec, servers, host):
+        server = servers[0]
+        s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
+        for sid in ("lagging", "kept"):
+            await s.send(wire.open_frame(host.key_pair, sid, None, 32, shadow=True))
+            assert (await s.recv(timeout_s=10))["type"] == "open_ok"
+        lagging = server.sessions["lagging"]
+        await server.scheduler.limiter.acquire_on_behalf_of(held)  # the shadow's compute lags
+        await s.send(wire.frame("refill", session="lagging", epoch=0, pos=0, until=4, tokens=PROMPT))
+        await until(lambda: server.scheduler.in_flight == 1, "the prompt picked")
+        n = len(PROMPT)
+        # its stage computed [n, n + 3), the coordinator kept one token of it and moved to epoch 1
+        await s.send(wire.frame("refill", session="lagging", epoch=0, pos=n, until=4, tokens=[4, 5, 6]))
+        await s.send(wire.frame("refill", session="lagging", epoch=1, pos=n + 1, until=4, tokens=[7, 8]))
+        await until(lambda: len(lagging.queue) == 3, "three chunks queued")
+        server.scheduler.limiter.release_on_behalf_of(held)
+        await s.send(wire.frame("refill", session="kept", epoch=0, pos=0, until=4, tokens=PROMPT + [4]))
+        await s.send(wire.frame("refill", session="kept", epoch=0, pos=n + 1, until=4, tokens=[7, 8]))
+        kept = server.sessions["kept"]
+        await until(lambda: not lagging.queue and not kept.queue and not server.scheduler.in_flight, "computed")
+        assert server.sessions.get("lagging") is lagging and lagging.cache.kv_len == kept.cache.kv_len == n + 3
+        for layer, keys in kept.cache._keys.items():
+            assert torch.equal(lagging.cache._keys[layer][:, :n + 3], keys[:, :n + 3]), layer
+            assert torch.equal(lagging.cache._values[layer][:, :n + 3], kept.cache._values[layer][:, :n + 3])
+        return True
+
+    assert run_with_ring(model, [(0, 4)], tmp_path, body)

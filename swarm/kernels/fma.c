@@ -257,7 +257,9 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
 int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
     const swarm_isa *i = current();
-    return (M == 1 && i->one_row ? i->one_row : i)->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+    /* one row in the 32-weight formats: AVX-512's column pairs cost no shuffle there (q_pair32) */
+    const int own = fmt <= 2;
+    return (M == 1 && i->one_row && !own ? i->one_row : i)->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
 }
 
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {

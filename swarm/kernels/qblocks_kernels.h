@@ -386,6 +386,37 @@ AI __m512i dpwssd512(__m512i acc, __m512i a, __m512i b) {
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
 }
+/* Block b of columns na and nb of a 32-weight format (Q8_0, Q4_0, Q4_1): the integers as 16-bit lanes,
+ * [na's k < 16 | nb's k < 16] (*wa) and the same for k >= 16 (*wb); each column's scale over its 8 lanes
+ * (*ca) and, for Q4_1, its minimum (*mw). The values q_w32 gives, in fewer instructions (a decode step is
+ * bound by them): both columns' bytes in one register from the load on (GGML's nibble order puts k < 16 in
+ * the low nibbles), both columns' fp16 fields widened by one vcvtph2ps. */
+AI void q_pair32(const int F, const qlinear_ctx *c, int64_t na, int64_t nb, int64_t b, __m512i *wa, __m512i *wb,
+                 __m512 *ca, __m512 *mw) {
+    const uint8_t *pa = c->w + na * c->ldw + qf_bytes[F] * b, *pb = c->w + nb * c->ldw + qf_bytes[F] * b;
+#define Q_TWO(OFF) _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(pa + (OFF)))), \
+                                           _mm_loadu_si128((const __m128i *)(pb + (OFF))), 1)
+    __m256i lo, hi;
+    if (F == QF_Q8_0) {
+        lo = Q_TWO(2), hi = Q_TWO(18);
+    } else {
+        const __m256i q = Q_TWO(F == QF_Q4_0 ? 2 : 4), m15 = _mm256_set1_epi8(15);
+        lo = _mm256_and_si256(q, m15), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m15);
+        if (F == QF_Q4_0) lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(8)), hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
+    }
+#undef Q_TWO
+    *wa = _mm512_cvtepi8_epi16(lo), *wb = _mm512_cvtepi8_epi16(hi);
+    uint32_t sa, sb;  /* d (and m) at the block's start: Q4_1 [d, m], the others [d, ...] */
+    memcpy(&sa, pa, 4), memcpy(&sb, pb, 4);
+    const __m128i h = F == QF_Q4_1 ? _mm_insert_epi32(_mm_cvtsi32_si128((int)sa), (int)sb, 1)
+                                   : _mm_cvtsi32_si128((int)((sa & 0xffffu) | (sb << 16)));
+    const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(h));  /* Q4_1: da, ma, db, mb; else da, db */
+    const int j = F == QF_Q4_1 ? 2 : 1;
+    *ca = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, j, j, j, j, j, j, j, j), f);
+    *mw = F == QF_Q4_1 ? _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), f)
+                       : _mm512_setzero_ps();
+}
+
 AI void q_tile(const int F, const int V, const int MR, const int NC, const qlinear_ctx *c, int64_t m, int64_t n,
                const uint8_t *pf) {
     enum { NP = 4 };
@@ -407,14 +438,21 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
         if (pf) q_prefetch(F, c, pf, NC, b);
         for (int k = 0; k < np; k++) {
             const int64_t na = n + 2 * k, nb = 2 * k + 1 < NC ? na + 1 : na;
-            float caa, cba, ma = 0.0f, cab, cbb, mb = 0.0f;
-            const __m256i w0 = q_w32(F, c->w + na * c->ldw, b, &caa, &cba, &ma);
-            const __m256i w1 = q_w32(F, c->w + nb * c->ldw, b, &cab, &cbb, &mb);
-            /* [column a's k < 16 | column b's k < 16] and the same for k >= 16, widened to 16 bits */
-            const __m512i wa = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x20));
-            const __m512i wb = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x31));
-            const __m512 ca = join8(_mm256_set1_ps(caa), _mm256_set1_ps(cab));
-            const __m512 mw = join8(_mm256_set1_ps(ma), _mm256_set1_ps(mb));
+            float cba = 0.0f, cbb = 0.0f;
+            __m512i wa, wb;
+            __m512 ca, mw;
+            if (F == QF_Q8_0 || F == QF_Q4_0 || F == QF_Q4_1) {
+                q_pair32(F, c, na, nb, b, &wa, &wb, &ca, &mw);
+            } else {
+                float caa, ma = 0.0f, cab, mb = 0.0f;
+                const __m256i w0 = q_w32(F, c->w + na * c->ldw, b, &caa, &cba, &ma);
+                const __m256i w1 = q_w32(F, c->w + nb * c->ldw, b, &cab, &cbb, &mb);
+                /* [column a's k < 16 | column b's k < 16] and the same for k >= 16, widened to 16 bits */
+                wa = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x20));
+                wb = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(w0, w1, 0x31));
+                ca = join8(_mm256_set1_ps(caa), _mm256_set1_ps(cab));
+                mw = join8(_mm256_set1_ps(ma), _mm256_set1_ps(mb));
+            }
             for (int r = 0; r < MR; r++) {
                 if (F == QF_Q6_K) {
                     const __m512 cb = join8(_mm256_set1_ps(cba), _mm256_set1_ps(cbb));

@@ -329,11 +329,14 @@ static int q_vnni(void) {
 
 #define Q_PF 2  /* prefetch this many tiles ahead */
 
-/* The bytes at block b's depth of the NC columns from pf (a later tile's, while this one computes: a decode
- * step streams the weights from memory). Order of work only. */
+/* The b-th of K / 32 shares of the NC weight rows from pf (a later tile's, while this one computes: a decode
+ * step streams the weights from memory), a cache line once each, into L2: the rows are one run of bytes,
+ * which a tile reads as NC interleaved streams that the hardware prefetcher follows badly (Q8_0, one row
+ * over 113 MB of weights: 13.5 -> 6.6 ms on an AMD EPYC). Order of work only. */
 AI void q_prefetch(const int F, const qlinear_ctx *c, const uint8_t *pf, const int NC, int64_t b) {
-    const int64_t off = b * qf_bytes[F] * 32 / qf_block[F];
-    for (int k = 0; k < NC; k++) __builtin_prefetch(pf + k * c->ldw + off);
+    (void)F;
+    const int64_t nb = c->K / 32, bytes = NC * c->ldw;
+    for (int64_t o = (b * bytes / nb) & ~(int64_t)63; o < (b + 1) * bytes / nb; o += 64) __builtin_prefetch(pf + o, 0, 2);
 }
 #endif
 

@@ -17,8 +17,9 @@ Ratios are swarm over llama.cpp (below 1: swarm is slower). ``same_text`` is a s
 promise: llama.cpp rounds activations to 8 bits in its quantized dot products and swarm to 16 (or,
 without ``--quantize``, computes on weights expanded to float32), so two near-equal logits can pick
 different tokens. The JSON also holds the GGUF's tensor
-bytes of the layers (``blk.*``), the stage's held weight bytes when its READY line names them (else
-null), the CPU and its widest vector unit. Prints one JSON object.
+bytes of the layers (``blk.*``) and of all its tensors, the stage's held weight bytes (its READY line's
+``weights_bytes``; the stage holds every tensor) and their ratio to all the GGUF's tensors, the CPU and
+its widest vector unit. Prints one JSON object.
 
 ``--make-q8-0 OUT.gguf`` instead writes a Q8_0 GGUF of ``--model`` (each quantized tensor dequantized
 and re-quantized to Q8_0, metadata, tokenizer and float tensors copied), checks that llama.cpp loads it
@@ -57,11 +58,12 @@ TEXT_CHARS = 120  # of each side's generated text in the JSON (``same_text`` com
 HELD_BYTES_KEYS = ("weights_bytes", "loaded_bytes", "held_bytes")  # what a READY line may call them
 
 
-def layer_tensor_bytes(gguf_path: Path) -> int:
-    """Bytes of the GGUF's layer tensors (``blk.*``) as stored in the file (quantized blocks included)."""
+def layer_tensor_bytes(gguf_path: Path, layers_only: bool = True) -> int:
+    """Bytes of the GGUF's layer tensors (``blk.*``; every tensor with ``layers_only`` False) as stored in
+    the file (quantized blocks included)."""
     from gguf import GGUFReader
 
-    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors if t.name.startswith("blk."))
+    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors if not layers_only or t.name.startswith("blk."))
 
 
 def llamacpp_server(gguf_path: Path, threads: int, n_ctx: int):
@@ -231,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                              "decode": round(swarm["decode_tok_s"] / llama["decode_tok_s"], 3),
                              "prefill": round(swarm["prefill_tok_s"] / llama["prefill_tok_s"], 3)},
                          "same_text": same_text})
+    held = next((r["swarm"]["stage_weights_bytes"] for r in runs if r["swarm"]["stage_weights_bytes"]), None)
+    tensor_bytes = layer_tensor_bytes(gguf_path, layers_only=False)
     print(json.dumps({"bench": "vs_llamacpp", "model": str(gguf_path), "layers": model_num_layers(model_dir),
-                      "gguf_layer_tensor_bytes": layer_tensor_bytes(gguf_path), "stage_args": stage_args,
+                      "gguf_layer_tensor_bytes": layer_tensor_bytes(gguf_path), "gguf_tensor_bytes": tensor_bytes,
+                      "stage_weights_bytes": held,  # the stage holds every layer, the embedding and the norm
+                      "held_over_gguf": round(held / tensor_bytes, 3) if held else None, "stage_args": stage_args,
                       "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "prefill_chunk": args.prefill_chunk,
                       "xllamacpp": xllamacpp.__version__, "cpu": cpu_name(), "vector_unit": vector_unit(),
                       "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "runs": runs}, indent=1))

@@ -60,6 +60,7 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
             nursery.start_soon(_run_auditor, server, host)
         ready = {"peer_id": host.peer_id, "addrs": host.addrs(), "layers": b.layer_range.as_list(),
                  "model": server.model_name, "model_digest": server.model_digest, "max_ctx": b.max_ctx,
+                 "weights_bytes": b.loaded_bytes,  # what the block holds (quantized weights as held)
                  "kernels": dict(server.kernels)}  # the kernels it runs after the start-up proof, and why rows
         if relays:
             from swarm.transport.circuit import hold_reservations

@@ -249,7 +249,7 @@ AI void vg_sums(const vg *acc, int ng, float *out) {
             vg xv[SWARM_MR_SMALL];                                                                                \
             for (int r = 0; r < MR; r++) xv[r] = vg_x(x + r * ldx + k);                                           \
             if (pf && (k * (int64_t)sizeof(WT)) % 64 == 0) /* the next rows of w while these compute */          \
-                for (int c = 0; c < SWARM_NG * G; c++) __builtin_prefetch(pf + c * ldw + k);                      \
+                for (int c = 0; c < SWARM_NG * G; c++) __builtin_prefetch(pf + c * ldw + k, 0, 2);                    \
             for (int g = 0; g < NG; g++) {                                                                        \
                 const vg wv = LOADW(w + G * g * ldw + k, (g == NG - 1 ? wlast : w + (G * g + G - 1) * ldw) + k);    \
                 for (int r = 0; r < MR; r++) acc[r][g] = vg_fma(xv[r], wv, acc[r][g]);                            \

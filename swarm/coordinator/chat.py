@@ -1,15 +1,19 @@
-"""Chat prompts to token ids with the model's chat template, message content always literal text.
+"""Chat prompts to token ids with the model's chat template, control text in messages kept literal.
 
-Owns: :func:`encode_chat` and :func:`encode_chat_flag` (its command-line form). A user who types ``<|im_end|>`` into a message must not close their own
-turn and forge others (prompt injection through control tokens): only the template's own markers
-become special tokens; text inside a message is tokenized with special-token matching off. Used by
-``swarm coordinate --chat`` and ``swarm serve``. Works on any transformers tokenizer passed in;
-imports nothing heavy.
+Owns: :func:`encode_chat` and :func:`encode_chat_flag` (its command-line form). A user who types
+``<|im_end|>`` into a message must not close their own turn and forge others (prompt injection
+through control tokens): the template always runs on the messages, and only its own markers (and an
+assistant turn's own reasoning / tool markup) become control tokens; control text a sender typed is
+tokenized with special-token matching off. Used by ``swarm coordinate --chat`` and ``swarm serve``.
+Works on any transformers tokenizer passed in; imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
+import weakref
 
 from swarm.errors import ConfigError
 
@@ -33,38 +37,49 @@ def control_strings(tokenizer) -> list[str]:
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` ({"role", "content"} dicts) rendered by the tokenizer's chat template.
 
-    Content that holds no control-token text is encoded exactly as ``apply_chat_template`` does.
-    Otherwise the template is rendered with a random marker in place of each message's content;
-    the text around the markers (the template's own) is tokenized normally and each content with
-    ``split_special_tokens=True``, so a typed ``<|im_end|>`` stays the characters it is.
+    The template always runs on the messages, so its content rules (Qwen3 dropping the reasoning of
+    earlier assistant turns, trimming, tool-call markup) apply whatever the content holds. Control
+    text the sender may not mean as markup is first swapped for a random placeholder: every control
+    string in a non-assistant message, and in an assistant message every special token's text
+    (``<|im_end|>``: decoding drops it, so the model's own output never holds it as text). An
+    assistant's non-special added tokens (``<think>``, ``<tool_call>``: decoding keeps them as text)
+    stay, so the template sees them and they encode as the tokens the model wrote, as
+    ``apply_chat_template`` does. The rendered text is tokenized around the placeholders, each
+    placeholder's characters with ``split_special_tokens=True``, so a typed ``<|im_end|>`` stays the
+    characters it is. Without such text the result is exactly ``apply_chat_template``'s.
 
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        messages: {"role", "content"} dicts (string content), oldest first.
+        add_generation_prompt: end with the template's opening of an assistant turn.
+    Returns:
+        The prompt's token ids.
     Raises:
         NoChatTemplate: the tokenizer has no chat template.
-        ChatTemplateError: the template alters or repeats a message's content.
+        ChatTemplateError: the template alters a placeholder (changes its case, cuts it), so the
+            control text it stands for cannot be put back safely.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model's tokenizer has no chat template")
-    controls = control_strings(tokenizer)
-    if not any(c in m["content"] for m in messages for c in controls):
+    nonce = secrets.token_hex(8)
+    literal: dict[str, str] = {}  # placeholder -> the characters it stands for
+    held = [_hold_controls(m, _literal_strings(tokenizer, m.get("role")), f"swarm{nonce}c", literal)
+            for m in messages]
+    if not literal:
         return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=True))
-    nonce = secrets.token_hex(8)
-    marks = [f"swarm{nonce}m{i}" for i in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         add_generation_prompt=add_generation_prompt, tokenize=False)
-    where = []
-    for i, mark in enumerate(marks):
-        n = text.count(mark)
-        if n > 1:
-            raise ChatTemplateError(f"the chat template repeats the content of message {i}; cannot encode it safely")
-        if n == 1:
-            where.append((text.index(mark), i))
-    ids, start = [], 0
-    for at, i in sorted(where):
-        ids += _plain(tokenizer, text[start:at])
-        ids += _ids(tokenizer(messages[i]["content"], add_special_tokens=False, split_special_tokens=True))
-        start = at + len(marks[i])
-    return ids + _plain(tokenizer, text[start:])
+    text = tokenizer.apply_chat_template(held, add_generation_prompt=add_generation_prompt, tokenize=False)
+    pieces = re.split("(" + "|".join(map(re.escape, literal)) + ")", text)  # odd entries: placeholders
+    if any(nonce in piece.lower() for piece in pieces[::2]):
+        raise ChatTemplateError("the chat template alters message content around control text; "
+                                "cannot encode it safely")
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            ids += _literal_ids(tokenizer, literal[piece])
+        else:
+            ids += _plain(tokenizer, piece)
+    return ids
 
 
 def encode_chat_flag(tokenizer, messages: list[dict]) -> list[int]:
@@ -85,6 +100,54 @@ def encode_chat_flag(tokenizer, messages: list[dict]) -> list[int]:
         raise ConfigError("--chat was given but this model's tokenizer has no chat template") from None
     except ChatTemplateError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _literal_strings(tokenizer, role) -> list[str]:
+    """The control strings that stay characters in a message of ``role``, longest first (the way the
+    tokenizer matches added tokens): all of them, or in an assistant turn the special ones only."""
+    if role == "assistant":
+        special = {str(getattr(t, "content", t)) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                   if getattr(t, "special", True)}
+        special.update(getattr(tokenizer, "all_special_tokens", []) or [])
+        found = [s for s in special if s]
+    else:
+        found = control_strings(tokenizer)
+    return sorted(found, key=len, reverse=True)
+
+
+def _hold_controls(message: dict, controls: list[str], prefix: str, literal: dict[str, str]) -> dict:
+    """``message`` with each of ``controls`` in its string content swapped for a new placeholder
+    ``prefix<n>x`` (recorded in ``literal``); other content (None, parts) is left as it is."""
+    content = message.get("content")
+    if not isinstance(content, str) or not controls or not any(c in content for c in controls):
+        return message
+
+    def hold(found: re.Match) -> str:
+        mark = f"{prefix}{len(literal)}x"
+        literal[mark] = found.group()
+        return mark
+
+    return {**message, "content": re.sub("|".join(map(re.escape, controls)), hold, content)}
+
+
+_WITHOUT_ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _literal_ids(tokenizer, text: str) -> list[int]:
+    """Ids of ``text`` as characters, no added token matched in it: ``split_special_tokens`` leaves
+    non-special added tokens (Qwen3's ``</think>``) matched, so a fast tokenizer's pipeline is run
+    without its added tokens (built once per tokenizer); a slow one falls back to that flag."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return _ids(tokenizer(text, add_special_tokens=False, split_special_tokens=True))
+    bare = _WITHOUT_ADDED.get(tokenizer)
+    if bare is None:
+        from tokenizers import Tokenizer
+
+        spec = json.loads(backend.to_str())
+        spec["added_tokens"] = []
+        bare = _WITHOUT_ADDED[tokenizer] = Tokenizer.from_str(json.dumps(spec))
+    return list(bare.encode(text, add_special_tokens=False).ids)
 
 
 def _plain(tokenizer, text: str) -> list[int]:

@@ -347,13 +347,38 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
     __m256 acc[4][4];
     for (int r = 0; r < MR; r++)
         for (int k = 0; k < NC; k++) acc[r][k] = _mm256_setzero_ps();
+    const int small = F == QF_Q8_0 || F == QF_Q4_0 || F == QF_Q4_1;  /* 32-weight blocks, fp16 fields first */
     for (int64_t b = 0; b < c->K / 32; b++) {
         if (pf) q_prefetch(F, c, pf, NC, b);
+        __m256 sc = _mm256_setzero_ps();
+        if (small) {  /* the NC columns' first two fp16 fields (d, then m or weights) widened by one vcvtph2ps */
+            uint32_t h[4];
+            for (int k = 0; k < 4; k++) memcpy(&h[k], c->w + (n + (k < NC ? k : NC - 1)) * c->ldw + qf_bytes[F] * b, 4);
+            sc = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
+        }
         for (int k = 0; k < NC; k++) {
-            float ca, cb, mn = 0.0f;
-            const __m256i w = q_w32(F, c->w + (n + k) * c->ldw, b, &ca, &cb, &mn);
-            const __m256i wa = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-            const __m256i wb = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            float ca = 0.0f, cb = 0.0f, mn = 0.0f;
+            __m256i wa, wb;
+            __m256 cv, mv;
+            if (small) {  /* the values q_w32 gives, in fewer instructions (a decode step is bound by them) */
+                const uint8_t *p = c->w + (n + k) * c->ldw + qf_bytes[F] * b;
+                if (F == QF_Q8_0) {
+                    wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 2)));
+                    wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 18)));
+                } else {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(p + (F == QF_Q4_0 ? 2 : 4))), m15 = _mm_set1_epi8(15);
+                    wa = _mm256_cvtepu8_epi16(_mm_and_si128(q, m15));
+                    wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m15));
+                    if (F == QF_Q4_0) wa = _mm256_sub_epi16(wa, _mm256_set1_epi16(8)), wb = _mm256_sub_epi16(wb, _mm256_set1_epi16(8));
+                }
+                cv = _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(2 * k));
+                mv = _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(2 * k + 1));
+            } else {
+                const __m256i w = q_w32(F, c->w + (n + k) * c->ldw, b, &ca, &cb, &mn);
+                wa = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+                wb = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+                cv = _mm256_set1_ps(ca), mv = _mm256_set1_ps(mn);
+            }
             for (int r = 0; r < MR; r++) {
                 const int16_t *xq = qx_q(c, m + r, b);
                 const __m256 dx = _mm256_set1_ps(qx_d(c, m + r, b));
@@ -362,13 +387,13 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
                 if (F == QF_Q6_K) {
                     const __m256 pa = _mm256_cvtepi32_ps(_mm256_madd_epi16(wa, xa));
                     const __m256 pb = _mm256_cvtepi32_ps(_mm256_madd_epi16(wb, xb));
-                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(ca), dx), pa, acc[r][k]);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(cv, dx), pa, acc[r][k]);
                     acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(cb), dx), pb, acc[r][k]);
                 } else {
                     const __m256i p = q_dot16(V, _mm256_madd_epi16(wa, xa), wb, xb);
-                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(ca), dx), _mm256_cvtepi32_ps(p), acc[r][k]);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(cv, dx), _mm256_cvtepi32_ps(p), acc[r][k]);
                 }
-                if (QF_HAS_MIN(F)) acc[r][k] = _mm256_fmadd_ps(_mm256_set1_ps(mn), _mm256_loadu_ps(qx_t(c, m + r, b)), acc[r][k]);
+                if (QF_HAS_MIN(F)) acc[r][k] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(qx_t(c, m + r, b)), acc[r][k]);
             }
         }
     }

@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 0.25  # pause before the one retry of a store or provide a node did not acknowledge
 BOOTSTRAP_REQUESTS = 4  # value requests one reader keeps in flight to the bootstrap nodes
-NETWORK_FALLBACK_S = 1.0  # longest network read of one record its owner did not give us, in seconds
+NETWORK_READ_S = 30.0  # safety bound on a network read of one record, in seconds: the lookup ends itself when it
+# converges (each request bounded by lookup.QUERY_TIMEOUT_S); a bound of 1 s cut reads of records that exist
+# once the bootstrap node was down (4 of 100 at 200 hosts, issue 45)
 GET_ENOUGH = 3  # valid copies a read collects before it stops asking (the highest seq of them wins)
 PEER_CACHE_SIZE = 32  # DHT servers a node remembers for joining when no bootstrap node answers
 JOIN_LOOKUP_S = 10.0  # longest self-lookup a joining node runs to fill its routing table, in seconds
@@ -487,7 +489,7 @@ class SwarmDHT:
                              seeds=[i.peer_id for i in self.bootstrap], on_answer=on_answer)
         return list(found.closest)
 
-    async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = 5.0) -> bytes | None:
+    async def get_value(self, key: str, *, enough: int = GET_ENOUGH, timeout_s: float = NETWORK_READ_S) -> bytes | None:
         """The best valid value of ``key``: asked of the nodes closest to it, found by iterative lookup.
 
         Every value, this node's own copy included, passes the DHT's validator on this read (for
@@ -734,7 +736,7 @@ class SwarmDHT:
         copy counts only when valid)."""
         values = await self._from_bootstrap(key, QUERY_TIMEOUT_S)
         if not any(self._valid(key, v) for v in values):
-            got = await self.get_value(key, timeout_s=NETWORK_FALLBACK_S)
+            got = await self.get_value(key)
             if got is not None:
                 values.append(got)
         if not values:
@@ -832,8 +834,11 @@ async def _join_one(host, dht, info, timeout_s: float) -> None:
             raise JoinFailed(f"bootstrap {info.peer_id} does not serve the swarm DHT ({PROTOCOL_ID})",
                              transient=False) from None
         why = dial_failure(e, str(info.peer_id))
-        raise JoinFailed(f"bootstrap {info.peer_id} {why}", transient=not why.startswith("is not at that address")) \
-            from None
+        # a wrong key, or a name that does not exist, stays so: no rounds of retries (a resolver
+        # that said "try again" is the exception)
+        lasting = why.startswith("is not at that address") or (
+            why.startswith("cannot be dialed: cannot resolve") and "Temporary failure" not in why)
+        raise JoinFailed(f"bootstrap {info.peer_id} {why}", transient=not lasting) from None
 
 
 def peer_cache_path():

@@ -183,3 +183,34 @@ def test_walk_reaches_the_k_nearest_with_alpha_in_flight_and_stops_when_done():
     mine = trio.run(as_me)
     assert me not in state["asked"] and me not in mine.closest
     assert list(mine.closest) == sorted(alive - {me}, key=lambda n: n ^ target)[:5]
+
+
+@pytest.mark.ring
+@pytest.mark.parametrize("delay_s", [1.3, 2.5])
+def test_the_product_read_finds_a_record_the_bootstrap_lacks_on_a_slow_network(monkeypatch, delay_s):
+    """The read the product uses (``_fresh_value``: the bootstrap nodes, then the network) finds a
+    record that exists when the bootstrap nodes do not hold it and every DHT answer takes
+    ``delay_s`` (a loaded or distant swarm): its network read runs until the lookup converges, as
+    ``get_value`` does, instead of giving up after a second (issue 45, item 4: 96 of 100 at 200 hosts
+    with the bootstrap node down)."""
+    from swarm.discovery import lookup as lookup_mod
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            keys = _keys(6, "slow-read")
+            nodes = await _network(stack, keys)
+            boot, writer, reader = nodes[0], nodes[1], nodes[-1]
+            key = record_key(writer.host.peer_id)
+            value = signed_record(keys[1])
+            assert await writer.announce(value, MODEL) >= 2
+            for node in (boot, reader):  # the bootstrap node restarted; the reader reads cold
+                node.dht.value_store.store.pop(key.encode(), None)
+            plain = lookup_mod.ask
+
+            async def slow(*args, **kwargs):
+                await trio.sleep(delay_s)
+                return await plain(*args, **kwargs)
+
+            monkeypatch.setattr(lookup_mod, "ask", slow)
+            assert await reader._fresh_value(key) == value
+    run(main, timeout_s=90)

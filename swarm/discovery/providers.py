@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 
 import trio
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 PROVIDER_TTL_S = MAX_TTL_S  # an entry not refreshed this long is dropped, in seconds of the storing node
 MAX_PROVIDERS_PER_KEY = 256  # per key and node; a GET_PROVIDERS answer of 256 stays far below 4 MiB
+ESTABLISHED_GAP_S = 30.0  # a provider seen again this long after it was first seen is established, in seconds
+FIRST_SEEN_KEPT = 8192  # (key, provider) pairs whose first sighting a node remembers, evicted ones included
 QUERY_TIMEOUT_S = 3.0  # one GET_PROVIDERS request to one node
 PROVIDERS_SETTLE_S = 0.1  # a read keeps listening this long after the first node that names providers
 
@@ -43,8 +46,15 @@ def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:
 
     After this the store keeps, per key, at most ``MAX_PROVIDERS_PER_KEY`` entries, each at most
     ``PROVIDER_TTL_S`` after its last refresh; a newcomer to a full key evicts the least recently
-    refreshed entry. The DHT's ADD_PROVIDER and GET_PROVIDERS handlers and ``provide`` call these
-    two methods, so the policy holds for what a node stores, serves and announces.
+    refreshed entry among those not yet established, and only when every entry is established the
+    least recently refreshed of all. Established: announced again at least ``ESTABLISHED_GAP_S``
+    after the node first saw it (the first sightings of the last ``FIRST_SEEN_KEPT`` pairs are
+    remembered, also past an eviction), as a live stage re-provides every announce interval. So a
+    flood of throw-away PeerIds announced once evicts only its own kind and newcomers, never a stage
+    that has kept announcing (issue 45: 300 fake providers in 49 s pushed the one live stage out of
+    every node's 256), and a newcomer pushed out gets back in, established, at its next announce.
+    The DHT's ADD_PROVIDER and GET_PROVIDERS handlers and ``provide`` call these two methods, so the
+    policy holds for what a node stores, serves and announces.
 
     Args:
         store: ``KadDHT.provider_store``.
@@ -65,17 +75,27 @@ def bound_provider_store(store, clock: Callable[[], float] = time.time) -> None:
             del store.providers[key]
         return entries
 
+    first_seen: OrderedDict[tuple[bytes, str], float] = OrderedDict()
+
+    def established(key: bytes, peer_id: str, refreshed: float) -> bool:
+        return refreshed - first_seen.get((key, peer_id), refreshed) >= ESTABLISHED_GAP_S
+
     def add_provider(key: bytes, provider) -> None:
         if not provider or not provider.peer_id:
             return
         entries = fresh(key)
         store.providers[key] = entries
-        peer_id = str(provider.peer_id)
+        peer_id, now = str(provider.peer_id), clock()
+        first_seen.setdefault((key, peer_id), now)
+        first_seen.move_to_end((key, peer_id))
+        while len(first_seen) > FIRST_SEEN_KEPT:
+            first_seen.popitem(last=False)
         if peer_id not in entries and len(entries) >= MAX_PROVIDERS_PER_KEY:
-            oldest = min(entries, key=lambda p: entries[p].timestamp)
+            newer = [p for p in entries if not established(key, p, entries[p].timestamp)]
+            oldest = min(newer or entries, key=lambda p: entries[p].timestamp)
             del entries[oldest]
             log.info("providers.evicted key=%s peer=%s", key.hex()[:16], oldest)
-        entries[peer_id] = ProviderRecord(provider_info=provider, timestamp=clock())
+        entries[peer_id] = ProviderRecord(provider_info=provider, timestamp=now)
 
     def get_providers(key: bytes) -> list:
         return [PeerInfo(rec.peer_id, rec.addresses) for rec in fresh(key).values()]

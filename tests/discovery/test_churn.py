@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AsyncExitStack
+from types import SimpleNamespace
 
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -257,3 +258,50 @@ def test_a_stage_whose_records_are_refused_says_so(caplog):
     refused = [r.getMessage() for r in caplog.records if "announce.refused" in r.getMessage()]
     assert len(refused) == 2, caplog.text
     assert all("clients cannot find this stage" in line and "clock" in line for line in refused)
+
+
+@pytest.mark.parametrize("flood", [300, 1000])
+def test_a_flood_of_throw_away_providers_never_pushes_out_a_stage_that_keeps_announcing(flood):
+    """Issue 45 item 3: ``flood`` fresh PeerIds announced once each, 6 a second (300 in 49 s was
+    seen), into a key a live stage provides every 60 s: the stage stays in every answer; a stage
+    that joined during the flood may be pushed out, and is back, for good, after its next announce."""
+    from libp2p.kad_dht.provider_store import ProviderStore
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+    from multiaddr import Multiaddr
+
+    from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, bound_provider_store
+
+    me = ID.from_base58(peer_id_of(create_new_key_pair()))
+    store, now = ProviderStore(host=SimpleNamespace(get_id=lambda: me), peer_routing=None), [1_000_000.0]
+    bound_provider_store(store, clock=lambda: now[0])
+    addr = [Multiaddr("/ip4/127.0.0.1/tcp/1")]
+    live, late = (ID.from_base58(peer_id_of(create_new_key_pair())) for _ in range(2))
+    fakes = [ID.from_base58(peer_id_of(create_new_key_pair())) for _ in range(flood)]
+    announced = {live: now[0], late: None}
+
+    def held() -> set:
+        return {p.peer_id for p in store.get_providers(b"k")}
+
+    store.add_provider(b"k", PeerInfo(live, addr))  # the live stage has been up a while: two announces
+    now[0] += 60
+    store.add_provider(b"k", PeerInfo(live, addr))
+    announced[live] = now[0]
+    for i, fake in enumerate(fakes):
+        now[0] += 1 / 6
+        store.add_provider(b"k", PeerInfo(fake, addr))
+        if i == 20:
+            store.add_provider(b"k", PeerInfo(late, addr))
+            announced[late] = now[0]
+        for stage in (live, late):  # each stage re-provides every 60 s
+            if announced[stage] is not None and now[0] - announced[stage] >= 60:
+                store.add_provider(b"k", PeerInfo(stage, addr))
+                announced[stage] = now[0]
+        assert live in held(), i
+        assert len(held()) <= MAX_PROVIDERS_PER_KEY
+    now[0] += 60
+    store.add_provider(b"k", PeerInfo(late, addr))
+    for fake in fakes[:300]:  # another wave: neither stage moves now
+        now[0] += 1 / 6
+        store.add_provider(b"k", PeerInfo(ID.from_base58(peer_id_of(create_new_key_pair())), addr))
+    assert {live, late} <= held()

@@ -2,8 +2,8 @@
 
 Owns: ``serve`` (a host listening on ``/swarm/ring/1`` with the frame-size limit, the expiry and
 scheduler tasks, the READY payload), ``run_stage`` (``swarm stage``: load the block, print
-``SWARM_STAGE_READY {json}`` or ``SWARM_STAGE_FATAL {json}``, serve until Ctrl-C, or until SIGTERM
-or a drain frame drains it: a last short-lived record withdraws it from the swarm,
+``SWARM_STAGE_READY {json}`` or ``SWARM_STAGE_FATAL {json}``, serve until a stop signal (SIGTERM,
+Ctrl-C, SIGHUP) or a drain frame drains it: a last short-lived record withdraws it from the swarm,
 ``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
 (``swarm stage --check``: ``SWARM_STAGE_OK`` or ``SWARM_STAGE_FATAL``) and ``emit`` (one lifecycle
 line on stdout). May import: anything the stage needs (torch, trio, ``swarm.transport``,
@@ -117,20 +117,34 @@ def _serve_metrics(server: StageServer, listen: str):
     return httpd, f"http://{host}:{httpd.server_port}/metrics"
 
 
-async def _drain_on_sigterm(server: StageServer, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """SIGTERM (a supervisor stopping the daemon) asks for a drain, like a drain frame. Later
-    SIGTERMs during the drain are logged and ignored (the drain has its own deadline). Reports
-    started once the handler is installed: READY is printed only after that, so a supervisor's
-    SIGTERM right after READY drains instead of killing."""
+def stop_signals() -> tuple[int, ...]:
+    """The signals by which an operator stops a stage, each asking for a drain: SIGTERM (a supervisor),
+    SIGINT (Ctrl-C) and SIGHUP (its terminal closed), the last unless the process was started to
+    ignore it (``nohup``), which is kept."""
     import signal
 
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    wanted = [signal.SIGTERM, signal.SIGINT]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        wanted.append(signal.SIGHUP)
+    return tuple(wanted)
+
+
+async def _drain_on_signal(server: StageServer, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A stop signal (``stop_signals``: SIGTERM, Ctrl-C, SIGHUP) asks for a drain, like a drain frame,
+    so the stage withdraws its record on every way out. Later ones during the drain are logged and
+    ignored (the drain has its own deadline). Reports started once the handler is installed: READY is
+    printed only after that, so a supervisor's SIGTERM right after READY drains instead of killing."""
+    import signal
+
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         task_status.started()
-        async for _ in signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
             if server.drain_requested.is_set():
-                log.warning("drain.sigterm_again: already draining (--drain-timeout-s bounds it)")
+                log.warning("drain.signal_again signal=%s: already draining (--drain-timeout-s bounds it; "
+                            "SIGKILL stops at once, without withdrawing)", name)
             else:
-                log.warning("drain.sigterm")
+                log.warning("drain.signal signal=%s", name)
                 server.drain_requested.set()
 
 
@@ -159,12 +173,13 @@ def run_check(config: StageConfig) -> int:
 
 
 def run_stage(config: StageConfig) -> int:
-    """Load the block, listen, print READY, serve until interrupted or drained. Returns the exit code.
+    """Load the block, listen, print READY, serve until drained. Returns the exit code.
 
-    Every start-up failure prints ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 1. SIGTERM or a
-    drain frame from an ``--admin`` peer drains (no new sessions; open ones may finish for
-    ``--drain-timeout-s``, then fail with "draining"), prints ``SWARM_STAGE_DRAINED {...}`` and
-    returns 0. Ctrl-C (SIGINT) stops at once and returns 0.
+    Every start-up failure prints ``SWARM_STAGE_FATAL {"reason": ...}`` and returns 1. Once the host
+    starts, a stop signal (SIGTERM, Ctrl-C, SIGHUP: ``stop_signals``) or a drain frame from an
+    ``--admin`` peer drains (no new sessions; open ones may finish for ``--drain-timeout-s``, then
+    fail with "draining"), withdraws the stage's record, prints ``SWARM_STAGE_DRAINED {...}`` and
+    returns 0. Ctrl-C while the block still loads (nothing announced yet) stops at once and returns 0.
     """
     from swarm.config import cache_root
     from swarm.model.block import load_block
@@ -259,10 +274,12 @@ async def _serve_until_drained(server: StageServer, key, config: StageConfig, me
     from functools import partial
 
     async with trio.open_nursery() as nursery:
+        # before serving: a stop signal while joining the swarm (its first record is published
+        # before READY) still drains and withdraws, once READY is out
+        await nursery.start(_drain_on_signal, server)
         ready = await nursery.start(partial(serve, server, key, config.listen,
                                             announce_addrs=config.announce_addrs, membership=membership,
                                             relays=config.relays, hole_punch=config.hole_punch))
-        await nursery.start(_drain_on_sigterm, server)
         emit("READY", ready)
         await server.drain_requested.wait()
         if server.announcer is not None:

@@ -265,3 +265,32 @@ def test_drain_request_only_from_an_admin(synthetic, tmp_path):
         assert trio.run(ask, admin)["type"] == "drain_ok"
         _wait_line(sp, "DRAINED")
         assert sp.proc.wait(timeout=10) == 0
+
+
+@pytest.mark.ring
+@pytest.mark.process
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_every_stop_signal_drains_and_withdraws_the_record(synthetic, tmp_path, signum):
+    """Ctrl-C (SIGINT) and a closed terminal (SIGHUP) drain and withdraw as SIGTERM does: DRAINED, exit 0,
+    and the stage's record is no longer "online" on the DHT (before: exit 0 at once, listed online for
+    ~2 minutes)."""
+    from swarm.cli.launch import BootstrapNode
+    from swarm.discovery.dht import open_dht
+
+    model = synthetic("llama")
+
+    async def states(boot_addr: str, peer: str) -> list[str]:
+        async with open_host(load_or_create_key(tmp_path / "reader.key")) as host, \
+                open_dht(host, server=False, bootstrap=[boot_addr], sync_clock=False) as dht:
+            return [r.state for r in await dht.find_records(None, timeout_s=10) if r.peer_id == peer]
+
+    with BootstrapNode(tmp_path / "keys" / "boot.key") as boot, \
+            one_stage(model, tmp_path, "--bootstrap", boot.addr) as ring:
+        sp = ring.stages[0]
+        peer = sp.ready["peer_id"]
+        assert trio.run(states, boot.addr, peer) == ["online"]  # the read sees the stage while it serves
+        os.kill(sp.proc.pid, signum)
+        drained = _wait_line(sp, "DRAINED")
+        assert sp.proc.wait(timeout=15) == 0
+        assert drained["sessions_failed"] == 0
+        assert "online" not in trio.run(states, boot.addr, peer)  # withdrawn: "draining" for seconds, then gone

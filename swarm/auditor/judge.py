@@ -20,7 +20,7 @@ from swarm.ranges import LayerRange
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = ("passed", "failed", "refused", "not comparable", "unauditable", "skipped")
+OUTCOMES = ("passed", "failed", "refused", "unavailable", "not comparable", "unauditable", "skipped")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class Verdict:
     Attributes:
         peer_id, layers: the stage; ``job_id``: the job; ``outcome``: one of ``OUTCOMES`` (``failed``:
             its signed rows are not what its block computes, ``proof`` holds the evidence; ``refused``:
-            it did not open a window, which counts as failed without a proof; ``not comparable``: no
+            it did not open a window, which counts as failed without a proof; ``unavailable``: it has no
+            record of the job because it restarted after the job ended (counted apart, not as failed,
+            never excluded); ``not comparable``: no
             class in common, never "cheated"); ``reason``: one line; ``windows``: the windows opened;
             ``positions``: the positions compared.
     """

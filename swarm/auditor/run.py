@@ -7,7 +7,10 @@ of its predecessor on one stream each (``swarm.audit.request_window``: the stage
 priority and rate-limits each requester), re-runs the block in a worker thread
 (:func:`swarm.auditor.judge.judge`) and counts audited / passed / failed per PeerId. A stage that
 refuses or does not answer within ``timeout_s`` fails its audit (no proof: there is nothing to
-re-run); a ``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
+re-run), except a stage whose ``no_job`` answer says it (re)started (``since_ms``) after the job
+ended (the receipt's ``ended_ms``): that is ``unavailable``, counted apart from failed (an honest
+restart must not read as a cheat; a stage that keeps restarting shows as many unavailable audits); a
+``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
 times), since the limit is the stage protecting its live sessions. Each fraud proof goes to
 ``publish(proof)`` (the DHT, a file). May import trio, the shared
 core, the transport, ``swarm.auditor.judge``.
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RATE_LIMIT_PAUSE_S = 1.0  # after a stage's rate_limited answer (its bucket refills at 20/s)
 RATE_LIMIT_WAITS = 30  # ... at most this many times per stage and job, then it counts as refused
+RESTART_SKEW_MS = 300_000  # a restart time claimed further ahead of this auditor's clock is not believed
 
 
 class Auditor:
@@ -59,6 +63,7 @@ class Auditor:
         self.publish, self.covers, self._wait_idle = publish, covers, wait_idle
         self.seen: dict[str, int] = {}  # sessions of each PeerId this auditor has seen (audited or not)
         self.tally: dict[str, dict] = {}  # PeerId -> {"audited", "passed", "failed"}
+        self.unavailable: dict[str, int] = {}  # PeerId -> audits it could not answer, restarted since the job
         self.proofs: list[dict] = []
         self._limiter = trio.CapacityLimiter(1)  # one re-run at a time, off the trio thread
 
@@ -109,6 +114,11 @@ class Auditor:
         try:
             raw = await self._open(addr, receipt, last)
         except (AuditFailed, HopTimeout, StreamClosed, SwarmError, OSError) as exc:
+            since = restarted_since(receipt, getattr(exc, "since_ms", None), receipts.now_ms())
+            if since is not None:
+                return Verdict(*base, "unavailable", f"the stage holds no record of the job: it (re)started at "
+                                                     f"since_ms {since}, after the job ended (ended_ms "
+                                                     f"{receipt['ended_ms']}); not counted as failed")
             return Verdict(*base, "refused", f"the stage did not open its windows: {exc}")
         pred_part = None
         if pred is not None:
@@ -156,10 +166,19 @@ class Auditor:
                 reason = answer.get("reason") if isinstance(answer, dict) else answer
                 exc = AuditFailed(f"refused: window {k}: {str(reason)[:600]}")
                 exc.check = "refused"
+                if isinstance(answer, dict) and answer.get("code") == "no_job":
+                    exc.since_ms = answer.get("since_ms")
                 raise exc
             return got
         finally:
             await stream.aclose()
+
+    def counts(self) -> dict[str, dict]:
+        """The tally with ``unavailable`` beside the counts of each stage that had such audits (``add_tally``)."""
+        zero = {"audited": 0, "passed": 0, "failed": 0}
+        return {p: {**self.tally.get(p, zero),
+                    **({"unavailable": self.unavailable[p]} if p in self.unavailable else {})}
+                for p in {**self.tally, **self.unavailable}}
 
     async def wait_idle(self) -> None:
         """Return when the auditor may go on (at once without ``wait_idle``)."""
@@ -167,6 +186,8 @@ class Auditor:
             await self._wait_idle()
 
     def _count(self, v: Verdict) -> None:
+        if v.outcome == "unavailable":  # restarted since the job: nothing was opened, nothing failed
+            self.unavailable[v.peer_id] = self.unavailable.get(v.peer_id, 0) + 1
         if v.outcome not in ("passed", "failed", "refused"):
             return
         t = self.tally.setdefault(v.peer_id, {"audited": 0, "passed": 0, "failed": 0})
@@ -176,6 +197,18 @@ class Auditor:
             self.proofs.append(v.proof)
         log.info("audit.%s peer=%s layers=%s job=%s reason=%s", v.outcome.replace(" ", "_"), v.peer_id,
                  list(v.layers), v.job_id, v.reason)
+
+
+def restarted_since(receipt: dict, since_ms, now_ms: int) -> int | None:
+    """The restart time a stage's ``no_job`` answer gave (``since_ms``, unix ms) when it explains the missing
+    job: an int, after the job's signed ``ended_ms``, and not ahead of ``now_ms`` by more than
+    ``RESTART_SKEW_MS``; else None (the answer is a refusal)."""
+    ended = receipt.get("ended_ms")
+    if type(since_ms) is not int or type(ended) is not int:
+        return None
+    if not ended < since_ms <= now_ms + RESTART_SKEW_MS:
+        return None
+    return since_ms
 
 
 def _sampled(job: dict) -> bool:

@@ -1,4 +1,6 @@
-"""An auditor's tally file: ``{PeerId: {audited, passed, failed}}`` as JSON, summed over runs.
+"""An auditor's tally file: ``{PeerId: {audited, passed, failed}}`` as JSON, summed over runs, with
+``unavailable`` beside them for a stage that had no record of a job because it restarted since (not
+audited, not failed; the key is there only for a stage that had such an audit).
 
 Owns: the file format, its writer (``add_tally``: ``swarm audit run --tally FILE``) and its reader
 (``read_tally``: ``swarm peers --audits FILE``, ``swarm serve --audits FILE``), and ``audit_column``,
@@ -14,6 +16,7 @@ from pathlib import Path
 from swarm.errors import ConfigError
 
 COUNTS = ("audited", "passed", "failed")
+UNAVAILABLE = "unavailable"  # audits a restarted stage could not answer (``swarm.auditor.run``): counted apart
 
 
 def read_tally(path: Path) -> dict[str, dict[str, int]]:
@@ -29,14 +32,16 @@ def read_tally(path: Path) -> dict[str, dict[str, int]]:
     if not isinstance(tally, dict) or not all(isinstance(v, dict) for v in tally.values()):
         raise ConfigError(f"{path} is not an audit tally ({{PeerId: {{audited, passed, failed}}}})")
     try:
-        return {str(peer): {k: int(counts.get(k, 0)) for k in COUNTS} for peer, counts in tally.items()}
+        return {str(peer): {k: int(counts.get(k, 0))
+                            for k in COUNTS + ((UNAVAILABLE,) if UNAVAILABLE in counts else ())}
+                for peer, counts in tally.items()}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path} is not an audit tally: a count is not a number ({exc})") from None
 
 
 def add_tally(path: Path, tally: dict) -> dict:
-    """Add ``{PeerId: {audited, passed, failed}}`` to the JSON file at ``path`` (created if absent);
-    returns the sum.
+    """Add ``{PeerId: {audited, passed, failed[, unavailable]}}`` to the JSON file at ``path`` (created if
+    absent); returns the sum.
 
     Raises:
         ConfigError: the file holds something else than such a map, or cannot be written.
@@ -47,7 +52,9 @@ def add_tally(path: Path, tally: dict) -> dict:
     for peer, counts in tally.items():
         mine = old.setdefault(peer, {k: 0 for k in COUNTS})
         for k in COUNTS:
-            mine[k] += counts[k]
+            mine[k] += int(counts.get(k, 0))
+        if counts.get(UNAVAILABLE):
+            mine[UNAVAILABLE] = mine.get(UNAVAILABLE, 0) + int(counts[UNAVAILABLE])
     try:
         write_atomic(path, json.dumps(old, indent=1, sort_keys=True))
     except OSError as exc:

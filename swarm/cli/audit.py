@@ -5,8 +5,8 @@
   ``--first-sessions`` sessions), over the network (``swarm.auditor.run.Auditor``), print one line per
   stage, write each fraud proof to ``--proofs DIR`` (``<accused>-<job>.proof``) and, with
   ``--bootstrap``, publish it on the DHT under the accused PeerId; ``--tally FILE`` adds the counts
-  audited / passed / failed per stage to a JSON file ``swarm peers --audits`` shows. Exit 1 when a
-  stage failed.
+  audited / passed / failed / unavailable per stage to a JSON file ``swarm peers --audits`` shows. Exit 1
+  when a stage failed (``unavailable``, a stage restarted since the job, is not a failure).
 - ``swarm audit verify PROOF... --model DIR``: re-check proofs in one pass each
   (``swarm.auditor.judge.verify_proof``): ``VALID ...`` or ``REFUSED (reason): ...``; exit 0 only when
   every proof holds.
@@ -100,7 +100,7 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
     from swarm.discovery.dht import open_dht
 
     key = load_or_create_key(key_path)
-    failed = 0
+    failed = unavailable = 0
     async with open_host(key, ["/ip4/0.0.0.0/tcp/0"]) as host, AsyncExitStack() as stack:
         publish = None
         if args.bootstrap:
@@ -129,9 +129,11 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
             for v in verdicts:
                 print(v.line())
                 failed += v.outcome in ("failed", "refused")
+                unavailable += v.outcome == "unavailable"
         if args.tally:
             from swarm.auditor.tally import add_tally
 
-            add_tally(args.tally, auditor.tally)
-    print(f"{failed} stage(s) failed", file=sys.stderr)
+            add_tally(args.tally, auditor.counts())
+    print(f"{failed} stage(s) failed" + (f", {unavailable} unavailable (restarted since the job; not failed)"
+                                         if unavailable else ""), file=sys.stderr)
     return 1 if failed else 0

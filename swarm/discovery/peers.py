@@ -83,6 +83,8 @@ def _audit_text(a: dict | None) -> str:
     if not a:
         return "-"
     counts = "-" if a.get("audited") is None else f"{a['audited']}/{a['passed']}/{a['failed']}"
+    if a.get("unavailable"):  # audits it could not answer, restarted since the job: not failures
+        counts += f", {a['unavailable']} unavailable"
     return counts + (f", proof {a['proof']}" if a.get("proof") else "")
 
 

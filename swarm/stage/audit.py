@@ -5,6 +5,9 @@ Owns: :class:`Audits`: handing each signed receipt's window commitment to the re
 ``audit_ok`` carrying the window's rows, its Merkle path and the stage's signature
 (:func:`swarm.audit.opening_body`, :func:`swarm.audit.sign_opening`), or an error frame that says
 why not: ``no_job`` (unknown or evicted job), ``bad_request`` (no such window), ``rate_limited``.
+A job it does not know is answered with ``since_ms``, when this process started (and took over its
+spill directory: :meth:`RetentionStore.adopt`): a job that ended before then is one a restarted
+stage cannot open, which the auditor counts as ``unavailable``, not as failed.
 An audit is low priority: it is answered on the asker's own stream, never by the scheduler; it
 waits (up to ``YIELD_S``) while the scheduler has work, and builds the opening in a worker thread
 of its own, so live decode steps are not delayed by it. Each requester PeerId has a token bucket
@@ -17,6 +20,7 @@ settle (issue 29, item 3). May import: trio, ``swarm.audit``,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import trio
@@ -68,14 +72,18 @@ class Audits:
         busy: ``busy()`` whether the scheduler has work queued or computing.
         error: ``error(reason, code, session)`` builds a counted error frame (the server's).
         limit: the per-requester :class:`RateLimit`.
+        started_ms: unix milliseconds since which this stage answers for its jobs (default: now).
     """
 
     def __init__(self, store: RetentionStore, layer_range, *, key: Callable[[], object], peer_id: Callable[[], str],
-                 busy: Callable[[], bool], error: Callable[..., dict], limit: RateLimit | None = None) -> None:
+                 busy: Callable[[], bool], error: Callable[..., dict], limit: RateLimit | None = None,
+                 started_ms: int | None = None) -> None:
         self.store, self.layer_range = store, layer_range
         self._key, self._peer_id, self._busy, self._error = key, peer_id, busy, error
         self.limit = limit or RateLimit()
         self.answered = 0
+        self.started_ms = int(time.time() * 1000) if started_ms is None else int(started_ms)
+        self._adopted = False
         self._thread = trio.CapacityLimiter(1)  # openings are built one at a time, off the trio thread
 
     def new_log(self) -> audit.WindowLog | None:
@@ -85,7 +93,19 @@ class Audits:
 
     def retain(self, sess, receipt: dict, commitment: audit.Commitment) -> None:
         """Keep a signed receipt's commitment (the signer calls this) for later audits."""
+        self.adopt()
         self.store.put(sess.session_id, sess.ledger.job_id, receipt, commitment)
+
+    def adopt(self) -> None:
+        """Take over the jobs an earlier run of this stage spilled (:meth:`RetentionStore.adopt`: those whose
+        receipt this stage's key signed), once, when the key is known (the first receipt or audit)."""
+        if self._adopted:
+            return
+        self._adopted = True
+        from swarm.receipts import signature_ok
+
+        me = self._peer_id()
+        self.store.adopt(lambda receipt: receipt.get("peer_id") == me and signature_ok(receipt, me))
 
     async def answer(self, stream, msg: dict) -> None:
         """Answer a validated ``audit`` frame on ``stream`` (see the module docstring)."""
@@ -95,6 +115,7 @@ class Audits:
             await stream.send(self._error(f"stage {self.layer_range}: too many audit requests from {peer} "
                                           f"(at most {self.limit.rate_per_s:g}/s); retry later", "rate_limited", sid))
             return
+        self.adopt()
         try:
             entry = self.store.get(sid, job)  # a spilled job is read back from --audit-retention-dir
         except RetentionCorrupt as exc:
@@ -103,10 +124,16 @@ class Audits:
                                           f"opened: {exc}", "no_job", sid))
             return
         if entry is None:
+            evicted = self.store.evicted(sid, job)
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_ms / 1000))
             why = ("was evicted from this stage's retention (--audit-retention-mb, --audit-retention-disk-mb)"
-                   if self.store.evicted(sid, job) else "is not known to this stage")
-            await stream.send(self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} {why}",
-                                          "no_job", sid))
+                   if evicted else f"is not known to this stage, which holds no record of jobs from before it "
+                                   f"(re)started at {since} (since_ms {self.started_ms}) but those it spilled "
+                                   f"to --audit-retention-dir")
+            err = self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} {why}", "no_job", sid)
+            if not evicted:
+                err["since_ms"] = self.started_ms
+            await stream.send(err)
             return
         leaves = len(entry.commitment.tree)
         if k >= leaves:

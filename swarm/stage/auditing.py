@@ -71,6 +71,7 @@ class AuditorRole:
         self.offers = self.refused = self.dropped = self.jobs = self.pauses = 0
         self.paused = False
         self.tally: dict[str, dict] = {}
+        self.unavailable: dict[str, int] = {}  # PeerId -> audits it could not answer, restarted since the job
         self.proofs: deque[dict] = deque(maxlen=PROOFS_KEPT)
         self.auditor = None  # swarm.auditor.run.Auditor, once run() started
 
@@ -90,7 +91,7 @@ class AuditorRole:
         """The role's counters (``info``'s ``auditor``, the metrics)."""
         return {"rate": self.rate, "waiting": len(self.queue), "offers": self.offers, "refused": self.refused,
                 "dropped": self.dropped, "jobs": self.jobs, "paused": self.paused, "pauses": self.pauses,
-                "proofs": len(self.proofs),
+                "proofs": len(self.proofs), "unavailable": sum(self.unavailable.values()),
                 **{k: sum(t[k] for t in self.tally.values()) for k in ("audited", "passed", "failed")},
                 "tally": {p: dict(t) for p, t in self.tally.items()}}
 
@@ -220,6 +221,9 @@ class AuditorRole:
         delta: dict[str, dict] = {}
         for v in verdicts:
             log.info("audit.verdict %s", v.line())
+            if v.outcome == "unavailable":  # restarted since the job: not audited, not failed (counted apart)
+                self.unavailable[v.peer_id] = self.unavailable.get(v.peer_id, 0) + 1
+                delta.setdefault(v.peer_id, _zero())["unavailable"] = delta[v.peer_id].get("unavailable", 0) + 1
             if v.outcome in ("passed", "failed", "refused"):
                 for t in (self.tally.setdefault(v.peer_id, _zero()), delta.setdefault(v.peer_id, _zero())):
                     t["audited"] += 1

@@ -103,7 +103,8 @@ class _StageCollector:
             st = role.stats()
             for name, what in (("audited", "Stages of offered jobs this stage audited"),
                                ("passed", "... that reproduced bit for bit"),
-                               ("failed", "... that did not, or refused to open their windows")):
+                               ("failed", "... that did not, or refused to open their windows"),
+                               ("unavailable", "... that had no record of the job: restarted since (not failed)")):
                 yield _counter(f"swarm_stage_auditor_{name}", what, st[name])
             yield _counter("swarm_stage_auditor_offers", "Job offers queued", st["offers"])
             yield _counter("swarm_stage_auditor_offers_dropped", "Queued offers dropped for room (--audit-queue)",

@@ -6,8 +6,10 @@ Owns: :class:`RetentionStore`, the signed receipt and the window commitment (row
 (``--audit-retention-dir DIR``, bounded by ``--audit-retention-disk-mb``): a job evicted from memory
 is written to one file in ``DIR`` (a temporary file renamed into place, so a reader never sees part of
 one), read back when an audit opens it, and deleted when the disk bound evicts it (oldest first). A
-stage starting on a directory deletes the spill files it finds there (a restarted stage answers
-only for its own run's jobs; its receipts name rows it no longer knows to be its own). A file that
+stage starting on a directory takes over the spill files it finds there that are its own
+(:meth:`RetentionStore.adopt`: the receipt is signed by this stage's key and the rows hash to the root
+it signed), so that a restart (SIGTERM, an upgrade) does not turn audits of its earlier jobs into
+refusals; it deletes the others (another key's, altered, half-written). A file that
 does not read back, or whose rows do not hash to the root its receipt signed, raises
 :class:`RetentionCorrupt` (the audit is refused with the reason; the file is dropped).
 A job signed again (a second receipt request) replaces its entry. No clock.
@@ -60,7 +62,8 @@ class RetentionStore:
     Args:
         max_bytes: the memory budget (``--audit-retention-mb`` in bytes); 0 keeps nothing.
         spill_dir: the directory evicted jobs go to (``--audit-retention-dir``); None: no spill. Spill
-            files left there by an earlier run are deleted now.
+            files left there by an earlier run wait for :meth:`adopt` (kept or deleted); temporary
+            files of interrupted writes are deleted now.
         disk_max_bytes: the spill's bound (``--audit-retention-disk-mb`` in bytes), file sizes summed.
     Raises:
         ValueError: a negative budget.
@@ -80,12 +83,62 @@ class RetentionStore:
         self.spilled = 0  # jobs written to the spill directory
         self.reloaded = 0  # spilled files read back for an audit
         self._loaded: tuple | None = None  # (key, Retained): the last file read back (an audit opens windows 0..k)
+        self.adopted = 0  # spill files of an earlier run taken over (``adopt``)
         self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        self._found: list[Path] = []  # an earlier run's spill files, until ``adopt`` judges them
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            stale = clean_spill_dir(self.spill_dir)
+            stale = clean_spill_dir(self.spill_dir, parts_only=True)
             if stale:
                 log.info("audit.retention_cleaned dir=%s files=%d", self.spill_dir, stale)
+            self._found = sorted((p for p in self.spill_dir.iterdir() if p.is_file() and p.name.endswith(SPILL_SUFFIX)),
+                                 key=_mtime)
+
+    def adopt(self, keep) -> int:
+        """Take over the spill files an earlier run left in the directory: a file is kept (oldest first, within
+        the disk bound) when it reads back, its rows hash to the root its receipt signed, and
+        ``keep(receipt)`` (the receipt is signed by this stage's own key); every other one is deleted.
+        Runs once (later calls do nothing); returns how many were kept.
+
+        Args:
+            keep: ``keep(receipt dict) -> bool``.
+        """
+        found, self._found = self._found, []
+        kept = dropped = 0
+        adopted: OrderedDict[tuple[str, str], tuple[Path, int]] = OrderedDict()
+        for path in found:
+            try:
+                doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+                session, job_id = doc["session"], doc["job"]
+                if not (isinstance(session, str) and isinstance(job_id, str)
+                        and path.name == spill_name(session, job_id)):
+                    raise RetentionCorrupt(f"{path} is not named after its job")
+                if (session, job_id) in self._disk:  # this run spilled the job again, to this very file
+                    continue
+                entry = read_spilled(path, session, job_id)
+                ok = bool(keep(entry.receipt)) and (session, job_id) not in self._jobs
+            except Exception as exc:  # msgpack, a missing field, RetentionCorrupt: not a file to keep
+                log.info("audit.retention_dropped path=%s reason=%s", path, exc)
+                ok = False
+            if not ok:
+                path.unlink(missing_ok=True)
+                dropped += 1
+                continue
+            size = path.stat().st_size
+            adopted[(session, job_id)] = (path, size)
+            self.disk_bytes += size
+            kept += 1
+        # an earlier run's jobs are older than this run's: first out
+        self._disk = OrderedDict([*adopted.items(), *self._disk.items()])
+        while self.disk_bytes > self.disk_max_bytes and self._disk:
+            old = next(iter(self._disk))
+            kept -= old in adopted
+            self._unspill(old)
+            self._forget(old)
+        self.adopted += kept
+        if found:
+            log.info("audit.retention_adopted dir=%s kept=%d dropped=%d", self.spill_dir, kept, dropped)
+        return kept
 
     def __len__(self) -> int:
         return len(self._jobs) + len(self._disk)
@@ -199,14 +252,21 @@ def spill_name(session: str, job_id: str) -> str:
     return h + SPILL_SUFFIX
 
 
-def clean_spill_dir(directory: Path) -> int:
-    """Delete the spill files (and temporary files of interrupted writes) in ``directory``; returns how many.
-    Other files are left alone."""
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def clean_spill_dir(directory: Path, parts_only: bool = False) -> int:
+    """Delete the spill files (and temporary files of interrupted writes; with ``parts_only`` only those) in
+    ``directory``; returns how many. Other files are left alone."""
     n = 0
     for path in directory.iterdir():
         name = path.name
-        if path.is_file() and (name.endswith(SPILL_SUFFIX) or (name.startswith(".") and ".ret." in name
-                                                                and name.endswith(".part"))):
+        if path.is_file() and ((name.endswith(SPILL_SUFFIX) and not parts_only)
+                               or (name.startswith(".") and ".ret." in name and name.endswith(".part"))):
             path.unlink(missing_ok=True)
             n += 1
     return n

@@ -10,6 +10,8 @@ Modules:
 - ``identity``  key file (0600), PeerId, sign / verify from a PeerId alone
 - ``framing``   wire format, pure encoder/decoder, ``FramedStream``
 - ``host``      ``open_host`` -> ``SwarmHost`` (listen, dial, serve protocols)
+- ``peerstore`` the peer store, bounded by forgetting departed peers; handler faults stay local
+- ``names``     ``/dns4`` / ``/dns6`` / ``/dns`` names resolved as the system does (getaddrinfo)
 - ``dataplane`` fewer Python steps per byte on libp2p's Noise and Yamux, same bytes on the wire
 - ``circuit``   circuit relay v2: serving as a relay, reserving on one, dialing through one
 - ``migrate``   moving hops off relays once a direct connection (a hole punch) appears

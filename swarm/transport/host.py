@@ -29,13 +29,13 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.exceptions import StreamFailure
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError, ProtocolNotSupportedError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
-from libp2p.transport.tcp.tcp import TCP
 
 from swarm.addrs import without_peer_id
 from swarm.errors import ConfigError, HopTimeout, ListenError, ProtocolError, StageLost
@@ -44,6 +44,8 @@ from swarm.transport.circuit import CircuitClient, RelayError, is_circuit
 from swarm.transport.migrate import Migrator
 from swarm.transport.framing import MAX_FRAME_BYTES, FramedStream, Meter
 from swarm.transport.identity import peer_id_of
+from swarm.transport.names import SystemResolvingTCP
+from swarm.transport.peerstore import MAX_PEERS, BoundedPeerStore, guard_handlers, live_peers
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +261,7 @@ async def open_host(
     relay_hop: bool = False,
     hole_punch: bool = True,
     batched: bool = True,
+    max_peers: int = MAX_PEERS,
 ) -> AsyncIterator[SwarmHost]:
     """Run a libp2p host (TCP, Noise only, Yamux only) for the duration of the block.
 
@@ -280,11 +283,16 @@ async def open_host(
         batched: Noise sessions that send a write in one socket call and read in large blocks,
             and Yamux DATA frames of up to 1 MiB (``swarm.transport.dataplane``; the same
             protocols on the wire). False: libp2p's own classes (for comparison in benchmarks).
+        max_peers: peers the peer store remembers besides this node and the connected ones; past
+            it, the departed peers heard of longest ago are forgotten (``swarm.transport.peerstore``).
     Yields:
         The SwarmHost. Its nursery (outbound stream readers) is cancelled on exit.
     Raises:
-        ConfigError: a listen address is malformed, not TCP, already in use, or not local.
+        ConfigError: a listen address is malformed, not TCP, already in use, or not local, or
+            max_peers < 1.
     """
+    if max_peers < 1:
+        raise ConfigError(f"max_peers must be >= 1, got {max_peers}")
     if dial_retries < 0:
         raise ConfigError(f"dial_retries must be >= 0, got {dial_retries}")
     maddrs = [_parse_listen_addr(a) for a in listen_addrs]
@@ -295,7 +303,8 @@ async def open_host(
     announce = [_parse_announce_addr(a) for a in announce_addrs]
     _route_libp2p_logs()
     host = _new_libp2p_host(key_pair, maddrs, announce, dial_retries=dial_retries,
-                            health_check_interval_s=health_check_interval_s, batched=batched)
+                            health_check_interval_s=health_check_interval_s, batched=batched,
+                            max_peers=max_peers)
     async with host.run(maddrs):
         network = host.get_network()
         # The auto-connector dials every peer in the peerstore until it holds ~150
@@ -339,12 +348,14 @@ async def _close_connections(network) -> None:
 
 
 def _new_libp2p_host(key_pair: KeyPair, maddrs: list, announce: list, *, dial_retries: int,
-                     health_check_interval_s: float | None, batched: bool):
+                     health_check_interval_s: float | None, batched: bool, max_peers: int = MAX_PEERS):
     """The libp2p host ``open_host`` runs (not started): TCP, Noise only (batched or libp2p's own),
-    Yamux only, ``dial_retries`` extra dials per connect, busy connections kept."""
+    Yamux only, ``dial_retries`` extra dials per connect, busy connections kept, a peer store bounded
+    by forgetting departed peers, and no stream handler's exception ending the host."""
     if batched:
         dataplane.check_version()
     noise = dataplane.BatchedNoiseTransport if batched else NoiseTransport
+    peerstore = BoundedPeerStore(ID.from_pubkey(key_pair.public_key), max_peers)
     host = new_host(
         key_pair=key_pair,
         sec_opt={
@@ -354,10 +365,13 @@ def _new_libp2p_host(key_pair: KeyPair, maddrs: list, announce: list, *, dial_re
         },
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=maddrs,
-        transports=[TCP()],
+        transports=[SystemResolvingTCP()],  # /dns4 names as the system resolves them
         connection_config=_connection_config(health_check_interval_s),
         announce_addrs=announce or None,
+        peerstore_opt=peerstore,
     )
+    peerstore.watch(live_peers(host.get_network()))
+    guard_handlers(host.get_network())
     # new_host takes no retry option; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
     _keep_busy_connections(host.get_network())
@@ -512,6 +526,8 @@ def dial_failure(error: BaseException, peer_id: str) -> str:
     address's own error in the cause (a MultiError).
 
     Returns:
+        "cannot be dialed: cannot resolve NAME: <the resolver's reason>" when a ``/dns4``, ``/dns6``
+        or ``/dns`` name does not resolve (``swarm.transport.names``);
         "is not at that address: something answers there, but not as <peer_id> ..." when the
         address is reached but the key behind it is another (a wrong or stale ``/p2p/`` PeerId,
         e.g. a node that started again with a new key); "is unreachable: nothing accepts
@@ -527,6 +543,9 @@ def dial_failure(error: BaseException, peer_id: str) -> str:
         seen.add(id(e))
         texts.append(str(e))
         todo += [*getattr(e, "errors", ()), e.__cause__, e.__context__]
+    unresolved = next((t for t in texts if t.startswith("cannot resolve ")), None)
+    if unresolved is not None:
+        return f"cannot be dialed: {unresolved.splitlines()[0][:200]}"
     if any("failed to upgrade security" in t for t in texts):
         return (f"is not at that address: something answers there, but not as {peer_id[-8:]} (the Noise "
                 "handshake failed), so the /p2p/ PeerId in the address is probably wrong or stale; a node started "

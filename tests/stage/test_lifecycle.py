@@ -294,3 +294,16 @@ def test_every_stop_signal_drains_and_withdraws_the_record(synthetic, tmp_path, 
         assert sp.proc.wait(timeout=15) == 0
         assert drained["sessions_failed"] == 0
         assert "online" not in trio.run(states, boot.addr, peer)  # withdrawn: "draining" for seconds, then gone
+
+
+def test_a_stage_started_under_nohup_keeps_ignoring_sighup():
+    from swarm.stage.daemon import stop_signals
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert set(stop_signals()) == {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup: the operator asked that a hangup not stop it
+        assert set(stop_signals()) == {signal.SIGTERM, signal.SIGINT}
+    finally:
+        signal.signal(signal.SIGHUP, before)

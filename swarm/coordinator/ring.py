@@ -264,6 +264,19 @@ class RingClient:
         self.repaired_epoch.pop(session, None)
         await self.repair.forget(session, timeout_s)
 
+    @property
+    def rotary_switch(self) -> int | None:
+        """LongRoPE's switch (:func:`swarm.coordinator.spec.rotary_switch`) of the ring's model, read from
+        its ``config.json`` where the model is a local directory; None for any other rotary or no such
+        directory (the stages then refuse a chunk that crosses the switch rather than mix factors)."""
+        import json
+        from pathlib import Path
+
+        from swarm.coordinator.spec import rotary_switch
+
+        path = Path(str(self.ring.model)) / "config.json"
+        return rotary_switch(json.loads(path.read_text())) if path.is_file() else None
+
     async def send_chunk(self, session: str, chunk) -> None:
         """Send one chunk (``swarm.coordinator.spec.Chunk``) to the head stage; do not wait for its result.
 

@@ -42,6 +42,18 @@ class NoDrafter:
         return []
 
 
+def rotary_switch(config: dict) -> int | None:
+    """LongRoPE's switch of a model's ``config.json`` (as a dict): ``original_max_position_embeddings``
+    where the rotary is LongRoPE (``rope_parameters`` or the older ``rope_scaling``, type ``longrope``
+    or its first name ``su``), else None."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")) in ("longrope", "su"):
+            switch = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+            return int(switch) if switch else None
+    return None
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One verify (or prefill) chunk: ``tokens`` fed at positions ``[pos, pos + len(tokens))``.
@@ -102,6 +114,14 @@ class SpecLoop:
         depth: decode chunks in flight at once (>= 1).
         prefill_chunk: positions per prefill chunk.
         prefill_depth: prefill chunks in flight at once.
+        rotary_switch: LongRoPE's ``original_max_position_embeddings`` (:func:`rotary_switch`), or None.
+            A sequence longer than it takes the long factors at every position, so the stages'
+            rows of a shorter one no longer fit: the first chunk that carries the session past it is
+            sent from position 0 (a prompt past it: the first prefill chunk reaches past it), as
+            transformers' generate drops its KV cache there and recomputes the whole sequence. A
+            verify chunk never straddles the switch (rows before it are answered with the short
+            factors, as greedy decoding answers them), and a chunk sent from 0 that is cancelled
+            (a rejection before it) leaves the stages unsure, so the next chunk starts at 0 too.
     Use: send every chunk of ``next_chunks()``; feed each result to ``on_result``; stop when
     ``done``. ``output`` holds the committed new tokens.
     """
@@ -114,6 +134,7 @@ class SpecLoop:
     depth: int = 1
     prefill_chunk: int = 128
     prefill_depth: int = 4
+    rotary_switch: int | None = None
     epoch: int = 0
     done: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
@@ -136,6 +157,10 @@ class SpecLoop:
         self.replay_token: int | None = None  # after restart(): the ring's token at the driver position
         # the last output token is never fed: positions to feed end at prompt + max_new - 1
         self.feed_end = self.prompt_len + self.max_new_tokens - 1
+        # LongRoPE: the factor set the stages' rows hold once the chunks sent so far are computed:
+        # "short", "long", or None (unknown: a chunk from position 0 that was cancelled)
+        self.rotary = "short"
+        self._long_chunk: int | None = None  # id of the chunk that took the session past the switch
 
     @property
     def output(self) -> list[int]:
@@ -164,7 +189,16 @@ class SpecLoop:
                     break
             # a prefill row's token is known already, except after the prompt's (or replay's) last row
             logits_from = None if start >= self.prefill_end else (end - 1 if end == self.prefill_end else end)
-            chunk = Chunk(self.epoch, self._next_id, start, tuple(self.seq[start:end]), logits_from)
+            send_from, end = self._rotary_chunk(start, end)
+            if end <= start:
+                break
+            if start < self.prefill_end:
+                logits_from = end - 1 if end == self.prefill_end else end
+            if send_from < start:
+                logits_from = start if logits_from is None else logits_from
+            chunk = Chunk(self.epoch, self._next_id, send_from, tuple(self.seq[send_from:end]), logits_from)
+            if self.rotary_switch is not None and send_from == 0:
+                self.rotary, self._long_chunk = ("long", chunk.chunk_id) if end > self.rotary_switch else ("short", None)
             self._next_id += 1
             self.sent_len = end
             self.inflight.append(chunk)
@@ -172,6 +206,34 @@ class SpecLoop:
             self.stats.prefill_chunks += start < self.prefill_end
             out.append(chunk)
         return out
+
+    @property
+    def rotary_long(self) -> bool:
+        """LongRoPE: whether the session went past the switch (its stages' rows hold the long factors)."""
+        return self.rotary == "long"
+
+    def _rotary_chunk(self, start: int, end: int) -> tuple[int, int]:
+        """Where the chunk of rows ``[start, end)`` is sent from, and where it ends, under LongRoPE.
+
+        Returns:
+            ``(send_from, end)``: ``send_from`` 0 where the stages' rows must be recomputed (the
+            chunk's factor set differs from theirs, or is unknown), else ``start``; ``end`` cut back to
+            the switch where rows before it still want answers with the short factors (the result of
+            a prefill row before the prompt's last is never read, so a prefill is not cut).
+        """
+        switch = self.rotary_switch
+        if switch is None:
+            return start, end
+        if self.rotary == "long":
+            return start, end
+        first_answer = max(start, self.prefill_end - 1)  # the first row whose result is read
+        if start < self.prefill_end and self.prefill_end > switch:  # a prompt (or replay) past the switch
+            return 0, max(end, min(self.prefill_end, switch + 1))
+        if end > switch and first_answer < switch:
+            end = switch  # answer the short rows first
+        if end > switch or self.rotary is None:
+            return 0, end
+        return start, end
 
     def on_result(self, chunk_id: int, epoch: int, argmax_ids: Sequence[int]) -> list[int]:
         """Apply the tail's argmax ids for one chunk; return the newly committed tokens.
@@ -220,6 +282,8 @@ class SpecLoop:
             if rejected:
                 self.stats.rejections += 1
                 self.epoch += 1
+                if self._long_chunk is not None and any(c.chunk_id == self._long_chunk for c in self.inflight):
+                    self.rotary, self._long_chunk = None, None  # a stage may or may not have computed it
                 self.inflight.clear()
                 self.sent_len = q + 1  # the correction is fed next, rolling every stage's KV back
                 break
@@ -228,10 +292,14 @@ class SpecLoop:
             self.stats.decode_committed += len(new)
         return new
 
-    def skip_prefix(self, reused: int) -> None:
+    def skip_prefix(self, reused: int) -> int:
         """Start the prefill at position ``reused``: every stage already holds the KV of positions
         ``[0, reused)`` (its prefix cache, issue 17), so those rows are not sent. Only before the first
-        chunk, and never the prompt's last position (its row gives the first new token).
+        chunk, and never the prompt's last position (its row gives the first new token). A prompt past
+        LongRoPE's switch reuses nothing: a prefix cache's rows hold the short factors.
+
+        Returns:
+            The positions skipped: ``reused``, or 0 for a prompt past the switch.
 
         Raises:
             ConfigError: chunks were sent already, or ``reused`` is not in ``[0, prompt_len)``.
@@ -240,7 +308,10 @@ class SpecLoop:
             raise ConfigError("internal: a prefix can only be skipped before the first chunk")
         if not 0 <= reused < self.prompt_len:
             raise ConfigError(f"internal: cannot reuse {reused} positions of a {self.prompt_len}-token prompt")
+        if self.rotary_switch is not None and self.prompt_len > self.rotary_switch:
+            reused = 0
         self.sent_len = reused
+        return reused
 
     def restart(self) -> None:
         """Start over on a fresh session (after a heal): forget speculation and in-flight chunks,
@@ -254,6 +325,7 @@ class SpecLoop:
         self.sent_len = 0
         self.prefill_end = max(self.prompt_len, self.committed_len - 1)
         self.replay_token = None
+        self.rotary, self._long_chunk = "short", None  # a fresh session: nothing held yet
 
     def resume(self) -> int:
         """Go on over the same session after a heal that kept the survivors' KV caches: forget

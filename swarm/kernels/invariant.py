@@ -218,27 +218,76 @@ class RotaryTable:
     model's own rotary module and then looked up, so a position's values never depend on which
     other positions shared the call (vectorized cos/sin give a tensor's tail other bits).
 
+    LongRoPE (Phi-3's ``rope_type: longrope``) has two factor sets, and transformers picks one per
+    forward for every position of it: the short factors while the sequence holds at most
+    ``original_max_position_embeddings`` positions (``switch``), the long ones for all positions once
+    it holds more. A one-position call at p picks by p alone, so the table holds the natural values
+    (short below ``switch``, long from it) and, for a long sequence, the long values below ``switch``.
+
     Args:
         rotary: the family's rotary embedding module (``rotary(x, position_ids) -> (cos, sin)``).
     """
 
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary
+        self.switch = longrope_switch(rotary)  # None: one factor set at every length
         self.cos: torch.Tensor | None = None  # (P, Dh) for positions [0, P)
         self.sin: torch.Tensor | None = None
+        self._long_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (switch, Dh) long cos, sin
 
-    def lookup(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (1, N, Dh) in ``like``'s dtype for (1, N) or (N,) int64 positions."""
+    def lookup(self, like: torch.Tensor, position_ids: torch.Tensor,
+               long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (1, N, Dh) in ``like``'s dtype for (1, N) or (N,) int64 positions.
+
+        ``long_rows``: (N,) bool, LongRoPE only: the rows of sequences longer than ``switch``, which
+        take the long factors below ``switch`` too; None: no such row.
+        """
         flat = position_ids.reshape(-1)
         need = int(flat.max().item()) + 1 if flat.numel() else 0
         have = 0 if self.cos is None else self.cos.shape[0]
         if need > have or self.cos.dtype != like.dtype:
             if self.cos is not None and self.cos.dtype != like.dtype:
-                self.cos = self.sin = None
+                self.cos = self.sin = self._long_head = None
                 have = 0
             parts = [self.rotary(like[:, :1], torch.tensor([[p]], device=like.device)) for p in range(have, need)]
             new_cos = torch.cat([c[0] for c, _ in parts]) if parts else None
             new_sin = torch.cat([s[0] for _, s in parts]) if parts else None
             self.cos = new_cos if self.cos is None else torch.cat([self.cos, new_cos])
             self.sin = new_sin if self.sin is None else torch.cat([self.sin, new_sin])
-        return self.cos[flat].unsqueeze(0), self.sin[flat].unsqueeze(0)
+        cos, sin = self.cos[flat], self.sin[flat]
+        if long_rows is not None and self.switch is not None:
+            swap = long_rows.reshape(-1).to(flat.device) & (flat < self.switch)
+            if bool(swap.any()):
+                long_cos, long_sin = self._long_below_switch(like)
+                cos, sin = cos.clone(), sin.clone()
+                cos[swap], sin[swap] = long_cos[flat[swap]], long_sin[flat[swap]]
+        return cos.unsqueeze(0), sin.unsqueeze(0)
+
+    def _long_below_switch(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Long-factor cos, sin (switch, Dh) of positions [0, switch): one-position calls of the module's
+        undecorated forward with the long inverse frequencies (the ones transformers swaps in)."""
+        if self._long_head is None:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            module = self.rotary
+            raw = type(module).forward.__wrapped__  # without dynamic_rope_update's per-call choice
+            long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, like.device, seq_len=self.switch + 1)
+            kept = module.inv_freq.clone()
+            try:
+                module.inv_freq.copy_(long_inv)
+                parts = [raw(module, like[:, :1], torch.tensor([[p]], device=like.device)) for p in range(self.switch)]
+            finally:
+                module.inv_freq.copy_(kept)
+            self._long_head = (torch.cat([c[0] for c, _ in parts]), torch.cat([s[0] for _, s in parts]))
+        return self._long_head
+
+
+def longrope_switch(rotary: torch.nn.Module) -> int | None:
+    """``original_max_position_embeddings`` of a LongRoPE rotary module (the longest sequence that takes
+    the short factors), or None for any other rotary (one factor set at every length)."""
+    if getattr(rotary, "rope_type", None) != "longrope" or not hasattr(type(rotary).forward, "__wrapped__"):
+        return None
+    config = rotary.config
+    params = getattr(config, "rope_parameters", None) or {}
+    switch = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(switch) if switch else None

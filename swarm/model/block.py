@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.errors import ConfigError, ModelError
+from swarm.errors import ConfigError, ModelError, ProtocolError
 from swarm.kernels import fma, invariant
 from swarm.kernels.invariant import RotaryTable
 from swarm.model import fused, mla, moe, qformats
@@ -336,6 +336,7 @@ class LayerBlock(torch.nn.Module):
         # a plain list: slicing the ModuleList builds a new one, registering each layer again (~0.2 ms a step)
         layers = list(self.layers)[span.start - self.layer_range.start: span.end - self.layer_range.start]
         segs, xs = self._pack(rows, span, head, logits_rows)
+        longs = [self.rotary_long(seg.cache, seg.pos, seg.t) for seg in segs]  # before any cache is touched
         begun = []
         try:
             for seg in segs:
@@ -348,7 +349,11 @@ class LayerBlock(torch.nn.Module):
             position_ids = torch.cat([torch.arange(s.pos, s.pos + s.t, device=self.device) for s in segs]).unsqueeze(0)
             if head and self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
-            rope = self._rope_table.lookup(h, position_ids) if self._rope_table is not None else None
+            rope = None
+            if self._rope_table is not None:
+                long_rows = torch.cat([torch.full((s.t,), flag, dtype=torch.bool) for s, flag in zip(segs, longs)]) \
+                    if any(longs) else None
+                rope = self._rope_table.lookup(h, position_ids, long_rows)
             plan = _Plan(self, segs)
             plans, rows_c = self._fused_rows(h, rope, segs, span)
             rows_of = h  # the (1, N, D) tensor rows_c runs on, in place
@@ -385,7 +390,40 @@ class LayerBlock(torch.nn.Module):
             raise
         for cache in begun:
             cache.commit()
+        if self._rope_table is not None and self._rope_table.switch is not None:
+            for seg, flag in zip(segs, longs):
+                seg.cache.rotary_long = flag
         return [h[:, s.off:s.off + s.t] for s in segs]
+
+    def rotary_long(self, cache, pos: int, t: int) -> bool:
+        """Whether a forward of positions ``[pos, pos + t)`` into ``cache`` takes LongRoPE's long factors.
+
+        The rule is transformers' generate (``Phi3ForCausalLM.prepare_inputs_for_generation``): a
+        sequence of at most ``original_max_position_embeddings`` (the table's ``switch``) positions
+        takes the short factors; a longer one takes the long factors at every position, and generate
+        drops its KV cache the step the sequence first grows past the switch and recomputes the whole
+        sequence with them. So every row's result is that of one forward of its whole sequence. The
+        sequence's length here is the end of the frame this forward belongs to (``cache.frame_end``,
+        set by a stage that computes a frame in slices) or else ``pos + t``; rows ``[0, pos)`` already
+        in the cache must hold the same factor set, which the coordinator sees to by sending the first
+        chunk past the switch from position 0 (:class:`swarm.coordinator.spec.SpecLoop`).
+
+        Returns:
+            True for the long factors; False for the short ones, and for any other rotary.
+        Raises:
+            ProtocolError: the cache's rows ``[0, pos)`` hold the other factor set (the session crossed
+                the switch in a chunk that did not start at position 0).
+        """
+        switch = self._rope_table.switch if self._rope_table is not None else None
+        if switch is None:
+            return False
+        long = max(pos + t, getattr(cache, "frame_end", 0)) > switch
+        if pos > 0 and long != getattr(cache, "rotary_long", False):
+            raise ProtocolError(
+                f"positions [{pos}, {pos + t}) take LongRoPE's {'long' if long else 'short'} factors but the "
+                f"session's {pos} earlier positions hold the other set: a chunk that carries a session past "
+                f"{switch} positions (or back under it) must be sent from position 0")
+        return long
 
     def _fused_rows(self, h: torch.Tensor, rope, segs: list, span: LayerRange):
         """The fused path's plans for ``span``'s layers and the step's rows (they run on ``h`` in place), or

@@ -37,6 +37,10 @@ class KVCache:
         self.version = 0  # bumped whenever a layer's buffers are replaced (grown): addresses held elsewhere go stale
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        # LongRoPE (LayerBlock.rotary_long): whether rows [0, kv_len) hold the long factors, and the end of
+        # the frame the next forward computes a slice of (a stage that slices frames sets it; 0: none)
+        self.rotary_long = False
+        self.frame_end = 0
 
     def begin(self, pos: int, new_tokens: int) -> None:
         """Prepare to write positions ``[pos, pos + new_tokens)``, rolling back if ``pos < kv_len``.

@@ -558,6 +558,7 @@ class Scheduler:
             entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + n]))
             self._long_rows = n
         for s, j, pos, x in entries:
+            s.cache.frame_end = j.msg["pos"] + j.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             if packs or s.batch:
                 groups.setdefault(s.span, []).append((s, j, pos, x))
             else:  # alone, one GEMV per row
@@ -586,6 +587,7 @@ class Scheduler:
             sess, job, slice_rows = piece
             n = min(slice_rows, job.x.shape[1] - job.done)
             pos = job.msg["pos"] + job.done
+            sess.cache.frame_end = job.msg["pos"] + job.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             steps = self.block.forward_steps([(sess.cache, pos, job.x[:, job.done:job.done + n])],
                                              tile=self.tile_of(sess), logits_rows=[_logits_rows(job.msg, pos, n)],
                                              span=sess.span)

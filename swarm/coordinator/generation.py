@@ -108,15 +108,17 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
 
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as host, trio.open_nursery() as nursery:
         ring, route_s = await _ring_client(config, host, nursery, resolved.path, num_layers, len(prompt_ids), digest)
-        stream = Detokenizer(tokenizer)
+        # a completion continues the prompt's text: decoded after it (a SentencePiece word keeps its space)
+        stream = Detokenizer(tokenizer, context=() if config.chat else prompt_ids)
         hooks = [h for h in (on_ids, (lambda ids: on_text(stream.update(ids))) if on_text else None) if h]
         on_ids = (lambda ids: [h(ids) for h in hooks]) if hooks else None
         options = DecodeOptions(config.max_new_tokens, stop, config.spec, drafter, config.sampling, config.wire_dtype,
                                 heal=config.heal, job=job, shadow=config.shadow, prefix_cache=config.prefix_cache)
         decoded = await decode(ring, prompt_ids, options, on_ids=on_ids)
         out, timing = decoded.output_ids, decoded.as_record()
+        tail = stream.update(out, final=True)
         if on_text:
-            on_text(stream.update(out, final=True))
+            on_text(tail)
         infos = ring.infos  # after any heal: the ring that finished the job
         ring_entries = [i.entry() for i in infos]
         parts = timing.pop("receipt_parts", None)
@@ -128,7 +130,7 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
             await offer_for_audit(host, receipt, ring.discovery, config.ring.spares)
         nursery.cancel_scope.cancel()
     result = {
-        "text": tokenizer.decode(out, skip_special_tokens=True),
+        "text": stream.text,
         "prompt_ids": prompt_ids,
         "output_ids": out,
         "new_tokens": len(out),
@@ -688,7 +690,7 @@ class DecodeResult:
 
 
 async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions, *, on_ids=None,
-                 should_stop=None, on_open=None) -> DecodeResult:
+                 should_stop=None, on_open=None, answer_len=None) -> DecodeResult:
     """Generate over a connected ring, speculatively when ``options`` gives a drafter and ``spec.k``.
 
     Prefill goes round in chunks of ``spec.prefill_chunk`` positions, pipelined across stages;
@@ -712,6 +714,10 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
             there (e.g. a stop string appeared, or the client left). ``stopped`` in the result says so.
         on_open: called once the session is open at every stage (the ring admitted it), before
             the prefill (``swarm serve`` sends a streaming response's status only then).
+        answer_len: called with the new ids once generation ended: how many leading ids the answer
+            holds (e.g. up to the one that completed a stop string). Under speculation the last
+            verify chunk may commit ids past it; they are left out of ``output_ids``, the job
+            receipt and what the prefix caches keep, as plain decoding would never have made them.
     Returns:
         a DecodeResult (``as_record()`` gives the dict ``--json`` prints).
     Raises:
@@ -723,7 +729,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     spec, sampling, job = options.spec, options.sampling, options.job
     budget = _context_budget(ring, prompt_ids, options.max_new_tokens)
     loop = SpecLoop(prompt_ids, budget, options.stop_ids, options.drafter or NoDrafter(), k=spec.k, depth=spec.depth,
-                    prefill_chunk=spec.prefill_chunk, rotary_switch=ring.rotary_switch)
+                    prefill_chunk=spec.prefill_chunk)
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
              "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": options.wire_dtype,
              "job": job, "prefix_cache": options.prefix_cache}
@@ -742,13 +748,15 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
             on_open()
         t_first, stopped = await _drive(ring, loop, state, options.heal, recover, on_ids, should_stop)
         t_end = time.perf_counter()
+        out = loop.output
+        if answer_len is not None:
+            out = out[:max(0, min(len(out), answer_len(out)))]
         parts = await _receipt_parts(ring, state["session"]) if job is not None else None
-        if options.prefix_cache and not loop.rotary_long:  # LongRoPE's long rows fit no shorter prompt
-            keep = list(prompt_ids) + list(loop.output)
+        if options.prefix_cache:
+            keep = list(prompt_ids) + list(out)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             await ring.close_session(state["session"], keep=keep)
-    out = loop.output
     decode_s = t_end - t_first if t_first is not None else 0.0  # None: stopped before the first token
     return DecodeResult(
         output_ids=out,
@@ -821,7 +829,8 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
                                              options.wire_dtype, job=options.job, shadow=shadowed,
                                              prefix_ids=list(prompt_ids) if options.prefix_cache else None)
             cached = min(reused, len(prompt_ids) - 1)
-            return loop.skip_prefix(cached)  # 0 for a prompt past LongRoPE's switch
+            loop.skip_prefix(cached)
+            return cached
         except HEALABLE as exc:
             # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
             # tail first, so some stages may hold the session: the heal's reset closes it there, opens a

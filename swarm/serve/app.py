@@ -83,6 +83,7 @@ def build_app(state: ServeState) -> Starlette:
 async def completion(state: ServeState, request: HttpRequest, chat: bool) -> Response:
     """``POST /v1/chat/completions`` (``chat``) or ``/v1/completions``: parse, run, answer (JSON,
     or server-sent events for a stream: ``swarm.serve.stream``)."""
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response
 
     if state.draining:
@@ -92,6 +93,11 @@ async def completion(state: ServeState, request: HttpRequest, chat: bool) -> Res
         # huge request never holds the event loop that streams every other request
         raw = await read_body(request, state.config.max_body_bytes)
         req = await trio.to_thread.run_sync(parse_body, raw, state, chat)
+    except ClientDisconnect:  # the client hung up before its body was in: its doing, not the server's fault
+        log.info("request.abandoned path=%s during=upload", request.url.path)
+        if state.metrics is not None:
+            state.metrics.request_done("abandoned")
+        return Response(status_code=499)
     except ApiError as err:
         if state.metrics is not None:
             state.metrics.request_done("invalid")

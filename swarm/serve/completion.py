@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,8 +38,8 @@ class Detok(Detokenizer):
     """A request's detokenizer (``update(ids)``: the text safe to emit now, held back where a stop
     string might still be forming), carrying its output ids and decode record once the ring is done."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]):
-        super().__init__(tokenizer, stop)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], context: Sequence[int] = ()):
+        super().__init__(tokenizer, stop, context)
         self.ids: list[int] = []
         self.record: dict = {}
 
@@ -77,7 +77,9 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     from swarm.coordinator.generation import DecodeOptions, decode
     from swarm.coordinator.drafters import make_drafter
 
-    detok = Detok(state.tokenizer, req.stop)
+    # a completion continues the prompt's text, so it is decoded after the prompt (a SentencePiece
+    # word keeps its leading space); a chat's answer is a message of its own
+    detok = Detok(state.tokenizer, req.stop, () if req.chat else req.prompt_ids)
     gaps: list[float] = []  # seconds between consecutive tokens as they arrived (inter-token latency)
     arrived = {"n": 0, "t": None}
 
@@ -107,7 +109,8 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
         options = DecodeOptions(req.max_tokens, state.stop_ids, state.config.spec, drafter, req.sampling,
                                 state.config.wire_dtype, prefix_cache=state.config.prefix_cache, job=job)
         decoded = await decode(client, req.prompt_ids, options, on_ids=on_ids, on_open=on_open,
-                               should_stop=lambda ids: detok.hit or (stop is not None and stop.is_set()))
+                               should_stop=lambda ids: detok.hit or (stop is not None and stop.is_set()),
+                               answer_len=lambda ids: detok.hit_at if detok.hit else len(ids))
         detok.ids, detok.record = decoded.output_ids, decoded.as_record()
         healthy = True
         if detok.record.get("heal_events"):

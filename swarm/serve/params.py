@@ -24,6 +24,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+UTF8_BOM = b"\xef\xbb\xbf"
+OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 BE"), (b"\xff\xfe", "UTF-16 LE"),
+              (b"\xfe\xff", "UTF-16 BE"))  # longest first: UTF-32 LE's starts with UTF-16 LE's
 MAX_DEPTH = 32  # JSON nesting a request may have; OpenAI's deepest (content parts, stream_options) is 4
 
 COMMON_HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
@@ -90,13 +93,20 @@ def load_body(raw: bytes) -> Any:
     Returns:
         The parsed document (any JSON value: the caller checks that it is an object).
     Raises:
-        InvalidBody: the bytes are not UTF-8 (names the offset and byte), not JSON (names line and
+        InvalidBody: the bytes are not UTF-8 (names the offset and byte, or the UTF-16 / UTF-32 byte
+            order mark it starts with; a UTF-8 one is skipped), not JSON (names line and
             column; also ``NaN``/``Infinity``, which JSON does not have), nested deeper than
             ``MAX_DEPTH``, or a string holds a lone UTF-16 surrogate (names where).
     """
+    if raw.startswith(UTF8_BOM):  # JSON parsers may ignore it (RFC 8259, 8.1); Windows tools write one
+        raw = raw[len(UTF8_BOM):]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
+        other = next((name for mark, name in OTHER_BOMS if raw.startswith(mark)), None)
+        if other is not None:
+            raise InvalidBody(None, f"the request body is not valid UTF-8: it starts with a {other} byte order "
+                                    "mark (JSON on the network is UTF-8, RFC 8259)") from None
         raise InvalidBody(None, f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
                                 f"{exc.start})") from None
 

@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 256
-
 
 class ApiError(Exception):
     """An error answered in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -47,7 +45,8 @@ class ApiError(Exception):
 
 @dataclass
 class Request:
-    """A validated completion request."""
+    """A validated completion request. ``max_tokens``: the client's, or (none given) what the ring's
+    context leaves after the prompt."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -146,7 +145,8 @@ def _parse(body, state: ServeState, chat: bool) -> Request:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {state.max_ctx}",
                        "messages" if chat else "prompt", "context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, DEFAULT_MAX_TOKENS, 1, 2**31 - 1, integer=True)
+    # without a limit, as OpenAI and vLLM: what the ring's context leaves after the prompt
+    max_tokens = _number(body, name, state.max_ctx - len(prompt_ids), 1, 2**31 - 1, integer=True)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0 or temperature < GREEDY_BELOW:  # both keep only the most likely token: greedy

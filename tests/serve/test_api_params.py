@@ -3,6 +3,8 @@ is silently ignored (table tests of the pure policy in swarm.serve.params)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from swarm.serve.params import (CHAT_HONOURED, CHAT_NOOP, CHAT_REFUSED, COMPLETION_HONOURED, COMPLETION_NOOP,
@@ -117,3 +119,17 @@ def test_load_body_takes_unicode_text_and_refuses_lone_surrogates():
         with pytest.raises(InvalidBody, match="lone surrogate") as err:
             load_body(raw)
         assert err.value.param == "a"
+
+
+def test_load_body_skips_a_utf8_bom_and_names_a_utf16_or_utf32_one():
+    from swarm.serve.params import InvalidBody, load_body
+
+    doc = {"prompt": "caf\u00e9 \ufeff inside", "max_tokens": 3}  # a BOM character inside a string is text
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    assert load_body(b"\xef\xbb\xbf" + raw) == load_body(raw) == doc
+    assert load_body(b"\xef\xbb\xbf\n  " + raw) == doc
+    for encoding, name in (("utf-16", "UTF-16 LE"), ("utf-32", "UTF-32 LE")):
+        with pytest.raises(InvalidBody, match=f"not valid UTF-8: it starts with a {name} byte order mark"):
+            load_body(raw.decode().encode(encoding))
+    with pytest.raises(InvalidBody, match="not valid JSON"):  # one BOM is skipped, not any number
+        load_body(b"\xef\xbb\xbf\xef\xbb\xbf" + raw)

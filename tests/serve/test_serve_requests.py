@@ -285,3 +285,70 @@ def test_typed_special_tokens_in_a_completion_prompt_stay_text(tokenizer, prompt
     assert encode_prompt(tokenizer, prompt, chat=False) == ids  # `swarm coordinate --prompt` too
     plain = parse_request({"prompt": "Once upon a time"}, make_state(tokenizer), chat=False).prompt_ids
     assert plain == list(tokenizer("Once upon a time")["input_ids"])  # text without them: as before
+
+
+# ---- issue 45: the default length, a body with a BOM, a client hanging up during its upload --------------
+
+
+@pytest.mark.parametrize("chat, body", [(True, {"messages": [USER]}), (False, {"prompt": "Once upon a time"}),
+                                        (True, {"messages": [USER], "max_tokens": None}),
+                                        (False, {"prompt": "Once upon a time", "max_completion_tokens": None})])
+def test_without_max_tokens_an_answer_may_fill_the_context(tokenizer, chat, body):
+    """As OpenAI and vLLM: no limit is what the context leaves after the prompt (not 256)."""
+    state = make_state(tokenizer)
+    state.max_ctx = 4096
+    req = parse_request(body, state, chat=chat)
+    assert req.max_tokens == 4096 - len(req.prompt_ids) > 256
+    assert parse_request(body | {"max_tokens": 300}, state, chat=chat).max_tokens == 300
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    (COMPLETIONS, b'\xef\xbb\xbf{"prompt": "x", "temperature": 7}', "temperature"),
+    (COMPLETIONS, b'\xef\xbb\xbf \r\n{"prompt": "x", "max_tokens": 0}', "max_tokens"),  # the BOM, then white space
+    (CHAT, b'\xef\xbb\xbf{"messages": [], "max_tokens": 2}', "messages"),
+])
+def test_a_body_starting_with_a_utf8_bom_is_read_past_it(served, path, raw, param):
+    """The BOM is skipped: the answer is about the request's own fields (here each has a fault, so no
+    ring is needed), not "Unexpected UTF-8 BOM"."""
+    state, client = served
+    message = assert_openai_400(client.post(path, content=raw, headers={"content-type": "application/json"}), param)
+    assert "BOM" not in message and "byte order mark" not in message
+
+
+async def _call_app(app, messages: list[dict]) -> list[dict]:
+    """Run one POST /v1/completions through the ASGI app as hypercorn would: ``messages`` are what
+    the client's connection delivers; returns what the app sent."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": COMPLETIONS, "raw_path": COMPLETIONS.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    incoming, sent = list(messages), []
+
+    async def receive():
+        if incoming:
+            return incoming.pop(0)
+        import trio
+
+        await trio.sleep_forever()
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("received", [[], [b'{"prompt": "Once'], [b'{"prompt": ', b'"Once upon a']])
+def test_a_client_hanging_up_during_its_upload_is_abandoned_not_a_server_error(tokenizer, caplog, received):
+    import logging
+
+    import trio
+
+    state = make_state(tokenizer)
+    messages = [{"type": "http.request", "body": part, "more_body": True} for part in received]
+    caplog.set_level(logging.INFO)
+    sent = trio.run(_call_app, build_app(state), messages + [{"type": "http.disconnect"}])  # does not raise
+    assert state.metrics.requests == {"abandoned": 1}
+    assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert [r.getMessage() for r in caplog.records] == ["request.abandoned path=/v1/completions during=upload"]
+    assert sent[0]["status"] == 499  # no one reads it: logged by hypercorn's access log as what it was

@@ -66,6 +66,7 @@ def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
     class Loop:
         def skip_prefix(self, n):
             self.skipped = n
+            return n
 
     async def never_replaced(exc):  # the heal's re-check: every stage answers, nothing replaced
         return False

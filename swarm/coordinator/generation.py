@@ -729,7 +729,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     spec, sampling, job = options.spec, options.sampling, options.job
     budget = _context_budget(ring, prompt_ids, options.max_new_tokens)
     loop = SpecLoop(prompt_ids, budget, options.stop_ids, options.drafter or NoDrafter(), k=spec.k, depth=spec.depth,
-                    prefill_chunk=spec.prefill_chunk)
+                    prefill_chunk=spec.prefill_chunk, rotary_switch=ring.rotary_switch)
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
              "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": options.wire_dtype,
              "job": job, "prefix_cache": options.prefix_cache}
@@ -752,7 +752,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
         if answer_len is not None:
             out = out[:max(0, min(len(out), answer_len(out)))]
         parts = await _receipt_parts(ring, state["session"]) if job is not None else None
-        if options.prefix_cache:
+        if options.prefix_cache and not loop.rotary_long:  # LongRoPE's long rows fit no shorter prompt
             keep = list(prompt_ids) + list(out)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
@@ -829,8 +829,7 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
                                              options.wire_dtype, job=options.job, shadow=shadowed,
                                              prefix_ids=list(prompt_ids) if options.prefix_cache else None)
             cached = min(reused, len(prompt_ids) - 1)
-            loop.skip_prefix(cached)
-            return cached
+            return loop.skip_prefix(cached)  # 0 for a prompt past LongRoPE's switch
         except HEALABLE as exc:
             # e.g. a stage that died since the last session of a kept client (swarm serve). The open went
             # tail first, so some stages may hold the session: the heal's reset closes it there, opens a

@@ -186,3 +186,68 @@ def test_restart_mid_generation_equals_uninterrupted(fail_after, k, depth):
     assert loop.output == plain_greedy(PROMPT, 30)
     if committed:
         assert loop.replay_token == loop.seq[driver_pos]
+
+
+# LongRoPE (issue 45 item 11): the first chunk past the switch goes from position 0
+
+
+def _shapes(loop: SpecLoop, answers) -> list[tuple[int, int, int]]:
+    """(pos, rows, first_result) of every chunk sent, each answered by ``answers(q)`` for row q, in order."""
+    shapes = []
+    while not loop.done:
+        for c in loop.next_chunks():
+            shapes.append((c.pos, len(c.tokens), c.first_result))
+        c = loop.inflight[0]
+        loop.on_result(c.chunk_id, c.epoch, [answers(q) for q in range(c.first_result, c.pos + len(c.tokens))])
+    return shapes
+
+
+def test_a_generation_crossing_the_rotary_switch_recomputes_from_position_0():
+    loop = SpecLoop(list(range(1, 10)), 10, prefill_chunk=4, rotary_switch=16)
+    shapes = _shapes(loop, lambda q: 50 + q)
+    # prefill, decode rows up to 15 with the short factors, then [0, 17) answering row 16 only
+    assert shapes == [(0, 4, 4), (4, 4, 8), (8, 1, 8), *[(q, 1, q) for q in range(9, 16)], (0, 17, 16),
+                      (17, 1, 17)]
+    assert loop.rotary_long and loop.output == [50 + q for q in range(8, 18)]
+
+
+def test_a_prompt_past_the_rotary_switch_goes_long_in_its_first_chunk_and_reuses_no_prefix():
+    loop = SpecLoop(list(range(1, 22)), 2, prefill_chunk=4, rotary_switch=16)
+    assert loop.skip_prefix(8) == 0  # cached rows hold the short factors
+    assert _shapes(loop, lambda q: 7) == [(0, 17, 17), (17, 4, 20), (21, 1, 21)]
+    short = SpecLoop(list(range(1, 12)), 2, prefill_chunk=4, rotary_switch=16)
+    assert short.skip_prefix(8) == 8 and not short.rotary_long
+
+
+def test_verify_chunks_never_straddle_the_rotary_switch():
+    """Rows before the switch are answered with the short factors (as greedy decoding answers them),
+    so a verify chunk is cut at the switch; the next one goes from 0 with its drafts."""
+    full = list(range(1, 40))
+    loop = SpecLoop(full[:12], 8, drafter=_Script(full), k=3, depth=1, prefill_chunk=16, rotary_switch=16)
+    shapes = _shapes(loop, lambda q: full[q + 1])
+    # rows 12-15 (driver + 3 drafts) end at the switch; then row 16 and its drafts up to the budget, from 0
+    assert shapes == [(0, 12, 11), (12, 4, 12), (0, 19, 16)] and loop.output == full[12:20]
+
+
+def test_a_cancelled_chunk_from_position_0_makes_the_next_one_start_there_too():
+    """A rejection before the chunk that took the session past the switch cancels it: a stage may or
+    may not have computed it, so the next chunk recomputes from 0 (short again here)."""
+    full = list(range(1, 40))
+    wrong = {14}  # the draft at position 14 is wrong: the chunk holding it is rejected there
+    drafter = _Script([t if q not in wrong else 99 for q, t in enumerate(full)])
+    loop = SpecLoop(full[:12], 8, drafter=drafter, k=3, depth=2, prefill_chunk=16, rotary_switch=16)
+    shapes = _shapes(loop, lambda q: full[q + 1])
+    # depth 2: the long chunk flies behind the one rejected at row 13; then row 14 on, from 0, short, up
+    # to the switch, and the crossing again
+    assert shapes == [(0, 12, 11), (12, 4, 12), (0, 19, 16), (0, 16, 14), (0, 19, 16)]
+    assert loop.output == full[12:20] and loop.rotary_long
+
+
+class _Script:
+    name = "script"
+
+    def __init__(self, full):
+        self.full = full
+
+    def propose(self, context, n):
+        return self.full[len(context):len(context) + n]

@@ -1,9 +1,10 @@
 """Who a reader of the swarm shuts out: identities against which it verified a fraud proof itself.
 
 Owns: :class:`Exclusions`. Routing, heals and placement ask it which of the stages they found to leave
-out (``excluded``): it reads the proof against each from the DHT (``SwarmDHT.read_proof``: values
-anyone can write, checked without weights by every DHT node), re-checks it with this process's own
-weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and only then excludes. A proof it
+out (``excluded``): it reads the proofs against each from the DHT (``SwarmDHT.read_proofs``: values
+anyone can write, checked without weights by every DHT node, several per accused), re-checks each with
+this process's own weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and excludes when
+one holds: a framing proof read first does not hide a real one beside it. A proof it
 cannot re-run (no local weights of the range, another class) excludes nobody; a refused proof is
 logged with the reason, and when it framed an honest stage, as evidence against its auditor
 (``refused``); ``judged(peer)`` says which of these befell the proof against a stage (the dashboard).
@@ -41,6 +42,7 @@ class Exclusions:
         self.refused: dict[str, str] = {}  # PeerId -> why the proof against it was refused
         self.unchecked: dict[str, str] = {}  # PeerId -> why the proof against it could not be re-run
         self._judged: dict[str, str] = {}  # proof digest -> "valid" / the refusal line
+        self._checks: dict[str, ProofCheck] = {}  # proof digest -> its check, for those that held
         self._limiter = trio.CapacityLimiter(1)
 
     async def excluded(self, dht, peer_ids: Iterable[str]) -> frozenset[str]:
@@ -64,11 +66,23 @@ class Exclusions:
         return None
 
     async def _check(self, dht, peer: str) -> None:
-        value = await dht.read_proof(peer)
-        if value is None:
-            return
+        read_proofs = getattr(dht, "read_proofs", None)
+        if read_proofs is not None:
+            values = await read_proofs(peer)
+        else:  # a reader of one proof per accused
+            value = await dht.read_proof(peer)
+            values = [] if value is None else [value]
+        for value in values:
+            if peer in self.verified:
+                return
+            await self._judge(peer, value)
+
+    async def _judge(self, peer: str, value: bytes) -> None:
+        """Re-run one proof against ``peer`` (once per digest) and exclude ``peer`` when it holds."""
         digest = hashlib.blake2b(value, digest_size=16).hexdigest()
         if digest in self._judged:
+            if self._judged[digest] == "valid" and peer not in self.verified:  # judged under another read
+                self.verified[peer] = self._checks[digest]
             return
         if self.blocks is None:
             self._judged[digest] = self.unchecked[peer] = "no local weights to re-run the proof"
@@ -86,7 +100,13 @@ class Exclusions:
             log.exception("audit.proof_check_failed accused=%s; not excluded", peer)
             self._judged[digest] = self.unchecked[peer] = "the check failed"
             return
+        if check.accused != peer:  # read under another PeerId's key: no DHT node stores that (a double)
+            self._judged[digest] = self.refused[peer] = f"the proof accuses {check.accused}, not {peer}"
+            return
         self._judged[digest] = "valid"
+        self._checks[digest] = check
         self.verified[peer] = check
+        self.refused.pop(peer, None)
+        self.unchecked.pop(peer, None)
         log.warning("audit.excluded peer=%s layers=%s job=%s: %s", peer, list(check.layers), check.job_id,
                     check.line())

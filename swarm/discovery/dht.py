@@ -8,9 +8,15 @@ the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
 ``placement_key``; ``RecordRefused`` when no node stored it), reading fresh, validated, de-duplicated
 records with a report of the providers that were not live (``read_records``; with
 ``placement=True`` over every placement shard too), and timing round trips to peers.
-Fraud proofs (``swarm.fraud``) live beside the records under ``/swarm-proof/<accused PeerId>``: every
-node checks one without weights before storing it (``publish_proof``, ``read_proof``); excluding the
-accused is for a reader that re-ran the proof (``swarm.auditor.exclusions``).
+Fraud proofs (``swarm.fraud``) live beside the records in ``PROOF_SLOTS`` slots per accused PeerId
+(``proof_key``: ``/swarm-proof/<accused>``, then ``/swarm-proof/<accused>/<i>``): every node checks one
+without weights before storing it, keeps the first proof stored in a slot (a later one never replaces
+it), and a publisher puts its proof in the first slot of each node that is free or already holds it
+(``publish_proof``); a reader gathers the distinct proofs of every slot (``read_proofs``). A node cannot
+tell a framing proof (an auditor's false re-run of an honest row) from a real one without the weights,
+so one framing stored first no longer hides the real proof: only ``PROOF_SLOTS`` of them, at every node
+a reader asks, before the real one arrives, would. Excluding the accused is for a reader that re-ran a
+proof (``swarm.auditor.exclusions``).
 May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.fraud``, ``swarm.transport``,
 ``swarm.discovery.records``, ``.providers``, ``.clock``, ``.lookup``. No torch.
 
@@ -85,6 +91,7 @@ PROTOCOL_ID = "/swarm/kad/1.0.0"
 PINNED_LIBP2P = "0.8.1"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PROOF_NAMESPACE = "swarm-proof"
+PROOF_SLOTS = 8  # proofs kept per accused PeerId at each node, first stored kept (see the module docstring)
 ALL_STAGES_KEY = hashlib.sha256(b"swarm/all-stages/1").hexdigest()  # every stage provides it: `swarm peers`
 PLACEMENT_SHARDS = 16  # provider keys per model that placement reads besides the model's own (issue 31)
 _KAD_MODULES = ("common", "kad_dht", "provider_store", "value_store", "peer_routing")
@@ -180,9 +187,11 @@ def _validator(clock: Callable[[], float], accept_models: frozenset[str] | None)
             return select_record(key, values, now=clock())
 
     class ProofValidator(Validator):
-        """Fraud proofs under ``/swarm-proof/<accused>``: a node stores only a proof whose signatures,
-        openings and binding check (``swarm.fraud.check_proof``: no weights) and that accuses the key's
-        PeerId. Any of several valid proofs serves (the first)."""
+        """Fraud proofs in the slots of ``/swarm-proof/<accused>`` (``proof_key``): a node stores only a proof
+        whose signatures, openings and binding check (``swarm.fraud.check_proof``: no weights) and that
+        accuses the key's PeerId. A slot keeps the proof stored first (select 0: the stored one), so that
+        no later proof, a flood of framings included, pushes a stored one out; a second proof goes to
+        another slot (``SwarmDHT.publish_proof``)."""
 
         def validate(self, key: str, value: bytes) -> None:
             check_proof_value(key, value)
@@ -194,22 +203,23 @@ def _validator(clock: Callable[[], float], accept_models: frozenset[str] | None)
                                strict_validation=True)
 
 
-def proof_key(peer_id: str) -> str:
-    """The DHT key of the fraud proof against a PeerId: ``/swarm-proof/<peer_id>``."""
-    return f"/{PROOF_NAMESPACE}/{peer_id}"
+def proof_key(peer_id: str, slot: int = 0) -> str:
+    """The DHT key of slot ``slot`` (0 .. ``PROOF_SLOTS`` - 1) of the fraud proofs against a PeerId:
+    ``/swarm-proof/<peer_id>`` for slot 0 (where a single proof always lived), ``/swarm-proof/<peer_id>/<slot>``."""
+    return f"/{PROOF_NAMESPACE}/{peer_id}" + (f"/{slot}" if slot else "")
 
 
 def check_proof_value(key: str, value: bytes) -> dict:
     """The proof stored at ``key``, checked without weights (``swarm.fraud.check_proof``).
 
     Raises:
-        ProofRefused: it does not check, or accuses another PeerId than the key names.
+        ProofRefused: it does not check, or accuses another PeerId than the key names (any slot).
     """
     from swarm import fraud
 
     proof = fraud.decode(value)
     fraud.check_proof(proof)
-    if key != proof_key(proof["accused"]):
+    if key not in {proof_key(proof["accused"], slot) for slot in range(PROOF_SLOTS)}:
         raise fraud.refused("malformed", f"a proof against {proof['accused']} stored under {key}")
     return proof
 
@@ -410,41 +420,91 @@ class SwarmDHT:
         return stored
 
     async def publish_proof(self, value: bytes, accused: str, timeout_s: float = 10.0) -> int:
-        """Put a fraud proof (``swarm.fraud.encode``) under ``/swarm-proof/<accused>`` (checked here first).
+        """Put a fraud proof (``swarm.fraud.encode``) in a slot of ``/swarm-proof/<accused>`` (checked here first)
+        at this node, the bootstrap nodes and the nodes closest to the accused's slot 0: at each, in the
+        first slot (``proof_key``) that is free or holds this very proof; a node whose ``PROOF_SLOTS``
+        slots hold other proofs does not store it.
 
         Returns:
-            How many remote DHT nodes stored it.
+            How many remote DHT nodes stored it (or held it already).
         Raises:
             ProofRefused: the proof does not check (never published).
         """
-        key = proof_key(accused)
-        check_proof_value(key, value)
+        check_proof_value(proof_key(accused), value)
+        keys = [proof_key(accused, slot).encode() for slot in range(PROOF_SLOTS)]
         tally = [0, 0]
         with trio.move_on_after(timeout_s):
-            kb = key.encode()
-            self.dht.value_store.put(kb, value)
             store = self.dht.value_store
+            for kb in keys:  # this node's own copy: the first free slot, or the one holding it
+                held = store.get(kb)
+                if held is None:
+                    store.put(kb, value)
+                if held is None or held.value == value:
+                    break
 
             async def send(peer) -> bool:
-                return await store._store_at_peer(peer, kb, value) or await store._get_from_peer(peer, kb) == value
+                for kb in keys:
+                    if await store._store_at_peer(peer, kb, value):
+                        return True
+                    held = await store._get_from_peer(peer, kb)
+                    if held == value:
+                        return True
+                    if held is None:  # refused and holds nothing there: it does not take the proof at all
+                        return False
+                log.info("dht.proof_slots_full accused=%s peer=%s slots=%d", accused, peer, PROOF_SLOTS)
+                return False
 
-            await self._spread(kb, send, tally)
+            await self._spread(keys[0], send, tally)
         log.info("dht.proof_published accused=%s stored=%d asked=%d", accused, *tally)
         return tally[0]
 
-    async def read_proof(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
-        """A proof against ``peer_id`` that checks without weights, from this node's store or the bootstrap
-        nodes (where every publish stores it); None when there is none."""
-        key = proof_key(peer_id)
-        local = self.dht.value_store.store.get(key.encode())
-        values = ([] if local is None else [local[0].value]) + await self._from_bootstrap(key, timeout_s)
-        for v in values:
+    async def read_proofs(self, peer_id: str, timeout_s: float = 3.0) -> list[bytes]:
+        """The distinct proofs against ``peer_id`` that check without weights, from the slots of this node's
+        store and of the bootstrap nodes' (where every publish stores them); [] when none.
+
+        A node fills its slots in order (``publish_proof``), so each node's slots are read until the
+        first empty one: one request per node when there is no proof, the common case.
+        """
+        keys = [proof_key(peer_id, slot) for slot in range(PROOF_SLOTS)]
+        found: list[tuple[int, bytes]] = []  # (slot, value)
+        for slot, key in enumerate(keys):
+            local = self.dht.value_store.store.get(key.encode())
+            if local is None:
+                break
+            found.append((slot, local[0].value))
+
+        async def from_peer(peer) -> None:
+            for slot, key in enumerate(keys):
+                try:
+                    async with self._bootstrap_slots:  # a libp2p node resets requests beyond 12 in flight
+                        got = await self.dht.value_store._get_from_peer(peer, key.encode())
+                except Exception as e:  # unreachable or not serving: another node may hold it
+                    log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer, e)
+                    return
+                if got is None:
+                    return
+                found.append((slot, got))
+
+        with trio.move_on_after(timeout_s):
+            async with trio.open_nursery() as nursery:
+                for info in self.bootstrap:
+                    nursery.start_soon(from_peer, info.peer_id)
+        out: dict[bytes, None] = {}
+        for slot, v in sorted(found, key=lambda sv: sv[0]):
+            if v in out:
+                continue
             try:
-                check_proof_value(key, v)
-                return v
+                check_proof_value(keys[slot], v)
+                out[v] = None
             except SwarmError as e:
                 log.info("dht.proof_rejected accused=%s reason=%s", peer_id, e)
-        return None
+        return list(out)
+
+    async def read_proof(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
+        """The first of ``read_proofs``: a proof against ``peer_id`` that checks without weights; None when
+        there is none (``swarm peers``: whether any proof is published)."""
+        proofs = await self.read_proofs(peer_id, timeout_s)
+        return proofs[0] if proofs else None
 
     async def _spread(self, kb: bytes, send, tally: list[int] | None = None) -> None:
         """Run ``send(peer) -> bool`` at the bootstrap nodes at once and at the closest nodes to

@@ -159,3 +159,50 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
     why = got["refused"][proofs["honest"]]
     assert "honest stage framed" in why and f"evidence against auditor {proofs['liar']}" in why
     assert got["blind"] == frozenset()  # no local weights: no proof is re-run, nobody is excluded
+
+
+def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proofs):
+    """Issue 45 item 15: framings of the cheater (signed, checking without weights, re-runs refuse them)
+    published before the real proof: one (the report), and PROOF_SLOTS - 1 by as many keys; each node
+    keeps several proofs per accused, the first stored never replaced, and a reader judges each. Only a
+    flood filling every slot of a node before the real proof arrives keeps it out there (the stated bound)."""
+    from swarm.discovery.dht import PROOF_SLOTS
+
+    real = proofs["real"]
+    accused = real["accused"]
+    floods = {"one framing first": 1, "PROOF_SLOTS - 1 framings first": PROOF_SLOTS - 1,
+              "every slot framed first": PROOF_SLOTS}
+    got: dict = {}
+
+    async def one_swarm(case: str, framings: int) -> None:
+        async with AsyncExitStack() as stack:
+            boot_host = await stack.enter_async_context(open_host(create_new_key_pair()))
+            await stack.enter_async_context(open_dht(boot_host, server=True))
+            addr = boot_host.addrs()[0]
+            nodes = []
+            for _ in range(3):
+                host = await stack.enter_async_context(open_host(create_new_key_pair()))
+                nodes.append(await stack.enter_async_context(open_dht(host, server=False, bootstrap=[addr])))
+            framer, auditor, reader = nodes
+            framed = [fraud.encode(_framed(real, create_new_key_pair())) for _ in range(framings)]
+            stored = [await framer.publish_proof(v, accused) for v in framed]
+            stored.append(await auditor.publish_proof(fraud.encode(real), accused))
+            stored.append(await framer.publish_proof(framed[0], accused))  # once more: held already, no new slot
+            shut_out = Exclusions(Blocks(model_dir))
+            excluded = await shut_out.excluded(reader, [accused])
+            got[case] = (stored, excluded, len(await reader.read_proofs(accused)), shut_out.judged(accused))
+
+    async def main():
+        with trio.fail_after(120):
+            for case, framings in floods.items():
+                await one_swarm(case, framings)
+
+    _run(main)
+    for case in ("one framing first", "PROOF_SLOTS - 1 framings first"):
+        stored, excluded, read, judged = got[case]
+        assert all(n >= 1 for n in stored), (case, stored)
+        assert excluded == frozenset({accused}), (case, judged)
+        assert read == floods[case] + 1 and judged["proof"] == "excluded", case
+    stored, excluded, read, judged = got["every slot framed first"]
+    assert stored[-2] == 0 and read == PROOF_SLOTS  # the bound: the real proof found every slot taken
+    assert excluded == frozenset() and "honest stage framed" in judged["why"]

@@ -80,3 +80,60 @@ def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
     assert ring.opened[0] == "s0" and ring.closed == ["s0"] and state["session"] == ring.opened[1] != "s0"
     with pytest.raises(StageLost, match="while opening the session"):  # paused at every try: it says so
         run_open(OPEN_ATTEMPTS)
+
+
+def test_ids_committed_past_the_answer_leave_the_output_and_the_kept_prefix():
+    """Issue 45 item 7: a verify chunk accepted whole commits drafts past the id that completed a stop
+    string; ``answer_len`` cuts them from the output (usage, receipts) and from what the stages keep."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from swarm.config import SpecConfig
+    from swarm.coordinator.generation import decode
+
+    prompt, target = [1, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    script = prompt + target  # the tail's greedy token after every position
+
+    class Ring:  # the tail answers each chunk from the script; every stage is one object
+        infos = [SimpleNamespace(index=0, max_ctx=64, rows_proven=True, dtype="float32")]
+        rotary_switch = None
+
+        def __init__(self):
+            self.results, self.kept = [], None
+
+        async def open_session(self, *args, **kwargs):
+            return 0
+
+        async def send_chunk(self, session, chunk):
+            first = chunk.first_result
+            self.results.append({"chunk": chunk.chunk_id, "epoch": chunk.epoch,
+                                 "token_ids": [script[q + 1] for q in range(first, chunk.pos + len(chunk.tokens))]})
+
+        async def next_result(self, session):
+            return self.results.pop(0)
+
+        async def cancel(self, session, epoch):
+            pass
+
+        async def close_session(self, session, timeout_s=5.0, keep=None):
+            self.kept = keep
+
+    class Oracle:  # drafts exactly what the tail will say: every draft is accepted
+        name = "oracle"
+
+        def propose(self, context, n):
+            return script[len(context):len(context) + n]
+
+    def run(answer_len):
+        ring, seen = Ring(), []
+        options = DecodeOptions(len(target), spec=SpecConfig(draft="ngram", k=4), drafter=Oracle(), prefix_cache=True)
+        result = trio.run(lambda: decode(ring, prompt, options, on_ids=lambda ids: seen.append(list(ids)),
+                                         should_stop=lambda ids: len(ids) >= 2, answer_len=answer_len))
+        return result, ring.kept, seen
+
+    result, kept, seen = run(answer_len=lambda ids: 2)
+    assert len(seen[-1]) > 2  # one chunk committed past the answer
+    assert result.output_ids == target[:2] and kept == prompt + target[:2]
+    result, kept, seen = run(answer_len=None)  # without it: everything committed, as before
+    assert result.output_ids == seen[-1] == target[:len(seen[-1])] and kept == prompt + seen[-1]

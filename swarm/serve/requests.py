@@ -43,10 +43,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
+
+
 @dataclass
 class Request:
-    """A validated completion request. ``max_tokens``: the client's, or (none given) what the ring's
-    context leaves after the prompt."""
+    """A validated completion request. ``max_tokens``: the client's, or (none given) for a chat what the
+    ring's context leaves after the prompt, for a completion ``COMPLETION_DEFAULT_MAX_TOKENS``."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -145,8 +148,10 @@ def _parse(body, state: ServeState, chat: bool) -> Request:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the ring's maximum context is {state.max_ctx}",
                        "messages" if chat else "prompt", "context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    # without a limit, as OpenAI and vLLM: what the ring's context leaves after the prompt
-    max_tokens = _number(body, name, state.max_ctx - len(prompt_ids), 1, 2**31 - 1, integer=True)
+    # without a limit, as OpenAI and vLLM: a chat may use what the ring's context leaves after the prompt,
+    # a completion COMPLETION_DEFAULT_MAX_TOKENS (the legacy API's default, and vLLM's)
+    default = state.max_ctx - len(prompt_ids) if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, state.max_ctx - len(prompt_ids))
+    max_tokens = _number(body, name, default, 1, 2**31 - 1, integer=True)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0 or temperature < GREEDY_BELOW:  # both keep only the most likely token: greedy

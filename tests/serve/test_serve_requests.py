@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from swarm.serve.app import build_app
 from swarm.serve.config import ServeConfig, check_origins
-from swarm.serve.requests import ApiError, parse_request
+from swarm.serve.requests import COMPLETION_DEFAULT_MAX_TOKENS, ApiError, parse_request
 from swarm.serve.state import ServeState
 
 LLAMA2_TEMPLATE = (
@@ -294,11 +294,12 @@ def test_typed_special_tokens_in_a_completion_prompt_stay_text(tokenizer, prompt
                                         (True, {"messages": [USER], "max_tokens": None}),
                                         (False, {"prompt": "Once upon a time", "max_completion_tokens": None})])
 def test_without_max_tokens_an_answer_may_fill_the_context(tokenizer, chat, body):
-    """As OpenAI and vLLM: no limit is what the context leaves after the prompt (not 256)."""
+    """As OpenAI and vLLM: a chat without a limit may use what the context leaves after the prompt (not
+    256); a completion gets the legacy API's 16."""
     state = make_state(tokenizer)
     state.max_ctx = 4096
     req = parse_request(body, state, chat=chat)
-    assert req.max_tokens == 4096 - len(req.prompt_ids) > 256
+    assert req.max_tokens == (4096 - len(req.prompt_ids) if chat else COMPLETION_DEFAULT_MAX_TOKENS)
     assert parse_request(body | {"max_tokens": 300}, state, chat=chat).max_tokens == 300
 
 

@@ -140,6 +140,22 @@ class RetentionStore:
             log.info("audit.retention_adopted dir=%s kept=%d dropped=%d", self.spill_dir, kept, dropped)
         return kept
 
+    def spill_all(self) -> int:
+        """Move every job held in memory to the spill directory, oldest first (a stage draining before a
+        restart: the next run takes them over, :meth:`adopt`); the disk bound evicts as a spill always
+        does. Returns how many were written (0 without a spill directory)."""
+        if self.spill_dir is None:
+            return 0
+        written = 0
+        for key in list(self._jobs):
+            entry = self._jobs[key]
+            self._drop(key)
+            if self._spill(key, entry):
+                written += 1
+            else:
+                self._forget(key)
+        return written
+
     def __len__(self) -> int:
         return len(self._jobs) + len(self._disk)
 

@@ -417,7 +417,8 @@ class StageServer:
 
     async def drain(self, timeout_s: float) -> dict:
         """Stop admitting sessions, let the open ones finish for up to ``timeout_s``, fail the rest
-        with the reason "draining". Returns the DRAINED payload."""
+        with the reason "draining", and move the jobs retained in memory to ``--audit-retention-dir``
+        (if any; ``RetentionStore.spill_all``). Returns the DRAINED payload."""
         self.draining = True
         t0 = trio.current_time()
         before = len(self.sessions)
@@ -431,6 +432,11 @@ class StageServer:
             await try_send(sess.reply, self._error(
                 f"stage {self.block.layer_range} is draining (shutting down): the session did not finish within "
                 f"{timeout_s:g} s", "unavailable", sess.session_id, why="draining"))
+        # the rows of recent jobs outlive the process where --audit-retention-dir keeps them: the next run
+        # under this key takes them over, so audits of jobs before a restart still open (issue 45 item 18)
+        spilled = self.audits.store.spill_all()  # in this thread: audits may still read the store
+        if spilled:
+            log.info("stage.retention_spilled jobs=%d dir=%s", spilled, self.audits.store.spill_dir)
         return {"layers": self.block.layer_range.as_list(), "sessions_finished": before - len(failed),
                 "sessions_failed": len(failed), "waited_s": round(trio.current_time() - t0, 3)}
 

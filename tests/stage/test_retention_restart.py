@@ -139,10 +139,13 @@ def test_the_tally_file_sums_unavailable_apart_and_reads_old_files(tmp_path):
 
 @pytest.mark.ring
 @pytest.mark.slow
-def test_a_stage_restarted_under_its_key_passes_audits_of_spilled_jobs_and_is_unavailable_for_the_rest(tmp_path):
+@pytest.mark.parametrize("stop", ["drained", "killed"])
+def test_a_stage_restarted_under_its_key_passes_audits_of_spilled_jobs_and_is_unavailable_for_the_rest(tmp_path,
+                                                                                                      stop):
     """The report, in process: one stage (layers [0, 4), --audit-retention-dir) runs two jobs, the older spilled
-    to the directory; the stage stops and starts again with the same key and directory; an auditor's audit
-    of the spilled job passes, of the job that was only in memory is ``unavailable``; neither is failed."""
+    to the directory; the stage stops (drained, as SIGTERM does, or killed) and starts again with the same
+    key and directory; an auditor's audit of the spilled job passes; of the job that was in memory it passes
+    after a drain (the drain spills it) and is ``unavailable`` after a kill; neither is failed."""
     from swarm.auditor.judge import Blocks
     from swarm.auditor.run import Auditor
     from swarm.errors import collapse
@@ -165,6 +168,8 @@ def test_a_stage_restarted_under_its_key_passes_audits_of_spilled_jobs_and_is_un
                 store.max_bytes = store.nbytes + 1  # room for one job of this size: the first goes to a file
                 _, (second,) = await _job(spec, model_dir, tmp_path, "job-b")
                 got["spilled"] = store.spilled
+                if stop == "drained":
+                    await servers[0].drain(1.0)
                 nursery.cancel_scope.cancel()  # the stage stops (its memory is gone)
             async with trio.open_nursery() as nursery:
                 spec, servers = await start_ring(nursery, model_dir, [(0, 4)], tmp_path, audit_retention_dir=spill,
@@ -186,6 +191,10 @@ def test_a_stage_restarted_under_its_key_passes_audits_of_spilled_jobs_and_is_un
         raise collapse(group) from None
     assert got["spilled"] == 1
     assert got["spilled job"].outcome == "passed", got["spilled job"].line()
+    if stop == "drained":
+        assert got["in-memory job"].outcome == "passed", got["in-memory job"].line()
+        assert got["counts"] == {"audited": 2, "passed": 2, "failed": 0}
+        return
     assert got["in-memory job"].outcome == "unavailable", got["in-memory job"].line()
     assert "(re)started" in got["in-memory job"].reason
     assert got["counts"] == {"audited": 1, "passed": 1, "failed": 0, "unavailable": 1}

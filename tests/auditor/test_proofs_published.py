@@ -164,14 +164,15 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
 def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proofs):
     """Issue 45 item 15: framings of the cheater (signed, checking without weights, re-runs refuse them)
     published before the real proof: one (the report), and PROOF_SLOTS - 1 by as many keys; each node
-    keeps several proofs per accused, the first stored never replaced, and a reader judges each. Only a
-    flood filling every slot of a node before the real proof arrives keeps it out there (the stated bound)."""
+    keeps several proofs per accused, the first stored never replaced (a flood after the real proof leaves
+    it in place), and a reader judges each. Only a flood filling every slot of a node before the real
+    proof arrives keeps it out there (the stated bound)."""
     from swarm.discovery.dht import PROOF_SLOTS
 
     real = proofs["real"]
     accused = real["accused"]
     floods = {"one framing first": 1, "PROOF_SLOTS - 1 framings first": PROOF_SLOTS - 1,
-              "every slot framed first": PROOF_SLOTS}
+              "every slot framed first": PROOF_SLOTS, "the real proof, then a flood": PROOF_SLOTS + 2}
     got: dict = {}
 
     async def one_swarm(case: str, framings: int) -> None:
@@ -185,8 +186,12 @@ def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof
                 nodes.append(await stack.enter_async_context(open_dht(host, server=False, bootstrap=[addr])))
             framer, auditor, reader = nodes
             framed = [fraud.encode(_framed(real, create_new_key_pair())) for _ in range(framings)]
-            stored = [await framer.publish_proof(v, accused) for v in framed]
-            stored.append(await auditor.publish_proof(fraud.encode(real), accused))
+            if case == "the real proof, then a flood":
+                stored = [await auditor.publish_proof(fraud.encode(real), accused)]
+                stored += [await framer.publish_proof(v, accused) for v in framed]
+            else:
+                stored = [await framer.publish_proof(v, accused) for v in framed]
+                stored.append(await auditor.publish_proof(fraud.encode(real), accused))
             stored.append(await framer.publish_proof(framed[0], accused))  # once more: held already, no new slot
             shut_out = Exclusions(Blocks(model_dir))
             excluded = await shut_out.excluded(reader, [accused])
@@ -203,6 +208,9 @@ def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof
         assert all(n >= 1 for n in stored), (case, stored)
         assert excluded == frozenset({accused}), (case, judged)
         assert read == floods[case] + 1 and judged["proof"] == "excluded", case
+    stored, excluded, read, judged = got["the real proof, then a flood"]  # a flood cannot push a stored one out
+    assert stored[0] >= 1 and stored[PROOF_SLOTS - 1] >= 1 and stored[PROOF_SLOTS:PROOF_SLOTS + 3] == [0, 0, 0]
+    assert excluded == frozenset({accused}) and read == PROOF_SLOTS
     stored, excluded, read, judged = got["every slot framed first"]
     assert stored[-2] == 0 and read == PROOF_SLOTS  # the bound: the real proof found every slot taken
     assert excluded == frozenset() and "honest stage framed" in judged["why"]

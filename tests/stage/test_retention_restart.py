@@ -198,3 +198,59 @@ def test_a_stage_restarted_under_its_key_passes_audits_of_spilled_jobs_and_is_un
     assert got["in-memory job"].outcome == "unavailable", got["in-memory job"].line()
     assert "(re)started" in got["in-memory job"].reason
     assert got["counts"] == {"audited": 1, "passed": 1, "failed": 0, "unavailable": 1}
+
+
+@pytest.mark.ring
+@pytest.mark.process
+@pytest.mark.slow
+def test_swarm_audit_of_a_job_before_a_restart_says_unavailable_and_exits_0(tmp_path):
+    """The report as a user runs it: a stage serves a job, is stopped (killed: its memory is gone) and
+    started again under the same key at the same address; ``swarm audit run`` prints UNAVAILABLE, not
+    REFUSED, exits 0 and its tally counts the stage unavailable, not failed."""
+    import json
+    from pathlib import Path
+
+    from swarm.config import StageConfig
+    from swarm.errors import collapse
+    from swarm.model.block import load_block
+    from swarm.model.resolve import model_manifest_digest
+    from swarm.ranges import LayerRange
+    from swarm.stage.daemon import serve
+    from swarm.stage.server import StageServer
+    from swarm.transport import load_or_create_key
+    from tests.support.cli import run_swarm
+    from tests.support.models import make_synthetic
+    from tests.support.ring import signed_job, start_ring
+
+    model_dir = make_synthetic("llama", tmp_path / "model", "float64")
+    got: dict = {}
+
+    async def main():
+        with trio.fail_after(240):
+            async with trio.open_nursery() as nursery:
+                spec, _ = await start_ring(nursery, model_dir, [(0, 4)], tmp_path)
+                res = await signed_job(spec, model_dir, tmp_path, [1 + i % 50 for i in range(20)], tmp_path / "r", 4)
+                nursery.cancel_scope.cancel()
+            listen = spec.stages[0].addr.split("/p2p/")[0]  # the same address: the receipt's ring names it
+            async with trio.open_nursery() as nursery:
+                r = LayerRange(0, 4)
+                server = StageServer(StageConfig(model=str(model_dir), layers=r),
+                                     load_block(model_dir, r, dtype="float64", device="cpu"), Path(model_dir).name,
+                                     model_manifest_digest(model_dir))
+                await nursery.start(serve, server, load_or_create_key(tmp_path / "s0-4.key"), listen)
+                got["run"] = await trio.to_thread.run_sync(lambda: run_swarm(
+                    "audit", "run", res["path"], "--model", str(model_dir), "--rate", "1", "--key",
+                    str(tmp_path / "aud.key"), "--tally", str(tmp_path / "tally.json"), timeout=180))
+                got["peer"] = server.host.peer_id
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:
+        raise collapse(group) from None
+    run = got["run"]
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert f"UNAVAILABLE stage {got['peer'][:16]}" in run.stdout and "REFUSED" not in run.stdout, run.stdout
+    assert "0 stage(s) failed, 1 unavailable" in run.stderr
+    assert json.loads((tmp_path / "tally.json").read_text())[got["peer"]] == {
+        "audited": 0, "passed": 0, "failed": 0, "unavailable": 1}

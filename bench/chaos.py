@@ -417,7 +417,10 @@ class Soak:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(self.model)
-            self.ref_texts = [tok.decode(ref, skip_special_tokens=True) for _, ref in self.refs]
+            from swarm.coordinator.text import Detokenizer
+
+            # a completion's text continues its prompt (decoded after the prompt's last ids, as the product does)
+            self.ref_texts = [Detokenizer(tok, context=ids).decode(ref) for ids, ref in self.refs]
             self.start_serve()
         started_s = time.monotonic() - self.t0
         print(f"chaos: {len(self.slots)} stages up in {started_s:.1f} s; soaking {self.args.minutes} min",

@@ -569,7 +569,8 @@ class RingOps:
         self.state["session"] = uuid.uuid4().hex
         await self.ring.open_session(self.state["session"], self.state["max_len"], self.state["sampling"],
                                      self.state["wire_dtype"], job=self.state["job"],
-                                     prefix_ids=[] if self.state.get("prefix_cache") else None)
+                                     prefix_ids=[] if self.state.get("prefix_cache") else None,
+                                     prefix_salt=self.state.get("prefix_salt") or "")
 
     async def replay(self, prefix) -> int | None:
         loop = self.loop
@@ -618,6 +619,11 @@ class DecodeOptions:
             leading positions every stage still holds from an earlier session of this coordinator
             (``cached_tokens``), and at the end each stage keeps the KV of prompt + output for the
             next one (a chat's next turn). Same output bits as without (resumed == fresh).
+        prefix_salt: with ``prefix_cache``, the scope of this generation's prefix blocks: it is mixed
+            into the namespace every stage roots its block keys in, so blocks are reused only by a
+            later generation of this coordinator with the same salt ("" is a scope too: the unsalted
+            one). ``swarm serve`` puts a request's ``cache_salt`` (or ``user``) here, so neither
+            ``cached_tokens`` nor the prefill time tells one client another's prompt.
     Raises:
         ConfigError: ``max_new_tokens`` is negative.
     """
@@ -632,10 +638,13 @@ class DecodeOptions:
     job: dict | None = None
     shadow: bool = False
     prefix_cache: bool = False
+    prefix_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not isinstance(self.prefix_salt, str):
+            raise ConfigError(f"prefix_salt must be a string, got {type(self.prefix_salt).__name__}")
         object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
         if self.spec is None:
             object.__setattr__(self, "spec", SpecConfig())
@@ -732,7 +741,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
                     prefill_chunk=spec.prefill_chunk, rotary_switch=ring.rotary_switch)
     state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
              "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": options.wire_dtype,
-             "job": job, "prefix_cache": options.prefix_cache}
+             "job": job, "prefix_cache": options.prefix_cache, "prefix_salt": options.prefix_salt}
     ops = RingOps(ring, loop, state)
     shadowed = options.heal and options.shadow and await ops.prepare_shadows() > 0
     heal_events: list[HealEvent] = []
@@ -827,7 +836,8 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
         try:
             reused = await ring.open_session(state["session"], state["max_len"], state["sampling"],
                                              options.wire_dtype, job=options.job, shadow=shadowed,
-                                             prefix_ids=list(prompt_ids) if options.prefix_cache else None)
+                                             prefix_ids=list(prompt_ids) if options.prefix_cache else None,
+                                             prefix_salt=options.prefix_salt)
             cached = min(reused, len(prompt_ids) - 1)
             return loop.skip_prefix(cached)  # 0 for a prompt past LongRoPE's switch
         except HEALABLE as exc:

@@ -70,6 +70,7 @@ class RingClient:
         self.segments: dict[str, list[dict]] = {}
         self.repaired_epoch: dict[str, int] = {}
         self.prefixed: set[str] = set()  # sessions opened with a prefix: a replacement stage gets one too
+        self.prefix_salts: dict[str, str] = {}  # session -> its prefix salt (a replacement's namespace has it too)
         self.net = RingLinks(host, ring, hop_timeout_s=hop_timeout_s, connect_timeout_s=connect_timeout_s,
                              model_id=model_id, on_tail_result=self._ledger_result,
                              repaired_epoch=lambda session: self.repaired_epoch.get(session, -1))
@@ -142,14 +143,15 @@ class RingClient:
 
     async def open_session(self, session: str, max_len: int, sampling: dict | None = None,
                            wire_dtype: str | None = None, job: dict | None = None, shadow: bool = False,
-                           prefix_ids: list[int] | None = None) -> int:
+                           prefix_ids: list[int] | None = None, prefix_salt: str = "") -> int:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
         receipt digests for the session, and so does this client (``ledgers``). With ``shadow``, the
         session is first opened as a shadow at the warm spares in ``shadows`` (each position's
         predecessor then mirrors what it sends on to it; this client mirrors the head's token ids).
         With ``prefix_ids`` (the prompt), each stage may fill the session's KV cache from its prefix
-        cache (docs/protocol.md, "Prefix reuse").
+        cache (docs/protocol.md, "Prefix reuse"), within the scope ``prefix_salt`` (see
+        ``prefix_namespace``): blocks kept under another salt are never reused.
 
         Returns:
             positions ``[0, n)`` every stage already holds (0 without ``prefix_ids``, or with a shadow:
@@ -157,6 +159,8 @@ class RingClient:
         """
         if job is not None:
             self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
+        if prefix_ids is not None:
+            self.prefix_salts[session] = prefix_salt
         opened = await self.repair.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
         mirrors = {i - 1: (link.spec.addr, link.info.layers[1]) for i, link in opened.items() if i > 0}
         reused = await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job,
@@ -167,16 +171,19 @@ class RingClient:
         self.sent[session] = -1
         return reused
 
-    def prefix_namespace(self, index: int, wire_dtype: str | None) -> str:
+    def prefix_namespace(self, index: int, wire_dtype: str | None, salt: str = "") -> str:
         """What scopes the prefix cache of the stage at ring ``index``: a digest of the model, the wire
         dtype and the stages before it (PeerId, layers, dtype): the hidden states it receives depend
         on all of them, so KV cached behind another path is never reused (the stage adds its own
-        layers, dtype, GEMM tile and this coordinator's PeerId)."""
+        layers, dtype, GEMM tile and this coordinator's PeerId); and of ``salt`` (the request's cache
+        salt, issue 45 item 16): every block key of the stage chains from this digest, so sessions of
+        different salts share no block, and the stage never sees the salt itself. "" (no salt) gives
+        the namespace of before salts existed."""
         import hashlib
 
         upstream = [[x.peer_id, list(x.layers), x.dtype] for x in self.infos[:index]]
-        text = repr([self.net.model_digest, wire_dtype or "stage", upstream])
-        return hashlib.sha256(text.encode()).hexdigest()
+        scope = [self.net.model_digest, wire_dtype or "stage", upstream] + ([["salt", salt]] if salt else [])
+        return hashlib.sha256(repr(scope).encode()).hexdigest()
 
     async def open_at(self, positions, session: str, max_len: int, sampling: dict | None = None,
                       wire_dtype: str | None = None, job: dict | None = None, mirrors: dict | None = None,
@@ -213,7 +220,8 @@ class RingClient:
             if mirrors and i in mirrors:
                 extra["mirror"], extra["mirror_until"] = mirrors[i]
             if prefix_ids is not None:
-                extra["prefix"] = {"ids": list(prefix_ids), "ns": self.prefix_namespace(i, wire_dtype)}
+                extra["prefix"] = {"ids": list(prefix_ids),
+                                   "ns": self.prefix_namespace(i, wire_dtype, self.prefix_salts.get(session, ""))}
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             link = self.links[i]
@@ -259,6 +267,7 @@ class RingClient:
         self.returned.pop(session, None)
         self.sent.pop(session, None)
         self.prefixed.discard(session)
+        self.prefix_salts.pop(session, None)
         self.ledgers.pop(session, None)
         self.segments.pop(session, None)
         self.repaired_epoch.pop(session, None)

@@ -107,7 +107,8 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     healthy = False
     try:
         options = DecodeOptions(req.max_tokens, state.stop_ids, state.config.spec, drafter, req.sampling,
-                                state.config.wire_dtype, prefix_cache=state.config.prefix_cache, job=job)
+                                state.config.wire_dtype, prefix_cache=state.config.prefix_cache, job=job,
+                                prefix_salt=req.cache_scope)
         decoded = await decode(client, req.prompt_ids, options, on_ids=on_ids, on_open=on_open,
                                should_stop=lambda ids: detok.hit or (stop is not None and stop.is_set()),
                                answer_len=lambda ids: detok.hit_at if detok.hit else len(ids))

@@ -8,8 +8,9 @@ only; ``swarm.serve.requests`` turns :class:`ParamRefused` into a 400 in OpenAI'
 - ``null`` means "the default" for every optional field (the field is dropped before any check).
 - Honoured fields are checked and used by ``swarm.serve.requests.parse_request``.
 - A no-op field is accepted and ignored: it cannot change the generated text (bookkeeping such as
-  ``user`` or ``metadata``, or a hint such as ``prediction``, which OpenAI defines as not changing
-  the output).
+  ``metadata``, or a hint such as ``prediction``, which OpenAI defines as not changing the output).
+  ``user`` and ``cache_salt`` do not change the text either, but are honoured: they decide which
+  requests share the stages' prefix caches (``swarm.serve.requests.cache_scope``).
 - A refused field gets a 400 naming it unless it carries its neutral value (``tools: []``,
   ``logprobs: false``, ``response_format: {"type": "text"}``, ...), which changes nothing.
 - An unknown field gets a 400 naming it, as OpenAI answers "Unrecognized request argument".
@@ -30,13 +31,13 @@ OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 
 MAX_DEPTH = 32  # JSON nesting a request may have; OpenAI's deepest (content parts, stream_options) is 4
 
 COMMON_HONOURED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                             "stream_options", "n"})
+                             "stream_options", "n", "cache_salt", "user"})  # the last two scope the prefix caches
 CHAT_HONOURED = COMMON_HONOURED | {"messages", "max_completion_tokens"}
 COMPLETION_HONOURED = COMMON_HONOURED | {"prompt"}
 
-CHAT_NOOP = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+CHAT_NOOP = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                        "prompt_cache_retention", "parallel_tool_calls", "prediction", "verbosity"})
-COMPLETION_NOOP = frozenset({"user"})
+COMPLETION_NOOP: frozenset[str] = frozenset()
 
 
 def _neutral_tool_choice(value: Any) -> bool:

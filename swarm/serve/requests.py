@@ -44,6 +44,8 @@ class ApiError(Exception):
 
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt has no bound; a salt only needs to be unguessable
+MAX_USER_CHARS = 256  # OpenAI's user: "a unique identifier representing your end-user"
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Request:
     stream: bool
     include_usage: bool
     chat: bool
+    cache_scope: str = ""  # which requests share prefix-cache blocks (``cache_scope``); "" = the shared pool
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -179,7 +182,46 @@ def _parse(body, state: ServeState, chat: bool) -> Request:
         sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), seed=int(seed))
     except ConfigError as exc:  # not reached with the checks above; its text names command-line flags
         raise ApiError(400, f"'temperature', 'top_p' or 'seed' is out of range ({exc})", "temperature") from None
-    return Request(prompt_ids, max_tokens, sampling, stop, stream, bool(opts.get("include_usage")), chat)
+    scope = cache_scope(_bounded_text(body, "cache_salt", MAX_CACHE_SALT_CHARS, empty=False),
+                        _bounded_text(body, "user", MAX_USER_CHARS, empty=True))
+    return Request(prompt_ids, max_tokens, sampling, stop, stream, bool(opts.get("include_usage")), chat, scope)
+
+
+def _bounded_text(body: dict, name: str, max_chars: int, empty: bool) -> str | None:
+    """``body[name]`` checked to be a string of at most ``max_chars`` characters (non-empty unless
+    ``empty``), or None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_chars or (not empty and not value):
+        least = 0 if empty else 1
+        raise ApiError(400, f"'{name}' must be a string of {least}..{max_chars} characters, got {_shown(value)}", name)
+    return value
+
+
+def cache_scope(cache_salt: str | None, user: str | None) -> str:
+    """Which requests share the stages' prefix caches: only those with the same scope (the coordinator
+    mixes it into the namespace that roots every stage's block keys, so blocks, ``cached_tokens`` and the
+    prefill time saved never cross scopes).
+
+    Args:
+        cache_salt: the request's ``cache_salt`` (vLLM's field): requests with the same salt share,
+            whatever their ``user``; a salt shares with no request without it.
+        user: the request's ``user`` (OpenAI's end-user id), used when there is no salt: requests of
+            the same user share.
+    Returns:
+        "" for a request with neither (the one pool such requests share, as before salts existed),
+        else a SHA-256 hex digest, tagged so that a salt never equals a ``user`` of the same text.
+    """
+    import hashlib
+
+    if cache_salt is not None:
+        tagged = "cache_salt\n" + cache_salt
+    elif user:
+        tagged = "user\n" + user
+    else:
+        return ""
+    return hashlib.sha256(tagged.encode("utf-8")).hexdigest()
 
 
 def _shown(value) -> str:

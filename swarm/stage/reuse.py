@@ -42,7 +42,8 @@ class PrefixReuse:
         self.cache_mb, self.block_tokens, self.budget_bytes = cache_mb, block_tokens, budget_bytes
         self.reservations, self.block, self.limiter, self.tile_of = reservations, block, limiter, tile_of
         self.store = PrefixStore(block_tokens, budget_bytes=self.allowed)
-        self.storing: set = set()  # trio.Events of sessions' KV being kept in the prefix cache now
+        # trio.Event -> namespace, of sessions' KV being kept in the prefix cache now
+        self.storing: dict[trio.Event, str] = {}
 
     def allowed(self) -> int:
         """Bytes the prefix cache may hold now: ``--prefix-cache-mb``, and within ``--kv-budget-mb``
@@ -74,9 +75,13 @@ class PrefixReuse:
         reused, rolling the others back to it."""
         store, ids = self.store, prefix["ids"]
         sess.prefix_ns = self.namespace(sess, prefix["ns"])
-        if self.storing and ids:  # a session closed just before (a chat's previous turn) is still being kept
+        # a session closed just before in this namespace (a chat's previous turn) is still being kept; one of
+        # another namespace (another salt or coordinator) is not waited for: its blocks are none of this
+        # session's, and the wait would tell this client that someone just finished (issue 45 item 16)
+        pending = [done for done, ns in self.storing.items() if ns == sess.prefix_ns]
+        if pending and ids:
             with trio.move_on_after(5.0):
-                for done in list(self.storing):
+                for done in pending:
                     await done.wait()
         keys = store.lookup(sess.prefix_ns, ids, len(ids) - 1) if len(ids) > 1 else []  # [] only names the scope
         if not keys:
@@ -96,13 +101,13 @@ class PrefixReuse:
             return self.store.store(sess.prefix_ns, keep, sess.cache, min(sess.cache.kv_len, len(keep) - 1))
 
         done = trio.Event()
-        self.storing.add(done)
+        self.storing[done] = sess.prefix_ns
         try:
             stored = await trio.to_thread.run_sync(store, limiter=self.limiter)
         except Exception:  # a cache that cannot be kept costs a later prefill, never this stage
             log.exception("prefix.store_failed session=%s", sess.session_id)
             return
         finally:
-            self.storing.discard(done)
+            self.storing.pop(done, None)
             done.set()
         log.debug("prefix.stored session=%s blocks=%d", sess.session_id, stored)

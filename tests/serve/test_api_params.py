@@ -63,9 +63,9 @@ def test_a_field_that_would_change_the_answer_is_refused_by_name(chat, field, va
     (True, "tools", []), (True, "tool_choice", "none"), (True, "tool_choice", "auto"),
     (True, "response_format", {"type": "text"}), (True, "modalities", ["text"]), (True, "logprobs", False),
     (True, "top_logprobs", 0), (True, "presence_penalty", 0), (True, "frequency_penalty", 0.0),
-    (True, "logit_bias", {}), (True, "user", "u-1"), (True, "metadata", {"a": "b"}), (True, "store", True),
+    (True, "logit_bias", {}), (True, "metadata", {"a": "b"}), (True, "store", True),
     (True, "parallel_tool_calls", True), (True, "service_tier", "auto"), (True, "prediction", {"type": "content"}),
-    (False, "echo", False), (False, "best_of", 1), (False, "suffix", ""), (False, "user", "u-1"),
+    (False, "echo", False), (False, "best_of", 1), (False, "suffix", ""),
 ])
 def test_neutral_values_and_no_ops_are_accepted_and_dropped(chat, field, value):
     base = CHAT if chat else COMPLETION
@@ -76,6 +76,12 @@ def test_honoured_fields_pass_through():
     body = {**CHAT, "max_tokens": 4, "temperature": 0, "top_p": 0.9, "seed": 1, "stop": ["x"], "stream": True,
             "stream_options": {"include_usage": True}, "n": 1, "max_completion_tokens": 3}
     assert check_fields(body, True) == body
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_cache_salt_and_user_pass_through_they_scope_the_prefix_caches(chat):
+    body = {**(CHAT if chat else COMPLETION), "cache_salt": "s-1", "user": "u-1"}
+    assert check_fields(body, chat) == body
 
 
 def test_message_fields_other_than_role_content_name_are_refused():

@@ -1,14 +1,17 @@
 """Binding a command's HTTP socket before any slow start-up work. Standard library only.
 
 Owns: ``bind_tcp`` (``swarm serve``, ``swarm dashboard``, ``swarm demo --serve`` bind their HOST:PORT
-first, so a taken port fails in one line within a second instead of after the model has loaded) and
-``hypercorn_bind`` (hands the bound socket to hypercorn). libp2p listen addresses are checked by
-``swarm.transport.host.check_listen_addrs``.
+first, so a taken port fails in one line within a second instead of after the model has loaded; they
+serve it with ``swarm.serve.guard.serve_http``) and ``quiet_accept_errors`` (trio's accept loops, libp2p's
+among them, log running out of descriptors once per condition, not a traceback every 0.1 s).
+libp2p listen addresses are checked by ``swarm.transport.host.check_listen_addrs``.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 
 from swarm.errors import ListenError
 
@@ -46,7 +49,39 @@ def bind_tcp(host: str, port: int, *, flag: str = "--port", backlog: int = 128) 
     return sock
 
 
-def hypercorn_bind(sock: socket.socket) -> str:
-    """The hypercorn ``bind`` entry that serves on ``sock`` (``fd://N``). hypercorn then owns the socket:
-    ``sock`` is detached and must not be used or closed again."""
-    return f"fd://{sock.detach()}"
+class OncePerCondition(logging.Filter):
+    """Lets the first record of each condition (a message and its first argument, e.g. trio's "accept
+    returned EMFILE") through, without its traceback, then drops its repeats for ``interval_s`` and says
+    how many there were on the next one let through."""
+
+    def __init__(self, interval_s: float = 60.0, clock=time.monotonic):
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self.last: dict[tuple, float] = {}
+        self.dropped: dict[tuple, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        key = (record.msg, args[0] if args else None)
+        now = self.clock()
+        if key in self.last and now - self.last[key] < self.interval_s:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            return False
+        self.last[key] = now
+        record.exc_info, record.exc_text = None, None  # the condition, not where in trio it was seen
+        repeats = self.dropped.pop(key, 0)
+        if repeats:
+            record.msg, record.args = f"{record.msg} (%d more since the last such line)", (*args, repeats)
+        return True
+
+
+_ACCEPT_FILTER = OncePerCondition()
+
+
+def quiet_accept_errors(logger_name: str = "trio.serve_listeners") -> None:
+    """Make trio's accept loops (``trio.serve_listeners``: hypercorn's, libp2p's) log a failing accept
+    (``EMFILE``, ``ENFILE``, ...) once per condition and minute instead of a traceback every retry.
+    Idempotent."""
+    logger = logging.getLogger(logger_name)
+    if _ACCEPT_FILTER not in logger.filters:
+        logger.addFilter(_ACCEPT_FILTER)

@@ -352,6 +352,17 @@ def _serve_parser(sub) -> None:
                            "do not cut it as idle; a queued stream gets its 200 after this long (default 15; 0: never)")
     life.add_argument("--max-body-mb", type=float, default=8.0,
                       help="refuse larger request bodies (413) before parsing them (default 8)")
+    life.add_argument("--header-timeout-s", type=float, default=10.0,
+                      help="close a connection whose request line and headers are not in this long after it opened "
+                           "or after its previous answer (slow headers, idle keep-alive) (default 10)")
+    life.add_argument("--body-timeout-s", type=float, default=60.0,
+                      help="answer 408 and close a connection whose request body is not in this long after its "
+                           "headers, however steadily it trickles (default 60)")
+    life.add_argument("--max-connections", type=int, default=None,
+                      help="client connections open at once; at the cap the oldest one still sending its request (or "
+                           "idle) is closed for a new one, so /health and new requests still get in (default: the "
+                           "open-file limit less max(128, a quarter of it) kept for the ring, receipts and heals, "
+                           "e.g. 128 under ulimit -n 256, at most 4096)")
     life.add_argument("--drain-timeout-s", type=float, default=30.0,
                       help="on SIGTERM: refuse new requests (503), let open ones finish this long, then end the rest "
                            "(streams with an error event and [DONE]) and exit 0 (default 30); Ctrl-C ends them at "
@@ -738,7 +749,9 @@ def cmd_serve(args) -> int:
         hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, max_concurrency=args.max_concurrency,
         bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache, receipt_dir=args.receipt_dir,
         dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits)
+        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits,
+        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections)
     from swarm.listen import bind_tcp
 
     sock = bind_tcp(config.host, config.port)  # before anything loads: a taken port fails at once
@@ -774,12 +787,15 @@ def cmd_serve(args) -> int:
 
 
 def cmd_dashboard(args) -> int:
+    from functools import partial
+
     import trio
     from hypercorn.config import Config as HyperConfig
-    from hypercorn.trio import serve as hyper_serve
 
     from swarm.config import cache_root
+    from swarm.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
     from swarm.serve.dashboard import SwarmCoverage, receipts_app
+    from swarm.serve.guard import default_max_connections, serve_http
     from swarm.errors import ConfigError
 
     if args.receipts is None and not args.bootstrap:
@@ -788,19 +804,22 @@ def cmd_dashboard(args) -> int:
         raise ConfigError(f"--receipts {args.receipts}: not a directory")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    from swarm.listen import bind_tcp, hypercorn_bind
+    from swarm.listen import bind_tcp
 
     sock = bind_tcp(args.host, args.port)  # before joining the DHT: a taken port fails at once
     config = HyperConfig()
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # as serve: its start line once, via logging
+    config.keep_alive_timeout = DEFAULT_HEADER_TIMEOUT_S  # slow clients bounded as swarm serve's defaults
 
     async def serve(coverage=None):
         async with trio.open_nursery() as nursery:
             if coverage is not None:
                 await nursery.start(coverage.run)
-            config.bind = [hypercorn_bind(sock)]  # hypercorn owns the socket from here
-            binds = await nursery.start(hyper_serve, receipts_app(args.receipts, coverage), config)
+            binds = await nursery.start(partial(  # serve_http owns the socket from here
+                serve_http, receipts_app(args.receipts, coverage), config, sock,
+                max_connections=default_max_connections(), body_timeout_s=DEFAULT_BODY_TIMEOUT_S,
+                shutdown_trigger=trio.sleep_forever))
             what = [f"receipts {args.receipts}"] if args.receipts else []
             what += [f"swarm via {args.bootstrap[0]}"] if args.bootstrap else []
             print(f"swarm dashboard: {binds[0]}/dashboard ({', '.join(what)}); Ctrl-C stops", flush=True)

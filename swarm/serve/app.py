@@ -290,7 +290,7 @@ async def serve_api(ring: RingSpec, config: ServeConfig | None = None, *, listen
     try:
         return await _serve_api(ring, config, sock, shutdown, task_status)
     finally:
-        if sock.fileno() != -1:  # not handed to hypercorn (a failure before listening)
+        if sock.fileno() != -1:  # a failure before listening (serve_http closes it otherwise)
             sock.close()
 
 
@@ -425,19 +425,27 @@ async def _listen(state: ServeState, sock: socket.socket, ring_entries: list[dic
     """Serve ``build_app(state)`` with Hypercorn on ``sock`` until cancelled, or until ``shutdown``
     is requested: then drain, stop listening and return the drain's result."""
     from hypercorn.config import Config as HyperConfig
-    from hypercorn.trio import serve as hyper_serve
 
-    from swarm.listen import hypercorn_bind
+    from swarm.listen import quiet_accept_errors
+    from swarm.serve.guard import default_max_connections, serve_http
 
     config = HyperConfig()
-    config.bind = [hypercorn_bind(sock)]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 5.0  # after a drain: the last events of the streams still go out
+    # hypercorn's idle timer runs from a connection's accept (or its last answer) to the next request's
+    # headers: the header deadline and the keep-alive timeout in one; the body's is guard_app's
+    config.keep_alive_timeout = state.config.header_timeout_s
+    max_connections = state.config.max_connections or default_max_connections()
+    quiet_accept_errors()  # the ring's accept loops (libp2p) too: one line per condition, not a traceback a try
+    log.info("serve.http max_connections=%d header_timeout_s=%g body_timeout_s=%g", max_connections,
+             state.config.header_timeout_s, state.config.body_timeout_s)
     stop_listening, stopped = trio.Event(), trio.Event()
 
     async def http(task_status=trio.TASK_STATUS_IGNORED):
-        await hyper_serve(build_app(state), config, shutdown_trigger=stop_listening.wait, task_status=task_status)
+        await serve_http(build_app(state), config, sock, max_connections=max_connections,
+                         body_timeout_s=state.config.body_timeout_s, shutdown_trigger=stop_listening.wait,
+                         task_status=task_status)
         stopped.set()
 
     binds = await state.nursery.start(http)

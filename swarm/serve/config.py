@@ -18,6 +18,8 @@ from swarm.errors import ConfigError
 DEFAULT_MAX_BODY_MB = 8.0  # --max-body-mb: a text prompt that fits any ring's context is far smaller
 DEFAULT_KEEPALIVE_S = 15.0  # --keepalive-s: under the idle timeouts of common proxies (nginx 60 s, ALB 60 s)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s, as the stages'
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # --header-timeout-s: a request line and headers are a few hundred bytes
+DEFAULT_BODY_TIMEOUT_S = 60.0  # --body-timeout-s: --max-body-mb's 8 MiB at ~1 Mbit/s
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class ServeConfig:
         cors_origins: browser origins (``scheme://host[:port]`` or ``*``) allowed to call the API.
         audit_tally: an auditor's tally file (``--audits``; ``swarm.auditor.tally``): the dashboard shows
             audited / passed / failed per stage.
+        header_timeout_s: a connection's request line and headers are due this long after it opens or
+            after its previous answer (also the idle keep-alive timeout), seconds.
+        body_timeout_s: a request's body is due this long after its headers, else 408, seconds.
+        max_connections: client connections open at once (None: the open-file limit less headroom for
+            the ring, receipts and heals: ``swarm.serve.guard.default_max_connections``).
     Raises:
         ConfigError: a value out of range, naming its flag.
     """
@@ -65,6 +72,9 @@ class ServeConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     cors_origins: tuple[str, ...] = ()
     audit_tally: Path | None = None
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -76,9 +86,12 @@ class ServeConfig:
                 raise ConfigError(f"{flag} must be a number >= 0, got {value}")
         if not 0 < self.max_body_mb < math.inf:
             raise ConfigError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
-        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s"):
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s", "header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
-            if not value > 0:  # also refuses NaN
+            finite = name in ("header_timeout_s", "body_timeout_s")  # a deadline a trickle cannot outlast
+            if not value > 0 or finite and value == math.inf:  # also refuses NaN
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
         object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
         object.__setattr__(self, "cors_origins", check_origins(self.cors_origins))

@@ -530,8 +530,10 @@ def dial_failure(error: BaseException, peer_id: str) -> str:
         or ``/dns`` name does not resolve (``swarm.transport.names``);
         "is not at that address: something answers there, but not as <peer_id> ..." when the
         address is reached but the key behind it is another (a wrong or stale ``/p2p/`` PeerId,
-        e.g. a node that started again with a new key); "is unreachable: nothing accepts
-        connections there (...)" when the TCP connect failed; else "is unreachable: " and
+        e.g. a node that started again with a new key); "cannot be dialed from here: this process is
+        out of file descriptors ..." when no socket could be opened (EMFILE, ENFILE: our fault, not the
+        peer's); "is unreachable: nothing accepts connections there (...)" when the TCP connect failed;
+        else "is unreachable: " and
         libp2p's own text with each address's error.
     """
     text = str(error) or type(error).__name__
@@ -542,10 +544,13 @@ def dial_failure(error: BaseException, peer_id: str) -> str:
             continue
         seen.add(id(e))
         texts.append(str(e))
-        todo += [*getattr(e, "errors", ()), e.__cause__, e.__context__]
+        todo += [*getattr(e, "errors", ()), *getattr(e, "exceptions", ()), e.__cause__, e.__context__]
     unresolved = next((t for t in texts if t.startswith("cannot resolve ")), None)
     if unresolved is not None:
         return f"cannot be dialed: {unresolved.splitlines()[0][:200]}"
+    if any("Too many open files" in t or "[Errno 23]" in t for t in texts):  # EMFILE / ENFILE: ours, not theirs
+        return ("cannot be dialed from here: this process is out of file descriptors (EMFILE), so no socket could be "
+                "opened and the peer may be fine (raise ulimit -n; swarm serve: lower --max-connections)")
     if any("failed to upgrade security" in t for t in texts):
         return (f"is not at that address: something answers there, but not as {peer_id[-8:]} (the Noise "
                 "handshake failed), so the /p2p/ PeerId in the address is probably wrong or stale; a node started "

@@ -17,6 +17,7 @@ def test_the_defaults_are_valid_and_match_the_flags():
     assert (config.keepalive_s, config.max_body_mb, config.drain_timeout_s) == (15.0, DEFAULT_MAX_BODY_MB, 30.0)
     assert config.max_body_bytes == 8 * 2**20
     assert config.listed_receipts is None
+    assert (config.header_timeout_s, config.body_timeout_s, config.max_connections) == (10.0, 60.0, None)
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -30,6 +31,9 @@ def test_the_defaults_are_valid_and_match_the_flags():
     ({"max_body_mb": math.inf}, "--max-body-mb must be > 0"),
     ({"hop_timeout_s": 0.0}, "--hop-timeout-s must be a positive number of seconds"),
     ({"heartbeat_s": math.nan}, "--heartbeat-s must be a positive number of seconds"),
+    ({"header_timeout_s": 0.0}, "--header-timeout-s must be a positive number of seconds"),
+    ({"body_timeout_s": math.inf}, "--body-timeout-s must be a positive number of seconds"),
+    ({"max_connections": 0}, "--max-connections must be >= 1, got 0"),
     ({"cors_origins": ("https://app.example/",)}, "--cors-origin 'https://app.example/' is not an origin"),
 ])
 def test_a_bad_setting_is_refused_naming_its_flag(fields, says):

@@ -10,6 +10,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``stream``      server-sent events: the status after the ring's decision, chunks, keep-alives
 - ``pool``        ``ClientPool``: ring clients with open streams, one per request in flight; rerouting
 - ``lifecycle``   hang-ups, ``Shutdown`` and signals, the drain
+- ``guard``       ``serve_http``: hypercorn over a capped listener; header and body deadlines, slow and idle clients
 - ``params``      which OpenAI request fields are honoured, accepted as no-ops, or refused; body loading
 - ``health``      ``ring_health``: every stage of the ring asked for its info
 - ``metrics``     ``ServeMetrics``: Prometheus metrics and the recent requests the dashboard shows

@@ -5,7 +5,8 @@ Owns: which chain of stages a client uses (``plan_route``), what replaces a lost
 (``plan_placement``) and whether a running stage should move to another block (``should_move``).
 Inputs are ``Holder``s, built elsewhere from the signed records stages announce on the DHT; this
 module only decides. No torch, no trio, no sockets, no clock: every measurement (RTT, throughput,
-load, free KV cache) comes in as data.
+load, free KV cache) comes in as data. A record's throughput is the stage's claim: routing prefers what
+the client measured itself (``attribute_round_ms``) and bounds what it has not (``unmeasured_floor_ms``).
 
 Sources: Petals (Borzunov et al. 2023, "Distributed Inference and Fine-tuning of Large Language
 Models Over The Internet", arXiv 2312.08361, section 3): a client picks the chain of servers with
@@ -27,6 +28,12 @@ from swarm.errors import ConfigError, SwarmError
 
 HOLDER_STATES = ("joining", "online", "draining")
 LOAD_PENALTY_PER_SESSION = 0.25  # each open session slows a stage's compute by a quarter (a queueing guess)
+# A record's throughput_tps is a claim: a stage may announce any number (issue 45 item 17: one announcing
+# 1e9 tok/s, or only 1,500, took 10 of 10 routes while 10x slower than the honest stage). Routing believes
+# what the client measured itself, and bounds every claim it has not measured:
+CLAIM_SPREAD = 4.0  # an unmeasured claim counts at most this many times faster than the median claim
+UNMEASURED_MARGIN = 1.1  # ... and at least this much slower than the fastest credible stage the client measured
+OVERCLAIM_FACTOR = 4.0  # a stage measured this many times slower than it claims is an overclaimer (no anchor)
 _NO_RTT: Mapping[str, float] = MappingProxyType({})
 
 Span = tuple[int, int]
@@ -120,12 +127,78 @@ class Route:
         return f"{chain} ({self.cost_ms:.1f} ms)"
 
 
+def claimed_layer_ms(h: Holder) -> float | None:
+    """Compute ms per layer per decode step that ``h``'s record claims (None: it claims nothing, 0)."""
+    return 1000.0 / h.throughput_tps / (h.layers[1] - h.layers[0]) if h.throughput_tps > 0 else None
+
+
+def overclaimed(h: Holder, measured_ms: float) -> bool:
+    """Whether ``measured_ms`` (per layer, as the client measured ``h``) is over ``OVERCLAIM_FACTOR`` times
+    what ``h`` claims. A stage that claims nothing never overclaims."""
+    claim = claimed_layer_ms(h)
+    return claim is not None and measured_ms > OVERCLAIM_FACTOR * claim
+
+
+def unmeasured_floor_ms(holders: Iterable[Holder], measured_layer_ms: Mapping[str, float]) -> float:
+    """The fewest ms per layer an unmeasured stage is charged, whatever it claims.
+
+    The larger of: the median claim (the slower one of two middle values, so one liar of two does
+    not set it) / ``CLAIM_SPREAD``, over the online holders that claim a throughput; and the fastest
+    per-layer ms the client measured on one of ``holders`` that delivered its claim (measured within
+    ``OVERCLAIM_FACTOR`` of it), times ``UNMEASURED_MARGIN`` (an unverified claim never beats a verified
+    stage). A stage that overclaimed, or claimed nothing, is no anchor: a slowed liar measured first
+    must not make honest claims count as slow as it is. The price: a stage faster than every credible
+    one measured is not tried by this client until those measurements expire.
+
+    Args:
+        holders: the records. measured_layer_ms: the client's measurements, PeerId -> ms per layer.
+    Returns:
+        ms per layer per decode step; 0.0 when nothing bounds the claims.
+    """
+    holders = list(holders)
+    claims = sorted(ms for h in holders if h.state == "online" and (ms := claimed_layer_ms(h)) is not None)
+    by_claims = claims[len(claims) // 2] / CLAIM_SPREAD if claims else 0.0
+    credible = [measured_layer_ms[h.peer_id] for h in holders if h.peer_id in measured_layer_ms
+                and claimed_layer_ms(h) is not None and not overclaimed(h, measured_layer_ms[h.peer_id])]
+    by_measured = min(credible) * UNMEASURED_MARGIN if credible else 0.0
+    return max(by_claims, by_measured)
+
+
+def attribute_round_ms(hops: Sequence[tuple[str, Span]], round_ms: float, network_ms: float) -> dict[str, float]:
+    """Per-layer ms of each hop's peer from one whole-route timing.
+
+    The ring reports no per-hop timing the client could check, so a round's compute time (its wall
+    time less the network's share) is spread evenly over the route's layers: every hop of a route is
+    charged the route's mean ms per layer. A slow stage also slows its route's other hops' figures;
+    a later route without it clears them.
+
+    Args:
+        hops: ``(PeerId, [start, end))`` of each hop, in ring order.
+        round_ms: wall ms of one decode round around the route (decode time / rounds).
+        network_ms: the part of ``round_ms`` spent on the wire (the client's RTT estimates).
+    Returns:
+        PeerId -> ms per layer per decode step (>= 0.001).
+    Raises:
+        ConfigError: no hops, an empty hop, or a negative or non-finite time.
+    """
+    layers = sum(e - s for _, (s, e) in hops)
+    if not hops or any(e <= s for _, (s, e) in hops):
+        raise ConfigError(f"cannot attribute a round to hops {list(hops)!r}: none, or an empty layer range")
+    for name, value in (("round_ms", round_ms), ("network_ms", network_ms)):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name} = {value!r} is not a finite number >= 0")
+    per_layer = max(round_ms - network_ms, 0.0) / layers
+    return {peer: max(per_layer, 0.001) for peer, _ in hops}
+
+
 @dataclass(frozen=True)
 class _CostModel:
     client_rtt_ms: Mapping[str, float]
     context_tokens: int
     default_rtt_ms: float
     default_layer_ms: float
+    measured_layer_ms: Mapping[str, float] = field(default_factory=lambda: _NO_RTT)
+    floor_ms: float = 0.0  # ``unmeasured_floor_ms``
 
     def rtt_ms(self, peer_id: str | None, peer: Holder | None, cand: Holder) -> float:
         """Round trip between ``cand`` and ``peer_id`` (None: the client): what ``peer`` measured to
@@ -138,10 +211,12 @@ class _CostModel:
         return self.client_rtt_ms.get(cand.peer_id, self.default_rtt_ms)
 
     def layer_ms(self, h: Holder) -> float:
-        """Compute ms per layer per decode step on ``h``, with its load penalty."""
-        base = self.default_layer_ms
-        if h.throughput_tps > 0:  # measured over the whole block
-            base = 1000.0 / h.throughput_tps / (h.layers[1] - h.layers[0])
+        """Compute ms per layer per decode step on ``h``, with its load penalty: what the client measured
+        on it, else its claim (or ``default_layer_ms`` without one) no lower than ``floor_ms``."""
+        base = self.measured_layer_ms.get(h.peer_id)
+        if base is None:
+            claim = claimed_layer_ms(h)
+            base = max(self.default_layer_ms if claim is None else claim, self.floor_ms)
         return base * (1.0 + LOAD_PENALTY_PER_SESSION * h.sessions)
 
     def kv_fits(self, h: Holder, num_layers: int) -> bool:
@@ -161,6 +236,16 @@ def _check_holders(holders: Sequence[Holder], num_layers: int | None) -> dict[st
                               f"the model has {num_layers} layers [0, {num_layers})")
         by_id[h.peer_id] = h
     return by_id
+
+
+def _cost_model(by_id: Mapping[str, Holder], client_rtt_ms: Mapping[str, float], context_tokens: int,
+                default_rtt_ms: float, default_layer_ms: float, measured_layer_ms: Mapping[str, float]) -> _CostModel:
+    for peer, ms in measured_layer_ms.items():
+        if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ConfigError(f"measured_layer_ms[{peer}] = {ms!r} is not a finite number > 0")
+    measured = MappingProxyType(dict(measured_layer_ms))
+    return _CostModel(client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms, measured,
+                      unmeasured_floor_ms(by_id.values(), measured))
 
 
 def _gaps(spans: Iterable[Span], lo: int, hi: int) -> list[Span]:
@@ -288,7 +373,7 @@ def _explain(by_id: Mapping[str, Holder], lo: int, hi: int, exclude: frozenset[s
 
 def plan_route(holders: Sequence[Holder], num_layers: int, *, client_rtt_ms: Mapping[str, float] = _NO_RTT,
                context_tokens: int = 0, exclude: frozenset[str] = frozenset(), default_rtt_ms: float = 50.0,
-               default_layer_ms: float = 10.0) -> Route:
+               default_layer_ms: float = 10.0, measured_layer_ms: Mapping[str, float] = _NO_RTT) -> Route:
     """The cheapest route over decoder layers ``[0, num_layers)``.
 
     Shortest path over states (layer boundary, previous holder), as Petals does over server spans
@@ -300,6 +385,10 @@ def plan_route(holders: Sequence[Holder], num_layers: int, *, client_rtt_ms: Map
     1000 / throughput_tps / block length, or ``default_layer_ms`` when throughput is unknown. A hop
     whose known free KV cache is below context_tokens * kv_bytes_per_token_layer * (b - a) is not
     allowed. The route's cost adds the last hop's way back to the client (its client RTT / 2).
+    A record's throughput is a claim: where the client measured a holder (``measured_layer_ms``) that
+    measurement is its per-layer ms; an unmeasured holder's claim (or default) counts no faster than
+    ``unmeasured_floor_ms``: at most ``CLAIM_SPREAD`` times faster than the median claim, and slower
+    than the fastest credible stage the client measured (issue 45 item 17).
     Ties: fewer hops, then PeerIds in order. A peer never serves two consecutive hops; it may
     serve two separate ones when the holders between are fast enough to pay for the extra trips.
     Settled boundary by boundary (``_cheapest_chain``): work grows with holders x boundaries, not
@@ -314,24 +403,28 @@ def plan_route(holders: Sequence[Holder], num_layers: int, *, client_rtt_ms: Map
         exclude: PeerIds never to use (failed, distrusted).
         default_rtt_ms: round trip assumed where none was measured.
         default_layer_ms: compute ms per layer per decode step where throughput is unknown.
+        measured_layer_ms: compute ms per layer per decode step the client measured, PeerId -> ms
+            (``attribute_round_ms``).
     Returns:
         The Route; its hops tile [0, num_layers) in order.
     Raises:
-        ConfigError: num_layers < 1, two records of one peer, or a block outside [0, num_layers).
+        ConfigError: num_layers < 1, two records of one peer, a block outside [0, num_layers), or a
+            measurement that is not a finite number > 0.
         NoRoute: names the layer ranges no usable holder covers (or where exclusion or KV cache
             room blocks every chain).
     """
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ConfigError(f"a model needs at least one layer, got num_layers={num_layers!r}")
     by_id = _check_holders(holders, num_layers)
-    model = _CostModel(client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms)
+    model = _cost_model(by_id, client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms, measured_layer_ms)
     cost_ms, hops = _cheapest_chain(by_id, 0, num_layers, None, None, frozenset(exclude), model)
     return Route(hops, cost_ms)
 
 
 def plan_replacement(holders: Sequence[Holder], lost: Span, *, prev_peer: str | None, next_peer: str | None,
                      exclude: frozenset[str], client_rtt_ms: Mapping[str, float] = _NO_RTT, context_tokens: int = 0,
-                     default_rtt_ms: float = 50.0, default_layer_ms: float = 10.0) -> tuple[Hop, ...]:
+                     default_rtt_ms: float = 50.0, default_layer_ms: float = 10.0,
+                     measured_layer_ms: Mapping[str, float] = _NO_RTT) -> tuple[Hop, ...]:
     """The cheapest chain of hops serving exactly ``lost``, to splice between ``prev_peer`` and ``next_peer``.
 
     The cost model and search of ``plan_route``, from ``prev_peer`` to ``next_peer`` instead of
@@ -344,7 +437,7 @@ def plan_replacement(holders: Sequence[Holder], lost: Span, *, prev_peer: str | 
         lost: the layer range ``[start, end)`` to serve again.
         prev_peer, next_peer: the route's neighbours of the gap (None: the client).
         exclude: PeerIds never to use, normally the lost peer and the rest of the route.
-        client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms: as in ``plan_route``.
+        client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms, measured_layer_ms: as in ``plan_route``.
     Returns:
         Hops tiling ``lost`` in order.
     Raises:
@@ -355,18 +448,19 @@ def plan_replacement(holders: Sequence[Holder], lost: Span, *, prev_peer: str | 
     if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi <= lo:
         raise ConfigError(f"lost layer range {lost!r} is empty or negative")
     by_id = _check_holders(holders, None)
-    model = _CostModel(client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms)
+    model = _cost_model(by_id, client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms, measured_layer_ms)
     return _cheapest_chain(by_id, lo, hi, prev_peer, next_peer, frozenset(exclude), model)[1]
 
 
 def spares_for(holders: Sequence[Holder], route: Route, *, exclude: frozenset[str] = frozenset(),
                client_rtt_ms: Mapping[str, float] = _NO_RTT, context_tokens: int = 0, default_rtt_ms: float = 50.0,
-               default_layer_ms: float = 10.0) -> dict[int, tuple[Hop, ...]]:
+               default_layer_ms: float = 10.0,
+               measured_layer_ms: Mapping[str, float] = _NO_RTT) -> dict[int, tuple[Hop, ...]]:
     """For each hop of ``route``, the best replacement chain from holders outside the route.
 
     Args:
         holders: one record per peer. route: from ``plan_route``. exclude: PeerIds never to use.
-        client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms: as in ``plan_route``.
+        client_rtt_ms, context_tokens, default_rtt_ms, default_layer_ms, measured_layer_ms: as in ``plan_route``.
     Returns:
         Hop index -> chain of hops tiling that hop's layers (an empty tuple where none exists).
     Raises:
@@ -381,7 +475,7 @@ def spares_for(holders: Sequence[Holder], route: Route, *, exclude: frozenset[st
             spares[i] = plan_replacement(holders, hop.layers, prev_peer=prev_peer, next_peer=next_peer,
                                          exclude=frozenset(exclude) | in_route, client_rtt_ms=client_rtt_ms,
                                          context_tokens=context_tokens, default_rtt_ms=default_rtt_ms,
-                                         default_layer_ms=default_layer_ms)
+                                         default_layer_ms=default_layer_ms, measured_layer_ms=measured_layer_ms)
         except NoRoute:
             spares[i] = ()
     return spares

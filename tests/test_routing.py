@@ -271,7 +271,7 @@ def test_should_move_rejects(me, gain, message):
 
 # ---- properties against a brute-force reference ------------------------------------------------------------
 
-def ref_hop_ms(prev, h, a, b, client_rtt_ms):
+def ref_hop_ms(prev, h, a, b, client_rtt_ms, floor):
     """The cost model, written out again from the issue: one-way network + loaded compute."""
     rtt = client_rtt_ms.get(h.peer_id, 50.0)
     if prev is not None and h.peer_id in prev.rtt_ms:
@@ -279,7 +279,14 @@ def ref_hop_ms(prev, h, a, b, client_rtt_ms):
     elif prev is not None and prev.peer_id in h.rtt_ms:
         rtt = h.rtt_ms[prev.peer_id]
     per_layer = 1000 / h.throughput_tps / (h.layers[1] - h.layers[0]) if h.throughput_tps else 10.0
-    return rtt / 2 + (b - a) * per_layer * (1 + 0.25 * h.sessions)
+    return rtt / 2 + (b - a) * max(per_layer, floor) * (1 + 0.25 * h.sessions)
+
+
+def claim_floor(holders):
+    """Nothing measured: an unmeasured claim counts no faster than the median claim / 4 (issue 45 item 17)."""
+    claims = sorted(1000 / h.throughput_tps / (h.layers[1] - h.layers[0]) for h in holders
+                    if h.state == "online" and h.throughput_tps)
+    return claims[len(claims) // 2] / 4 if claims else 0.0
 
 
 def ref_best_cost(holders, num_layers, exclude, client_rtt_ms, context_tokens):
@@ -300,7 +307,7 @@ def ref_best_cost(holders, num_layers, exclude, client_rtt_ms, context_tokens):
                     need = context_tokens * h.kv_bytes_per_token_layer * (b - a)
                     fits = h.free_kv_bytes is None or h.free_kv_bytes >= need
                     if a < b <= h.layers[1] and fits:
-                        walk(b, h, cost + ref_hop_ms(prev, h, a, b, client_rtt_ms))
+                        walk(b, h, cost + ref_hop_ms(prev, h, a, b, client_rtt_ms, claim_floor(holders)))
 
     walk(0, None, 0.0)
     return best
@@ -354,7 +361,7 @@ def test_route_tiles_uses_only_usable_holders_and_is_cheapest(swarm):
         assert hop.layers[0] == at < hop.layers[1]  # tiles [0, L) in order
         assert h.layers[0] <= hop.layers[0] and hop.layers[1] <= h.layers[1] and hop.holder_layers == h.layers
         assert h.state == "online" and h.peer_id not in exclude and h is not prev
-        cost += ref_hop_ms(prev, h, *hop.layers, client_rtt_ms)
+        cost += ref_hop_ms(prev, h, *hop.layers, client_rtt_ms, claim_floor(holders))
         at, prev = hop.layers[1], h
     assert at == num_layers
     assert route.cost_ms == pytest.approx(cost + client_rtt_ms.get(prev.peer_id, 50.0) / 2)

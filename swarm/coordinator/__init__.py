@@ -14,6 +14,7 @@ Layout (each module's docstring says what it owns and may import):
 - ``chat``          chat messages -> token ids with the model's template, content always literal
 - ``text``          ``Detokenizer``: committed ids -> the text safe to emit now, with stop strings
 - ``conversation``  a conversation kept in a file across ``swarm coordinate --session`` runs
+- ``measured``      the stage timings this client measured in its sessions, kept for routing over claims
 
 Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
 ``model``; never ``stage`` (its peer), ``serve`` or ``cli``. Importing this package imports nothing.

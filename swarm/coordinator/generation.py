@@ -115,6 +115,11 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         options = DecodeOptions(config.max_new_tokens, stop, config.spec, drafter, config.sampling, config.wire_dtype,
                                 heal=config.heal, job=job, shadow=config.shadow, prefix_cache=config.prefix_cache)
         decoded = await decode(ring, prompt_ids, options, on_ids=on_ids)
+        if ring.discovery is not None:  # routed by the swarm: the next route prefers what this session measured
+            from swarm.coordinator.measured import note_session
+
+            note_session(ring.discovery[1], [(i.peer_id, tuple(i.layers)) for i in ring.infos], ring.discovery[3],
+                         decoded)
         out, timing = decoded.output_ids, decoded.as_record()
         tail = stream.update(out, final=True)
         if on_text:
@@ -227,11 +232,15 @@ async def _ring_client(config: CoordinatorConfig, host, nursery, model_path, num
     model_id = await trio.to_thread.run_sync(weights_model_id, model_path, _cache_root() / "manifests")
     dht = await nursery.start(run_dht, host, config.bootstrap)
     shut_out = Exclusions(Blocks(model_path))  # a fraud proof is re-run on the local weights before it counts
+    from swarm.coordinator.measured import load_measured
+
+    measured = load_measured(model_id)  # stage timings of this client's earlier sessions: believed over claims
     unreachable: set[str] = set()
     route_s, attempt = 0.0, 1
     while True:
         found = await discover_ring(dht, config.ring.model, model_id, num_layers, exclude=frozenset(unreachable),
-                                    context_tokens=prompt_len + config.max_new_tokens, shut_out=shut_out)
+                                    context_tokens=prompt_len + config.max_new_tokens, shut_out=shut_out,
+                                    measured_layer_ms=measured)
         route_s += found.seconds
         ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                           model_id=model_id)

@@ -24,7 +24,7 @@ from swarm.discovery.providers import PROVIDERS_SETTLE_S, gather_settled
 from swarm.discovery.records import StageRecord
 from swarm.errors import ConfigError
 from swarm.ranges import LayerRange
-from swarm.routing import Holder, Hop, NoRoute, Route, plan_replacement, plan_route
+from swarm.routing import Holder, Hop, NoRoute, Route, overclaimed, plan_replacement, plan_route
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ def ring_of(model: str, hops: Sequence[Hop]) -> RingSpec:
 
 
 async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: int, *, context_tokens: int = 0,
-                        exclude: frozenset[str] = frozenset(), timeout_s: float = 5.0, shut_out=None) -> Discovered:
+                        exclude: frozenset[str] = frozenset(), timeout_s: float = 5.0, shut_out=None,
+                        measured_layer_ms: Mapping[str, float] | None = None) -> Discovered:
     """Read the swarm's records of a model and choose a route over them.
 
     Args:
@@ -109,6 +110,10 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
         exclude: PeerIds not to use.
         shut_out: ``await shut_out.excluded(dht, peer_ids)`` names the stages this reader verified a
             fraud proof against (``swarm.auditor.exclusions.Exclusions``); they are not used either.
+        measured_layer_ms: compute ms per layer per decode step this client measured on stages in
+            earlier sessions, PeerId -> ms (``swarm.coordinator.measured``): believed over their
+            records' throughput claims. A stage measured ``OVERCLAIM_FACTOR`` times slower than it
+            claims is logged (``route.overclaim``).
     Returns:
         Discovered (the ring to connect to, and what the choice rested on).
     Raises:
@@ -144,8 +149,14 @@ async def discover_ring(dht: SwarmDHT, model: str, model_id: str, num_layers: in
     if shut_out is not None:
         exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in records])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
+    measured = dict(measured_layer_ms or {})
+    for h in holders:
+        if h.peer_id in measured and overclaimed(h, measured[h.peer_id]):
+            log.warning("route.overclaim peer=%s claimed_tps=%.1f measured_tps=%.1f: routed by the measurement",
+                        h.peer_id, h.throughput_tps, 1000.0 / measured[h.peer_id] / (h.layers[1] - h.layers[0]))
     try:
-        route = plan_route(holders, num_layers, client_rtt_ms=rtts, context_tokens=context_tokens, exclude=exclude)
+        route = plan_route(holders, num_layers, client_rtt_ms=rtts, context_tokens=context_tokens, exclude=exclude,
+                           measured_layer_ms=measured)
     except NoRoute as e:
         held = ", ".join(f"{r.peer_id[-8:]} [{r.layers[0]}, {r.layers[1]}) {r.state}"
                          f"{'' if r.peer_id in rtts else ' unreachable'}" for r in records)

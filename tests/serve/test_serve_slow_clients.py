@@ -109,6 +109,7 @@ class Clients:
                 s.sendall(first)
             except OSError:  # closed already, for a newer connection at the cap
                 self.closed_at[i] = 0.0
+            s.setblocking(False)  # a socket with a timeout would wait out its timeout on each empty recv
 
     def step(self) -> None:
         now = time.monotonic()

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import trio
 
 from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from swarm.serve.requests import MAX_CACHE_SALT_CHARS, MAX_USER_CHARS, cache_scope
 from tests.support.ring import start_ring
+from tests.support.serve import LoopThread
 
 pytestmark = [pytest.mark.ring]
 
@@ -37,51 +35,26 @@ STORY = ("{name} was a little girl who lived in a small house. She liked to play
          "One day she found a shiny red ball under a big tree, and she ran to show her mom.")
 
 
-class Served:
+class Served(LoopThread):
     """The ring and one server, in a thread with its own trio loop; ``stages``: the StageServers."""
 
     def __init__(self, model_dir: Path, work: Path):
-        self.model_dir, self.work, self.box = model_dir, work, {}
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 120
-        while "ready" not in self.box and "error" not in self.box:
-            assert time.monotonic() < end, "the ring did not start"
-            time.sleep(0.05)
-        if "error" in self.box:
-            raise self.box["error"]
-        self.stages, self.url = self.box["stages"], self.box["info"]["url"]
+        super().__init__()
+
+        async def main(nursery, box):
+            spec, box["stages"] = await start_ring(nursery, model_dir, RANGES, work / "keys", "float32",
+                                                   prefix_block=BLOCK)
+            config = ServeConfig(host="127.0.0.1", port=0, key_path=work / "serve.key")
+            box["info"] = await nursery.start(lambda task_status: serve_api(spec, config, task_status=task_status))
+
+        box = self.start(main)
+        self.stages, self.url = box["stages"], box["info"]["url"]
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def _run(self):
-        async def main():
-            async with trio.open_nursery() as nursery:
-                self.box["token"] = trio.lowlevel.current_trio_token()
-                self.box["scope"] = nursery.cancel_scope
-                spec, self.box["stages"] = await start_ring(nursery, self.model_dir, RANGES, self.work / "keys",
-                                                            "float32", prefix_block=BLOCK)
-                config = ServeConfig(host="127.0.0.1", port=0, key_path=self.work / "serve.key")
-                self.box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
-                                                                                     task_status=task_status))
-                self.box["ready"] = True
-
-        try:
-            trio.run(main)
-        except BaseException as exc:  # reported to the test thread
-            self.box["error"] = exc
 
     def hits(self) -> list[int]:
         """Each stage's prefix-cache hits (blocks reused) so far. Read from the test thread: an int read
         between requests (no request in flight) is what the stage counted."""
         return [s.prefix.stats["hits"] for s in self.stages]
-
-    def stop(self):
-        if "scope" in self.box:
-            try:
-                trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
-            except trio.RunFinishedError:
-                pass
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

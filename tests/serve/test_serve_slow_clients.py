@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 import yaml
 
 from swarm.cli.launch import start_swarm
@@ -29,6 +28,7 @@ from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from swarm.serve.guard import RateLog, default_max_connections
 from tests.support.ring import start_ring
+from tests.support.serve import LoopThread
 
 SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
              b"Content-Length: 4096\r\n\r\n{")
@@ -36,49 +36,24 @@ SLOW_HEADERS = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 IDLE_KEEPALIVE = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
-class Served:
+class Served(LoopThread):
     """One in-process stage holding all of stories260k's layers and, unless ``serve`` is False,
     ``serve_api`` over it (``serve_kwargs``: ServeConfig fields), in a thread with its own trio loop."""
 
     def __init__(self, model_dir: Path, key_dir: Path, serve: bool = True, **serve_kwargs):
-        self.box: dict = {}
-        self.thread = threading.Thread(target=self._run, args=(model_dir, key_dir, serve, serve_kwargs), daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 120
-        while "ready" not in self.box and "error" not in self.box:
-            assert time.monotonic() < end, "the ring did not start"
-            time.sleep(0.05)
-        if "error" in self.box:
-            raise self.box["error"]
-        self.spec = self.box["spec"]
-        self.url = self.box.get("info", {}).get("url")
+        super().__init__()
+
+        async def main(nursery, box):
+            box["spec"], _ = await start_ring(nursery, model_dir, [(0, 5)], key_dir, "float32")
+            if serve:
+                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
+                box["info"] = await nursery.start(
+                    lambda task_status: serve_api(box["spec"], config, task_status=task_status))
+
+        box = self.start(main)
+        self.spec = box["spec"]
+        self.url = box.get("info", {}).get("url")
         self.port = int(self.url.rsplit(":", 1)[1]) if self.url else None
-
-    def _run(self, model_dir, key_dir, serve, serve_kwargs):
-        async def main():
-            async with trio.open_nursery() as nursery:
-                self.box["token"] = trio.lowlevel.current_trio_token()
-                self.box["scope"] = nursery.cancel_scope
-                self.box["spec"], _ = await start_ring(nursery, model_dir, [(0, 5)], key_dir, "float32")
-                if serve:
-                    config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
-                    self.box["info"] = await nursery.start(
-                        lambda task_status: serve_api(self.box["spec"], config, task_status=task_status))
-                self.box["ready"] = True
-
-        try:
-            trio.run(main)
-        except BaseException as exc:  # reported to the test thread
-            self.box["error"] = exc
-
-    def stop(self):
-        if "scope" in self.box:
-            try:
-                trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
-            except trio.RunFinishedError:
-                pass
-        self.thread.join(30)
-
 
 @pytest.fixture
 def served(stories_dir, tmp_path):

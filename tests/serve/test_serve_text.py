@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from tests.support.models import reference_greedy
 from tests.support.ring import start_ring
+from tests.support.serve import LoopThread
 
 pytestmark = [pytest.mark.ring]
 
@@ -35,51 +35,28 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_toke
                  "' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
 
 
-class Served:
+class Served(LoopThread):
     """The ring and both servers, in a thread with its own trio loop."""
 
     def __init__(self, model_dir: Path, work: Path):
-        self.model_dir, self.work, self.box = model_dir, work, {}
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + 120
-        while "ready" not in self.box and "error" not in self.box:
-            assert time.monotonic() < end, "the ring did not start"
-            time.sleep(0.05)
-        if "error" in self.box:
-            raise self.box["error"]
-        self.spec = self.box["spec"]
-        self.plain, self.spec_url = self.box["plain"]["url"], self.box["speculative"]["url"]
+        super().__init__()
+        self.work = work  # receipts-<server>/ lie there
 
-    def _run(self):
-        async def main():
-            async with trio.open_nursery() as nursery:
-                self.box["token"] = trio.lowlevel.current_trio_token()
-                self.box["scope"] = nursery.cancel_scope
-                spec, _ = await start_ring(nursery, self.model_dir, RANGES, self.work / "keys", "float32")
-                self.box["spec"] = spec
-                for name, spec_config in (("plain", SpecConfig()), ("speculative", SpecConfig(draft="ngram", k=4))):
-                    config = ServeConfig(host="127.0.0.1", port=0, key_path=self.work / f"{name}.key", spec=spec_config,
-                                         receipt_dir=self.work / f"receipts-{name}")
-                    self.box[name] = await nursery.start(lambda task_status, c=config: serve_api(
-                        spec, c, task_status=task_status))
-                self.box["ready"] = True
+        async def main(nursery, box):
+            spec, _ = await start_ring(nursery, model_dir, RANGES, work / "keys", "float32")
+            box["spec"] = spec
+            for name, spec_config in (("plain", SpecConfig()), ("speculative", SpecConfig(draft="ngram", k=4))):
+                config = ServeConfig(host="127.0.0.1", port=0, key_path=work / f"{name}.key", spec=spec_config,
+                                     receipt_dir=work / f"receipts-{name}")
+                box[name] = await nursery.start(lambda task_status, c=config: serve_api(
+                    spec, c, task_status=task_status))
 
-        try:
-            trio.run(main)
-        except BaseException as exc:  # reported to the test thread
-            self.box["error"] = exc
+        box = self.start(main)
+        self.spec = box["spec"]
+        self.plain, self.spec_url = box["plain"]["url"], box["speculative"]["url"]
 
     def client(self, url: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self):
-        if "scope" in self.box:
-            try:
-                trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
-            except trio.RunFinishedError:
-                pass
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,52 @@ from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 
 
+class LoopThread:
+    """A trio loop in a daemon thread, for tests that drive in-process servers from the test thread.
+
+    ``start(main)`` runs ``await main(nursery, box)`` there and returns once it has returned (the
+    servers it started keep running in ``nursery``), raising what it raised; ``box`` is the dict it
+    fills for the test thread. ``stop()`` cancels the loop and joins the thread.
+    """
+
+    def __init__(self) -> None:
+        self.box: dict = {}
+        self.thread: threading.Thread | None = None
+
+    def start(self, main, timeout_s: float = 120.0) -> dict:
+        async def run():
+            async with trio.open_nursery() as nursery:
+                self.box["token"] = trio.lowlevel.current_trio_token()
+                self.box["scope"] = nursery.cancel_scope
+                await main(nursery, self.box)
+                self.box["ready"] = True
+
+        def target():
+            try:
+                trio.run(run)
+            except BaseException as exc:  # reported to the test thread
+                self.box["error"] = exc
+
+        self.thread = threading.Thread(target=target, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + timeout_s
+        while "ready" not in self.box and "error" not in self.box:
+            assert time.monotonic() < end, "the ring did not start"
+            time.sleep(0.05)
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box
+
+    def stop(self) -> None:
+        if "scope" in self.box:
+            try:
+                trio.from_thread.run_sync(self.box["scope"].cancel, trio_token=self.box["token"])
+            except trio.RunFinishedError:
+                pass
+        if self.thread is not None:
+            self.thread.join(30)
+
+
 class Server:
     """``serve_api`` in a thread with its own trio loop; ``stop()`` cancels it."""
 

@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 # each compiling to nothing on another architecture (so one list builds on x86-64 and aarch64); fma_layer.c:
 # a whole decoder layer through fma.c's entry points
 C_SOURCES = ("fma.c", "fma_avx512.c", "fma_avx2.c", "fma_neon.c", "fma_generic.c", "fma_layer.c")
-HEADERS = ("fma_kernels.h", "fma_attention.h", "fma_common.h", "qblocks_kernels.h")
+HEADERS = ("fma_kernels.h", "fma_bf16.h", "fma_attention.h", "fma_common.h", "qblocks_kernels.h")
 # no -m flags: each ISA file sets its own target, and fma.c dispatches on the CPU at run time;
 # -ffp-contract=off: no multiply-add is fused unless the source says so
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-pthread")

@@ -12,12 +12,14 @@
  * The arithmetic (SWARM_ARITHMETIC; IEEE float32, fused multiply-add where written, nothing else
  * reassociated: compiled with -ffp-contract=off and never with -ffast-math):
  *   dot(a, b, K): 8 lanes, lane l accumulates k = 8i + l by an FMA chain in i order from +0; then
- *     ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); then the K % 8 tail in k order by fmaf. A
- *     bfloat16 weight enters widened to float32 (exact).
+ *     ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); then the K % 8 tail in k order by fmaf.
  *   dotseq(a, b, K): one FMA chain over k in k order from +0 (attention's scores, 8 keys per vector).
  *   exp(x): Cephes' expf (range reduction by ln 2 in two FMA steps, a degree-5 polynomial by FMA,
  *     the exponent built in integers), 0 below -87.
- *   linear: out[m, n] = dot(x[m], w[n], K) (+ bias[n]).
+ *   linear: out[m, n] = dot(x[m], w[n], K) (+ bias[n]). With bfloat16 weights the GEMM is
+ *     SWARM_BF16_ARITHMETIC instead (fma_bf16.h): x rounded to bfloat16, pairs of products by FMA in
+ *     lanes of 16 along K, flush to zero: the bits of AVX512-BF16's vdpbf16ps. A bfloat16 cache enters
+ *     attention widened to float32 (exact).
  *   attention, per query row at absolute position p and head h (kv head h / (H / Hkv)), over its
  *     own keys j in [lo, p] (lo = p - window + 1 with a sliding window, else 0): the online softmax
  *     over key blocks at fixed positions (multiples of 64), as swarm_attention states.
@@ -49,6 +51,8 @@
 #endif
 
 #define SWARM_ARITHMETIC "swarm-f32-1: dot8 fma lanes, pairwise tree; attention key blocks of 64; cephes exp"
+/* the bfloat16 GEMM's (fma_bf16.h) */
+#define SWARM_BF16_ARITHMETIC "swarm-bf16dot-1: x rounded to bfloat16, 8 lanes of pairs by fma odd then even, flush to zero, pairwise tree"
 /* the block formats' (qblocks_kernels.h) */
 #define QBLOCKS_ARITHMETIC "swarm-q16dot-1: x in 16-bit blocks of 32 (float32 scale, half-even), integer pair sums, fma lanes, pairwise tree"
 #ifndef SWARM_SOURCE_DIGEST
@@ -189,6 +193,18 @@ const char *swarm_isa_name(int i) { return i >= 0 && i < swarm_isa_count() ? isa
 int swarm_isa_supported(int i) { return i >= 0 && i < swarm_isa_count() && isa_supported(i); }
 const char *swarm_arithmetic(void) { return SWARM_ARITHMETIC; }
 const char *swarm_qblocks_arithmetic(void) { return QBLOCKS_ARITHMETIC; }
+const char *swarm_bf16_arithmetic(void) { return SWARM_BF16_ARITHMETIC; }
+
+static const swarm_isa *current(void);
+/* 1: the bfloat16 GEMM runs AVX512-BF16's vdpbf16ps now (else FMAs on the widened halves: the same bits) */
+int swarm_bf16_dot_instruction(void) {
+#if defined(__x86_64__) || defined(_M_X64)
+    extern __attribute__((visibility("hidden"))) int swarm_avx512_bf16_dp(void);
+    return current() == &swarm_isa_avx512 && swarm_avx512_bf16_dp();
+#else
+    return 0;
+#endif
+}
 const char *swarm_source_digest(void) { return SWARM_SOURCE_DIGEST; }
 
 /* Use ISA i from now on (-1: the best this CPU runs). Returns the index in use, or -1 when i is not
@@ -214,11 +230,13 @@ void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float
     (M == 1 && i->one_row ? i->one_row : i)->linear(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
 }
 
-/* swarm_linear with w in bfloat16 (raw 16-bit patterns): the bits of swarm_linear on w widened. */
-void swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
-                       const float *bias, float *out, int64_t ldo, int threads) {
-    const swarm_isa *i = current();
-    (M == 1 && i->one_row ? i->one_row : i)->linear_bf16(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+/* out (M, N) = x (M, K) times w (N, K) in bfloat16 (raw 16-bit patterns) transposed, + bias (N) or NULL, in
+ * SWARM_BF16_ARITHMETIC (fma_bf16.h states it): x rounded to bfloat16, products of pairs by FMA with x86's
+ * flush to zero, the bits of vdpbf16ps. Returns 0, or -2 when out of memory (out untouched). */
+int swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
+                      const float *bias, float *out, int64_t ldo, int threads) {
+    const swarm_isa *i = current();  /* one row: AVX2's FMAs stream w faster than vdpbf16ps's row pairs */
+    return (M == 1 && i->one_row ? i->one_row : i)->linear_bf16(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
 }
 
 /* Causal attention of T query rows at positions [pos0, pos0 + T) against one session's cache, on up

@@ -64,9 +64,12 @@ class KernelPath:
     Attributes:
         isa: the instruction set in use (``avx512``, ``avx2``, ``neon``).
         isas: every ISA this CPU and library can run, best first.
-        arithmetic: the name of the arithmetic (the same on every ISA; what an auditor must match).
+        arithmetic: the names of the arithmetic, float32's then the bfloat16 GEMM's, joined by `` + `` (the
+            same on every ISA; what an auditor must match).
         library: ``installed`` (the extension pip built) or ``built at run time`` (the fallback).
         path: the shared library's file.
+        bf16_dot: what runs the bfloat16 GEMM's pairs: ``vdpbf16ps`` (AVX512-BF16) or ``fma`` (two FMAs on
+            the widened halves, the same bits).
     """
 
     isa: str
@@ -74,10 +77,11 @@ class KernelPath:
     arithmetic: str
     library: str
     path: str
+    bf16_dot: str = "fma"
 
     def as_dict(self) -> dict:
         return {"isa": self.isa, "isas": list(self.isas), "arithmetic": self.arithmetic, "library": self.library,
-                "path": self.path}
+                "path": self.path, "bf16_dot": self.bf16_dot}
 
 
 def set_threads(threads: int | None) -> None:
@@ -184,7 +188,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
     lib.swarm_linear.restype = None
     lib.swarm_linear_bf16.argtypes = lib.swarm_linear.argtypes
-    lib.swarm_linear_bf16.restype = None
+    lib.swarm_linear_bf16.restype = ctypes.c_int
     lib.swarm_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32,
                                     _ptr, _int]
     lib.swarm_attention.restype = ctypes.c_int
@@ -198,10 +202,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_qlinear.restype = ctypes.c_int
     lib.swarm_layer_forward.argtypes = [_ptr, _ptr, _i64, _int]
     lib.swarm_layer_forward.restype = ctypes.c_int
-    for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_source_digest"):
+    for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_bf16_arithmetic", "swarm_source_digest"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.swarm_isa_name.argtypes = lib.swarm_isa_supported.argtypes = lib.swarm_use_isa.argtypes = [_int]
     lib.swarm_isa_count.argtypes = []
+    lib.swarm_bf16_dot_instruction.argtypes = []
+    lib.swarm_bf16_dot_instruction.restype = ctypes.c_int
     return lib
 
 
@@ -280,8 +286,9 @@ def describe() -> KernelPath | None:
         return None
     lib = _library()
     path = getattr(lib, "_name", "")
-    return KernelPath(isa=isa(), isas=tuple(_isa_names(lib)), arithmetic=lib.swarm_arithmetic().decode(),
-                      library=_origin, path=str(path))
+    arithmetic = f"{lib.swarm_arithmetic().decode()} + {lib.swarm_bf16_arithmetic().decode()}"
+    return KernelPath(isa=isa(), isas=tuple(_isa_names(lib)), arithmetic=arithmetic, library=_origin,
+                      path=str(path), bf16_dot="vdpbf16ps" if lib.swarm_bf16_dot_instruction() else "fma")
 
 
 def isa() -> str:
@@ -321,13 +328,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Args:
         x: (M, K) float32 on the CPU, M >= 0.
-        weight: (N, K) float32 or bfloat16 with a unit last stride (an ``nn.Linear`` weight); a bfloat16
-            weight is widened in registers (exact), so the bits equal ``linear(x, weight.float())``.
+        weight: (N, K) float32 or bfloat16 with a unit last stride (an ``nn.Linear`` weight). With a
+            bfloat16 weight the GEMM is the bfloat16 one (``fma_bf16.h``): x rounded to bfloat16, pairs of
+            products by FMA with x86's flush to zero (the bits of AVX512-BF16's ``vdpbf16ps``).
         bias: (N,) float32 or None.
     Returns:
         (M, N) float32, a new tensor.
     Raises:
         ValueError: other dtypes, devices or mismatched shapes. RuntimeError: kernels unavailable.
+        MemoryError: no room for x's bfloat16 copy (a bfloat16 weight).
     """
     lib = _library()
     bf16 = weight.dtype is torch.bfloat16
@@ -347,9 +356,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=torch.float32)
     if m and n:
         b = None if bias is None else _rows(bias).contiguous().data_ptr()
-        call = lib.swarm_linear_bf16 if bf16 else lib.swarm_linear
-        call(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), b, out.data_ptr(), n,
-             _threads or torch.get_num_threads())
+        args = (x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), b, out.data_ptr(), n,
+                _threads or torch.get_num_threads())
+        if not bf16:
+            lib.swarm_linear(*args)
+        elif lib.swarm_linear_bf16(*args):
+            raise MemoryError(f"a bfloat16 linear of {m} rows could not allocate its bfloat16 copy of x")
     return out
 
 

@@ -15,7 +15,7 @@ typedef struct swarm_isa {
     const char *name;
     void (*linear)(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
                    const float *bias, float *out, int64_t ldo, int threads);
-    void (*linear_bf16)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+    int (*linear_bf16)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                         int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
     int (*attention)(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const float *k,
                      const float *v, int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale,
@@ -35,7 +35,7 @@ typedef struct swarm_isa {
 /* fma.c's public entry points (through the ISA in use), for the kernels built from them (fma_layer.c). */
 void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
                   const float *bias, float *out, int64_t ldo, int threads);
-void swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
+int swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
                        const float *bias, float *out, int64_t ldo, int threads);
 int swarm_attention(const float *q, int64_t T, int64_t H, int64_t Dh, int64_t ldq, const float *k, const float *v,
                     int64_t Hkv, int64_t ldkv, int64_t pos0, int64_t window, float scale, float *out, int threads);

@@ -14,6 +14,7 @@
 #define SWARM_FMA_KERNELS_H
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -192,11 +193,6 @@ AI vg vg_join(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
 }
 AI vg vg_w_f32(const float *a, const float *b) { return vg_join(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
-AI vg vg_w_bf16(const uint16_t *a, const uint16_t *b) {
-    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                                              _mm_loadu_si128((const __m128i *)b), 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 AI vg vg_x(const float *x) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x)))); }
 AI vg vg_zero(void) { return _mm512_setzero_ps(); }
 AI vg vg_fma(vg a, vg b, vg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -213,7 +209,6 @@ typedef v8 vg;
 #define SWARM_MR 3
 #define SWARM_NG 4  /* 3 x 4 accumulators of eight lanes: 12 ymm registers, or 24 q registers */
 #define vg_w_f32(a, b) v8_load(a)
-#define vg_w_bf16(a, b) v8_load_bf16(a)
 #define vg_x v8_load
 #define vg_zero v8_zero
 #define vg_fma v8_fma
@@ -316,7 +311,247 @@ AI void vg_sums(const vg *acc, int ng, float *out) {
 #define LINEAR_CASES(SFX) LROW(SFX, 1) LROW(SFX, 2) LROW(SFX, 3) LROW(SFX, 4) LROW(SFX, 5) LROW(SFX, 6)
 
 DEFINE_LINEAR(f32, float, vg_w_f32, f32_id)
-DEFINE_LINEAR(bf16, uint16_t, vg_w_bf16, bf16_to_f32)
+
+/* ------------------------------------------------------------------------------------------------
+ * The bfloat16 GEMM (fma_bf16.h states it): each ISA's view of one step of 16 along K.
+ * ---------------------------------------------------------------------------------------------- */
+#define BF_HALVES 2 /* the FMAs run on the widened halves of each pair: the odd (h = 0), then the even */
+#if defined(SWARM_ISA_AVX512)
+AI __m512 bf_half(__m512i v, int h) {
+    return _mm512_castsi512_ps(h ? _mm512_slli_epi32(v, 16) : _mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+typedef __m512 bx_t;
+typedef __m512 bw_t;
+AI __m512 bx_load(const float *p, int h) { return vg_x(p + 8 * h); }
+AI __m512i bw_raw(const uint16_t *a, const uint16_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+AI __m512 bw_load(const uint16_t *a, const uint16_t *b, int h) { return bf_half(bw_raw(a, b), h); }
+#define bf_dot(acc, x, w) _mm512_fmadd_ps(x, w, acc)
+#elif defined(SWARM_ISA_AVX2)
+AI __m256 bf_half8(const uint16_t *p, int h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);  /* two shifts, not a mask: 16 ymm registers */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h ? v : _mm256_srli_epi32(v, 16), 16));
+}
+typedef __m256 bx_t;
+typedef __m256 bw_t;
+#define bx_load(p, h) _mm256_loadu_ps((p) + 8 * (h))
+#define bw_load(a, b, h) bf_half8(a, h)
+#define bf_dot(acc, x, w) _mm256_fmadd_ps(x, w, acc)
+#elif defined(SWARM_ISA_NEON)
+AI float32x4_t bf_half4(uint16x8_t v, int h) {
+    const uint32x4_t u = vreinterpretq_u32_u16(v);
+    return vreinterpretq_f32_u32(h ? vshlq_n_u32(u, 16) : vandq_u32(u, vdupq_n_u32(0xFFFF0000u)));
+}
+AI v8 bf_half8(const uint16_t *p, int h) { return V8(bf_half4(vld1q_u16(p), h), bf_half4(vld1q_u16(p + 8), h)); }
+typedef v8 bx_t;
+typedef v8 bw_t;
+#define bx_load(p, h) v8_load((p) + 8 * (h))
+#define bw_load(a, b, h) bf_half8(a, h)
+#define bf_dot(acc, x, w) v8_fma(x, w, acc)
+#else /* plain C: x86's flush computed in IEEE arithmetic */
+#include <float.h>
+AI float daz(float a) { return fabsf(a) < FLT_MIN ? copysignf(0.0f, a) : a; }
+/* fma(a, b, c) under DAZ and FTZ: IEEE's fmaf is that except where |result| <= FLT_MIN; there x86 rounds
+ * the exact value as if the exponent were unbounded and flushes it when it lands below FLT_MIN, so FLT_MIN
+ * stays only for an exact value of magnitude >= FLT_MIN - 2^-151 (decided exactly by TwoSum in double) */
+static float ftz_fma(float a, float b, float c) {
+    a = daz(a), b = daz(b), c = daz(c);
+    const float r = fmaf(a, b, c), m = fabsf(r);
+    if (!(m <= FLT_MIN) || m == 0.0f) return r;
+    if (m < FLT_MIN) return copysignf(0.0f, r);
+    const double p = (double)a * (double)b, s = p + (double)c, bb = s - p;
+    const double e = (p - (s - bb)) + ((double)c - bb);  /* s + e == a * b + c exactly */
+    const double d = (s - copysign((double)FLT_MIN - 0x1p-151, (double)r)) + e;
+    return (r > 0 ? d >= 0 : d <= 0) ? r : copysignf(0.0f, r);
+}
+AI float ftz_add(float a, float b) { return ftz_fma(a, 1.0f, b); }
+AI v8 bf_half8(const uint16_t *p, int h) {
+    v8 v;
+    LANES(union { uint32_t u; float f; } c = {(uint32_t)p[2 * i_ + 1 - h] << 16}; v.f[i_] = c.f);
+    return v;
+}
+typedef v8 bx_t;
+typedef v8 bw_t;
+#define bx_load(p, h) v8_load((p) + 8 * (h))
+#define bw_load(a, b, h) bf_half8(a, h)
+AI v8 bf_dot(v8 acc, v8 x, v8 w) { LANES(acc.f[i_] = ftz_fma(x.f[i_], w.f[i_], acc.f[i_])); return acc; }
+AI void bf_sums(const vg *acc, int ng, float *out) {
+    for (int g = 0; g < ng; g++) {
+        const float *l = acc[g].f;
+        out[g] = ftz_add(ftz_add(ftz_add(l[0], l[1]), ftz_add(l[2], l[3])), ftz_add(ftz_add(l[4], l[5]), ftz_add(l[6], l[7])));
+    }
+}
+#define bf_add ftz_add
+#define BF_ENV(call, ctx) call
+#endif
+#if !defined(SWARM_ISA_GENERIC)
+#define bf_sums vg_sums
+#define bf_add(a, b) ((a) + (b))
+#endif
+#if defined(SWARM_ISA_AVX512) || defined(SWARM_ISA_AVX2)
+#define BF_ENV(call, ctx) /* MXCSR's DAZ (bit 6) and FTZ (bit 15), this thread, for the task */                 \
+    do {                                                                                                          \
+        const unsigned csr_ = _mm_getcsr();                                                                       \
+        _mm_setcsr(csr_ | 0x8040u);                                                                               \
+        call;                                                                                                     \
+        _mm_setcsr(csr_);                                                                                         \
+        (void)(ctx);                                                                                              \
+    } while (0)
+#elif defined(SWARM_ISA_NEON)
+AI uint64_t fpcr_get(void) { uint64_t v; __asm__ __volatile__("mrs %0, fpcr" : "=r"(v)); return v; }
+AI void fpcr_set(uint64_t v) { __asm__ __volatile__("msr fpcr, %0" : : "r"(v)); }
+AI uint64_t fpsr_get(void) { uint64_t v; __asm__ __volatile__("mrs %0, fpsr" : "=r"(v)); return v; }
+AI void fpsr_set(uint64_t v) { __asm__ __volatile__("msr fpsr, %0" : : "r"(v)); }
+/* FPCR.FZ (bit 24) for the task; FPSR's IDC (bit 7) or UFC (bit 3) afterwards: a flush happened, whose
+ * tininess aarch64 decides before rounding (x86 after), so the call is run again in plain C */
+#define BF_ENV(call, ctx)                                                                                         \
+    do {                                                                                                          \
+        const uint64_t cr_ = fpcr_get(), sr_ = fpsr_get();                                                        \
+        fpcr_set(cr_ | (1u << 24));                                                                               \
+        fpsr_set(0);                                                                                              \
+        call;                                                                                                     \
+        const uint64_t flags_ = fpsr_get();                                                                       \
+        fpsr_set(sr_);                                                                                            \
+        fpcr_set(cr_);                                                                                            \
+        if (flags_ & 0x88u) atomic_store((ctx)->flagged, 1);                                                      \
+    } while (0)
+#endif
+#include "fma_bf16.h"
+DEFINE_LINEAR_BF(emu)
+DEFINE_LINEAR_BF_CALL(emu)
+#if defined(SWARM_ISA_AVX512)
+/* AVX512-BF16: vdpbf16ps does both halves of 16 pairs at once, with the same bits. Its register holds two
+ * rows of x side by side (x is copied with each pair of rows interleaved per block of 16, so one aligned
+ * load) against one column of w broadcast: no shuffle in the loop. Order of work only. */
+#define BDP __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")))
+#define BDP_RP 4 /* pairs of rows per tile */
+#define BDP_NC 6 /* columns per tile: 4 x 6 accumulators, 4 of x, 1 of w */
+BDP AI void bdp_step(const int RP, const int NC, const uint16_t *xp, int64_t ldxp, const uint16_t *w, int64_t ldw,
+                     __m512 acc[BDP_RP][BDP_NC]) {
+    __m512i xv[BDP_RP];
+    for (int p = 0; p < RP; p++) xv[p] = _mm512_loadu_si512((const void *)(xp + p * ldxp));
+    for (int c = 0; c < NC; c++) {
+        const __m512i wv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + c * ldw)));
+        for (int p = 0; p < RP; p++) acc[p][c] = _mm512_dpbf16_ps(acc[p][c], (__m512bh)xv[p], (__m512bh)wv);
+    }
+}
+/* rows [0, mr) (RP pairs) x columns [0, NC) of out; xp: the tile's first pair of rows */
+BDP AI void bdp_tile(const int RP, const int NC, int mr, const uint16_t *xp, int64_t ldxp, const uint16_t *w,
+                     int64_t ldw, int64_t K, float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
+    __m512 acc[BDP_RP][BDP_NC];
+    for (int p = 0; p < RP; p++)
+        for (int c = 0; c < NC; c++) acc[p][c] = _mm512_setzero_ps();
+    const int64_t k16 = K & ~(int64_t)15;
+    for (int64_t k = 0; k < k16; k += 16) {
+        if (pf && k % 32 == 0)
+            for (int c = 0; c < BDP_NC; c++) __builtin_prefetch(pf + c * ldw + k, 0, 2);
+        bdp_step(RP, NC, xp + 2 * k, ldxp, w + k, ldw, acc);
+    }
+    if (k16 < K) { /* the last K % 16 of w's columns beside +0 (x is padded already) */
+        uint16_t wt[BDP_NC][16];
+        for (int c = 0; c < NC; c++)
+            for (int64_t j = 0; j < 16; j++) wt[c][j] = k16 + j < K ? w[c * ldw + k16 + j] : 0;
+        bdp_step(RP, NC, xp + 2 * k16, ldxp, wt[0], 16, acc);
+    }
+    for (int p = 0; p < RP; p++)
+        for (int c = 0; c < NC; c += 2) {
+            const int c2 = c + 1 < NC ? c + 1 : c;
+            float sm[4]; /* row 2p and 2p + 1 of column c, then of c2 */
+            v8_sums4(lo8(acc[p][c]), hi8(acc[p][c]), lo8(acc[p][c2]), hi8(acc[p][c2]), sm);
+            for (int j = 0; j < 4; j++) {
+                const int r = 2 * p + (j & 1), col = j < 2 ? c : c2;
+                if (r < mr && (j < 2 || c2 != c)) out[r * ldo + col] = bias ? sm[j] + bias[col] : sm[j];
+            }
+        }
+}
+#define DCASE(R, C) case R * 8 + C: bdp_tile(R, C, mr, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
+#define DROW(R) DCASE(R, 1) DCASE(R, 2) DCASE(R, 3) DCASE(R, 4) DCASE(R, 5) DCASE(R, 6)
+BDP static void bdp_block(int mr, int nc, const uint16_t *xp, int64_t ldxp, const uint16_t *w, int64_t ldw,
+                          int64_t K, float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
+    switch ((mr + 1) / 2 * 8 + nc) { DROW(1) DROW(2) DROW(3) DROW(4) }
+}
+/* columns [n0, n1) of one task: blocks of 24 rows pass nb columns of w held in L2, tiles of 8 x 6 */
+BDP __attribute__((noinline)) static void bdp_cols(const blinear_ctx *c, int64_t i) {
+    const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+    for (int64_t m0 = 0; m0 < c->M; m0 += SWARM_MB) {
+        const int64_t m1 = m0 + SWARM_MB < c->M ? m0 + SWARM_MB : c->M;
+        for (int64_t n = n0; n < n1; n += BDP_NC) {
+            const int nc = n1 - n < BDP_NC ? (int)(n1 - n) : BDP_NC;
+            for (int64_t m = m0; m < m1; m += 2 * BDP_RP) {
+                const int mr = m1 - m < 2 * BDP_RP ? (int)(m1 - m) : 2 * BDP_RP;
+                const uint16_t *pf = m == m0 && n + 3 * BDP_NC <= n1 ? c->w + (n + 2 * BDP_NC) * c->ldw : 0;
+                bdp_block(mr, nc, (const uint16_t *)c->x + m / 2 * c->ldx, c->ldx, c->w + n * c->ldw, c->ldw, c->K,
+                          c->out + m * c->ldo + n, c->ldo, c->bias ? c->bias + n : 0, pf);
+            }
+        }
+    }
+}
+static void bdp_task(const void *c_, int64_t i) { BF_ENV(bdp_cols((const blinear_ctx *)c_, i), (const blinear_ctx *)c_); }
+/* x (M, K) float32 as bfloat16, each pair of rows interleaved per block of 16 (a pair: 2 * kp values, kp = K
+ * rounded up to 16; an odd M's last pair padded with a row of +0); a new buffer, or NULL */
+static uint16_t *bf16_row_pairs(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t *ldxp) {
+    const int64_t kp = (K + 15) & ~(int64_t)15, pairs = (M + 1) / 2;
+    uint16_t *xb = calloc((size_t)(pairs * 2 * kp), sizeof(uint16_t));
+    if (!xb) return 0;
+    for (int64_t m = 0; m < M; m++) {
+        uint16_t *dst = xb + m / 2 * 2 * kp + (m % 2) * 16;
+        const float *src = x + m * ldx;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16)
+            for (int j = 0; j < 16; j++) {
+                uint32_t u;
+                memcpy(&u, src + k + j, sizeof u);
+                dst[2 * k + j] = bf16_of(u);
+            }
+        for (; k < K; k++) {
+            uint32_t u;
+            memcpy(&u, src + k, sizeof u);
+            dst[k / 16 * 32 + k % 16] = bf16_of(u);
+        }
+    }
+    *ldxp = 2 * kp;
+    return xb;
+}
+static int blinear_dp(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
+                      const float *bias, float *out, int64_t ldo, int threads) {
+    int64_t ldxp = 0;
+    uint16_t *xb = bf16_row_pairs(x, M, K, ldx, &ldxp);
+    if (!xb) return -2;
+    int64_t nb = (int64_t)(196608 / (K * 2 > 0 ? K * 2 : 1));
+    nb -= nb % BDP_NC;
+    if (nb < BDP_NC) nb = BDP_NC;
+    const blinear_ctx c = {xb, w, bias, out, M, K, ldxp, N, ldw, ldo, nb, 0};
+    swarm_parallel_for(threads, bdp_task, &c, (N + nb - 1) / nb);
+    free(xb);
+    return 0;
+}
+/* 1: vdpbf16ps runs here (AVX512-BF16, and SWARM_BF16DP is not 0) */
+static int bf16_dp(void) {
+    const char *env = getenv("SWARM_BF16DP");
+    if (env && env[0] == '0') return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
+__attribute__((visibility("hidden"))) int swarm_avx512_bf16_dp(void) { return bf16_dp(); }
+#endif
+#if defined(SWARM_ISA_NEON)
+extern __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_generic;
+#endif
+
+/* x (M, K) float32 times w (N, K) bfloat16 transposed, + bias: the bfloat16 GEMM; 0, or -2 out of memory */
+static int linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                       int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
+#if defined(SWARM_ISA_AVX512)
+    if (bf16_dp()) return blinear_dp(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+#endif
+    const int rc = blinear_emu(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+#if defined(SWARM_ISA_NEON)
+    if (rc == 1) return swarm_isa_generic.linear_bf16(x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+#endif
+    return rc < 0 ? rc : 0;
+}
 
 /* dot(a, b, K) of one pair of rows (RMSNorm's sum of squares): the same function as the GEMM's. */
 static float dot1(const float *a, const float *b, int64_t K) {

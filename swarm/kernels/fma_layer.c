@@ -93,7 +93,7 @@ static int project(const swarm_proj *p, const float *x, int64_t M, float *out, i
     if (p->kind == PROJ_BLOCKS)
         rc = swarm_qlinear(p->fmt, x, M, p->k, p->k, (const uint8_t *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
     else if (p->kind == PROJ_BF16)
-        swarm_linear_bf16(x, M, p->k, p->k, (const uint16_t *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
+        rc = swarm_linear_bf16(x, M, p->k, p->k, (const uint16_t *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
     else
         swarm_linear(x, M, p->k, p->k, (const float *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
     round_all(out, M * p->n, bf16);

@@ -73,15 +73,80 @@ def test_every_isa_gives_the_same_bits_for_every_kernel():
         pytest.skip(f"this CPU runs one ISA only ({list(results)[0]}): nothing to compare it with here")
 
 
-def test_bfloat16_operands_give_the_bits_of_their_float_copies():
-    """A bfloat16 weight or cache is widened exactly, so the bits equal those of its float32 copy."""
-    torch.manual_seed(3)
-    x, w = torch.randn(11, 70), torch.randn(33, 70).bfloat16()
-    assert torch.equal(fma.linear(x, w), fma.linear(x, w.float()))
+def _bf16_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fma_bf16.h's definition in float32 torch ops, for inputs with no value near float32's subnormals (where
+    the flush changes nothing): x rounded to bfloat16, K padded to 16, lane l adding the product of pair
+    element 2l + 1 then 2l of each block of 16 (a bfloat16 product is exact, so + is the FMA), dot's tree."""
+    m, k = x.shape
+    kp = -(-k // 16) * 16
+    xs = F.pad(x.bfloat16().float(), (0, kp - k)).view(m, 1, kp // 16, 8, 2)
+    ws = F.pad(w.float(), (0, kp - k)).view(1, w.shape[0], kp // 16, 8, 2)
+    acc = torch.zeros(m, w.shape[0], 8)
+    for i in range(kp // 16):
+        acc = acc + xs[:, :, i, :, 1] * ws[:, :, i, :, 1]
+        acc = acc + xs[:, :, i, :, 0] * ws[:, :, i, :, 0]
+    s = ((acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])) + ((acc[..., 4] + acc[..., 5]) + (acc[..., 6] + acc[..., 7]))
+    return s if bias is None else s + bias
+
+
+def test_the_bfloat16_gemm_is_its_definition_and_a_bfloat16_cache_is_widened():
+    """A bfloat16 weight's GEMM gives the bits fma_bf16.h defines (checked against the definition in torch
+    ops, K on and off multiples of 16, with and without bias, in every ISA, with and without vdpbf16ps);
+    a bfloat16 cache is widened exactly, so attention's bits equal those of its float32 copy."""
+    gen = torch.Generator().manual_seed(3)
+    for m, k, n in ((1, 576, 70), (11, 70, 33), (5, 13, 7), (30, 129, 61), (64, 200, 96)):
+        x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        for bias in (None, b):
+            want = _bf16_gemm_reference(x, w, bias)
+            for name, got in _each_isa(lambda: [fma.linear(x, w, bias) for _ in _bf16_dot_settings()]).items():
+                assert all(torch.equal(g, want) for g in got), (name, (m, k, n))
     q, keys, values = torch.randn(6, 4, 16), torch.randn(80, 2, 16).bfloat16(), torch.randn(80, 2, 16).bfloat16()
     assert torch.equal(fma.attention(q, keys, values, 74, 0.25), fma.attention(q, keys.float(), values.float(), 74, 0.25))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         fma.attention(q, keys.half(), values.half(), 74, 0.25)
+
+
+def _bf16_dot_settings():
+    """Yield with SWARM_BF16DP 1, then 0 (AVX512-BF16's vdpbf16ps, then FMAs on the widened halves)."""
+    before = os.environ.get("SWARM_BF16DP")
+    try:
+        for setting in ("1", "0"):
+            os.environ["SWARM_BF16DP"] = setting
+            yield setting
+    finally:
+        if before is None:
+            os.environ.pop("SWARM_BF16DP", None)
+        else:
+            os.environ["SWARM_BF16DP"] = before
+
+
+def test_the_bfloat16_gemm_flushes_to_zero_alike_in_every_isa():
+    """Near float32's smallest normals (products about 2^-126, sums cancelling onto FLT_MIN), every ISA, with
+    and without vdpbf16ps, gives the same bits, plain C's software flush included, and a flush happened."""
+    gen = torch.Generator().manual_seed(5)
+
+    def spread(shape, lo, hi):
+        sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+        return sign * (1 + torch.rand(shape, generator=gen)) * torch.pow(2.0, torch.randint(lo, hi, shape, generator=gen).float())
+
+    cases = []
+    for _ in range(12):
+        cases.append((spread((3, 48), -75, -55), spread((40, 48), -75, -55).bfloat16(), spread((40,), -130, -120)))
+        x = torch.ones(3, 48)
+        x[:, 1::2] = spread((3, 24), -76, -74)
+        cases.append((x, spread((40, 48), -127, -124).bfloat16(), None))
+    tiny = torch.finfo(torch.float32).tiny
+    # each lane: 1.5 * tiny, then - tiny: 0.5 * tiny, subnormal, flushed; IEEE's sum of 8 lanes is 4 * tiny
+    w = torch.tensor([-tiny, 1.5 * tiny] * 8).view(1, 16).bfloat16()
+    cases.append((torch.ones(2, 16), w, None))
+    assert torch.equal(_bf16_gemm_reference(torch.ones(2, 16), w, None), torch.full((2, 1), 4 * tiny))
+    runs = _each_isa(lambda: [[fma.linear(x, w, b) for x, w, b in cases] for _ in _bf16_dot_settings()])
+    outs = [out for per_isa in runs.values() for out in per_isa]
+    for other in outs[1:]:
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outs[0], other))
+    assert torch.equal(outs[0][-1], torch.zeros(2, 1))
+    flat = torch.cat([o.flatten() for o in outs[0]])
+    assert not ((flat != 0) & (flat.abs() < tiny)).any()  # no subnormal result anywhere
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -136,9 +201,10 @@ def test_the_neon_path_gives_the_x86_bits_under_qemu(tmp_path):
     native, arm = _harness(tmp_path, "x86_64"), _harness(tmp_path, "aarch64")
     runs = {}
     for index in range(3):  # avx512, avx2, generic (fma.c's order); exit status 2: this CPU lacks it
-        for vnni in ("1", "0"):  # the block formats' integer sums by vpdpwssd where the CPU has it, and by madd
+        for vnni in ("1", "0"):  # the block formats' integer sums by vpdpwssd where the CPU has it, and by madd;
+            # the bfloat16 GEMM by vdpbf16ps where the CPU has it, and by FMAs
             proc = subprocess.run([str(native), str(index)], capture_output=True, timeout=120,
-                                  env={**os.environ, "SWARM_VNNI": vnni})
+                                  env={**os.environ, "SWARM_VNNI": vnni, "SWARM_BF16DP": vnni})
             if proc.returncode == 0:
                 runs[(("avx512", "avx2", "generic")[index], vnni)] = proc.stdout
             else:

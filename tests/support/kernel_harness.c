@@ -4,6 +4,7 @@
  *
  * usage: kernel_harness ISA_INDEX   (exit 2: this CPU does not run that ISA; 3: out of memory)
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,18 @@ int main(int argc, char **argv) {
         swarm_linear_bf16(x, M, K, K, wb, N, K, i % 2 ? 0 : b, out, N, 1 + (int)(i % 2));
         emit(out, M * N);
         free(x), free(w), free(b), free(out), free(wb);
+    }
+    /* the bfloat16 GEMM near float32's smallest normals: flushes (and aarch64's rerun in plain C) */
+    {
+        const int64_t M = 3, K = 48, N = 40;
+        float *x = floats(M * K), *b = floats(N), *out = floats(M * N);
+        uint16_t *wb = bf16s(N * K);
+        for (int64_t i = 0; i < M * K; i++) x[i] = ldexpf(x[i], i % 2 ? -60 : 0);
+        for (int64_t i = 0; i < N * K; i++) wb[i] = (uint16_t)((wb[i] & 0x807F) | ((1 + i % 6) << 7));  /* 2^-126.. */
+        for (int64_t i = 0; i < N; i++) b[i] = ldexpf(b[i], -124);
+        swarm_linear_bf16(x, M, K, K, wb, N, K, b, out, N, 2);
+        emit(out, M * N);
+        free(x), free(b), free(out), free(wb);
     }
     /* attention: T rows at pos0 over a cache; GQA groups, a sliding window, key blocks crossed */
     static const int64_t att[][6] = {{9, 9, 3, 64, 140, 0}, {1, 9, 3, 64, 300, 0}, {5, 8, 2, 16, 20, 5},

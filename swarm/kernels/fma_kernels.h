@@ -527,12 +527,47 @@ static int blinear_dp(const float *x, int64_t M, int64_t K, int64_t ldx, const u
     free(xb);
     return 0;
 }
-/* 1: vdpbf16ps runs here (AVX512-BF16, and SWARM_BF16DP is not 0) */
+/* vdpbf16ps against the FMAs where the order of a pair's products, a rounding or the flush shows (products of
+ * bfloat16 values of like magnitude mostly add exactly, so random data alone would hide them): against x of
+ * ones, column 0 gives each lane 1, then 0.75 ulp (the odd) and 0.5 ulp (the even): odd first rounds to
+ * 1 + 2 ulp, even first to 1 + 1 ulp (the 8 lanes: 8 + 2^-19 or 8 + 2^-20); column 1 gives each lane 1.5 FLT_MIN - FLT_MIN, flushed to 0 (IEEE:
+ * the 8 lanes sum to 4 FLT_MIN); column 2 is zero; the rest, and x's other rows, are random over 2^-40..2^40 */
+static int bf16_dp_agrees(void) {
+    enum { M = 5, K = 48, N = 14 };
+    float x[M * K], bias[N], a[M * N], b[M * N];
+    uint16_t w[N * K];
+    uint32_t st = 2463534242u;
+    for (int i = 0; i < M * K + N * K + N; i++) {
+        st ^= st << 13, st ^= st >> 17, st ^= st << 5;
+        const float v = ldexpf(((float)(st >> 9 & 0x3FFFFF) - 2097152.0f) / 2097152.0f, (int)(st % 81) - 40);
+        if (i < M * K) x[i] = i < K ? 1.0f : v;
+        else if (i < M * K + N * K) w[i - M * K] = bf16_of((union { float f; uint32_t u; }){v}.u);
+        else bias[i - M * K - N * K] = i % 2 ? v : 0.0f;
+    }
+    for (int k = 0; k < K; k++) {
+        const int j = k % 16, odd = j % 2;
+        w[k] = k < 16 ? (odd ? 0x3F80 : 0) : k < 32 ? (odd ? 0x33C0 : 0x3380) : 0; /* 1; 1.5 * 2^-24, 2^-24 */
+        w[K + k] = k < 16 ? (odd ? 0x00C0 : 0x8080) : 0;                              /* 1.5 FLT_MIN, -FLT_MIN */
+        w[2 * K + k] = 0;
+    }
+    bias[0] = bias[1] = 0.0f;
+    volatile int64_t kv = K;  /* not a constant the compiler folds into the copy loops */
+    const int64_t k = kv;
+    if (blinear_dp(x, M, k, k, w, N, k, bias, a, N, 1) || blinear_emu(x, M, k, k, w, N, k, bias, b, N, 1)) return 0;
+    return memcmp(a, b, sizeof a) == 0 && a[0] == 8.0f + 0x1p-19f && a[1] == 0.0f;
+}
+/* 1: vdpbf16ps runs here: AVX512-BF16, SWARM_BF16DP is not 0, and it gave the FMAs' bits at first use */
 static int bf16_dp(void) {
+    static atomic_int verdict = -1;  /* -1: not yet checked */
     const char *env = getenv("SWARM_BF16DP");
     if (env && env[0] == '0') return 0;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    int v = atomic_load(&verdict);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512bf16") && bf16_dp_agrees();
+        atomic_store(&verdict, v);
+    }
+    return v;
 }
 __attribute__((visibility("hidden"))) int swarm_avx512_bf16_dp(void) { return bf16_dp(); }
 #endif

@@ -100,6 +100,11 @@ def test_the_bfloat16_gemm_is_its_definition_and_a_bfloat16_cache_is_widened():
             want = _bf16_gemm_reference(x, w, bias)
             for name, got in _each_isa(lambda: [fma.linear(x, w, bias) for _ in _bf16_dot_settings()]).items():
                 assert all(torch.equal(g, want) for g in got), (name, (m, k, n))
+    # the odd product first: each lane 1, then 0.75 ulp (odd) and 0.5 ulp (even) rounds to 1 + 2 ulp (even
+    # first: 1 + 1 ulp); random data of like magnitude mostly adds exactly and would not show the order
+    w = torch.tensor([0.0, 1.0] * 8 + [2.0 ** -24, 1.5 * 2.0 ** -24] * 8).view(1, 32).bfloat16()
+    for name, got in _each_isa(lambda: [fma.linear(torch.ones(3, 32), w) for _ in _bf16_dot_settings()]).items():
+        assert all(torch.equal(g, torch.full((3, 1), 8 + 2.0 ** -19)) for g in got), name
     q, keys, values = torch.randn(6, 4, 16), torch.randn(80, 2, 16).bfloat16(), torch.randn(80, 2, 16).bfloat16()
     assert torch.equal(fma.attention(q, keys, values, 74, 0.25), fma.attention(q, keys.float(), values.float(), 74, 0.25))
     with pytest.raises(ValueError, match="float32 or bfloat16"):

@@ -6,7 +6,9 @@ stored, through :mod:`swarm.model.gguf_tensors`; ``q8_0``/``q4_0``/``q4_1``: a f
 quantized at load by the ``gguf`` package) and attaching them to the Linear modules, whose forward then
 runs :func:`swarm.kernels.qblocks.linear` (activations rounded to 16 bits per block of 32, exact integer
 dots, float32 sums in a fixed order: the same bits on every ISA, for any number of rows). Hidden states
-between modules stay float32.
+between modules stay float32. A mixture-of-experts block's routed experts (transformers' fused
+``gate_up_proj`` / ``down_proj``, (E, N, K), or gpt-oss's (E, K, N)) are held as :class:`QExperts` under
+``q8_0``/``q4_0``/``q4_1``: the experts module's own loop indexes them and multiplies by the same kernel.
 """
 
 from __future__ import annotations
@@ -105,10 +107,83 @@ def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool
     return {name: t for name, t in tensors.items() if isinstance(t, QWeight)}
 
 
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch._C.TensorBase.matmul, torch.Tensor.__matmul__)  # x @ W[e]
+
+
+class QExpert:
+    """One expert's matrix in a block format, as an experts module's loop uses ``W[e]``: ``F.linear(x, W[e])``
+    (``transposed`` False: the stored (N, K) rows) or gpt-oss's ``x @ W[e]`` (True: W[e] is (K, N), held as
+    its transpose). Both run :func:`swarm.kernels.qblocks.linear` on x's rows in float32 and return x's
+    dtype; any other use raises TypeError (through ``__torch_function__``)."""
+
+    def __init__(self, q: QWeight, transposed: bool):
+        self.q, self.transposed = q, transposed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
+            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+        elif func in _MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
+            (x, w), bias = args, None
+        else:
+            return NotImplemented
+        from swarm.kernels import qblocks
+
+        out = qblocks.linear(x.reshape(-1, w.q.k).float(), w.q, None if bias is None else bias.float())
+        return out.reshape(*x.shape[:-1], w.q.n).to(x.dtype)
+
+
+class QExperts:
+    """An experts module's stacked matrices (E, N, K) held as E :class:`QExpert`; ``experts[e]`` (an int or
+    a 0-d tensor) is expert e's."""
+
+    def __init__(self, experts: list[QExpert]):
+        self.experts = experts
+
+    def __getitem__(self, e) -> QExpert:
+        return self.experts[int(e)]
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.q.nbytes for x in self.experts)
+
+
+EXPERT_MATRICES = ("gate_up_proj", "down_proj")  # transformers' fused experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss)
+
+
+def quantize_experts(module: torch.nn.Module, scheme: str) -> tuple[int, int]:
+    """Hold ``module``'s (an ``...Experts`` module's) fused expert matrices in ``scheme``, each expert quantized
+    by the ``gguf`` package; a matrix whose inputs are not a multiple of the format's block stays as it is.
+    Returns (bytes held minus the float bytes freed, matrices kept in float)."""
+    from swarm.kernels import qblocks
+
+    transposed = type(module).__name__ == "GptOssExperts"  # x @ W[e]: W[e] is (K, N)
+    delta = kept = 0
+    for pname in EXPERT_MATRICES:
+        p = module._parameters.get(pname)
+        if p is None or p.dim() != 3:
+            continue
+        k = p.shape[1] if transposed else p.shape[2]
+        if k % qblocks.FORMATS[scheme].block:
+            kept += 1
+            continue
+        held = QExperts([QExpert(qblocks.quantize((p[e].t() if transposed else p[e]).detach(), scheme), transposed)
+                         for e in range(p.shape[0])])
+        del module._parameters[pname]
+        module.__dict__[pname] = held
+        delta += held.nbytes - p.numel() * p.element_size()
+    return delta, kept
+
+
 def quantize_loaded(block, scheme: str) -> None:
-    """Hold the block's decoder-layer Linear weights and its LM head (tied or not: the embedding keeps its
-    own float copy) in ``scheme`` (q8_0, q4_0, q4_1), quantized by the ``gguf`` package; a weight whose
-    inputs are not a multiple of 32 stays float32 (logged). ``loaded_bytes`` becomes what is held."""
+    """Hold the block's decoder-layer Linear weights, its routed experts (:func:`quantize_experts`) and its
+    LM head (tied or not: the embedding keeps its own float copy) in ``scheme`` (q8_0, q4_0, q4_1), quantized
+    by the ``gguf`` package; a weight whose inputs are not a multiple of 32 stays float32 (logged).
+    ``loaded_bytes`` becomes what is held."""
     from swarm.kernels import qblocks
 
     targets = [m for m in block.layers.modules() if isinstance(m, torch.nn.Linear)]
@@ -123,9 +198,14 @@ def quantize_loaded(block, scheme: str) -> None:
         q = qblocks.quantize(w.detach(), scheme)
         shared = block.lm_head is mod and block.embed is not None and block.embed.weight is w
         block.loaded_bytes += hold(mod, q) - (0 if shared else w.numel() * w.element_size())
+    experts = [m for m in block.layers.modules() if type(m).__name__.endswith("Experts")]
+    for mod in experts:
+        delta, kept_here = quantize_experts(mod, scheme)
+        block.loaded_bytes += delta
+        kept += kept_here
     if kept:
         log.warning("quantize.kept_float32 layers=%s scheme=%s weights=%d of %d: inputs not a multiple of 32",
-                    block.layer_range, scheme, kept, len(targets))
+                    block.layer_range, scheme, kept, len(targets) + 2 * len(experts))
 
 
 def require_kernels(scheme: str) -> None:
@@ -143,7 +223,8 @@ def require_kernels(scheme: str) -> None:
 
 
 def _is_linear_weight(name: str) -> bool:
-    return name == "lm_head.weight" or (".layers." in name and name.endswith("_proj.weight"))
+    return name == "lm_head.weight" or (".layers." in name and name.endswith(("_proj.weight", "_proj_with_mqa.weight",
+                                                                             "shared_expert_gate.weight")))
 
 
 def _held_as_blocks(name: str) -> bool:  # by load_block with --quantize gguf: Linear weights and the embedding
@@ -181,13 +262,28 @@ def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
     total = 0
     for name in names:
         shape = shapes.shapes[name]
-        linear = _is_linear_weight(name) and len(shape) == 2 and shape[1] % fmt.block == 0
-        total += shape[0] * shape[1] // fmt.block * fmt.block_bytes if linear else _numel(shape) * 4
+        k = _expert_k(name, shape, config.model_type)
+        if k is None and _is_linear_weight(name) and len(shape) == 2:
+            k = shape[1]
+        total += _numel(shape) // fmt.block * fmt.block_bytes if k and k % fmt.block == 0 else _numel(shape) * 4
     if tail and getattr(config, "tie_word_embeddings", False):  # the tied LM head: quantized from the embedding
         n, k = shapes.shapes.get("model.embed_tokens.weight", (0, 0))
         quantized = n * k // fmt.block * fmt.block_bytes if k % fmt.block == 0 else n * k * 4
         total += quantized - (0 if head else n * k * 4)
     return total
+
+
+def _expert_k(name: str, shape, model_type: str) -> int | None:
+    """The input width K of a routed expert's matrix as :func:`quantize_experts` holds it, or None for another
+    tensor: a fused (E, N, K) ``experts.gate_up_proj`` / ``experts.down_proj`` ((E, K, N) in gpt-oss), or one
+    expert's (N, K) ``experts.E.w1|w2|w3|*_proj.weight`` (stacked into those at load)."""
+    if ".experts." not in name:
+        return None
+    if len(shape) == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return shape[1] if model_type == "gpt_oss" else shape[2]
+    if len(shape) == 2 and name.endswith((".w1.weight", ".w2.weight", ".w3.weight", "_proj.weight")):
+        return shape[1]
+    return None
 
 
 def _numel(shape) -> int:

@@ -137,3 +137,49 @@ def test_the_shipped_gguf_is_held_as_stored_and_keeps_the_argmax_of_its_float32_
     assert (got - ref).abs().max().item() < 0.05
     step = held.forward_batch([(held.new_cache(rows + 1), 0, ids[:, :1])], logits_rows=[1])[0]  # a decode row
     assert torch.equal(step[0, 0], got[0, 0])
+
+
+MOE_WIDTHS = dict(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_routed_experts_are_held_in_the_block_format_and_stay_exact(tmp_path_factory, family):
+    """Under q8_0 a mixture-of-experts block holds its routed experts (fused (E, N, K), gpt-oss's (E, K, N))
+    as blocks too: the bytes held are the bytes planned and far below float32's, the start-up proof passes,
+    two blocks chained give one block's greedy tokens, and the output stays near the float block's."""
+    from tests.support.models import make_synthetic as make
+
+    model = make(family, tmp_path_factory.mktemp(f"moe-q-{family}"), dtype="float32", **MOE_WIDTHS)
+    whole = LayerRange(0, 4)
+    block = load_block(model, whole, dtype="float32", device="cpu", quantize="q8_0")
+    dense = load_block(model, whole, dtype="float32", device="cpu")
+    experts = [m for m in block.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and all(isinstance(m.gate_up_proj, qformats.QExperts) and isinstance(m.down_proj, qformats.QExperts)
+                           and "gate_up_proj" not in m._parameters for m in experts)
+    assert block.loaded_bytes == qformats.held_bytes(model, whole, "q8_0") < dense.loaded_bytes / 2
+    assert check_block(block).ok
+    x = torch.tensor([PROMPT])
+    out, ref = block.forward(block.new_cache(), 0, token_ids=x), dense.forward(dense.new_cache(), 0, token_ids=x)
+    assert not torch.equal(out, ref) and torch.allclose(out, ref, atol=0.02)
+    halves = [load_block(model, LayerRange(a, b), dtype="float32", device="cpu", quantize="q8_0") for a, b in ((0, 2), (2, 4))]
+    assert chained_greedy(halves, PROMPT, 6) == chained_greedy([block], PROMPT, 6)
+
+
+def test_an_expert_matrix_refuses_what_it_does_not_compute():
+    """A held expert computes ``F.linear(x, W[e])`` (or gpt-oss's ``x @ W[e]``) and nothing else: other uses are
+    a TypeError, not a silent float weight."""
+    from swarm.kernels import qblocks
+
+    q = qblocks.quantize(torch.randn(8, 64), "q8_0")
+    w = qblocks.dequantize(q)  # the values held: only x's rounding to 16-bit blocks is left between the two
+    plain = qformats.QExperts([qformats.QExpert(q, False)])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(torch.nn.functional.linear(x, plain[torch.tensor(0)]), x @ w.T, atol=0.01, rtol=0.01)
+    with pytest.raises(TypeError):
+        x @ plain[0]
+    with pytest.raises(TypeError):
+        torch.add(x, plain[0])
+    flipped = qformats.QExperts([qformats.QExpert(q, True)])
+    torch.testing.assert_close(x @ flipped[0], x @ w.T, atol=0.01, rtol=0.01)
+    with pytest.raises(TypeError):
+        torch.nn.functional.linear(x, flipped[0])

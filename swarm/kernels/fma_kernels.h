@@ -7,8 +7,9 @@
  * Everything here is IEEE float32: loads, stores, fused multiply-adds, adds, multiplies, divisions,
  * max, the exact bfloat16 -> float32 widening, and integer ops on exponents. Lanes never cross inside
  * a sum; every sum across lanes is dot's fixed tree. No instruction whose result depends on the
- * vector width (a dot-product instruction, an approximate reciprocal, a reassociating reduction) is
- * used, so each lane's result is the same function of its inputs on every ISA.
+ * vector width (an approximate reciprocal, a reassociating reduction) is used, and a dot-product
+ * instruction only where it computes the defined bits (vdpbf16ps for the bfloat16 GEMM, checked against
+ * the FMAs at first use), so each lane's result is the same function of its inputs on every ISA.
  */
 #ifndef SWARM_FMA_KERNELS_H
 #define SWARM_FMA_KERNELS_H

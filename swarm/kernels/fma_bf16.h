@@ -113,7 +113,11 @@ AI uint16_t bf16_of(uint32_t u) {
 #else
 #define BROW(SFX, R) BCASE(SFX, R, 1) BCASE(SFX, R, 2) BCASE(SFX, R, 3)
 #endif
+#if G == 1 /* tiles of at most SWARM_MR (3) rows (bcols_): no more cases to compile */
+#define BCASES(SFX) BROW(SFX, 1) BROW(SFX, 2) BROW(SFX, 3)
+#else
 #define BCASES(SFX) BROW(SFX, 1) BROW(SFX, 2) BROW(SFX, 3) BROW(SFX, 4) BROW(SFX, 5) BROW(SFX, 6)
+#endif
 
 #ifndef SWARM_BLINEAR_CTX
 #define SWARM_BLINEAR_CTX

@@ -429,49 +429,57 @@ DEFINE_LINEAR_BF_CALL(emu)
 #define BDP __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")))
 #define BDP_RP 4 /* pairs of rows per tile */
 #define BDP_NC 6 /* columns per tile: 4 x 6 accumulators, 4 of x, 1 of w */
-BDP AI void bdp_step(const int RP, const int NC, const uint16_t *xp, int64_t ldxp, const uint16_t *w, int64_t ldw,
+BDP AI void bdp_step(const int RP, const uint16_t *xp, int64_t ldxp, const uint16_t *const *wc, int64_t k,
                      __m512 acc[BDP_RP][BDP_NC]) {
     __m512i xv[BDP_RP];
     for (int p = 0; p < RP; p++) xv[p] = _mm512_loadu_si512((const void *)(xp + p * ldxp));
-    for (int c = 0; c < NC; c++) {
-        const __m512i wv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + c * ldw)));
+    for (int c = 0; c < BDP_NC; c++) {
+        const __m512i wv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wc[c] + k)));
         for (int p = 0; p < RP; p++) acc[p][c] = _mm512_dpbf16_ps(acc[p][c], (__m512bh)xv[p], (__m512bh)wv);
     }
 }
-/* rows [0, mr) (RP pairs) x columns [0, NC) of out; xp: the tile's first pair of rows */
-BDP AI void bdp_tile(const int RP, const int NC, int mr, const uint16_t *xp, int64_t ldxp, const uint16_t *w,
+/* rows [0, mr) (RP pairs) x columns [0, nc) of out (nc <= BDP_NC: the columns past it repeat column nc - 1,
+ * unstored); xp: the tile's first pair of rows */
+BDP AI void bdp_tile(const int RP, int mr, int nc, const uint16_t *xp, int64_t ldxp, const uint16_t *w,
                      int64_t ldw, int64_t K, float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
     __m512 acc[BDP_RP][BDP_NC];
+    const uint16_t *wc[BDP_NC];
+    for (int c = 0; c < BDP_NC; c++) wc[c] = w + (c < nc ? c : nc - 1) * ldw;
     for (int p = 0; p < RP; p++)
-        for (int c = 0; c < NC; c++) acc[p][c] = _mm512_setzero_ps();
+        for (int c = 0; c < BDP_NC; c++) acc[p][c] = _mm512_setzero_ps();
     const int64_t k16 = K & ~(int64_t)15;
     for (int64_t k = 0; k < k16; k += 16) {
         if (pf && k % 32 == 0)
             for (int c = 0; c < BDP_NC; c++) __builtin_prefetch(pf + c * ldw + k, 0, 2);
-        bdp_step(RP, NC, xp + 2 * k, ldxp, w + k, ldw, acc);
+        bdp_step(RP, xp + 2 * k, ldxp, wc, k, acc);
     }
     if (k16 < K) { /* the last K % 16 of w's columns beside +0 (x is padded already) */
         uint16_t wt[BDP_NC][16];
-        for (int c = 0; c < NC; c++)
-            for (int64_t j = 0; j < 16; j++) wt[c][j] = k16 + j < K ? w[c * ldw + k16 + j] : 0;
-        bdp_step(RP, NC, xp + 2 * k16, ldxp, wt[0], 16, acc);
+        const uint16_t *tc[BDP_NC];
+        for (int c = 0; c < BDP_NC; c++) {
+            for (int64_t j = 0; j < 16; j++) wt[c][j] = k16 + j < K ? wc[c][k16 + j] : 0;
+            tc[c] = wt[c];
+        }
+        bdp_step(RP, xp + 2 * k16, ldxp, tc, 0, acc);
     }
     for (int p = 0; p < RP; p++)
-        for (int c = 0; c < NC; c += 2) {
-            const int c2 = c + 1 < NC ? c + 1 : c;
-            float sm[4]; /* row 2p and 2p + 1 of column c, then of c2 */
-            v8_sums4(lo8(acc[p][c]), hi8(acc[p][c]), lo8(acc[p][c2]), hi8(acc[p][c2]), sm);
+        for (int c = 0; c < BDP_NC; c += 2) {
+            float sm[4]; /* rows 2p and 2p + 1 of column c, then of c + 1 */
+            v8_sums4(lo8(acc[p][c]), hi8(acc[p][c]), lo8(acc[p][c + 1]), hi8(acc[p][c + 1]), sm);
             for (int j = 0; j < 4; j++) {
-                const int r = 2 * p + (j & 1), col = j < 2 ? c : c2;
-                if (r < mr && (j < 2 || c2 != c)) out[r * ldo + col] = bias ? sm[j] + bias[col] : sm[j];
+                const int r = 2 * p + (j & 1), col = c + j / 2;
+                if (r < mr && col < nc) out[r * ldo + col] = bias ? sm[j] + bias[col] : sm[j];
             }
         }
 }
-#define DCASE(R, C) case R * 8 + C: bdp_tile(R, C, mr, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
-#define DROW(R) DCASE(R, 1) DCASE(R, 2) DCASE(R, 3) DCASE(R, 4) DCASE(R, 5) DCASE(R, 6)
 BDP static void bdp_block(int mr, int nc, const uint16_t *xp, int64_t ldxp, const uint16_t *w, int64_t ldw,
                           int64_t K, float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
-    switch ((mr + 1) / 2 * 8 + nc) { DROW(1) DROW(2) DROW(3) DROW(4) }
+    switch ((mr + 1) / 2) {  /* pairs of rows: 4 tile shapes to compile, the columns by pointer */
+        case 1: bdp_tile(1, mr, nc, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
+        case 2: bdp_tile(2, mr, nc, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
+        case 3: bdp_tile(3, mr, nc, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
+        default: bdp_tile(4, mr, nc, xp, ldxp, w, ldw, K, out, ldo, bias, pf); break;
+    }
 }
 /* columns [n0, n1) of one task: blocks of 24 rows pass nb columns of w held in L2, tiles of 8 x 6 */
 BDP __attribute__((noinline)) static void bdp_cols(const blinear_ctx *c, int64_t i) {

@@ -10,8 +10,6 @@ says. The model is a copy with a Llama-2-style chat template (stories260k has no
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -22,14 +20,12 @@ from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from swarm.serve.requests import MAX_CACHE_SALT_CHARS, MAX_USER_CHARS, cache_scope
 from tests.support.ring import start_ring
-from tests.support.serve import LoopThread
+from tests.support.serve import LoopThread, stories_with_chat_template
 
 pytestmark = [pytest.mark.ring]
 
 RANGES = [(0, 3), (3, 5)]
 BLOCK = 16  # --prefix-block of the stages
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
-                 "' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
 # the name comes first, so every test's prompt differs in its first block: no two share a block
 STORY = ("{name} was a little girl who lived in a small house. She liked to play in the park with her friends. "
          "One day she found a shiny red ball under a big tree, and she ran to show her mom.")
@@ -60,11 +56,7 @@ class Served(LoopThread):
 @pytest.fixture(scope="module")
 def model(stories_dir, tmp_path_factory) -> Path:
     """stories260k with a Llama-2-style chat template."""
-    d = tmp_path_factory.mktemp("stories") / "stories260k"
-    shutil.copytree(stories_dir, d)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": CHAT_TEMPLATE}))
-    return d
+    return stories_with_chat_template(stories_dir, tmp_path_factory.mktemp("stories"))
 
 
 @pytest.fixture(scope="module")

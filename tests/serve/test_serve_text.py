@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -26,13 +25,11 @@ from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
 from tests.support.models import reference_greedy
 from tests.support.ring import start_ring
-from tests.support.serve import LoopThread
+from tests.support.serve import LoopThread, stories_with_chat_template
 
 pytestmark = [pytest.mark.ring]
 
 RANGES = [(0, 3), (3, 5)]
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
-                 "' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
 
 
 class Served(LoopThread):
@@ -62,12 +59,8 @@ class Served(LoopThread):
 @pytest.fixture(scope="module")
 def model(stories_dir, tmp_path_factory) -> Path:
     """stories260k, stopping at ``</s>`` only, with a Llama-2-style chat template."""
-    d = tmp_path_factory.mktemp("stories") / "stories260k"
-    shutil.copytree(stories_dir, d)
-    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": CHAT_TEMPLATE}))
-    return d
+    return stories_with_chat_template(stories_dir, tmp_path_factory.mktemp("stories"),
+                                      generation_config={"bos_token_id": 1, "eos_token_id": 2})
 
 
 @pytest.fixture(scope="module")

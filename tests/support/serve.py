@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,22 @@ import trio
 
 from swarm.serve.app import serve_api
 from swarm.serve.config import ServeConfig
+
+# a Llama-2-style chat template (stories260k has none)
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'] + "
+                 "' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def stories_with_chat_template(stories_dir: Path, parent: Path, generation_config: dict | None = None) -> Path:
+    """A copy of stories260k under ``parent`` with :data:`CHAT_TEMPLATE` (and ``generation_config``, when
+    given, as its generation_config.json); returns its directory."""
+    d = parent / "stories260k"
+    shutil.copytree(stories_dir, d)
+    if generation_config is not None:
+        (d / "generation_config.json").write_text(json.dumps(generation_config))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": CHAT_TEMPLATE}))
+    return d
 
 
 class LoopThread:

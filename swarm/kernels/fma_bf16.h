@@ -15,8 +15,7 @@
  * input-denormal flag is run again by the plain C path), and in plain C by ftz_fma, IEEE arithmetic
  * corrected to x86's flush.
  *
- * fma_kernels.h defines, before including this: BF_HALVES (2: the odd then the even half of each pair),
- * bx_t / bw_t (what one step of 16 keeps of a row of x / a group of w), bx_load(p, h) (8 floats of x's
+ * fma_kernels.h defines, before including this: bx_t / bw_t (what one step of 16 keeps of a row of x / a group of w), bx_load(p, h) (8 floats of x's
  * copy, the half h of a block), bw_load(a, b, h) (the half h of w's pairs, widened), bf_dot(acc, x, w),
  * BF_ENV (the task's float environment set and restored around it) and bf_sums / bf_add (dot's tree and
  * the bias add under the flush).
@@ -32,95 +31,18 @@ AI uint16_t bf16_of(uint32_t u) {
     return (uint16_t)((u & 0x7F800000u) == 0 ? (u >> 16) & 0x8000u : r);
 }
 
-#ifndef BF_ATTR
-#define BF_ATTR
-#endif
-
-/* rows [0, MR) x columns [0, nc) of out; x: bfloat16 rows of ldx (>= K rounded up to 16, zero-padded) */
-#define DEFINE_LINEAR_BF(SFX)                                                                                     \
-    BF_ATTR AI void bstep_##SFX(const int MR, const int NG, const float *x, int64_t ldx, const uint16_t *w,     \
-                                int64_t ldw, const uint16_t *wlast, vg acc[SWARM_MR_SMALL][SWARM_NG]) {            \
-        (void)wlast;                                                                                              \
-        for (int h = 0; h < BF_HALVES; h++) {                                                                     \
-            bx_t xv[SWARM_MR_SMALL];                                                                              \
-            for (int r = 0; r < MR; r++) xv[r] = bx_load(x + r * ldx, h);                                         \
-            for (int g = 0; g < NG; g++) {                                                                        \
-                const bw_t wv = bw_load(w + G * g * ldw, g == NG - 1 ? wlast : w + (G * g + G - 1) * ldw, h);     \
-                for (int r = 0; r < MR; r++) acc[r][g] = bf_dot(acc[r][g], xv[r], wv);                            \
-            }                                                                                                     \
-        }                                                                                                         \
-    }                                                                                                             \
-    BF_ATTR AI void btile_##SFX(const int MR, const int NG, int nc, const float *x, int64_t ldx,               \
-                                const uint16_t *w, int64_t ldw, int64_t K, float *out, int64_t ldo,                \
-                                const float *bias, const uint16_t *pf) {                                          \
-        const int last = NG * G - 1 < nc ? NG * G - 1 : nc - 1;                                                   \
-        vg acc[SWARM_MR_SMALL][SWARM_NG];                                                                         \
-        for (int r = 0; r < MR; r++)                                                                              \
-            for (int g = 0; g < NG; g++) acc[r][g] = vg_zero();                                                   \
-        const int64_t k16 = K & ~(int64_t)15;                                                                     \
-        for (int64_t k = 0; k < k16; k += 16) {                                                                   \
-            if (pf && k % 32 == 0) /* the next rows of w while these compute */                                  \
-                for (int c = 0; c < SWARM_NG * G; c++) __builtin_prefetch(pf + c * ldw + k, 0, 2);                \
-            bstep_##SFX(MR, NG, x + k, ldx, w + k, ldw, w + last * ldw + k, acc);                                 \
-        }                                                                                                         \
-        if (k16 < K) { /* the last K % 16, w's columns copied beside +0 (x is padded already) */                  \
-            uint16_t wt[SWARM_NG * G][16];                                                                        \
-            for (int c = 0; c < NG * G; c++) {                                                                    \
-                const uint16_t *src = w + (c < nc ? c : nc - 1) * ldw;                                            \
-                for (int64_t j = 0; j < 16; j++) wt[c][j] = k16 + j < K ? src[k16 + j] : 0;                       \
-            }                                                                                                     \
-            bstep_##SFX(MR, NG, x + k16, ldx, wt[0], 16, wt[last], acc);                                          \
-        }                                                                                                         \
-        for (int r = 0; r < MR; r++) {                                                                            \
-            float sums[SWARM_NG * G + 2];                                                                         \
-            bf_sums(acc[r], NG, sums);                                                                            \
-            for (int c = 0; c < nc; c++) out[r * ldo + c] = bias ? bf_add(sums[c], bias[c]) : sums[c];            \
-        }                                                                                                         \
-    }                                                                                                             \
-    BF_ATTR static void bblock_##SFX(int mr, int nc, const float *x, int64_t ldx, const uint16_t *w,           \
-                                     int64_t ldw, int64_t K, float *out, int64_t ldo, const float *bias,          \
-                                     const uint16_t *pf) {                                                        \
-        switch (mr * 8 + (nc + G - 1) / G) {                                                                      \
-            BCASES(SFX)                                                                                           \
-        }                                                                                                         \
-    }                                                                                                             \
-    /* columns [n0, n1) of one task, blocked as linear_task_f32's (order of work only) */                       \
-    BF_ATTR __attribute__((noinline)) static void bcols_##SFX(const blinear_ctx *c, int64_t i) {                 \
-        const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;                                 \
-        for (int64_t m0 = 0; m0 < c->M; m0 += SWARM_MB) {                                                         \
-            const int64_t m1 = m0 + SWARM_MB < c->M ? m0 + SWARM_MB : c->M;                                       \
-            /* one ymm per group (16 registers): tiles of SWARM_MR rows at most, so no accumulator spills */      \
-            const int64_t mt = m1 - m0 <= (G == 1 ? SWARM_MR : SWARM_MR_SMALL) ? m1 - m0 : SWARM_MR;              \
-            const int64_t step = SWARM_NG * G;                                                                    \
-            for (int64_t n = n0; n < n1; n += step) {                                                             \
-                const int nc = n1 - n < step ? (int)(n1 - n) : (int)step;                                         \
-                for (int64_t m = m0; m < m1; m += mt) {                                                           \
-                    const int mr = m1 - m < mt ? (int)(m1 - m) : (int)mt;                                         \
-                    const uint16_t *pf = m == m0 && n + 3 * step <= n1 ? c->w + (n + 2 * step) * c->ldw : 0;      \
-                    bblock_##SFX(mr, nc, (const float *)c->x + m * c->ldx, c->ldx, c->w + n * c->ldw, c->ldw, c->K,             \
-                                 c->out + m * c->ldo + n, c->ldo, c->bias ? c->bias + n : 0, pf);                \
-                }                                                                                                 \
-            }                                                                                                     \
-        }                                                                                                         \
-    }                                                                                                             \
-    static void btask_##SFX(const void *c_, int64_t i) {                                                          \
-        BF_ENV(bcols_##SFX((const blinear_ctx *)c_, i), (const blinear_ctx *)c_);                                 \
-    }
-
-#define BCASE(SFX, R, NG) case R * 8 + NG: btile_##SFX(R, NG, nc, x, ldx, w, ldw, K, out, ldo, bias, pf); break;
+#define BCASE(R, NG) case R * 8 + NG: btile_emu(R, NG, nc, x, ldx, w, ldw, K, out, ldo, bias, pf); break;
 #if SWARM_NG == 4
-#define BROW(SFX, R) BCASE(SFX, R, 1) BCASE(SFX, R, 2) BCASE(SFX, R, 3) BCASE(SFX, R, 4)
+#define BROW(R) BCASE(R, 1) BCASE(R, 2) BCASE(R, 3) BCASE(R, 4)
 #else
-#define BROW(SFX, R) BCASE(SFX, R, 1) BCASE(SFX, R, 2) BCASE(SFX, R, 3)
+#define BROW(R) BCASE(R, 1) BCASE(R, 2) BCASE(R, 3)
 #endif
-#if G == 1 /* tiles of at most SWARM_MR (3) rows (bcols_): no more cases to compile */
-#define BCASES(SFX) BROW(SFX, 1) BROW(SFX, 2) BROW(SFX, 3)
+#if G == 1 /* tiles of at most SWARM_MR (3) rows (bcols_emu): no more cases to compile */
+#define BCASES BROW(1) BROW(2) BROW(3)
 #else
-#define BCASES(SFX) BROW(SFX, 1) BROW(SFX, 2) BROW(SFX, 3) BROW(SFX, 4) BROW(SFX, 5) BROW(SFX, 6)
+#define BCASES BROW(1) BROW(2) BROW(3) BROW(4) BROW(5) BROW(6)
 #endif
 
-#ifndef SWARM_BLINEAR_CTX
-#define SWARM_BLINEAR_CTX
 typedef struct {
     const void *x;  /* x's copy: float32 halves (bf16_rows) or bfloat16 row pairs (the AVX512-BF16 path) */
     const uint16_t *w;
@@ -129,7 +51,76 @@ typedef struct {
     int64_t M, K, ldx, N, ldw, ldo, nb;
     atomic_int *flagged;  /* aarch64: set by a task whose flush decided tininess before rounding */
 } blinear_ctx;
-#endif
+
+/* one step of 16 along K into the tile's accumulators: the odd halves of the pairs, then the even; x: rows of
+ * bf16_rows' copy */
+AI void bstep_emu(const int MR, const int NG, const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                  const uint16_t *wlast, vg acc[SWARM_MR_SMALL][SWARM_NG]) {
+    (void)wlast;
+    for (int h = 0; h < 2; h++) {
+        bx_t xv[SWARM_MR_SMALL];
+        for (int r = 0; r < MR; r++) xv[r] = bx_load(x + r * ldx, h);
+        for (int g = 0; g < NG; g++) {
+            const bw_t wv = bw_load(w + G * g * ldw, g == NG - 1 ? wlast : w + (G * g + G - 1) * ldw, h);
+            for (int r = 0; r < MR; r++) acc[r][g] = bf_dot(acc[r][g], xv[r], wv);
+        }
+    }
+}
+/* rows [0, MR) x columns [0, nc) of out; x: bf16_rows' copy (ldx >= K rounded up to 16, zero-padded) */
+AI void btile_emu(const int MR, const int NG, int nc, const float *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                  int64_t K, float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
+    const int last = NG * G - 1 < nc ? NG * G - 1 : nc - 1;
+    vg acc[SWARM_MR_SMALL][SWARM_NG];
+    for (int r = 0; r < MR; r++)
+        for (int g = 0; g < NG; g++) acc[r][g] = vg_zero();
+    const int64_t k16 = K & ~(int64_t)15;
+    for (int64_t k = 0; k < k16; k += 16) {
+        if (pf && k % 32 == 0) /* the next rows of w while these compute */
+            for (int c = 0; c < SWARM_NG * G; c++) __builtin_prefetch(pf + c * ldw + k, 0, 2);
+        bstep_emu(MR, NG, x + k, ldx, w + k, ldw, w + last * ldw + k, acc);
+    }
+    if (k16 < K) { /* the last K % 16, w's columns copied beside +0 (x is padded already) */
+        uint16_t wt[SWARM_NG * G][16];
+        for (int c = 0; c < NG * G; c++) {
+            const uint16_t *src = w + (c < nc ? c : nc - 1) * ldw;
+            for (int64_t j = 0; j < 16; j++) wt[c][j] = k16 + j < K ? src[k16 + j] : 0;
+        }
+        bstep_emu(MR, NG, x + k16, ldx, wt[0], 16, wt[last], acc);
+    }
+    for (int r = 0; r < MR; r++) {
+        float sums[SWARM_NG * G + 2];
+        bf_sums(acc[r], NG, sums);
+        for (int c = 0; c < nc; c++) out[r * ldo + c] = bias ? bf_add(sums[c], bias[c]) : sums[c];
+    }
+}
+static void bblock_emu(int mr, int nc, const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, int64_t K,
+                       float *out, int64_t ldo, const float *bias, const uint16_t *pf) {
+    switch (mr * 8 + (nc + G - 1) / G) {
+        BCASES
+    }
+}
+/* columns [n0, n1) of one task, blocked as linear_task_f32's (order of work only) */
+__attribute__((noinline)) static void bcols_emu(const blinear_ctx *c, int64_t i) {
+    const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+    for (int64_t m0 = 0; m0 < c->M; m0 += SWARM_MB) {
+        const int64_t m1 = m0 + SWARM_MB < c->M ? m0 + SWARM_MB : c->M;
+        /* one ymm per group (16 registers): tiles of SWARM_MR rows at most, so no accumulator spills */
+        const int64_t mt = m1 - m0 <= (G == 1 ? SWARM_MR : SWARM_MR_SMALL) ? m1 - m0 : SWARM_MR;
+        const int64_t step = SWARM_NG * G;
+        for (int64_t n = n0; n < n1; n += step) {
+            const int nc = n1 - n < step ? (int)(n1 - n) : (int)step;
+            for (int64_t m = m0; m < m1; m += mt) {
+                const int mr = m1 - m < mt ? (int)(m1 - m) : (int)mt;
+                const uint16_t *pf = m == m0 && n + 3 * step <= n1 ? c->w + (n + 2 * step) * c->ldw : 0;
+                bblock_emu(mr, nc, (const float *)c->x + m * c->ldx, c->ldx, c->w + n * c->ldw, c->ldw, c->K,
+                           c->out + m * c->ldo + n, c->ldo, c->bias ? c->bias + n : 0, pf);
+            }
+        }
+    }
+}
+static void btask_emu(const void *c_, int64_t i) {
+    BF_ENV(bcols_emu((const blinear_ctx *)c_, i), (const blinear_ctx *)c_);
+}
 
 /* x (M, K) float32 rounded to bfloat16 and widened back, each block of 16 as its 8 odd then its 8 even
  * values (the halves the FMAs take), rows of ldxb = K rounded up to 16, zero-padded: a new buffer, or NULL */
@@ -148,21 +139,20 @@ static float *bf16_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     return xb;
 }
 
-/* The whole call in variant SFX; returns 0, -2 when out of memory (out untouched), 1 when a task flagged
+/* The whole call by FMAs on the widened halves; returns 0, -2 when out of memory (out untouched), 1 when a task flagged
  * (aarch64: the caller runs the call again in plain C). */
-#define DEFINE_LINEAR_BF_CALL(SFX)                                                                                \
-    static int blinear_##SFX(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,     \
-                             int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {              \
-        int64_t ldxb = 0;                                                                                         \
-        float *xb = bf16_rows(x, M, K, ldx, &ldxb);                                                            \
-        if (!xb) return -2;                                                                                       \
-        const int64_t step = SWARM_NG * G;                                                                        \
-        int64_t nb = (int64_t)(196608 / (K * 2 > 0 ? K * 2 : 1));                                                 \
-        nb -= nb % step;                                                                                          \
-        if (nb < step) nb = step;                                                                                 \
-        atomic_int flagged = 0;                                                                                   \
-        const blinear_ctx c = {xb, w, bias, out, M, K, ldxb, N, ldw, ldo, nb, &flagged};                          \
-        swarm_parallel_for(threads, btask_##SFX, &c, (N + nb - 1) / nb);                                          \
-        free(xb);                                                                                                 \
-        return atomic_load(&flagged) ? 1 : 0;                                                                     \
-    }
+static int blinear_emu(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                       int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
+    int64_t ldxb = 0;
+    float *xb = bf16_rows(x, M, K, ldx, &ldxb);
+    if (!xb) return -2;
+    const int64_t step = SWARM_NG * G;
+    int64_t nb = (int64_t)(196608 / (K * 2 > 0 ? K * 2 : 1));
+    nb -= nb % step;
+    if (nb < step) nb = step;
+    atomic_int flagged = 0;
+    const blinear_ctx c = {xb, w, bias, out, M, K, ldxb, N, ldw, ldo, nb, &flagged};
+    swarm_parallel_for(threads, btask_emu, &c, (N + nb - 1) / nb);
+    free(xb);
+    return atomic_load(&flagged) ? 1 : 0;
+}

@@ -316,7 +316,7 @@ DEFINE_LINEAR(f32, float, vg_w_f32, f32_id)
 /* ------------------------------------------------------------------------------------------------
  * The bfloat16 GEMM (fma_bf16.h states it): each ISA's view of one step of 16 along K.
  * ---------------------------------------------------------------------------------------------- */
-#define BF_HALVES 2 /* the FMAs run on the widened halves of each pair: the odd (h = 0), then the even */
+/* the FMAs run on the widened halves of each pair: the odd (h = 0), then the even (h = 1) */
 #if defined(SWARM_ISA_AVX512)
 AI __m512 bf_half(__m512i v, int h) {
     return _mm512_castsi512_ps(h ? _mm512_slli_epi32(v, 16) : _mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
@@ -420,8 +420,6 @@ AI void fpsr_set(uint64_t v) { __asm__ __volatile__("msr fpsr, %0" : : "r"(v)); 
     } while (0)
 #endif
 #include "fma_bf16.h"
-DEFINE_LINEAR_BF(emu)
-DEFINE_LINEAR_BF_CALL(emu)
 #if defined(SWARM_ISA_AVX512)
 /* AVX512-BF16: vdpbf16ps does both halves of 16 pairs at once, with the same bits. Its register holds two
  * rows of x side by side (x is copied with each pair of rows interleaved per block of 16, so one aligned

@@ -107,7 +107,7 @@ def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool
     return {name: t for name, t in tensors.items() if isinstance(t, QWeight)}
 
 
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch._C.TensorBase.matmul, torch.Tensor.__matmul__)  # x @ W[e]
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # x @ W[e]
 
 
 class QExpert:

@@ -146,10 +146,7 @@ static int blinear_emu(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     int64_t ldxb = 0;
     float *xb = bf16_rows(x, M, K, ldx, &ldxb);
     if (!xb) return -2;
-    const int64_t step = SWARM_NG * G;
-    int64_t nb = (int64_t)(196608 / (K * 2 > 0 ? K * 2 : 1));
-    nb -= nb % step;
-    if (nb < step) nb = step;
+    const int64_t nb = task_columns(K * 2, SWARM_NG * G);
     atomic_int flagged = 0;
     const blinear_ctx c = {xb, w, bias, out, M, K, ldxb, N, ldw, ldo, nb, &flagged};
     swarm_parallel_for(threads, btask_emu, &c, (N + nb - 1) / nb);

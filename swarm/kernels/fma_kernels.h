@@ -227,8 +227,16 @@ AI void vg_sums(const vg *acc, int ng, float *out) {
 #define SWARM_KB 64       /* keys per attention block: fixes the arithmetic (blocks sit at multiples of it) */
 #define SWARM_RB 8        /* query rows per attention task: order of work only */
 
+/* Columns of w per GEMM task, a multiple of step (at least one step): about 192 KB of w's rows of row_bytes,
+ * which stay in L2 while blocks of x pass (order of work only). */
+AI int64_t task_columns(int64_t row_bytes, int64_t step) {
+    int64_t nb = (int64_t)(196608 / (row_bytes > 0 ? row_bytes : 1));
+    nb -= nb % step;
+    return nb < step ? step : nb;
+}
+
 /* ------------------------------------------------------------------------------------------------
- * GEMM: out[m, n] = dot(x[m], w[n], K) (+ bias[n]), w float32 or bfloat16 (widened exactly).
+ * GEMM: out[m, n] = dot(x[m], w[n], K) (+ bias[n]), w float32 (bfloat16 weights: fma_bf16.h).
  * ---------------------------------------------------------------------------------------------- */
 #define DEFINE_LINEAR(SFX, WT, LOADW, W2F)                                                                          \
     /* rows [0, MR) x columns [0, nc) of out, nc <= NG * G; a pair past nc repeats column nc - 1 */            \
@@ -296,9 +304,7 @@ AI void vg_sums(const vg *acc, int ng, float *out) {
     static void linear_##SFX(const float *x, int64_t M, int64_t K, int64_t ldx, const WT *w, int64_t N,           \
                              int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {              \
         const int64_t step = SWARM_NG * G;                                                                        \
-        int64_t nb = (int64_t)(196608 / (K * (int64_t)sizeof(WT) > 0 ? K * (int64_t)sizeof(WT) : 1));            \
-        nb -= nb % step;                                                                                          \
-        if (nb < step) nb = step;                                                                                 \
+        const int64_t nb = task_columns(K * (int64_t)sizeof(WT), step);                                           \
         const linear_ctx_##SFX c = {x, bias, w, out, M, K, ldx, N, ldw, ldo, nb};                                 \
         swarm_parallel_for(threads, linear_task_##SFX, &c, (N + nb - 1) / nb);                                    \
     }
@@ -526,9 +532,7 @@ static int blinear_dp(const float *x, int64_t M, int64_t K, int64_t ldx, const u
     int64_t ldxp = 0;
     uint16_t *xb = bf16_row_pairs(x, M, K, ldx, &ldxp);
     if (!xb) return -2;
-    int64_t nb = (int64_t)(196608 / (K * 2 > 0 ? K * 2 : 1));
-    nb -= nb % BDP_NC;
-    if (nb < BDP_NC) nb = BDP_NC;
+    const int64_t nb = task_columns(K * 2, BDP_NC);
     const blinear_ctx c = {xb, w, bias, out, M, K, ldxp, N, ldw, ldo, nb, 0};
     swarm_parallel_for(threads, bdp_task, &c, (N + nb - 1) / nb);
     free(xb);

@@ -144,9 +144,6 @@ class QExperts:
     def __getitem__(self, e) -> QExpert:
         return self.experts[int(e)]
 
-    def __len__(self) -> int:
-        return len(self.experts)
-
     @property
     def nbytes(self) -> int:
         return sum(x.q.nbytes for x in self.experts)

@@ -25,9 +25,9 @@ from swarm.errors import CacheUnwritable, ConfigError
 from swarm.ranges import LayerRange
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
-# --quantize: int8 / int4 (torch's ops, bfloat16); q8_0 / q4_0 / q4_1 (llama.cpp's block formats, quantized at
-# load) and gguf (the blocks of the GGUF file itself), float32 activations in swarm's kernels
-QUANTIZE_SCHEMES = ("int8", "int4", "q8_0", "q4_0", "q4_1", "gguf")
+# --quantize: int8 / int4 (torch's ops, bfloat16); q8_0 / q4_0 / q4_1 / q4_k / q6_k (llama.cpp's block formats,
+# quantized at load) and gguf (the blocks of the GGUF file itself), float32 activations in swarm's kernels
+QUANTIZE_SCHEMES = ("int8", "int4", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "gguf")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class StageConfig:
     threads: int | None = None
     dtype: str = "auto"
     device: str = "auto"
-    quantize: str | None = None  # int8 / int4 (swarm.kernels.quant); q8_0 / q4_0 / q4_1 / gguf (swarm.model.qformats)
+    quantize: str | None = None  # int8 / int4 (swarm.kernels.quant); q8_0 ... q6_k / gguf (swarm.model.qformats)
     hop_timeout_s: float = 30.0
     allow_coordinators: tuple[str, ...] = ()  # PeerIds that may open sessions; empty: anyone
     admins: tuple[str, ...] = ()  # PeerIds that may send a drain request

@@ -9,7 +9,8 @@
   ``swarm.kernels._fma`` at install; ``fma`` builds them at run time only where that is missing.
 - ``qblocks``: weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and their
   GEMM in the same arithmetic family (``qblocks_kernels.h``: activations quantized per row, integer
-  dots per block, float accumulation in a fixed order).
+  dots per block, float accumulation in a fixed order); ``qquantize.c`` writes Q4_K and Q6_K from float
+  weights with the bytes of llama.cpp's reference quantizers.
 - ``triton_ops``: the triton kernel mode: the same contract in Triton kernels (GEMM in fixed tiles
   without split-K, attention per query row in fixed 64-key blocks, RMSNorm, SiLU) for CUDA stages,
   and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which is where it is tested.
@@ -24,8 +25,7 @@
 
 Not here yet: the triton mode's figures on a real GPU (its bits there are proven by each stage's
 check_block and the ``gpu`` tests, which no session has run: no GPU lent; tiles untuned), CUDA graphs
-(issue 12), quantized wire kernels, an exact use of bfloat16 or int8 dot-product instructions (VNNI,
-AVX512_BF16: their flush-to-zero and pair order are no part of the arithmetic yet).
+(issue 12), quantized wire kernels.
 Rule: may import the shared core (``swarm.config``); torch, triton (``triton_ops`` only). Importing this
 package imports nothing.
 """

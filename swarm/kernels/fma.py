@@ -201,6 +201,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_qlinear.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
     lib.swarm_qlinear.restype = ctypes.c_int
     lib.swarm_layer_forward.argtypes = [_ptr, _ptr, _i64, _int]
+    lib.swarm_quantize_kquant.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64]
+    lib.swarm_quantize_kquant.restype = ctypes.c_int
     lib.swarm_layer_forward.restype = ctypes.c_int
     for name in ("swarm_isa_name", "swarm_arithmetic", "swarm_bf16_arithmetic", "swarm_source_digest"):
         getattr(lib, name).restype = ctypes.c_char_p

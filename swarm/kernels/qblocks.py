@@ -8,8 +8,8 @@ row's bits are its own on every ISA and for any number of rows. llama.cpp rounds
 
 Owns: :class:`QWeight` (a matrix in a block format, the bytes as a GGUF file stores them), the facts
 of each format (:data:`FORMATS`), :data:`ARITHMETIC` (the name receipts carry), :func:`linear` (the C
-kernels through ctypes), and :func:`quantize` / :func:`dequantize` through the ``gguf`` package
-(llama.cpp's own Python reference of the formats).
+kernels through ctypes), :func:`quantize` (the ``gguf`` package, llama.cpp's own Python reference of
+the formats, and ``qquantize.c`` for the two it does not write) and :func:`dequantize`.
 """
 
 from __future__ import annotations
@@ -78,6 +78,21 @@ class QWeight:
         return self.data.numel()
 
 
+# A weight whose K is not a multiple of 256 cannot be a K-quant: like llama-quantize, it takes another
+# format (llama.cpp takes q5_0 for q4_K, which swarm does not hold; q4_1 is its size) and, when K is not
+# a multiple of 32 either, stays float32.
+FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}
+
+
+def format_for(scheme: str, k: int) -> str | None:
+    """The block format a weight of ``k`` inputs is held in under ``scheme`` (a key of :data:`FORMATS`):
+    ``scheme`` itself, its :data:`FALLBACK`, or None (not a multiple of any: it stays float32)."""
+    for fmt in (scheme, FALLBACK.get(scheme)):
+        if fmt is not None and k % FORMATS[fmt].block == 0:
+            return fmt
+    return None
+
+
 _INDEX = {name: i for i, name in enumerate(FORMATS)}
 # fma.c's QBLOCKS_ARITHMETIC (swarm_qblocks_arithmetic() in the library: a test holds them equal)
 ARITHMETIC = ("swarm-q16dot-1: x in 16-bit blocks of 32 (float32 scale, half-even), integer pair sums, fma lanes, "
@@ -120,21 +135,56 @@ def linear(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None = None) -
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QWeight:
-    """A float (N, K) weight in block format ``fmt`` by the ``gguf`` package's reference quantizer
-    (llama.cpp's rounding). Raises ValueError: a format it cannot write (q4_k, q6_k) or K that the format
-    cannot hold."""
-    import gguf.quants
+    """A float (N, K) weight in block format ``fmt`` with llama.cpp's rounding: q8_0, q4_0 and q4_1 by the
+    ``gguf`` package's reference quantizer, q4_k and q6_k by the kernel library's port of llama.cpp's
+    reference (``qquantize.c``: the bytes ``llama-quantize`` writes without an importance matrix).
+
+    Raises:
+        ValueError: an unknown format, K that the format cannot hold, or a weight with NaN or infinity.
+        RuntimeError: q4_k / q6_k where the kernel library does not load.
+    """
     import numpy as np
 
     f = FORMATS.get(fmt)
-    if f is None or fmt in ("q4_k", "q6_k"):
-        raise ValueError(f"cannot quantize to {fmt!r} here: q8_0, q4_0 or q4_1 (the gguf package writes those)")
+    if f is None:
+        raise ValueError(f"unknown block format {fmt!r}: one of {', '.join(FORMATS)}")
     n, k = weight.shape
     if k % f.block:
         raise ValueError(f"{fmt} needs K a multiple of {f.block}, got {k}")
-    raw = gguf.quants.quantize(weight.detach().float().cpu().numpy().astype(np.float32),
-                               gguf.GGMLQuantizationType(f.ggml_type))
+    x = weight.detach().float().cpu().contiguous()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"cannot quantize a ({n}, {k}) weight holding NaN or infinity to {fmt}")
+    if fmt in K_QUANTS:
+        return QWeight(fmt, n, k, _quantize_k(x, fmt))
+    import gguf.quants
+
+    raw = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType(f.ggml_type))
     return QWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(n, -1))
+
+
+K_QUANTS = ("q4_k", "q6_k")  # written by the kernel library (the gguf package reads them, not writes)
+
+
+def _quantize_k(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """uint8 (N, K // 256 * block_bytes): ``x`` (contiguous float32 (N, K)) in Q4_K / Q6_K, rows split over
+    the kernel threads (ctypes lets go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.kernels import fma
+
+    lib = fma._library()
+    n, k = x.shape
+    out = torch.empty((n, k // FORMATS[fmt].block * FORMATS[fmt].block_bytes), dtype=torch.uint8)
+    step = max(1, -(-n // max(1, fma.threads())))
+
+    def part(r0: int) -> int:
+        rows = min(step, n - r0)
+        return lib.swarm_quantize_kquant(_INDEX[fmt], x[r0].data_ptr(), rows, k, k, out[r0].data_ptr(), out.shape[1])
+
+    with ThreadPoolExecutor(max_workers=max(1, -(-n // step))) as pool:
+        if any(rc != 0 for rc in pool.map(part, range(0, n, step))):
+            raise ValueError(f"{fmt} cannot hold K = {k}")
+    return out
 
 
 def dequantize(weight: QWeight) -> torch.Tensor:

@@ -4,7 +4,7 @@ Layout (each module's docstring says what it owns and may import):
 
 - ``resolve``   a model spec (directory, name, GGUF, hub id) -> a local safetensors directory
 - ``gguf_tensors`` a stage's tensors read from a GGUF file, llama.cpp's block formats kept (no dequantizing)
-- ``qformats``  a block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|gguf``)
+- ``qformats``  a block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|q4_k|q6_k|gguf``)
 - ``block``     ``LayerBlock``: a stage's layers ``[start, end)`` loaded from only its own tensors
 - ``cache``     the per-session KV cache, addressed by absolute position
 - ``fused``     the fma mode's Llama-structured decoder layers, one C call each (the module path's bits)

@@ -836,8 +836,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         progress: show a progress bar while reading tensors.
         quantize: ``int8`` or ``int4``: hold the decoder layers' Linear weights (and an untied LM
             head's) quantized (:mod:`swarm.kernels.quant`; a weight the scheme does not take stays in
-            the compute dtype); the block computes in bfloat16 on the CPU. ``q8_0``, ``q4_0``, ``q4_1``:
-            llama.cpp's block formats quantized at load; ``gguf``: the blocks of the GGUF file the model
+            the compute dtype); the block computes in bfloat16 on the CPU. ``q8_0``, ``q4_0``, ``q4_1``,
+            ``q4_k``, ``q6_k``: llama.cpp's block formats quantized at load; ``gguf``: the blocks of the GGUF file the model
             was converted from, as stored (:mod:`swarm.model.qformats`); both compute in float32 on the
             CPU in the fma kernels' arithmetic. None: as loaded.
     Returns:
@@ -931,7 +931,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     if leftover:
         raise ModelError(f"tensors were not loaded for layers {layer_range}: {', '.join(leftover[:5])}")
     block.eval()
-    if quantize in ("q8_0", "q4_0", "q4_1"):
+    if quantize in qformats.QUANTIZED_AT_LOAD:
         qformats.quantize_loaded(block, quantize)
     elif quantize is not None and not blocks:
         _quantize_block(block, quantize, tied=bool(getattr(config, "tie_word_embeddings", False)))

@@ -1,14 +1,15 @@
 """A block's Linear weights (and, from a GGUF, its token embedding) held in llama.cpp's block formats
-(``--quantize q8_0|q4_0|q4_1|gguf``).
+(``--quantize q8_0|q4_0|q4_1|q4_k|q6_k|gguf``).
 
 Owns: which weights a scheme takes, reading them (``gguf``: the model's own GGUF file, its blocks as
-stored, through :mod:`swarm.model.gguf_tensors`; ``q8_0``/``q4_0``/``q4_1``: a float checkpoint
-quantized at load by the ``gguf`` package) and attaching them to the Linear modules, whose forward then
+stored, through :mod:`swarm.model.gguf_tensors`; the others: a float checkpoint quantized at load by
+:func:`swarm.kernels.qblocks.quantize`, a K-quant's weight whose K is no multiple of 256 in its
+:data:`~swarm.kernels.qblocks.FALLBACK`) and attaching them to the Linear modules, whose forward then
 runs :func:`swarm.kernels.qblocks.linear` (activations rounded to 16 bits per block of 32, exact integer
 dots, float32 sums in a fixed order: the same bits on every ISA, for any number of rows). Hidden states
 between modules stay float32. A mixture-of-experts block's routed experts (transformers' fused
 ``gate_up_proj`` / ``down_proj``, (E, N, K), or gpt-oss's (E, K, N)) are held as :class:`QExperts` under
-``q8_0``/``q4_0``/``q4_1``: the experts module's own loop indexes them and multiplies by the same kernel.
+the schemes quantized at load: the experts module's own loop indexes them and multiplies by the same kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from swarm.kernels.qblocks import QWeight
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("q8_0", "q4_0", "q4_1", "gguf")  # gguf: the blocks of the GGUF file the model was converted from
+QUANTIZED_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")  # a float checkpoint written in these at load
+SCHEMES = (*QUANTIZED_AT_LOAD, "gguf")  # gguf: the blocks of the GGUF file the model was converted from
 ATTR = "swarm_qweight"  # the QWeight a Linear module holds, in its __dict__ (its weight parameter is emptied)
 
 
@@ -154,8 +156,8 @@ EXPERT_MATRICES = ("gate_up_proj", "down_proj")  # transformers' fused experts (
 
 def quantize_experts(module: torch.nn.Module, scheme: str) -> tuple[int, int]:
     """Hold ``module``'s (an ``...Experts`` module's) fused expert matrices in ``scheme``, each expert quantized
-    by the ``gguf`` package; a matrix whose inputs are not a multiple of the format's block stays as it is.
-    Returns (bytes held minus the float bytes freed, matrices kept in float)."""
+    by :func:`swarm.kernels.qblocks.quantize` (in ``format_for(scheme, K)``); a matrix whose inputs fit no
+    format stays as it is. Returns (bytes held minus the float bytes freed, matrices kept in float)."""
     from swarm.kernels import qblocks
 
     transposed = type(module).__name__ == "GptOssExperts"  # x @ W[e]: W[e] is (K, N)
@@ -164,11 +166,11 @@ def quantize_experts(module: torch.nn.Module, scheme: str) -> tuple[int, int]:
         p = module._parameters.get(pname)
         if p is None or p.dim() != 3:
             continue
-        k = p.shape[1] if transposed else p.shape[2]
-        if k % qblocks.FORMATS[scheme].block:
+        fmt = qblocks.format_for(scheme, p.shape[1] if transposed else p.shape[2])
+        if fmt is None:
             kept += 1
             continue
-        held = QExperts([QExpert(qblocks.quantize((p[e].t() if transposed else p[e]).detach(), scheme), transposed)
+        held = QExperts([QExpert(qblocks.quantize((p[e].t() if transposed else p[e]).detach(), fmt), transposed)
                          for e in range(p.shape[0])])
         del module._parameters[pname]
         module.__dict__[pname] = held
@@ -178,21 +180,24 @@ def quantize_experts(module: torch.nn.Module, scheme: str) -> tuple[int, int]:
 
 def quantize_loaded(block, scheme: str) -> None:
     """Hold the block's decoder-layer Linear weights, its routed experts (:func:`quantize_experts`) and its
-    LM head (tied or not: the embedding keeps its own float copy) in ``scheme`` (q8_0, q4_0, q4_1), quantized
-    by the ``gguf`` package; a weight whose inputs are not a multiple of 32 stays float32 (logged).
-    ``loaded_bytes`` becomes what is held."""
+    LM head (tied or not: the embedding keeps its own float copy) in ``scheme`` (one of
+    :data:`QUANTIZED_AT_LOAD`) by :func:`swarm.kernels.qblocks.quantize`: each weight in
+    ``format_for(scheme, K)``, float32 where no format fits (both logged). ``loaded_bytes`` becomes what is
+    held."""
     from swarm.kernels import qblocks
 
     targets = [m for m in block.layers.modules() if isinstance(m, torch.nn.Linear)]
     if isinstance(block.lm_head, torch.nn.Linear):
         targets.append(block.lm_head)
-    kept = 0
+    kept = fell_back = 0
     for mod in targets:
-        if mod.in_features % 32:
+        fmt = qblocks.format_for(scheme, mod.in_features)
+        if fmt is None:
             kept += 1
             continue
+        fell_back += fmt != scheme
         w = mod.weight
-        q = qblocks.quantize(w.detach(), scheme)
+        q = qblocks.quantize(w.detach(), fmt)
         shared = block.lm_head is mod and block.embed is not None and block.embed.weight is w
         block.loaded_bytes += hold(mod, q) - (0 if shared else w.numel() * w.element_size())
     experts = [m for m in block.layers.modules() if type(m).__name__.endswith("Experts")]
@@ -200,6 +205,10 @@ def quantize_loaded(block, scheme: str) -> None:
         delta, kept_here = quantize_experts(mod, scheme)
         block.loaded_bytes += delta
         kept += kept_here
+    if fell_back:
+        log.info("quantize.fallback layers=%s scheme=%s format=%s weights=%d of %d: inputs not a multiple of %d",
+                 block.layer_range, scheme, qblocks.FALLBACK[scheme], fell_back, len(targets),
+                 qblocks.FORMATS[scheme].block)
     if kept:
         log.warning("quantize.kept_float32 layers=%s scheme=%s weights=%d of %d: inputs not a multiple of 32",
                     block.layer_range, scheme, kept, len(targets) + 2 * len(experts))
@@ -251,9 +260,6 @@ def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
             else:
                 total += t.numel() * 4
         return total
-    from swarm.kernels.qblocks import FORMATS
-
-    fmt = FORMATS[scheme]
     shapes = model_shapes(model_dir)
     names = list(select_tensors(shapes.shapes, shapes.config, layer_range))
     total = 0
@@ -262,12 +268,20 @@ def held_bytes(model_dir: Path, layer_range, scheme: str) -> int:
         k = _expert_k(name, shape, config.model_type)
         if k is None and _is_linear_weight(name) and len(shape) == 2:
             k = shape[1]
-        total += _numel(shape) // fmt.block * fmt.block_bytes if k and k % fmt.block == 0 else _numel(shape) * 4
+        total += _held(scheme, _numel(shape), k)
     if tail and getattr(config, "tie_word_embeddings", False):  # the tied LM head: quantized from the embedding
         n, k = shapes.shapes.get("model.embed_tokens.weight", (0, 0))
-        quantized = n * k // fmt.block * fmt.block_bytes if k % fmt.block == 0 else n * k * 4
-        total += quantized - (0 if head else n * k * 4)
+        total += _held(scheme, n * k, k) - (0 if head else n * k * 4)
     return total
+
+
+def _held(scheme: str, numel: int, k: int | None) -> int:
+    """Bytes ``numel`` weights take under ``scheme``: in ``format_for(scheme, k)`` when ``k`` is given and fits
+    one, else float32."""
+    from swarm.kernels.qblocks import FORMATS, format_for
+
+    fmt = format_for(scheme, k) if k else None
+    return numel // FORMATS[fmt].block * FORMATS[fmt].block_bytes if fmt else numel * 4
 
 
 def _expert_k(name: str, shape, model_type: str) -> int | None:
@@ -298,5 +312,5 @@ def _gguf_tensors(model_dir: Path, config, layer_range, head: bool, tail: bool) 
     if source is None:
         raise ConfigError(f"--quantize gguf holds the blocks of the GGUF file a model came from, and {model_dir} is no "
                           "conversion of a GGUF file that exists: give --model the .gguf file or a built-in name "
-                          "(smollm2-135m); a float checkpoint takes --quantize q8_0, q4_0 or q4_1")
+                          "(smollm2-135m); a float checkpoint takes --quantize " + ", ".join(QUANTIZED_AT_LOAD))
     return read_layer_tensors(source, config, layer_range, head=head, tail=tail)

@@ -143,18 +143,22 @@ def test_the_arithmetic_receipts_name_is_the_librarys():
     assert lib.swarm_qblocks_arithmetic().decode() == qblocks.ARITHMETIC
 
 
-def test_quantize_and_dequantize_go_through_the_gguf_package():
+def test_quantize_and_dequantize_keep_every_format_close_and_refuse_what_it_cannot_hold():
     torch.manual_seed(2)
-    w = torch.randn(40, 96)
-    for fmt in ("q8_0", "q4_0", "q4_1"):
+    w = torch.randn(40, 512)
+    for fmt, bound in (("q8_0", 0.02), ("q4_0", 0.35), ("q4_1", 0.35), ("q4_k", 0.35), ("q6_k", 0.08)):
         q = qblocks.quantize(w, fmt)
-        assert q.nbytes == 40 * 96 // 32 * FORMATS[fmt].block_bytes
+        assert q.nbytes == 40 * 512 // FORMATS[fmt].block * FORMATS[fmt].block_bytes
         err = (qblocks.dequantize(q) - w).abs().max().item()
-        assert err < (0.02 if fmt == "q8_0" else 0.35)
-    with pytest.raises(ValueError, match="q4_k"):
-        qblocks.quantize(w, "q4_k")
+        assert err < bound, (fmt, err)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qblocks.quantize(w[:, :96], "q4_k")
     with pytest.raises(ValueError, match="multiple of 32"):
         qblocks.quantize(w[:, :40], "q8_0")
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        qblocks.quantize(torch.full((2, 256), float("inf")), "q6_k")
+    assert [qblocks.format_for("q4_k", k) for k in (512, 576, 40)] == ["q4_k", "q4_1", None]
+    assert [qblocks.format_for("q6_k", k) for k in (256, 96)] == ["q6_k", "q8_0"]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -1,4 +1,4 @@
-"""Blocks whose Linear weights are held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|gguf``,
+"""Blocks whose Linear weights are held in llama.cpp's block formats (``--quantize q8_0|...|q6_k|gguf``,
 ``swarm.model.qformats``): the bytes held are the bytes planned (the GGUF's own, never expanded), the
 start-up proof passes, a ring is one process with the same weights, speculation is greedy, an auditor
 loads the scheme a receipt names, and the shipped GGUF keeps its float32 expansion's next-token argmax."""
@@ -12,7 +12,7 @@ import torch
 
 from swarm.config import StageConfig
 from swarm.errors import ConfigError
-from swarm.kernels import fma
+from swarm.kernels import fma, qblocks
 from swarm.kernels.check import check_block
 from swarm.kernels.facts import stage_class
 from swarm.model import qformats
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(not fma.available()[0], reason=f"the fma kernels
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
 PROMPT = [5, 17, 42, 8, 61, 23, 9]
-SCHEMES = ("q8_0", "q4_0", "q4_1")
+SCHEMES = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+K_QUANTS = ("q4_k", "q6_k")
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +37,25 @@ def tiny(tmp_path_factory) -> Path:
                           intermediate_size=160, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    # for the K-quants: hidden 256 (their block); intermediate 288, a multiple of 32 only (down_proj falls back)
+    return make_synthetic("llama", tmp_path_factory.mktemp("qk"), dtype="float32", hidden_size=256,
+                          intermediate_size=288, tie_word_embeddings=True)
+
+
+def _model_for(scheme: str, request) -> Path:
+    return request.getfixturevalue("wide" if scheme in K_QUANTS else "tiny")
+
+
 def _blocks(model_dir: Path, scheme: str | None, ranges=RANGES):
     return [load_block(model_dir, LayerRange(a, b), dtype="float32", device="cpu", quantize=scheme) for a, b in ranges]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_block_format_blocks_hold_the_planned_bytes_and_pass_the_startup_proof(tiny, scheme, tmp_path, monkeypatch):
+def test_block_format_blocks_hold_the_planned_bytes_and_pass_the_startup_proof(scheme, request, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny = _model_for(scheme, request)
     dense = _blocks(tiny, None)
     for (a, b), block, full in zip(RANGES, _blocks(tiny, scheme), dense):
         r = LayerRange(a, b)
@@ -56,6 +69,8 @@ def test_block_format_blocks_hold_the_planned_bytes_and_pass_the_startup_proof(t
         assert facts["quant"]["scheme"] == scheme and stage_class(full).id != stage_class(block).id
         held = [m for m in block.modules() if qformats.ATTR in m.__dict__]
         assert held and all(m.weight.numel() == 0 for m in held)  # the float copies are gone
+        formats = {m.__dict__[qformats.ATTR].fmt for m in held}
+        assert formats == ({scheme, qblocks.FALLBACK[scheme]} if scheme in K_QUANTS else {scheme})
     x = torch.tensor([PROMPT])
     q0, d0 = _blocks(tiny, scheme, [(0, 1)])[0], dense[0]
     assert not torch.equal(q0.forward(q0.new_cache(), 0, token_ids=x), d0.forward(d0.new_cache(), 0, token_ids=x))
@@ -81,8 +96,10 @@ def test_block_formats_compute_in_float32_on_the_cpu_and_gguf_needs_a_gguf(tiny)
 
 
 @pytest.mark.ring
-@pytest.mark.parametrize("scheme", ["q4_1", pytest.param("q8_0", marks=pytest.mark.slow)])
-def test_a_block_format_ring_is_one_process_with_the_same_weights_and_speculation_is_greedy(tiny, scheme, tmp_path):
+@pytest.mark.parametrize("scheme", ["q4_1", "q4_k", pytest.param("q8_0", marks=pytest.mark.slow),
+                                    pytest.param("q6_k", marks=pytest.mark.slow)])
+def test_a_block_format_ring_is_one_process_with_the_same_weights_and_speculation_is_greedy(scheme, request, tmp_path):
+    tiny = _model_for(scheme, request)
     reference = chained_greedy(_blocks(tiny, scheme), PROMPT, 10)
     greedy, speculative = greedy_and_speculative(tiny, RANGES, PROMPT, 10, tmp_path, dtype="auto", quantize=scheme)
     assert greedy == reference == speculative

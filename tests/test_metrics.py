@@ -83,8 +83,8 @@ def test_a_stage_process_exports_what_a_generation_did(stories_dir, metrics_ring
                         f"{{model=stories260k}}{{peer_id={sp.ready['peer_id']}}}": 1}, info
         k = sp.ready["kernels"]  # and the kernels it runs, as its READY line says (float32: fma where they run)
         kernels = {x: v for x, v in a.items() if x.startswith("swarm_stage_kernels_info")}
-        assert kernels == {f"swarm_stage_kernels_info{{arithmetic={k['arithmetic']}}}{{isa={k['isa']}}}"
-                           f"{{library={k['library']}}}{{mode={k['mode']}}}{{why={k['why']}}}": 1}, kernels
+        assert kernels == {f"swarm_stage_kernels_info{{arithmetic={k['arithmetic']}}}{{bf16_dot={k['bf16_dot']}}}"
+                           f"{{isa={k['isa']}}}{{library={k['library']}}}{{mode={k['mode']}}}{{why={k['why']}}}": 1}, kernels
 
 
 @pytest.mark.process

@@ -95,6 +95,8 @@ class KernelsInUse:
         arithmetic: the fma kernels' arithmetic (the same bits on every ISA); "" in the other modes.
         why: in the ``rows`` mode, why not a batch-invariant one (those kernels cannot run here, or
             failed the stage's start-up proof); "" in the other modes.
+        bf16_dot: fma mode: what forms the bfloat16 GEMM's pairs, ``vdpbf16ps`` or ``fma`` (the same bits;
+            ``fma.KernelPath``); "" in the other modes.
     """
 
     mode: str
@@ -102,6 +104,7 @@ class KernelsInUse:
     library: str = ""
     arithmetic: str = ""
     why: str = ""
+    bf16_dot: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,7 +122,8 @@ def kernels_in_use(mode: str, why: str = "") -> KernelsInUse:
         path = fma.describe()
         if path is None:
             raise RuntimeError(f"swarm's FMA kernels are unavailable: {fma.available()[1]}")
-        return KernelsInUse("fma", isa=path.isa, library=path.library, arithmetic=path.arithmetic)
+        return KernelsInUse("fma", isa=path.isa, library=path.library, arithmetic=path.arithmetic,
+                            bf16_dot=path.bf16_dot)
     if mode == "triton":
         from swarm.kernels import triton_ops
 

@@ -4,7 +4,7 @@ Counters and gauges that the stage already keeps (sessions, KV bytes, steps, fra
 its streams, refusals, prefix cache) are read at scrape time by a collector, so they cost nothing
 per frame; histograms (step time, rows per step, send time) are observed where the event happens.
 Labels are fixed small sets (a refusal reason); ``swarm_stage_info`` names the stage's public
-PeerId, model and layers, ``swarm_stage_kernels_info`` the kernels it runs (mode, ISA, library) and
+PeerId, model and layers, ``swarm_stage_kernels_info`` the kernels it runs (mode, ISA, library, bfloat16 pairs) and
 why rows. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
 (prometheus_client's own HTTP server, in a thread).
 
@@ -22,6 +22,7 @@ from swarm.metrics import gauge as _gauge
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+KERNEL_LABELS = ("mode", "isa", "library", "arithmetic", "bf16_dot", "why")  # swarm_stage_kernels_info's
 REFUSAL_REASONS = ("busy", "forbidden", "overflow", "draining", "bad_request", "no_session", "no_state",
                    "unavailable", "internal")
 
@@ -63,9 +64,10 @@ class _StageCollector:
         k = s.kernels
         kernels = GaugeMetricFamily("swarm_stage_kernels_info", "The kernels this stage runs after its start-up "
                                     "proof: mode (fma, triton, rows), ISA, library (installed, built at run time, "
-                                    "...), arithmetic, and why rows (always 1)",
-                                    labels=["mode", "isa", "library", "arithmetic", "why"])
-        kernels.add_metric([str(k.get(x) or "")[:200] for x in ("mode", "isa", "library", "arithmetic", "why")], 1)
+                                    "...), arithmetic, what forms the bfloat16 GEMM's pairs (vdpbf16ps, fma) "
+                                    "and why rows (always 1)",
+                                    labels=list(KERNEL_LABELS))
+        kernels.add_metric([str(k.get(x) or "")[:200] for x in KERNEL_LABELS], 1)
         yield kernels
         yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
         yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",

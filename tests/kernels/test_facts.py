@@ -111,7 +111,7 @@ def test_kernels_in_use_names_the_isa_and_library_or_why_rows():
     """What a stage reports of its kernels (READY, --check, info_ok, /metrics, the dashboard)."""
     rows = facts.kernels_in_use("rows", "SWARM_KERNELS=rows")
     assert rows.as_dict() == {"mode": "rows", "isa": "", "library": "torch", "arithmetic": "",
-                              "why": "SWARM_KERNELS=rows"}
+                              "why": "SWARM_KERNELS=rows", "bf16_dot": ""}
     with pytest.raises(ValueError, match="unknown kernel mode"):
         facts.kernels_in_use("gemv")
     if not FMA_OK:
@@ -120,6 +120,8 @@ def test_kernels_in_use_names_the_isa_and_library_or_why_rows():
         return
     path = fma.describe()
     used = facts.kernels_in_use("fma", "ignored outside rows")
-    assert used == facts.KernelsInUse("fma", isa=fma.isa(), library=path.library, arithmetic=path.arithmetic)
+    assert used == facts.KernelsInUse("fma", isa=fma.isa(), library=path.library, arithmetic=path.arithmetic,
+                                      bf16_dot=path.bf16_dot)
+    assert used.bf16_dot in ("vdpbf16ps", "fma")
     assert used.isa in ("avx512", "avx2", "neon") and used.library in ("installed", "built at run time")
     assert used.why == "" and used.arithmetic

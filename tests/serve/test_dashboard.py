@@ -213,7 +213,7 @@ setTimeout(() => {
 </script></body></html>"""
 
 
-KERNELS = [{"mode": "fma", "isa": "avx512", "library": "installed", "why": ""},
+KERNELS = [{"mode": "fma", "isa": "avx512", "library": "installed", "why": "", "bf16_dot": "vdpbf16ps"},
            {"mode": "fma", "isa": "avx2", "library": "built at run time", "why": ""},
            {"mode": "rows", "isa": "", "library": "torch", "why": "the fma kernels cannot run: SWARM_KERNELS=rows"}]
 
@@ -341,7 +341,7 @@ def test_the_stage_table_shows_the_kernels_each_stage_runs_and_why_rows(chromium
     with state_server([state]) as url:
         dom, log = browse(chromium, url + "/dashboard", tmp_path, "kernels")
     assert console_errors(log) == [], console_errors(log)
-    assert kernel_cells(dom) == [("fast", "installed", "fma avx512, installed"),
+    assert kernel_cells(dom) == [("fast", "installed; bfloat16 pairs by vdpbf16ps", "fma avx512, installed"),
                                  ("fast", "built at run time", "fma avx2, built at run time"),
                                  ("warn", "the fma kernels cannot run: SWARM_KERNELS=rows", "rows"),
                                  ("num", "", "-")], kernel_cells(dom)

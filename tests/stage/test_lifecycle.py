@@ -64,15 +64,16 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     if fma_ok and ok["dtype"] in ("float32", "bfloat16"):
         path = fma.describe()
         assert ok["kernels"] == {"mode": "fma", "isa": fma.isa(), "library": path.library,
-                                 "arithmetic": path.arithmetic, "why": ""}, ok
+                                 "arithmetic": path.arithmetic, "why": "", "bf16_dot": path.bf16_dot}, ok
     else:
         assert ok["kernels"]["mode"] == "rows" and ok["kernels"]["why"].startswith("the fma kernels cannot run"), ok
     load_or_create_key(tmp_path / "k" / "s.key")
     again = line(run_cli("stage", "--model", str(model), "--layers", "1:3", "--check", "--key",
                          str(tmp_path / "k" / "s.key"), "--dtype", "float64"), "OK")
     assert again["key_exists"] and again["peer_id"].startswith("12D3KooW")
-    assert again["kernels"] == {"mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "why": (
-        "the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this block is float64 on cpu")}
+    assert again["kernels"] == {"mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "bf16_dot": "",
+                                "why": ("the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this "
+                                        "block is float64 on cpu")}
     (tmp_path / "k" / "s.key").chmod(0o644)
     bad = tmp_path / "bad-model"
     bad.mkdir()
@@ -176,7 +177,8 @@ def test_ready_line_and_sigterm_on_an_idle_stage(synthetic, tmp_path):
         assert {k: kernels[k] for k in ("mode", "isa", "library", "arithmetic", "why", "rows_ok")} == {
             "mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "why": why, "rows_ok": True}, kernels
         metrics = scrape(sp.ready["metrics_url"])
-        assert metrics[f"swarm_stage_kernels_info{{arithmetic=}}{{isa=}}{{library=torch}}{{mode=rows}}{{why={why}}}"] \
+        assert metrics[f"swarm_stage_kernels_info{{arithmetic=}}{{bf16_dot=}}{{isa=}}{{library=torch}}{{mode=rows}}"
+                       f"{{why={why}}}"] \
             == 1, [k for k in metrics if "kernels" in k]
         t0 = time.monotonic()
         os.kill(sp.proc.pid, signal.SIGTERM)

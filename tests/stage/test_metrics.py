@@ -43,12 +43,15 @@ def test_the_kernels_a_stage_runs_are_in_its_info_and_metrics(synthetic, tmp_pat
                if dtype == "float64" else f"the fma kernels cannot run: {fma.available()[1]}")
         assert {k: kernels[k] for k in ("mode", "isa", "library", "arithmetic", "why")} == {
             "mode": "rows", "isa": "", "library": "torch", "arithmetic": "", "why": why}
-        assert _kernels_line(server) == (f'swarm_stage_kernels_info{{arithmetic="",isa="",library="torch",mode="rows",'
-                                         f'why="{why}"}} 1.0')
+        assert _kernels_line(server) == (f'swarm_stage_kernels_info{{arithmetic="",bf16_dot="",isa="",library="torch",'
+                                         f'mode="rows",why="{why}"}} 1.0')
         return
     path = fma.describe()
-    assert {k: kernels[k] for k in ("mode", "isa", "library", "arithmetic", "why")} == {
-        "mode": "fma", "isa": fma.isa(), "library": path.library, "arithmetic": path.arithmetic, "why": ""}
+    assert {k: kernels[k] for k in ("mode", "isa", "library", "arithmetic", "why", "bf16_dot")} == {
+        "mode": "fma", "isa": fma.isa(), "library": path.library, "arithmetic": path.arithmetic, "why": "",
+        "bf16_dot": path.bf16_dot}
+    assert path.bf16_dot in ("vdpbf16ps", "fma")
     assert kernels["isa"] in ("avx512", "avx2", "neon") and kernels["library"] in ("installed", "built at run time")
-    assert _kernels_line(server) == (f'swarm_stage_kernels_info{{arithmetic="{path.arithmetic}",isa="{fma.isa()}",'
-                                     f'library="{path.library}",mode="fma",why=""}} 1.0')
+    assert _kernels_line(server) == (f'swarm_stage_kernels_info{{arithmetic="{path.arithmetic}",'
+                                     f'bf16_dot="{path.bf16_dot}",isa="{fma.isa()}",library="{path.library}",'
+                                     f'mode="fma",why=""}} 1.0')

@@ -42,15 +42,17 @@ def model(tmp_path_factory):
 
 
 def heal_inprocess(model_dir: Path, tmp_path: Path, victim: int, *, kill_at: int = 8, spec_config=None,
-                   before_kill=None, sampling=None):
-    """Generate on 3 stages + a spare for the victim's range, stop the victim after ``kill_at``
-    committed tokens (``before_kill(servers)`` first); return (ids, record, job receipt)."""
+                   before_kill=None, sampling=None, block_dtype: str = "float64", quantize: str | None = None):
+    """Generate on 3 stages + a spare for the victim's range (blocks in ``block_dtype``, held in ``quantize``),
+    stop the victim after ``kill_at`` committed tokens (``before_kill(servers)`` first); return (ids, record,
+    job receipt)."""
 
     async def main():
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
-                ring = await start_stages(nursery, model_dir, RANGES, tmp_path, "s")
-                (spare,) = await start_stages(nursery, model_dir, [RANGES[victim]], tmp_path, "spare")
+                held = dict(block_dtype=block_dtype, quantize=quantize)
+                ring = await start_stages(nursery, model_dir, RANGES, tmp_path, "s", **held)
+                (spare,) = await start_stages(nursery, model_dir, [RANGES[victim]], tmp_path, "spare", **held)
                 spec = RingSpec(model=str(model_dir), stages=tuple(s for s, _, _ in ring), spares=(spare[0],))
                 servers = [srv for _, srv, _ in ring]
                 fired = []

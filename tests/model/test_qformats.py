@@ -39,9 +39,10 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> Path:
-    # for the K-quants: hidden 256 (their block); intermediate 288, a multiple of 32 only (down_proj falls back)
+    # for the K-quants: hidden 256 (their block); intermediate 288, a multiple of 32 only (down_proj falls back);
+    # weights 5x transformers' default spread, so that each scheme's greedy ids differ from float32's
     return make_synthetic("llama", tmp_path_factory.mktemp("qk"), dtype="float32", hidden_size=256,
-                          intermediate_size=288, tie_word_embeddings=True)
+                          intermediate_size=288, tie_word_embeddings=True, initializer_range=0.1)
 
 
 def _model_for(scheme: str, request) -> Path:
@@ -103,6 +104,41 @@ def test_a_block_format_ring_is_one_process_with_the_same_weights_and_speculatio
     reference = chained_greedy(_blocks(tiny, scheme), PROMPT, 10)
     greedy, speculative = greedy_and_speculative(tiny, RANGES, PROMPT, 10, tmp_path, dtype="auto", quantize=scheme)
     assert greedy == reference == speculative
+
+
+@pytest.mark.ring
+@pytest.mark.parametrize("scheme", ["q4_k", "bfloat16"])
+def test_packed_healed_and_resumed_sessions_keep_one_processs_bits(scheme, wide, tmp_path):
+    """Contracts 3-5 for a K-quant (and its q4_1 fallback) and for bfloat16 weights: rows packed with other
+    sessions' equal solo rows; a ring whose middle stage stops mid-generation heals onto a spare and gives
+    one process's ids; a session resumed from stored prefix blocks decodes a fresh prefill's bits."""
+    from swarm.stage.prefix import PrefixStore
+    from tests.coordinator.test_heal_kept import NEW, PROMPT as HEAL_PROMPT, RANGES as HEAL_RANGES, heal_inprocess
+    from tests.model.test_mla import _decode, _step
+    from tests.stage.test_batching import _assert_bitwise, _plan
+
+    dtype, quantize = ("bfloat16", None) if scheme == "bfloat16" else ("float32", scheme)
+    blocks = [load_block(wide, LayerRange(a, b), dtype=dtype, device="cpu", quantize=quantize) for a, b in HEAL_RANGES]
+    assert all(b.kernel_mode == "fma" for b in blocks)
+    for block in blocks:
+        _assert_bitwise(block, *_plan(block))
+
+    out, rec, _ = heal_inprocess(wide, tmp_path, 1, block_dtype=dtype, quantize=quantize)
+    float32 = [load_block(wide, LayerRange(a, b), dtype="float32", device="cpu") for a, b in HEAL_RANGES]
+    assert out == chained_greedy(blocks, HEAL_PROMPT, NEW) != chained_greedy(float32, HEAL_PROMPT, NEW)
+    (event,) = rec["heal_events"]
+    assert event["stage"] == 1 and event["replay"] == "survivors_kept", event
+
+    ids = (PROMPT * 3)[:20]  # one whole block of 16 positions to reuse
+    first = [b.new_cache(64) for b in blocks]
+    _step(blocks, first, 0, ids)
+    stores = [PrefixStore(16) for _ in blocks]
+    assert [s.store("ns", ids, c, len(ids)) for s, c in zip(stores, first)] == [1, 1, 1]
+    resumed = [b.new_cache(64) for b in blocks]
+    assert [s.load(s.lookup("ns", ids, len(ids) - 1), c) for s, c in zip(stores, resumed)] == [16, 16, 16]
+    got, got_rows = _decode(blocks, resumed, 16, ids[16:], 8)
+    want, want_rows = _decode(blocks, [b.new_cache(64) for b in blocks], 0, ids, 8)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
 
 
 def test_an_auditor_loads_the_block_format_a_receipt_names(tiny):

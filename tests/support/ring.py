@@ -152,14 +152,15 @@ async def serve_in_scope(server, key, scope_box, task_status=trio.TASK_STATUS_IG
         await serve(server, key, LOOPBACK, task_status=task_status)
 
 
-async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str, **stage_kwargs):
-    """One in-process stage per range, each in its own cancel scope (cancelled = the stage is gone);
-    ``stage_kwargs`` go to every StageConfig."""
+async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str, block_dtype: str = "float64",
+                       **stage_kwargs):
+    """One in-process stage per range, each in its own cancel scope (cancelled = the stage is gone), its block
+    in ``block_dtype`` (and ``stage_kwargs``' ``quantize``); ``stage_kwargs`` go to every StageConfig."""
     digest = model_manifest_digest(model_dir)
     out = []
     for a, b in ranges:
         r = LayerRange(a, b)
-        block = load_block(model_dir, r, dtype="float64", device="cpu")
+        block = load_block(model_dir, r, dtype=block_dtype, device="cpu", quantize=stage_kwargs.get("quantize"))
         server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, model_dir.name, digest)
         scopes: list = []
         ready = await nursery.start(serve_in_scope, server, load_or_create_key(key_dir / f"{tag}{a}-{b}.key"), scopes)

@@ -107,9 +107,11 @@ def test_a_block_format_ring_is_one_process_with_the_same_weights_and_speculatio
 
 
 @pytest.mark.ring
-@pytest.mark.parametrize("scheme", ["q4_k", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["q4_k", "bfloat16", *(pytest.param(s, marks=pytest.mark.slow)
+                                                           for s in ("q8_0", "q4_0", "q4_1", "q6_k"))])
 def test_packed_healed_and_resumed_sessions_keep_one_processs_bits(scheme, wide, tmp_path):
-    """Contracts 3-5 for a K-quant (and its q4_1 fallback) and for bfloat16 weights: rows packed with other
+    """Contracts 3-5 for every format quantized at load (a K-quant's fallback included) and for bfloat16
+    weights (the model is 256 wide, every width a multiple of 32): rows packed with other
     sessions' equal solo rows; a ring whose middle stage stops mid-generation heals onto a spare and gives
     one process's ids; a session resumed from stored prefix blocks decodes a fresh prefill's bits."""
     from swarm.stage.prefix import PrefixStore

@@ -464,6 +464,7 @@ class RingOps:
         probe found draining (it refused the session) is never taken: its record read at routing time may
         still say online."""
         from swarm.config import StageSpec
+        from swarm.coordinator.measured import load_measured
         from swarm.discovery.client import find_replacement
         from swarm.ranges import LayerRange
         from swarm.routing import NoRoute
@@ -482,7 +483,7 @@ class RingOps:
                 | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
                 known=known[0] if known else None, known_rtt_ms=known[1] if len(known) > 1 else None,
-                shut_out=self.ring.shut_out)
+                shut_out=self.ring.shut_out, measured_layer_ms=load_measured(model_id))
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)
             return None

@@ -171,7 +171,8 @@ async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], 
                            next_peer: str | None, exclude: frozenset[str], context_tokens: int = 0,
                            timeout_s: float = 5.0, known: Sequence[StageRecord] | None = None,
                            known_rtt_ms: Mapping[str, float] | None = None,
-                           _records: Sequence[StageRecord] | None = None, shut_out=None) -> tuple[Hop, ...]:
+                           _records: Sequence[StageRecord] | None = None, shut_out=None,
+                           measured_layer_ms: Mapping[str, float] | None = None) -> tuple[Hop, ...]:
     """The cheapest reachable chain of stages that can take over layers ``lost`` of a route.
 
     Args:
@@ -183,21 +184,25 @@ async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], 
             dropped and the chain planned again, up to ``KNOWN_TRIES`` times, before every
             candidate is probed as without it.
         shut_out: as for :func:`discover_ring`: stages with a verified fraud proof are not taken.
+        measured_layer_ms: as for :func:`discover_ring`: this client's own timings, believed over claims.
     Raises:
         NoRoute: no reachable, online stage outside ``exclude`` covers the lost range.
     """
+    measured = measured_layer_ms or {}
     if shut_out is not None:
         exclude = exclude | await shut_out.excluded(dht, [r.peer_id for r in known or ()])
     if known and known_rtt_ms:
         hops = await _replacement_from_known(dht, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,
-                                             context_tokens=context_tokens, known=known, known_rtt_ms=known_rtt_ms)
+                                             context_tokens=context_tokens, known=known, known_rtt_ms=known_rtt_ms,
+                                             measured_layer_ms=measured)
         if hops:
             return hops
     if known:
         try:
             return await find_replacement(dht, model_id, lost, prev_peer=prev_peer, next_peer=next_peer,
                                           exclude=exclude, context_tokens=context_tokens, timeout_s=timeout_s,
-                                          known=None, _records=[r for r in known if r.peer_id not in exclude])
+                                          known=None, _records=[r for r in known if r.peer_id not in exclude],
+                                          measured_layer_ms=measured)
         except NoRoute as e:
             log.info("route.replacement_not_in_known lost=[%d, %d) reason=%s; reading the DHT", *lost, e)
     records = list(_records) if _records is not None else await dht.find_records(model_id, timeout_s=timeout_s)
@@ -207,7 +212,7 @@ async def find_replacement(dht: SwarmDHT, model_id: str, lost: tuple[int, int], 
     rtts = await probe_rtts(dht, [r for r in records if _could_cover(r, lost)])
     holders = [h for h in holders_of(records) if h.peer_id in rtts]
     hops = plan_replacement(holders, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,
-                            client_rtt_ms=rtts, context_tokens=context_tokens)
+                            client_rtt_ms=rtts, context_tokens=context_tokens, measured_layer_ms=measured)
     log.info("route.replacement lost=[%d, %d) hops=%s", *lost, [(h.peer_id[-8:], h.layers) for h in hops])
     return hops
 
@@ -217,7 +222,8 @@ KNOWN_TRIES = 3  # chains planned over routing-time RTTs whose stages are probed
 
 async def _replacement_from_known(dht: SwarmDHT, lost: tuple[int, int], *, prev_peer: str | None,
                                   next_peer: str | None, exclude: frozenset[str], context_tokens: int,
-                                  known: Sequence[StageRecord], known_rtt_ms: Mapping[str, float]) -> tuple[Hop, ...]:
+                                  known: Sequence[StageRecord], known_rtt_ms: Mapping[str, float],
+                                  measured_layer_ms: Mapping[str, float]) -> tuple[Hop, ...]:
     """``find_replacement`` over the records and RTTs of routing time: plan, probe only the chain's stages,
     drop those that do not answer, plan again. A heal then waits for a probe of one or two stages,
     not for a fan-out to every candidate until its quorum (issue 31's simulator, 3 heals: p50 / p95
@@ -229,7 +235,8 @@ async def _replacement_from_known(dht: SwarmDHT, lost: tuple[int, int], *, prev_
         holders = holders_of(list(records.values()))
         try:
             hops = plan_replacement(holders, lost, prev_peer=prev_peer, next_peer=next_peer, exclude=exclude,
-                                    client_rtt_ms=known_rtt_ms, context_tokens=context_tokens)
+                                    client_rtt_ms=known_rtt_ms, context_tokens=context_tokens,
+                                    measured_layer_ms=measured_layer_ms)
         except NoRoute:
             return ()
         fresh: dict[str, float] = {}

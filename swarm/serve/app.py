@@ -403,9 +403,12 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
         from swarm.discovery.client import discover_ring
         from swarm.weights.identify import model_id as weights_model_id
 
+        from swarm.coordinator.measured import load_measured
+
         weights_id = await trio.to_thread.run_sync(weights_model_id, model.resolved.path, cache_root() / "manifests")
         dht = await nursery.start(run_dht, p2p, config.bootstrap)
-        found = await discover_ring(dht, ring.model, weights_id, model.num_layers, shut_out=shut_out)
+        found = await discover_ring(dht, ring.model, weights_id, model.num_layers, shut_out=shut_out,
+                                    measured_layer_ms=load_measured(weights_id))
         ring, discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
     probe = RingClient(p2p, ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                        model_id=discovery[1] if discovery else None)

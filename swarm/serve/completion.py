@@ -114,6 +114,7 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
                                answer_len=lambda ids: detok.hit_at if detok.hit else len(ids))
         detok.ids, detok.record = decoded.output_ids, decoded.as_record()
         healthy = True
+        state.pool.note_measured(client, decoded)  # routed from the DHT: routes believe these timings
         if detok.record.get("heal_events"):
             state.ring = client.healed_ring()  # new ring clients start from the healed ring
         ring_entries = [i.entry() for i in client.infos]  # after any heal: the ring that finished the job

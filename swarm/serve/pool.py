@@ -1,10 +1,13 @@
 """The client pool of ``swarm serve``: ring clients with open streams, one per request in flight.
 
 Owns: ``ClientPool`` (at most ``max_concurrency`` clients; a healthy one is reused, a failed one
-closed) and rerouting through the swarm's DHT when a routed ring lost a stage. It reads and
+closed), rerouting through the swarm's DHT when a routed ring lost a stage, and keeping what each
+routed request measured of its stages (``swarm.coordinator.measured``): routes and reroutes believe
+those timings over the stages' claims, and a stage of the route measured ``OVERCLAIM_FACTOR`` times
+slower than it claims makes the clients opened next route again (issue 45 item 17). It reads and
 updates the server's ``ServeState`` (its ring, host, nursery, settings) duck-typed: the state holds
 the pool, so this module does not import it. May import: trio, ``swarm.coordinator.ring``,
-``swarm.discovery.client`` (lazily), ``swarm.errors``.
+``swarm.discovery.client``, ``swarm.coordinator.measured``, ``swarm.routing`` (lazily), ``swarm.errors``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REROUTE_EVERY_S = 30.0  # an overclaimer measured again within this leaves the route as it is (a DHT read each time)
+
 
 class ClientPool:
     """Ring clients with open streams to every stage, one per request in flight (at most ``size``).
@@ -36,6 +41,8 @@ class ClientPool:
         self.free: list[RingClient] = []
         self.slots = trio.Semaphore(size)
         self.opened = 0
+        self.stale = False  # a stage of the route overclaims: the next client routes again, with measurements
+        self.rerouted_at = -float("inf")  # trio clock of the last measured reroute
 
     async def acquire(self) -> RingClient:
         """A connected ring client, once fewer than ``size`` are taken (waits for a free slot).
@@ -45,6 +52,8 @@ class ClientPool:
         """
         await self.slots.acquire()
         try:
+            if self.stale and self.state.discovery is not None:
+                await self._reroute_measured()
             if self.free:
                 return self.free.pop()
             try:
@@ -88,13 +97,62 @@ class ClientPool:
         """
         from swarm.discovery.client import discover_ring
 
+        from swarm.coordinator.measured import load_measured
+
         st = self.state
         dht, weights_id = st.discovery[0], st.discovery[1]
         try:
-            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out)
+            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
+                                        measured_layer_ms=load_measured(weights_id))
         except ConfigError as exc:
             raise StageLost(f"{cause}; and no new route: {exc}") from None
         st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
+
+    def note_measured(self, client: RingClient, decoded) -> None:
+        """Keep what a finished routed request measured of ``client``'s stages (its ``DecodeResult``:
+        ``swarm.coordinator.measured.note_session``); a stage of the served route measured
+        ``OVERCLAIM_FACTOR`` times slower than its record claims marks the route stale."""
+        from swarm.coordinator.measured import note_session
+        from swarm.discovery.client import holders_of
+        from swarm.routing import OVERCLAIM_FACTOR, overclaimed
+
+        st = self.state
+        if st.discovery is None:
+            return
+        _, weights_id, records, client_rtt = st.discovery
+        kept = note_session(weights_id, [(i.peer_id, tuple(i.layers)) for i in client.infos], client_rtt, decoded)
+        claims = {h.peer_id: h for h in holders_of(list(records))}
+        route = {s.peer_id for s in st.ring.stages}
+        slow = [p for p, ms in kept.items() if p in claims and p in route and overclaimed(claims[p], ms)]
+        if slow:
+            log.warning("serve.overclaim stages=%s: measured over %gx slower than claimed; the next clients route "
+                        "again", [p[-8:] for p in slow], OVERCLAIM_FACTOR)
+            self.stale = True
+
+    async def _reroute_measured(self) -> None:
+        """Route again with this server's measurements (``stale``); clients kept for reuse on a route that
+        changed are closed. At most once per ``REROUTE_EVERY_S``; a failed read keeps the route."""
+        from swarm.discovery.client import discover_ring
+        from swarm.coordinator.measured import load_measured
+
+        now = trio.current_time()
+        if now - self.rerouted_at < REROUTE_EVERY_S:
+            return
+        self.stale, self.rerouted_at = False, now
+        st = self.state
+        dht, weights_id = st.discovery[0], st.discovery[1]
+        try:
+            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
+                                        measured_layer_ms=load_measured(weights_id))
+        except (ConfigError, StageLost) as exc:
+            log.warning("serve.reroute_measured_failed reason=%s: keeping the route", exc)
+            return
+        old = [s.addr for s in st.ring.stages]
+        st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
+        if [s.addr for s in found.ring.stages] != old:
+            log.info("serve.rerouted_by_measurement route=%s", [h.peer_id[-8:] for h in found.route.hops])
+            while self.free:
+                await self.free.pop().aclose()
 
     async def release(self, client: RingClient, healthy: bool) -> None:
         """Give ``client`` back: kept for the next request if ``healthy``, else closed (its streams

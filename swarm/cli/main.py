@@ -360,6 +360,9 @@ def _serve_parser(sub) -> None:
     life.add_argument("--body-timeout-s", type=float, default=60.0,
                       help="answer 408 and close a connection whose request body is not in this long after its "
                            "headers, however steadily it trickles (default 60)")
+    life.add_argument("--send-timeout-s", type=float, default=60.0,
+                      help="close a connection one of whose answer's writes cannot complete this long (the client "
+                           "read none of it meanwhile); its generation stops as if it hung up (default 60)")
     life.add_argument("--max-connections", type=int, default=None,
                       help="client connections open at once; at the cap the oldest one still sending its request (or "
                            "idle) is closed for a new one, so /health and new requests still get in (default: the "
@@ -753,6 +756,7 @@ def cmd_serve(args) -> int:
         dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
         drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits,
         header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+        send_timeout_s=args.send_timeout_s,
         max_connections=args.max_connections)
     from swarm.listen import bind_tcp
 
@@ -795,7 +799,7 @@ def cmd_dashboard(args) -> int:
     from hypercorn.config import Config as HyperConfig
 
     from swarm.config import cache_root
-    from swarm.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+    from swarm.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
     from swarm.serve.dashboard import SwarmCoverage, receipts_app
     from swarm.serve.guard import default_max_connections, serve_http
     from swarm.errors import ConfigError
@@ -821,7 +825,7 @@ def cmd_dashboard(args) -> int:
             binds = await nursery.start(partial(  # serve_http owns the socket from here
                 serve_http, receipts_app(args.receipts, coverage), config, sock,
                 max_connections=default_max_connections(), body_timeout_s=DEFAULT_BODY_TIMEOUT_S,
-                shutdown_trigger=trio.sleep_forever))
+                send_timeout_s=DEFAULT_SEND_TIMEOUT_S, shutdown_trigger=trio.sleep_forever))
             what = [f"receipts {args.receipts}"] if args.receipts else []
             what += [f"swarm via {args.bootstrap[0]}"] if args.bootstrap else []
             print(f"swarm dashboard: {binds[0]}/dashboard ({', '.join(what)}); Ctrl-C stops", flush=True)

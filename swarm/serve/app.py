@@ -441,13 +441,14 @@ async def _listen(state: ServeState, sock: socket.socket, ring_entries: list[dic
     config.keep_alive_timeout = state.config.header_timeout_s
     max_connections = state.config.max_connections or default_max_connections()
     quiet_accept_errors()  # the ring's accept loops (libp2p) too: one line per condition, not a traceback a try
-    log.info("serve.http max_connections=%d header_timeout_s=%g body_timeout_s=%g", max_connections,
-             state.config.header_timeout_s, state.config.body_timeout_s)
+    log.info("serve.http max_connections=%d header_timeout_s=%g body_timeout_s=%g send_timeout_s=%g", max_connections,
+             state.config.header_timeout_s, state.config.body_timeout_s, state.config.send_timeout_s)
     stop_listening, stopped = trio.Event(), trio.Event()
 
     async def http(task_status=trio.TASK_STATUS_IGNORED):
         await serve_http(build_app(state), config, sock, max_connections=max_connections,
-                         body_timeout_s=state.config.body_timeout_s, shutdown_trigger=stop_listening.wait,
+                         body_timeout_s=state.config.body_timeout_s, send_timeout_s=state.config.send_timeout_s,
+                         shutdown_trigger=stop_listening.wait,
                          task_status=task_status)
         stopped.set()
 

@@ -20,6 +20,7 @@ DEFAULT_KEEPALIVE_S = 15.0  # --keepalive-s: under the idle timeouts of common p
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s, as the stages'
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # --header-timeout-s: a request line and headers are a few hundred bytes
 DEFAULT_BODY_TIMEOUT_S = 60.0  # --body-timeout-s: --max-body-mb's 8 MiB at ~1 Mbit/s
+DEFAULT_SEND_TIMEOUT_S = 60.0  # --send-timeout-s: a client that read none of its answer this long is gone
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class ServeConfig:
         header_timeout_s: a connection's request line and headers are due this long after it opens or
             after its previous answer (also the idle keep-alive timeout), seconds.
         body_timeout_s: a request's body is due this long after its headers, else 408, seconds.
+        send_timeout_s: one write of an answer must complete within this, else the connection is closed
+            (the client stopped reading; its generation stops), seconds.
         max_connections: client connections open at once (None: the open-file limit less headroom for
             the ring, receipts and heals: ``swarm.serve.guard.default_max_connections``).
     Raises:
@@ -74,6 +77,7 @@ class ServeConfig:
     audit_tally: Path | None = None
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     max_connections: int | None = None
 
     def __post_init__(self) -> None:
@@ -88,9 +92,11 @@ class ServeConfig:
             raise ConfigError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
-        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s", "header_timeout_s", "body_timeout_s",
+                     "send_timeout_s"):
             value = getattr(self, name)
-            finite = name in ("header_timeout_s", "body_timeout_s")  # a deadline a trickle cannot outlast
+            # a deadline a trickle (or a reader that stalls) cannot outlast
+            finite = name in ("header_timeout_s", "body_timeout_s", "send_timeout_s")
             if not value > 0 or finite and value == math.inf:  # also refuses NaN
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
         object.__setattr__(self, "bootstrap", tuple(self.bootstrap))

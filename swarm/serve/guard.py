@@ -12,14 +12,18 @@ The header deadline is hypercorn's idle timer (``keep_alive_timeout``): it runs 
 accept, and from each response's end, until the next request's headers are complete, so it bounds
 slow headers and idle keep-alive connections alike. Hypercorn has no body deadline (its
 ``read_timeout`` is per read, which a byte every few seconds defeats, and it would also cut a long
-stream whose client sends nothing), hence ``guard_app``. Slowloris, R-U-Dead-Yet and idle floods are
-the attacks meant (CWE-400); a client that reads its answer slowly is not bounded here.
+stream whose client sends nothing), hence ``guard_app``. A client that stops reading its answer is
+bounded by the send deadline: one write to its socket that cannot complete within ``send_timeout_s``
+(the kernel's buffers are full: the client read nothing for that long) closes the connection, which
+the app sees as the client hanging up (its generation stops). Slowloris, R-U-Dead-Yet, idle floods and
+slow readers are the attacks meant (CWE-400).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import resource
 import socket
 import time
@@ -97,7 +101,18 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             self.peer = None
 
     async def send_all(self, data) -> None:
-        await self.stream.send_all(data)
+        """Write ``data``; one that the client does not take within the listener's ``send_timeout_s``
+        closes the connection and raises ``trio.BrokenResourceError`` (hypercorn: the client is gone)."""
+        timeout_s = self.owner.send_timeout_s
+        with trio.move_on_after(timeout_s) as scope:
+            await self.stream.send_all(data)
+        if scope.cancelled_caught:
+            self.owner.rate_log.log(logging.WARNING, "send_timeout",
+                                    "http.send_timeout client=%s timeout_s=%g: the client read none of its answer "
+                                    "for that long (--send-timeout-s); connection closed", self.peer, timeout_s)
+            self.owner.send_timeouts += 1
+            await self.aclose()
+            raise trio.BrokenResourceError(f"the client read nothing for {timeout_s:g} s")
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.stream.wait_send_all_might_not_block()
@@ -130,10 +145,13 @@ class CappedListener(trio.abc.Listener):
     to end; each condition is logged once per minute, never a traceback per try.
     """
 
-    def __init__(self, inner: trio.SocketListener, max_connections: int, rate_log: RateLog | None = None):
+    def __init__(self, inner: trio.SocketListener, max_connections: int, rate_log: RateLog | None = None,
+                 send_timeout_s: float = math.inf):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.inner, self.max_connections = inner, max_connections
+        self.send_timeout_s = send_timeout_s  # one write to a client must complete within this, seconds
+        self.send_timeouts = 0
         self.socket = inner.socket
         self.open: dict[int, GuardedStream] = {}  # in accept order: the first is the oldest
         self.by_peer: dict[tuple, GuardedStream] = {}
@@ -278,7 +296,8 @@ def _has_body(scope) -> bool:
 
 
 async def serve_http(app, config, sock: socket.socket, *, max_connections: int, body_timeout_s: float,
-                     shutdown_trigger, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     shutdown_trigger, send_timeout_s: float = math.inf,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the ASGI ``app`` on the listening ``sock`` with hypercorn's trio worker, at most
     ``max_connections`` client connections open (``CappedListener``) and every request body due
     within ``body_timeout_s`` of its headers (``guard_app``), until ``shutdown_trigger`` returns; then
@@ -294,6 +313,8 @@ async def serve_http(app, config, sock: socket.socket, *, max_connections: int, 
         sock: a bound, listening TCP socket; it is served and closed here.
         max_connections: client connections open at once.
         body_timeout_s: a request's body is due this long after its headers, seconds.
+        send_timeout_s: one write of an answer must complete within this (else the connection is
+            closed: the client stopped reading), seconds.
     """
     from hypercorn.trio.statsd import StatsdLogger
     from hypercorn.trio.tcp_server import TCPServer
@@ -303,7 +324,8 @@ async def serve_http(app, config, sock: socket.socket, *, max_connections: int, 
 
     config.set_statsd_logger_class(StatsdLogger)
     context = WorkerContext(None)
-    listener = CappedListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), max_connections)
+    listener = CappedListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), max_connections,
+                              send_timeout_s=send_timeout_s)
     wrapped = wrap_app(guard_app(app, listener, body_timeout_s), config.wsgi_max_body_size, "asgi")
     async with trio.open_nursery() as server_nursery:
         task_status.started([f"http://{repr_socket_addr(sock.family, sock.getsockname())}"])

@@ -18,6 +18,7 @@ def test_the_defaults_are_valid_and_match_the_flags():
     assert config.max_body_bytes == 8 * 2**20
     assert config.listed_receipts is None
     assert (config.header_timeout_s, config.body_timeout_s, config.max_connections) == (10.0, 60.0, None)
+    assert config.send_timeout_s == 60.0
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -33,6 +34,8 @@ def test_the_defaults_are_valid_and_match_the_flags():
     ({"heartbeat_s": math.nan}, "--heartbeat-s must be a positive number of seconds"),
     ({"header_timeout_s": 0.0}, "--header-timeout-s must be a positive number of seconds"),
     ({"body_timeout_s": math.inf}, "--body-timeout-s must be a positive number of seconds"),
+    ({"send_timeout_s": math.inf}, "--send-timeout-s must be a positive number of seconds"),
+    ({"send_timeout_s": -1.0}, "--send-timeout-s must be a positive number of seconds"),
     ({"max_connections": 0}, "--max-connections must be >= 1, got 0"),
     ({"cors_origins": ("https://app.example/",)}, "--cors-origin 'https://app.example/' is not an origin"),
 ])

@@ -199,6 +199,44 @@ def test_at_the_connection_cap_the_oldest_waiting_clients_make_room(served):
         clients.close()
 
 
+@pytest.mark.ring
+def test_clients_that_stop_reading_are_closed_at_the_send_deadline_and_their_generation_stops(served):
+    """Three clients ask for long streamed answers and read none of it (a 1 KB receive buffer): once a write
+    to each cannot complete for --send-timeout-s, the server closes it, its generation stops (the answer's
+    400 tokens are never all sent) and the server is idle again; /health answers throughout."""
+    s = served(send_timeout_s=2.0)
+    body = (b'{"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 400, "stream": true, '
+            b'"temperature": 0}')
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    socks = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        c.connect(("127.0.0.1", s.port))
+        c.sendall(request)
+        socks.append(c)
+    try:
+        end, health = time.monotonic() + 30, {}
+        while time.monotonic() < end:
+            time.sleep(0.5)
+            waited, res = timed_get(s.url + "/health")
+            health = res.json()
+            assert res.status_code == 200 and waited < 5
+            if health["active_requests"] == 0:
+                break
+        assert health["active_requests"] == 0, health
+        for c in socks:  # what the server wrote before it gave up, then the end of the connection
+            c.settimeout(5)
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in got, got[-200:]
+    finally:
+        for c in socks:
+            c.close()
+
+
 def test_default_max_connections_keeps_headroom_for_the_ring():
     assert default_max_connections(256) == 128
     assert default_max_connections(1024) == 768

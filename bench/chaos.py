@@ -600,6 +600,9 @@ def main(argv: list[str] | None = None) -> dict:
     refs = solo_references(resolved.path, PROMPTS, args.new_tokens)
     saved = {k: os.environ.get(k) for k in ("SWARM_ZYGOTE", "SWARM_CACHE")}
     os.environ.setdefault("SWARM_ZYGOTE", "1")  # stages and clients fork from one preloaded parent
+    from tests.support import zygote
+
+    zygote.install()
     with tempfile.TemporaryDirectory(prefix="swarm-chaos-") as tmpdir:
         tmp = Path(tmpdir)
         os.environ["SWARM_CACHE"] = str(tmp / "cache")

@@ -40,16 +40,17 @@ def pytest_configure(config):
 
         torch.set_num_threads(1)
     # swarm child processes (stages, bootstrap nodes, `swarm coordinate`...) fork from one zygote per
-    # test process that imported torch, transformers and libp2p once (swarm.cli.zygote): about 100
+    # test process that imported torch, transformers and libp2p once (tests/support/zygote.py): about 100
     # stage processes otherwise spend ~9 s of CPU each on imports. SWARM_ZYGOTE=0 starts each fresh.
     os.environ.setdefault("SWARM_ZYGOTE", "1")
+    from tests.support import zygote
+
+    zygote.install()
     if (os.environ["SWARM_ZYGOTE"] == "1" and not os.environ.get("PYTEST_XDIST_WORKER")
             and getattr(config.option, "numprocesses", None)):
         # the xdist controller starts one zygote for all its workers (they find it in
         # SWARM_ZYGOTE_SOCKET once it listens; a worker that needs one sooner starts its own)
         import threading
-
-        from swarm.cli import zygote
 
         shared = zygote.Zygote()
         os.environ[zygote.SOCKET_ENV] = str(shared.path)

@@ -4,9 +4,8 @@ Layout (each module's docstring says what it owns and may import):
 
 - ``main``    argument parsing and one ``cmd_*`` per subcommand; ``main(argv) -> int``
 - ``demo``    ``swarm demo``: a local ring, one generation (or ``--serve``), a clean shutdown
-- ``launch``  ``LocalRing``: stage daemons on loopback as child processes, always reaped
-- ``zygote``  forking ``swarm`` children from a process that imported torch, transformers and libp2p once
-- ``preload`` the zygote process itself (``python -m swarm.cli.preload``): imports, then forks on request
+- ``launch``  ``LocalRing``: stage daemons on loopback as child processes, always reaped (``set_spawner``:
+  how children start, for the test suite's preloaded parent)
 - ``watch``   ``swarm receipts watch``: a live table of jobs as receipts arrive
 - ``output``  what the commands print for a person: streamed text, rates, receipts
 - ``audit``   ``swarm audit run`` (audit jobs' stages, write and publish fraud proofs) and ``swarm audit verify``

@@ -19,16 +19,25 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import StageLost, SwarmError
 from swarm.ranges import LayerRange
 
-if TYPE_CHECKING:
-    from swarm.cli.zygote import ZygoteProcess
-
 log = logging.getLogger(__name__)
+
+# spawn(args, env, cwd) -> a started child with Popen's pid, stdout, stderr, poll, wait, send_signal, kill
+# and communicate, or None to start a plain process (``set_spawner``)
+Spawner = Callable[[list, dict, "str | Path | None"], object]
+_spawner: Spawner | None = None
+
+
+def set_spawner(spawn: Spawner | None) -> None:
+    """Start ``swarm`` children through ``spawn`` from now on (None: plain processes). The test suite
+    forks them from a parent that imported torch, transformers and libp2p once (tests/support/zygote.py)."""
+    global _spawner
+    _spawner = spawn
 
 
 @dataclass
@@ -36,7 +45,7 @@ class StageProcess:
     """A running stage child: its process, READY payload, and collected stderr tail."""
 
     layers: LayerRange
-    proc: subprocess.Popen | ZygoteProcess
+    proc: subprocess.Popen  # or what the ``set_spawner`` spawner returned
     ready: dict | None = None
     lines: "queue.Queue[str | None]" = field(default_factory=queue.Queue)
     stderr_tail: list[str] = field(default_factory=list)
@@ -162,20 +171,13 @@ class LocalRing:
 
 
 def start_swarm(args: list[str], env: dict, prefix: list[str] | None = None, cwd: str | Path | None = None):
-    """Start ``swarm ARGS`` as a child in its own session, stdout and stderr piped as text.
-
-    With ``SWARM_ZYGOTE=1`` in this process's environment (the test suite sets it) the child is a
-    fork of this process's zygote (:mod:`swarm.cli.zygote`), which has torch, transformers and
-    libp2p imported already; otherwise, and whenever the zygote cannot start it as a fresh process
-    would, or ``prefix`` (a command to run it under) is given, ``python -m swarm ARGS``; in ``cwd``
-    (default: ours).
-    Returns: a ``subprocess.Popen`` or a ``ZygoteProcess`` (pid, stdout, stderr, poll, wait, kill).
+    """Start ``swarm ARGS`` as a child in its own session, stdout and stderr piped as text: through the
+    spawner given to ``set_spawner`` where there is one and no ``prefix`` (a command to run it under), and
+    as ``python -m swarm ARGS`` where there is none or it declines; in ``cwd`` (default: ours).
+    Returns: a ``subprocess.Popen``, or the spawner's Popen-like handle.
     """
-    from swarm.cli import zygote
-
-    if zygote.enabled() and not prefix:
-        parent = zygote.shared_zygote()
-        proc = parent.spawn(args, env, cwd) if parent is not None else None
+    if _spawner is not None and not prefix:
+        proc = _spawner(args, env, cwd)
         if proc is not None:
             return proc
     return subprocess.Popen([*(prefix or []), sys.executable, "-m", "swarm", *args], stdout=subprocess.PIPE,
@@ -230,7 +232,7 @@ class BootstrapNode:
             raise ValueError(f"role must be bootstrap or relay, got {role!r}")
         self.key_path, self.startup_timeout_s, self.env = Path(key_path), startup_timeout_s, env
         self.role, self.listen, self.prefix = role, listen, list(prefix or [])
-        self.proc: subprocess.Popen | ZygoteProcess | None = None
+        self.proc: subprocess.Popen | None = None  # or the spawner's handle
         self.ready: dict = {}
 
     @property

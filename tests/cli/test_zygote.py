@@ -1,4 +1,4 @@
-"""swarm.cli.zygote: children forked from a preloaded zygote behave as fresh ``python -m swarm`` processes."""
+"""tests/support/zygote.py: children forked from a preloaded zygote behave as fresh ``python -m swarm`` processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from swarm.cli import zygote
+from tests.support import zygote
 from swarm.cli.launch import start_swarm
 
 pytestmark = pytest.mark.process
@@ -107,7 +107,7 @@ def test_children_go_when_the_process_that_asked_for_them_goes(parent, tmp_path)
     """A launcher killed by SIGKILL leaves no stage behind, whether it attached to a zygote or started one."""
     script = textwrap.dedent(f"""
         import json, os, sys
-        from swarm.cli import zygote
+        from tests.support import zygote
         z = zygote.Zygote(path={str(parent.path)!r}) if sys.argv[1] == "attach" else zygote.Zygote().start()
         env = dict(os.environ, SWARM_CACHE={str(tmp_path)!r}, PYTHONUNBUFFERED="1")
         p = z.spawn(["bootstrap", "--key", sys.argv[2], "--listen", "/ip4/127.0.0.1/tcp/0"], env)
@@ -118,7 +118,7 @@ def test_children_go_when_the_process_that_asked_for_them_goes(parent, tmp_path)
     """)
     for how in ("attach", "start"):
         launcher = subprocess.Popen([sys.executable, "-c", script, how, str(tmp_path / f"{how}.key")],
-                                    stdout=subprocess.PIPE, text=True, env={**parent.env})
+                                    stdout=subprocess.PIPE, text=True, env={**parent.env}, cwd=zygote.ROOT)
         try:
             pid = json.loads(launcher.stdout.readline())["pid"]
             assert not _gone(pid, 0.2)

@@ -2,8 +2,10 @@
 
 Owns: ``Zygote`` (start one, ``spawn`` a ``swarm ...`` command through it, close it), ``ZygoteProcess``
 (the handle a spawn returns, with the parts of ``subprocess.Popen`` that ``LocalRing`` and the tests
-use), ``shared_zygote`` (one per launching process, started on first use) and the zygote's own loop
-(in ``swarm.cli.preload``, run as ``python -m swarm.cli.preload SOCKET``). Standard library only.
+use), ``shared_zygote`` (one per launching process, started on first use), ``install`` (launchers in this
+process, ``swarm.cli.launch.start_swarm``, fork through it under ``SWARM_ZYGOTE=1``) and the zygote's own
+loop (in ``tests.support.preload``, run as ``python -m tests.support.preload SOCKET`` from the repository's
+root). Standard library only, and ``swarm.cli.launch``'s hook.
 
 Why: a ``swarm stage`` process spends about 9 s of CPU importing torch, transformers' model code
 and libp2p before it reads a weight; a ring of three stages on two cores waits on that, and the test
@@ -50,6 +52,7 @@ IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH", "O
 # ... except those that `swarm.cli.main.main` applies itself when the library is imported already
 APPLIED_BY_MAIN = ("TRANSFORMERS_VERBOSITY",)
 ZYGOTE_ENV = "SWARM_ZYGOTE"
+ROOT = Path(__file__).resolve().parents[2]  # the repository: ``tests.support.preload`` imports from here
 log = logging.getLogger(__name__)
 
 
@@ -169,9 +172,9 @@ class Zygote:
     def start(self) -> Zygote:
         life_r, self._lifeline = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "swarm.cli.preload", str(self.path)], stdin=life_r,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, text=True,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.preload", str(self.path)],
+                                         stdin=life_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
+                                         text=True, start_new_session=True, cwd=ROOT)
         finally:
             os.close(life_r)
         ready, _, _ = select.select([self.proc.stdout], [], [], self.startup_timeout_s)
@@ -290,3 +293,18 @@ def shared_zygote() -> Zygote | None:
 def enabled() -> bool:
     """Whether launchers in this process fork their children from a zygote (``SWARM_ZYGOTE=1``)."""
     return os.environ.get(ZYGOTE_ENV, "") == "1"
+
+
+def _spawn(args: list[str], env: dict, cwd: str | Path | None) -> ZygoteProcess | None:
+    if not enabled():
+        return None
+    parent = shared_zygote()
+    return parent.spawn(args, env, cwd) if parent is not None else None
+
+
+def install() -> None:
+    """Launchers in this process (``swarm.cli.launch.start_swarm``) fork their ``swarm`` children from the
+    shared zygote while ``SWARM_ZYGOTE=1``, and start plain processes otherwise or where it declines."""
+    from swarm.cli import launch
+
+    launch.set_spawner(_spawn)

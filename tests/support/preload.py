@@ -1,10 +1,10 @@
-"""The zygote process itself (``python -m swarm.cli.preload SOCKET``): import, then fork on request.
+"""The zygote process itself (``python -m tests.support.preload SOCKET``): import, then fork on request.
 
 Owns: the preload list, the zygote's loop (accept a request with its argv, environment, working
 directory and three descriptors; refuse it when its import-time environment differs; fork; report
 the child's pid and, when it is reaped, its exit status; SIGTERM a child whose launcher went) and
-what a fresh fork does to become ``python -m swarm ARGS``. The launcher's side is
-``swarm.cli.zygote``. Imports swarm.cli.main (in the child only, after the fork).
+what a fresh fork does to become ``python -m swarm ARGS`` (its own launchers fork from this zygote too:
+``zygote.install``). The launcher's side is ``tests.support.zygote``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from swarm.cli.launch import _die_with_parent
-from swarm.cli.zygote import SOCKET_ENV, import_env, refusal
+from tests.support.zygote import SOCKET_ENV, import_env, install, refusal
 
 # what the zygote imports before it forks: the heavy part of every swarm command that computes or dials
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "libp2p", "trio", "swarm.cli.main",
@@ -177,6 +177,7 @@ def _zygote_main(path: str) -> int:
     args = _become(request)
     from swarm.cli.main import main
 
+    install()  # a `swarm demo` forked here forks its stages here too (SWARM_ZYGOTE_SOCKET)
     return main(args)
 
 

@@ -1,8 +1,7 @@
 """Multiaddr strings, read without libp2p: the PeerId an address names, and where it is.
 
 Owns: :func:`peer_id_from_addr`, :func:`without_peer_id` and :func:`current_addr`. Pure string work, so the config, the
-stage, the transport and the CLI can all use it without loading libp2p. May import: the standard
-library only.
+stage, the transport and the CLI can all use it without loading libp2p.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ Owns: how the rows a stage computed for a job become Merkle leaves (:class:`Wind
 :func:`leaf_data`), the receipt field that commits to them (``windows``: :class:`Commitment`), the
 signed ``opening`` of one window a stage answers an ``audit`` request with (:func:`opening_body`,
 :func:`sign_opening`), its check against the stage's signed receipt (:func:`check_opening`, pure)
-and the client that asks for it (:func:`request_window`, :func:`open_window`). May import: stdlib,
-msgpack, ``swarm.merkle``, ``swarm.receipts``, ``swarm.errors``; the transport lazily (the client).
+and the client that asks for it (:func:`request_window`, :func:`open_window`).
 No torch: an opening checks on a machine with no model.
 
 **Rows.** A stage's work for a job is a sequence of positions; at each it took one input row and

@@ -2,7 +2,6 @@
 
 Owns: :func:`write_atomic`, the one way swarm writes a small file that others read (a weights
 sidecar, a cached model id, a receipt, a conversation, a node key, a cached kernel proof).
-May import: the standard library only.
 """
 
 from __future__ import annotations

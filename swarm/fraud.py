@@ -5,8 +5,7 @@ signed job receipt and the stage's PeerId: never anyone's free choice), the frau
 (``swarm/fraud-proof/1``: :func:`build_proof`, :func:`encode` / :func:`decode`) and its check
 without weights (:func:`check_proof`, pure: signatures, Merkle paths, the input binding, the class,
 the auditor's claim). The re-run that completes a check needs the layer range's weights and lives in
-``swarm.auditor``. May import: stdlib, msgpack, ``swarm.audit``, ``swarm.receipts``, ``swarm.repro``,
-``swarm.errors``; ``swarm.transport.identity`` (PyNaCl). No torch.
+``swarm.auditor``. No torch.
 
 **Selection.** ``h = BLAKE2b-256(person "swarm-audit-pick", job sig bytes || 0x00 || PeerId)``; the
 stage is audited when ``int(h[0:8]) / 2^64 < s`` (``s``: the rate, default 5%; 1 for an identity's

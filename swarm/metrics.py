@@ -5,8 +5,6 @@ metric family read at scrape time. Each node has its own ``CollectorRegistry`` (
 share a process in tests). Names and units follow the Prometheus conventions (``_seconds``,
 ``_bytes``, ``_total``). No label carries prompt text, token ids, session ids or key material.
 The metrics themselves: ``swarm.stage.metrics`` and ``swarm.serve.metrics``.
-
-May import: prometheus_client only.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ logged, and a heal onto that shadow falls back to resending the hidden states fr
 ``SentLog``), and ``promote`` (at a heal onto the shadow: wait until every queued frame is written,
 then hand the mirror's stream and digest to the session, so the shadow's input digest and this
 stage's output digest stay one chain). Used by the stage server (``swarm.stage``) and, for a
-head's shadow, by the ring client's repair (``swarm.coordinator.repair``). May import: trio, ``swarm.wire``,
-``swarm.receipts``, ``swarm.errors``.
+head's shadow, by the ring client's repair (``swarm.coordinator.repair``).
 """
 
 from __future__ import annotations

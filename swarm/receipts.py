@@ -1,8 +1,7 @@
 """Receipts: who computed what, signed with the node's own identity, and their verification.
 
 Owns: the stage and job receipt schemas, the rolling digests over frame payloads, canonical
-signing bytes, and ``verify_job`` (fail closed). May import: stdlib, msgpack, ``swarm.files`` and
-``swarm.transport.identity`` (PyNaCl + the PeerId parser). No torch: a receipt verifies on a
+signing bytes, and ``verify_job`` (fail closed). No torch: a receipt verifies on a
 machine with no model and no network.
 
 **Stage receipt** (``swarm/stage-receipt/1``): one per stage per job, signed by the stage's

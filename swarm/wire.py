@@ -3,7 +3,6 @@
 Owns: the message types of ``/swarm/ring/1``, their field types and ranges, and the conversion of
 tensors to and from ``{"dtype", "shape", "data"}`` maps (raw little-endian bytes, no pickle).
 Framing on the stream (length prefix, maximum size) belongs to ``swarm.transport.framing``.
-May import torch and msgpack (through the transport); no networking.
 
 Every frame is a msgpack map with ``v`` (protocol version) and ``type``. See docs/protocol.md.
 """

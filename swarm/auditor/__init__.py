@@ -13,6 +13,5 @@ proof re-checked), ``run`` (the networked auditor: fetch, judge, tally, publish)
 ``swarm peers`` and ``swarm serve``), ``offers`` (a coordinator offering its signed job receipt to
 auditor-role stages: ``swarm stage --audit-rate``, whose side is ``swarm.stage.auditing``).
 
-May import: the shared core, the transport, kernels, discovery, weights, model (never stage,
-coordinator or serve). Imported by stage, coordinator, serve and cli.
+Imported by stage, coordinator, serve and cli.
 """

@@ -8,8 +8,7 @@ one holds: a framing proof read first does not hide a real one beside it. A proo
 cannot re-run (no local weights of the range, another class) excludes nobody; a refused proof is
 logged with the reason, and when it framed an honest stage, as evidence against its auditor
 (``refused``); ``judged(peer)`` says which of these befell the proof against a stage (the dashboard).
-Verdicts are kept per proof (by digest), so a proof is re-run once. May import trio, the shared core,
-``swarm.auditor.judge``.
+Verdicts are kept per proof (by digest), so a proof is re-run once.
 """
 
 from __future__ import annotations

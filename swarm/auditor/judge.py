@@ -4,8 +4,7 @@ Owns: :class:`Blocks` (the blocks an auditor loads, by layer range and dtype, in
 receipt's class names), :func:`class_for` (the class this process would run a receipt's session in,
 and whether it is the receipt's), :func:`judge` (a stage's opened rows, its predecessor's, a re-run:
 a :class:`Verdict`, with a fraud proof on a mismatch) and :func:`verify_proof` (``swarm audit verify``:
-:func:`swarm.fraud.check_proof`, then the re-run of the claimed position). No networking. May import
-torch, the shared core, ``swarm.kernels``, ``swarm.model``.
+:func:`swarm.fraud.check_proof`, then the re-run of the claimed position). No networking.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ layers contain a stage range of the job and that did not serve in it; at most ``
 :func:`offer_job` (one ``audit_offer`` frame per target, each on its own short-lived stream, all under
 one deadline; the answers are logged and returned, never raised: an offer is low priority and never
 fails or delays the job it is about). A spare from a ring file states no role: it refuses an offer
-with ``unavailable`` when it has none. May import: stdlib, trio, msgpack, ``swarm.wire``,
-``swarm.errors``; the transport through the host it is given.
+with ``unavailable`` when it has none.
 """
 
 from __future__ import annotations

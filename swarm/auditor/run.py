@@ -12,8 +12,7 @@ ended (the receipt's ``ended_ms``): that is ``unavailable``, counted apart from 
 restart must not read as a cheat; a stage that keeps restarting shows as many unavailable audits); a
 ``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
 times), since the limit is the stage protecting its live sessions. Each fraud proof goes to
-``publish(proof)`` (the DHT, a file). May import trio, the shared
-core, the transport, ``swarm.auditor.judge``.
+``publish(proof)`` (the DHT, a file).
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ audited, not failed; the key is there only for a stage that had such an audit).
 
 Owns: the file format, its writer (``add_tally``: ``swarm audit run --tally FILE``) and its reader
 (``read_tally``: ``swarm peers --audits FILE``, ``swarm serve --audits FILE``), and ``audit_column``,
-the per-stage ``{audited, passed, failed, proof}`` both of those readers show. May import: the shared
-core (``swarm.errors``, ``swarm.files``).
+the per-stage ``{audited, passed, failed, proof}`` both of those readers show.
 """
 
 from __future__ import annotations

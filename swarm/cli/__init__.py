@@ -1,6 +1,6 @@
 """The ``swarm`` command and the tools around it.
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``main``    argument parsing and one ``cmd_*`` per subcommand; ``main(argv) -> int``
 - ``demo``    ``swarm demo``: a local ring, one generation (or ``--serve``), a clean shutdown

@@ -3,7 +3,7 @@
 Owns: ``TextOut`` (generated text streamed to stdout, and the logging filter that keeps a log line
 off the streamed line), ``receipt_line``, ``rate_text`` and ``spec_summary`` (the summary lines of
 ``swarm coordinate`` and ``swarm demo``, read from a generation's result record). Shared by
-``swarm.cli.main`` and ``swarm.cli.demo``. May import: stdlib only.
+``swarm.cli.main`` and ``swarm.cli.demo``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The coordinator: the client side of a ring (``swarm coordinate``, and what ``swarm serve`` drives).
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``generation``    ``generate`` and ``decode`` (``DecodeOptions`` -> ``DecodeResult``): tokenize, drive chunks
                     around the ring, heal, report

@@ -8,8 +8,6 @@ stages' prefix caches then hold most of that prompt already (issue 17): only the
 prefilled. Written atomically (temp file + rename), so an interrupted run leaves the old file; a
 new file is created 0600 (it holds the conversation), an existing one keeps its mode. Two runs on
 one file at once are not serialized: the later write wins.
-
-May import: json, ``swarm.errors``, ``swarm.files``, ``swarm.coordinator.chat`` (lazily).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ a stage whose stream is gone or that stays silent is reported unreachable, as th
 ``RingLinks`` is composed into :class:`swarm.coordinator.ring.RingClient` (as ``net``) and handed
 to its repair (:mod:`swarm.coordinator.repair`); what it needs from the client is passed in: the
 host, the ring file, the timeouts, a hook for the tail's results (the receipt ledger) and the epoch
-of a session's last repair (older error frames are stale). May import: trio, ``swarm.transport``
-(through the host), ``swarm.wire``, ``swarm.heal``, ``swarm.config``, ``swarm.errors``.
+of a session's last repair (older error frames are stale).
 """
 
 from __future__ import annotations

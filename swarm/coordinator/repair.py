@@ -15,9 +15,7 @@ while waiting for a result live in :meth:`swarm.coordinator.ring.RingClient.next
 
 What it needs from the client is passed in (see ``RingRepair``): the links (``RingLinks``), the
 host (its key signs open and repair frames), the client's ``open_at`` and its per-session books
-(receipt ledgers, closed segments, repaired epochs). May import: trio, ``swarm.wire``,
-``swarm.receipts``, ``swarm.mirror``, ``swarm.ranges``, ``swarm.errors``, ``swarm.transport.circuit``
-(address helpers), this package.
+(receipt ledgers, closed segments, repaired epochs).
 """
 
 from __future__ import annotations

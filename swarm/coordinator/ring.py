@@ -13,8 +13,6 @@ Composed of two objects with their own state: ``net``, a :class:`swarm.coordinat
 ``repair``, a :class:`swarm.coordinator.repair.RingRepair` (spares, swaps, repairs that keep the
 survivors' session, shadows). This client keeps the per-session books (``returned``, ``sent``,
 ``ledgers``, ``segments``, ``repaired_epoch``, ``prefixed``) and hands them to those two explicitly.
-May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.config``, ``swarm.heal``,
-``swarm.ranges``, ``swarm.errors``, this package.
 """
 
 from __future__ import annotations

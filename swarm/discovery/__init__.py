@@ -1,6 +1,6 @@
 """Discovery: DHT membership, signed stage records, swarm time and the bootstrap node.
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``records``    the signed stage record, its checks, which value wins
 - ``providers``  a provider store stale entries cannot fill, a lookup without side effects

@@ -11,7 +11,7 @@ naming the likely causes and how this node's clock compares with the swarm's. A 
 publishes a last ``draining`` record valid ``LEAVING_TTL_S`` (``withdraw``), so readers stop
 listing it within seconds instead of at the old record's expiry. Expiries are in the swarm's time
 (``SwarmDHT.clock``), re-measured every ``swarm.discovery.clock.RESYNC_S``.
-May import: stdlib, trio, ``swarm.discovery``, ``swarm.errors``. No torch.
+No torch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ client's own round trips to them, and asking ``swarm.routing`` for a route (``di
 returned as a ``RingSpec`` so everything after it works as with a ring file) or for a replacement
 of a lost layer range (``find_replacement``, used by healing). The decisions are in
 ``swarm.routing``; this module only gathers their inputs.
-May import: stdlib, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.config``, ``swarm.ranges``.
 """
 
 from __future__ import annotations

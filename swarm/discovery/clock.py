@@ -5,7 +5,7 @@ measuring this node's offset from the nodes it joined through (``measure_offsets
 taken at the midpoint of its round trip, Cristian's algorithm; the median of all that answer
 wins), ``SwarmClock`` (the corrected clock every stage record is stamped and checked with) and
 ``local_clock`` (the machine's wall clock as this process sees it).
-May import: stdlib, trio, ``swarm.errors``, ``swarm.transport``. No torch.
+No torch.
 
 Why: a record's expiry is an absolute time in its signer's clock and every reader checks it in
 its own (``swarm.discovery.records``). A volunteer's clock minutes off made its records expire on

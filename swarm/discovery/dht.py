@@ -17,8 +17,7 @@ tell a framing proof (an auditor's false re-run of an honest row) from a real on
 so one framing stored first no longer hides the real proof: only ``PROOF_SLOTS`` of them, at every node
 a reader asks, before the real one arrives, would. Excluding the accused is for a reader that re-ran a
 proof (``swarm.auditor.exclusions``).
-May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.fraud``, ``swarm.transport``,
-``swarm.discovery.records``, ``.providers``, ``.clock``, ``.lookup``. No torch.
+No torch.
 
 Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, issue 14):
 - the wire protocol is always ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is ignored), so a swarm

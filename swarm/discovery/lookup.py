@@ -4,7 +4,7 @@ Owns: ``lookup`` (Maymounkov & Mazieres 2002, "Kademlia", section 2.3: ``alpha``
 queries to the closest nodes not yet asked, each answer merged into a shortlist, until the k
 closest nodes heard of have all answered or failed), the one request it sends (``ask``) and the
 metric (``distance``). ``swarm.discovery.dht`` puts at the k closest nodes a lookup finds and
-reads from them. May import: stdlib, trio, varint, multiaddr, libp2p. No torch.
+reads from them. No torch.
 
 The request is libp2p's own GET_VALUE (``/swarm/kad/1.0.0``, protobuf ``Message``, varint length
 prefix), which every libp2p 0.8.1 DHT server answers with the value it holds, if any, and the 20

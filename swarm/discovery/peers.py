@@ -5,7 +5,6 @@ JSON document). Reading the records is ``SwarmDHT.read_records``; RTTs are ``pro
 is a claim until its expiry, also for a stage killed since: the listing says when each record
 expires and whether the stage answered this client's ping, and with probes the coverage counts
 only online stages that answered.
-May import: stdlib, ``swarm.discovery.records``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: the provider store policy every swarm DHT node runs (``bound_provider_store``) and the
 provider lookup readers use (``lookup_providers``), and the fan-out that asks each node of a lookup
-once (``ask_each_once``, also ``SwarmDHT``'s). May import: stdlib, trio, libp2p. No torch.
+once (``ask_each_once``, also ``SwarmDHT``'s). No torch.
 
 Facts of libp2p 0.8.1 this module replaces (issue 27, py-libp2p #1425):
 - ``ProviderStore.add_provider`` keeps at most 20 providers per key and ignores every newcomer

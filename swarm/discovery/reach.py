@@ -12,8 +12,7 @@ DHT in server mode; stages that are not reachable run client mode").
 The idea is AutoNAT's (libp2p spec ``autonat/README.md``: a peer dials the asker back on a new
 connection). libp2p 0.8.1's AutoNAT v1 answers PUBLIC behind a firewall that drops inbound,
 since its dial-back reuses the open connection (measured, issue 15); a raw TCP connect to the
-observed address cannot reuse one. May import: stdlib, trio, multiaddr, ``swarm.errors``,
-``swarm.transport``. No torch.
+observed address cannot reuse one. No torch.
 """
 
 from __future__ import annotations

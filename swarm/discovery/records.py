@@ -3,8 +3,7 @@
 Owns: ``StageRecord`` (one stage's announcement: model id, layer range, addrs, load, measured
 throughput and RTTs, sequence number, expiry, reproducibility class), its canonical encoding, signing with the stage's
 node key, ``open_record`` (the validator's checks) and ``select_record`` (which of two values for
-one key wins). May import: stdlib, msgpack, ``swarm.errors``, ``swarm.repro``, ``swarm.transport.identity``
-(PyNaCl). No torch, no trio, no clock: time is an argument.
+one key wins). No torch, no trio, no clock: time is an argument.
 
 A record lives under ``/swarm-stage/<PeerId>`` and is signed by that PeerId's ed25519 key, so a
 reader needs no registry: the key names the signer, the PeerId inlines the public key. Remote DHT

@@ -6,8 +6,6 @@ bit-identical whether they are computed one row at a time (decode steps) or in c
 rows (prefill, prefill slices, verify chunks with rollback), and, for ``tile > 1`` and in the fma
 and triton kernel modes, packed with other sessions' rows in any order. It runs the block's real
 modules, dtype, device and BLAS on seeded random inputs in scratch KV caches; it never touches a live session.
-
-May import torch (through the block); no networking.
 """
 
 from __future__ import annotations

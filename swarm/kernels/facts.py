@@ -6,7 +6,6 @@ constants, and the weights digest of the span a session runs), turned into a
 :class:`swarm.repro.ReproClass`. The canonical form, the id and ``comparable`` are pure and live in
 ``swarm.repro``. Also :func:`kernels_in_use`: which kernels a stage runs (mode, ISA, library) and why
 rows, as its READY line, ``--check``, ``info_ok``, ``/metrics`` and the dashboard report them.
-May import torch, the shared core; no networking.
 """
 
 from __future__ import annotations

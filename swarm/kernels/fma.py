@@ -19,7 +19,7 @@ M = 2-3; oneDNN's matmul agrees for every M >= 2 but not at M = 1; and MKL takes
 :func:`available` says whether the kernels run here (an x86-64 CPU with AVX2 and FMA or an aarch64
 CPU, a library, ``SWARM_KERNELS`` unset, ``auto`` or ``fma``), with the reason when not;
 :func:`describe` says which ISA and which library. ``CC`` names the fallback build's compiler (split
-like a shell word list, so ``CC="ccache gcc"`` works). May import torch; no networking.
+like a shell word list, so ``CC="ccache gcc"`` works).
 """
 
 from __future__ import annotations

@@ -25,8 +25,6 @@ How, with stock torch ops only (no kernel of our own on the CPU):
 Measured on an AMD EPYC (Zen 3, AVX2, MKL 2024.2) on 2026-12-01: MKL's sgemm gives a 2- or 3-row
 GEMM different bits when its input is not 16-byte aligned, and SDPA gives a strided query slice
 other bits than a contiguous copy; both broke packed == solo for Phi-3 there (not on Intel).
-
-May import torch and transformers; no networking.
 """
 
 from __future__ import annotations

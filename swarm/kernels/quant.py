@@ -21,8 +21,6 @@ row (float32 linear: 75 us; bfloat16 linear: 93 us); ``_weight_int4pack_mm_for_c
 bfloat16 row, 93 us for five. Both gave a row the same bits alone and among five rows there; a stage
 proves that on its own weights and hardware at start-up (``swarm.kernels.check.check_block``), and
 every call here has one fixed shape per tile regardless.
-
-May import torch; no networking.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ suite exercises them without a GPU), float32 only there (numpy has no bfloat16 m
 :func:`available` says whether and why not. The tile constants are not tuned: nobody has run these
 kernels on a GPU yet (no GPU was lent when they were written); ``tests/kernels/test_triton.py`` has the
 ``gpu`` tests that prove their bits on CUDA. Importing this module imports triton (ImportError
-without it). May import torch, triton; no networking.
+without it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Models: resolution of a model spec to a local directory, layer blocks and the KV cache.
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``resolve``   a model spec (directory, name, GGUF, hub id) -> a local safetensors directory
 - ``gguf_tensors`` a stage's tensors read from a GGUF file, llama.cpp's block formats kept (no dequantizing)

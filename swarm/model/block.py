@@ -4,7 +4,7 @@ Owns: building transformers' own decoder-layer, embedding, norm and rotary modul
 range (via a per-family adapter), loading exactly the tensors those modules need from the
 safetensors shards (mmap), and the forward over a session's KV cache at absolute positions.
 Stage 0 adds the token embedding (and, for GPT-2, the learned position embedding); the tail adds
-the final norm and the LM head. May import torch, transformers and safetensors; no networking.
+the final norm and the LM head.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ number of committed positions). Rollback sets ``kv_len`` back; stale rows past `
 overwritten by the next chunk, so rollback never frees or copies memory.
 
 Duck-types the part of ``transformers.Cache`` that decoder layers call (``update``), so
-transformers' own attention modules write into it. May import torch only.
+transformers' own attention modules write into it.
 """
 
 from __future__ import annotations

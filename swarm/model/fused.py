@@ -6,7 +6,7 @@ module path), their :class:`swarm.kernels.fma.LayerPlan` built once from the mod
 step's rows for the C call: h, the rotary rows and each session's KV buffers (grown first, here, as the
 module path's ``KVCache.update`` would grow them). The C call performs the module path's operations in
 its order through the same kernels, so the hidden states and caches are the module path's bit for bit
-(``tests/model/test_fused_layer.py``). May import torch and swarm.kernels.
+(``tests/model/test_fused_layer.py``).
 """
 
 from __future__ import annotations

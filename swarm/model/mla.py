@@ -24,8 +24,6 @@ only on its own input and its session's cache:
 Source: transformers' ``modeling_deepseek_v3`` (``DeepseekV3Attention.forward``, ``expand_kv``), the
 DeepSeek-V2 paper (arXiv 2405.04434, section 2.1). Not done: the weight-absorbed MLA (attention over the
 latents without expanding them), which would change the arithmetic transformers runs.
-
-May import torch and transformers; no networking.
 """
 
 from __future__ import annotations

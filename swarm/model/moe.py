@@ -38,7 +38,6 @@ Source of the routing rule and layouts: the families' transformers implementatio
 
 Not here: DeepSeek-V3's FP8 checkpoints (``weight_scale_inv`` blocks; tests use float checkpoints written
 by transformers) and its multi-token-prediction layer (``model.layers.61``, never in a stage's range).
-May import torch; no networking.
 """
 
 from __future__ import annotations

@@ -11,9 +11,6 @@ Petals users know), and :func:`parse_size` (``24GB``, ``512MiB``).
 Float dtypes are the bytes a stage loads (``swarm stage --dtype``); ``int8`` and ``int4`` the bytes it
 holds with ``--quantize`` (:mod:`swarm.kernels.quant`: the decoder layers' Linear weights and an untied
 LM head's where the scheme takes their shape, everything else in bfloat16).
-
-May import: the shared core, ``swarm.weights`` (selection, headers), torch and transformers (meta
-device only).
 """
 
 from __future__ import annotations

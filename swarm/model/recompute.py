@@ -4,8 +4,7 @@ Owns: :func:`recompute`: opened input rows (``swarm.audit``'s exact wire bytes p
 output rows the block gives for them out, encoded as the stage would have sent them (hidden states in
 the opened rows' wire dtype; at the tail the greedy token after each row). One forward from position
 0 over a fresh KV cache: the block's arithmetic is row-invariant (proven at stage start-up,
-``swarm.kernels.check``), so the chunking the stage used changes no bits. May import torch, the
-shared core, ``swarm.model.block``; no networking.
+``swarm.kernels.check``), so the chunking the stage used changes no bits.
 """
 
 from __future__ import annotations

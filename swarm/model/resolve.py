@@ -6,8 +6,7 @@ weights (``model.safetensors``, or shards plus ``model.safetensors.index.json``)
 files; converting GGUF files once into a cache; and cheap header-only views of a checkpoint
 (`tensor_index`, `model_manifest_digest`) so a stage can mmap only its own shards.
 
-May import: stdlib, torch, transformers, safetensors, tqdm, huggingface_hub (all heavy imports are
-deferred into the functions that need them). No networking of our own: hub downloads go through
+No networking of our own: hub downloads go through
 ``huggingface_hub`` with short timeouts, into its own cache (``HF_HUB_CACHE``).
 
 Cache layout (``cache_root()`` is ``$SWARM_CACHE`` or ``~/.cache/swarm``)::

@@ -15,7 +15,7 @@ when its distribution is close to the target's. The draft distribution is theref
 
 References: Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, "A* Sampling"); top-k (Fan et
 al. 2018) and nucleus / top-p sampling (Holtzman et al. 2019), applied after temperature in that
-order, as transformers' logits processors do. May import torch only.
+order, as transformers' logits processors do.
 """
 
 from __future__ import annotations

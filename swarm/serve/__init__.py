@@ -1,6 +1,6 @@
 """``swarm serve``: an OpenAI-compatible HTTP API over a ring, its metrics and its dashboard.
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``app``         the Starlette app and its routes; ``serve_api``: load the model, check the ring, listen, drain
 - ``config``      ``ServeConfig``: every setting of ``swarm serve``, frozen and validated on construction

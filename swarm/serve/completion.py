@@ -3,8 +3,7 @@
 Owns: ``generate_ids`` (a ring client from the pool, ``swarm.coordinator.generation.decode`` on it,
 the metrics and the job receipt of the request), ``Detok`` (text as it becomes final, stop strings),
 ``map_error`` (a ring's fault as the HTTP error a client sees), and the answer's ``finish_reason``
-and ``usage``. May import: trio, ``swarm.coordinator``, ``swarm.heal``, ``swarm.receipts``,
-``swarm.errors``, ``swarm.serve.requests``.
+and ``usage``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: the settings of ``serve_api`` (where it listens, its identity, the ring client's deadlines,
 speculation, receipts, the request lifecycle's limits, CORS) and their defaults and checks; the
-messages name the command-line flags they come from. May import: ``swarm.config``, ``swarm.errors``.
+messages name the command-line flags they come from.
 """
 
 from __future__ import annotations

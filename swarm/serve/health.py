@@ -1,7 +1,7 @@
 """The ring's health as ``swarm serve`` reports it on ``/health`` and the dashboard.
 
 Owns: ``ring_health``: every stage of the current ring asked for its ``info`` in parallel, with a
-short deadline. May import: trio, ``swarm.wire``, ``swarm.errors``; reads a ServeState duck-typed.
+short deadline.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ Counters and gauges read at scrape time; histograms (time to first token, inter-
 request time, heal phases) observed where the event happens. Labels are fixed small sets (a
 request status, a receipt check). Also keeps the recent finished requests, arrivals and heal
 events the dashboard shows.
-
-May import: prometheus_client, ``swarm.metrics``; it reads a ServeState duck-typed (no import of it).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ routed request measured of its stages (``swarm.coordinator.measured``): routes a
 those timings over the stages' claims, and a stage of the route measured ``OVERCLAIM_FACTOR`` times
 slower than it claims makes the clients opened next route again (issue 45 item 17). It reads and
 updates the server's ``ServeState`` (its ring, host, nursery, settings) duck-typed: the state holds
-the pool, so this module does not import it. May import: trio, ``swarm.coordinator.ring``,
-``swarm.discovery.client``, ``swarm.coordinator.measured``, ``swarm.routing`` (lazily), ``swarm.errors``.
+the pool, so this module does not import it.
 """
 
 from __future__ import annotations

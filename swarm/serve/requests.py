@@ -4,8 +4,6 @@ Owns: ``ApiError`` (``{"error": {"message", "type", "param", "code"}}``) and its
 body under the size limit, the prompt's size check before tokenizing, and ``parse_request``: every
 field a client sends checked (``swarm.serve.params`` says which are honoured), the chat template and
 the tokenizer applied. Parsing runs in a worker thread (``parse_body``).
-May import: ``swarm.config``, ``swarm.errors``, ``swarm.serve.params``, ``swarm.coordinator.chat``
-(lazily), starlette (lazily).
 """
 
 from __future__ import annotations

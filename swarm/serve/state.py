@@ -4,7 +4,6 @@ Owns: the ring (replaced when a request healed it or the pool rerouted), the hos
 nursery, whom routing shuts out (fraud proofs it re-ran), the tokenizer and what the ring reported of
 the model, the settings (``ServeConfig``), the client pool, metrics, and the request lifecycle's
 counters (requests in flight, the drain).
-May import: ``swarm.config``, ``swarm.serve.config``; types of other modules only for annotations.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Owns: ``stream`` (the response status waits for the ring's decision: 200 once the session is open,
 the error's status if it was refused first), the SSE chunks in OpenAI's shapes, keep-alive comments
-while a stream waits, and ending a stream whose client left. May import: trio, starlette (lazily),
-``swarm.serve.completion``, ``swarm.serve.lifecycle``, ``swarm.serve.requests``.
+while a stream waits, and ending a stream whose client left.
 """
 
 from __future__ import annotations

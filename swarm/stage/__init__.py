@@ -18,7 +18,7 @@ per row, as fast as plain decode. Either way every forward is row-invariant
 shares, which the stage proves at start-up (:func:`swarm.kernels.check.check_block`) before it
 serves a mode. Outputs leave through one ordered outbox per stream.
 
-Layout (each module's docstring says what it owns and may import):
+Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``server``     ``StageServer``: info, inbound streams, dispatch of frames, sessions' lifecycle; it wires
                  together the objects below, each given what it uses (no mixins, no shared attributes)

@@ -10,8 +10,7 @@ Owns: ``acquire_model``, the order of sources for ``swarm stage --model M --laye
 4. the hub for an ``org/name`` id: only the range's shards (``swarm.weights.hub``), checked against
    the peers' manifest when one was obtained; a built-in name is converted locally as before.
 
-May import: stdlib, trio and ``swarm.transport`` (lazily, only to fetch from peers),
-``swarm.model.resolve`` (torch-free at import), ``swarm.config``, ``swarm.weights``. No torch.
+No torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ as too big for the whole budget, refuse as busy; how far the prefix cache must s
 the reservations (:class:`Reservations`): every live session's bytes and those of the opens still in
 progress (dialing the successor, proving a tile, reusing a prefix), so concurrent opens never
 over-admit. Everything but :class:`Reservations` is pure: numbers and frames in, a decision out.
-May import: ``swarm.wire``, ``swarm.addrs``, ``swarm.errors``, ``swarm.ranges``, this package's ``session``.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ waits (up to ``YIELD_S``) while the scheduler has work, and builds the opening i
 of its own, so live decode steps are not delayed by it. Each requester PeerId has a token bucket
 (:class:`RateLimit`, pure: the clock is an argument). Anyone may ask: an opening reveals the
 window's rows (at the head, the prompt's token ids), so who may audit is for the auditor's issue to
-settle (issue 29, item 3). May import: trio, ``swarm.audit``,
-``swarm.wire``, ``swarm.transport.identity`` (lazily), this package's ``retention``.
+settle (issue 29, item 3).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ which stages and windows stays :func:`swarm.fraud.pick`'s hash of the signed job
 role's rate. Fraud proofs are kept (the last ``PROOFS_KEPT``) and handed to ``publish`` (the DHT with
 ``--bootstrap``); the tally (audited / passed / failed per PeerId) shows in ``info`` and the metrics
 and is added to ``--audit-tally FILE`` after each job (``swarm.auditor.tally``).
-May import: trio, torch (lazily), the shared core, ``swarm.auditor``, this package's ``audit``.
 """
 
 from __future__ import annotations

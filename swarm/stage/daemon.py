@@ -6,8 +6,7 @@ scheduler tasks, the READY payload), ``run_stage`` (``swarm stage``: load the bl
 Ctrl-C, SIGHUP) or a drain frame drains it: a last short-lived record withdraws it from the swarm,
 ``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
 (``swarm stage --check``: ``SWARM_STAGE_OK`` or ``SWARM_STAGE_FATAL``) and ``emit`` (one lifecycle
-line on stdout). May import: anything the stage needs (torch, trio, ``swarm.transport``,
-``swarm.model``, ``swarm.stage.preflight``, lazily where it can), ``swarm.stage.server``.
+line on stdout).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ record fresh (``announce``), republishing ``draining`` at once when a drain star
 every ``--rebalance-s`` whether its block should move (``swarm.routing.should_move``; a move
 drains the stage's sessions first and then restarts it on the new block, so no session ever sees
 a half-moved stage).
-May import: torch, trio, ``swarm.discovery``, ``swarm.routing``, ``swarm.stage.server``.
 """
 
 from __future__ import annotations

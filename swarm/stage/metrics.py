@@ -7,8 +7,6 @@ Labels are fixed small sets (a refusal reason); ``swarm_stage_info`` names the s
 PeerId, model and layers, ``swarm_stage_kernels_info`` the kernels it runs (mode, ISA, library, bfloat16 pairs) and
 why rows. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
 (prometheus_client's own HTTP server, in a thread).
-
-May import: prometheus_client, ``swarm.metrics``; it reads a StageServer duck-typed (no import of it).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes
 :class:`Outboxes` holds that state and is given what it uses: the live sessions, the block's layers,
 the timing counters, the metrics, and callbacks to dial a successor, start a background task and
 build a counted error frame (the server's). :func:`try_send` is the one send that may fail quietly.
-May import: trio, ``swarm.wire``, ``swarm.receipts``, ``swarm.errors``, this package's ``session``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,6 @@ key, so equal keys mean equal whole prefixes) and SGLang's RadixAttention (Zheng
 Efficient Execution of Structured Language Model Programs", 2024: a tree of shared prefixes, evicting
 least-recently-used leaves first). Scoping (model digest, layer range, dtype, the coordinator's PeerId)
 is the caller's: it is all in the ``namespace`` string, which roots the chain.
-
-May import: torch, hashlib, ``swarm.model.cache`` (types; it reads the cache's buffers, see
-:meth:`PrefixStore.store`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ frames, promoting the session's mirror to the successor it copies to, and promot
 session to the stage it shadowed; the count of repairs applied. It is given the live sessions, the
 block, this stage's PeerId (known once it serves), and the server's callbacks to build a counted
 error frame, refuse a frame from the wrong peer, reach a successor (or answer why not) and post a
-frame on an outbox. May import: ``swarm.wire``, ``swarm.receipts``, ``swarm.addrs``, ``swarm.errors``, this
-package's ``session``.
+frame on an outbox.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ refusals; it deletes the others (another key's, altered, half-written). A file t
 does not read back, or whose rows do not hash to the root its receipt signed, raises
 :class:`RetentionCorrupt` (the audit is refused with the reason; the file is dropped).
 A job signed again (a second receipt request) replaces its entry. No clock.
-May import: the standard library, msgpack, ``swarm.audit``, ``swarm.files``, ``swarm.errors``.
 
 Spill file (``<hash of session and job>.ret``): msgpack ``{"schema": "swarm/retained/1", "session",
 "job", "receipt", "size", "rows"}`` with ``rows`` as in ``swarm.audit`` (lists of 4, bytes or None).

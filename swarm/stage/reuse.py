@@ -5,8 +5,7 @@ and within ``--kv-budget-mb`` what live sessions do not reserve), the namespace 
 are scoped by, filling a new session's cache from the store and keeping a closed session's whole
 blocks, both in the worker thread under the compute limiter (no step writes the cache meanwhile).
 It is given the block, the reservations (:class:`swarm.stage.admission.Reservations`), the compute
-limiter and the scheduler's ``tile_of``. May import: trio, ``swarm.stage.prefix``, this package's
-``session`` and ``admission``.
+limiter and the scheduler's ``tile_of``.
 """
 
 from __future__ import annotations

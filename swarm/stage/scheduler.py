@@ -24,8 +24,6 @@ The choice of a step's rows is pure (:func:`pick_rows`, :func:`decoder_due`, :fu
 :class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
 config, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
 chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
-May import: torch, trio, ``swarm.wire``, ``swarm.config``, ``swarm.kernels`` and
-``swarm.model.sampling`` (lazily), this package's ``session``.
 """
 
 from __future__ import annotations

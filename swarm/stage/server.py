@@ -17,8 +17,7 @@ frame's checks and the KV budget, with ``Reservations``), ``repair.Repairs`` (a 
 ``reuse.PrefixReuse`` (the prefix cache) and ``audit.Audits`` (recent jobs' rows kept in a
 ``retention.RetentionStore``, ``audit`` requests answered), ``auditing.AuditorRole`` (``--audit-rate``:
 offered jobs audited in idle time); ``session`` holds the per-session state, ``daemon``
-the process around the server. May import: trio, ``swarm.wire``, ``swarm.receipts``,
-``swarm.config``, ``swarm.errors``, ``swarm.mirror``, ``swarm.audit``, the modules of this package.
+the process around the server.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ counters a probe reads, the receipt ledger, the queue of jobs, the hidden states
 it is a shadow, the mirror to the successor's shadow),
 ``SentLog`` (those hidden states by position, for a heal that keeps the survivors), ``Job`` (one
 queued chunk, refill or receipt request) and ``session_of`` (the session id a frame names). Data only: the server, scheduler,
-outbox and signing modules of this package act on it. May import: torch (types), ``swarm.receipts``.
+outbox and signing modules of this package act on it.
 """
 
 from __future__ import annotations

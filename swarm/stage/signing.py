@@ -10,9 +10,7 @@ successor behind the session's frames. The schema and canonical bytes live in ``
 
 :class:`ReceiptSigner` holds what every receipt of this stage names (the block, model name and
 digest) and the count signed; it is given the key and PeerId per receipt (the host's, known once
-the stage serves) and a ``post(stream, sess, frame)`` callback (the outbox). May import:
-``swarm.receipts``, ``swarm.audit``, ``swarm.wire``, ``swarm.kernels.facts`` and
-``swarm.transport.identity`` (lazily), this package's ``session``.
+the stage serves) and a ``post(stream, sess, frame)`` callback (the outbox).
 """
 
 from __future__ import annotations

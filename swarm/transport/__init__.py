@@ -3,7 +3,7 @@
 Owns everything between "send this map to that stage" and TCP: the ed25519 node key and its
 PeerId, a py-libp2p host restricted to TCP + Noise + Yamux, length-prefixed msgpack frames
 with a draining reader task, and the mapping of network faults onto ``swarm.errors``.
-May import: stdlib, trio, msgpack, pynacl, multiaddr, libp2p. Never torch, numpy or model
+Never torch, numpy or model
 code: ``import swarm.transport`` must not load torch (a test checks it).
 
 Modules:

@@ -26,7 +26,7 @@ Facts of libp2p 0.8.1's relay this module designs around (measured, issue 15):
   carries them itself (records, READY lines, ring files) and dials them here.
 
 The library version is pinned: ``check_version`` refuses any other (the subclass overrides a
-private method). May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.addrs``.
+private method).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ Pinned to libp2p 0.8.1 (``check_version``): the subclasses rely on its internals
 read-writer's ``read_writer``/``noise_state``, the Yamux stream's window fields and locks, the
 attributes holding the locks of the net stream, the Yamux connection and ``TrioTCPStream``), which
 ``tests/transport/test_dataplane.py`` exercises against stock peers of the same version.
-May import: stdlib, trio, libp2p.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: the frame wire format, its pure encoder/decoder, and ``FramedStream`` (a send lock, a
 reader task draining the stream into a bounded queue, deadlines, close/reset semantics).
-May import: stdlib, trio, msgpack, libp2p exception types. No torch, no model terms; the frame
+No torch, no model terms; the frame
 *schema* (what keys a map holds) belongs to ``swarm.wire``.
 
 Wire format of one frame::

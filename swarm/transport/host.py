@@ -2,7 +2,7 @@
 
 Owns: building the py-libp2p host (TCP + Noise + Yamux, nothing else), its lifetime on trio,
 listen-address checks, dialing with deadlines, and mapping libp2p failures onto swarm errors.
-May import: stdlib, trio, multiaddr, libp2p, ``swarm.errors``, ``swarm.addrs`` and ``swarm.transport``.
+
 No torch, no model terms.
 
 Security is Noise only and the muxer Yamux only: libp2p's default ``new_host()`` also offers

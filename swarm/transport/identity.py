@@ -3,7 +3,7 @@
 Owns: reading/creating the key file (mode 0600), holding it for the running process
 (``claim_key``: one process per key), PeerId derivation, signing bytes with the node key and
 verifying a signature from a PeerId alone (ed25519 PeerIds inline the public key).
-May import: stdlib, libp2p (crypto, peer id), pynacl. No torch, no model terms.
+No torch, no model terms.
 
 The same key is the libp2p host identity and the receipt signing key, so the identity that
 routes traffic is the identity that answers for it.

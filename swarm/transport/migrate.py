@@ -13,8 +13,7 @@ move only from the same PeerId (Noise-authenticated) that holds the old stream.
 
 Hole punching itself is libp2p's DCUtR (https://github.com/libp2p/specs/blob/master/relay/DCUtR.md,
 ``libp2p.relay.circuit_v2.dcutr``), started on every host by ``open_host``; it closes the relayed
-connection 60 s after a punch, so a move must happen well before. May import: stdlib, trio,
-libp2p, ``swarm.errors``, ``swarm.addrs``, ``swarm.transport.framing``.
+connection 60 s after a punch, so a move must happen well before.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ target address, holding each piece of data for a fixed one-way delay in each dir
 ``rate_mbps``, serialising it at that rate), so a loopback ring can be measured as if its stages
 were in different cities. There is no kernel netem on these machines. Byte order is preserved;
 the relay never looks inside the (Noise-encrypted) stream. ``relay_addr`` rewrites a stage's
-multiaddr to go through a relay. May import: stdlib, trio.
+multiaddr to go through a relay.
 """
 
 from __future__ import annotations

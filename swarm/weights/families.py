@@ -2,7 +2,7 @@
 
 Owns: the ``Family`` table, shared by ``swarm.model.block`` (building a block's modules) and
 ``swarm.weights.select`` (naming a block's tensors without torch, to pick the shard files a stage
-needs). May import: stdlib only (no torch: the weights fetch path imports it).
+needs).
 
 A checkpoint's tensor names follow these paths: decoder layer ``i`` of a Llama-like model lives
 under ``model.layers.i.``, its embedding at ``model.embed_tokens.weight``, the final norm under

@@ -7,7 +7,7 @@ that hold the stage's tensors (``swarm.weights.select``), all at that commit, ve
 file against the hub's LFS sha256), and link it into the weights directory only then. Files land in
 huggingface_hub's own cache first (shared with coordinators and transformers, resumable), and the
 weights directory hard-links the verified blobs (a copy where links are not possible).
-May import: stdlib, huggingface_hub (lazily), ``swarm.weights``. No torch.
+No torch.
 
 Without a known manifest (no peer gave one) the hub is the root of trust: the tensors downloaded
 are hashed into the sidecar, and the model id stays unknown unless every shard is there

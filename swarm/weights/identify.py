@@ -3,7 +3,7 @@
 Owns: ``model_id`` and ``load_manifest``: a whole checkpoint is hashed (``swarm.weights.manifest``)
 and the result kept in a cache keyed by every shard's path, size and mtime, so a stage hashes its
 model once; a directory of only some shards answers from its sidecar (``swarm.weights.store``).
-May import: stdlib, ``swarm.errors``, ``swarm.files``, ``swarm.weights.manifest``, ``swarm.weights.store``. No torch.
+No torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: reading safetensors headers, the per-tensor manifest ``{name: [dtype, shap
 checkpoint directory (sha256 of each tensor's exact bytes in the file), the **model id** (sha256
 of that manifest in canonical JSON, plus the config's ``num_hidden_layers``), and a cache of
 both on disk keyed by every shard's path, size and mtime, so a stage hashes its model once.
-May import: stdlib, ``swarm.errors``. No torch: hashing reads the files through mmap. The model id
+No torch: hashing reads the files through mmap. The model id
 of a directory (a whole checkpoint, or one of only some shards with its sidecar) and its cache on
 disk: ``swarm.weights.identify``.
 

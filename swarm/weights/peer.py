@@ -5,7 +5,7 @@ sent over one stream per fetcher), ``serve_weights`` (registers it on a host) an
 ``fetch_weights`` (a joining stage gets the files its layer range needs from a list of peers, in
 order, checking every tensor against the manifest while the bytes arrive, writing each file to a
 temp file renamed into place only once verified, and moving to the next peer when one fails).
-May import: stdlib, trio, libp2p exception types, ``swarm.transport``, ``swarm.weights``. No torch.
+No torch.
 
 Wire (docs/protocol.md, "Weights"): requests and replies are framed msgpack maps
 (``swarm.transport.framing``); a file's bytes follow its ``data`` reply raw on the same stream, so

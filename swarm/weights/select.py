@@ -3,8 +3,7 @@
 Owns: naming the tensors of a layer range (its decoder layers; the embedding when the range
 starts at 0; the final norm and the LM head, or the embedding it is tied to, when it ends at L)
 from the checkpoint's tensor names alone, the shard files that hold them, and the small files
-every stage needs (config, tokenizer). May import: stdlib, ``swarm.weights.families`` (no torch),
-``swarm.ranges``, ``swarm.errors``. No I/O: callers read index and config and pass them in.
+every stage needs (config, tokenizer). No I/O: callers read index and config and pass them in.
 
 The names follow ``swarm.weights.families``: the same paths ``swarm.model.block.load_block`` reads,
 so the selection holds every tensor ``block_tensor_names`` names (tests check both agree).

@@ -4,8 +4,7 @@ Owns: the weights manifest a fetch is checked against (``WeightsManifest``: per-
 values, the model id over them, and the shard layout), the sidecar file that makes a directory with
 only some shards usable (``swarm-weights.json``), ``ShardVerifier`` (checks a safetensors file's
 header and every tensor's sha256 while its bytes arrive), and finding and re-verifying a directory
-fetched earlier (warm restart). May import: stdlib, ``swarm.weights.manifest``,
-``swarm.weights.select``, ``swarm.errors``, ``swarm.files``. No torch, no networking.
+fetched earlier (warm restart). No torch, no networking.
 
 A weights directory (``<cache_root>/weights/<name>-<key>/``) is an HF-layout checkpoint that may
 lack some shards::

@@ -12,8 +12,6 @@ DIR`` and/or ``--bootstrap ADDR`` serves it alone, over a receipt directory and 
 
 Nothing sensitive reaches the page: no prompt text, token ids or key material; PeerIds and
 addresses are public by nature. It binds where its server binds: keep that private.
-
-May import: trio, starlette (lazily), ``swarm.receipts``, ``swarm.discovery``, ``swarm.auditor.tally``.
 """
 
 from __future__ import annotations

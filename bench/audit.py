@@ -20,7 +20,7 @@ Prints one JSON object:
   once a second, nothing re-run: about 5x the openings of ``per-job`` here).
 
 What is simulated (``simulated``): the detection trials and false accusations run the product's audit
-code (``swarm.audit`` window logs, commitments, signed openings and their checks; ``swarm.fraud.pick``
+code (``swarm.openings`` window logs, commitments, signed openings and their checks; ``swarm.proofs.pick``
 on signed job receipts; ``swarm.auditor.judge.judge``, which re-runs the block and builds the proof;
 ``verify_proof`` on every proof) on in-process stories260k blocks (predecessor [0, 1), audited stage
 [1, 3)), without the network: a session is a prompt chunk and a few decode steps of seeded random
@@ -52,7 +52,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from swarm import audit, fraud, receipts, wire  # noqa: E402
+from swarm import openings, proofs, receipts, wire  # noqa: E402
 from swarm.auditor.judge import Blocks, judge, verify_proof  # noqa: E402
 from swarm.kernels.facts import stage_class  # noqa: E402
 from swarm.model.block import load_block  # noqa: E402
@@ -94,7 +94,7 @@ class Sim:
         n = PROMPT_LEN + DECODE
         ids = torch.randint(1, 500, (n,), generator=self.rng).tolist()
         pc, sc = self.pred.new_cache(n), self.stage.new_cache(n)
-        logs = (audit.WindowLog(), audit.WindowLog())
+        logs = (openings.WindowLog(), openings.WindowLog())
         chunks = [(0, PROMPT_LEN)] + [(PROMPT_LEN + i, 1) for i in range(DECODE)]
         for pos, t in chunks:
             (h,) = self.pred.forward_batch([(pc, pos, torch.tensor([ids[pos:pos + t]]))])
@@ -106,15 +106,15 @@ class Sim:
                      ((self.pred, self.pkey, logs[0]), (self.stage, self.skey, logs[1])))
 
     def _signed(self, block, key, log, job: str):
-        c = audit.Commitment(log.snapshot())
+        c = openings.Commitment(log.snapshot())
         body = receipts.StageLedger(job, "n" * 32).body(
             session="s-" + job, coordinator="c", peer_id=peer_id_of(key), model="stories260k", model_digest="d",
             range_digest=block.digest_of(), layers=block.layer_range.as_list(), num_layers=block.num_layers,
             dtype="float32", wire_dtype="float32", positions=len(log), repro=stage_class(block).as_dict(),
             windows=c.field())
         r = receipts.sign_receipt(body, lambda d: sign(key, d))
-        raw = [audit.sign_opening(audit.opening_body(r, c, k), lambda d: sign(key, d)) for k in range(len(c.tree))]
-        return r, raw, [audit.check_opening(r, o, k) for k, o in enumerate(raw)]
+        raw = [openings.sign_opening(openings.opening_body(r, c, k), lambda d: sign(key, d)) for k in range(len(c.tree))]
+        return r, raw, [openings.check_opening(r, o, k) for k, o in enumerate(raw)]
 
 
 def audit_once(sim: Sim, auditor_block, akey, job: str):
@@ -124,7 +124,7 @@ def audit_once(sim: Sim, auditor_block, akey, job: str):
 
 
 def trials(kind: str, rate: float, count: int, keys: Path, blocks: Blocks, akey) -> dict:
-    first = fraud.FIRST_SESSIONS if kind == "intermittent" else 0
+    first = proofs.FIRST_SESSIONS if kind == "intermittent" else 0
     cap = 20000 if kind == "intermittent" else 2000
     until, sessions, audited_cheats, detected, proofs_ok = [], [], 0, 0, 0
     auditor_block = blocks.get(STAGE.as_list(), "float32")
@@ -135,7 +135,7 @@ def trials(kind: str, rate: float, count: int, keys: Path, blocks: Blocks, akey)
             sim.session(f"t{t}-first")
         cheats = 0  # cheated sessions so far
         for n in range(cap):
-            choice = fraud.pick(sim.job_sig(t, n), peer, 1, rate=rate, seen=n, first_sessions=first)
+            choice = proofs.pick(sim.job_sig(t, n), peer, 1, rate=rate, seen=n, first_sessions=first)
             if not choice.audit:
                 cheats += sim.double.unseen()
                 continue

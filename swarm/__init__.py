@@ -20,8 +20,8 @@ The shared core, at the top of ``swarm/``:
 - ``listen``      binding a TCP port before anything loads                (core, transport)
 - ``mirror``      a hop's copy of its input sent to a shadow              (core, transport)
 - ``metrics``     Prometheus plumbing shared by stage and serve           (core, transport)
-- ``audit``       openable receipts: window leaves, openings, the client  (core, transport)
-- ``fraud``       audit selection by hash, fraud proofs and their check   (core, transport)
+- ``openings``    openable receipts: window leaves, openings, the client  (core, transport)
+- ``proofs``      audit selection by hash, fraud proofs and their check   (core, transport)
 
 The parts, in packages:
 

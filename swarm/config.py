@@ -57,12 +57,12 @@ class StageConfig:
     # --kv-budget-mb (live sessions always come first); 0: no prefix cache
     prefix_cache_mb: float = 512.0
     prefix_block: int = 32  # positions per prefix block (reuse is in whole blocks)
-    # recent jobs' input and output rows kept for audits (swarm.audit), oldest evicted first; 0: none
+    # recent jobs' input and output rows kept for audits (swarm.openings), oldest evicted first; 0: none
     audit_retention_mb: float = 256.0
     # ... and evicted from memory to this directory (bounded by audit_retention_disk_mb); None: no spill
     audit_retention_dir: Path | None = None
     audit_retention_disk_mb: float = 1024.0
-    # the auditor role (swarm.stage.auditing): audit offered jobs' stages at this rate while idle; 0: off
+    # the auditor role (swarm.stage.auditor_role): audit offered jobs' stages at this rate while idle; 0: off
     audit_rate: float = 0.0
     audit_tally: Path | None = None  # add the role's audited / passed / failed to this JSON file
     audit_queue: int = 64  # offered jobs waiting for idle time; past it the oldest is dropped

@@ -109,7 +109,7 @@ class AuditFailed(SwarmError):
 
 
 class ProofRefused(SwarmError):
-    """A fraud proof did not hold (``swarm.fraud``): ``.reason`` (malformed, signature, opening, wrong
+    """A fraud proof did not hold (``swarm.proofs``): ``.reason`` (malformed, signature, opening, wrong
     window, input not bound, another class, honest stage framed, not comparable) and ``.against``: the
     auditor whose signed claim is then evidence against it (a framing), else None."""
 

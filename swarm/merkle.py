@@ -1,6 +1,6 @@
 """Merkle trees over a receipt's window leaves: the root, an inclusion path, and its check.
 
-Owns: the hash tree an openable stage receipt commits to (``swarm.audit`` defines the leaves: one
+Owns: the hash tree an openable stage receipt commits to (``swarm.openings`` defines the leaves: one
 per window of positions). Pure: bytes in, bytes out; the standard library only.
 
 The tree is RFC 6962's (Certificate Transparency, section 2.1) with BLAKE2b-256 in place of

@@ -18,7 +18,7 @@ and a verifier that predates them ignores them, while the signature covers them)
 stage's reproducibility class (``swarm.repro``: its id and the facts the stage's bits depend on),
 and ``windows``, ``{"size", "positions", "leaves", "root"}``: the RFC 6962 Merkle root over one leaf
 per window of ``size`` positions, each leaf the exact input and output row bytes of those positions
-(``swarm.audit``), so one window can be opened and checked with a short proof.
+(``swarm.openings``), so one window can be opened and checked with a short proof.
 
 The tail's receipt also carries ``answers`` (optional in the same way): ``{"from": p0, "ids": [...]}``,
 the token id it last sent after each position from its first answered one (null where it sent none),
@@ -243,7 +243,7 @@ class StageLedger:
         ``[0, reused)`` this stage took from its prefix cache instead of computing them in this session
         (the receipt then vouches only for the frames it received and sent). ``repro``: the stage's
         reproducibility class (``swarm.repro``, ``{"id", "facts"}``); ``windows``: the Merkle
-        commitment to its rows per window (``swarm.audit.Commitment.field``); ``answers``: the tail's
+        commitment to its rows per window (``swarm.openings.Commitment.field``); ``answers``: the tail's
         token ids by position (``{"from", "ids"}``)."""
         return {
             "schema": STAGE_SCHEMA, "job_id": self.job_id, "nonce": self.nonce, "session": session,

@@ -77,11 +77,11 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "receipt_ok": {"session": _STR, "receipt": _DICT},  # each stage's signed receipt, to the coordinator
     "error": {"reason": _STR, "code": _STR},
     # anyone -> a stage (low priority, rate-limited per PeerId): open window `window` of the job `job`
-    # of `session` (swarm.audit); the answer's opening holds the window's rows, Merkle path, signature
+    # of `session` (swarm.openings); the answer's opening holds the window's rows, Merkle path, signature
     "audit": {"session": _STR, "job": _STR, "window": _INT},
     "audit_ok": {"session": _STR, "job": _STR, "window": _INT, "opening": _DICT},
     # a coordinator -> a stage in the auditor role (--audit-rate > 0; fire-and-forget, low priority): the
-    # signed job receipt `job` of a job it coordinated, for the stage to audit in idle time (swarm.stage.auditing);
+    # signed job receipt `job` of a job it coordinated, for the stage to audit in idle time (swarm.stage.auditor_role);
     # the answer says whether it was queued and how many offers wait there
     "audit_offer": {"job": _DICT},
     "audit_offer_ok": {"job": _STR, "queued": _INT, "waiting": _INT},

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "swarm"
 # the shared core at the top of swarm/
 # pure: the standard library and each other
 CORE = {"errors", "ranges", "heal", "routing", "files", "addrs", "merkle", "repro"}
-CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "audit", "fraud"}  # may use the transport
+CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "openings", "proofs"}  # may use the transport
 # group -> the groups it may import besides its own (every module may import the ``swarm`` package itself)
 MAY_IMPORT = {
     "core": set(),

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import trio
 
-from swarm import fraud
+from swarm import proofs
 from swarm.auditor.judge import Blocks, ProofCheck, verify_proof
 from swarm.errors import ProofRefused
 
@@ -88,7 +88,7 @@ class Exclusions:
             log.warning("audit.proof_unchecked accused=%s: no local weights to re-run it; not excluded", peer)
             return
         try:
-            check = await trio.to_thread.run_sync(verify_proof, fraud.decode(value), self.blocks,
+            check = await trio.to_thread.run_sync(verify_proof, proofs.decode(value), self.blocks,
                                                   limiter=self._limiter)
         except ProofRefused as exc:
             line = str(exc) + (f" (evidence against auditor {exc.against})" if exc.against else "")

@@ -4,7 +4,7 @@ Owns: :class:`Blocks` (the blocks an auditor loads, by layer range and dtype, in
 receipt's class names), :func:`class_for` (the class this process would run a receipt's session in,
 and whether it is the receipt's), :func:`judge` (a stage's opened rows, its predecessor's, a re-run:
 a :class:`Verdict`, with a fraud proof on a mismatch) and :func:`verify_proof` (``swarm audit verify``:
-:func:`swarm.fraud.check_proof`, then the re-run of the claimed position). No networking.
+:func:`swarm.proofs.check_proof`, then the re-run of the claimed position). No networking.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm import fraud, repro
+from swarm import proofs, repro
 from swarm.errors import ConfigError, ProofRefused, SwarmError
 from swarm.ranges import LayerRange
 
@@ -151,12 +151,12 @@ def judge(block, receipt: dict, openings: list, raw: list[dict], pred: tuple | N
 
     Args:
         block: the range's block (:class:`Blocks`); receipt: the stage's signed receipt.
-        openings / raw: its checked ``swarm.audit.Opening``s of windows 0 .. k and the signed maps.
+        openings / raw: its checked ``swarm.openings.Opening``s of windows 0 .. k and the signed maps.
         pred: ``(receipt, openings, raw)`` of the predecessor (None at the head).
         sampled: the job sampled its tokens (the tail's rows cannot be re-derived then).
         auditor: this auditor's PeerId; ``sign(bytes) -> bytes`` its key; now_ms: wall-clock ms.
     Returns:
-        A :class:`Verdict` (``failed`` with a ``swarm.fraud`` proof at the first mismatching position).
+        A :class:`Verdict` (``failed`` with a ``swarm.proofs`` proof at the first mismatching position).
     """
     from swarm.model.recompute import recompute
 
@@ -187,7 +187,7 @@ def judge(block, receipt: dict, openings: list, raw: list[dict], pred: tuple | N
             continue
         compared += 1
         if bytes(claimed) != got[q]:
-            proof = fraud.build_proof(receipt=receipt, openings=raw, pred_receipt=None if pred is None else pred[0],
+            proof = proofs.build_proof(receipt=receipt, openings=raw, pred_receipt=None if pred is None else pred[0],
                                       pred_openings=None if pred is None else pred[2], position=q,
                                       recomputed=got[q], auditor_class=mine.as_dict(), auditor=auditor, sign=sign,
                                       created_ms=now_ms)
@@ -217,32 +217,32 @@ class ProofCheck:
 
 
 def verify_proof(proof: dict, blocks: Blocks) -> ProofCheck:
-    """Re-check a fraud proof in one pass: :func:`swarm.fraud.check_proof`, then re-run the accused's
+    """Re-check a fraud proof in one pass: :func:`swarm.proofs.check_proof`, then re-run the accused's
     layers on its opened inputs up to the claimed position and compare with its signed output row.
 
     Raises:
-        ProofRefused: the proof does not hold (``.reason``: see ``swarm.fraud``; ``not comparable``
+        ProofRefused: the proof does not hold (``.reason``: see ``swarm.proofs``; ``not comparable``
             when this machine cannot run the receipt's class; ``malformed`` when the signed rows do not
             decode; ``honest stage framed``, with ``.against`` the auditor, when the re-run gives the
             stage's own row).
     """
     from swarm.model.recompute import recompute
 
-    claim = fraud.check_proof(proof)
+    claim = proofs.check_proof(proof)
     layers = tuple(claim.receipt["layers"])
     try:
         block = blocks.for_receipt(claim.receipt)
     except Exception as exc:  # a missing range or dtype: say so, never crash on someone else's document
-        raise fraud.refused("not comparable", f"cannot load layers {list(layers)}: {exc}") from None
+        raise proofs.refused("not comparable", f"cannot load layers {list(layers)}: {exc}") from None
     _, tile, why = class_for(block, claim.receipt)
     if why:
-        raise fraud.refused("not comparable", why)
+        raise proofs.refused("not comparable", why)
     try:
         got = recompute(block, list(claim.inputs), claim.out_kind, span=LayerRange(*layers), tile=tile)[claim.position]
     except (ValueError, TypeError, IndexError, SwarmError) as exc:  # rows the accused signed that do not decode
-        raise fraud.refused("malformed", f"the opened rows cannot be re-run on layers {list(layers)}: {exc}") from None
+        raise proofs.refused("malformed", f"the opened rows cannot be re-run on layers {list(layers)}: {exc}") from None
     if got == claim.claimed:
-        raise fraud.refused("honest stage framed", f"layers {list(layers)} compute the stage's own output row at "
+        raise proofs.refused("honest stage framed", f"layers {list(layers)} compute the stage's own output row at "
                                                    f"position {claim.position}: this is evidence against the auditor "
                                                    f"{claim.auditor}", against=claim.auditor)
     note = "" if got == claim.recomputed else "the auditor's recomputed row differs from this machine's"

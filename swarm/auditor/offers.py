@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 MAX_AUDITORS = 4  # auditor-role stages one job is offered to
 OFFER_TIMEOUT_S = 5.0  # all offers of one job, together
-MAX_OFFER_BYTES = 1 << 20  # the stage side's bound (swarm.stage.auditing): a larger receipt is not offered
+MAX_OFFER_BYTES = 1 << 20  # the stage side's bound (swarm.stage.auditor_role): a larger receipt is not offered
 
 
 def _within(inner, outer) -> bool:

@@ -1,9 +1,9 @@
 """The networked auditor: pick a job's stages to audit, open their windows, judge, tally, publish proofs.
 
 Owns: :class:`Auditor`. Given a verified job receipt (``swarm.receipts.verify_job``), for each stage
-it decides by :func:`swarm.fraud.pick` (the rate ``s``, 100% for an identity's first sessions seen),
+it decides by :func:`swarm.proofs.pick` (the rate ``s``, 100% for an identity's first sessions seen),
 opens windows ``0 .. k`` of the stage (``k`` the picked window, or every window) and the same windows
-of its predecessor on one stream each (``swarm.audit.request_window``: the stage answers them at low
+of its predecessor on one stream each (``swarm.openings.request_window``: the stage answers them at low
 priority and rate-limits each requester), re-runs the block in a worker thread
 (:func:`swarm.auditor.judge.judge`) and counts audited / passed / failed per PeerId. A stage that
 refuses or does not answer within ``timeout_s`` fails its audit (no proof: there is nothing to
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from swarm import audit, fraud, receipts
+from swarm import openings, proofs, receipts
 from swarm.auditor.judge import Blocks, Verdict, judge
 from swarm.errors import AuditFailed, HopTimeout, StreamClosed, SwarmError
 
@@ -50,8 +50,8 @@ class Auditor:
             auditor role pauses there while it has live sessions of its own); None: never waits.
     """
 
-    def __init__(self, host, key, blocks: Blocks, *, rate: float = fraud.DEFAULT_RATE,
-                 first_sessions: int = fraud.FIRST_SESSIONS, all_windows: bool = False, timeout_s: float = 30.0,
+    def __init__(self, host, key, blocks: Blocks, *, rate: float = proofs.DEFAULT_RATE,
+                 first_sessions: int = proofs.FIRST_SESSIONS, all_windows: bool = False, timeout_s: float = 30.0,
                  publish: Callable[[dict], Awaitable[None]] | None = None,
                  covers: Callable[[dict], bool] | None = None,
                  wait_idle: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -86,7 +86,7 @@ class Auditor:
                                    "not within this auditor's layers"))
                 continue
             leaves = (r.get("windows") or {}).get("leaves")
-            choice = fraud.pick(job["sig"], peer, leaves, rate=self.rate, seen=self.seen.get(peer, 0),
+            choice = proofs.pick(job["sig"], peer, leaves, rate=self.rate, seen=self.seen.get(peer, 0),
                                 first_sessions=self.first_sessions)
             self.seen[peer] = self.seen.get(peer, 0) + 1
             if not choice.audit:
@@ -126,8 +126,8 @@ class Auditor:
             except (AuditFailed, HopTimeout, StreamClosed, SwarmError, OSError) as exc:
                 return Verdict(*base, "unauditable", f"its predecessor did not open the windows that bind its input: "
                                                      f"{exc}")
-            pred_part = (pred[0], [audit.check_opening(pred[0], o, k) for k, o in enumerate(pred_raw)], pred_raw)
-        openings = [audit.check_opening(receipt, o, k) for k, o in enumerate(raw)]
+            pred_part = (pred[0], [openings.check_opening(pred[0], o, k) for k, o in enumerate(pred_raw)], pred_raw)
+        opened = [openings.check_opening(receipt, o, k) for k, o in enumerate(raw)]
         try:
             block = self.blocks.for_receipt(receipt)
         except SwarmError as exc:
@@ -136,7 +136,7 @@ class Auditor:
 
         await self.wait_idle()
         return await trio.to_thread.run_sync(
-            lambda: judge(block, receipt, openings, raw, pred_part, sampled=sampled, auditor=self.host.peer_id,
+            lambda: judge(block, receipt, opened, raw, pred_part, sampled=sampled, auditor=self.host.peer_id,
                           sign=lambda data: sign(self.key, data), now_ms=receipts.now_ms()),
             limiter=self._limiter)
 
@@ -155,7 +155,7 @@ class Auditor:
                                   timeout_s=self.timeout_s)
                 answer = await stream.recv(timeout_s=self.timeout_s)
                 if isinstance(answer, dict) and answer.get("type") == "audit_ok":
-                    audit.check_opening(receipt, answer.get("opening"), k)
+                    openings.check_opening(receipt, answer.get("opening"), k)
                     got.append(answer["opening"])
                     continue
                 if isinstance(answer, dict) and answer.get("code") == "rate_limited" and waits < RATE_LIMIT_WAITS:

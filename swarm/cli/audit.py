@@ -1,7 +1,7 @@
 """``swarm audit``: audit the stages of signed jobs, and re-check fraud proofs.
 
 - ``swarm audit run RECEIPT... --model DIR``: for each job receipt (``receipts/<job>.json``), audit the
-  stages :func:`swarm.fraud.pick` picks at ``--rate`` (every stage of an identity's first
+  stages :func:`swarm.proofs.pick` picks at ``--rate`` (every stage of an identity's first
   ``--first-sessions`` sessions), over the network (``swarm.auditor.run.Auditor``), print one line per
   stage, write each fraud proof to ``--proofs DIR`` (``<accused>-<job>.proof``) and, with
   ``--bootstrap``, publish it on the DHT under the accused PeerId; ``--tally FILE`` adds the counts
@@ -53,7 +53,7 @@ def cmd_audit(args) -> int:
 
 
 def _verify(args) -> int:
-    from swarm import fraud
+    from swarm import proofs
     from swarm.auditor.judge import Blocks, verify_proof
     from swarm.errors import ProofRefused
 
@@ -63,7 +63,7 @@ def _verify(args) -> int:
         if not path.is_file():
             raise ConfigError(f"{path} is not a file")
         try:
-            print(f"{verify_proof(fraud.decode(path.read_bytes()), blocks).line()} ({path})")
+            print(f"{verify_proof(proofs.decode(path.read_bytes()), blocks).line()} ({path})")
         except ProofRefused as exc:
             bad += 1
             against = f"; evidence against auditor {exc.against}" if exc.against else ""
@@ -89,7 +89,7 @@ def _run(args) -> int:
 
 
 async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
-    from swarm import fraud
+    from swarm import proofs
     from swarm.auditor.judge import Blocks
     from swarm.auditor.run import Auditor
     from swarm.errors import ReceiptInvalid
@@ -107,13 +107,13 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
             dht = await stack.enter_async_context(open_dht(host, server=False, bootstrap=args.bootstrap))
 
             async def publish(proof: dict) -> None:
-                stored = await dht.publish_proof(fraud.encode(proof), proof["accused"])
+                stored = await dht.publish_proof(proofs.encode(proof), proof["accused"])
                 print(f"proof published on the DHT against {proof['accused']} ({stored} node(s) stored it)")
 
         async def keep(proof: dict) -> None:
             args.proofs.mkdir(parents=True, exist_ok=True)
             path = args.proofs / f"{proof['accused'][-12:]}-{proof['receipt']['job_id'][:16]}.proof"
-            path.write_bytes(fraud.encode(proof))
+            path.write_bytes(proofs.encode(proof))
             print(f"proof written: {path}")
             if publish is not None:
                 await publish(proof)

@@ -8,7 +8,7 @@ the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
 ``placement_key``; ``RecordRefused`` when no node stored it), reading fresh, validated, de-duplicated
 records with a report of the providers that were not live (``read_records``; with
 ``placement=True`` over every placement shard too), and timing round trips to peers.
-Fraud proofs (``swarm.fraud``) live beside the records in ``PROOF_SLOTS`` slots per accused PeerId
+Fraud proofs (``swarm.proofs``) live beside the records in ``PROOF_SLOTS`` slots per accused PeerId
 (``proof_key``: ``/swarm-proof/<accused>``, then ``/swarm-proof/<accused>/<i>``): every node checks one
 without weights before storing it, keeps the first proof stored in a slot (a later one never replaces
 it), and a publisher puts its proof in the first slot of each node that is free or already holds it
@@ -187,7 +187,7 @@ def _validator(clock: Callable[[], float], accept_models: frozenset[str] | None)
 
     class ProofValidator(Validator):
         """Fraud proofs in the slots of ``/swarm-proof/<accused>`` (``proof_key``): a node stores only a proof
-        whose signatures, openings and binding check (``swarm.fraud.check_proof``: no weights) and that
+        whose signatures, openings and binding check (``swarm.proofs.check_proof``: no weights) and that
         accuses the key's PeerId. A slot keeps the proof stored first (select 0: the stored one), so that
         no later proof, a flood of framings included, pushes a stored one out; a second proof goes to
         another slot (``SwarmDHT.publish_proof``)."""
@@ -209,17 +209,17 @@ def proof_key(peer_id: str, slot: int = 0) -> str:
 
 
 def check_proof_value(key: str, value: bytes) -> dict:
-    """The proof stored at ``key``, checked without weights (``swarm.fraud.check_proof``).
+    """The proof stored at ``key``, checked without weights (``swarm.proofs.check_proof``).
 
     Raises:
         ProofRefused: it does not check, or accuses another PeerId than the key names (any slot).
     """
-    from swarm import fraud
+    from swarm import proofs
 
-    proof = fraud.decode(value)
-    fraud.check_proof(proof)
+    proof = proofs.decode(value)
+    proofs.check_proof(proof)
     if key not in {proof_key(proof["accused"], slot) for slot in range(PROOF_SLOTS)}:
-        raise fraud.refused("malformed", f"a proof against {proof['accused']} stored under {key}")
+        raise proofs.refused("malformed", f"a proof against {proof['accused']} stored under {key}")
     return proof
 
 
@@ -419,7 +419,7 @@ class SwarmDHT:
         return stored
 
     async def publish_proof(self, value: bytes, accused: str, timeout_s: float = 10.0) -> int:
-        """Put a fraud proof (``swarm.fraud.encode``) in a slot of ``/swarm-proof/<accused>`` (checked here first)
+        """Put a fraud proof (``swarm.proofs.encode``) in a slot of ``/swarm-proof/<accused>`` (checked here first)
         at this node, the bootstrap nodes and the nodes closest to the accused's slot 0: at each, in the
         first slot (``proof_key``) that is free or holds this very proof; a node whose ``PROOF_SLOTS``
         slots hold other proofs does not store it.

@@ -1,6 +1,6 @@
 """Re-running a block on a stage's opened input rows: what an auditor (or a proof's verifier) computes.
 
-Owns: :func:`recompute`: opened input rows (``swarm.audit``'s exact wire bytes per position) in, the
+Owns: :func:`recompute`: opened input rows (``swarm.openings``'s exact wire bytes per position) in, the
 output rows the block gives for them out, encoded as the stage would have sent them (hidden states in
 the opened rows' wire dtype; at the tail the greedy token after each row). One forward from position
 0 over a fresh KV cache: the block's arithmetic is row-invariant (proven at stage start-up,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm import audit, wire
+from swarm import openings, wire
 
 
 def recompute(block, inputs: list[tuple[str, bytes]], out_kind: str | None, *, span=None, tile: int = 1) -> list[bytes]:
@@ -36,14 +36,14 @@ def recompute(block, inputs: list[tuple[str, bytes]], out_kind: str | None, *, s
     if (kind == "tokens") != (span.start == 0):
         raise ValueError(f"layers {span} take {'token ids' if span.start == 0 else 'hidden states'}, not {kind!r} rows")
     if kind == "tokens":
-        x = torch.tensor([audit.token_ids(rows)], dtype=torch.long)
+        x = torch.tensor([openings.token_ids(rows)], dtype=torch.long)
     else:
-        x = wire.decode_tensor(audit.tensor_map(kind, rows, block.hidden_size))
+        x = wire.decode_tensor(openings.tensor_map(kind, rows, block.hidden_size))
     n = len(rows)
     (y,) = block.forward_batch([(block.new_cache(n, span), 0, x)], tile=tile, span=span)
     if span.end == block.num_layers:
-        return audit.token_rows(y[0].argmax(dim=-1).tolist())
+        return openings.token_rows(y[0].argmax(dim=-1).tolist())
     dtype = block.dtype if out_kind is None else wire.WIRE_DTYPES.get(out_kind)
     if dtype is None:
         raise ValueError(f"unknown wire dtype {out_kind!r}")
-    return audit.hidden_rows(wire.encode_tensor(y, dtype=dtype))[1]
+    return openings.hidden_rows(wire.encode_tensor(y, dtype=dtype))[1]

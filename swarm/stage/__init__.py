@@ -28,10 +28,10 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``outbox``     ``Outboxes``: ordered per-stream outboxes, posting outputs, successor streams, mirrors
 - ``signing``    ``ReceiptSigner``: the stage receipt, signing the session's rolling digests, its
                  reproducibility class and the Merkle root over its windows of rows
-- ``audit``      ``Audits``: recent jobs' rows handed to retention, ``audit`` requests answered (rate-limited)
+- ``openings``   ``Audits``: recent jobs' rows handed to retention, ``audit`` requests answered (rate-limited)
 - ``retention``  ``RetentionStore``: signed receipts and window commitments of recent jobs, bounded in bytes,
                  spilled to ``--audit-retention-dir`` when evicted from memory
-- ``auditing``   ``AuditorRole`` (``--audit-rate``): offered job receipts queued, audited in idle time
+- ``auditor_role`` ``AuditorRole`` (``--audit-rate``): offered job receipts queued, audited in idle time
 - ``repair``     ``Repairs``: a heal's ``repair``, re-pointing a surviving session or promoting a shadow
 - ``prefix``     the prefix store: KV blocks of prompts kept for the next session
 - ``reuse``      ``PrefixReuse``: the store's budget, reuse at open and keeping at close

@@ -82,13 +82,13 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
 async def _run_auditor(server: StageServer, host) -> None:
     """The auditor role's task (``--audit-rate``): re-runs from the stage's own model directory, and with
     ``--bootstrap`` publishes each fraud proof on the DHT the stage announces on."""
-    from swarm import fraud
+    from swarm import proofs
     from swarm.auditor.judge import Blocks
 
     async def publish(proof: dict) -> None:
         if server.announcer is None:
             return
-        stored = await server.announcer.dht.publish_proof(fraud.encode(proof), proof["accused"])
+        stored = await server.announcer.dht.publish_proof(proofs.encode(proof), proof["accused"])
         log.warning("audit.proof_published accused=%s nodes=%d", proof["accused"], stored)
 
     b = server.block

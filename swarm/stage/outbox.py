@@ -8,7 +8,7 @@ reported to the coordinator of every session sending to it, which keep their sta
 ``forward`` hidden states to the successor, kept in the session's ``SentLog`` and copied to its
 mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
 the session's receipt ledger in posting order and its input and output rows kept in the session's
-``swarm.audit.WindowLog`` (the receipt's window root); a heal's ``refill`` passed on within the stages
+``swarm.openings.WindowLog`` (the receipt's window root); a heal's ``refill`` passed on within the stages
 replacing a lost range); and the successor streams (one persistent stream per successor
 address, dialed once under a lock per address, read for the errors a successor sends back); and
 the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes.run_mirror`).
@@ -173,7 +173,7 @@ class Outboxes:
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them
             sess.ledger.output.add(item)
-        if sess.windows is not None:  # the rows behind the receipt's window root (swarm.audit)
+        if sess.windows is not None:  # the rows behind the receipt's window root (swarm.openings)
             sess.windows.record_chunk(msg, payload)
 
     def post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:

@@ -1,7 +1,7 @@
 """What a stage keeps of its recent jobs so that an audit can open them: the retention store.
 
 Owns: :class:`RetentionStore`, the signed receipt and the window commitment (rows and Merkle tree,
-``swarm.audit.Commitment``) of each recent job, by (session, job id), bounded in bytes
+``swarm.openings.Commitment``) of each recent job, by (session, job id), bounded in bytes
 (``--audit-retention-mb``), oldest first out, and its optional spill to disk
 (``--audit-retention-dir DIR``, bounded by ``--audit-retention-disk-mb``): a job evicted from memory
 is written to one file in ``DIR`` (a temporary file renamed into place, so a reader never sees part of
@@ -15,7 +15,7 @@ does not read back, or whose rows do not hash to the root its receipt signed, ra
 A job signed again (a second receipt request) replaces its entry. No clock.
 
 Spill file (``<hash of session and job>.ret``): msgpack ``{"schema": "swarm/retained/1", "session",
-"job", "receipt", "size", "rows"}`` with ``rows`` as in ``swarm.audit`` (lists of 4, bytes or None).
+"job", "receipt", "size", "rows"}`` with ``rows`` as in ``swarm.openings`` (lists of 4, bytes or None).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgpack
 
-from swarm.audit import Commitment
+from swarm.openings import Commitment
 from swarm.errors import SwarmError
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,8 @@ from swarm.mirror import Mirror
 from swarm.ranges import LayerRange
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
 from swarm.stage.outbox import Outboxes, try_send
-from swarm.stage.audit import Audits
-from swarm.stage.auditing import AuditorRole
+from swarm.stage.openings import Audits
+from swarm.stage.auditor_role import AuditorRole
 from swarm.stage.repair import Repairs
 from swarm.stage.retention import RetentionStore
 from swarm.stage.scheduler import TIMING_FIELDS, Scheduler, chunk_input

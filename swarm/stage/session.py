@@ -121,7 +121,7 @@ class Session:
     frames_out: int = 0
     errors: list = field(default_factory=list)
     ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
-    windows: object = None  # swarm.audit.WindowLog with the ledger: the rows behind the receipt's Merkle root
+    windows: object = None  # swarm.openings.WindowLog with the ledger: the rows behind the receipt's Merkle root
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
     last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
@@ -152,7 +152,7 @@ class Session:
 
 def record_answers(answers: list, pos: int, rows: int, ids: list[int]) -> None:
     """Keep the tail's answers for a chunk of ``rows`` positions at ``pos``: ``ids`` answer its last
-    rows. Every answer from ``pos`` on is dropped first (a rollback), as in ``swarm.audit.WindowLog``,
+    rows. Every answer from ``pos`` on is dropped first (a rollback), as in ``swarm.openings.WindowLog``,
     so afterwards position ``p`` holds the id the tail last sent after it: what its receipt signs."""
     del answers[pos:]
     answers.extend([None] * (pos - len(answers)))

@@ -4,7 +4,7 @@ Owns: signing the stage receipt of a session (job id, nonce, model and range dig
 dtypes, positions, this stage's PeerId, and the rolling digests of every frame received and sent,
 kept in the session's ``receipts.StageLedger``: the server adds each forward frame received, the
 outbox each frame posted; the stage's reproducibility class, ``swarm.kernels.facts``; the Merkle
-root over the session's windows of rows, ``swarm.audit.Commitment``, whose rows it hands to the
+root over the session's windows of rows, ``swarm.openings.Commitment``, whose rows it hands to the
 retention store for audits), posting it to the coordinator and passing the request on to the
 successor behind the session's frames. The schema and canonical bytes live in ``swarm.receipts``.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from swarm import audit, receipts, wire
+from swarm import openings, receipts, wire
 from swarm.stage.session import Session
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class ReceiptSigner:
     def __init__(self, block, model_name: str, model_digest: str, post: Callable[..., None], *,
                  tile_of: Callable[[Session], int] = lambda sess: 1,
                  retain: Callable[[Session, dict, object], None] | None = None,
-                 window: int = audit.WINDOW_POSITIONS) -> None:
+                 window: int = openings.WINDOW_POSITIONS) -> None:
         self.block, self.model_name, self.model_digest, self._post = block, model_name, model_digest, post
         self._tile_of, self._retain, self.window = tile_of, retain, window
         self.signed = 0  # receipts signed (metrics)
@@ -64,7 +64,7 @@ class ReceiptSigner:
         b, sid = self.block, sess.session_id
         tail = sess.is_tail(b.num_layers)
         log_ = sess.windows  # absent without --audit-retention-mb, broken when the job outgrew it
-        commitment = None if log_ is None or log_.broken else audit.Commitment(log_.snapshot(), self.window)
+        commitment = None if log_ is None or log_.broken else openings.Commitment(log_.snapshot(), self.window)
         if log_ is not None and log_.broken:
             log.warning("receipt.no_windows session=%s job=%s reason=%s", sid, sess.ledger.job_id, log_.broken)
         body = sess.ledger.body(

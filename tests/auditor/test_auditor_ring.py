@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from swarm import fraud
+from swarm import proofs
 from swarm.auditor.judge import Blocks, verify_proof
 from swarm.auditor.run import Auditor
 from swarm.errors import ProofRefused, collapse
@@ -87,7 +87,7 @@ def test_a_cheating_stage_is_caught_and_its_proof_rechecks(model_dir, tmp_path, 
     assert bad.proof is not None and "output row is not what layers [1, 3) compute" in bad.reason
     if kind == "ulp":  # the one changed value, at the one position
         assert bad.proof["position"] == 66 and len(bad.proof["openings"]) == 2
-    checked = verify_proof(fraud.decode(fraud.encode(bad.proof)), Blocks(model_dir))
+    checked = verify_proof(proofs.decode(proofs.encode(bad.proof)), Blocks(model_dir))
     assert checked.accused == bad.peer_id and checked.layers == (1, 3) and checked.note == ""
     assert got["tally"][bad.peer_id] == {"audited": 1, "passed": 0, "failed": 1}
     assert all(got["tally"][v.peer_id] == {"audited": 1, "passed": 1, "failed": 0} for v in (verdicts[0], verdicts[2]))
@@ -105,7 +105,7 @@ def test_replay_and_intermittent_cheats_are_caught_in_the_sessions_they_cheat(mo
 
 @pytest.mark.slow
 def test_honest_ring_passes_and_forged_proofs_are_refused_with_the_reason(model_dir, tmp_path):
-    from swarm.stage.audit import RateLimit
+    from swarm.stage.openings import RateLimit
 
     from swarm.config import SpecConfig
     from swarm.coordinator.drafters import NgramDrafter
@@ -131,7 +131,7 @@ def test_honest_ring_passes_and_forged_proofs_are_refused_with_the_reason(model_
     from swarm.transport.identity import peer_id_of, sign
 
     def resign(proof):  # a forger signs its own claim: the signature is fine, the claim is not
-        return fraud.sign_claim({**proof, "auditor": peer_id_of(key)}, lambda d: sign(key, d))
+        return proofs.sign_claim({**proof, "auditor": peer_id_of(key)}, lambda d: sign(key, d))
 
     wrong = resign({**real, "position": 3})  # a position in window 0, but windows 0 and 1 are opened
     assert refused(wrong).reason == "wrong window" and "not in the last opened window" in str(refused(wrong))
@@ -142,7 +142,7 @@ def test_honest_ring_passes_and_forged_proofs_are_refused_with_the_reason(model_
     err = refused(framed)
     assert err.reason == "honest stage framed" and err.against == peer_id_of(key) and "evidence against" in str(err)
     facts = dict(real["auditor_class"]["facts"], dtype="bfloat16")
-    other = resign({**real, "auditor_class": {"id": fraud.repro.make(facts).id, "facts": facts}})
+    other = resign({**real, "auditor_class": {"id": proofs.repro.make(facts).id, "facts": facts}})
     assert refused(other).reason == "another class" and "dtype" in str(refused(other))
     tampered = {**real, "openings": [dict(real["openings"][0], rows=real["openings"][0]["rows"][::-1]),
                                      real["openings"][1]]}
@@ -153,7 +153,7 @@ def test_honest_ring_passes_and_forged_proofs_are_refused_with_the_reason(model_
     unsigned = {**real, "sig": "00" * 64}
     assert refused(unsigned).reason == "signature"
     with pytest.raises(ProofRefused, match="not a map") as err:
-        fraud.decode(b"\x93\x01\x02\x03")
+        proofs.decode(b"\x93\x01\x02\x03")
     assert err.value.reason == "malformed"
     assert refused({**real, "schema": "swarm/fraud-proof/0"}).reason == "malformed"
 

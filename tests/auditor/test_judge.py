@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from swarm import audit, fraud, receipts
+from swarm import openings, proofs, receipts
 from swarm.auditor.judge import Blocks, judge, verify_proof
 from swarm.errors import ProofRefused
 from swarm.kernels.facts import stage_class
@@ -26,25 +26,25 @@ def _junk_head_job(model_dir):
     blocks = Blocks(model_dir)
     block = blocks.get([0, 1], "float64")
     key = create_new_key_pair()
-    log = audit.WindowLog()
+    log = openings.WindowLog()
     log.record(0, "tokens", [b"\x01\x02\x03"] * 4, "float64", [b"\x00" * 8 * block.hidden_size] * 4)
-    c = audit.Commitment(log.snapshot())
+    c = openings.Commitment(log.snapshot())
     body = receipts.StageLedger("job", "n" * 32).body(
         session="s", coordinator="c", peer_id=peer_id_of(key), model="m", model_digest="d",
         range_digest=block.digest_of(), layers=[0, 1], num_layers=4, dtype="float64", wire_dtype="float64",
         positions=len(log), repro=stage_class(block, LayerRange(0, 1)).as_dict(), windows=c.field())
     r = receipts.sign_receipt(body, lambda d: sign(key, d))
-    raw = [audit.sign_opening(audit.opening_body(r, c, 0), lambda d: sign(key, d))]
+    raw = [openings.sign_opening(openings.opening_body(r, c, 0), lambda d: sign(key, d))]
     return blocks, block, r, raw
 
 
 def test_a_proof_over_rows_that_do_not_decode_is_refused_not_a_crash(model_dir):
     blocks, block, r, raw = _junk_head_job(model_dir)
     auditor = create_new_key_pair()
-    proof = fraud.build_proof(receipt=r, openings=raw, pred_receipt=None, pred_openings=None, position=2,
+    proof = proofs.build_proof(receipt=r, openings=raw, pred_receipt=None, pred_openings=None, position=2,
                               recomputed=b"\x01" * 8 * block.hidden_size, auditor_class=r["repro"],
                               auditor=peer_id_of(auditor), sign=lambda d: sign(auditor, d), created_ms=1)
-    assert fraud.check_proof(proof).position == 2  # it checks without weights: DHT nodes would store it
+    assert proofs.check_proof(proof).position == 2  # it checks without weights: DHT nodes would store it
     with pytest.raises(ProofRefused) as err:
         verify_proof(proof, blocks)
     assert err.value.reason == "malformed" and "cannot be re-run" in str(err.value)
@@ -52,9 +52,9 @@ def test_a_proof_over_rows_that_do_not_decode_is_refused_not_a_crash(model_dir):
 
 def test_an_auditor_fails_a_stage_whose_signed_rows_do_not_decode(model_dir):
     _, block, r, raw = _junk_head_job(model_dir)
-    openings = [audit.check_opening(r, o, k) for k, o in enumerate(raw)]
+    opened = [openings.check_opening(r, o, k) for k, o in enumerate(raw)]
     auditor = create_new_key_pair()
-    v = judge(block, r, openings, raw, None, sampled=False, auditor=peer_id_of(auditor),
+    v = judge(block, r, opened, raw, None, sampled=False, auditor=peer_id_of(auditor),
               sign=lambda d: sign(auditor, d), now_ms=1)
     assert v.outcome == "failed" and v.proof is None and "do not decode" in v.reason
 

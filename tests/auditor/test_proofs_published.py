@@ -10,7 +10,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from swarm import fraud
+from swarm import proofs
 from swarm.auditor.exclusions import Exclusions
 from swarm.auditor.judge import Blocks
 from swarm.auditor.run import Auditor
@@ -44,7 +44,7 @@ def _run(main):
 def _framed(proof: dict, key) -> dict:
     """A forger's proof against an honest row: the stage's own output row at position 1, claimed wrong."""
     rows = proof["openings"][0]["rows"]
-    return fraud.sign_claim({**proof, "position": 1, "recomputed": bytes(rows[1][3][:-1]) + b"\x01",
+    return proofs.sign_claim({**proof, "position": 1, "recomputed": bytes(rows[1][3][:-1]) + b"\x01",
                              "auditor": peer_id_of(key)}, lambda d: sign(key, d))
 
 
@@ -59,7 +59,7 @@ class _LyingBlocks(Blocks):
 
 
 @pytest.fixture(scope="module")
-def proofs(model_dir, tmp_path_factory):
+def proof_set(model_dir, tmp_path_factory):
     """A real proof against a stage that changed one value by one ulp (in-process ring and auditor), and
     a lying auditor's proof against the honest tail (its own tail block computes garbage)."""
     tmp = tmp_path_factory.mktemp("proofs")
@@ -110,7 +110,7 @@ def test_audit_run_writes_a_proof_that_audit_verify_accepts_and_forgeries_are_re
     assert ok.returncode == 0 and ok.stdout.startswith("VALID proof: stage " + got["accused"]), ok.stdout
     forged = tmp_path / "framed.proof"
     forger = create_new_key_pair()
-    forged.write_bytes(fraud.encode(_framed(fraud.decode(path.read_bytes()), forger)))
+    forged.write_bytes(proofs.encode(_framed(proofs.decode(path.read_bytes()), forger)))
     bad = run_cli("audit", "verify", str(forged), str(path), "--model", str(model_dir))
     assert bad.returncode == 1
     assert "REFUSED (honest stage framed)" in bad.stdout
@@ -118,8 +118,8 @@ def test_audit_run_writes_a_proof_that_audit_verify_accepts_and_forgeries_are_re
     assert "VALID proof" in bad.stdout  # the other file still checks
 
 
-def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_re_running(model_dir, proofs):
-    real, framed = proofs["real"], proofs["framed"]  # framed: the lying auditor's proof against the honest tail
+def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_re_running(model_dir, proof_set):
+    real, framed = proof_set["real"], proof_set["framed"]  # framed: the lying auditor's proof against the honest tail
     accused = real["accused"]
     got: dict = {}
 
@@ -134,19 +134,19 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
                     host = await stack.enter_async_context(open_host(create_new_key_pair()))
                     nodes.append(await stack.enter_async_context(open_dht(host, server=False, bootstrap=[addr])))
                 auditor, reader = nodes
-                got["stored"] = await auditor.publish_proof(fraud.encode(real), accused)
+                got["stored"] = await auditor.publish_proof(proofs.encode(real), accused)
                 with pytest.raises(ProofRefused) as err:  # a proof filed under another PeerId than it accuses
-                    await auditor.publish_proof(fraud.encode(real), proofs["honest"])
+                    await auditor.publish_proof(proofs.encode(real), proof_set["honest"])
                 got["misfiled"] = err.value
                 # a forger bypassing its own check: the DHT node's validator refuses the value
-                kb = proof_key(proofs["honest"]).encode()
+                kb = proof_key(proof_set["honest"]).encode()
                 got["raw_put"] = await auditor.dht.value_store._store_at_peer(
-                    boot_host.libp2p_host.get_id(), kb, fraud.encode({**real, "sig": "00" * 64}))
+                    boot_host.libp2p_host.get_id(), kb, proofs.encode({**real, "sig": "00" * 64}))
                 got["boot_has"] = boot.dht.value_store.store.get(kb)
                 # a framing checks without weights (signed, openings fine): stored, and refused by readers
-                got["framed_stored"] = await auditor.publish_proof(fraud.encode(framed), proofs["honest"])
+                got["framed_stored"] = await auditor.publish_proof(proofs.encode(framed), proof_set["honest"])
                 shut_out = Exclusions(Blocks(model_dir))
-                got["excluded"] = await shut_out.excluded(reader, [accused, proofs["honest"], "12D3KooWnobody"])
+                got["excluded"] = await shut_out.excluded(reader, [accused, proof_set["honest"], "12D3KooWnobody"])
                 got["refused"] = dict(shut_out.refused)
                 got["blind"] = await Exclusions(None).excluded(reader, [accused])
 
@@ -156,12 +156,12 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
     assert not got["raw_put"] and got["boot_has"] is None
     assert got["framed_stored"] >= 1
     assert got["excluded"] == frozenset({accused})  # the honest tail, framed, is not excluded
-    why = got["refused"][proofs["honest"]]
-    assert "honest stage framed" in why and f"evidence against auditor {proofs['liar']}" in why
+    why = got["refused"][proof_set["honest"]]
+    assert "honest stage framed" in why and f"evidence against auditor {proof_set['liar']}" in why
     assert got["blind"] == frozenset()  # no local weights: no proof is re-run, nobody is excluded
 
 
-def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proofs):
+def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof_set):
     """Issue 45 item 15: framings of the cheater (signed, checking without weights, re-runs refuse them)
     published before the real proof: one (the report), and PROOF_SLOTS - 1 by as many keys; each node
     keeps several proofs per accused, the first stored never replaced (a flood after the real proof leaves
@@ -169,7 +169,7 @@ def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof
     proof arrives keeps it out there (the stated bound)."""
     from swarm.discovery.dht import PROOF_SLOTS
 
-    real = proofs["real"]
+    real = proof_set["real"]
     accused = real["accused"]
     floods = {"one framing first": 1, "PROOF_SLOTS - 1 framings first": PROOF_SLOTS - 1,
               "every slot framed first": PROOF_SLOTS, "the real proof, then a flood": PROOF_SLOTS + 2}
@@ -185,13 +185,13 @@ def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof
                 host = await stack.enter_async_context(open_host(create_new_key_pair()))
                 nodes.append(await stack.enter_async_context(open_dht(host, server=False, bootstrap=[addr])))
             framer, auditor, reader = nodes
-            framed = [fraud.encode(_framed(real, create_new_key_pair())) for _ in range(framings)]
+            framed = [proofs.encode(_framed(real, create_new_key_pair())) for _ in range(framings)]
             if case == "the real proof, then a flood":
-                stored = [await auditor.publish_proof(fraud.encode(real), accused)]
+                stored = [await auditor.publish_proof(proofs.encode(real), accused)]
                 stored += [await framer.publish_proof(v, accused) for v in framed]
             else:
                 stored = [await framer.publish_proof(v, accused) for v in framed]
-                stored.append(await auditor.publish_proof(fraud.encode(real), accused))
+                stored.append(await auditor.publish_proof(proofs.encode(real), accused))
             stored.append(await framer.publish_proof(framed[0], accused))  # once more: held already, no new slot
             shut_out = Exclusions(Blocks(model_dir))
             excluded = await shut_out.excluded(reader, [accused])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from swarm import audit, receipts
+from swarm import openings, receipts
 from swarm.config import SpecConfig
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import AuditFailed, collapse
@@ -39,7 +39,7 @@ async def _job(spec, model_dir, key_dir, job_id: str, **kw) -> tuple[list[int], 
 
 async def _refusal(host, addr, receipt, window) -> AuditFailed:
     with pytest.raises(AuditFailed) as err:
-        await audit.open_window(host, addr, receipt, window, timeout_s=10)
+        await openings.open_window(host, addr, receipt, window, timeout_s=10)
     assert err.value.check == "refused"
     return err.value
 
@@ -67,7 +67,7 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
                 async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
                     got["windows"] = [r["windows"] for r in stage_receipts]
                     got["stage_receipts"] = stage_receipts
-                    got["openings"] = [[await audit.open_window(host, a, r, k, timeout_s=10)
+                    got["openings"] = [[await openings.open_window(host, a, r, k, timeout_s=10)
                                         for k in range(r["windows"]["leaves"])]
                                        for a, r in zip(addrs, stage_receipts)]
                     r0 = stage_receipts[0]
@@ -90,12 +90,12 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
         outs = [x for o in stage for x in o.outputs()]
         assert all(x is not None for x in ins[:positions]), f"stage {i} lacks input rows"
         if i == 0:  # the head's input rows are the token ids it was fed
-            assert ins[:positions] == audit.token_rows(PROMPT + got["out"][:-1])
+            assert ins[:positions] == openings.token_rows(PROMPT + got["out"][:-1])
         if i < len(RANGES) - 1:
             nxt = [x for o in got["openings"][i + 1] for x in o.inputs()]
             assert outs[:positions] == nxt[:positions], f"stage {i}'s outputs are not stage {i + 1}'s inputs"
         else:  # the tail's output rows are the token after each row it answered for
-            assert outs[len(PROMPT) - 1:positions] == audit.token_rows(got["out"])  # row p: the token at p + 1
+            assert outs[len(PROMPT) - 1:positions] == openings.token_rows(got["out"])  # row p: the token at p + 1
     assert "no_job" in str(got["unknown"]) and "is not known to this stage" in str(got["unknown"])
     assert got["unknown"].code == "no_job"
     assert got["past_end"].code == "bad_request" and "there is no window 2" in str(got["past_end"])
@@ -108,7 +108,7 @@ def test_windows_open_check_and_chain_between_stages(model_dir, tmp_path):
         assert _recompute(model_dir, a, b, stage, positions) == [x for o in stage for x in o.outputs()][:positions]
 
 
-def _recompute(model_dir, start: int, end: int, openings, positions: int) -> list:
+def _recompute(model_dir, start: int, end: int, opened, positions: int) -> list:
     """The output rows of layers [start, end) on the opened input rows [0, positions), as the stage
     would send them (one chunk: row invariance makes the chunking irrelevant)."""
     from swarm import wire
@@ -116,17 +116,17 @@ def _recompute(model_dir, start: int, end: int, openings, positions: int) -> lis
     from swarm.ranges import LayerRange
 
     block = load_block(model_dir, LayerRange(start, end), dtype="float64", device="cpu")
-    rows = [r for o in openings for r in o.rows][:positions]
+    rows = [r for o in opened for r in o.rows][:positions]
     kind, ins = rows[0][0], [r[1] for r in rows]
     if kind == "tokens":
-        x = torch.tensor([audit.token_ids(ins)], dtype=torch.long)
+        x = torch.tensor([openings.token_ids(ins)], dtype=torch.long)
     else:
-        x = wire.decode_tensor(audit.tensor_map(kind, ins, block.hidden_size))
+        x = wire.decode_tensor(openings.tensor_map(kind, ins, block.hidden_size))
     (y,) = block.forward_batch([(block.new_cache(positions), 0, x)])
     if end == 4:  # the tail: the greedy token after each row it answered for (from the prompt's last row)
         answered = positions - (len(PROMPT) - 1)
-        return [None] * (len(PROMPT) - 1) + audit.token_rows(y[0, -answered:].argmax(dim=-1).tolist())
-    return audit.hidden_rows(wire.encode_tensor(y))[1]
+        return [None] * (len(PROMPT) - 1) + openings.token_rows(y[0, -answered:].argmax(dim=-1).tolist())
+    return openings.hidden_rows(wire.encode_tensor(y))[1]
 
 
 def _record_round_trip(server):
@@ -155,7 +155,7 @@ def test_an_evicted_job_is_refused_clearly(model_dir, tmp_path):
                 got["kept"] = len(store)
                 async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
                     got["evicted"] = await _refusal(host, spec.stages[1].addr, first[1], 0)
-                    got["opened"] = await audit.open_window(host, spec.stages[1].addr, second[1], 1, timeout_s=10)
+                    got["opened"] = await openings.open_window(host, spec.stages[1].addr, second[1], 1, timeout_s=10)
                 got["again"], _ = await _job(spec, model_dir, tmp_path, "job-g")
                 nursery.cancel_scope.cancel()
 
@@ -185,7 +185,7 @@ def test_a_job_evicted_to_the_retention_dir_still_opens_and_the_dir_is_cleaned_a
                 got["files"] = sorted(p.name for p in spill.iterdir())
                 got["in_memory"], got["spilled"] = len(store._jobs), store.spilled
                 async with open_host(load_or_create_key(tmp_path / "auditor.key"), [LOOPBACK]) as host:
-                    got["opened"] = [await audit.open_window(host, spec.stages[1].addr, first[1], k, timeout_s=10)
+                    got["opened"] = [await openings.open_window(host, spec.stages[1].addr, first[1], k, timeout_s=10)
                                      for k in (0, 1)]
                 got["reloaded"] = store.reloaded
                 nursery.cancel_scope.cancel()

@@ -1,19 +1,19 @@
-"""swarm.stage.retention and the pure parts of swarm.stage.audit: the byte-bounded store, the rate limit."""
+"""swarm.stage.retention and the pure parts of swarm.stage.openings: the byte-bounded store, the rate limit."""
 
 from __future__ import annotations
 
 import pytest
 import trio
 
-from swarm import audit
-from swarm.stage.audit import RateLimit
+from swarm import openings
+from swarm.stage.openings import RateLimit
 from swarm.stage.retention import RetentionStore
 
 
-def commitment(rows: int, row_bytes: int = 100) -> audit.Commitment:
-    log = audit.WindowLog()
+def commitment(rows: int, row_bytes: int = 100) -> openings.Commitment:
+    log = openings.WindowLog()
     log.record(0, "float32", [bytes(row_bytes)] * rows, "float32", [bytes(row_bytes)] * rows)
-    return audit.Commitment(log.snapshot(), 4)
+    return openings.Commitment(log.snapshot(), 4)
 
 
 def test_the_oldest_jobs_are_evicted_to_stay_within_the_budget():
@@ -71,7 +71,7 @@ class _Stream:
 
 def _audits(tmp_path, busy, limit=None):
     from swarm import receipts, wire
-    from swarm.stage.audit import Audits
+    from swarm.stage.openings import Audits
     from swarm.transport import load_or_create_key
     from swarm.transport.identity import peer_id_of, sign
 
@@ -99,7 +99,7 @@ def test_an_audit_waits_for_the_scheduler_and_answers_a_checked_opening(tmp_path
     """Low priority: while the scheduler has work the answer waits (up to YIELD_S), then it is sent."""
     import trio.testing
 
-    from swarm.stage import audit as stage_audit
+    from swarm.stage import openings as stage_audit
 
     state = {"busy_until": 0.2}
 
@@ -109,7 +109,7 @@ def test_an_audit_waits_for_the_scheduler_and_answers_a_checked_opening(tmp_path
         await audits.answer(stream, {"session": "s", "job": "job", "window": 1})
         (at, msg), = stream.sent
         assert msg["type"] == "audit_ok" and at >= 0.2
-        assert audit.check_opening(receipt, msg["opening"], 1).start == 4
+        assert openings.check_opening(receipt, msg["opening"], 1).start == 4
         state["busy_until"] = 1e9  # busy for ever: answered after YIELD_S all the same
         t0 = trio.current_time()
         await audits.answer(stream, {"session": "s", "job": "job", "window": 0})

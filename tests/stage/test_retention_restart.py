@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import trio
 
-from swarm import audit, wire
-from swarm.stage.audit import Audits
+from swarm import openings, wire
+from swarm.stage.openings import Audits
 from swarm.stage.retention import RetentionStore, encode_spilled, spill_name
 from tests.stage.test_retention import _Stream
 from tests.stage.test_retention_spill import _entry, _store, key  # noqa: F401  (key: a fixture)
@@ -48,8 +48,8 @@ def test_a_restarted_stage_opens_the_jobs_it_spilled_and_drops_the_files_not_its
         return [m for _, m in stream.sent]
 
     ok0, ok1, *gone = trio.run(main)
-    assert ok0["type"] == "audit_ok" and audit.check_opening(receipts[0], ok0["opening"], 1).start == 4
-    assert ok1["type"] == "audit_ok" and audit.check_opening(receipts[1], ok1["opening"], 0).start == 0
+    assert ok0["type"] == "audit_ok" and openings.check_opening(receipts[0], ok0["opening"], 1).start == 4
+    assert ok1["type"] == "audit_ok" and openings.check_opening(receipts[1], ok1["opening"], 0).start == 0
     for err in gone:  # altered, another key's, and the job that was in memory: the restart time, not a refusal
         assert err["code"] == "no_job" and err["since_ms"] == audits.started_ms, err
         assert "(re)started at" in err["reason"]

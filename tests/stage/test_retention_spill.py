@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from swarm import audit
+from swarm import openings
 from swarm.stage.retention import RetentionCorrupt, RetentionStore, encode_spilled, spill_name
 from tests.stage.test_retention import _Stream, commitment
 
 
-def _signed(key, c: audit.Commitment, job: str) -> dict:
+def _signed(key, c: openings.Commitment, job: str) -> dict:
     from swarm import receipts
     from swarm.transport.identity import peer_id_of, sign
 
@@ -127,7 +127,7 @@ def test_a_stage_of_another_key_starting_on_the_directory_deletes_old_spill_file
 
 def test_an_audit_of_a_spilled_job_is_answered_and_a_corrupt_one_refused(tmp_path, key):
     from swarm import wire
-    from swarm.stage.audit import Audits
+    from swarm.stage.openings import Audits
     from swarm.transport.identity import peer_id_of
 
     store, receipts = _store(tmp_path, key, in_memory=1, on_disk=4, jobs=3)
@@ -141,7 +141,7 @@ def test_an_audit_of_a_spilled_job_is_answered_and_a_corrupt_one_refused(tmp_pat
         await audits.answer(stream, {"session": "s", "job": "job-1", "window": 0})
         await audits.answer(stream, {"session": "s", "job": "job-1", "window": 0})
         ok, bad, gone = (m for _, m in stream.sent)
-        assert ok["type"] == "audit_ok" and audit.check_opening(receipts[0], ok["opening"], 1).start == 4
+        assert ok["type"] == "audit_ok" and openings.check_opening(receipts[0], ok["opening"], 1).start == 4
         assert bad["code"] == "no_job" and "cannot be opened" in bad["reason"] and "not a msgpack" in bad["reason"]
         assert gone["code"] == "no_job" and "was evicted" in gone["reason"]
 

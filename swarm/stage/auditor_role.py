@@ -13,7 +13,7 @@ no live session of its own (``live()``): it pauses before each stage's audit, ea
 each re-run while sessions are open, so its own sessions are not slowed (a re-run already started in
 its worker thread finishes). It runs ``swarm.auditor.run.Auditor`` on the job for the stages whose
 layers lie within this stage's (re-run from its own model directory, in its device; never itself):
-which stages and windows stays :func:`swarm.fraud.pick`'s hash of the signed job receipt, at the
+which stages and windows stays :func:`swarm.proofs.pick`'s hash of the signed job receipt, at the
 role's rate. Fraud proofs are kept (the last ``PROOFS_KEPT``) and handed to ``publish`` (the DHT with
 ``--bootstrap``); the tally (audited / passed / failed per PeerId) shows in ``info`` and the metrics
 and is added to ``--audit-tally FILE`` after each job (``swarm.auditor.tally``).
@@ -31,7 +31,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.errors import ConfigError, ReceiptInvalid
-from swarm.stage.audit import RateLimit
+from swarm.stage.openings import RateLimit
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class AuditorRole:
         error: ``error(reason, code, session)`` builds a counted error frame (the server's).
         allowed: ``--allow-coordinator`` (empty: any coordinator may offer its own jobs).
         queue_len: ``--audit-queue``; tally_path: ``--audit-tally`` (None: none).
-        limit: the per-sender :class:`swarm.stage.audit.RateLimit` of offers.
+        limit: the per-sender :class:`swarm.stage.openings.RateLimit` of offers.
     """
 
     def __init__(self, rate: float, layers, model_digest: str, *, live: Callable[[], int], error: Callable[..., dict],

@@ -3,7 +3,7 @@
 Owns: :class:`Audits`: handing each signed receipt's window commitment to the retention store
 (:mod:`swarm.stage.retention`), and answering an ``audit`` frame (session, job, window) with
 ``audit_ok`` carrying the window's rows, its Merkle path and the stage's signature
-(:func:`swarm.audit.opening_body`, :func:`swarm.audit.sign_opening`), or an error frame that says
+(:func:`swarm.openings.opening_body`, :func:`swarm.openings.sign_opening`), or an error frame that says
 why not: ``no_job`` (unknown or evicted job), ``bad_request`` (no such window), ``rate_limited``.
 A job it does not know is answered with ``since_ms``, when this process started (and took over its
 spill directory: :meth:`RetentionStore.adopt`): a job that ended before then is one a restarted
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import trio
 
-from swarm import audit, wire
+from swarm import openings, wire
 from swarm.stage.retention import RetentionCorrupt, RetentionStore
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,12 @@ class Audits:
         self._adopted = False
         self._thread = trio.CapacityLimiter(1)  # openings are built one at a time, off the trio thread
 
-    def new_log(self) -> audit.WindowLog | None:
-        """A job session's :class:`swarm.audit.WindowLog`, bounded by the retention budget; None
+    def new_log(self) -> openings.WindowLog | None:
+        """A job session's :class:`swarm.openings.WindowLog`, bounded by the retention budget; None
         with ``--audit-retention-mb 0`` (no rows are copied, receipts commit to no windows)."""
-        return audit.WindowLog(self.store.max_bytes) if self.store.max_bytes > 0 else None
+        return openings.WindowLog(self.store.max_bytes) if self.store.max_bytes > 0 else None
 
-    def retain(self, sess, receipt: dict, commitment: audit.Commitment) -> None:
+    def retain(self, sess, receipt: dict, commitment: openings.Commitment) -> None:
         """Keep a signed receipt's commitment (the signer calls this) for later audits."""
         self.adopt()
         self.store.put(sess.session_id, sess.ledger.job_id, receipt, commitment)
@@ -152,4 +152,4 @@ class Audits:
         from swarm.transport.identity import sign
 
         key = self._key()
-        return audit.sign_opening(audit.opening_body(entry.receipt, entry.commitment, k), lambda data: sign(key, data))
+        return openings.sign_opening(openings.opening_body(entry.receipt, entry.commitment, k), lambda data: sign(key, data))

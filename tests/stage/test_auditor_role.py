@@ -1,4 +1,4 @@
-"""swarm.stage.auditing, the auditor role of ``swarm stage --audit-rate``: on a real in-process ring (libp2p
+"""swarm.stage.auditor_role, the auditor role of ``swarm stage --audit-rate``: on a real in-process ring (libp2p
 loopback, a DHT bootstrap node), an auditor-role stage announced on the DHT is found by the coordinator's
 offer (swarm.auditor.offers), refuses offers from the wrong sender or of a bad receipt with the reason, waits
 while it has a live session of its own, then catches the cheating stage, publishes the proof on the DHT,
@@ -13,7 +13,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from swarm import fraud, wire
+from swarm import proofs, wire
 from swarm.auditor.judge import Blocks, verify_proof
 from swarm.auditor.offers import auditor_targets, offer_job
 from swarm.config import StageSpec
@@ -21,7 +21,7 @@ from swarm.coordinator.generation import offer_for_audit
 from swarm.discovery.dht import open_dht
 from swarm.errors import collapse
 from swarm.ranges import LayerRange
-from swarm.stage.auditing import AuditorRole
+from swarm.stage.auditor_role import AuditorRole
 from swarm.transport import load_or_create_key, open_host
 from tests.support.cheats import cheat
 from tests.support.models import make_synthetic
@@ -135,8 +135,8 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
     assert json.loads(tally_file.read_text()) == info["tally"]  # the format of `swarm audit run --tally`
     (proof,) = got["proofs"]
     assert proof["accused"] == cheater and proof["position"] == 5
-    assert verify_proof(fraud.decode(fraud.encode(proof)), Blocks(model_dir)).accused == cheater
-    assert got["dht_proof"] is not None and fraud.decode(got["dht_proof"])["accused"] == cheater
+    assert verify_proof(proofs.decode(proofs.encode(proof)), Blocks(model_dir)).accused == cheater
+    assert got["dht_proof"] is not None and proofs.decode(got["dht_proof"])["accused"] == cheater
     assert got["stranger"]["code"] == "forbidden" and "offers only its own jobs" in got["stranger"]["reason"]
     assert got["forged"]["code"] == "bad_request" and "does not verify" in got["forged"]["reason"]
     assert got["junk"]["code"] == "bad_request" and "does not verify" in got["junk"]["reason"]
@@ -192,7 +192,7 @@ class _Stream:
 
 
 def test_offers_are_bounded_dropped_oldest_and_rate_limited_per_sender(monkeypatch):
-    from swarm.stage.audit import RateLimit
+    from swarm.stage.openings import RateLimit
 
     role = _role(queue_len=2, limit=RateLimit(rate_per_s=0.001, burst=4))
 

@@ -17,7 +17,7 @@ job without re-running it.
 **A fraud proof** (msgpack map; bytes stay bytes):
 
 - ``schema``: ``swarm/fraud-proof/1``; ``accused``: the stage's PeerId; ``receipt``: its signed
-  stage receipt; ``openings``: its signed openings (``swarm.audit``) of windows ``0 .. w``, where
+  stage receipt; ``openings``: its signed openings (``swarm.openings``) of windows ``0 .. w``, where
   ``w`` is the window holding ``position``;
 - ``pred_receipt`` / ``pred_openings``: the predecessor's signed receipt and openings of the same
   positions (None at the head, whose inputs are the token ids it committed to): its output rows must
@@ -44,7 +44,7 @@ from typing import Any
 
 import msgpack
 
-from swarm import audit, repro
+from swarm import openings, repro
 from swarm.errors import AuditFailed, ProofRefused
 
 SCHEMA = "swarm/fraud-proof/1"
@@ -109,8 +109,8 @@ def _row_digest(row: bytes | None) -> str:
     return hashlib.blake2b(row or b"", digest_size=32, person=b"swarm-row/1").hexdigest()
 
 
-def _leaves(openings: list | None) -> list[str]:
-    return [audit.opening_leaf(o).hex() for o in openings or []]
+def _leaves(raw: list | None) -> list[str]:
+    return [openings.opening_leaf(o).hex() for o in raw or []]
 
 
 def claim_body(proof: dict) -> dict:
@@ -200,13 +200,13 @@ class Claim:
     cls: repro.ReproClass
 
 
-def _rows_by_position(receipt: dict, openings: Any, who: str) -> dict[int, tuple]:
-    if not isinstance(openings, list) or not openings:
+def _rows_by_position(receipt: dict, raw: Any, who: str) -> dict[int, tuple]:
+    if not isinstance(raw, list) or not raw:
         raise refused("malformed", f"the proof holds no openings of the {who}")
     rows: dict[int, tuple] = {}
-    for k, o in enumerate(openings):
+    for k, o in enumerate(raw):
         try:
-            opened = audit.check_opening(receipt, o, window=k)
+            opened = openings.check_opening(receipt, o, window=k)
         except AuditFailed as exc:
             raise refused("opening", f"the {who}'s window {k}: {exc}") from None
         rows.update({opened.start + i: r for i, r in enumerate(opened.rows)})

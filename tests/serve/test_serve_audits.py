@@ -32,7 +32,7 @@ from swarm.ranges import LayerRange
 from swarm.transport import load_or_create_key, open_host
 from swarm.weights.identify import model_id as weights_model_id
 from tests.support.cheats import cheat
-from tests.support.ring import LOOPBACK, signed_job, start_announced
+from tests.support.ring import LOOPBACK, open_bootstrap, signed_job, start_announced
 
 PROMPT = [1, 403, 407, 261, 378, 300, 290]
 ASK = dict(prompt="Once upon a time", max_tokens=12, temperature=0)
@@ -105,9 +105,7 @@ def test_serve_routes_reroutes_and_heals_around_a_proven_cheater_and_shows_audit
     async def main():
         with trio.fail_after(400):
             async with AsyncExitStack() as stack:
-                boot_host = await stack.enter_async_context(open_host(create_new_key_pair(), [LOOPBACK]))
-                await stack.enter_async_context(open_dht(boot_host, server=True))
-                boot = boot_host.addrs()[0]
+                boot = await open_bootstrap(stack)
                 pub_host = await stack.enter_async_context(open_host(create_new_key_pair(), [LOOPBACK]))
                 pub = await stack.enter_async_context(open_dht(pub_host, server=False, bootstrap=[boot]))
                 nursery = await stack.enter_async_context(trio.open_nursery())

@@ -15,16 +15,13 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm.config import RingSpec, cache_root
 from swarm.coordinator.measured import load_measured
-from swarm.discovery.dht import open_dht
 from swarm.errors import collapse
-from swarm.transport import open_host
 from swarm.weights.identify import model_id as weights_model_id
 from tests.coordinator.test_measured import _records, _slow_down
-from tests.support.ring import LOOPBACK, start_announced
+from tests.support.ring import open_bootstrap, start_announced
 
 ASK = dict(prompt="Once upon a time", max_tokens=12, temperature=0)
 
@@ -53,9 +50,7 @@ def test_serve_routes_away_from_a_stage_it_measured_slower_than_it_claims(storie
     async def main():
         with trio.fail_after(300):
             async with AsyncExitStack() as stack:
-                boot_host = await stack.enter_async_context(open_host(create_new_key_pair(), [LOOPBACK]))
-                await stack.enter_async_context(open_dht(boot_host, server=True))
-                boot = boot_host.addrs()[0]
+                boot = await open_bootstrap(stack)
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 stack.callback(nursery.cancel_scope.cancel)
                 honest, _, _ = await start_announced(nursery, stories_dir, (0, 5), tmp_path / "h.key", boot,

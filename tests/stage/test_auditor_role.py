@@ -25,7 +25,7 @@ from swarm.stage.auditor_role import AuditorRole
 from swarm.transport import load_or_create_key, open_host
 from tests.support.cheats import cheat
 from tests.support.models import make_synthetic
-from tests.support.ring import LOOPBACK, signed_job, start_announced, start_ring
+from tests.support.ring import LOOPBACK, open_bootstrap, signed_job, start_announced, start_ring
 
 RANGES = [(0, 1), (1, 3), (3, 4)]
 PROMPT = [1 + (i * 7) % 50 for i in range(70)]  # 70 positions: windows 0 and 1
@@ -65,9 +65,7 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
     async def main():
         with trio.fail_after(300):
             async with AsyncExitStack() as stack:
-                boot_host = await stack.enter_async_context(open_host(create_new_key_pair(), [LOOPBACK]))
-                await stack.enter_async_context(open_dht(boot_host, server=True))
-                boot = boot_host.addrs()[0]
+                boot = await open_bootstrap(stack)
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 spec, servers = await start_ring(nursery, model_dir, RANGES, tmp_path)
                 cheat(servers[1].block, "ulp", position=5)  # in window 0: every pick opens it

@@ -197,3 +197,15 @@ async def start_announced(nursery, model_dir: Path, layers: tuple[int, int], key
 
     ready = await nursery.start(run)
     return ready, server, scopes[0]
+
+
+async def open_bootstrap(stack) -> str:
+    """An in-process DHT bootstrap node on loopback (a fresh key), closed with ``stack`` (an
+    ``AsyncExitStack``); returns its multiaddr."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from swarm.discovery.dht import open_dht
+
+    host = await stack.enter_async_context(open_host(create_new_key_pair(), [LOOPBACK]))
+    await stack.enter_async_context(open_dht(host, server=True))
+    return host.addrs()[0]

@@ -94,9 +94,8 @@ class ClientPool:
         Raises:
             StageLost: the swarm has no route now (names why), so the request is a 503.
         """
-        from swarm.discovery.client import discover_ring
-
         from swarm.coordinator.measured import load_measured
+        from swarm.discovery.client import discover_ring
 
         st = self.state
         dht, weights_id = st.discovery[0], st.discovery[1]
@@ -131,8 +130,8 @@ class ClientPool:
     async def _reroute_measured(self) -> None:
         """Route again with this server's measurements (``stale``); clients kept for reuse on a route that
         changed are closed. At most once per ``REROUTE_EVERY_S``; a failed read keeps the route."""
-        from swarm.discovery.client import discover_ring
         from swarm.coordinator.measured import load_measured
+        from swarm.discovery.client import discover_ring
 
         now = trio.current_time()
         if now - self.rerouted_at < REROUTE_EVERY_S:
@@ -154,9 +153,12 @@ class ClientPool:
                 await self.free.pop().aclose()
 
     async def release(self, client: RingClient, healthy: bool) -> None:
-        """Give ``client`` back: kept for the next request if ``healthy``, else closed (its streams
-        may hold half a frame); its slot frees either way."""
-        if healthy:
+        """Give ``client`` back: kept for the next request if ``healthy`` (and, routed from the DHT, still on
+        the served route: a reroute may have moved it), else closed (its streams may hold half a frame);
+        its slot frees either way."""
+        st = self.state
+        on_route = st.discovery is None or [i.peer_id for i in client.infos] == [s.peer_id for s in st.ring.stages]
+        if healthy and on_route:
             self.free.append(client)
         else:
             await client.aclose()

@@ -82,6 +82,7 @@ class QWeight:
 # format (llama.cpp takes q5_0 for q4_K, which swarm does not hold; q4_1 is its size) and, when K is not
 # a multiple of 32 either, stays float32.
 FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}
+K_QUANTS = ("q4_k", "q6_k")  # written by the kernel library (the gguf package reads them, not writes)
 
 
 def format_for(scheme: str, k: int) -> str | None:
@@ -160,9 +161,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> QWeight:
 
     raw = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType(f.ggml_type))
     return QWeight(fmt, n, k, torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(n, -1))
-
-
-K_QUANTS = ("q4_k", "q6_k")  # written by the kernel library (the gguf package reads them, not writes)
 
 
 def _quantize_k(x: torch.Tensor, fmt: str) -> torch.Tensor:

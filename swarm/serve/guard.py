@@ -110,7 +110,6 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             self.owner.rate_log.log(logging.WARNING, "send_timeout",
                                     "http.send_timeout client=%s timeout_s=%g: the client read none of its answer "
                                     "for that long (--send-timeout-s); connection closed", self.peer, timeout_s)
-            self.owner.send_timeouts += 1
             await self.aclose()
             raise trio.BrokenResourceError(f"the client read nothing for {timeout_s:g} s")
 
@@ -151,7 +150,6 @@ class CappedListener(trio.abc.Listener):
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.inner, self.max_connections = inner, max_connections
         self.send_timeout_s = send_timeout_s  # one write to a client must complete within this, seconds
-        self.send_timeouts = 0
         self.socket = inner.socket
         self.open: dict[int, GuardedStream] = {}  # in accept order: the first is the oldest
         self.by_peer: dict[tuple, GuardedStream] = {}

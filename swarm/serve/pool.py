@@ -38,6 +38,8 @@ class ClientPool:
         """``state``: the server's ``ServeState``; ``size``: the most clients at once (``--max-concurrency``)."""
         self.state, self.size = state, size
         self.free: list[RingClient] = []
+        self.route_gen = 0  # bumped when a reroute changes the served route
+        self.gen_of: dict[RingClient, int] = {}  # each open client: the route_gen it was connected on
         self.slots = trio.Semaphore(size)
         self.opened = 0
         self.stale = False  # a stage of the route overclaims: the next client routes again, with measurements
@@ -53,8 +55,11 @@ class ClientPool:
         try:
             if self.stale and self.state.discovery is not None:
                 await self._reroute_measured()
-            if self.free:
-                return self.free.pop()
+            while self.free:
+                client = self.free.pop()
+                if self.gen_of.get(client) == self.route_gen:
+                    return client
+                await self._close(client)  # connected on a route a reroute has left
             try:
                 client = await self._connect()
             except StageLost as exc:
@@ -66,6 +71,7 @@ class ClientPool:
                 await self._reroute(exc)
                 client = await self._connect()
             self.opened += 1
+            self.gen_of[client] = self.route_gen
             return client
         except BaseException:
             self.slots.release()
@@ -94,17 +100,29 @@ class ClientPool:
         Raises:
             StageLost: the swarm has no route now (names why), so the request is a 503.
         """
+        try:
+            await self._route_again()
+        except ConfigError as exc:
+            raise StageLost(f"{cause}; and no new route: {exc}") from None
+
+    async def _route_again(self):
+        """Route over the DHT's records as they are now, believing this server's measurements over the
+        stages' claims; the served ring becomes the new route. Returns ``discover_ring``'s result.
+
+        Raises:
+            ConfigError / StageLost: no route (``discover_ring``).
+        """
         from swarm.coordinator.measured import load_measured
         from swarm.discovery.client import discover_ring
 
         st = self.state
         dht, weights_id = st.discovery[0], st.discovery[1]
-        try:
-            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
-                                        measured_layer_ms=load_measured(weights_id))
-        except ConfigError as exc:
-            raise StageLost(f"{cause}; and no new route: {exc}") from None
+        found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
+                                    measured_layer_ms=load_measured(weights_id))
+        if [s.addr for s in found.ring.stages] != [s.addr for s in st.ring.stages]:
+            self.route_gen += 1
         st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
+        return found
 
     def note_measured(self, client: RingClient, decoded) -> None:
         """Keep what a finished routed request measured of ``client``'s stages (its ``DecodeResult``:
@@ -128,43 +146,36 @@ class ClientPool:
             self.stale = True
 
     async def _reroute_measured(self) -> None:
-        """Route again with this server's measurements (``stale``); clients kept for reuse on a route that
-        changed are closed. At most once per ``REROUTE_EVERY_S``; a failed read keeps the route."""
-        from swarm.coordinator.measured import load_measured
-        from swarm.discovery.client import discover_ring
-
+        """Route again with this server's measurements (``stale``); kept clients of the old route are closed
+        when next taken. At most once per ``REROUTE_EVERY_S``; a failed read keeps the route."""
         now = trio.current_time()
         if now - self.rerouted_at < REROUTE_EVERY_S:
             return
         self.stale, self.rerouted_at = False, now
-        st = self.state
-        dht, weights_id = st.discovery[0], st.discovery[1]
+        gen = self.route_gen
         try:
-            found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
-                                        measured_layer_ms=load_measured(weights_id))
+            found = await self._route_again()
         except (ConfigError, StageLost) as exc:
             log.warning("serve.reroute_measured_failed reason=%s: keeping the route", exc)
             return
-        old = [s.addr for s in st.ring.stages]
-        st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
-        if [s.addr for s in found.ring.stages] != old:
+        if self.route_gen != gen:
             log.info("serve.rerouted_by_measurement route=%s", [h.peer_id[-8:] for h in found.route.hops])
-            while self.free:
-                await self.free.pop().aclose()
 
     async def release(self, client: RingClient, healthy: bool) -> None:
-        """Give ``client`` back: kept for the next request if ``healthy`` (and, routed from the DHT, still on
-        the served route: a reroute may have moved it), else closed (its streams may hold half a frame);
-        its slot frees either way."""
-        st = self.state
-        on_route = st.discovery is None or [i.peer_id for i in client.infos] == [s.peer_id for s in st.ring.stages]
-        if healthy and on_route:
+        """Give ``client`` back: kept for the next request if ``healthy`` (``acquire`` closes it instead if a
+        reroute moved the route meanwhile), else closed (its streams may hold half a frame); its slot frees
+        either way."""
+        if healthy:
             self.free.append(client)
         else:
-            await client.aclose()
+            await self._close(client)
         self.slots.release()
+
+    async def _close(self, client: RingClient) -> None:
+        self.gen_of.pop(client, None)
+        await client.aclose()
 
     async def aclose(self) -> None:
         """Close the clients kept for reuse."""
         while self.free:
-            await self.free.pop().aclose()
+            await self._close(self.free.pop())

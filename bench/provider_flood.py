@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,8 +99,6 @@ def _check(boot: str, env: dict, honest_peer: str, t0: float, timeout_s: float) 
 
 
 def main(argv=None) -> int:
-    import os
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT.parent / "shared" / "models" / "stories260k"))
     ap.add_argument("--fakes", type=int, default=300)
@@ -134,12 +134,7 @@ def main(argv=None) -> int:
                         nursery.start_soon(_fake, boot.addr, honest, failures)
                         await trio.sleep(1 / args.rate)
 
-            def run_flood():
-                trio.run(flood)
-
-            import threading
-
-            worker = threading.Thread(target=run_flood, daemon=True)
+            worker = threading.Thread(target=trio.run, args=(flood,), daemon=True)
             worker.start()
             while worker.is_alive() and time.monotonic() - started < args.deadline_s:
                 worker.join(args.check_every_s)

@@ -59,6 +59,24 @@ def _decode(blocks, caches, pos: int, ids: list[int], new_tokens: int):
     return out, rows
 
 
+def assert_resumed_equals_fresh(blocks, prompt: list[int]) -> None:
+    """Exactness contract 5 on ``blocks`` (covering a model in order): a session resumed from another's stored
+    prefix blocks (the stage's PrefixStore, one whole block of 16 positions of ``prompt``'s first 20) decodes
+    a fresh prefill's ids and logits rows, bit for bit."""
+    from swarm.stage.prefix import PrefixStore
+
+    ids = (prompt * 3)[:20]
+    first = [b.new_cache(64) for b in blocks]
+    _step(blocks, first, 0, ids)
+    stores = [PrefixStore(16) for _ in blocks]
+    assert [s.store("ns", ids, c, len(ids)) for s, c in zip(stores, first)] == [1] * len(blocks)
+    resumed = [b.new_cache(64) for b in blocks]
+    assert [s.load(s.lookup("ns", ids, len(ids) - 1), c) for s, c in zip(stores, resumed)] == [16] * len(blocks)
+    got, got_rows = _decode(blocks, resumed, 16, ids[16:], 8)
+    want, want_rows = _decode(blocks, [b.new_cache(64) for b in blocks], 0, ids, 8)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
+
+
 def _preflight(model: Path, layers: LayerRange, dtype: str, key: Path) -> dict:
     """The stage's own preflight (its SWARM_STAGE_OK payload) for ``layers`` of ``model``."""
     from swarm.config import StageConfig

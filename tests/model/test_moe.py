@@ -181,18 +181,8 @@ def test_forced_ties_keep_a_healed_generation_identical_to_the_uninterrupted_one
 def test_forced_ties_keep_a_session_resumed_from_a_stored_prefix_identical_to_a_fresh_one(family, tmp_path) -> None:
     """Exactness contract 5 on every MoE family with tied routes: a session resumed from another's stored
     prefix blocks (the stage's PrefixStore) decodes the bits a fresh prefill gives."""
-    from swarm.stage.prefix import PrefixStore
-    from tests.model.test_mla import _decode, _step
+    from tests.model.test_mla import assert_resumed_equals_fresh
 
     d = _tied_routes(make_synthetic(family, tmp_path / "src", dtype="float64"), tmp_path / "tied")
     blocks = [load_block(d, LayerRange(a, b), dtype="float64", device="cpu") for a, b in RANGES]
-    ids = (PROMPT * 3)[:20]  # one whole block of 16 positions to reuse
-    first = [b.new_cache(64) for b in blocks]
-    _step(blocks, first, 0, ids)
-    stores = [PrefixStore(16) for _ in blocks]
-    assert [s.store("ns", ids, c, len(ids)) for s, c in zip(stores, first)] == [1, 1, 1]
-    resumed = [b.new_cache(64) for b in blocks]
-    assert [s.load(s.lookup("ns", ids, len(ids) - 1), c) for s, c in zip(stores, resumed)] == [16, 16, 16]
-    got, got_rows = _decode(blocks, resumed, 16, ids[16:], 8)
-    want, want_rows = _decode(blocks, [b.new_cache(64) for b in blocks], 0, ids, 8)
-    assert got == want and all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
+    assert_resumed_equals_fresh(blocks, PROMPT)

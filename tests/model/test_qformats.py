@@ -114,9 +114,8 @@ def test_packed_healed_and_resumed_sessions_keep_one_processs_bits(scheme, wide,
     weights (the model is 256 wide, every width a multiple of 32): rows packed with other
     sessions' equal solo rows; a ring whose middle stage stops mid-generation heals onto a spare and gives
     one process's ids; a session resumed from stored prefix blocks decodes a fresh prefill's bits."""
-    from swarm.stage.prefix import PrefixStore
     from tests.coordinator.test_heal_kept import NEW, PROMPT as HEAL_PROMPT, RANGES as HEAL_RANGES, heal_inprocess
-    from tests.model.test_mla import _decode, _step
+    from tests.model.test_mla import assert_resumed_equals_fresh
     from tests.stage.test_batching import _assert_bitwise, _plan
 
     dtype, quantize = ("bfloat16", None) if scheme == "bfloat16" else ("float32", scheme)
@@ -131,16 +130,7 @@ def test_packed_healed_and_resumed_sessions_keep_one_processs_bits(scheme, wide,
     (event,) = rec["heal_events"]
     assert event["stage"] == 1 and event["replay"] == "survivors_kept", event
 
-    ids = (PROMPT * 3)[:20]  # one whole block of 16 positions to reuse
-    first = [b.new_cache(64) for b in blocks]
-    _step(blocks, first, 0, ids)
-    stores = [PrefixStore(16) for _ in blocks]
-    assert [s.store("ns", ids, c, len(ids)) for s, c in zip(stores, first)] == [1, 1, 1]
-    resumed = [b.new_cache(64) for b in blocks]
-    assert [s.load(s.lookup("ns", ids, len(ids) - 1), c) for s, c in zip(stores, resumed)] == [16, 16, 16]
-    got, got_rows = _decode(blocks, resumed, 16, ids[16:], 8)
-    want, want_rows = _decode(blocks, [b.new_cache(64) for b in blocks], 0, ids, 8)
-    assert got == want and all(torch.equal(a, b) for a, b in zip(got_rows, want_rows))
+    assert_resumed_equals_fresh(blocks, PROMPT)
 
 
 def test_an_auditor_loads_the_block_format_a_receipt_names(tiny):

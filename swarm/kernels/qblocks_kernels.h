@@ -356,6 +356,7 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
             for (int k = 0; k < 4; k++) memcpy(&h[k], c->w + (n + (k < NC ? k : NC - 1)) * c->ldw + qf_bytes[F] * b, 4);
             sc = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
         }
+#pragma GCC unroll 4
         for (int k = 0; k < NC; k++) {
             float ca = 0.0f, cb = 0.0f, mn = 0.0f;
             __m256i wa, wb;
@@ -379,6 +380,7 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
                 wb = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
                 cv = _mm256_set1_ps(ca), mv = _mm256_set1_ps(mn);
             }
+#pragma GCC unroll 4
             for (int r = 0; r < MR; r++) {
                 const int16_t *xq = qx_q(c, m + r, b);
                 const __m256 dx = _mm256_set1_ps(qx_d(c, m + r, b));
@@ -404,6 +406,109 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
     }
 }
 #define Q_COLS 4  /* columns per tile at one or two rows; two at three or four */
+
+/* Many rows (a prefill or verify chunk): the task's columns go in panels of QP_COLS, each unpacked once into
+ * 16-bit integers and float32 scales (q_w32's values, widened), so the tiles over the rows read one run of
+ * aligned bytes with no unpacking; the same products in the same order. */
+#define QP_COLS 32
+#define QP_MIN_ROWS 8
+typedef struct {
+    int16_t *w;          /* (nb, QP_COLS, 32): block b of column j at (b * QP_COLS + j) * 32 */
+    float *ca, *cb, *mn; /* (nb, QP_COLS) */
+} q_panel;
+
+AI void q_pack(const int F, const qlinear_ctx *c, int64_t n, int ncol, q_panel *pk) {
+    const int64_t nb = c->K / 32;
+    for (int j = 0; j < ncol; j++) {
+        const uint8_t *row = c->w + (n + j) * c->ldw;
+        for (int64_t b = 0; b < nb; b++) {
+            float ca = 0.0f, cb = 0.0f, mn = 0.0f;
+            const __m256i w = q_w32(F, row, b, &ca, &cb, &mn);
+            int16_t *o = pk->w + (b * QP_COLS + j) * 32;
+            _mm256_store_si256((__m256i *)o, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)));
+            _mm256_store_si256((__m256i *)(o + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1)));
+            pk->ca[b * QP_COLS + j] = ca, pk->cb[b * QP_COLS + j] = cb, pk->mn[b * QP_COLS + j] = mn;
+        }
+    }
+}
+
+/* MR rows x NC columns from (m, column j0 of the panel at n): q_tile's arithmetic on the unpacked panel,
+ * each row's integers loaded once per block for the NC columns. */
+AI void q_tile_packed(const int F, const int V, const int MR, const int NC, const qlinear_ctx *c, const q_panel *pk,
+                      int64_t m, int64_t n, int j0) {
+    const int64_t nb = c->K / 32;
+    __m256 acc[4][2];
+    const int16_t *xq[4];
+    const float *xd[4], *xt[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++) {
+        xq[r] = c->xq.q + (m + r) * c->K, xd[r] = c->xq.d + (m + r) * nb, xt[r] = c->xq.t + (m + r) * nb * 8;
+#pragma GCC unroll 2
+        for (int k = 0; k < NC; k++) acc[r][k] = _mm256_setzero_ps();
+    }
+    const int16_t *wp = pk->w + j0 * 32;
+    const float *cap = pk->ca + j0, *cbp = pk->cb + j0, *mnp = pk->mn + j0;
+    for (int64_t b = 0; b < nb; b++, wp += QP_COLS * 32, cap += QP_COLS, cbp += QP_COLS, mnp += QP_COLS) {
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; r++) {
+            const __m256i xa = _mm256_loadu_si256((const __m256i *)(xq[r] + 32 * b));
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq[r] + 32 * b + 16));
+            const __m256 dx = _mm256_broadcast_ss(xd[r] + b);
+#pragma GCC unroll 2
+            for (int k = 0; k < NC; k++) {
+                const __m256i wa = _mm256_load_si256((const __m256i *)(wp + 32 * k));
+                const __m256i wb = _mm256_load_si256((const __m256i *)(wp + 32 * k + 16));
+                if (F == QF_Q6_K) {
+                    const __m256 pa = _mm256_cvtepi32_ps(_mm256_madd_epi16(wa, xa));
+                    const __m256 pb = _mm256_cvtepi32_ps(_mm256_madd_epi16(wb, xb));
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(cap + k), dx), pa, acc[r][k]);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(cbp + k), dx), pb, acc[r][k]);
+                } else {
+                    const __m256i p = q_dot16(V, _mm256_madd_epi16(wa, xa), wb, xb);
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(cap + k), dx), _mm256_cvtepi32_ps(p), acc[r][k]);
+                }
+                if (QF_HAS_MIN(F))
+                    acc[r][k] = _mm256_fmadd_ps(_mm256_broadcast_ss(mnp + k), _mm256_loadu_ps(xt[r] + 8 * b), acc[r][k]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        float s[4];
+        v8_sums4(acc[r][0], acc[r][NC > 1 ? 1 : 0], acc[r][0], acc[r][0], s);
+        for (int k = 0; k < NC; k++) c->out[(m + r) * c->ldo + n + j0 + k] = c->bias ? s[k] + c->bias[n + j0 + k] : s[k];
+    }
+}
+
+/* Columns [n0, n1) of every row, panel by panel; 0 when out of memory for a panel (the caller then tiles
+ * without one). */
+AI int q_cols_packed(const int F, const int V, const qlinear_ctx *c, int64_t n0, int64_t n1) {
+    const int64_t nb = c->K / 32;
+    char *buf = aligned_alloc(64, (size_t)(nb * QP_COLS * (64 + 12)) + 64);
+    if (!buf) return 0;
+    q_panel pk = {(int16_t *)buf, (float *)(buf + nb * QP_COLS * 64), (float *)(buf + nb * QP_COLS * 68),
+                  (float *)(buf + nb * QP_COLS * 72)};
+    for (int64_t n = n0; n < n1; n += QP_COLS) {
+        const int ncol = n1 - n < QP_COLS ? (int)(n1 - n) : QP_COLS;
+        q_pack(F, c, n, ncol, &pk);
+        for (int64_t m = 0; m < c->M;) {
+            const int mr = c->M - m >= 4 ? 4 : (int)(c->M - m);
+            for (int j = 0; j < ncol; j += 2) {
+                const int two = j + 2 <= ncol;
+#define QP(R) two ? q_tile_packed(F, V, R, 2, c, &pk, m, n, j) : q_tile_packed(F, V, R, 1, c, &pk, m, n, j)
+                switch (mr) {
+                    case 1: QP(1); break;
+                    case 2: QP(2); break;
+                    case 3: QP(3); break;
+                    default: QP(4); break;
+                }
+#undef QP
+            }
+            m += mr;
+        }
+    }
+    free(buf);
+    return 1;
+}
 #elif defined(SWARM_ISA_AVX512)
 /* MR rows x NC columns from (m, n), two columns per zmm register (lanes 0-7 one, 8-15 the next); an odd NC's
  * last register repeats its column in the upper half, never stored. */
@@ -509,6 +614,9 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
 /* Columns [n0, n1) of every row: tiles of up to 4 rows; Q_COLS columns at 1-2 rows, Q_COLS / 2 at 3-4. */
 AI void q_cols_x86(const int F, const int V, const qlinear_ctx *c, int64_t n0, int64_t n1) {
+#if defined(SWARM_ISA_AVX2)
+    if (c->M >= QP_MIN_ROWS && q_cols_packed(F, V, c, n0, n1)) return;
+#endif
     for (int64_t m = 0; m < c->M;) {
         const int mr = c->M - m >= 4 ? 4 : (int)(c->M - m);
         const int nc = mr <= 2 ? Q_COLS : Q_COLS / 2;

@@ -274,10 +274,20 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
  * or a K the format cannot hold, -2 when out of memory (out untouched). */
 int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
+    const swarm_qpart part = {fmt, w, N, ldw, bias, out, ldo};
+    return swarm_qlinear_many(&part, 1, x, M, K, ldx, threads);
+}
+
+/* swarm_qlinear for up to SWARM_QPARTS_MAX weights over the same x (a layer's q, k and v; gate and up): each
+ * part's out bit for bit what swarm_qlinear gives it, with x quantized once and one dispatch over all the
+ * parts' columns. Returns 0, -1 (a part's format or K, or nparts out of range), -2 (out of memory). */
+int swarm_qlinear_many(const swarm_qpart *parts, int nparts, const float *x, int64_t M, int64_t K, int64_t ldx,
+                       int threads) {
     const swarm_isa *i = current();
     /* one row in the 32-weight formats: AVX-512's column pairs cost no shuffle there (q_pair32) */
-    const int own = fmt <= 2;
-    return (M == 1 && i->one_row && !own ? i->one_row : i)->qlinear(fmt, x, M, K, ldx, w, N, ldw, bias, out, ldo, threads);
+    int own = 0;
+    for (int p = 0; p < nparts; p++) own |= parts[p].fmt <= 2;
+    return (M == 1 && i->one_row && !own ? i->one_row : i)->qlinear_many(parts, nparts, x, M, K, ldx, threads);
 }
 
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out) {

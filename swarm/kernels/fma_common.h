@@ -11,6 +11,18 @@ typedef void (*swarm_task_fn)(const void *ctx, int64_t i);
 __attribute__((visibility("hidden"))) void swarm_parallel_for(int threads, swarm_task_fn fn, const void *ctx,
                                                               int64_t ntasks);
 
+/* One block-format weight of a swarm_qlinear_many call: out (M, N), row stride ldo = x w^T + bias (N or NULL),
+ * w N rows of ldw bytes in block format fmt (swarm_qlinear's numbers). */
+typedef struct {
+    int32_t fmt;
+    const uint8_t *w;
+    int64_t N, ldw;
+    const float *bias;
+    float *out;
+    int64_t ldo;
+} swarm_qpart;
+#define SWARM_QPARTS_MAX 4
+
 typedef struct swarm_isa {
     const char *name;
     void (*linear)(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
@@ -25,8 +37,8 @@ typedef struct swarm_isa {
                           float *out, int threads);
     void (*rmsnorm)(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
     void (*silu)(const float *x, int64_t n, float *out);
-    int (*qlinear)(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
+    int (*qlinear_many)(const swarm_qpart *parts, int nparts, const float *x, int64_t M, int64_t K, int64_t ldx,
+                        int threads);
     /* where the GEMM of a single row (a decode step) runs faster in another ISA of the library (the same
      * bits by construction): AVX-512's column pairs cost a shuffle per load that one row cannot share */
     const struct swarm_isa *one_row;
@@ -44,6 +56,8 @@ int swarm_attention_bf16(const float *q, int64_t T, int64_t H, int64_t Dh, int64
                          float *out, int threads);
 int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
+int swarm_qlinear_many(const swarm_qpart *parts, int nparts, const float *x, int64_t M, int64_t K, int64_t ldx,
+                       int threads);
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
 void swarm_silu(const float *x, int64_t n, float *out);
 

@@ -692,6 +692,6 @@ static void silu(const float *x, int64_t n, float *out) {
 /* ONE_ROW: the ISA whose GEMM runs single rows (a decode step), or 0 for this one */
 #define SWARM_DEFINE_ISA(NAME, ONE_ROW)                                                                           \
     __attribute__((visibility("hidden"))) const swarm_isa swarm_isa_##NAME = {                                   \
-        #NAME, linear_f32, linear_bf16, attention_f32, attention_bf16, rmsnorm, silu, qlinear, ONE_ROW};
+        #NAME, linear_f32, linear_bf16, attention_f32, attention_bf16, rmsnorm, silu, qlinear_many, ONE_ROW};
 
 #endif

@@ -100,6 +100,25 @@ static int project(const swarm_proj *p, const float *x, int64_t M, float *out, i
     return rc;
 }
 
+/* project() for the n projections of one input (q, k, v; gate, up), outs[i] (M, ps[i]->n): one
+ * swarm_qlinear_many where all are block formats (the same bits, x quantized once, one dispatch). */
+static int project_many(const swarm_proj *const *ps, int n, const float *x, int64_t M, float *const *outs, int bf16,
+                        int threads) {
+    int blocks = n <= SWARM_QPARTS_MAX;
+    for (int i = 0; i < n; i++) blocks &= ps[i]->kind == PROJ_BLOCKS && ps[i]->k == ps[0]->k;
+    if (!blocks) {
+        int rc = 0;
+        for (int i = 0; i < n && !rc; i++) rc = project(ps[i], x, M, outs[i], bf16, threads);
+        return rc;
+    }
+    swarm_qpart parts[SWARM_QPARTS_MAX];
+    for (int i = 0; i < n; i++)
+        parts[i] = (swarm_qpart){ps[i]->fmt, (const uint8_t *)ps[i]->w, ps[i]->n, ps[i]->ldw, ps[i]->bias, outs[i], ps[i]->n};
+    const int rc = swarm_qlinear_many(parts, n, x, M, ps[0]->k, ps[0]->k, threads);
+    for (int i = 0; i < n; i++) round_all(outs[i], M * ps[i]->n, bf16);
+    return rc;
+}
+
 static void rmsnorm_rows(const float *x, int64_t rows, int64_t D, const float *w, float eps, float *out, int bf16) {
     swarm_rmsnorm(x, rows, D, w, eps, out);
     round_all(out, rows * D, bf16);
@@ -164,8 +183,7 @@ int swarm_layer_forward(const swarm_layer *L, const swarm_rows *R, int64_t slot,
 
     /* attention */
     rmsnorm_rows(h, N, D, L->norm_in, L->eps_in, x, bf16);
-    if ((rc = project(&L->q, x, N, q, bf16, threads)) || (rc = project(&L->k, x, N, k, bf16, threads)) ||
-        (rc = project(&L->v, x, N, v, bf16, threads)))
+    if ((rc = project_many((const swarm_proj *[]){&L->q, &L->k, &L->v}, 3, x, N, (float *[]){q, k, v}, bf16, threads)))
         goto done;
     if (L->q_norm) {
         rmsnorm_rows(q, N * H, Dh, L->q_norm, L->eps_qk, q, bf16);
@@ -205,7 +223,8 @@ int swarm_layer_forward(const swarm_layer *L, const swarm_rows *R, int64_t slot,
 
     /* MLP */
     rmsnorm_rows(h, N, D, L->norm_post, L->eps_post, x, bf16);
-    if ((rc = project(&L->gate, x, N, g, bf16, threads)) || (rc = project(&L->up, x, N, u, bf16, threads))) goto done;
+    if ((rc = project_many((const swarm_proj *[]){&L->gate, &L->up}, 2, x, N, (float *[]){g, u}, bf16, threads)))
+        goto done;
     swarm_silu(g, N * I, g);
     round_all(g, N * I, bf16);
     for (int64_t i = 0; i < N * I; i++) g[i] = g[i] * u[i];

@@ -667,16 +667,41 @@ static void qdot_task(const void *c_, int64_t t) {
 }
 #undef Q_VARIANTS
 
-/* out (M, N) = x (M, K) times the block-format weight w (N rows of ldw bytes) transposed, + bias, in the
- * header's arithmetic. Returns 0, -1 when K is not a multiple of the format's block or the format is unknown,
- * -2 when out of memory for x's quantized copy (out untouched). */
-static int qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads) {
-    if (fmt < 0 || fmt > QF_Q6_K || K % qf_block[fmt]) return -1;
+/* Columns per task of an (N, ldw bytes) weight: a block of w that stays in L2 while the rows pass, and
+ * work for every thread. */
+static int64_t q_task_cols(int64_t N, int64_t ldw, int threads) {
+    int64_t nb = (int64_t)(196608 / (ldw > 0 ? ldw : 1));
+    const int64_t spread = (N + 2 * threads - 1) / (2 * threads);
+    if (threads > 1 && nb > spread) nb = spread;
+    return (nb + 7) & ~(int64_t)7;
+}
+
+/* The parts of one call (swarm_qlinear_many), their column tasks numbered part after part. */
+typedef struct {
+    qlinear_ctx part[SWARM_QPARTS_MAX];
+    int64_t first[SWARM_QPARTS_MAX + 1];  /* part p's tasks: [first[p], first[p + 1]) */
+} qmany_ctx;
+
+static void qmany_task(const void *c_, int64_t t) {
+    const qmany_ctx *c = c_;
+    int p = 0;
+    while (t >= c->first[p + 1]) p++;
+    qdot_task(&c->part[p], t - c->first[p]);
+}
+
+/* Each part's out (M, N) = x (M, K) times its block-format weight (N rows of ldw bytes) transposed, + bias, in
+ * the header's arithmetic, x quantized once for all. Returns 0, -1 when nparts is out of range or K is not a
+ * multiple of a part's block or a format is unknown, -2 when out of memory for x's quantized copy (outs
+ * untouched). */
+static int qlinear_many(const swarm_qpart *parts, int nparts, const float *x, int64_t M, int64_t K, int64_t ldx,
+                        int threads) {
+    if (nparts < 1 || nparts > SWARM_QPARTS_MAX) return -1;
+    for (int p = 0; p < nparts; p++)
+        if (parts[p].fmt < 0 || parts[p].fmt > QF_Q6_K || K % qf_block[parts[p].fmt]) return -1;
     const int64_t nbk = K / 32;
     char *buf = malloc((size_t)(2 * M * K + M * nbk * (4 + 32)) + 64);
     if (!buf) return -2;
-    qlinear_ctx c = {fmt, x, bias, w, out, M, K, ldx, N, ldw, ldo, 0, 0, 0, {0}};
+    qlinear_ctx c = {0, x, 0, 0, 0, M, K, ldx, 0, 0, 0, 0, 0, 0, {0}};
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
     c.vnni = q_vnni();
 #endif
@@ -686,13 +711,17 @@ static int qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, c
     const int tasks_q = threads > 1 && M >= 8 ? threads : 1;
     c.rows_per_task = (M + tasks_q - 1) / tasks_q;
     swarm_parallel_for(threads, quantize_task, &c, tasks_q);
-    /* columns per task: a block of w that stays in L2 while the rows pass, and work for every thread */
-    int64_t nb = (int64_t)(196608 / (ldw > 0 ? ldw : 1));
-    const int64_t spread = (N + 2 * threads - 1) / (2 * threads);
-    if (threads > 1 && nb > spread) nb = spread;
-    nb = (nb + 7) & ~(int64_t)7;
-    c.nb = nb;
-    swarm_parallel_for(threads, qdot_task, &c, (N + nb - 1) / nb);
+    qmany_ctx mc;
+    mc.first[0] = 0;
+    for (int p = 0; p < nparts; p++) {
+        const swarm_qpart *q = &parts[p];
+        qlinear_ctx *pc = &mc.part[p];
+        *pc = c;
+        pc->fmt = q->fmt, pc->w = q->w, pc->N = q->N, pc->ldw = q->ldw, pc->bias = q->bias, pc->out = q->out;
+        pc->ldo = q->ldo, pc->nb = q_task_cols(q->N, q->ldw, threads);
+        mc.first[p + 1] = mc.first[p] + (q->N + pc->nb - 1) / pc->nb;
+    }
+    swarm_parallel_for(threads, qmany_task, &mc, mc.first[nparts]);
     free(buf);
     return 0;
 }

@@ -5,6 +5,7 @@ rows, threads, ISA or integer instruction (VNNI or not) that share its call; bad
 
 from __future__ import annotations
 
+import ctypes
 from fractions import Fraction
 
 import numpy as np
@@ -184,6 +185,42 @@ def test_a_row_gets_the_same_bits_alone_in_any_chunk_on_any_threads_and_isa(fmt)
     finally:
         fma.set_threads(before_threads)
         fma.use_isa(before_isa)
+
+
+class _QPart(ctypes.Structure):  # fma_common.h's swarm_qpart
+    _fields_ = [("fmt", ctypes.c_int32), ("w", ctypes.c_void_p), ("N", ctypes.c_int64), ("ldw", ctypes.c_int64),
+                ("bias", ctypes.c_void_p), ("out", ctypes.c_void_p), ("ldo", ctypes.c_int64)]
+
+
+def _linear_many(x: torch.Tensor, weights: list[QWeight], biases: list, threads: int) -> tuple[int, list]:
+    """swarm_qlinear_many over ``weights`` (one x): its return code and each part's out."""
+    outs = [torch.full((x.shape[0], w.n), float("nan")) for w in weights]
+    parts = (_QPart * max(1, len(weights)))(*[
+        _QPart(list(FORMATS).index(w.fmt), w.data.data_ptr(), w.n, w.data.shape[1],
+               b.data_ptr() if b is not None else None, o.data_ptr(), w.n) for w, b, o in zip(weights, biases, outs)])
+    rc = fma._library().swarm_qlinear_many(parts, len(weights), x.data_ptr(), x.shape[0], x.shape[1], x.shape[1],
+                                           threads)
+    return rc, outs
+
+
+@pytest.mark.parametrize("rows", [1, 3, 11])
+def test_projections_of_one_input_in_one_call_get_each_ones_own_bits(rows):
+    """A layer's q, k and v (gate and up) in one swarm_qlinear_many call, formats mixed as a GGUF mixes them:
+    each part's out is what it gets alone, on 1 to 3 threads; more parts than it takes, or a K a part's
+    format cannot hold, is refused (-1) with every out untouched."""
+    ws = [_random_blocks(f, n, 256, seed=i) for i, (f, n) in enumerate((("q4_k", 40), ("q6_k", 24), ("q8_0", 9)))]
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen)
+    biases = [None, torch.randn(24, generator=gen), None]
+    alone = [qblocks.linear(x, w, b) for w, b in zip(ws, biases)]
+    for threads in (1, 2, 3):
+        rc, outs = _linear_many(x, ws, biases, threads)
+        assert rc == 0 and all(torch.equal(a, o) for a, o in zip(alone, outs)), threads
+    assert _linear_many(x, ws * 2, biases * 2, 1)[0] == -1
+    assert _linear_many(x, [], [], 1)[0] == -1
+    rc, outs = _linear_many(x[:, :96].contiguous(), [_random_blocks("q8_0", 5, 96, 1), _random_blocks("q4_k", 5, 256, 2)],
+                            [None, None], 1)
+    assert rc == -1 and all(o.isnan().all() for o in outs)
 
 
 def test_bad_input_is_refused_by_name():

@@ -611,11 +611,28 @@ AI void q_tile(const int F, const int V, const int MR, const int NC, const qline
 #define Q_COLS 8  /* columns per tile at one or two rows; four at three or four */
 #endif
 
+#if defined(SWARM_ISA_AVX2)
+/* q_cols_packed, compiled once per format and integer instruction (not inlined into each caller): VNNI's EVEX
+ * form (V 1) runs on the AVX2 path only when SWARM_ISA forces it on an AVX-512 CPU, so its panels take madd */
+static __attribute__((noinline)) int q_cols_packed_fv(const int F, const int V, const qlinear_ctx *c, int64_t n0,
+                                                      int64_t n1) {
+#define QPV(FF) return V == 2 ? q_cols_packed(FF, 2, c, n0, n1) : q_cols_packed(FF, 0, c, n0, n1)
+    switch (F) {
+        case QF_Q8_0: QPV(QF_Q8_0);
+        case QF_Q4_0: QPV(QF_Q4_0);
+        case QF_Q4_1: QPV(QF_Q4_1);
+        case QF_Q4_K: QPV(QF_Q4_K);
+        default: QPV(QF_Q6_K);
+    }
+#undef QPV
+}
+#endif
+
 #if defined(SWARM_ISA_AVX2) || defined(SWARM_ISA_AVX512)
 /* Columns [n0, n1) of every row: tiles of up to 4 rows; Q_COLS columns at 1-2 rows, Q_COLS / 2 at 3-4. */
 AI void q_cols_x86(const int F, const int V, const qlinear_ctx *c, int64_t n0, int64_t n1) {
 #if defined(SWARM_ISA_AVX2)
-    if (c->M >= QP_MIN_ROWS && q_cols_packed(F, V, c, n0, n1)) return;
+    if (c->M >= QP_MIN_ROWS && q_cols_packed_fv(F, V, c, n0, n1)) return;
 #endif
     for (int64_t m = 0; m < c->M;) {
         const int mr = c->M - m >= 4 ? 4 : (int)(c->M - m);

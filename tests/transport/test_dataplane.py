@@ -194,8 +194,10 @@ def test_small_frames_return_credit_in_batches_not_per_read(monkeypatch):
 
     run(main, timeout_s=60)
     # 4.8 MB each way, the windows grown to 2 MiB (credit returned per 1 MiB read): a few updates
-    # in each direction, where returning it per read sent 600
-    assert 1 <= len(updates) <= 30, updates
+    # in each direction, where returning it per read sent 600. How soon a window grows depends on the
+    # round trips the machine gives (a loaded 2-core VM: 34 updates of ~270 KB), so the bound is 10x
+    # under per read, not the quiet machine's count
+    assert 1 <= len(updates) <= 60, updates
 
 
 def test_a_quick_lock_excludes_and_honours_cancellation():

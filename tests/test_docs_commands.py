@@ -1,15 +1,14 @@
 """Every `swarm ...` command line in README.md and docs/*.md (in ```bash blocks) is one the CLI takes: its
 subcommand and every flag parse with `swarm.cli.main.build_parser()` (not run: a command that needs a
 swarm, a GPU or the network is still checked for drift). Shell variables ($B, $R, ...) stand for an
-address or id; what follows `#`, `;` or `&&` on a line is not part of the command."""
+address or id; what follows ` #`, `;`, `&&` or `|` on a line is not part of the command."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from pathlib import Path
-
-import argparse
 
 import pytest
 

@@ -58,7 +58,7 @@ class RingClient:
         self.hop_timeout_s = hop_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.heartbeat_s = heartbeat_s
-        self.returned: dict[str, int] = {}  # session -> highest chunk id with a result
+        self.returned: dict[str, int] = {}  # session -> highest chunk id whose result arrived
         self.sent: dict[str, int] = {}  # session -> highest chunk id sent to the head
         # session -> (digest of forward frames sent to the head, of result frames from the tail),
         # for sessions opened with a job (receipts)
@@ -70,7 +70,7 @@ class RingClient:
         self.prefixed: set[str] = set()  # sessions opened with a prefix: a replacement stage gets one too
         self.prefix_salts: dict[str, str] = {}  # session -> its prefix salt (a replacement's namespace has it too)
         self.net = RingLinks(host, ring, hop_timeout_s=hop_timeout_s, connect_timeout_s=connect_timeout_s,
-                             model_id=model_id, on_tail_result=self._ledger_result,
+                             model_id=model_id, on_tail_result=self._tail_result,
                              repaired_epoch=lambda session: self.repaired_epoch.get(session, -1))
         self.repair = RingRepair(self.net, host, ring.spares, open_at=self.open_at, ledgers=self.ledgers,
                                  segments=self.segments, repaired_epoch=self.repaired_epoch, batch=batch)
@@ -85,9 +85,14 @@ class RingClient:
         """What each stage of the ring reported about itself, in ring order (after any heal)."""
         return self.net.infos
 
-    def _ledger_result(self, msg: dict) -> None:
-        """Add a result frame the tail sent to its session's received ledger (sessions with a job)."""
-        ledger = self.ledgers.get(msg.get("session"))
+    def _tail_result(self, msg: dict) -> None:
+        """Count a result frame the tail sent as returned the moment it arrives, read or not (a probe
+        taken while the frame waits in the queue, during a heal, must not blame the tail that sent
+        it), and add it to its session's received ledger (sessions with a job)."""
+        session, chunk = msg.get("session"), msg.get("chunk")
+        if session in self.returned and type(chunk) is int:
+            self.returned[session] = max(self.returned[session], chunk)
+        ledger = self.ledgers.get(session)
         if ledger is not None:
             try:
                 ledger[1].add(receipts.result_item(msg))

@@ -76,7 +76,7 @@ async def run(args) -> dict:
                       extra_args=["--dtype", "float32", *args.stage_args]) as ring:
         spec = RingSpec(model="smollm2-135m", stages=ring.ring_spec().stages)
         async with trio.open_nursery() as nursery:
-            config = ServeConfig(host="127.0.0.1", port=0, key_path=Path(tmp) / "coord.key")
+            config = ServeConfig.of(host="127.0.0.1", port=0, key_path=Path(tmp) / "coord.key")
             info = await nursery.start(lambda task_status: serve_api(spec, config, task_status=task_status))
             url = info["url"]
             async with httpx.AsyncClient() as client:

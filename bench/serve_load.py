@@ -117,7 +117,7 @@ def run_setup(args, ranges, flags: list[str]) -> dict:
             async def server():
                 async with trio.open_nursery() as nursery:
                     box["token"], box["scope"] = trio.lowlevel.current_trio_token(), nursery.cancel_scope
-                    config = ServeConfig(host="127.0.0.1", port=0, key_path=Path(tmp) / "c.key", max_concurrency=16)
+                    config = ServeConfig.of(host="127.0.0.1", port=0, key_path=Path(tmp) / "c.key", max_concurrency=16)
                     box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
                                                                                     task_status=task_status))
             trio.run(server)

@@ -54,7 +54,7 @@ from swarm.discovery.providers import MAX_PROVIDERS_PER_KEY, PROVIDER_TTL_S
 from swarm.discovery.records import StageRecord, open_record, record_key, sign_record
 from swarm.heal import StageReport, locate_failure, plan_replay
 from swarm.routing import Holder, layer_capacity, plan_placement, should_move
-from swarm.config import StageConfig
+from swarm.config import AdmissionSection, MembershipSection
 
 MODEL_ID = hashlib.sha256(b"sim-70b").hexdigest()
 NUM_LAYERS = 80  # a 70B-class model
@@ -76,11 +76,10 @@ CARDS = (  # (name, speed vs reference, layers that fit, share of volunteers)
 NUM_REGIONS = 6
 CLIENT_MACHINES = 100  # machines the clients run on; each session is from one of them, at random
 EPOCH = 1.8e9  # unix seconds at virtual time 0 (records carry unix expiries)
-STAGE_CONFIG = StageConfig.__dataclass_fields__
-ANNOUNCE_INTERVAL_S = STAGE_CONFIG["announce_interval_s"].default
-RECORD_TTL_S = STAGE_CONFIG["record_ttl_s"].default
-REBALANCE_S = STAGE_CONFIG["rebalance_s"].default
-DRAIN_TIMEOUT_S = STAGE_CONFIG["drain_timeout_s"].default
+ANNOUNCE_INTERVAL_S = MembershipSection().announce_interval_s  # the stages' defaults
+RECORD_TTL_S = MembershipSection().record_ttl_s
+REBALANCE_S = MembershipSection().rebalance_s
+DRAIN_TIMEOUT_S = AdmissionSection().drain_timeout_s
 
 
 def node_key(text: str) -> int:

@@ -48,11 +48,11 @@ def test_stage_audit_retention_is_checked_and_stated_in_help():
     from swarm.config import StageConfig
     from swarm.ranges import LayerRange
 
-    assert StageConfig(model="m", layers=LayerRange(0, 1)).audit_retention_mb == 256.0
-    assert StageConfig(model="m", layers=LayerRange(0, 1), audit_retention_mb=0).audit_retention_mb == 0
+    assert StageConfig.of(model="m", layers=LayerRange(0, 1)).audits.audit_retention_mb == 256.0
+    assert StageConfig.of(model="m", layers=LayerRange(0, 1), audit_retention_mb=0).audits.audit_retention_mb == 0
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--audit-retention-mb must be a finite number of MiB >= 0"):
-            StageConfig(model="m", layers=LayerRange(0, 1), audit_retention_mb=bad)
+            StageConfig.of(model="m", layers=LayerRange(0, 1), audit_retention_mb=bad)
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = sub.choices["stage"].format_help()
     assert "--audit-retention-mb" in text and "default 256" in text
@@ -68,10 +68,10 @@ def test_stage_auditor_role_and_retention_spill_are_checked_and_stated_in_help(t
     from swarm.ranges import LayerRange
 
     def stage(**kw):
-        return StageConfig(model="m", layers=LayerRange(0, 1), **kw)
+        return StageConfig.of(model="m", layers=LayerRange(0, 1), **kw)
 
-    assert stage().audit_rate == 0 and stage().audit_retention_dir is None
-    assert stage(audit_rate=0.5, audit_tally=tmp_path / "t.json").audit_rate == 0.5
+    assert stage().audits.audit_rate == 0 and stage().audits.audit_retention_dir is None
+    assert stage(audit_rate=0.5, audit_tally=tmp_path / "t.json").audits.audit_rate == 0.5
     for kw, msg in (({"audit_rate": 1.5}, "--audit-rate must be in"), ({"audit_rate": float("nan")}, "--audit-rate"),
                     ({"audit_tally": tmp_path / "t.json"}, "--audit-tally needs --audit-rate"),
                     ({"audit_rate": 0.1, "audit_queue": 0}, "--audit-queue must be"),

@@ -150,7 +150,7 @@ def stage(synthetic, tmp_path_factory):
     model = synthetic("llama")
     keys = tmp_path_factory.mktemp("fuzz-keys")
     block = load_block(model, LayerRange(0, 4), dtype="float64", device="cpu")
-    server = StageServer(StageConfig(model=str(model), layers=LayerRange(0, 4)), block, "synthetic", "d" * 64,
+    server = StageServer(StageConfig.of(model=str(model), layers=LayerRange(0, 4)), block, "synthetic", "d" * 64,
                          key=load_or_create_key(keys / "stage.key"))
     server.host = NoNetwork(peer_id_of(server.key))
     coord, mallory = load_or_create_key(keys / "coord.key"), load_or_create_key(keys / "mallory.key")

@@ -122,7 +122,8 @@ def _serve(spec: RingSpec, args, spec_config, sock) -> int:
     from swarm.serve.app import serve_api
     from swarm.serve.config import ServeConfig
 
-    config = ServeConfig(host="127.0.0.1", port=args.port, key_path=None, spec=spec_config, wire_dtype=args.wire_dtype)
+    config = ServeConfig.of(host="127.0.0.1", port=args.port, key_path=None, spec=spec_config,
+                            wire_dtype=args.wire_dtype)
     stopped = []
 
     async def on_sigterm(cancel_scope):  # as Ctrl-C: the stages are reaped, the ring file removed

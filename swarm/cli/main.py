@@ -16,165 +16,25 @@ from pathlib import Path
 from swarm.config import QUANTIZE_SCHEMES
 from swarm.errors import ConfigError, SwarmError, collapse
 from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
+from swarm.serve.config import PREFIX_HELP, WIRE_DTYPE_HELP, WIRE_DTYPES
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
-def _stage_parser(sub) -> None:
+def _stage_command(sub) -> None:
+    from swarm.config import StageConfig
+
     p = sub.add_parser("stage", help="serve one block of a model's layers to the ring",
                        description="Load layers [start, end) of a model and serve them over libp2p. Prints "
                                    "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits 1.")
     p.error = lambda message: _stage_usage_error(p, message)  # a supervisor still gets one FATAL line
-    p.add_argument("--model", required=True, help="local HF directory, a .gguf file, smollm2-135m, or a hub id")
-    p.add_argument("--layers", help="half-open layer range start:end, e.g. 12:24 (write --layers=-1:2 for a value "
-                                    "that starts with '-'); omit it with --bootstrap to let the stage pick the "
-                                    "block the swarm needs most")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default: loopback, any port)")
-    p.add_argument("--key", type=Path, help="ed25519 identity key file, created 0600 if absent "
-                                            "(default: $SWARM_CACHE/keys/stage-START-END.key, or stage-auto.key "
-                                            "without --layers: give each stage on one machine its own)")
-    p.add_argument("--threads", type=int,
-                   help="CPU threads for this process's compute (default: torch's, the machine's cores); a "
-                        "stage in the fma kernel mode gives them to swarm's kernels and keeps torch at one")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--quantize", choices=list(QUANTIZE_SCHEMES),
-                   help="hold the decoder layers' Linear weights (and the LM head's) quantized, CPU only, the start-up "
-                        "proof covering it. gguf: the model's own GGUF blocks as the file stores them (Q8_0, Q4_0, "
-                        "Q4_1, Q4_K, Q6_K; give --model the .gguf file or a built-in name), the decoder layers' and "
-                        "LM head's never expanded (norms and, on the first stage, the embedding stay float32); q8_0, "
-                        "q4_0, q4_1, q4_k, q6_k: a float checkpoint quantized at load into those llama.cpp block "
-                        "formats, as llama-quantize writes them (a weight whose inputs are no multiple of 256 takes "
-                        "q4_1 under q4_k, q8_0 under q6_k). Both "
-                        "run swarm's integer kernels (activations rounded to 16 bits per block of 32, exact "
-                        "integer dots, float32 sums in a fixed order): the same bits on every CPU. int8 "
-                        "(per output row) or int4 (groups of 32): torch's own CPU ops in bfloat16, an untied LM "
-                        "head only. A weight a scheme cannot take stays as loaded")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--hop-timeout-s", type=float, default=30.0, help="deadline for sending to the successor")
-    p.add_argument("--allow-coordinator", action="append", default=[], metavar="PEER_ID",
-                   help="only this coordinator PeerId may open sessions (repeatable; default: any). Whatever the "
-                        "list, a session takes frames only from the peers its signed open assigns")
     p.add_argument("--check", action="store_true",
                    help="preflight only, no networking: model, tensors of the range, dtype, device, key file, "
                         "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
-    p.add_argument("--admin", action="append", default=[], metavar="PEER_ID",
-                   help="this PeerId may send a drain request (repeatable; default: nobody, SIGTERM only)")
-    p.add_argument("--fetch-from", action="append", default=[], metavar="MULTIADDR|swarm",
-                   help="fetch this stage's shards from the stage at this address (/p2p/ PeerId; repeatable, tried in "
-                        "order; never a relay; `swarm`: the holders found on the DHT, with --bootstrap), each tensor checked against the model's manifest; falls back to the "
-                        "hub for a hub id. Weights fetched earlier are re-verified and used without fetching. Without "
-                        "--layers: the peers' manifest and config first, then the shards of the block the stage picks")
-    p.add_argument("--model-id", metavar="HEX",
-                   help="the model id (sha256 over the weights' manifest) the weights must have; default: the first "
-                        "peer's, whose model name must be --model")
-    sw = p.add_argument_group("swarm membership (a self-organizing swarm instead of a hand-written ring file)")
-    sw.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                    help="join the swarm's DHT through this bootstrap node (repeatable; e.g. the addr "
-                         "`swarm bootstrap` prints) and announce this stage in a signed record")
-    sw.add_argument("--announce-addr", action="append", default=[], metavar="MULTIADDR",
-                    help="advertise this /ip4/H/tcp/P instead of the bound address (a port forward; repeatable)")
-    sw.add_argument("--dht-client", action="store_true",
-                    help="read the DHT but do not serve it, without asking (default: a bootstrap node dials this "
-                         "stage back; if it cannot, the stage runs client mode and logs why)")
-    sw.add_argument("--relay", action="append", default=[], metavar="MULTIADDR",
-                    help="hold a reservation on this relay (the addr `swarm relay` prints; repeatable), so the stage "
-                         "is reachable at its circuit address (READY relay_addrs, its record) even behind NAT")
-    sw.add_argument("--no-hole-punch", action="store_true",
-                    help="keep relayed connections relayed (default: DCUtR punches a direct connection and the "
-                         "hops move onto it at a frame boundary)")
-    sw.add_argument("--num-layers", type=int, dest="fit_layers",
-                    help="without --layers: take this many layers (default: what --mem-budget-mb allows)")
-    sw.add_argument("--mem-budget-mb", type=float,
-                    help="without --layers: memory for weights + one full-context KV cache (default: half of the "
-                         "free memory)")
-    sw.add_argument("--max-memory", metavar="SIZE",
-                    help="--mem-budget-mb as a size: 12GB (10^9 bytes), 12GiB (2^30), 512MB (`swarm plan` shows "
-                         "what a layer costs)")
-    sw.add_argument("--announce-interval-s", type=float, default=60.0, help="republish the record this often (60)")
-    sw.add_argument("--record-ttl-s", type=float, default=120.0, help="each published record is valid this long (120)")
-    sw.add_argument("--rebalance-s", type=float, default=300.0,
-                    help="without --layers: re-check every this many seconds whether another block helps the swarm "
-                         "clearly more, and move there after draining (default 300; 0: never)")
-    lim = p.add_argument_group("limits")
-    lim.add_argument("--max-ctx", type=int, help="maximum positions per session (default: the model's maximum)")
-    lim.add_argument("--kv-budget-mb", type=float,
-                     help="KV cache memory all sessions together may reserve; a session reserves max_len positions "
-                          "on open and is refused with a 'busy' error when the budget is full (default: no limit)")
-    lim.add_argument("--heal-log-mb", type=float,
-                     help="MiB of the hidden states it sent on that a session keeps, so a heal that replaces its "
-                          "successor resends them instead of replaying through every stage; reserved with the KV "
-                          "cache (default: up to the session's max_len positions; 0: keep none)")
-    lim.add_argument("--audit-retention-mb", type=float, default=256.0,
-                     help="MiB of recent jobs' input and output rows kept in memory, so an auditor can open any "
-                          "window of a signed receipt (an 'audit' request); the oldest jobs are evicted first and "
-                          "an audit of an evicted job is refused (default 256; 0: keep none)")
-    lim.add_argument("--audit-retention-dir", type=Path, metavar="DIR",
-                     help="spill jobs evicted from --audit-retention-mb to files in DIR (written to a temporary "
-                          "file, then renamed), read back when an audit opens one, oldest deleted first past "
-                          "--audit-retention-disk-mb; spill files already in DIR are deleted at start-up, so give "
-                          "each stage its own DIR (default: no spill, evicted jobs are forgotten)")
-    lim.add_argument("--audit-retention-disk-mb", type=float, default=1024.0,
-                     help="MiB of spill files --audit-retention-dir may hold (default 1024)")
-    aud = p.add_argument_group("auditor role (re-run other stages' work on offered jobs in idle time)")
-    aud.add_argument("--audit-rate", type=float, default=0.0, metavar="S",
-                     help="take the auditor role: accept job receipts coordinators offer (audit_offer), and while "
-                          "this stage has no live session, audit the offered jobs' stages whose layers lie within "
-                          "its own, at rate S (picked by a hash of the signed job receipt; every session of an "
-                          "identity's first 20); announced in its info and DHT record. With --bootstrap, fraud "
-                          "proofs go on the DHT (default 0: off, offers are refused)")
-    aud.add_argument("--audit-tally", type=Path, metavar="FILE",
-                     help="with --audit-rate: add the role's audited / passed / failed per stage to this JSON file "
-                          "after each job (the format of `swarm audit run --tally`)")
-    aud.add_argument("--audit-queue", type=int, default=64,
-                     help="with --audit-rate: offered jobs waiting for idle time; past it the oldest is dropped "
-                          "and counted (default 64)")
-    lim.add_argument("--prefix-cache-mb", type=float, default=512.0,
-                     help="MiB of finished sessions' KV kept as reusable prefix blocks, so a prompt that starts "
-                          "like an earlier one of the same coordinator (a chat's next turn, a shared system prompt) "
-                          "skips their prefill; inside --kv-budget-mb, evicted least recently used before any "
-                          "session is refused (default 512; 0: off)")
-    lim.add_argument("--metrics-listen", metavar="HOST:PORT",
-                     help="serve Prometheus metrics on http://HOST:PORT/metrics (sessions, queue, step time, "
-                          "frames and bytes, KV memory, refusals by reason, heals, receipts, prefix cache); no "
-                          "prompt text or key material in them. Bind a private address (default: off)")
-    lim.add_argument("--prefix-block", type=int, default=32,
-                     help="positions per prefix-cache block; reuse is in whole blocks (default 32)")
-    lim.add_argument("--session-ttl-s", type=float, default=600.0, help="drop a session idle this long (default 600)")
-    lim.add_argument("--drain-timeout-s", type=float, default=30.0,
-                     help="on SIGTERM or a drain request: stop admitting sessions, let open ones finish this long, "
-                          "fail the rest, print SWARM_STAGE_DRAINED and exit 0 (default 30)")
-    bat = p.add_argument_group("batching (sessions opened to batch, as swarm serve does, share forwards when ready together)")
-    bat.add_argument("--max-batch-rows", type=int, default=64,
-                     help="most decode/verify rows of different sessions one forward takes (default 64; 1: one "
-                          "session per forward)")
-    bat.add_argument("--batch-tile", type=int, default=2,
-                     help="rows per fixed-shape GEMM of packed sessions: more rows share each read of the weights; "
-                          "a session's bits never depend on what shares its forward. Proven at start-up; a BLAS "
-                          "that fails the proof makes the stage fall back to 1 and log why (default 2; 1: one GEMV "
-                          "per row, as unbatched sessions always run)")
-    bat.add_argument("--prefill-slice-shared", type=int, default=2,
-                     help="the most positions of a long prompt that ride along in a decoding session's step "
-                          "(default 2; fewer where a row costs more than half the step); with "
-                          "--no-prefill-piggyback, positions per step while other sessions decode")
-    bat.add_argument("--no-prefill-piggyback", dest="prefill_piggyback", action="store_false",
-                     help="by default, while another session's decode row is due (within two of its own gaps "
-                          "between rows, at least 0.25 s), a long prompt is computed only inside that session's "
-                          "steps (Sarathi-Serve's stall-free batching): its rows ride along within half the "
-                          "step's time and it waits in between; with this flag the prompt goes "
-                          "--prefill-slice-shared rows a step, alone or not. Either way a slice computed alone "
-                          "pauses at its next layer for a decode row that arrives")
-    bat.add_argument("--prefill-slice", type=int, default=128,
-                     help="positions of a long prompt chunk computed per step while no other session has work "
-                          "waiting (default 128)")
-    bat.add_argument("--inline-step-ms", type=float, default=30.0,
-                     help="a step of decode/verify rows only whose recent compute took less than this many ms runs "
-                          "in the network thread itself, saving the worker-thread round trip (about 0.5 ms a step "
-                          "here); longer steps (prefill) always run in the worker thread so the node stays "
-                          "responsive (default 30; 0: always the worker thread)")
-    bat.add_argument("--batch-wait-ms", type=float, default=10.0,
-                     help="while other batching sessions are open but not all ready, wait this long for their rows "
-                          "before a step, so steps pack more rows (default 10; 0: start at once). A lone session, "
-                          "or one that did not ask to batch, never waits")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="--mem-budget-mb as a size: 12GB (10^9 bytes), 12GiB (2^30), 512MB (`swarm plan` shows "
+                        "what a layer costs)")
+    StageConfig.add_cli_args(p)  # every setting's flag, declared with the setting in swarm.config
 
 
 def _stage_usage_error(parser, message: str):
@@ -202,20 +62,13 @@ def _add_spec_flags(p) -> None:
     s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"],
-                   help="dtype of hidden states between stages (default: the stages' own). Narrower is "
-                        "lossy (opt-in; recorded as wire_lossy in --json); float8 carries a scale per position")
+    p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), help=WIRE_DTYPE_HELP)
 
 
 SHADOW_HELP = ("open each session also at the warm spare of every stage that has one, as a shadow: the stage "
                "before it mirrors every frame to it, so a heal onto it refills (almost) nothing. Costs each spare "
                "the compute of its stage and each predecessor one more copy of every frame on its uplink; a slow "
                "or dead shadow is dropped, never slowing the ring (default: off)")
-
-
-PREFIX_HELP = ("do not offer prompts to the stages' prefix caches (by default a prompt that starts like an earlier "
-               "one of this coordinator's, e.g. a conversation's next turn, prefills only what is new; the output is "
-               "the same bits either way)")
 
 
 def _coordinate_parser(sub) -> None:
@@ -330,7 +183,9 @@ def _demo_parser(sub) -> None:
     _add_spec_flags(p)
 
 
-def _serve_parser(sub) -> None:
+def _serve_command(sub) -> None:
+    from swarm.serve.config import ServeConfig
+
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API over a running ring or swarm",
                        description="Check the ring (a ring file, or a route through the swarm with --model and "
                                    "--bootstrap), then serve POST /v1/chat/completions and /v1/completions "
@@ -339,59 +194,12 @@ def _serve_parser(sub) -> None:
                                    "gets its own session at every stage.")
     p.add_argument("--ring", type=Path, help="ring YAML file (model, stages, spares)")
     p.add_argument("--model", help="with --bootstrap: the model; its weights' id selects the stages")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                   help="route through the swarm joined at this bootstrap node (repeatable)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
-    p.add_argument("--hop-timeout-s", type=float, default=60.0)
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--max-concurrency", type=int, default=16,
-                   help="requests on the ring at once; more wait for a free slot (default 16)")
-    life = p.add_argument_group("request lifecycle")
-    life.add_argument("--keepalive-s", type=float, default=15.0,
-                      help="a stream that waits (queued, a long prefill) sends an SSE comment this often, so proxies "
-                           "do not cut it as idle; a queued stream gets its 200 after this long (default 15; 0: never)")
-    life.add_argument("--max-body-mb", type=float, default=8.0,
-                      help="refuse larger request bodies (413) before parsing them (default 8)")
-    life.add_argument("--header-timeout-s", type=float, default=10.0,
-                      help="close a connection whose request line and headers are not in this long after it opened "
-                           "or after its previous answer (slow headers, idle keep-alive) (default 10)")
-    life.add_argument("--body-timeout-s", type=float, default=60.0,
-                      help="answer 408 and close a connection whose request body is not in this long after its "
-                           "headers, however steadily it trickles (default 60)")
-    life.add_argument("--send-timeout-s", type=float, default=60.0,
-                      help="close a connection one of whose answer's writes cannot complete this long (the client "
-                           "read none of it meanwhile); its generation stops as if it hung up (default 60)")
-    life.add_argument("--max-connections", type=int, default=None,
-                      help="client connections open at once; at the cap the oldest one still sending its request (or "
-                           "idle) is closed for a new one, so /health and new requests still get in (default: the "
-                           "open-file limit less max(128, a quarter of it) kept for the ring, receipts and heals, "
-                           "e.g. 128 under ulimit -n 256, at most 4096)")
-    life.add_argument("--drain-timeout-s", type=float, default=30.0,
-                      help="on SIGTERM: refuse new requests (503), let open ones finish this long, then end the rest "
-                           "(streams with an error event and [DONE]) and exit 0 (default 30); Ctrl-C ends them at "
-                           "once, a second Ctrl-C stops without that")
+    ServeConfig.add_cli_args(p)  # every setting's flag, declared with the setting in swarm.serve.config
     g = p.add_argument_group("speculative decoding (output stays token-identical)")
     g.add_argument("--draft", default="none", choices=["none", "ngram"], help="drafter (default none)")
     g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter)")
     g.add_argument("--depth", type=int, default=1, help="verify chunks in flight (default 1)")
     g.add_argument("--prefill-chunk", type=int, default=128)
-    p.add_argument("--wire-dtype", choices=["float32", "float64", "bfloat16", "float16", "float8_e4m3fn"])
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help=PREFIX_HELP)
-    p.add_argument("--receipt-dir", type=Path, metavar="DIR",
-                   help="run every request as a job and save its signed job receipt (who computed what) to "
-                        "DIR/<job_id>.json, verified at once and counted in /metrics; costs one more round per "
-                        "request to collect the stages' receipts (default: no receipts)")
-    p.add_argument("--dashboard-receipts", type=Path, metavar="DIR",
-                   help="list the job receipts in DIR (verified or failed, and which check) on /dashboard "
-                        "(default: --receipt-dir)")
-    p.add_argument("--audits", type=Path, metavar="FILE",
-                   help="an auditor's tally (`swarm audit run --tally FILE`): /dashboard shows audited / passed / "
-                        "failed per stage, next to the state of the fraud proof against it")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="let web pages on ORIGIN (scheme://host[:port], or * for any) call the API from a "
-                        "browser: CORS headers and preflight answers (repeatable; default none: same origin only)")
 
 
 def _dashboard_parser(sub) -> None:
@@ -460,11 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description="Peer-to-peer pipeline-parallel LLM inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    _stage_parser(sub)
+    _stage_command(sub)
     _coordinate_parser(sub)
     _demo_parser(sub)
     _model_parser(sub)
-    _serve_parser(sub)
+    _serve_command(sub)
     _dashboard_parser(sub)
     _bootstrap_parser(sub)
     _peers_parser(sub)
@@ -548,45 +356,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_stage(args) -> int:
-    from swarm.config import StageConfig, cache_root
-    from swarm.ranges import LayerRange
+    from dataclasses import replace
 
-    layers = LayerRange.parse(args.layers) if args.layers is not None else None
-    if layers is None and args.check:
-        raise ConfigError("--check needs --layers (the block to check)")
-    key = args.key or cache_root() / "keys" / (f"stage-{layers.start}-{layers.end}.key" if layers else "stage-auto.key")
+    from swarm.config import StageConfig, cache_root
+
     mem_budget_mb = args.mem_budget_mb
     if args.max_memory is not None:
         from swarm.model.plan import parse_size
 
         if mem_budget_mb is not None:
             raise ConfigError("give --max-memory or --mem-budget-mb, not both (they are the same budget)")
-        if layers is not None:
+        if args.layers is not None:
             raise ConfigError("--max-memory sizes a stage that picks its layers: drop it or drop --layers")
         mem_budget_mb = parse_size(args.max_memory) / 2**20
-    config = StageConfig(model=args.model, layers=layers, listen=args.listen, key_path=key, threads=args.threads,
-                         key_fallback=args.key is None and layers is None,
-                         dtype=args.dtype, device=args.device, quantize=args.quantize,
-                         hop_timeout_s=args.hop_timeout_s,
-                         allow_coordinators=tuple(args.allow_coordinator), admins=tuple(args.admin),
-                         max_ctx=args.max_ctx, kv_budget_mb=args.kv_budget_mb, heal_log_mb=args.heal_log_mb,
-                         prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
-                         audit_retention_mb=args.audit_retention_mb, metrics_listen=args.metrics_listen,
-                         audit_retention_dir=args.audit_retention_dir,
-                         audit_retention_disk_mb=args.audit_retention_disk_mb, audit_rate=args.audit_rate,
-                         audit_tally=args.audit_tally, audit_queue=args.audit_queue,
-                         session_ttl_s=args.session_ttl_s,
-                         drain_timeout_s=args.drain_timeout_s, max_batch_rows=args.max_batch_rows,
-                         batch_tile=args.batch_tile, prefill_slice=args.prefill_slice,
-                         prefill_slice_shared=args.prefill_slice_shared,
-                         prefill_piggyback=args.prefill_piggyback,
-                         batch_wait_ms=args.batch_wait_ms, inline_step_ms=args.inline_step_ms,
-                         bootstrap=tuple(args.bootstrap),
-                         announce_addrs=tuple(args.announce_addr), dht_client=args.dht_client,
-                         relays=tuple(args.relay), hole_punch=not args.no_hole_punch,
-                         fit_layers=args.fit_layers, mem_budget_mb=mem_budget_mb,
-                         announce_interval_s=args.announce_interval_s, record_ttl_s=args.record_ttl_s,
-                         rebalance_s=args.rebalance_s, fetch_from=tuple(args.fetch_from), model_id=args.model_id)
+    if args.layers is None and args.check:
+        raise ConfigError("--check needs --layers (the block to check)")
+    config = StageConfig.from_args(args, mem_budget_mb=mem_budget_mb,
+                                   key_fallback=args.key_path is None and args.layers is None)
+    if args.key_path is None:
+        layers = config.model.layers
+        key = cache_root() / "keys" / (f"stage-{layers.start}-{layers.end}.key" if layers else "stage-auto.key")
+        config = replace(config, network=replace(config.network, key_path=key))
     from swarm.stage.daemon import run_check, run_stage
 
     return run_check(config) if args.check else run_stage(config)
@@ -749,24 +539,16 @@ def cmd_serve(args) -> int:
     from swarm.serve.lifecycle import Shutdown, drain_on_signals
 
     ring = _ring_or_swarm(args)
-    config = ServeConfig(
-        host=args.host, port=args.port, key_path=args.key, spec=SpecConfig.from_args(args), wire_dtype=args.wire_dtype,
-        hop_timeout_s=args.hop_timeout_s, heartbeat_s=args.heartbeat_s, max_concurrency=args.max_concurrency,
-        bootstrap=tuple(args.bootstrap), prefix_cache=args.prefix_cache, receipt_dir=args.receipt_dir,
-        dashboard_receipts=args.dashboard_receipts, keepalive_s=args.keepalive_s, max_body_mb=args.max_body_mb,
-        drain_timeout_s=args.drain_timeout_s, cors_origins=tuple(args.cors_origin), audit_tally=args.audits,
-        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-        send_timeout_s=args.send_timeout_s,
-        max_connections=args.max_connections)
+    config = ServeConfig.from_args(args, spec=SpecConfig.from_args(args))
     from swarm.listen import bind_tcp
 
-    sock = bind_tcp(config.host, config.port)  # before anything loads: a taken port fails at once
-    shutdown = Shutdown(timeout_s=config.drain_timeout_s)
+    sock = bind_tcp(config.listen.host, config.listen.port)  # before anything loads: a taken port fails at once
+    shutdown = Shutdown(timeout_s=config.lifecycle.drain_timeout_s)
     drained: dict = {}
 
     async def main():
         async with trio.open_nursery() as nursery:
-            await nursery.start(drain_on_signals, shutdown, config.drain_timeout_s)
+            await nursery.start(drain_on_signals, shutdown, config.lifecycle.drain_timeout_s)
 
             async def run(task_status):
                 drained.update(await serve_api(ring, config, listen_socket=sock, shutdown=shutdown,

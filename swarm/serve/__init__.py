@@ -3,7 +3,7 @@
 Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
 - ``app``         the Starlette app and its routes; ``serve_api``: load the model, check the ring, listen, drain
-- ``config``      ``ServeConfig``: every setting of ``swarm serve``, frozen and validated on construction
+- ``config``      ``ServeConfig``: every setting of ``swarm serve`` and its flag, in sections, validated
 - ``state``       ``ServeState``: what every request shares (the ring, host, tokenizer, config, pool, counters)
 - ``requests``    a body into a validated ``Request``, or an OpenAI-shaped ``ApiError``; size limits
 - ``completion``  one request's generation on the ring: detokenizing, stop strings, receipts, ring errors

@@ -73,11 +73,11 @@ API_PATHS = ("/v1/chat/completions", "/v1/completions")  # where a refused reque
 
 def build_app(state: ServeState) -> Starlette:
     """The Starlette app over ``state``: the routes, OpenAI-shaped errors for every fault (404, 405,
-    500), and CORS for ``state.config.cors_origins``."""
+    500), and CORS for ``state.config.listen.cors_origins``."""
     from starlette.applications import Starlette
 
     return Starlette(routes=_routes(state), exception_handlers=_error_handlers(state),
-                     middleware=_middleware(state.config.cors_origins))
+                     middleware=_middleware(state.config.listen.cors_origins))
 
 
 async def completion(state: ServeState, request: HttpRequest, chat: bool) -> Response:
@@ -91,7 +91,7 @@ async def completion(state: ServeState, request: HttpRequest, chat: bool) -> Res
     try:
         # the size limits first, then parsing, templating and tokenizing in a worker thread: one
         # huge request never holds the event loop that streams every other request
-        raw = await read_body(request, state.config.max_body_bytes)
+        raw = await read_body(request, state.config.lifecycle.max_body_bytes)
         req = await trio.to_thread.run_sync(parse_body, raw, state, chat)
     except ClientDisconnect:  # the client hung up before its body was in: its doing, not the server's fault
         log.info("request.abandoned path=%s during=upload", request.url.path)
@@ -168,7 +168,7 @@ def _routes(state: ServeState) -> list[Route]:
         status = "draining" if state.draining else "ok" if ok else "degraded"
         return JSONResponse({"status": status, "model": state.model_id, "stages": stages,
                              "active_requests": state.active, "served_requests": state.served,
-                             "prefix_cache": state.config.prefix_cache, "cached_tokens": state.cached_tokens},
+                             "prefix_cache": state.config.ring.prefix_cache, "cached_tokens": state.cached_tokens},
                             status_code=200 if ok else 503)
 
     async def metrics(request):
@@ -248,12 +248,12 @@ class _Model:
 
 async def serve_api(ring: RingSpec, config: ServeConfig | None = None, *, listen_socket: socket.socket | None = None,
                     shutdown: Shutdown | None = None, task_status=trio.TASK_STATUS_IGNORED) -> dict | None:
-    """Bind ``config.host:config.port`` first (or take ``listen_socket``, already bound), then serve
+    """Bind ``config.listen.host:config.listen.port`` first (or take ``listen_socket``, already bound), then serve
     the API over ``ring`` until cancelled, or until ``shutdown`` is requested: then drain (``drain``,
     ``shutdown.timeout_s``), stop listening and return the drain's result.
 
     A taken port thus fails at once, in one line, before the model, the tokenizer or the ring are
-    touched. With ``config.bootstrap`` (and a RingSpec naming only the model) the ring is routed from
+    touched. With ``config.ring.bootstrap`` (and a RingSpec naming only the model) the ring is routed from
     the swarm's DHT (``swarm.discovery.client.discover_ring``) and heals may take replacements from it;
     neither routing, rerouting nor heals take a stage against which a fraud proof on the DHT held when
     re-run on the local weights (``swarm.auditor.exclusions``; a forged proof is refused and logged).
@@ -276,7 +276,7 @@ async def serve_api(ring: RingSpec, config: ServeConfig | None = None, *, listen
     the ring admitted the session, or once it waited ``keepalive_s`` in the queue.
 
     Args:
-        ring: the stages to serve over, or (with ``config.bootstrap``) only the model to route.
+        ring: the stages to serve over, or (with ``config.ring.bootstrap``) only the model to route.
         config: the settings (default ``ServeConfig()``).
     Raises:
         ListenError: ``host:port`` cannot be bound ("cannot listen on 127.0.0.1:8000: address already
@@ -286,7 +286,7 @@ async def serve_api(ring: RingSpec, config: ServeConfig | None = None, *, listen
     from swarm.listen import bind_tcp
 
     config = config if config is not None else ServeConfig()
-    sock = listen_socket if listen_socket is not None else bind_tcp(config.host, config.port)
+    sock = listen_socket if listen_socket is not None else bind_tcp(config.listen.host, config.listen.port)
     try:
         return await _serve_api(ring, config, sock, shutdown, task_status)
     finally:
@@ -303,9 +303,9 @@ async def _serve_api(ring: RingSpec, config: ServeConfig, sock: socket.socket, s
     from swarm.transport.identity import claim_key
 
     model = await _load_model(ring, config)
-    key, _ = claim_key(config.key_path or cache_root() / "keys" / "coordinator.key",
-                       fallback=config.key_path is None)
-    shut_out = _exclusions(model.resolved.path) if config.bootstrap else None
+    key, _ = claim_key(config.listen.key_path or cache_root() / "keys" / "coordinator.key",
+                       fallback=config.listen.key_path is None)
+    shut_out = _exclusions(model.resolved.path) if config.ring.bootstrap else None
     async with open_host(key, ["/ip4/127.0.0.1/tcp/0"]) as p2p, trio.open_nursery() as nursery:
         ring, discovery, infos = await _check_ring(p2p, nursery, ring, model, config, shut_out)
         resolved, max_ctx = model.resolved, min(i.max_ctx for i in infos)
@@ -319,7 +319,7 @@ async def _serve_api(ring: RingSpec, config: ServeConfig, sock: socket.socket, s
 
             state.coverage = SwarmCoverage(discovery[0], judge=_proof_judge(state))
             await nursery.start(state.coverage.run)
-        state.pool = ClientPool(state, config.max_concurrency)
+        state.pool = ClientPool(state, config.ring.max_concurrency)
         from swarm.serve.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(state)
@@ -361,23 +361,23 @@ async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
 
-    if config.bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
+    if config.ring.bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
         from swarm.coordinator.generation import swarm_may_serve
 
-        await swarm_may_serve(ring.model, config.bootstrap)
+        await swarm_may_serve(ring.model, config.ring.bootstrap)
     resolved = resolve_model(ring.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
     num_layers = model_num_layers(resolved.path)
     digest = model_manifest_digest(resolved.path)
-    if config.receipt_dir is not None:  # checked before listening: every answered request gets its receipt
-        check_receipt_dir(config.receipt_dir)
-    if config.dashboard_receipts is not None and not Path(config.dashboard_receipts).is_dir():
-        raise ConfigError(f"--dashboard-receipts {config.dashboard_receipts}: not a directory")
-    if config.audit_tally is not None:  # a tally that cannot be read fails now, not on the dashboard
+    if config.receipts.receipt_dir is not None:  # checked before listening: every answered request gets its receipt
+        check_receipt_dir(config.receipts.receipt_dir)
+    if config.receipts.dashboard_receipts is not None and not Path(config.receipts.dashboard_receipts).is_dir():
+        raise ConfigError(f"--dashboard-receipts {config.receipts.dashboard_receipts}: not a directory")
+    if config.receipts.audit_tally is not None:  # a tally that cannot be read fails now, not on the dashboard
         from swarm.auditor.tally import read_tally
 
         try:
-            read_tally(config.audit_tally)
+            read_tally(config.receipts.audit_tally)
         except ConfigError as exc:
             raise ConfigError(f"--audits: {exc}") from None
     return _Model(resolved, tokenizer, num_layers, digest)
@@ -398,7 +398,7 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
     from swarm.coordinator.ring import RingClient
 
     discovery = None
-    if config.bootstrap:
+    if config.ring.bootstrap:
         from swarm.coordinator.generation import run_dht
         from swarm.discovery.client import discover_ring
         from swarm.weights.identify import model_id as weights_model_id
@@ -406,11 +406,11 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
         from swarm.coordinator.measured import load_measured
 
         weights_id = await trio.to_thread.run_sync(weights_model_id, model.resolved.path, cache_root() / "manifests")
-        dht = await nursery.start(run_dht, p2p, config.bootstrap)
+        dht = await nursery.start(run_dht, p2p, config.ring.bootstrap)
         found = await discover_ring(dht, ring.model, weights_id, model.num_layers, shut_out=shut_out,
                                     measured_layer_ms=load_measured(weights_id))
         ring, discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
-    probe = RingClient(p2p, ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
+    probe = RingClient(p2p, ring, config.ring.hop_timeout_s, config.ring.connect_timeout_s, config.ring.heartbeat_s,
                        model_id=discovery[1] if discovery else None)
     probe.shut_out = shut_out
     async with trio.open_nursery() as probe_nursery:
@@ -438,22 +438,23 @@ async def _listen(state: ServeState, sock: socket.socket, ring_entries: list[dic
     config.graceful_timeout = 5.0  # after a drain: the last events of the streams still go out
     # hypercorn's idle timer runs from a connection's accept (or its last answer) to the next request's
     # headers: the header deadline and the keep-alive timeout in one; the body's is guard_app's
-    config.keep_alive_timeout = state.config.header_timeout_s
-    max_connections = state.config.max_connections or default_max_connections()
+    life = state.config.lifecycle
+    config.keep_alive_timeout = life.header_timeout_s
+    max_connections = life.max_connections or default_max_connections()
     quiet_accept_errors()  # the ring's accept loops (libp2p) too: one line per condition, not a traceback a try
     log.info("serve.http max_connections=%d header_timeout_s=%g body_timeout_s=%g send_timeout_s=%g", max_connections,
-             state.config.header_timeout_s, state.config.body_timeout_s, state.config.send_timeout_s)
+             life.header_timeout_s, life.body_timeout_s, life.send_timeout_s)
     stop_listening, stopped = trio.Event(), trio.Event()
 
     async def http(task_status=trio.TASK_STATUS_IGNORED):
         await serve_http(build_app(state), config, sock, max_connections=max_connections,
-                         body_timeout_s=state.config.body_timeout_s, send_timeout_s=state.config.send_timeout_s,
+                         body_timeout_s=life.body_timeout_s, send_timeout_s=life.send_timeout_s,
                          shutdown_trigger=stop_listening.wait,
                          task_status=task_status)
         stopped.set()
 
     binds = await state.nursery.start(http)
-    url = binds[0] if binds else f"http://{state.config.host}:{state.config.port}"
+    url = binds[0] if binds else f"http://{state.config.listen.host}:{state.config.listen.port}"
     if shutdown is not None:
         shutdown.serving = True
     task_status.started({"url": url, "model": state.model_id, "ring": ring_entries})

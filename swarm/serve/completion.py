@@ -94,9 +94,10 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
         if piece and on_text:
             on_text(piece)
 
-    drafter = make_drafter(state.config.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
-        if state.config.spec.draft != "none" else None
-    job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if state.config.receipt_dir is not None else None
+    drafter = make_drafter(state.config.ring.spec.draft, target_vocab=state.vocab_size, sampling=req.sampling) \
+        if state.config.ring.spec.draft != "none" else None
+    receipt_dir = state.config.receipts.receipt_dir
+    job = {"id": uuid.uuid4().hex, "nonce": receipts.new_nonce()} if receipt_dir is not None else None
     client = await _acquire_unless(state.pool, stop)
     if client is None:  # stopped while queued: nothing was sent to the ring
         if state.metrics is not None:
@@ -105,8 +106,8 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     state.active += 1
     healthy = False
     try:
-        options = DecodeOptions(req.max_tokens, state.stop_ids, state.config.spec, drafter, req.sampling,
-                                state.config.wire_dtype, prefix_cache=state.config.prefix_cache, job=job,
+        options = DecodeOptions(req.max_tokens, state.stop_ids, state.config.ring.spec, drafter, req.sampling,
+                                state.config.ring.wire_dtype, prefix_cache=state.config.ring.prefix_cache, job=job,
                                 prefix_salt=req.cache_scope)
         decoded = await decode(client, req.prompt_ids, options, on_ids=on_ids, on_open=on_open,
                                should_stop=lambda ids: detok.hit or (stop is not None and stop.is_set()),
@@ -177,7 +178,8 @@ async def _save_receipt(state: ServeState, job: dict, parts: dict, prompt_ids: l
 
     try:
         res = await trio.to_thread.run_sync(lambda: write_job_receipt(
-            state.config.receipt_dir, state.key, job, parts, model=state.model_id, model_digest=state.model_digest,
+            state.config.receipts.receipt_dir, state.key, job, parts, model=state.model_id,
+            model_digest=state.model_digest,
             num_layers=state.num_layers, prompt_ids=prompt_ids, output_ids=out, ring=ring_entries, record=record))
     except ConfigError as exc:
         log.warning("receipt.unwritten job=%s reason=%s", job["id"], exc)

@@ -1,8 +1,9 @@
 """``ServeConfig``: everything ``swarm serve`` is told, as one frozen object validated on construction.
 
-Owns: the settings of ``serve_api`` (where it listens, its identity, the ring client's deadlines,
-speculation, receipts, the request lifecycle's limits, CORS) and their defaults and checks; the
-messages name the command-line flags they come from.
+Owns: the settings of ``serve_api`` in sections (``listen``: address, identity, CORS; ``ring``: the
+ring clients' deadlines, concurrency, route, speculation; ``lifecycle``: a request's limits and
+deadlines, the drain; ``receipts``), each field with its default, check and flag (``swarm.flags``);
+the messages name the flags.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from swarm.config import SpecConfig
 from swarm.errors import ConfigError
+from swarm.flags import add_sections, build, option
 
 DEFAULT_MAX_BODY_MB = 8.0  # --max-body-mb: a text prompt that fits any ring's context is far smaller
 DEFAULT_KEEPALIVE_S = 15.0  # --keepalive-s: under the idle timeouts of common proxies (nginx 60 s, ALB 60 s)
@@ -23,94 +25,170 @@ DEFAULT_BODY_TIMEOUT_S = 60.0  # --body-timeout-s: --max-body-mb's 8 MiB at ~1 M
 DEFAULT_SEND_TIMEOUT_S = 60.0  # --send-timeout-s: a client that read none of its answer this long is gone
 
 
+PREFIX_HELP = ("do not offer prompts to the stages' prefix caches (by default a prompt that starts like an earlier "
+               "one of this coordinator's, e.g. a conversation's next turn, prefills only what is new; the output is "
+               "the same bits either way)")
+WIRE_DTYPES = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
+WIRE_DTYPE_HELP = ("dtype of hidden states between stages (default: the stages' own). Narrower is lossy (opt-in; "
+                   "recorded as wire_lossy in --json); float8 carries a scale per position")
+
+
+def _seconds(flag: str, value, *, finite: bool = False, zero_ok: bool = False) -> None:
+    """ConfigError unless ``value`` is a number of seconds > 0 (>= 0 with ``zero_ok``; finite with
+    ``finite``); also refuses NaN."""
+    if zero_ok:
+        if not value >= 0 or value == math.inf:
+            raise ConfigError(f"{flag} must be a number >= 0, got {value}")
+    elif not value > 0 or finite and value == math.inf:
+        raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
+
+
 @dataclass(frozen=True)
-class ServeConfig:
-    """The settings of ``swarm serve`` (``serve_api``).
+class ListenSection:
+    """Where the API listens, the node's identity, and which browser origins may call it."""
 
-    Args:
-        host, port: where the API listens (port 0: a free one).
-        key_path: the coordinator's node key; None: ``$SWARM_CACHE/keys/coordinator.key`` (or the
-            first free ``coordinator-N.key``).
-        spec: speculation and prefill chunking of every request.
-        wire_dtype: the dtype hidden states travel in (None: each stage's own).
-        hop_timeout_s, connect_timeout_s, heartbeat_s: the ring clients' deadlines and heartbeat, seconds.
-        max_concurrency: requests on the ring at once (one ring client each); more wait for a slot.
-        bootstrap: route through the swarm joined at these multiaddrs instead of a ring file's stages.
-        prefix_cache: offer prompts to the stages' prefix caches.
-        receipt_dir: every request runs as a job whose signed receipt is saved there; None: no receipts.
-        dashboard_receipts: the receipt directory the dashboard lists (default: ``receipt_dir``).
-        keepalive_s: an idle stream sends an SSE comment this often; a queued stream gets its 200
-            after this long (0: never).
-        max_body_mb: a larger request body is refused (413) unread, MiB.
-        drain_timeout_s: on SIGTERM, how long requests in flight may finish.
-        cors_origins: browser origins (``scheme://host[:port]`` or ``*``) allowed to call the API.
-        audit_tally: an auditor's tally file (``--audits``; ``swarm.auditor.tally``): the dashboard shows
-            audited / passed / failed per stage.
-        header_timeout_s: a connection's request line and headers are due this long after it opens or
-            after its previous answer (also the idle keep-alive timeout), seconds.
-        body_timeout_s: a request's body is due this long after its headers, else 408, seconds.
-        send_timeout_s: one write of an answer must complete within this, else the connection is closed
-            (the client stopped reading; its generation stops), seconds.
-        max_connections: client connections open at once (None: the open-file limit less headroom for
-            the ring, receipts and heals: ``swarm.serve.guard.default_max_connections``).
-    Raises:
-        ConfigError: a value out of range, naming its flag.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    key_path: Path | None = None
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    wire_dtype: str | None = None
-    hop_timeout_s: float = 60.0
-    connect_timeout_s: float = 10.0
-    heartbeat_s: float = 1.0
-    max_concurrency: int = 16
-    bootstrap: tuple[str, ...] = ()
-    prefix_cache: bool = True
-    receipt_dir: Path | None = None
-    dashboard_receipts: Path | None = None
-    keepalive_s: float = DEFAULT_KEEPALIVE_S
-    max_body_mb: float = DEFAULT_MAX_BODY_MB
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    cors_origins: tuple[str, ...] = ()
-    audit_tally: Path | None = None
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
-    max_connections: int | None = None
+    host: str = option("127.0.0.1", "address to listen on (default 127.0.0.1, loopback only)")
+    port: int = option(8000, "port (default 8000; 0 picks a free one)")
+    key_path: Path | None = option(None, "coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key, or "
+                                         "the first free coordinator-N.key beside it)", flag="--key")
+    cors_origins: tuple[str, ...] = option(
+        (), "let web pages on ORIGIN (scheme://host[:port], or * for any) call the API from a browser: CORS headers "
+            "and preflight answers (repeatable; default none: same origin only)", flag="--cors-origin",
+        metavar="ORIGIN")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        object.__setattr__(self, "cors_origins", check_origins(self.cors_origins))
+
+
+@dataclass(frozen=True)
+class RingSection:
+    """How requests go round the ring: its clients' deadlines, how many at once, the route, speculation."""
+
+    hop_timeout_s: float = option(60.0, "longest wait for one result while every stage still answers heartbeats "
+                                        "(default 60)")
+    connect_timeout_s: float = 10.0  # deadline for dialing a stage
+    heartbeat_s: float = option(1.0, "after this much silence stages are probed; one that does not answer within "
+                                     "twice it is treated as lost and healed onto a spare (default 1.0)")
+    max_concurrency: int = option(16, "requests on the ring at once; more wait for a free slot (default 16)")
+    bootstrap: tuple[str, ...] = option((), "route through the swarm joined at this bootstrap node (repeatable)",
+                                        metavar="MULTIADDR")
+    prefix_cache: bool = option(True, PREFIX_HELP, negate="--no-prefix-cache")
+    wire_dtype: str | None = option(None, WIRE_DTYPE_HELP, choices=WIRE_DTYPES)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # its flags: `swarm serve`'s speculative decoding group
+
+    def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ConfigError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s"):
+            _seconds(f"--{name.replace('_', '-')}", getattr(self, name))
+        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
+
+
+@dataclass(frozen=True)
+class LifecycleSection:
+    """A request's life: its body's size, the deadlines of a slow client, keep-alives, the drain."""
+
+    TITLE = "request lifecycle"
+
+    keepalive_s: float = option(
+        DEFAULT_KEEPALIVE_S, "a stream that waits (queued, a long prefill) sends an SSE comment this often, so proxies "
+                             "do not cut it as idle; a queued stream gets its 200 after this long (default 15; 0: "
+                             "never)")
+    max_body_mb: float = option(DEFAULT_MAX_BODY_MB, "refuse larger request bodies (413) before parsing them "
+                                                     "(default 8)")
+    header_timeout_s: float = option(
+        DEFAULT_HEADER_TIMEOUT_S, "close a connection whose request line and headers are not in this long after it "
+                                  "opened or after its previous answer (slow headers, idle keep-alive) (default 10)")
+    body_timeout_s: float = option(
+        DEFAULT_BODY_TIMEOUT_S, "answer 408 and close a connection whose request body is not in this long after its "
+                                "headers, however steadily it trickles (default 60)")
+    send_timeout_s: float = option(
+        DEFAULT_SEND_TIMEOUT_S, "close a connection one of whose answer's writes cannot complete this long (the "
+                                "client read none of it meanwhile); its generation stops as if it hung up (default 60)")
+    max_connections: int | None = option(
+        None, "client connections open at once; at the cap the oldest one still sending its request (or idle) is "
+              "closed for a new one, so /health and new requests still get in (default: the open-file limit less "
+              "max(128, a quarter of it) kept for the ring, receipts and heals, e.g. 128 under ulimit -n 256, at "
+              "most 4096)")
+    drain_timeout_s: float = option(
+        DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM: refuse new requests (503), let open ones finish this long, then end the "
+                                 "rest (streams with an error event and [DONE]) and exit 0 (default 30); Ctrl-C ends "
+                                 "them at once, a second Ctrl-C stops without that")
+
+    def __post_init__(self) -> None:
         for flag, value in (("--keepalive-s", self.keepalive_s), ("--drain-timeout-s", self.drain_timeout_s)):
-            if not value >= 0 or value == math.inf:  # also refuses NaN
-                raise ConfigError(f"{flag} must be a number >= 0, got {value}")
+            _seconds(flag, value, zero_ok=True)
         if not 0 < self.max_body_mb < math.inf:
             raise ConfigError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
-        for name in ("hop_timeout_s", "connect_timeout_s", "heartbeat_s", "header_timeout_s", "body_timeout_s",
-                     "send_timeout_s"):
-            value = getattr(self, name)
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
             # a deadline a trickle (or a reader that stalls) cannot outlast
-            finite = name in ("header_timeout_s", "body_timeout_s", "send_timeout_s")
-            if not value > 0 or finite and value == math.inf:  # also refuses NaN
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
-        object.__setattr__(self, "bootstrap", tuple(self.bootstrap))
-        object.__setattr__(self, "cors_origins", check_origins(self.cors_origins))
+            _seconds(f"--{name.replace('_', '-')}", getattr(self, name), finite=True)
 
     @property
     def max_body_bytes(self) -> int:
         """``max_body_mb`` in bytes: a larger request body is refused (413) unread."""
         return int(self.max_body_mb * 2**20)
 
+
+@dataclass(frozen=True)
+class ReceiptsSection:
+    """Receipts of the requests served, and what the dashboard lists."""
+
+    receipt_dir: Path | None = option(
+        None, "run every request as a job and save its signed job receipt (who computed what) to DIR/<job_id>.json, "
+              "verified at once and counted in /metrics; costs one more round per request to collect the stages' "
+              "receipts (default: no receipts)", metavar="DIR")
+    dashboard_receipts: Path | None = option(
+        None, "list the job receipts in DIR (verified or failed, and which check) on /dashboard (default: "
+              "--receipt-dir)", metavar="DIR")
+    audit_tally: Path | None = option(
+        None, "an auditor's tally (`swarm audit run --tally FILE`): /dashboard shows audited / passed / failed per "
+              "stage, next to the state of the fraud proof against it", flag="--audits", metavar="FILE")
+
     @property
     def listed_receipts(self) -> Path | None:
         """The receipt directory the dashboard lists: ``dashboard_receipts``, else ``receipt_dir``."""
         return self.dashboard_receipts or self.receipt_dir
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The settings of ``swarm serve`` (``serve_api``), in sections; each part of the server reads its
+    own. ``ServeConfig()`` is the defaults; ``of`` builds one from flat field names, ``from_args`` from
+    the flags ``add_cli_args`` declares.
+
+    Raises:
+        ConfigError: a value out of range, naming its flag.
+    """
+
+    listen: ListenSection = field(default_factory=ListenSection)
+    ring: RingSection = field(default_factory=RingSection)
+    lifecycle: LifecycleSection = field(default_factory=LifecycleSection)
+    receipts: ReceiptsSection = field(default_factory=ReceiptsSection)
+
+    @classmethod
+    def of(cls, **flat) -> ServeConfig:
+        """A ServeConfig from flat field names (``ServeConfig.of(port=0, max_concurrency=4)``).
+
+        Raises:
+            ConfigError: a value its section refuses. TypeError: a name no section declares.
+        """
+        return build(cls, flat)
+
+    @staticmethod
+    def add_cli_args(parser) -> None:
+        """Every section's flags on ``swarm serve``'s parser."""
+        add_sections(parser, ServeConfig)
+
+    @classmethod
+    def from_args(cls, args, **overrides) -> ServeConfig:
+        """From ``swarm serve``'s parsed flags; ``overrides`` (flat field names: ``spec``) set the fields no
+        flag gives. Raises as ``of`` does."""
+        return build(cls, overrides, args)
 
 
 def check_origins(origins) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ async def ring_health(state) -> list[dict]:
     """Ask every stage of the current ring for its info (in parallel, with a short deadline).
 
     Args:
-        state: a ``swarm.serve.state.ServeState`` (its ``ring``, ``host`` and ``config.connect_timeout_s``).
+        state: a ``swarm.serve.state.ServeState`` (its ``ring``, ``host`` and ``config.ring.connect_timeout_s``).
     Returns:
         one dict per stage, in ring order: ``index``, ``layers``, ``addr``, ``peer_id``, ``ok`` and
         either what the stage reported (``latency_ms``, ``max_ctx``, ``sessions``, KV bytes, ``kernels``:
@@ -32,8 +32,8 @@ async def ring_health(state) -> list[dict]:
                  "peer_id": spec.peer_id, "ok": False}
         t0 = time.perf_counter()
         try:
-            with trio.fail_after(min(5.0, state.config.connect_timeout_s)):
-                s = await state.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=state.config.connect_timeout_s)
+            with trio.fail_after(min(5.0, state.config.ring.connect_timeout_s)):
+                s = await state.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=state.config.ring.connect_timeout_s)
                 try:
                     await s.send(wire.frame("info"))
                     msg = await s.recv()

@@ -81,7 +81,7 @@ class ClientPool:
         from swarm.coordinator.ring import RingClient
 
         st = self.state
-        cfg = st.config
+        cfg = st.config.ring
         client = RingClient(st.host, st.ring, cfg.hop_timeout_s, cfg.connect_timeout_s, cfg.heartbeat_s, batch=True,
                             model_id=st.discovery[1] if st.discovery else None)
         client.discovery = st.discovery  # heals may take a replacement from the DHT

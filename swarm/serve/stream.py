@@ -35,7 +35,7 @@ async def stream(state: ServeState, req: Request, rid: str, created: int, reques
     """A streaming request: its generation starts in the server's nursery, and the response status
     waits for the ring's decision. Admitted (the session is open at every stage): 200 and server-sent
     events. Refused before that (the ring is busy or unavailable): the error's status (503 with
-    Retry-After), not a 200 with an error inside. Still waiting after ``state.config.keepalive_s``
+    Retry-After), not a 200 with an error inside. Still waiting after ``state.config.lifecycle.keepalive_s``
     (queued for a ring client behind ``--max-concurrency`` requests): 200 then, with keep-alive
     comments until it runs; a refusal after that can only be an error event.
 
@@ -69,7 +69,7 @@ async def stream(state: ServeState, req: Request, rid: str, created: int, reques
 
     state.requests[rid] = lambda: send.send_nowait(("error", shutting_down()))
     state.nursery.start_soon(work)
-    what, first = await _admission(request, opened, recv, state.config.keepalive_s)
+    what, first = await _admission(request, opened, recv, state.config.lifecycle.keepalive_s)
     if what == "gone":  # left before an answer: a queued request leaves the queue, an open session closes
         stop()
         log.info("request.abandoned id=%s", rid)
@@ -78,7 +78,7 @@ async def stream(state: ServeState, req: Request, rid: str, created: int, reques
         stop()
         return error_response(first[1])
     chunks = Chunks(state, req, rid, created)
-    return StreamingResponse(_events(chunks, first, recv, state.config.keepalive_s, stop),
+    return StreamingResponse(_events(chunks, first, recv, state.config.lifecycle.keepalive_s, stop),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

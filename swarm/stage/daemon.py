@@ -68,8 +68,8 @@ async def serve(server: StageServer, key, listen: str, task_status=trio.TASK_STA
         if membership is not None:
             ready.update(model_id=server.model_id, **await nursery.start(membership, server))
         httpd = None
-        if server.config.metrics_listen:
-            httpd, ready["metrics_url"] = _serve_metrics(server, server.config.metrics_listen)
+        if server.config.network.metrics_listen:
+            httpd, ready["metrics_url"] = _serve_metrics(server, server.config.network.metrics_listen)
         try:
             task_status.started(ready)
             await trio.sleep_forever()
@@ -93,7 +93,7 @@ async def _run_auditor(server: StageServer, host) -> None:
 
     b = server.block
     await server.auditing.run(host, server.key, Blocks(b.model_dir, b.device.type), host.peer_id, publish=publish,
-                              timeout_s=server.config.hop_timeout_s)
+                              timeout_s=server.config.network.hop_timeout_s)
 
 
 def _serve_metrics(server: StageServer, listen: str):
@@ -187,20 +187,20 @@ def run_stage(config: StageConfig) -> int:
     from swarm.transport.identity import claim_key
     from swarm.weights.identify import model_id as weights_model_id
 
-    placed = config.layers is None
+    placed = config.model.layers is None
     try:
         _check_listen(config)  # before the key, the weights and the model: a taken port fails at once
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        key, _ = claim_key(config.key_path, fallback=config.key_fallback)
+        if config.model.threads:
+            torch.set_num_threads(config.model.threads)
+        key, _ = claim_key(config.network.key_path, fallback=config.network.key_fallback)
         resolved = acquire_model(config, key)  # a hub id or --fetch-from: only this range's shards, verified
-        model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.bootstrap else None
+        model_id = weights_model_id(resolved.path, cache_root() / "manifests") if config.membership.bootstrap else None
         if placed:
             config = _placed(config, resolved.path, model_id, key)
-            if config.fetch_from:  # placed on the peers' manifest: now fetch that block's shards
+            if config.weights.fetch_from:  # placed on the peers' manifest: now fetch that block's shards
                 resolved = acquire_model(config, key)
-        block = load_block(resolved.path, config.layers, dtype=config.dtype, device=config.device,
-                           progress=sys.stderr.isatty(), quantize=config.quantize)
+        block = load_block(resolved.path, config.model.layers, dtype=config.model.dtype, device=config.model.device,
+                           progress=sys.stderr.isatty(), quantize=config.model.quantize)
         digest = model_manifest_digest(resolved.path)
     except SwarmError as exc:
         emit("FATAL", {"reason": str(exc)})
@@ -211,7 +211,7 @@ def run_stage(config: StageConfig) -> int:
         if fault is not None:
             emit("FATAL", {"reason": str(fault)})
             return fault.exit_code
-        emit("FATAL", {"reason": f"cannot load layers {config.layers}: {type(exc).__name__}: {exc}"[:500]})
+        emit("FATAL", {"reason": f"cannot load layers {config.model.layers}: {type(exc).__name__}: {exc}"[:500]})
         return 1
     try:
         server = StageServer(config, block, resolved.name, digest)
@@ -242,7 +242,7 @@ def _placed(config: StageConfig, model_dir, model_id: str | None, key) -> StageC
     moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
     layers = LayerRange.parse(moved) if moved else _run_trio(
         place, config, model_dir, model_id, model_num_layers(model_dir), key)
-    return dataclasses.replace(config, layers=layers)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, layers=layers))
 
 
 def _membership(config: StageConfig, server: StageServer, model_id: str | None, placed: bool):
@@ -260,7 +260,7 @@ def _membership(config: StageConfig, server: StageServer, model_id: str | None, 
         torch.set_num_threads(1)
         server.kernels["threads"] = fma.threads()
         log.info("kernels.threads fma=%d torch=1", fma.threads())
-    if not config.bootstrap:
+    if not config.membership.bootstrap:
         return None
     tps = measure_decode_tps(block)
     log.info("stage.throughput layers=%s decode_steps_per_s=%.1f", block.layer_range, tps)
@@ -276,9 +276,9 @@ async def _serve_until_drained(server: StageServer, key, config: StageConfig, me
         # before serving: a stop signal while joining the swarm (its first record is published
         # before READY) still drains and withdraws, once READY is out
         await nursery.start(_drain_on_signal, server)
-        ready = await nursery.start(partial(serve, server, key, config.listen,
-                                            announce_addrs=config.announce_addrs, membership=membership,
-                                            relays=config.relays, hole_punch=config.hole_punch))
+        ready = await nursery.start(partial(serve, server, key, config.network.listen,
+                                            announce_addrs=config.membership.announce_addrs, membership=membership,
+                                            relays=config.membership.relays, hole_punch=config.membership.hole_punch))
         emit("READY", ready)
         await server.drain_requested.wait()
         if server.announcer is not None:
@@ -287,7 +287,7 @@ async def _serve_until_drained(server: StageServer, key, config: StageConfig, me
             server.draining = True
             with trio.move_on_after(5.0):
                 await server.announcer.publish()
-        drained = await server.drain(config.drain_timeout_s)
+        drained = await server.drain(config.admission.drain_timeout_s)
         if server.announcer is not None and server.move_to is not None:
             # a move's last record: the new block as joining, so others do not pick it too (issue 31)
             await server.announcer.move((server.move_to.start, server.move_to.end))
@@ -313,9 +313,9 @@ def _check_listen(config: StageConfig) -> None:
     from swarm.listen import bind_tcp
     from swarm.transport.host import check_listen_addrs
 
-    check_listen_addrs([config.listen], "--listen")
-    if config.metrics_listen:
-        addr, _, port = config.metrics_listen.rpartition(":")
+    check_listen_addrs([config.network.listen], "--listen")
+    if config.network.metrics_listen:
+        addr, _, port = config.network.metrics_listen.rpartition(":")
         if port.isdigit() and int(port):
             bind_tcp(addr.strip("[]"), int(port), flag="--metrics-listen").close()
 

@@ -81,8 +81,8 @@ def estimate_block_tps(model_dir, config: StageConfig, num_layers: int, width: i
     if width < 1:
         raise ConfigError(f"a block needs at least one layer, got width={width!r}")
     layer = probe_layer(num_layers)
-    block = load_block(model_dir, LayerRange(layer, layer + 1), dtype=config.dtype, device=config.device,
-                       quantize=config.quantize)
+    block = load_block(model_dir, LayerRange(layer, layer + 1), dtype=config.model.dtype, device=config.model.device,
+                       quantize=config.model.quantize)
     try:
         return measure_decode_tps(block, steps) / width
     finally:
@@ -109,17 +109,18 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
     from swarm.routing import plan_placement
     from swarm.transport import open_host
 
-    fit = config.fit_layers or await trio.to_thread.run_sync(
-        lambda: layers_that_fit(model_dir, dtype=config.dtype, device=config.device, budget_mb=config.mem_budget_mb,
-                                max_ctx=config.max_ctx))
+    fit = config.membership.fit_layers or await trio.to_thread.run_sync(
+        lambda: layers_that_fit(model_dir, dtype=config.model.dtype, device=config.model.device,
+                                budget_mb=config.membership.mem_budget_mb,
+                                max_ctx=config.admission.max_ctx))
     width = min(fit, num_layers)
     try:
         tps = await trio.to_thread.run_sync(lambda: estimate_block_tps(model_dir, config, num_layers, width))
     except (SwarmError, RuntimeError, OSError) as exc:  # the record then counts at the median speed
         log.warning("placement.speed_unknown error=%s", exc)
         tps = 0.0
-    async with open_host(key, [config.listen]) as host:
-        async with open_dht(host, server=False, bootstrap=config.bootstrap) as dht:
+    async with open_host(key, [config.network.listen]) as host:
+        async with open_dht(host, server=False, bootstrap=config.membership.bootstrap) as dht:
             records = await _trusted(dht, await dht.find_records(model_id, placement=True), _shut_out(model_dir))
             window = plan_placement(holders_of(records), num_layers, width)
             log.info("placement.chosen layers=[%d, %d) fit=%d holders=%d expected_tps=%.2f", *window, fit,
@@ -153,7 +154,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
     b, config = server.block, server.config
     relays = tuple(server.host.circuits.reserved.values()) if server.host.circuits else ()
     reserved = server.reserved_bytes()
-    budget = config.kv_budget_bytes or 0
+    budget = config.admission.kv_budget_bytes or 0
     per_pos = b.kv_bytes_per_position()
     return {
         "model_id": model_id, "model_name": server.model_name, "num_layers": b.num_layers,
@@ -168,7 +169,7 @@ def record_fields(server, model_id: str, throughput_tps: float) -> dict:
         "state": "draining" if server.draining or server.drain_requested.is_set() else "online",
         "version": __version__, "throughput_tps": round(float(throughput_tps), 3),
         "repro": server.signer.repro_class().as_dict(),  # what an auditor compares bits within
-        "audit_rate": float(config.audit_rate),  # its auditor role: coordinators offer it their job receipts
+        "audit_rate": float(config.audits.audit_rate),  # its auditor role: coordinators offer it their job receipts
     }
 
 
@@ -196,23 +197,23 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
     from swarm.routing import should_move
 
     reachable = None
-    if not config.dht_client:
-        reach = await check_reachable(server.host, config.bootstrap, server.host.addrs())
+    if not config.membership.dht_client:
+        reach = await check_reachable(server.host, config.membership.bootstrap, server.host.addrs())
         reachable = reach.reachable
         if reach.reachable is False:
-            how = ("it announces only its circuits through --relay" if config.relays else
+            how = ("it announces only its circuits through --relay" if config.membership.relays else
                    "clients outside this network cannot reach it: forward the port and pass --announce-addr, or "
                    "use --relay")
             log.warning("stage.unreachable %s: joining the DHT in client mode; %s", reach.reason, how)
         elif reach.reachable is None:
             log.info("stage.reachability_unknown %s; serving the DHT", reach.reason)
     server.reachable = reachable
-    dht_server = not config.dht_client and reachable is not False
+    dht_server = not config.membership.dht_client and reachable is not False
     # the peer cache lets a restarted stage join while no bootstrap node answers (issue 31)
-    async with open_dht(server.host, server=dht_server, bootstrap=config.bootstrap, accept_models=None,
+    async with open_dht(server.host, server=dht_server, bootstrap=config.membership.bootstrap, accept_models=None,
                         peer_cache=peer_cache_path()) as dht:
         announcer = Announcer(dht, server.host.key_pair, lambda: record_fields(server, model_id, throughput_tps),
-                              interval_s=config.announce_interval_s, ttl_s=config.record_ttl_s)
+                              interval_s=config.membership.announce_interval_s, ttl_s=config.membership.record_ttl_s)
         server.announcer = announcer
         async with trio.open_nursery() as nursery:
             await nursery.start(announcer.run)
@@ -224,11 +225,11 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
                 announcer.poke()
 
             nursery.start_soon(on_drain)
-            if placed and config.rebalance_s > 0:
+            if placed and config.membership.rebalance_s > 0:
                 b = server.block
                 shut_out = _shut_out(b.model_dir)
                 while not server.drain_requested.is_set():
-                    await trio.sleep(config.rebalance_s)
+                    await trio.sleep(config.membership.rebalance_s)
                     try:
                         records = await _trusted(dht, await dht.find_records(model_id, placement=True), shut_out,
                                                  server.host.peer_id)

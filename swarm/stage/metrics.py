@@ -75,7 +75,7 @@ class _StageCollector:
         yield _gauge("swarm_stage_kv_reserved_bytes", "KV memory the open sessions reserved (max_len positions)",
                      s.reserved_bytes())
         yield _gauge("swarm_stage_kv_budget_bytes", "--kv-budget-mb in bytes (0: no limit)",
-                     s.config.kv_budget_bytes or 0)
+                     s.config.admission.kv_budget_bytes or 0)
         yield _gauge("swarm_stage_draining", "1 while the stage drains (admits no new session)", int(bool(s.draining)))
         stats, timing = dict(s.stats), dict(s.timing)
         yield _counter("swarm_stage_steps", "Scheduling steps computed", stats["steps"])

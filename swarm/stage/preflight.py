@@ -76,29 +76,30 @@ def preflight(config: StageConfig) -> dict:
     from swarm.weights.manifest import read_header
 
     try:
-        resolved = _fetched_weights(config) or resolve_model(config.model, progress=False)
+        resolved = _fetched_weights(config) or resolve_model(config.model.name, progress=False)
     except ModelError as exc:
         if "HF_HUB_OFFLINE" in str(exc):
-            raise ModelError(f"{config.model!r} is not in the local Hugging Face cache, and --check does not "
+            raise ModelError(f"{config.model.name!r} is not in the local Hugging Face cache, and --check does not "
                              "download; start the stage once without --check to fetch it") from None
         raise
     model_config = load_config(resolved.path)
     family = FAMILIES[model_config.model_type]
     num_layers = model_config.num_hidden_layers
-    config.layers.check_within(num_layers)
-    names = block_tensor_names(resolved.path, config.layers)
-    device = pick_device("cpu" if config.quantize is not None and config.device == "auto" else config.device)
+    config.model.layers.check_within(num_layers)
+    names = block_tensor_names(resolved.path, config.model.layers)
+    wanted = config.model.device
+    device = pick_device("cpu" if config.model.quantize is not None and wanted == "auto" else wanted)
     from swarm.model import qformats
 
-    if config.quantize in qformats.SCHEMES:  # llama.cpp's block formats: checked as load_block checks them
-        dtype = pick_dtype(qformats.compute_dtype(config.quantize, config.dtype, device), device)
-        qformats.require_kernels(config.quantize)
-    elif config.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
+    if config.model.quantize in qformats.SCHEMES:  # llama.cpp's block formats: checked as load_block checks them
+        dtype = pick_dtype(qformats.compute_dtype(config.model.quantize, config.model.dtype, device), device)
+        qformats.require_kernels(config.model.quantize)
+    elif config.model.quantize is not None:  # checked as load_block checks it: CPU, bfloat16, the ops present
         from swarm.model.block import _quantized_dtype
 
-        dtype = pick_dtype(_quantized_dtype(config.quantize, config.dtype, device), device)
+        dtype = pick_dtype(_quantized_dtype(config.model.quantize, config.model.dtype, device), device)
     else:
-        dtype = pick_dtype(config.dtype, device)
+        dtype = pick_dtype(config.model.dtype, device)
     if device.type == "mps" and dtype == torch.float64:
         raise ConfigError("float64 is not supported on MPS: use --dtype float32")
     index = tensor_index(resolved.path)
@@ -117,36 +118,36 @@ def preflight(config: StageConfig) -> dict:
         for d in entry.get("shape", []):
             numel *= int(d)
         weights += numel * (max(itemsize, 4) if family.keeps_float32(name) else itemsize)  # DeepSeek-V3's router
-    _check_retention_dir(config.audit_retention_dir)
-    if config.quantize in qformats.SCHEMES:  # what the block holds, counted as load_block holds it
-        weights = qformats.held_bytes(resolved.path, config.layers, config.quantize)
-    elif config.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
+    _check_retention_dir(config.audits.audit_retention_dir)
+    if config.model.quantize in qformats.SCHEMES:  # what the block holds, counted as load_block holds it
+        weights = qformats.held_bytes(resolved.path, config.model.layers, config.model.quantize)
+    elif config.model.quantize is not None:  # what the block holds: swarm.model.plan counts it as load_block quantizes
         from swarm.model.plan import model_shapes, range_bytes
 
-        weights = range_bytes(model_shapes(resolved.path), config.layers, config.quantize)
+        weights = range_bytes(model_shapes(resolved.path), config.model.layers, config.model.quantize)
     max_ctx = int(getattr(model_config, "max_position_embeddings", 0) or getattr(model_config, "n_positions", 0)
                   or 4096)
-    if config.max_ctx is not None and config.max_ctx > max_ctx:
-        raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {max_ctx}")
-    max_ctx = config.max_ctx or max_ctx
-    kv_per_position = len(config.layers) * kv_elements_per_token_layer(model_config) * itemsize  # as the block's
-    kv = config.kv_budget_bytes if config.kv_budget_mb is not None else kv_per_position * max_ctx
+    if config.admission.max_ctx is not None and config.admission.max_ctx > max_ctx:
+        raise ConfigError(f"--max-ctx {config.admission.max_ctx} exceeds the model's maximum context of {max_ctx}")
+    max_ctx = config.admission.max_ctx or max_ctx
+    kv_per_position = len(config.model.layers) * kv_elements_per_token_layer(model_config) * itemsize  # as the block's
+    kv = config.admission.kv_budget_bytes if config.admission.kv_budget_mb is not None else kv_per_position * max_ctx
     needed = weights + kv + (BASELINE_BYTES if device.type == "cpu" else 0)
     available = available_memory(device)
     if available is not None and needed > available:
         raise ConfigError(
             f"not enough memory on {device.type}: the stage needs about {needed / 2**20:.0f} MiB (weights "
             f"{weights / 2**20:.0f} MiB in {str(dtype).removeprefix('torch.')}, KV {kv / 2**20:.0f} MiB"
-            f"{'' if config.kv_budget_mb is not None else ' for one full-context session'}) but "
+            f"{'' if config.admission.kv_budget_mb is not None else ' for one full-context session'}) but "
             f"{available / 2**20:.0f} MiB are available; use fewer layers, --kv-budget-mb or --max-ctx")
     return {
         "model": resolved.name, "model_path": str(resolved.path), "family": model_config.model_type,
         "model_digest": model_manifest_digest(resolved.path), "num_layers": num_layers,
-        "layers": config.layers.as_list(), "tensors": len(names), "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."), "quantize": config.quantize, "max_ctx": max_ctx,
+        "layers": config.model.layers.as_list(), "tensors": len(names), "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."), "quantize": config.model.quantize, "max_ctx": max_ctx,
         "weights_bytes": weights,
         "kv_bytes_per_position": kv_per_position, "kv_bytes": kv, "memory_needed_bytes": needed,
-        "memory_available_bytes": available, **_check_key(config.key_path),
+        "memory_available_bytes": available, **_check_key(config.network.key_path),
         # the kernels the stage starts in (its start-up proof may still fall back to rows: READY says)
         "kernels": kernels_in_use(pick_kernel_mode(device, dtype)[0], rows_reason(device, dtype)).as_dict(),
     }
@@ -178,12 +179,12 @@ def _fetched_weights(config: StageConfig):
     from swarm.model.resolve import ResolvedModel
     from swarm.weights.store import find_cached
 
-    if config.layers is None or Path(config.model).expanduser().exists():
+    if config.model.layers is None or Path(config.model.name).expanduser().exists():
         return None
-    cached = find_cached(cache_root() / "weights", config.model, config.model_id, config.layers)
+    cached = find_cached(cache_root() / "weights", config.model.name, config.weights.model_id, config.model.layers)
     if cached is None or cached.missing:
         return None
-    return ResolvedModel(cached.path, name=config.model, source=config.model)
+    return ResolvedModel(cached.path, name=config.model.name, source=config.model.name)
 
 
 def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", budget_mb: float | None = None,

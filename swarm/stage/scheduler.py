@@ -22,7 +22,7 @@ and the others run alone. Either way every forward is row-invariant (:mod:`swarm
 The choice of a step's rows is pure (:func:`pick_rows`, :func:`decoder_due`, :func:`ride_rows`,
 :func:`overtakes`, :func:`prompt_ends`, :func:`long_chunk_shares`, :func:`stale_needed`); the
 :class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
-config, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
+scheduling settings, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
 chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
 """
 
@@ -37,6 +37,7 @@ import torch
 import trio
 
 from swarm import wire
+from swarm.config import SchedulingSection
 from swarm.errors import ProtocolError
 from swarm.stage.session import Job, Session
 
@@ -233,7 +234,7 @@ class Scheduler:
     """Run queue, scheduling steps, the compute of a step, kernel proofs (see the module docstring).
 
     Args:
-        config: the stage's ``StageConfig`` (batching flags, ``--inline-step-ms``).
+        settings: the stage's ``SchedulingSection`` (batching flags, ``--inline-step-ms``).
         block: the loaded ``LayerBlock``; its kernels are proven here before anything is served.
         sessions: the live sessions by id (the server's dict, read only here: a job whose session
             is gone is dropped).
@@ -244,15 +245,15 @@ class Scheduler:
         metrics: the ``StageMetrics`` whose step histograms are observed, or None.
     """
 
-    def __init__(self, config, block, sessions: dict[str, Session], timing: dict, *,
+    def __init__(self, settings: SchedulingSection, block, sessions: dict[str, Session], timing: dict, *,
                  fail: Callable[..., None], emit: Callable[[Session, dict, object], None],
                  sign_receipt: Callable[[Session], None], metrics=None) -> None:
-        self.config, self.block, self.sessions, self.timing = config, block, sessions, timing
+        self.settings, self.block, self.sessions, self.timing = settings, block, sessions, timing
         self._fail, self._emit, self._sign_receipt, self.metrics = fail, emit, sign_receipt, metrics
         self._runq: dict[int, Session] = {}  # id -> session with queued jobs, in scheduling (round-robin) order
         self._work = trio.Event()  # set when a job is queued
-        self.tile = config.batch_tile or None  # rows per GEMM of packed (batch) sessions
-        self.max_batch_rows = config.max_batch_rows
+        self.tile = settings.batch_tile or None  # rows per GEMM of packed (batch) sessions
+        self.max_batch_rows = settings.max_batch_rows
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0,
                       "prefill_waits": 0, "prefill_preempted": 0}
         self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
@@ -323,12 +324,12 @@ class Scheduler:
                 return await self._resume()
             return False  # a chunk queued meanwhile has set self._work again
         rows = None  # the long chunk's slice, when a decoder's row is due (--prefill-piggyback)
-        if piece is not None and self.config.prefill_piggyback:
+        if piece is not None and self.settings.prefill_piggyback:
             now = trio.current_time()
             due = decoder_due([(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]], now)
             if due is not None and small:
                 rows = ride_rows(row_s=self._row_s, short_step_s=self._short_step_s,
-                                 shared_rows=self.config.prefill_slice_shared,
+                                 shared_rows=self.settings.prefill_slice_shared,
                                  starving=now - self._long_at > STARVE_S)
                 if rows == 0:
                     piece = None  # the decode rows go alone: the prompt's row would cost them too much
@@ -340,12 +341,12 @@ class Scheduler:
                 return True
         if piece is not None and rows:
             piece = (*piece, rows)
-        elif piece is not None and self.config.prefill_piggyback:
-            piece = (*piece, self.config.prefill_slice)  # nobody's decode row is due: full slices
+        elif piece is not None and self.settings.prefill_piggyback:
+            piece = (*piece, self.settings.prefill_slice)  # nobody's decode row is due: full slices
         elif piece is not None:
             others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
             shared = long_chunk_shares(bool(small), others, trio.current_time())
-            piece = (*piece, self.config.prefill_slice_shared if shared else self.config.prefill_slice)
+            piece = (*piece, self.settings.prefill_slice_shared if shared else self.settings.prefill_slice)
         t_call = time.perf_counter()
         for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
             self.timing["picked"] += 1
@@ -387,7 +388,7 @@ class Scheduler:
         session that is decoding has its next row due (:func:`decoder_due`) but not here yet, wait once
         so their rows share the step. A session that is prefilling, or idle, is never waited for (a
         long prompt beside a chat would add the wait to every one of the chat's steps)."""
-        wait = self.config.batch_wait_ms
+        wait = self.settings.batch_wait_ms
         if not wait:
             return
 
@@ -502,7 +503,7 @@ class Scheduler:
         """Whether a step of short chunks may run in the trio thread: its recent compute (a moving
         average over short steps) is below ``--inline-step-ms``. The first short steps always go to
         the worker thread (nothing is known yet), and so does every step while one runs there."""
-        limit = self.config.inline_step_ms / 1000
+        limit = self.settings.inline_step_ms / 1000
         return bool(limit) and self._short_step_s is not None and self._short_step_s < limit \
             and self.limiter.borrowed_tokens == 0
 

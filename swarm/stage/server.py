@@ -58,7 +58,7 @@ class StageServer:
         self.sessions: dict[str, Session] = {}
         self.refusals: dict[str, int] = {}  # error frames sent, by reason (metrics)
         self.metrics = None  # swarm.stage.metrics.StageMetrics with --metrics-listen (its histograms cost a little per step)
-        if config.metrics_listen:
+        if config.network.metrics_listen:
             from swarm.stage.metrics import StageMetrics
 
             self.metrics = StageMetrics(self)
@@ -67,22 +67,22 @@ class StageServer:
         self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
         self.reservations = Reservations(self.sessions)
         self.outboxes = Outboxes(self.sessions, block.layer_range, block.num_layers, self.timing,
-                                 hop_timeout_s=config.hop_timeout_s, error=self._error, metrics=self.metrics,
+                                 hop_timeout_s=config.network.hop_timeout_s, error=self._error, metrics=self.metrics,
                                  # a new stream to a successor or a mirror's shadow; background tasks:
                                  # the host and nursery are the ones serve() sets
                                  dial=lambda addr: self.host.open_stream(addr, PROTOCOL_ID,
-                                                                         timeout_s=self.config.hop_timeout_s),
+                                                                         timeout_s=self.config.network.hop_timeout_s),
                                  spawn=lambda fn, *args: self.nursery.start_soon(fn, *args))
         self.audits = Audits(_retention(config), block.layer_range,
                              key=lambda: self.key, peer_id=lambda: self.host.peer_id,
                              busy=lambda: self.scheduler.busy(), error=self._error)  # audit.py: openings
-        self.auditing = AuditorRole(config.audit_rate, block.layer_range, model_digest,  # auditing.py: offers
+        self.auditing = AuditorRole(config.audits.audit_rate, block.layer_range, model_digest,  # auditing.py: offers
                                     live=lambda: len(self.sessions), error=self._error,
-                                    allowed=config.allow_coordinators, queue_len=config.audit_queue,
-                                    tally_path=config.audit_tally)
+                                    allowed=config.network.allow_coordinators, queue_len=config.audits.audit_queue,
+                                    tally_path=config.audits.audit_tally)
         self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post,
                                     tile_of=lambda s: self.scheduler.tile_of(s), retain=self.audits.retain)
-        self.scheduler = Scheduler(config, block, self.sessions, self.timing, fail=self._fail_later,
+        self.scheduler = Scheduler(config.scheduling, block, self.sessions, self.timing, fail=self._fail_later,
                                    emit=self.outboxes.emit, metrics=self.metrics,  # proves the kernels
                                    sign_receipt=lambda sess: self.signer.sign(sess, self.key, self.host.peer_id))
         self.kernels, self.stats = self.scheduler.kernels, self.scheduler.stats  # the scheduler's (info, metrics)
@@ -97,10 +97,11 @@ class StageServer:
         self.reachable: bool | None = None  # what the dial-back found (None: not asked, or no answer)
         self.reuse = _prefix_reuse(self)  # swarm.stage.reuse.PrefixReuse: finished sessions' KV, or None
         self.prefix = None if self.reuse is None else self.reuse.store  # its PrefixStore
-        if config.max_ctx is not None:
-            if config.max_ctx > block.max_ctx:
-                raise ConfigError(f"--max-ctx {config.max_ctx} exceeds the model's maximum context of {block.max_ctx}")
-            block.max_ctx = config.max_ctx
+        if config.admission.max_ctx is not None:
+            if config.admission.max_ctx > block.max_ctx:
+                raise ConfigError(f"--max-ctx {config.admission.max_ctx} exceeds the model's maximum context of "
+                                  f"{block.max_ctx}")
+            block.max_ctx = config.admission.max_ctx
 
     def reserved_bytes(self, besides: str | None = None) -> int:
         """KV bytes reserved against ``--kv-budget-mb``: every live session's, and every open still
@@ -134,9 +135,9 @@ class StageServer:
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
             kv_reserved_bytes=self.reserved_bytes(), draining=self.draining,
             batching={"max_batch_rows": self.scheduler.max_batch_rows, "batch_tile": self.scheduler.tile or 0,
-                      "prefill_slice": self.config.prefill_slice,
-                      "prefill_slice_shared": self.config.prefill_slice_shared,
-                      "prefill_piggyback": self.config.prefill_piggyback, **self.stats},
+                      "prefill_slice": self.config.scheduling.prefill_slice,
+                      "prefill_slice_shared": self.config.scheduling.prefill_slice_shared,
+                      "prefill_piggyback": self.config.scheduling.prefill_piggyback, **self.stats},
             kernels=self.kernels, repro=self.signer.repro_class().as_dict(),
             prefix_cache=self.prefix_stats(),
             auditor=self.auditing.stats() if self.auditing.on else None,
@@ -201,7 +202,7 @@ class StageServer:
         if kind == "info":
             await stream.send(self.info())
         elif kind == "drain":
-            if stream.remote_peer_id not in self.config.admins:
+            if stream.remote_peer_id not in self.config.network.admins:
                 log.warning("drain.refused peer=%s", stream.remote_peer_id)
                 await stream.send(self._error(f"PeerId {stream.remote_peer_id} may not drain this stage "
                                                    "(not in --admin)", "forbidden"))
@@ -259,7 +260,7 @@ class StageServer:
         max_len = open_links(msg, place, self.host.peer_id, self.block.max_ctx)
         row_bytes = self.block.hidden_size * wire_itemsize(msg.get("wire_dtype"), self.block.dtype)
         need, log_rows = kv_need(max_len, self.block.kv_bytes_per_position(place.span), row_bytes, place.tail,
-                                 self.config.heal_log_mb)
+                                 self.config.admission.heal_log_mb)
         if not await self._admit(stream, sid, need, max_len):
             return
         with self.reservations.opening_session(sid, need):  # held until recorded, or the open fails
@@ -282,7 +283,7 @@ class StageServer:
             await stream.send(self._error(f"stage {self.block.layer_range} is draining (shutting down) and "
                                           "admits no new sessions", "unavailable", sid, why="draining"))
             return False
-        allowed = self.config.allow_coordinators
+        allowed = self.config.network.allow_coordinators
         if allowed and coordinator not in allowed:
             log.warning("session.refused session=%s peer=%s reason=not-an-allowed-coordinator", sid, coordinator)
             await stream.send(self._error(f"PeerId {coordinator} may not open sessions on this stage "
@@ -297,19 +298,20 @@ class StageServer:
         Raises:
             ContextOverflow: the session would not fit the whole budget even alone.
         """
-        budget = self.config.kv_budget_bytes
+        budget = self.config.admission.kv_budget_bytes
         held = self.reservations.held(besides=sid)
         verdict = decide(need, held, budget, None if self.prefix is None else self.prefix.nbytes)
         if verdict.too_big:
             raise ContextOverflow(
                 f"the session needs {_mib(need)} of KV cache for {max_len} positions, more than this stage's "
-                f"whole KV budget of {self.config.kv_budget_mb:g} MiB (--kv-budget-mb); ask for fewer positions")
+                f"whole KV budget of {self.config.admission.kv_budget_mb:g} MiB (--kv-budget-mb); ask for fewer "
+                "positions")
         if verdict.evict_to is not None:
             self.prefix.evict_to(verdict.evict_to)  # cold prefixes make room, live sessions never
         if not verdict.admit:
             log.warning("session.busy session=%s need=%d held=%d budget=%d", sid, need, held, budget)
             await stream.send(self._error(
-                f"stage {self.block.layer_range} is busy: its KV budget of {self.config.kv_budget_mb:g} MiB "
+                f"stage {self.block.layer_range} is busy: its KV budget of {self.config.admission.kv_budget_mb:g} MiB "
                 f"(--kv-budget-mb) is taken: {self.reservations.holders(besides=sid)} sessions hold {_mib(held)} "
                 f"and this one needs {_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
         return verdict.admit
@@ -403,7 +405,7 @@ class StageServer:
 
     async def expire_idle(self) -> None:
         """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
-        ttl = self.config.session_ttl_s
+        ttl = self.config.admission.session_ttl_s
         while True:
             await trio.sleep(max(0.05, min(5.0, ttl / 4)))
             now = trio.current_time()
@@ -473,21 +475,22 @@ def _retention(config: StageConfig) -> RetentionStore:
         ConfigError: the spill directory cannot be created, cleaned or written.
     """
     try:
-        return RetentionStore(int(config.audit_retention_mb * 2**20), config.audit_retention_dir,
-                              int(config.audit_retention_disk_mb * 2**20))
+        return RetentionStore(int(config.audits.audit_retention_mb * 2**20), config.audits.audit_retention_dir,
+                              int(config.audits.audit_retention_disk_mb * 2**20))
     except OSError as exc:
-        raise ConfigError(f"--audit-retention-dir {config.audit_retention_dir}: cannot keep spilled rows there: "
+        raise ConfigError(f"--audit-retention-dir {config.audits.audit_retention_dir}: cannot keep spilled rows there: "
                           f"{exc}") from None
 
 
 def _prefix_reuse(server: StageServer):
     """The server's ``PrefixReuse`` (``--prefix-cache-mb`` > 0), else None."""
-    config = server.config
-    if config.prefix_cache_mb <= 0:
+    admission = server.config.admission
+    if admission.prefix_cache_mb <= 0:
         return None
     from swarm.stage.reuse import PrefixReuse
 
-    return PrefixReuse(config.prefix_cache_mb, config.prefix_block, lambda: server.config.kv_budget_bytes,
+    return PrefixReuse(admission.prefix_cache_mb, admission.prefix_block,
+                       lambda: server.config.admission.kv_budget_bytes,
                        server.reservations, server.block, server.scheduler.limiter, server.scheduler.tile_of)
 
 

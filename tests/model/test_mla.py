@@ -82,7 +82,7 @@ def _preflight(model: Path, layers: LayerRange, dtype: str, key: Path) -> dict:
     from swarm.config import StageConfig
     from swarm.stage.preflight import preflight
 
-    return preflight(StageConfig(model=str(model), layers=layers, dtype=dtype, device="cpu", key_path=key))
+    return preflight(StageConfig.of(model=str(model), layers=layers, dtype=dtype, device="cpu", key_path=key))
 
 
 def test_the_cache_holds_latents_and_every_count_of_kv_bytes_agrees(synthetic, tmp_path, monkeypatch) -> None:

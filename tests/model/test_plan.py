@@ -90,7 +90,7 @@ def test_too_small_cards_say_by_how_much(llama70b) -> None:
 
 def _reported(model_dir: Path, layers: LayerRange, dtype: str, key: Path) -> int:
     """weights_bytes of the stage's preflight (what its SWARM_STAGE_OK line says it loads)."""
-    return preflight(StageConfig(model=str(model_dir), layers=layers, dtype=dtype, device="cpu",
+    return preflight(StageConfig.of(model=str(model_dir), layers=layers, dtype=dtype, device="cpu",
                                  key_path=key))["weights_bytes"]
 
 

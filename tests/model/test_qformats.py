@@ -60,7 +60,7 @@ def test_block_format_blocks_hold_the_planned_bytes_and_pass_the_startup_proof(s
     dense = _blocks(tiny, None)
     for (a, b), block, full in zip(RANGES, _blocks(tiny, scheme), dense):
         r = LayerRange(a, b)
-        reported = preflight(StageConfig(model=str(tiny), layers=r, quantize=scheme, device="cpu",
+        reported = preflight(StageConfig.of(model=str(tiny), layers=r, quantize=scheme, device="cpu",
                                          key_path=tmp_path / "k.key"))
         assert block.loaded_bytes == qformats.held_bytes(tiny, r, scheme) == reported["weights_bytes"]
         assert reported["quantize"] == scheme and reported["dtype"] == "float32"
@@ -81,7 +81,7 @@ def test_block_formats_need_the_kernel_library_in_check_and_start_alike(tiny, tm
     """--check refuses what a start would refuse: no kernel library, no block formats (any kernel mode)."""
     monkeypatch.setattr(fma, "library_available", lambda: (False, "SWARM_ISA='bogus' is not an instruction set"))
     with pytest.raises(ConfigError, match="bogus"):
-        preflight(StageConfig(model=str(tiny), layers=LayerRange(0, 1), quantize="q4_1", device="cpu",
+        preflight(StageConfig.of(model=str(tiny), layers=LayerRange(0, 1), quantize="q4_1", device="cpu",
                               key_path=tmp_path / "k.key"))
     with pytest.raises(ConfigError, match="bogus"):
         load_block(tiny, LayerRange(0, 1), device="cpu", quantize="q4_1")
@@ -93,7 +93,7 @@ def test_block_formats_compute_in_float32_on_the_cpu_and_gguf_needs_a_gguf(tiny)
     with pytest.raises(ConfigError, match="GGUF file"):
         load_block(tiny, LayerRange(0, 1), device="cpu", quantize="gguf")
     with pytest.raises(ConfigError, match="q8_0"):
-        StageConfig(model=str(tiny), layers=LayerRange(0, 1), quantize="q5_k")
+        StageConfig.of(model=str(tiny), layers=LayerRange(0, 1), quantize="q5_k")
 
 
 @pytest.mark.ring

@@ -43,7 +43,7 @@ def test_quantized_blocks_hold_the_planned_bytes_and_pass_the_startup_proof(tiny
     dense = _blocks(tiny, None)
     for (a, b), block, full in zip(RANGES, _blocks(tiny, scheme), dense):
         r = LayerRange(a, b)
-        reported = preflight(StageConfig(model=str(tiny), layers=r, quantize=scheme, device="cpu",
+        reported = preflight(StageConfig.of(model=str(tiny), layers=r, quantize=scheme, device="cpu",
                                          key_path=tmp_path / "k.key"))
         assert block.loaded_bytes == plan.range_bytes(model, r, scheme) == reported["weights_bytes"]
         assert reported["quantize"] == scheme and reported["dtype"] == "bfloat16"
@@ -81,7 +81,7 @@ def test_quantization_needs_bfloat16_on_the_cpu(tiny) -> None:
     with pytest.raises(ConfigError, match="int8, int4"):
         load_block(tiny, LayerRange(0, 1), device="cpu", quantize="int3")
     with pytest.raises(ConfigError, match="int8, int4"):
-        StageConfig(model=str(tiny), layers=LayerRange(0, 1), quantize="nf4")
+        StageConfig.of(model=str(tiny), layers=LayerRange(0, 1), quantize="nf4")
 
 
 @pytest.mark.ring

@@ -40,7 +40,7 @@ class Served(LoopThread):
         async def main(nursery, box):
             spec, box["stages"] = await start_ring(nursery, model_dir, RANGES, work / "keys", "float32",
                                                    prefix_block=BLOCK)
-            config = ServeConfig(host="127.0.0.1", port=0, key_path=work / "serve.key")
+            config = ServeConfig.of(host="127.0.0.1", port=0, key_path=work / "serve.key")
             box["info"] = await nursery.start(lambda task_status: serve_api(spec, config, task_status=task_status))
 
         box = self.start(main)

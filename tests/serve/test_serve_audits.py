@@ -183,7 +183,7 @@ def test_an_unreadable_tally_fails_before_serve_listens(stories_dir, tmp_path):
 
     bad = tmp_path / "tally.json"
     bad.write_text("[1, 2]")
-    config = ServeConfig(port=0, key_path=tmp_path / "coord.key", audit_tally=bad)
+    config = ServeConfig.of(port=0, key_path=tmp_path / "coord.key", audit_tally=bad)
     with pytest.raises(ConfigError, match="--audits: .* is not an audit tally"):
         trio.run(serve_api, RingSpec(model=str(stories_dir), stages=()), config)
 

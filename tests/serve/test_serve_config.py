@@ -13,12 +13,13 @@ from swarm.serve.config import DEFAULT_MAX_BODY_MB, ServeConfig
 
 def test_the_defaults_are_valid_and_match_the_flags():
     config = ServeConfig()
-    assert (config.host, config.port, config.max_concurrency) == ("127.0.0.1", 8000, 16)
-    assert (config.keepalive_s, config.max_body_mb, config.drain_timeout_s) == (15.0, DEFAULT_MAX_BODY_MB, 30.0)
-    assert config.max_body_bytes == 8 * 2**20
-    assert config.listed_receipts is None
-    assert (config.header_timeout_s, config.body_timeout_s, config.max_connections) == (10.0, 60.0, None)
-    assert config.send_timeout_s == 60.0
+    life = config.lifecycle
+    assert (config.listen.host, config.listen.port, config.ring.max_concurrency) == ("127.0.0.1", 8000, 16)
+    assert (life.keepalive_s, life.max_body_mb, life.drain_timeout_s) == (15.0, DEFAULT_MAX_BODY_MB, 30.0)
+    assert life.max_body_bytes == 8 * 2**20
+    assert config.receipts.listed_receipts is None
+    assert (life.header_timeout_s, life.body_timeout_s, life.max_connections) == (10.0, 60.0, None)
+    assert life.send_timeout_s == 60.0
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -41,22 +42,23 @@ def test_the_defaults_are_valid_and_match_the_flags():
 ])
 def test_a_bad_setting_is_refused_naming_its_flag(fields, says):
     with pytest.raises(ConfigError) as err:
-        ServeConfig(**fields)
+        ServeConfig.of(**fields)
     assert says in str(err.value)
 
 
 def test_zero_means_never_or_any_port():
-    config = ServeConfig(port=0, keepalive_s=0.0, drain_timeout_s=0.0)
-    assert (config.port, config.keepalive_s, config.drain_timeout_s) == (0, 0.0, 0.0)
+    config = ServeConfig.of(port=0, keepalive_s=0.0, drain_timeout_s=0.0)
+    assert (config.listen.port, config.lifecycle.keepalive_s, config.lifecycle.drain_timeout_s) == (0, 0.0, 0.0)
 
 
 def test_the_dashboard_lists_the_receipt_dir_unless_told_another(tmp_path):
-    assert ServeConfig(receipt_dir=tmp_path / "r").listed_receipts == tmp_path / "r"
-    assert ServeConfig(receipt_dir=tmp_path / "r", dashboard_receipts=tmp_path / "d").listed_receipts == tmp_path / "d"
+    assert ServeConfig.of(receipt_dir=tmp_path / "r").receipts.listed_receipts == tmp_path / "r"
+    assert ServeConfig.of(receipt_dir=tmp_path / "r",
+                          dashboard_receipts=tmp_path / "d").receipts.listed_receipts == tmp_path / "d"
 
 
 def test_lists_become_tuples_so_the_config_stays_frozen():
-    config = ServeConfig(bootstrap=["/ip4/127.0.0.1/tcp/1"], cors_origins=["*"])
-    assert config.bootstrap == ("/ip4/127.0.0.1/tcp/1",) and config.cors_origins == ("*",)
+    config = ServeConfig.of(bootstrap=["/ip4/127.0.0.1/tcp/1"], cors_origins=["*"])
+    assert config.ring.bootstrap == ("/ip4/127.0.0.1/tcp/1",) and config.listen.cors_origins == ("*",)
     with pytest.raises(AttributeError):
-        config.port = 1  # type: ignore[misc]
+        config.listen.port = 1  # type: ignore[misc]

@@ -80,7 +80,7 @@ class Ring:
                     self._slow(server.block)
                 self.box.update(spec=spec, stages=stages)
                 if serve:
-                    config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
+                    config = ServeConfig.of(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
                     self.box["info"] = await nursery.start(lambda task_status: serve_api(
                         spec, config, shutdown=self.shutdown, task_status=task_status))
                 self.box["ready"] = True

@@ -43,7 +43,7 @@ def make_state(tokenizer, **config) -> ServeState:
     """A ServeState over ``tokenizer`` and no ring; ``config``: ServeConfig fields."""
     from swarm.serve.metrics import ServeMetrics
 
-    state = ServeState(config=ServeConfig(**config), ring=None, host=None, nursery=None, tokenizer=tokenizer,
+    state = ServeState(config=ServeConfig.of(**config), ring=None, host=None, nursery=None, tokenizer=tokenizer,
                        model_id="stories260k", model_dir=None, num_layers=5, model_digest="", stop_ids={2},
                        max_ctx=512)
     state.metrics = ServeMetrics(state)

@@ -46,7 +46,7 @@ class Served(LoopThread):
         async def main(nursery, box):
             box["spec"], _ = await start_ring(nursery, model_dir, [(0, 5)], key_dir, "float32")
             if serve:
-                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
+                config = ServeConfig.of(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **serve_kwargs)
                 box["info"] = await nursery.start(
                     lambda task_status: serve_api(box["spec"], config, task_status=task_status))
 

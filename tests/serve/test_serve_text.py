@@ -43,7 +43,7 @@ class Served(LoopThread):
             spec, _ = await start_ring(nursery, model_dir, RANGES, work / "keys", "float32")
             box["spec"] = spec
             for name, spec_config in (("plain", SpecConfig()), ("speculative", SpecConfig(draft="ngram", k=4))):
-                config = ServeConfig(host="127.0.0.1", port=0, key_path=work / f"{name}.key", spec=spec_config,
+                config = ServeConfig.of(host="127.0.0.1", port=0, key_path=work / f"{name}.key", spec=spec_config,
                                      receipt_dir=work / f"receipts-{name}")
                 box[name] = await nursery.start(lambda task_status, c=config: serve_api(
                     spec, c, task_status=task_status))

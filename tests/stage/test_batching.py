@@ -138,7 +138,7 @@ def test_batching_flags_are_checked(tmp_path):
     for bad in (dict(max_batch_rows=0), dict(batch_tile=-1), dict(batch_tile=0), dict(prefill_slice=0),
                 dict(batch_tile=True), dict(batch_wait_ms=-1.0), dict(batch_wait_ms=float("nan"))):
         with pytest.raises(ConfigError):
-            StageConfig(model="m", layers=LayerRange(0, 1), **bad)
+            StageConfig.of(model="m", layers=LayerRange(0, 1), **bad)
 
 
 # ---- the scheduler ------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_batching_flags_are_checked(tmp_path):
 
 def _server(model, layers, keys, **kwargs):
     block = load_block(model, layers, dtype="float32", device="cpu")
-    server = StageServer(StageConfig(model=str(model), layers=layers, **kwargs), block, "synthetic", "d" * 64,
+    server = StageServer(StageConfig.of(model=str(model), layers=layers, **kwargs), block, "synthetic", "d" * 64,
                          key=load_or_create_key(keys / "stage.key"))
     server.host = NoNetwork(peer_id_of(server.key))
     return server

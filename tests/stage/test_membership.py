@@ -12,7 +12,7 @@ from swarm.stage import membership
 
 
 def _config(stories_dir) -> StageConfig:
-    return StageConfig(model=str(stories_dir), layers=None, bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",),
+    return StageConfig.of(model=str(stories_dir), layers=None, bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",),
                        device="cpu", dtype="float32")
 
 

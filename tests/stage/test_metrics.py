@@ -20,7 +20,7 @@ from tests.support.streams import NoNetwork
 def _server(model, dtype, tmp_path) -> StageServer:
     layers = LayerRange(0, 2)
     block = load_block(model, layers, dtype=dtype, device="cpu")
-    server = StageServer(StageConfig(model=str(model), layers=layers), block, "synthetic", "d" * 64,
+    server = StageServer(StageConfig.of(model=str(model), layers=layers), block, "synthetic", "d" * 64,
                          key=load_or_create_key(tmp_path / "stage.key"))
     server.host = NoNetwork(peer_id_of(server.key))
     return server

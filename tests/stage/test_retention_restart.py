@@ -234,7 +234,7 @@ def test_swarm_audit_of_a_job_before_a_restart_says_unavailable_and_exits_0(tmp_
             listen = spec.stages[0].addr.split("/p2p/")[0]  # the same address: the receipt's ring names it
             async with trio.open_nursery() as nursery:
                 r = LayerRange(0, 4)
-                server = StageServer(StageConfig(model=str(model_dir), layers=r),
+                server = StageServer(StageConfig.of(model=str(model_dir), layers=r),
                                      load_block(model_dir, r, dtype="float64", device="cpu"), Path(model_dir).name,
                                      model_manifest_digest(model_dir))
                 await nursery.start(serve, server, load_or_create_key(tmp_path / "s0-4.key"), listen)

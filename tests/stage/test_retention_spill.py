@@ -162,7 +162,7 @@ def test_check_refuses_a_retention_dir_the_stage_could_not_use(tmp_path, monkeyp
     a_file.write_text("")
 
     def check(where):
-        return preflight(StageConfig(model=str(model), layers=LayerRange(0, 1), device="cpu",
+        return preflight(StageConfig.of(model=str(model), layers=LayerRange(0, 1), device="cpu",
                                      key_path=tmp_path / "k.key", audit_retention_dir=where))
 
     with pytest.raises(ConfigError, match="not a directory"):

@@ -227,7 +227,7 @@ def test_max_ctx_is_reported_and_enforced(model, tmp_path):
     from swarm.stage.server import StageServer
 
     with pytest.raises(ConfigError, match="--max-ctx 500 exceeds the model's maximum context of 128"):
-        StageServer(StageConfig(model=str(model), layers=LayerRange(0, 4), max_ctx=500),
+        StageServer(StageConfig.of(model=str(model), layers=LayerRange(0, 4), max_ctx=500),
                     load_block(model, LayerRange(0, 4), dtype="float64"), "m", "d")
 
     async def main():
@@ -296,7 +296,8 @@ def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
                 spec, servers = await start_ring(nursery, model, [(0, 2), (2, 4)], tmp_path, kv_budget_mb=1.0)
                 head = servers[0]
                 need = 64 * (per_pos + head.block.hidden_size * 8)  # KV + the log of hidden states sent on
-                head.config = dataclasses.replace(head.config, kv_budget_mb=1.5 * need / 2**20)  # one, not two
+                head.config = dataclasses.replace(head.config, admission=dataclasses.replace(  # one, not two
+                    head.config.admission, kv_budget_mb=1.5 * need / 2**20))
                 dial = head.outboxes.successor_or_answer
 
                 async def slow_dial(*a, **k):  # a successor far away: the dial takes a while
@@ -320,7 +321,7 @@ def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
                     refused = next(m for m in answers.values() if m["type"] == "error")
                     assert refused["code"] == "busy" and "1 sessions hold" in refused["reason"], refused
                     assert len(head.sessions) == 1
-                    assert head.reserved_bytes() == need <= head.config.kv_budget_bytes
+                    assert head.reserved_bytes() == need <= head.config.admission.kv_budget_bytes
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -424,7 +425,7 @@ def test_stage_config_refuses(kwargs, expect):
     from swarm.ranges import LayerRange
 
     with pytest.raises(ConfigError, match=expect):
-        StageConfig(model="m", layers=LayerRange(0, 1), **kwargs)
+        StageConfig.of(model="m", layers=LayerRange(0, 1), **kwargs)
 
 
 def test_tail_answers_only_the_rows_logits_from_asks_for(model, tmp_path):

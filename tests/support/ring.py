@@ -28,7 +28,7 @@ async def start_ring(nursery, model_dir: Path, ranges: list[tuple[int, int]], ke
     for a, b in ranges:
         r = LayerRange(a, b)
         block = load_block(model_dir, r, dtype=dtype, device="cpu", quantize=stage_kwargs.get("quantize"))
-        server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, Path(model_dir).name, digest)
+        server = StageServer(StageConfig.of(model=str(model_dir), layers=r, **stage_kwargs), block, Path(model_dir).name, digest)
         ready = await nursery.start(serve, server, load_or_create_key(key_dir / f"s{a}-{b}.key"), LOOPBACK)
         specs.append(StageSpec(addr=ready["addrs"][0], layers=r))
         servers.append(server)
@@ -161,7 +161,7 @@ async def start_stages(nursery, model_dir: Path, ranges, key_dir: Path, tag: str
     for a, b in ranges:
         r = LayerRange(a, b)
         block = load_block(model_dir, r, dtype=block_dtype, device="cpu", quantize=stage_kwargs.get("quantize"))
-        server = StageServer(StageConfig(model=str(model_dir), layers=r, **stage_kwargs), block, model_dir.name, digest)
+        server = StageServer(StageConfig.of(model=str(model_dir), layers=r, **stage_kwargs), block, model_dir.name, digest)
         scopes: list = []
         ready = await nursery.start(serve_in_scope, server, load_or_create_key(key_dir / f"{tag}{a}-{b}.key"), scopes)
         out.append((StageSpec(addr=ready["addrs"][0], layers=r), server, scopes[0]))
@@ -183,7 +183,7 @@ async def start_announced(nursery, model_dir: Path, layers: tuple[int, int], key
     from swarm.stage.membership import announce
 
     r = LayerRange(*layers)
-    config = StageConfig(model=str(model_dir), layers=r, bootstrap=(bootstrap,), dht_client=True, **config_kw)
+    config = StageConfig.of(model=str(model_dir), layers=r, bootstrap=(bootstrap,), dht_client=True, **config_kw)
     block = load_block(model_dir, r, dtype=dtype, device="cpu")
     server = StageServer(config, block, Path(model_dir).name, model_manifest_digest(model_dir))
     server.model_id = model_id

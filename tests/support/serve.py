@@ -100,7 +100,7 @@ class Server:
             async with trio.open_nursery() as nursery:
                 self.box["token"] = trio.lowlevel.current_trio_token()
                 self.box["scope"] = nursery.cancel_scope
-                config = ServeConfig(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **self.serve_kwargs)
+                config = ServeConfig.of(host="127.0.0.1", port=0, key_path=key_dir / "coord.key", **self.serve_kwargs)
                 self.box["info"] = await nursery.start(lambda task_status: serve_api(spec, config,
                                                                                      task_status=task_status))
 

@@ -172,13 +172,13 @@ def test_circuit_addresses_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="never fetched through a relay"):  # checked before anything is dialed
         trio.run(lambda: fetch_weights(None, [circuit], name=NAME, layers=MIDDLE, root=tmp_path))
     with pytest.raises(ConfigError, match="never fetched through a relay"):
-        StageConfig(model=NAME, layers=MIDDLE, fetch_from=(circuit,))
+        StageConfig.of(model=NAME, layers=MIDDLE, fetch_from=(circuit,))
     with pytest.raises(ConfigError, match="/p2p/<PeerId>"):
-        StageConfig(model=NAME, layers=MIDDLE, fetch_from=("/ip4/127.0.0.1/tcp/4001",))
+        StageConfig.of(model=NAME, layers=MIDDLE, fetch_from=("/ip4/127.0.0.1/tcp/4001",))
     with pytest.raises(ConfigError, match="never fetched through a relay"):  # a placed stage's peers too
-        StageConfig(model=NAME, layers=None, bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",), fetch_from=(circuit,))
+        StageConfig.of(model=NAME, layers=None, bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",), fetch_from=(circuit,))
     with pytest.raises(ConfigError, match="64 lowercase hex"):
-        StageConfig(model=NAME, layers=MIDDLE, model_id="ABC")
+        StageConfig.of(model=NAME, layers=MIDDLE, model_id="ABC")
     done = run_cli("stage", "--model", NAME, "--layers", "1:3", "--fetch-from", circuit)
     assert done.returncode == 1 and done.stdout.startswith("SWARM_STAGE_FATAL") and "relay" in done.stdout
 
@@ -221,7 +221,7 @@ def test_warm_restart_reverifies_and_fetches_nothing(source, tmp_path, monkeypat
     first = run(seed, timeout_s=30).path
     mtimes = {f: (first / f).stat().st_mtime_ns for f in MIDDLE_SHARDS}
     dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
-    config = StageConfig(model=NAME, layers=MIDDLE, fetch_from=(dead,))
+    config = StageConfig.of(model=NAME, layers=MIDDLE, fetch_from=(dead,))
     # the only peer is down: a restart can only succeed from its own verified files
     resolved = acquire_model(config)
     assert resolved.path == first and {f: (first / f).stat().st_mtime_ns for f in MIDDLE_SHARDS} == mtimes

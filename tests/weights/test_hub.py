@@ -100,7 +100,7 @@ def shard(i: int) -> str:
 
 
 def test_stage_downloads_only_its_shards(hub, repo):
-    resolved = acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 3)))
+    resolved = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 3)))
     assert sorted(hub.downloads) == sorted(SMALL | {shard(3), shard(4)})  # layers 1, 2; no README, no index
     assert all(c[-1] == SHA for c in hub.calls if c[0] != "model_info")
     path = resolved.path
@@ -117,27 +117,27 @@ def test_stage_downloads_only_its_shards(hub, repo):
 
 
 def test_tied_tail_gets_the_embedding_shard(hub):
-    resolved = acquire_model(StageConfig(model=REPO, layers=LayerRange(3, 4)))
+    resolved = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(3, 4)))
     assert shards_of(resolved.path) == {shard(1), shard(5), shard(6)}  # embedding (tied head), layer 3, norm
     assert set(hub.downloads) - SMALL == {shard(1), shard(5), shard(6)}
 
 
 def test_warm_restart_asks_the_hub_nothing(hub, repo):
-    first = acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 3))).path
+    first = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 3))).path
     hub.calls.clear()
-    again = acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 3)))
+    again = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 3)))
     assert again.path == first and hub.calls == []
     # an overlapping range downloads only the shard it lacks, into the same directory
-    wider = acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 4)))
+    wider = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 4)))
     assert wider.path == first and set(hub.downloads) - SMALL == {shard(5), shard(6), shard(1)}
     # --check finds the fetched weights without the hub
     hub.calls.clear()
-    ok = preflight(StageConfig(model=REPO, layers=LayerRange(1, 3), key_path=first.parent / "k.key"))
+    ok = preflight(StageConfig.of(model=REPO, layers=LayerRange(1, 3), key_path=first.parent / "k.key"))
     assert ok["model_digest"] == model_manifest_digest(repo) and ok["tensors"] > 0 and hub.calls == []
 
 
 def test_stage_on_the_dht_downloads_everything_to_know_its_id(hub, repo):
-    resolved = acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 3), bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",)))
+    resolved = acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 3), bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/x",)))
     assert shards_of(resolved.path) == shards_of(repo)
     assert model_id(resolved.path) == model_id(repo)
     bad = "ab" * 32
@@ -177,5 +177,5 @@ def test_offline_fails_fast_and_clearly(hub, monkeypatch, tmp_path):
         fetch_from_hub(REPO, LayerRange(1, 2), tmp_path / "w")
     # a stage tries a full snapshot downloaded earlier, and without one reports the hub's reason
     with pytest.raises(ModelError, match="offline"):
-        acquire_model(StageConfig(model=REPO, layers=LayerRange(1, 2)))
+        acquire_model(StageConfig.of(model=REPO, layers=LayerRange(1, 2)))
     assert hub.calls == []

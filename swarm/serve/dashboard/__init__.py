@@ -163,7 +163,7 @@ async def serve_state(state) -> dict:
     ttfts = [x for _, _, x, _ in finished[-50:] if x is not None]
     itls = [x for _, _, _, x in finished[-50:] if x is not None]
     # in a thread: a directory read and signature checks must not hold up the server's event loop
-    listed = state.config.listed_receipts
+    listed = state.config.receipts.listed_receipts
     jobs = await trio.to_thread.run_sync(jobs_from_dir, listed) if listed else []
     for j in jobs:
         if not j["verified"]:
@@ -213,7 +213,7 @@ async def audit_state(state, peer_ids: list[str]) -> dict:
     from swarm.auditor.tally import COUNTS, read_tally
     from swarm.errors import ConfigError
 
-    path, tally, error = state.config.audit_tally, {}, None
+    path, tally, error = state.config.receipts.audit_tally, {}, None
     if path is not None:
         try:  # in a thread: a file read must not hold up the server's event loop
             tally = await trio.to_thread.run_sync(read_tally, path)

@@ -1,0 +1,152 @@
+"""Config fields that are also command-line flags, declared once. Standard library only.
+
+A config section is a frozen dataclass whose fields carry their flag in ``option(...)``; argparse
+arguments (``add_flags``) and the section built from parsed arguments (``from_args``) are generated
+from them, so a flag's name, type, default and help live in one place. The argument's type comes
+from the field's annotation: ``int``, ``float``, ``str``, ``Path`` (each optionally ``| None``), ``bool``
+(a switch: ``--flag`` sets True, or with ``negate`` a ``--no-...`` flag sets False), and
+``tuple[str, ...]`` (a repeatable flag). Model: vLLM's ``EngineArgs.add_cli_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field appears on the command line.
+
+    Args:
+        help: the ``--help`` text. flag: the option string (default ``--`` + the field's name with
+            dashes). metavar, choices: as argparse's. negate: for a bool defaulting to True, the
+            ``--no-...`` flag that sets it False. dest: the parsed argument's name when it is not
+            the field's (an old flag spelling kept). required: argparse refuses a command
+            without it. convert: applied to a given value by ``from_args`` (the flag takes a
+            string; what ``convert`` raises, e.g. a ConfigError, reaches the caller).
+    """
+
+    help: str
+    flag: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    negate: str | None = None
+    dest: str | None = None
+    required: bool = False
+    convert: typing.Callable | None = None
+
+
+def option(default, help: str, *, default_factory=None, **kw) -> dataclasses.Field:
+    """A dataclass field that is also the flag ``Flag(help, **kw)``."""
+    meta = {"flag": Flag(help, **kw)}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _flags(cls) -> list[tuple[dataclasses.Field, Flag, object]]:
+    """``(field, its Flag, its resolved annotation)`` for every flag field of ``cls``, in order."""
+    hints = typing.get_type_hints(cls)
+    return [(f, f.metadata["flag"], hints[f.name]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def _base(annotation) -> type:
+    """``int | None`` -> int; ``tuple[str, ...]`` -> tuple; a plain type -> itself."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        return tuple
+    if args and origin is not None:
+        return args[0]
+    return annotation
+
+
+def dest_of(field: dataclasses.Field, flag: Flag) -> str:
+    """The parsed argument's name of a flag field."""
+    return flag.dest or field.name
+
+
+def flag_name(field: dataclasses.Field, flag: Flag) -> str:
+    """The option string of a flag field."""
+    return flag.flag or "--" + field.name.replace("_", "-")
+
+
+def add_flags(parser, cls, title: str | None = None, description: str | None = None):
+    """Add ``cls``'s flag fields to ``parser`` (in an argument group when ``title`` is given);
+    returns where they went."""
+    target = parser.add_argument_group(title, description) if title else parser
+    for field, flag, annotation in _flags(cls):
+        base, dest = _base(annotation), dest_of(field, flag)
+        kw: dict = {"help": flag.help, "dest": dest}
+        if flag.required:
+            kw["required"] = True
+        if flag.metavar:
+            kw["metavar"] = flag.metavar
+        if base is bool:
+            if flag.negate:
+                target.add_argument(flag.negate, action="store_false", **kw)
+            else:
+                target.add_argument(flag_name(field, flag), action="store_true", **kw)
+            continue
+        if base is tuple:
+            kw.update(action="append", default=[])
+        elif flag.convert is not None:
+            kw.update(default=None)
+        else:
+            kw.update(type=base, default=field.default if field.default is not dataclasses.MISSING else None)
+        if flag.choices:
+            kw["choices"] = list(flag.choices)
+        elif "metavar" not in kw:  # named after the flag, not the field: --key KEY
+            kw["metavar"] = flag_name(field, flag).lstrip("-").replace("-", "_").upper()
+        target.add_argument(flag_name(field, flag), **kw)
+    return target
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """``cls`` built from the parsed ``args`` of its flag fields; ``overrides`` set the others (or
+    replace a parsed value). Raises what ``cls`` raises on construction."""
+    values = {}
+    for field, flag, annotation in _flags(cls):
+        value = getattr(args, dest_of(field, flag))
+        if _base(annotation) is tuple:
+            value = tuple(value)
+        elif flag.convert is not None and value is not None:
+            value = flag.convert(value)
+        values[field.name] = value
+    values.update(overrides)
+    return cls(**values)
+
+
+def sections(cls) -> dict[str, type]:
+    """``{field name: section class}`` of a config made of sections (every field a dataclass)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def add_sections(parser, cls) -> None:
+    """Every section's flags of the sectioned config ``cls``, an argument group per section with a
+    ``TITLE`` (the others' flags among the parser's own)."""
+    for section in sections(cls).values():
+        add_flags(parser, section, getattr(section, "TITLE", None))
+
+
+def build(cls, flat: dict, args: argparse.Namespace | None = None):
+    """The sectioned config ``cls`` from flat field names (each goes to the section declaring it),
+    over the parsed flags ``args`` when given.
+
+    Raises:
+        TypeError: a name no section declares. What a section raises on construction.
+    """
+    parts = {name: (section, {}) for name, section in sections(cls).items()}
+    for key, value in flat.items():
+        name = next((n for n, (section, _) in parts.items()
+                     if key in {f.name for f in dataclasses.fields(section)}), None)
+        if name is None:
+            raise TypeError(f"{cls.__name__} has no setting called {key!r}")
+        parts[name][1][key] = value
+    return cls(**{name: from_args(section, args, **values) if args is not None else section(**values)
+                  for name, (section, values) in parts.items()})

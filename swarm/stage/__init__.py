@@ -24,7 +24,9 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
                  together the objects below, each given what it uses (no mixins, no shared attributes)
 - ``session``    ``Session`` and ``Job``: per-session state and queued work (data only)
 - ``admission``  the open frame's checks and the KV budget: pure ``decide``, ``Reservations``
-- ``scheduler``  ``Scheduler``: which rows run together (pure ``pick_rows``), the compute, kernel proofs
+- ``scheduler``  ``Scheduler``: a step planned (pure ``plan_step`` -> ``StepPlan``), run (-> ``StepResult``),
+                 applied to the queues
+- ``kernel_proofs`` the start-up proof of the kernels (one GEMV per row) and of ``--batch-tile``
 - ``outbox``     ``Outboxes``: ordered per-stream outboxes, posting outputs, successor streams, mirrors
 - ``signing``    ``ReceiptSigner``: the stage receipt, signing the session's rolling digests, its
                  reproducibility class and the Merkle root over its windows of rows

@@ -1,29 +1,30 @@
 """The stage's scheduler: which queued rows run in each step, and the step itself.
 
 Owns (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's chunked prefill,
-Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs; the step selection (the next
-chunk of every ready session that is short, decode/verify rows of at most ``BATCH_CHUNK_MAX``
-positions, up to ``--max-batch-rows`` in all, into one packed forward, plus one slice of the long
-chunk with the least left: ``--prefill-slice`` rows, and while another session's decode row is due
-only what rides along in its steps (:func:`decoder_due`, :func:`ride_rows`), so a long prompt never
-stalls it); a slice computed alone pauses between layers for a chunk that overtakes it
-(:func:`overtakes`, :meth:`LayerBlock.forward_steps`); the compute of a step in a worker
-thread (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive),
-except a step of short chunks whose recent compute is below ``--inline-step-ms``, which runs in the
-trio thread (the thread round trip would cost more than the responsiveness it buys);
-the tail's choice of token (argmax, or sampling keyed by position); and the kernel proofs
-(:func:`swarm.kernels.check.check_block`): tile 1 at start-up, ``--batch-tile`` before the first
-session that may be packed, with a fallback from the block's fma or triton kernel mode to rows
-where the proof fails. In the fma and triton modes every step's rows over the same layers share one forward (the
-kernels give a row the same bits in any forward, and the start-up proof covers packing); in the
-rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row GEMMs)
-and the others run alone. Either way every forward is row-invariant (:mod:`swarm.kernels`).
+Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs and each step as plan -> run
+-> apply (after vLLM's ``schedule()`` / ``update_from_output()``):
 
-The choice of a step's rows is pure (:func:`pick_rows`, :func:`decoder_due`, :func:`ride_rows`,
-:func:`overtakes`, :func:`prompt_ends`, :func:`long_chunk_shares`, :func:`stale_needed`); the
-:class:`Scheduler` object holds the run queue and the counters and is given what it uses: the
-scheduling settings, the block, the live sessions, the timing counters, and callbacks to fail a session, post a
-chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
+- plan, pure (:func:`plan_step` -> :class:`StepPlan`): the next chunk of every ready session that is
+  short (decode/verify rows of at most ``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in
+  all) into one packed forward, plus a :class:`Slice` of the long chunk with the least left:
+  ``--prefill-slice`` rows, and while another session's decode row is due only what rides along in
+  its steps (:func:`decoder_due`, :func:`ride_rows`), or a wait for that row, so a long prompt never
+  stalls it;
+- run (:meth:`Scheduler._compute_step` -> :class:`StepResult`): in a worker thread
+  (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive), or in
+  the trio thread for short chunks whose recent compute is below ``--inline-step-ms``; the tail
+  chooses the tokens (argmax, or sampling keyed by position); a slice computed alone pauses between
+  layers for a chunk that overtakes it (:func:`overtakes`, :meth:`LayerBlock.forward_steps`) and
+  comes back as :class:`Paused`;
+- apply (:meth:`Scheduler._apply`): the measured :class:`Costs`, the counters, each chunk's output
+  posted, the run queue advanced.
+
+In the fma and triton modes every step's rows over the same layers share one forward (the kernels
+give a row the same bits in any forward, proven before serving by :mod:`swarm.stage.kernel_proofs`);
+in the rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row
+GEMMs) and the others run alone. The :class:`Scheduler` is given what it uses: the scheduling
+settings, the block, the live sessions, the timing counters, and callbacks to fail a session, post
+a chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import trio
@@ -39,6 +40,7 @@ import trio
 from swarm import wire
 from swarm.config import SchedulingSection
 from swarm.errors import ProtocolError
+from swarm.stage.kernel_proofs import prove_kernels, prove_tile
 from swarm.stage.session import Job, Session
 
 log = logging.getLogger(__name__)
@@ -187,7 +189,125 @@ def ride_rows(*, row_s: float | None, short_step_s: float | None, shared_rows: i
     return min(shared_rows, max(ride, 1 if starving else 0))
 
 
-PAUSED = "paused"  # what a step's compute returns when its slice paused for a chunk that overtakes it
+@dataclass(frozen=True)
+class Slice:
+    """A long chunk's next ``rows`` positions (from where its earlier slices ended) in one step."""
+
+    session: Session
+    job: Job
+    rows: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one scheduling step computes (:func:`plan_step`).
+
+    Attributes:
+        short: the short chunks (decode/verify rows), each computed whole, packed into one forward.
+        long: a slice of a long chunk, or None.
+        wait_until: nothing runs now: a decoder's row is due by this trio time and the long chunk
+            waits to ride along with it (Sarathi-Serve's stall-free batching).
+    An empty plan (none of the three): nothing is ready.
+    """
+
+    short: tuple[tuple[Session, Job], ...] = ()
+    long: Slice | None = None
+    wait_until: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.short and self.long is None and self.wait_until is None
+
+    @property
+    def alone(self) -> bool:
+        """A slice in a step of its own: it pauses between layers for a chunk that overtakes it."""
+        return self.long is not None and not self.short
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the scheduler measured that planning reads: ``short_step_s``, a step of decode rows alone
+    (moving average); ``row_s``, the last seconds per row of a long chunk's slice beyond that (None:
+    not measured yet); ``long_at``, the trio time a slice was last computed."""
+
+    short_step_s: float | None = None
+    row_s: float | None = None
+    long_at: float = 0.0
+
+
+def plan_step(ready: Sequence[tuple[Session, Job]], sessions: Iterable[Session], settings: SchedulingSection,
+              costs: Costs, now: float) -> StepPlan:
+    """One step's chunks: the short ones :func:`pick_rows` packs and the long chunk it picks, sized
+    by ``--prefill-piggyback`` (:func:`decoder_due`, :func:`ride_rows`) or else by
+    :func:`long_chunk_shares`. Reads the sessions, changes nothing.
+
+    Args:
+        ready: the next chunk of every ready session, in run-queue order.
+        sessions: every live session (whose decode rows may be due).
+        settings: the stage's batching flags. costs: what was measured. now: trio time, seconds.
+    """
+    picked = pick_rows([(job.x.shape[1], job.done) for _, job in ready], settings.max_batch_rows)
+    short = tuple(ready[i] for i in picked.short)
+    if picked.long is None:
+        return StepPlan(short)
+    sess, job = ready[picked.long]
+    if settings.prefill_piggyback:
+        due = decoder_due([(s.last_short, s.short_gap) for s in sessions if s is not sess], now)
+        if due is None:
+            return StepPlan(short, Slice(sess, job, settings.prefill_slice))  # nobody's decode row is due
+        if not short:  # wait for the decoder's row to ride along with it (or until it is overdue)
+            return StepPlan(wait_until=due)
+        rows = ride_rows(row_s=costs.row_s, short_step_s=costs.short_step_s, shared_rows=settings.prefill_slice_shared,
+                         starving=now - costs.long_at > STARVE_S)
+        # 0: the decode rows go alone, the prompt's row would cost them too much
+        return StepPlan(short, Slice(sess, job, rows) if rows else None)
+    others = [(s.last_active, s.last_rows) for s in sessions if s is not sess]
+    shared = long_chunk_shares(bool(short), others, now)
+    return StepPlan(short, Slice(sess, job, settings.prefill_slice_shared if shared else settings.prefill_slice))
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A slice computed alone that paused between layers for a chunk that overtakes it: its session,
+    chunk, first position and rows, and the ``LayerBlock.forward_steps`` generator that goes on."""
+
+    session: Session
+    job: Job
+    pos: int
+    rows: int
+    steps: object
+
+
+@dataclass(frozen=True)
+class ChunkOutput:
+    """One chunk's part of a step: ``rows`` positions computed; ``payload`` the tail's token ids or the
+    encoded hidden states once the chunk is complete, None while slices of it are still to come."""
+
+    session: Session
+    job: Job
+    rows: int
+    payload: object
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A computed step (:meth:`Scheduler._compute_step`).
+
+    Attributes:
+        outputs: each chunk's part, in the step's order (none when it paused).
+        t_start, t_end: ``time.perf_counter`` when the compute began and ended; encode_s: the part
+            of it spent encoding hidden states.
+        packed: sessions in the step's largest forward. long_rows: positions of a long chunk computed.
+        paused: the slice that paused instead of finishing, or None.
+    """
+
+    outputs: tuple[ChunkOutput, ...]
+    t_start: float
+    encode_s: float
+    t_end: float
+    packed: int = 0
+    long_rows: int = 0
+    paused: Paused | None = None
 
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
@@ -231,7 +351,7 @@ def chunk_input(msg: dict, sess: Session, block) -> torch.Tensor:
 
 
 class Scheduler:
-    """Run queue, scheduling steps, the compute of a step, kernel proofs (see the module docstring).
+    """The run queue and the steps: planned, run, applied (see the module docstring).
 
     Args:
         settings: the stage's ``SchedulingSection`` (batching flags, ``--inline-step-ms``).
@@ -253,26 +373,19 @@ class Scheduler:
         self._runq: dict[int, Session] = {}  # id -> session with queued jobs, in scheduling (round-robin) order
         self._work = trio.Event()  # set when a job is queued
         self.tile = settings.batch_tile or None  # rows per GEMM of packed (batch) sessions
-        self.max_batch_rows = settings.max_batch_rows
         self.stats = {"steps": 0, "batched_steps": 0, "rows": 0, "max_sessions": 0, "prefill_slices": 0,
                       "prefill_waits": 0, "prefill_preempted": 0}
-        self.kernels = _prove_kernels(block)  # every session's mode, before anything is served
+        self.kernels = prove_kernels(block)  # every session's mode, before anything is served
         self.kernels.update(batch_ok=None, batch_tile=self.tile or 0)  # proven at the first batch session
         self.limiter = trio.CapacityLimiter(1)  # one thread computes on the block (or its caches) at a time
         self._batch_proof = trio.Lock()
         self.in_flight = 0  # steps being computed (see busy())
-        self._step_clock = (0.0, 0.0, 0.0)  # the last compute step: thread start, encode seconds, thread end
-        self._short_step_s: float | None = None  # moving average of the compute of steps without a long chunk
-        self._packed = 0  # sessions that shared the last step's largest forward
-        self._row_s: float | None = None  # the last measured seconds per row of a long chunk's slice
-        self._long_rows = 0  # rows of a long chunk the last step computed
-        self._long_at = 0.0  # trio clock when a long chunk's slice was last computed
+        self.costs = Costs()  # what planning reads, replaced as steps are measured
         # a long chunk's slice computed alone yields between layers to rows that must not wait for it
         self._slicing: Session | None = None  # the session of the slice-only step in flight
         self._slice_left = 0  # positions its chunk has left, this slice included
         self._urgent = False  # set (trio thread) when a chunk arrived that overtakes that slice
-        self._suspended: tuple | None = None  # (session, job, pos, rows, forward_steps generator) of a paused slice
-        self._resumed = False  # the last step finished a paused slice (its time is not a whole slice's)
+        self.paused: Paused | None = None  # the slice that paused, until it goes on
 
     def enqueue(self, sess: Session, job: Job) -> None:
         """Queue a checked chunk (or receipt request) behind the session's others and wake the loop."""
@@ -294,7 +407,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether a step is being computed or paused, or a session has a job queued."""
-        return bool(self.in_flight) or self._suspended is not None or any(s.queue for s in self._runq.values())
+        return bool(self.in_flight) or self.paused is not None or any(s.queue for s in self._runq.values())
 
     async def run(self) -> None:
         """Run scheduling steps while work is queued (forever; started by :func:`swarm.stage.daemon.serve`)."""
@@ -312,76 +425,63 @@ class Scheduler:
                         self._fail(sess, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _step(self) -> bool:
-        """One scheduling step: pick, compute in the worker thread, post the outputs. Returns False
-        when nothing was ready."""
+        """One scheduling step: plan it (:func:`plan_step`), run it (:meth:`_compute`), apply the
+        result (:meth:`_apply`). Returns False when nothing was ready."""
         await self._wait_for_batch()
-        ready = self._ready_jobs()
-        picked = pick_rows([(job.x.shape[1], job.done) for _, job in ready], self.max_batch_rows)
-        small = [ready[i] for i in picked.short]
-        piece = None if picked.long is None else ready[picked.long]
-        if not small and piece is None:
-            if self._suspended is not None:  # nothing overtakes the paused slice any more: it goes on
+        plan = plan_step(self._ready_jobs(), self.sessions.values(), self.settings, self.costs, trio.current_time())
+        if plan.wait_until is not None:
+            self.stats["prefill_waits"] += 1
+            self._work = trio.Event()
+            with trio.move_on_at(plan.wait_until):
+                await self._work.wait()
+            return True
+        if plan.empty:
+            if self.paused is not None:  # nothing overtakes the paused slice any more: it goes on
                 return await self._resume()
             return False  # a chunk queued meanwhile has set self._work again
-        rows = None  # the long chunk's slice, when a decoder's row is due (--prefill-piggyback)
-        if piece is not None and self.settings.prefill_piggyback:
-            now = trio.current_time()
-            due = decoder_due([(s.last_short, s.short_gap) for s in self.sessions.values() if s is not piece[0]], now)
-            if due is not None and small:
-                rows = ride_rows(row_s=self._row_s, short_step_s=self._short_step_s,
-                                 shared_rows=self.settings.prefill_slice_shared,
-                                 starving=now - self._long_at > STARVE_S)
-                if rows == 0:
-                    piece = None  # the decode rows go alone: the prompt's row would cost them too much
-            elif due is not None:  # wait for the decoder's row to ride along with it (or until it is overdue)
-                self.stats["prefill_waits"] += 1
-                self._work = trio.Event()
-                with trio.move_on_at(due):
-                    await self._work.wait()
-                return True
-        if piece is not None and rows:
-            piece = (*piece, rows)
-        elif piece is not None and self.settings.prefill_piggyback:
-            piece = (*piece, self.settings.prefill_slice)  # nobody's decode row is due: full slices
-        elif piece is not None:
-            others = [(s.last_active, s.last_rows) for s in self.sessions.values() if s is not piece[0]]
-            shared = long_chunk_shares(bool(small), others, trio.current_time())
-            piece = (*piece, self.settings.prefill_slice_shared if shared else self.settings.prefill_slice)
         t_call = time.perf_counter()
-        for _, job in small + ([piece[:2]] if piece is not None and piece[1].done == 0 else []):
+        first = [plan.long.job] if plan.long is not None and plan.long.job.done == 0 else []
+        for job in [job for _, job in plan.short] + first:
             self.timing["picked"] += 1
             self.timing["queue_s"] += t_call - job.queued_at
-        return await self._run_step(small, piece, t_call, slicing=piece[:2] if piece is not None and not small else None)
+        return await self._run_step(plan, t_call)
 
     async def _resume(self) -> bool:
         """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
-        sess, job, *_, steps = self._suspended
+        paused, self.paused = self.paused, None
+        sess, job = paused.session, paused.job
         if self.sessions.get(sess.session_id) is not sess or not sess.queue or sess.queue[0] is not job \
                 or job.msg["epoch"] < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
-            self._suspended = None
-            steps.close()  # its cache rolls back to before the slice
+            paused.steps.close()  # its cache rolls back to before the slice
             return True
-        return await self._run_step([], None, time.perf_counter(), slicing=(sess, job), resuming=(sess, job))
+        return await self._run_step(StepPlan(), time.perf_counter(), resuming=paused)
 
-    async def _run_step(self, small: list, piece, t_call: float, *, slicing: tuple | None = None,
-                        resuming: tuple | None = None) -> bool:
-        """Compute a step (:meth:`_compute`), then count and deliver it; a slice that paused is only
-        counted as a preemption. ``slicing``: ``(session, job)`` of a slice computed alone, which a
-        chunk that overtakes it pauses (:meth:`enqueue`); ``resuming``: the same of a paused slice
-        going on. Returns True (a step was taken)."""
+    async def _run_step(self, plan: StepPlan, t_call: float, resuming: Paused | None = None) -> bool:
+        """Compute a step (:meth:`_compute`), then apply it. A slice computed alone (``plan.alone``, or
+        ``resuming``, a paused slice going on) pauses for a chunk that overtakes it (:meth:`enqueue`).
+        Returns True (a step was taken)."""
+        slicing = (plan.long.session, plan.long.job) if plan.alone else \
+            (resuming.session, resuming.job) if resuming is not None else None
         self._slicing = slicing[0] if slicing else None
         self._slice_left = slicing[1].x.shape[1] - slicing[1].done if slicing else 0
-        self._urgent, self._resumed = False, resuming is not None
+        self._urgent = False
         try:
-            results = await self._compute(small, piece, resuming)
+            result = await self._compute(plan, resuming)
         finally:
             self._slicing = None
-        if results is PAUSED:
-            self.stats["prefill_preempted"] += 1
-        elif results is not None:  # None: failed, its sessions were failed
-            self._count(results, piece is not None or resuming is not None, t_call)
-            self._deliver(results)
+        if result is not None:  # None: failed, its sessions were failed
+            self._apply(result, plan.long is not None or resuming is not None, resuming is not None, t_call)
         return True
+
+    def _apply(self, result: StepResult, sliced: bool, resumed: bool, t_call: float) -> None:
+        """Advance the queues by a computed step: a slice that paused is kept (and counted as a
+        preemption); otherwise the step is counted and every chunk's part delivered."""
+        if result.paused is not None:
+            self.stats["prefill_preempted"] += 1
+            self.paused = result.paused
+            return
+        self._count(result, sliced, resumed, t_call)
+        self._deliver(result.outputs)
 
     async def _wait_for_batch(self) -> None:
         """``--batch-wait-ms``: while a batching session's decode rows are queued and another batching
@@ -408,7 +508,7 @@ class Scheduler:
         contiguous with its session's cache (queued before the session was dropped or failed)
         fails the session instead."""
         ready = []
-        paused = self._suspended[0] if self._suspended is not None else None
+        paused = self.paused.session if self.paused is not None else None
         for sess in list(self._runq.values()):
             if sess is paused:
                 continue  # its chunk is half through a slice: it goes on once nothing overtakes it
@@ -423,50 +523,53 @@ class Scheduler:
             ready.append((sess, job))
         return ready
 
-    async def _compute(self, small: list, piece, resuming: tuple | None = None) -> list | None:
-        """The step's compute, in the worker thread or inline (see :meth:`_inline_ok`); ``PAUSED``
-        when its slice paused (:meth:`_slice_alone`); None when it failed (its sessions are failed,
-        the stage keeps serving: ``resuming``, the session and job of a paused slice going on, is
-        one of them then)."""
+    async def _compute(self, plan: StepPlan, resuming: Paused | None = None) -> StepResult | None:
+        """The step's compute, in the worker thread or inline (see :meth:`_inline_ok`); None when it
+        failed (its sessions are failed, the stage keeps serving: ``resuming``, a paused slice going
+        on, is one of them then)."""
         self.in_flight += 1
         try:
-            if small and piece is None and self._inline_ok():
+            if plan.short and plan.long is None and self._inline_ok():
                 # short rows whose compute is known to be brief: the worker-thread round trip (two
                 # thread switches and a wakeup of the event loop) would cost more than it shields
                 async with self.limiter:
-                    results = self._compute_step(small, piece)
+                    result = self._compute_step(plan, resuming)
                 self.timing["inline_steps"] += 1
             else:
-                results = await trio.to_thread.run_sync(self._compute_step, small, piece, limiter=self.limiter)
+                result = await trio.to_thread.run_sync(self._compute_step, plan, resuming, limiter=self.limiter)
         except Exception as exc:  # a torch failure fails the sessions of this step only; the stage keeps serving
-            failed = small + ([piece[:2]] if piece else []) + ([resuming] if resuming else [])
+            failed = list(plan.short) + ([(plan.long.session, plan.long.job)] if plan.long else []) + \
+                ([(resuming.session, resuming.job)] if resuming else [])
             log.exception("forward.failed sessions=%s", [s.session_id for s, _ in failed])
             for sess, _ in failed:
                 self._fail(sess, f"forward failed: {type(exc).__name__}: {exc}")
             return None
         finally:
             self.in_flight -= 1
-        return results
+        return result
 
-    def _count(self, results: list, sliced: bool, t_call: float) -> None:
-        """Add a computed step to the timing counters, the batching stats and the metrics."""
+    def _count(self, result: StepResult, sliced: bool, resumed: bool, t_call: float) -> None:
+        """Add a computed step to the costs planning reads, the timing counters, the batching stats and
+        the metrics. ``resumed``: it finished a paused slice (its time is not a whole slice's)."""
         timing = self.timing
-        t_start, encode_s, t_end = self._step_clock
+        t_start, encode_s, t_end = result.t_start, result.encode_s, result.t_end
+        costs = self.costs
         if not sliced:  # what the next short step may expect to cost
-            self._short_step_s = t_end - t_start if self._short_step_s is None else \
-                0.8 * self._short_step_s + 0.2 * (t_end - t_start)
-        elif self._long_rows and not self._resumed:  # what a row of the prompt costs now (its attention grows)
+            step_s = t_end - t_start
+            self.costs = replace(costs, short_step_s=step_s if costs.short_step_s is None else
+                                 0.8 * costs.short_step_s + 0.2 * step_s)
+        elif result.long_rows and not resumed:  # what a row of the prompt costs now (its attention grows)
             # a step reads the weights once whatever its rows: that part is what a step of decode rows costs
-            self._row_s = max(t_end - t_start - encode_s - (self._short_step_s or 0.0), 0.0) / self._long_rows
-            self._long_at = trio.current_time()
+            row_s = max(t_end - t_start - encode_s - (costs.short_step_s or 0.0), 0.0) / result.long_rows
+            self.costs = replace(costs, row_s=row_s, long_at=trio.current_time())
         timing["steps"] += 1
         timing["to_thread_s"] += t_start - t_call
         timing["from_thread_s"] += time.perf_counter() - t_end
         timing["compute_s"] += t_end - t_start - encode_s
         timing["encode_s"] += encode_s
         self.stats["steps"] += 1
-        packed = self._packed
-        computed = sum(n for _, _, n, _ in results)  # the short chunks' rows and the long slice's
+        packed = result.packed
+        computed = sum(o.rows for o in result.outputs)  # the short chunks' rows and the long slice's
         self.stats["batched_steps"] += packed > 1
         self.stats["rows"] += computed
         self.stats["max_sessions"] = max(self.stats["max_sessions"], packed)
@@ -475,9 +578,9 @@ class Scheduler:
             self.metrics.step_seconds.observe(t_end - t_start)
             self.metrics.step_rows.observe(computed)
 
-    def _deliver(self, results: list) -> None:
+    def _deliver(self, outputs: Sequence[ChunkOutput]) -> None:
         """Advance each computed chunk; post the output of each one now complete."""
-        for sess, job, n, payload in results:
+        for sess, job, n, payload in ((o.session, o.job, o.rows, o.payload) for o in outputs):
             job.done += n
             sess.positions += n
             if self._runq.pop(id(sess), None) is not None:  # round robin: to the back of the line
@@ -504,7 +607,7 @@ class Scheduler:
         average over short steps) is below ``--inline-step-ms``. The first short steps always go to
         the worker thread (nothing is known yet), and so does every step while one runs there."""
         limit = self.settings.inline_step_ms / 1000
-        return bool(limit) and self._short_step_s is not None and self._short_step_s < limit \
+        return bool(limit) and self.costs.short_step_s is not None and self.costs.short_step_s < limit \
             and self.limiter.borrowed_tokens == 0
 
     def _next_job(self, sess: Session) -> Job | None:
@@ -528,34 +631,28 @@ class Scheduler:
         self._runq.pop(id(sess), None)
         return None
 
-    def _compute_step(self, small: list, piece) -> list | str:
+    def _compute_step(self, plan: StepPlan, resuming: Paused | None = None) -> StepResult:
         """One step's compute (in the worker thread, or inline, see :meth:`_inline_ok`): one packed
         forward of the short chunks, one slice of a long one; the output of each chunk that is now
-        complete is encoded (tail: token ids; others: hidden). A step of a slice alone (or going on
-        with a paused one) pauses between layers when a chunk that overtakes it arrives
-        (:meth:`_slice_alone`): ``PAUSED`` then."""
+        complete is encoded (tail: token ids; others: hidden). A slice alone (or a paused one going
+        on, ``resuming``) pauses between layers when a chunk that overtakes it arrives
+        (:meth:`_slice_alone`): the result's ``paused`` says so then."""
         t_start = time.perf_counter()
         block = self.block
-        if not small and (piece is not None or self._suspended is not None):
-            out = self._slice_alone(piece)
-            if out is None:
-                self._step_clock = (t_start, 0.0, time.perf_counter())
-                return PAUSED
-            self._packed = 1
-            return self._outputs(out, t_start)
+        if plan.alone or resuming is not None:
+            return self._slice_alone(plan.long, resuming, t_start)
         out = []
         # the fma and triton kernels give a row the same bits in any forward (proven at start-up with
         # packing), so there every session's rows over the same layers share one pass over the weights;
         # in the rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
         packs = block.kernel_mode in ("fma", "triton")
         groups: dict = {}  # packed rows share a forward only with rows over the same layers
-        entries = [(s, j, j.msg["pos"], j.x) for s, j in small]
-        self._long_rows = 0
-        if piece is not None:
-            s, j, slice_rows = piece
-            n = min(slice_rows, j.x.shape[1] - j.done)
-            entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + n]))
-            self._long_rows = n
+        entries = [(s, j, j.msg["pos"], j.x) for s, j in plan.short]
+        long_rows = 0
+        if plan.long is not None:
+            s, j = plan.long.session, plan.long.job
+            long_rows = min(plan.long.rows, j.x.shape[1] - j.done)
+            entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + long_rows]))
         for s, j, pos, x in entries:
             s.cache.frame_end = j.msg["pos"] + j.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             if packs or s.batch:
@@ -564,45 +661,42 @@ class Scheduler:
                 y = block.forward_batch([(s.cache, pos, x)], tile=self.tile_of(s),
                                         logits_rows=[_logits_rows(j.msg, pos, x.shape[1])], span=s.span)
                 out.append((s, j, pos, x.shape[1], y[0]))
-        self._packed = max(map(len, groups.values()), default=0)  # sessions in this step's largest forward
         for span, packed in groups.items():
             ys = block.forward_batch([(s.cache, pos, x) for s, _, pos, x in packed], tile=self.tile_of(packed[0][0]),
                                      logits_rows=[_logits_rows(j.msg, pos, x.shape[1]) for _, j, pos, x in packed],
                                      span=span)
             out += [(s, j, pos, x.shape[1], y) for (s, j, pos, x), y in zip(packed, ys)]
-        return self._outputs(out, t_start)
+        packed_most = max(map(len, groups.values()), default=0)  # sessions in this step's largest forward
+        return self._outputs(out, t_start, packed=packed_most, long_rows=long_rows)
 
-    def _slice_alone(self, piece) -> list | None:
+    def _slice_alone(self, piece: Slice | None, resuming: Paused | None, t_start: float) -> StepResult:
         """A long chunk's slice in a step of its own, or the paused one going on: its forward
         (:meth:`LayerBlock.forward_steps`) checks after every layer whether a chunk that overtakes it
-        arrived (:func:`overtakes`, set by :meth:`enqueue`) and then pauses, kept in ``_suspended``,
-        so a decode row waits for one layer of a slice, not all of it (the bits are the same). A
-        slice that overtook a paused one is not paused itself.
-        Returns ``[(session, job, pos, rows, output)]``, or None when it paused."""
-        if piece is None:
-            sess, job, pos, n, steps = self._suspended
-            self._suspended = None
+        arrived (:func:`overtakes`, set by :meth:`enqueue`) and then pauses, so a decode row waits for
+        one layer of a slice, not all of it (the bits are the same)."""
+        if resuming is not None:
+            sess, job, pos, n, steps = resuming.session, resuming.job, resuming.pos, resuming.rows, resuming.steps
         else:
-            sess, job, slice_rows = piece
-            n = min(slice_rows, job.x.shape[1] - job.done)
+            sess, job = piece.session, piece.job
+            n = min(piece.rows, job.x.shape[1] - job.done)
             pos = job.msg["pos"] + job.done
             sess.cache.frame_end = job.msg["pos"] + job.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             steps = self.block.forward_steps([(sess.cache, pos, job.x[:, job.done:job.done + n])],
                                              tile=self.tile_of(sess), logits_rows=[_logits_rows(job.msg, pos, n)],
                                              span=sess.span)
-        self._long_rows = n
         try:
             while True:
                 next(steps)
-                if self._urgent and self._suspended is None:  # one paused slice at a time
-                    self._suspended = (sess, job, pos, n, steps)
-                    return None
+                if self._urgent and self.paused is None:  # one paused slice at a time
+                    return StepResult((), t_start, 0.0, time.perf_counter(), long_rows=n,
+                                      paused=Paused(sess, job, pos, n, steps))
         except StopIteration as done:
-            return [(sess, job, pos, n, done.value[0])]
+            return self._outputs([(sess, job, pos, n, done.value[0])], t_start, packed=1, long_rows=n)
 
-    def _outputs(self, out: list, t_start: float) -> list:
-        """Each computed entry's output, ``(session, job, rows, payload)``: the tail's tokens or the
-        encoded hidden states of a chunk now complete, None for a slice of one that is not."""
+    def _outputs(self, out: list, t_start: float, *, packed: int, long_rows: int) -> StepResult:
+        """The step's result: each computed entry ``(session, job, pos, rows, output)`` as its
+        :class:`ChunkOutput` (the tail's tokens or the encoded hidden states of a chunk now complete,
+        None for a slice of one that is not)."""
         encode_s = 0.0
         block = self.block
         results = []
@@ -621,9 +715,8 @@ class Scheduler:
                 t_encode = time.perf_counter()
                 payload = wire.encode_tensor(part, dtype=s.wire_dtype)
                 encode_s += time.perf_counter() - t_encode
-            results.append((s, j, n, payload))
-        self._step_clock = (t_start, encode_s, time.perf_counter())
-        return results
+            results.append(ChunkOutput(s, j, n, payload))
+        return StepResult(tuple(results), t_start, encode_s, time.perf_counter(), packed=packed, long_rows=long_rows)
 
     async def prove_batch_tile(self) -> None:
         """Prove ``--batch-tile`` on this block before the first session that may be packed is opened
@@ -633,7 +726,7 @@ class Scheduler:
             if self.kernels["batch_ok"] is not None:
                 return
             tile = self.tile or 1
-            report = await trio.to_thread.run_sync(_prove_tile, self.block, tile, limiter=self.limiter)
+            report = await trio.to_thread.run_sync(prove_tile, self.block, tile, limiter=self.limiter)
             self.kernels.update(batch_ok=report.ok, check_s=round(self.kernels["check_s"] + report.seconds, 3))
             if not report.ok:
                 self.kernels["reason"] = report.reason
@@ -701,50 +794,3 @@ def _logits_rows(msg: dict, pos: int, n: int) -> int:
         return 0
     start = max(pos, msg.get("logits_from", pos))
     return max(0, pos + n - start)
-
-
-def _prove_kernels(block) -> dict:
-    """Run the start-up invariance check (:func:`swarm.kernels.check.check_block`) for the mode every
-    session may use (one GEMV per row) and log what was proven.
-
-    Returns:
-        ``{"rows_ok", "reason", "check_s", "mode", "isa", "library", "arithmetic", "why"}`` for READY,
-        ``info_ok`` and ``/metrics`` (``kernels``): rows_ok False means this stage cannot promise that a
-        verify chunk or a replay gives decode's bits; mode is the block's ``kernel_mode`` after the
-        proof (``fma`` or ``triton``, or ``rows`` after a fallback, ``why`` then says which proof
-        failed); the rest: :class:`swarm.kernels.facts.KernelsInUse`.
-    """
-    from swarm.config import cache_root
-    from swarm.kernels.check import check_block_once
-    from swarm.kernels.facts import kernels_in_use
-
-    rows = check_block_once(block, 1, cache_root() / "proofs")
-    spent = rows.seconds
-    if not rows.ok and block.kernel_mode != "rows":
-        log.error("kernels.fallback from=%s to=rows %s: every chunk now runs one row at a time (exact, slower)",
-                  block.kernel_mode, rows.reason)
-        block.set_kernel_mode("rows", why=f"the {block.kernel_mode} kernels failed the start-up proof: {rows.reason}")
-        rows = check_block_once(block, 1, cache_root() / "proofs")
-        spent += rows.seconds
-    used = kernels_in_use(block.kernel_mode, getattr(block, "kernel_why", ""))
-    if rows.ok:
-        log.info("kernels.proven mode=%s isa=%s library=%r layers=%s seconds=%.2f", used.mode, used.isa or "-",
-                 used.library, block.layer_range, rows.seconds)
-    else:
-        log.error("kernels.not_invariant mode=rows %s: speculative, healed and batched output of this stage may "
-                  "differ from greedy; coordinators are told (info kernels.rows_ok=false)", rows.reason)
-    return {"rows_ok": rows.ok, "reason": rows.reason, "check_s": round(spent, 3), **used.as_dict()}
-
-
-def _prove_tile(block, tile: int):
-    """The proof of ``tile``-row GEMMs for packed sessions (worker thread), logged either way."""
-    from swarm.config import cache_root
-    from swarm.kernels.check import check_block_once
-
-    report = check_block_once(block, tile, cache_root() / "proofs")
-    if report.ok:
-        log.info("kernels.proven mode=tile tile=%d layers=%s seconds=%.2f", tile, block.layer_range, report.seconds)
-    else:
-        log.warning("batch.not_invariant %s: packed sessions run one GEMV per row instead, so results stay "
-                    "identical to solo runs", report.reason)
-    return report

@@ -134,7 +134,7 @@ class StageServer:
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
             sessions=len(self.sessions), kv_bytes=sum(x.cache.nbytes() for x in self.sessions.values()),
             kv_reserved_bytes=self.reserved_bytes(), draining=self.draining,
-            batching={"max_batch_rows": self.scheduler.max_batch_rows, "batch_tile": self.scheduler.tile or 0,
+            batching={"max_batch_rows": self.scheduler.settings.max_batch_rows, "batch_tile": self.scheduler.tile or 0,
                       "prefill_slice": self.config.scheduling.prefill_slice,
                       "prefill_slice_shared": self.config.scheduling.prefill_slice_shared,
                       "prefill_piggyback": self.config.scheduling.prefill_piggyback, **self.stats},

@@ -164,12 +164,13 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
     if steps_log is not None:
         compute = server.scheduler._compute_step
 
-        def logged(small, piece):
-            steps_log.append(([(s.session_id, j.msg["pos"], j.x.shape[1]) for s, j in small],
-                              None if piece is None else (piece[0].session_id, piece[1].done)))
-            if piece is not None and slice_s:
+        def logged(plan, resuming=None):
+            long = plan.long
+            steps_log.append(([(s.session_id, j.msg["pos"], j.x.shape[1]) for s, j in plan.short],
+                              None if long is None else (long.session.session_id, long.job.done)))
+            if long is not None and slice_s:
                 time.sleep(slice_s)  # the worker thread: a slice never runs inline
-            return compute(small, piece)
+            return compute(plan, resuming)
 
         server.scheduler._compute_step = logged
 
@@ -286,7 +287,7 @@ def test_a_long_prompt_rides_along_with_a_decoding_sessions_rows(synthetic, tmp_
     alone = [small for small in during if not small]
     if piggyback:  # it rode along (sized by a measured row's cost) and waited for the rows in between
         assert during and not alone and server.stats["prefill_waits"] > 0, log
-        assert server.scheduler._row_s is not None, log
+        assert server.scheduler.costs.row_s is not None, log
     else:
         assert during, log  # the long prompt went on while the short session decoded
         assert alone and server.stats["prefill_waits"] == 0, log  # slices alone between its rows
@@ -351,7 +352,7 @@ def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tm
         assert "long" not in server.sessions
     else:
         assert results[1]["token_ids"][-1:] == solo["long"]
-    assert server.stats["prefill_preempted"] == 1 and server.scheduler._suspended is None
+    assert server.stats["prefill_preempted"] == 1 and server.scheduler.paused is None
 
 
 def test_two_prompts_go_at_full_slices_and_yield_only_to_a_decoding_session(synthetic, tmp_path):

@@ -1,6 +1,7 @@
-"""swarm.stage.scheduler, pure: which chunks one step computes (pick_rows), whether a long
-prompt's slice is the small shared one (long_chunk_shares) and the checks of a chunk before it is
-queued (chunk_input), as plain tables of cases. The step itself runs in tests/stage/test_batching.py."""
+"""swarm.stage.scheduler, pure: which chunks one step computes (pick_rows) and its whole plan
+(plan_step), whether a long prompt's slice is the small shared one (long_chunk_shares) and the checks
+of a chunk before it is queued (chunk_input), as plain tables of cases. The step itself runs in
+tests/stage/test_batching.py."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from swarm.config import SchedulingSection
 from swarm.errors import ProtocolError
 from swarm.ranges import LayerRange
 from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_MIN_S, DUE_SLACK_S, FIRST_GAP_S,
-                                   MAX_QUEUED, SHADOW_QUEUE_FACTOR, StepRows, chunk_input, decoder_due,
-                                   greedy_ids, long_chunk_shares, overtakes, pick_rows, prompt_ends, ride_rows,
-                                   stale_needed)
+                                   MAX_QUEUED, SHADOW_QUEUE_FACTOR, Costs, Slice, StepPlan, StepRows, chunk_input,
+                                   decoder_due, greedy_ids, long_chunk_shares, overtakes, pick_rows, plan_step,
+                                   prompt_ends, ride_rows, stale_needed)
 from swarm.stage.session import Job
 
 S = BATCH_CHUNK_MAX  # the longest chunk that is a decode/verify row
@@ -162,3 +164,53 @@ def test_greedy_ids_pick_what_torch_argmax_picks():
         want = x[0].argmax(dim=-1).tolist()
         assert got == want and all(type(i) is int for i in got), (trial, got, want)
     assert greedy_ids(torch.tensor([[[0.0, 2.0, 1.0]]], dtype=torch.bfloat16)) == [1]  # other dtypes: torch's
+
+
+# plan_step: sessions by what planning reads of them; a chunk by its positions and what is done
+def _planned(name: str, last_short: float = 0.0, gap: float = 0.0, active: float = 0.0, rows: int = 1):
+    return SimpleNamespace(name=name, last_short=last_short, short_gap=gap, last_active=active, last_rows=rows)
+
+
+def _chunk(positions: int, done: int = 0):
+    return SimpleNamespace(x=SimpleNamespace(shape=(1, positions)), done=done)
+
+
+DECODING = dict(last_short=NOW - 0.05, gap=0.1)  # its next row is due soon
+ROW_DUE = decoder_due([(DECODING["last_short"], DECODING["gap"])], NOW)
+ROW_S, SHORT_S = 0.004, 0.008  # measured: ride_rows then gives int(0.5 * 0.008 / 0.004) = 1 row
+
+
+@pytest.mark.parametrize("chunks, others, piggyback, costs, expected", [
+    ([], [], True, Costs(), ((), None, None)),  # nothing ready
+    ([("a", 1), ("b", 4)], [], True, Costs(), (("a", "b"), None, None)),  # decode rows only
+    ([("p", 300)], [], True, Costs(), ((), ("p", 128), None)),  # nobody decodes: a full --prefill-slice
+    ([("p", 300)], [_planned("d", **DECODING)], True, Costs(), ((), None, ROW_DUE)),  # wait for the due row
+    ([("p", 300), ("d", 1)], [_planned("d", **DECODING)], True, Costs(), (("d",), ("p", 2), None)),  # unmeasured
+    ([("p", 300), ("d", 1)], [_planned("d", **DECODING)], True, Costs(SHORT_S, ROW_S, NOW), (("d",), ("p", 1), None)),
+    ([("p", 300), ("d", 1)], [_planned("d", **DECODING)], True, Costs(SHORT_S, 1.0, NOW), (("d",), None, None)),
+    ([("p", 300), ("d", 1)], [_planned("d", **DECODING)], True, Costs(SHORT_S, 1.0, NOW - 1.0),
+     (("d",), ("p", 1), None)),  # too costly to ride along, but starving: one row goes
+    ([("p", 300), ("d", 1)], [_planned("d")], False, Costs(), (("d",), ("p", 2), None)),  # shares: rows waiting
+    ([("p", 300)], [_planned("d", active=NOW - 10.0)], False, Costs(), ((), ("p", 128), None)),  # idle others
+    ([("p", 300)], [_planned("d", active=NOW - 0.5, rows=1)], False, Costs(), ((), ("p", 2), None)),  # generating
+], ids=["empty", "short", "long-alone", "wait", "ride-unmeasured", "ride-measured", "ride-none", "ride-starving",
+        "fixed-shared", "fixed-full", "fixed-beside-a-decoder"])
+def test_plan_step(chunks, others, piggyback, costs, expected):
+    sessions = {name: _planned(name) for name, _ in chunks}
+    sessions.update({o.name: o for o in others})
+    ready = [(sessions[name], _chunk(n)) for name, n in chunks]
+    settings = SchedulingSection(prefill_slice=128, prefill_slice_shared=2, prefill_piggyback=piggyback)
+    plan = plan_step(ready, list(sessions.values()), settings, costs, NOW)
+    short, long, wait = expected
+    assert tuple(s.name for s, _ in plan.short) == short
+    assert (None if plan.long is None else (plan.long.session.name, plan.long.rows)) == long
+    assert plan.wait_until == wait
+    assert plan.empty == (not chunks)
+    assert plan.alone == (long is not None and not short)
+
+
+def test_a_plan_is_a_value():
+    s, j = _planned("a"), _chunk(40)
+    assert StepPlan((), Slice(s, j, 8)) == StepPlan((), Slice(s, j, 8))
+    with pytest.raises(AttributeError):
+        StepPlan().wait_until = 1.0  # type: ignore[misc]

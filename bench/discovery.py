@@ -35,7 +35,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode  # noqa: E402
 from swarm.discovery.client import discover_ring  # noqa: E402
 from swarm.discovery.dht import open_dht  # noqa: E402
 from swarm.errors import ConfigError, collapse  # noqa: E402

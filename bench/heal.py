@@ -31,7 +31,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, StageSpec  # noqa: E402
-from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402

@@ -40,7 +40,7 @@ async def _client(cfg: dict) -> dict:
     import trio
 
     from swarm.config import RingSpec, SpecConfig
-    from swarm.coordinator.generation import DecodeOptions, decode
+    from swarm.coordinator.decoding import DecodeOptions, decode
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest
     from swarm.coordinator.ring import RingClient

@@ -35,7 +35,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig  # noqa: E402
-from swarm.coordinator.generation import DecodeOptions, decode  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import load_block, model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402

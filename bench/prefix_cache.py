@@ -34,7 +34,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.coordinator.chat import encode_chat  # noqa: E402
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode, eos_ids  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.generation import eos_ids
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402

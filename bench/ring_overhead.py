@@ -35,7 +35,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm import wire  # noqa: E402
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.block import model_num_layers  # noqa: E402

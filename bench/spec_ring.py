@@ -27,7 +27,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarm.config import RingSpec, SpecConfig, StageSpec  # noqa: E402
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode, encode_prompt, eos_ids  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.generation import encode_prompt, eos_ids
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.coordinator.drafters import make_drafter  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402

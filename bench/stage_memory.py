@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trio  # noqa: E402
 
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode  # noqa: E402
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient  # noqa: E402
 from swarm.errors import collapse  # noqa: E402
 from swarm.cli.launch import LocalRing  # noqa: E402
 from swarm.model.resolve import model_manifest_digest  # noqa: E402

@@ -8,7 +8,8 @@ import httpx
 import pytest
 import trio
 
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient
 from swarm.errors import RemoteError, collapse
 from swarm.cli.launch import LocalRing
 from swarm.model.block import model_num_layers

@@ -22,7 +22,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.config import SpecConfig
-from swarm.coordinator.generation import write_job_receipt
+from swarm.coordinator.jobs import write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.block import block_tensor_names

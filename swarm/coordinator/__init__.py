@@ -2,8 +2,11 @@
 
 Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
 
-- ``generation``    ``generate`` and ``decode`` (``DecodeOptions`` -> ``DecodeResult``): tokenize, drive chunks
-                    around the ring, heal, report
+- ``generation``    ``generate``: prompt text -> the result record (tokenize, connect, decode, stream, receipt)
+- ``decoding``      ``decode`` (``DecodeOptions`` -> ``DecodeResult``): a session driven round the ring, healed
+- ``heal_ops``      ``RingOps``: the ring-side operations a heal runs (``swarm.heal.SwarmOps``)
+- ``routing``       ``connect_ring``: a ring file's stages, or a route through the swarm's DHT
+- ``jobs``          a job's signed receipt written and verified, and offered to auditors
 - ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring; composed of
                     a ``RingLinks`` (``net``) and a ``RingRepair`` (``repair``)
 - ``links``         ``StageInfo``, ``Link``, ``RingLinks``: dialing and checking each stage, reader tasks,

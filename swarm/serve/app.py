@@ -357,12 +357,12 @@ async def _load_model(ring: RingSpec, config: ServeConfig) -> _Model:
     """
     from transformers import AutoTokenizer
 
-    from swarm.coordinator.generation import check_receipt_dir
+    from swarm.coordinator.jobs import check_receipt_dir
     from swarm.model.block import model_num_layers
     from swarm.model.resolve import model_manifest_digest, resolve_model
 
     if config.ring.bootstrap:  # before converting or downloading the model: does the swarm serve it at all?
-        from swarm.coordinator.generation import swarm_may_serve
+        from swarm.coordinator.routing import swarm_may_serve
 
         await swarm_may_serve(ring.model, config.ring.bootstrap)
     resolved = resolve_model(ring.model)
@@ -399,7 +399,7 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
 
     discovery = None
     if config.ring.bootstrap:
-        from swarm.coordinator.generation import run_dht
+        from swarm.coordinator.routing import run_dht
         from swarm.discovery.client import discover_ring
         from swarm.weights.identify import model_id as weights_model_id
 

@@ -1,6 +1,6 @@
 """One request's generation on the ring, as ``swarm serve`` runs it.
 
-Owns: ``generate_ids`` (a ring client from the pool, ``swarm.coordinator.generation.decode`` on it,
+Owns: ``generate_ids`` (a ring client from the pool, ``swarm.coordinator.decoding.decode`` on it,
 the metrics and the job receipt of the request), ``Detok`` (text as it becomes final, stop strings),
 ``map_error`` (a ring's fault as the HTTP error a client sees), and the answer's ``finish_reason``
 and ``usage``.
@@ -73,7 +73,7 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     Raises:
         SwarmError: from the ring (see ``map_error``).
     """
-    from swarm.coordinator.generation import DecodeOptions, decode
+    from swarm.coordinator.decoding import DecodeOptions, decode
     from swarm.coordinator.drafters import make_drafter
 
     # a completion continues the prompt's text, so it is decoded after the prompt (a SentencePiece
@@ -135,7 +135,7 @@ async def generate_ids(state: ServeState, req: Request, on_text: Callable[[str],
     if job is not None and parts is not None:
         record["receipt"] = await _save_receipt(state, job, parts, req.prompt_ids, out, ring_entries, record)
         if record["receipt"] is not None and state.host is not None and state.nursery is not None:
-            from swarm.coordinator.generation import offer_for_audit
+            from swarm.coordinator.jobs import offer_for_audit
 
             # fire-and-forget, in the server's nursery: the answer never waits for auditors
             state.nursery.start_soon(offer_for_audit, state.host, record["receipt"], state.discovery,
@@ -174,7 +174,7 @@ async def _save_receipt(state: ServeState, job: dict, parts: dict, prompt_ids: l
                         ring_entries: list[dict], record: dict) -> dict | None:
     """Sign, save and verify one request's job receipt (in a worker thread); counted in the
     metrics. A receipt that cannot be written is logged, and the answer still goes out."""
-    from swarm.coordinator.generation import write_job_receipt
+    from swarm.coordinator.jobs import write_job_receipt
 
     try:
         res = await trio.to_thread.run_sync(lambda: write_job_receipt(

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from swarm.config import SamplingParams, SpecConfig
-from swarm.coordinator.generation import DecodeOptions, DecodeResult
+from swarm.coordinator.decoding import DecodeOptions, DecodeResult
 from swarm.errors import ConfigError
 
 # the keys (in order) of the record ``swarm coordinate --json`` prints after its own fields
@@ -47,7 +47,7 @@ def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
     Now the session is closed where it was opened and opened once more under a fresh id."""
     import trio
 
-    from swarm.coordinator.generation import OPEN_ATTEMPTS, _open_session
+    from swarm.coordinator.decoding import OPEN_ATTEMPTS, _open_session
     from swarm.errors import StageLost
 
     class Ring:
@@ -90,7 +90,7 @@ def test_ids_committed_past_the_answer_leave_the_output_and_the_kept_prefix():
     import trio
 
     from swarm.config import SpecConfig
-    from swarm.coordinator.generation import decode
+    from swarm.coordinator.decoding import decode
 
     prompt, target = [1, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
     script = prompt + target  # the tail's greedy token after every position

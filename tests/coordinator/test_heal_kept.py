@@ -18,7 +18,9 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode, write_job_receipt
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.jobs import write_job_receipt
+from swarm.coordinator.ring import RingClient
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import ReceiptInvalid, collapse
 from swarm.model.resolve import model_manifest_digest

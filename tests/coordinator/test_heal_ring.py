@@ -15,7 +15,8 @@ import trio
 
 from swarm import receipts
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator.generation import DecodeOptions, decode, write_job_receipt
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.jobs import write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import StageLost, collapse
 from swarm.heal import NoSpare

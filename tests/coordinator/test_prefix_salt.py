@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from swarm.config import RingSpec
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient
 from swarm.errors import collapse
 from swarm.model.resolve import model_manifest_digest
 from swarm.transport import load_or_create_key, open_host

@@ -55,7 +55,8 @@ def test_second_coordinator_with_the_same_key_breaks_nothing(stories_dir, tmp_pa
     coordinator's connections are aged past it before the second connects."""
     import trio
 
-    from swarm.coordinator.generation import DecodeOptions, RingClient, decode
+    from swarm.coordinator.decoding import DecodeOptions, decode
+    from swarm.coordinator.ring import RingClient
     from swarm.errors import collapse
     from swarm.model.resolve import model_manifest_digest
     from swarm.transport import load_or_create_key, open_host

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from swarm.config import RingSpec, StageSpec
-from swarm.coordinator.generation import DecodeOptions, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
 from swarm.coordinator.ring import RingClient
 from swarm.errors import collapse
 from swarm.model.resolve import model_manifest_digest

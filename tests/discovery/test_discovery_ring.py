@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from swarm.config import SpecConfig
-from swarm.coordinator.generation import DecodeOptions, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
 from swarm.discovery.client import discover_ring
 from swarm.discovery.dht import open_dht
 from swarm.cli.launch import BootstrapNode, LocalRing, start_swarm
@@ -449,7 +449,7 @@ def _heal_by_hand(swarm_net, stories_dir, tmp_path, hops, *, kill, job_id: str, 
     """
     from swarm import receipts
     from swarm.config import RingSpec, StageSpec
-    from swarm.coordinator.generation import write_job_receipt
+    from swarm.coordinator.jobs import write_job_receipt
 
     expected = reference_greedy(stories_dir, PROMPT_IDS, new, "float32")
     mid = model_id(stories_dir)

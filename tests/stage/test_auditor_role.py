@@ -17,7 +17,7 @@ from swarm import proofs, wire
 from swarm.auditor.judge import Blocks, verify_proof
 from swarm.auditor.offers import auditor_targets, offer_job
 from swarm.config import StageSpec
-from swarm.coordinator.generation import offer_for_audit
+from swarm.coordinator.jobs import offer_for_audit
 from swarm.discovery.dht import open_dht
 from swarm.errors import collapse
 from swarm.ranges import LayerRange

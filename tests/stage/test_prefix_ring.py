@@ -14,7 +14,8 @@ import torch
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient
 from swarm.coordinator.drafters import NgramDrafter
 from swarm.errors import collapse
 from swarm.model.block import model_num_layers
@@ -286,7 +287,7 @@ def test_a_resumed_job_receipt_verifies_and_says_what_was_reused(synthetic, tmp_
     import json
 
     from swarm import receipts
-    from swarm.coordinator.generation import write_job_receipt
+    from swarm.coordinator.jobs import write_job_receipt
 
     model = synthetic("llama")
 

@@ -21,7 +21,7 @@ import time
 import trio
 
 from swarm.config import RingSpec, SpecConfig
-from swarm.coordinator.generation import DecodeOptions, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
 from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.coordinator.ring import RingClient

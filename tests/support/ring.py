@@ -7,7 +7,8 @@ from pathlib import Path
 import trio
 
 from swarm.config import RingSpec, StageConfig, StageSpec
-from swarm.coordinator.generation import DecodeOptions, RingClient, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
+from swarm.coordinator.ring import RingClient
 from swarm.errors import collapse
 from swarm.model.block import load_block
 from swarm.model.resolve import model_manifest_digest
@@ -108,7 +109,7 @@ async def signed_job(ring_spec: RingSpec, model_dir: Path, key_dir: Path, prompt
     import json
 
     from swarm import receipts
-    from swarm.coordinator.generation import write_job_receipt
+    from swarm.coordinator.jobs import write_job_receipt
 
     key = load_or_create_key(key_dir / "coord.key")
     num_layers = ring_spec.stages[-1].layers.end

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from swarm.config import RingSpec, SpecConfig, StageSpec
-from swarm.coordinator.generation import DecodeOptions, decode
+from swarm.coordinator.decoding import DecodeOptions, decode
 from swarm.errors import StageLost
 from swarm.cli.launch import BootstrapNode, LocalRing
 from swarm.model.resolve import model_manifest_digest

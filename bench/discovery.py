@@ -44,6 +44,7 @@ from swarm.model.block import model_num_layers  # noqa: E402
 from swarm.model.resolve import model_manifest_digest, resolve_model  # noqa: E402
 from swarm.ranges import LayerRange  # noqa: E402
 from swarm.coordinator.ring import RingClient  # noqa: E402
+from swarm.coordinator.routing import RouteContext  # noqa: E402
 from swarm.transport import load_or_create_key, open_host  # noqa: E402
 from swarm.weights.identify import model_id  # noqa: E402
 
@@ -100,7 +101,7 @@ async def _heal(boot: str, tmp: Path, model_dir: Path, mid: str, n: int, pids: d
         async with open_dht(host, server=False, bootstrap=[boot]) as dht:
             found = await discover_ring(dht, str(model_dir), mid, n, context_tokens=len(PROMPT) + new)
             ring = RingClient(host, found.ring, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-            ring.discovery = (dht, mid, found.records)
+            ring.discovery = RouteContext(dht, mid, tuple(found.records))
             await ring.connect(n, model_manifest_digest(model_dir), nursery)
             victim = found.route.hops[0].peer_id
 

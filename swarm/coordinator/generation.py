@@ -115,7 +115,8 @@ async def generate(config: CoordinatorConfig, prompt: str, on_text=None, on_ids=
         if ring.discovery is not None:  # routed by the swarm: the next route prefers what this session measured
             from swarm.coordinator.measured import note_session
 
-            note_session(ring.discovery[1], [(i.peer_id, tuple(i.layers)) for i in ring.infos], ring.discovery[3],
+            note_session(ring.discovery.model_id, [(i.peer_id, tuple(i.layers)) for i in ring.infos],
+                         ring.discovery.client_rtt_ms,
                          decoded)
         out, timing = decoded.output_ids, decoded.as_record()
         tail = stream.update(out, final=True)

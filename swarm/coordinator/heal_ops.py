@@ -133,7 +133,8 @@ class RingOps:
         from swarm.ranges import LayerRange
         from swarm.routing import NoRoute
 
-        dht, model_id, *known = self.ring.discovery  # (records, client RTTs) read when routing, if any
+        route = self.ring.discovery  # the records and client RTTs read when routing
+        dht, model_id = route.dht, route.model_id
         infos = self.ring.infos
         last = index if last is None else last
         lost = index if lost is None else lost
@@ -146,7 +147,7 @@ class RingOps:
                                   if not index <= j <= last or (j == lost and not fresh_session))
                 | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
                 context_tokens=self.state["max_len"],
-                known=known[0] if known else None, known_rtt_ms=known[1] if len(known) > 1 else None,
+                known=route.records, known_rtt_ms=route.client_rtt_ms,
                 shut_out=self.ring.shut_out, measured_layer_ms=load_measured(model_id))
         except NoRoute as exc:
             log.warning("heal.no_replacement layers=[%d, %d) reason=%s", *layers, exc)

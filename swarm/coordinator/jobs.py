@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 async def offer_for_audit(host, receipt: dict, discovery, spares=()) -> dict:
     """Offer a verified job receipt (``write_job_receipt``'s result) to the auditor-role stages this
-    coordinator knows: the DHT records it routed with (``discovery``: (dht, model id, records, RTTs) or None) and
+    coordinator knows: the DHT records it routed with (``discovery``: a ``swarm.coordinator.routing.RouteContext``, or None) and
     the ring file's ``spares`` (``swarm.auditor.offers``; bounded in time, never raises).
 
     Returns:
@@ -34,7 +34,7 @@ async def offer_for_audit(host, receipt: dict, discovery, spares=()) -> dict:
     except (OSError, ValueError) as exc:
         log.warning("audit.offer_skipped path=%s error=%s", receipt["path"], exc)
         return {}
-    records = [r for r in discovery[2] if r.model_id == discovery[1]] if discovery else []
+    records = [r for r in discovery.records if r.model_id == discovery.model_id] if discovery else []
     targets = auditor_targets(doc, records, spares)
     return await offer_job(host, doc, targets) if targets else {}
 

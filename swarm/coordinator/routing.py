@@ -8,6 +8,7 @@ stage that fails to connect), ``swarm_may_serve`` (refusing at once a model no s
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import trio
 
@@ -16,6 +17,22 @@ from swarm.errors import HopTimeout, StageLost
 from swarm.coordinator.ring import RingClient
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """What a client routed through the swarm keeps of its route, for heals, audits and the next route:
+    the DHT, the weights' model id, the stage records read and the RTTs to them measured then (ms).
+    ``of(dht, model_id, found)`` from a ``discover_ring`` result."""
+
+    dht: object
+    model_id: str
+    records: tuple = ()
+    client_rtt_ms: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, dht, model_id: str, found) -> RouteContext:
+        return cls(dht, model_id, tuple(found.records), dict(found.client_rtt_ms))
 
 
 # routes tried when a routed stage cannot be dialed (it died or froze since its record was read)
@@ -64,7 +81,7 @@ async def connect_ring(config: CoordinatorConfig, host, nursery, model_path, num
         ring = RingClient(host, found.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s,
                           model_id=model_id)
         # heals try these stages (at the RTTs measured now) before reading the DHT
-        ring.discovery = (dht, model_id, found.records, found.client_rtt_ms)
+        ring.discovery = RouteContext.of(dht, model_id, found)
         ring.shut_out = shut_out
         try:
             await ring.connect(num_layers, digest, nursery)

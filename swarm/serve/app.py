@@ -317,7 +317,7 @@ async def _serve_api(ring: RingSpec, config: ServeConfig, sock: socket.socket, s
         if discovery is not None:  # the dashboard's layer coverage (and the proofs it shows) come from the DHT
             from swarm.serve.dashboard import SwarmCoverage
 
-            state.coverage = SwarmCoverage(discovery[0], judge=_proof_judge(state))
+            state.coverage = SwarmCoverage(discovery.dht, judge=_proof_judge(state))
             await nursery.start(state.coverage.run)
         state.pool = ClientPool(state, config.ring.max_concurrency)
         from swarm.serve.metrics import ServeMetrics
@@ -339,7 +339,7 @@ def _proof_judge(state: ServeState):
     """The coverage reader's hook: the proof against every stage of the served model (if any) judged
     by the server's ``shut_out`` each time the records are read, so the dashboard shows proofs
     published after routing too."""
-    dht, weights_id = state.discovery[0], state.discovery[1]
+    dht, weights_id = state.discovery.dht, state.discovery.model_id
 
     async def judge(records) -> None:
         await state.shut_out.excluded(dht, [r.peer_id for r in records if r.model_id == weights_id])
@@ -399,7 +399,7 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
 
     discovery = None
     if config.ring.bootstrap:
-        from swarm.coordinator.routing import run_dht
+        from swarm.coordinator.routing import RouteContext, run_dht
         from swarm.discovery.client import discover_ring
         from swarm.weights.identify import model_id as weights_model_id
 
@@ -409,9 +409,9 @@ async def _check_ring(p2p: SwarmHost, nursery: trio.Nursery, ring: RingSpec, mod
         dht = await nursery.start(run_dht, p2p, config.ring.bootstrap)
         found = await discover_ring(dht, ring.model, weights_id, model.num_layers, shut_out=shut_out,
                                     measured_layer_ms=load_measured(weights_id))
-        ring, discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
+        ring, discovery = found.ring, RouteContext.of(dht, weights_id, found)
     probe = RingClient(p2p, ring, config.ring.hop_timeout_s, config.ring.connect_timeout_s, config.ring.heartbeat_s,
-                       model_id=discovery[1] if discovery else None)
+                       model_id=discovery.model_id if discovery else None)
     probe.shut_out = shut_out
     async with trio.open_nursery() as probe_nursery:
         try:

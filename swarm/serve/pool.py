@@ -83,7 +83,7 @@ class ClientPool:
         st = self.state
         cfg = st.config.ring
         client = RingClient(st.host, st.ring, cfg.hop_timeout_s, cfg.connect_timeout_s, cfg.heartbeat_s, batch=True,
-                            model_id=st.discovery[1] if st.discovery else None)
+                            model_id=st.discovery.model_id if st.discovery else None)
         client.discovery = st.discovery  # heals may take a replacement from the DHT
         client.shut_out = st.shut_out  # ... but never a stage with a fraud proof this server re-ran
         try:
@@ -113,15 +113,16 @@ class ClientPool:
             ConfigError / StageLost: no route (``discover_ring``).
         """
         from swarm.coordinator.measured import load_measured
+        from swarm.coordinator.routing import RouteContext
         from swarm.discovery.client import discover_ring
 
         st = self.state
-        dht, weights_id = st.discovery[0], st.discovery[1]
+        dht, weights_id = st.discovery.dht, st.discovery.model_id
         found = await discover_ring(dht, st.ring.model, weights_id, st.num_layers, shut_out=st.shut_out,
                                     measured_layer_ms=load_measured(weights_id))
         if [s.addr for s in found.ring.stages] != [s.addr for s in st.ring.stages]:
             self.route_gen += 1
-        st.ring, st.discovery = found.ring, (dht, weights_id, found.records, found.client_rtt_ms)
+        st.ring, st.discovery = found.ring, RouteContext.of(dht, weights_id, found)
         return found
 
     def note_measured(self, client: RingClient, decoded) -> None:
@@ -135,7 +136,7 @@ class ClientPool:
         st = self.state
         if st.discovery is None:
             return
-        _, weights_id, records, client_rtt = st.discovery
+        weights_id, records, client_rtt = st.discovery.model_id, st.discovery.records, st.discovery.client_rtt_ms
         kept = note_session(weights_id, [(i.peer_id, tuple(i.layers)) for i in client.infos], client_rtt, decoded)
         claims = {h.peer_id: h for h in holders_of(list(records))}
         route = {s.peer_id for s in st.ring.stages}

@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from swarm.auditor.exclusions import Exclusions
-    from swarm.discovery.dht import SwarmDHT
-    from swarm.discovery.records import StageRecord
+    from swarm.coordinator.routing import RouteContext
     from swarm.serve.dashboard import SwarmCoverage
     from swarm.serve.metrics import ServeMetrics
     from swarm.serve.pool import ClientPool
@@ -53,8 +52,8 @@ class ServeState:
     max_ctx: int
     vocab_size: int = 0
     key: KeyPair | None = None  # this server's node key (its PeerId; signs the job receipts)
-    # (SwarmDHT, weights id, records read when routing) when the ring was routed from the swarm's DHT
-    discovery: tuple[SwarmDHT, str, tuple[StageRecord, ...]] | None = None
+    # the route's DHT, weights id, records and RTTs when the ring was routed from the swarm's DHT
+    discovery: RouteContext | None = None
     max_prompt_chars: int = 0  # a longer prompt cannot fit max_ctx (refused before tokenizing); 0: unchecked
     pool: ClientPool | None = None
     metrics: ServeMetrics | None = None

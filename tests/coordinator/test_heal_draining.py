@@ -10,6 +10,7 @@ import trio
 from swarm.config import RingSpec, StageSpec
 from swarm.coordinator.decoding import DecodeOptions, decode
 from swarm.coordinator.ring import RingClient
+from swarm.coordinator.routing import RouteContext
 from swarm.errors import collapse
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
@@ -73,7 +74,7 @@ def test_the_heal_never_takes_the_draining_stage_back_from_records_read_before_i
                 with trio.fail_after(30):
                     while len(records := await dht.find_records(mid)) < 2:
                         await trio.sleep(0.2)
-                ring.discovery = (dht, mid, records)  # both "online"
+                ring.discovery = RouteContext(dht, mid, tuple(records))  # both "online"
                 await ring.connect(5, model_manifest_digest(stories_dir), nursery)
                 await d_server.drain(0)
                 decoded = await decode(ring, PROMPT, DecodeOptions(NEW))

@@ -27,6 +27,7 @@ from swarm.model.block import model_num_layers
 from swarm.model.resolve import model_manifest_digest
 from swarm.ranges import LayerRange
 from swarm.coordinator.ring import RingClient
+from swarm.coordinator.routing import RouteContext
 from swarm.transport import load_or_create_key, open_host
 from swarm.transport.relay import DelayRelay
 from swarm.weights.identify import model_id
@@ -394,7 +395,7 @@ def test_sigkill_a_routed_stage_heals_from_the_dht_without_spares(swarm_net, sto
                 found = await discover_ring(dht, str(stories_dir), mid, num_layers, context_tokens=64)
                 victim = found.route.hops[0].peer_id
                 ring = RingClient(host, found.ring, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-                ring.discovery = (dht, mid, found.records)
+                ring.discovery = RouteContext(dht, mid, tuple(found.records))
                 await ring.connect(num_layers, model_manifest_digest(stories_dir), nursery)
                 killed = []
 
@@ -460,7 +461,7 @@ def _heal_by_hand(swarm_net, stories_dir, tmp_path, hops, *, kill, job_id: str, 
         async with open_host(key) as host, trio.open_nursery() as nursery:
             async with open_dht(host, server=False, bootstrap=[swarm_net["boot"].addr]) as dht:
                 ring = RingClient(host, spec, 30.0, 10.0, heartbeat_s=0.5, model_id=mid)
-                ring.discovery = (dht, mid, await dht.find_records(mid))
+                ring.discovery = RouteContext(dht, mid, tuple(await dht.find_records(mid)))
                 digest = model_manifest_digest(stories_dir)
                 await ring.connect(5, digest, nursery)
                 killed = []

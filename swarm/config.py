@@ -117,7 +117,7 @@ class NetworkSection:
     # key_path is a default whose identity nobody relies on (a stage that picks its block): when another
     # running process holds it, take the next free slot (stage-auto-2.key, ...) instead of refusing
     key_fallback: bool = False
-    hop_timeout_s: float = option(30.0, "deadline for sending to the successor")
+    hop_timeout_s: float = option(30.0, "deadline for sending to the successor, seconds (default 30)")
     allow_coordinators: tuple[str, ...] = option(
         (), "only this coordinator PeerId may open sessions (repeatable; default: any). Whatever the list, a session "
             "takes frames only from the peers its signed open assigns", flag="--allow-coordinator", metavar="PEER_ID")
@@ -356,9 +356,10 @@ class StageConfig:
         return build(cls, dict(flat, name=model, layers=layers))
 
     @staticmethod
-    def add_cli_args(parser) -> None:
-        """Every section's flags on ``swarm stage``'s parser, an argument group per titled section."""
-        add_sections(parser, StageConfig)
+    def add_cli_args(parser) -> dict:
+        """Every section's flags on ``swarm stage``'s parser, an argument group per titled section;
+        returns where each section's went, by section name."""
+        return add_sections(parser, StageConfig)
 
     @classmethod
     def from_args(cls, args, **overrides) -> StageConfig:

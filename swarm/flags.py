@@ -127,11 +127,11 @@ def sections(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
-def add_sections(parser, cls) -> None:
+def add_sections(parser, cls) -> dict:
     """Every section's flags of the sectioned config ``cls``, an argument group per section with a
-    ``TITLE`` (the others' flags among the parser's own)."""
-    for section in sections(cls).values():
-        add_flags(parser, section, getattr(section, "TITLE", None))
+    ``TITLE`` (the others' flags among the parser's own); returns ``{section name: where its flags went}``."""
+    return {name: add_flags(parser, section, getattr(section, "TITLE", None))
+            for name, section in sections(cls).items()}
 
 
 def build(cls, flat: dict, args: argparse.Namespace | None = None):

@@ -6,7 +6,8 @@
   stage, write each fraud proof to ``--proofs DIR`` (``<accused>-<job>.proof``) and, with
   ``--bootstrap``, publish it on the DHT under the accused PeerId; ``--tally FILE`` adds the counts
   audited / passed / failed / unavailable per stage to a JSON file ``swarm peers --audits`` shows. Exit 1
-  when a stage failed (``unavailable``, a stage restarted since the job, is not a failure).
+  when a stage failed (``unavailable``, a stage restarted since the job, is not a failure), 2 when no
+  stage could be audited (every verdict ``not comparable`` or ``unauditable``).
 - ``swarm audit verify PROOF... --model DIR``: re-check proofs in one pass each
   (``swarm.auditor.judge.verify_proof``): ``VALID ...`` or ``REFUSED (reason): ...``; exit 0 only when
   every proof holds.
@@ -26,9 +27,11 @@ def add_parser(sub) -> None:
                        description="Re-run a stage's layers on the inputs it opened and compare the bits, within "
                                    "a comparable reproducibility class.")
     asub = p.add_subparsers(dest="audit_cmd", required=True)
-    r = asub.add_parser("run", help="audit the stages of job receipts (exit 1 when a stage failed)")
+    r = asub.add_parser("run", help="audit the stages of job receipts (exit 1 when a stage failed, 2 when no stage "
+                                    "could be audited)")
     r.add_argument("receipts", nargs="+", type=Path, help="job receipt files (receipts/<job>.json)")
-    r.add_argument("--model", required=True, help="local model directory holding the layers to re-run")
+    r.add_argument("--model", required=True, help="the model whose layers to re-run: a local directory, a .gguf "
+                                                  "file or a built-in name, as `swarm stage --model` takes")
     r.add_argument("--rate", type=float, default=0.05, help="share of an identity's sessions audited (default 0.05)")
     r.add_argument("--first-sessions", type=int, default=20,
                    help="an identity's first sessions seen are all audited (default 20; counted within one run "
@@ -85,6 +88,9 @@ def _run(args) -> int:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the job receipt {path}: {exc}") from None
     key_path = args.key or cache_root() / "keys" / "auditor.key"
+    from swarm.model.resolve import resolve_model
+
+    args.model = resolve_model(args.model, progress=False).path  # a missing model fails here, in one line
     return trio.run(_audit_jobs, args, jobs, key_path)
 
 
@@ -100,7 +106,7 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
     from swarm.discovery.dht import open_dht
 
     key = load_or_create_key(key_path)
-    failed = unavailable = 0
+    failed = unavailable = audited = not_audited = 0
     async with open_host(key, ["/ip4/0.0.0.0/tcp/0"]) as host, AsyncExitStack() as stack:
         publish = None
         if args.bootstrap:
@@ -130,10 +136,16 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
                 print(v.line())
                 failed += v.outcome in ("failed", "refused")
                 unavailable += v.outcome == "unavailable"
+                audited += v.outcome in ("passed", "failed", "refused")
+                not_audited += v.outcome in ("not comparable", "unauditable")
         if args.tally:
             from swarm.auditor.tally import add_tally
 
             add_tally(args.tally, auditor.counts())
     print(f"{failed} stage(s) failed" + (f", {unavailable} unavailable (restarted since the job; not failed)"
                                          if unavailable else ""), file=sys.stderr)
+    if not audited and not_audited:  # e.g. --model holds other weights than the job's: nothing was checked
+        print(f"no stage was audited: {not_audited} not comparable with this auditor (see the lines above)",
+              file=sys.stderr)
+        return 2
     return 1 if failed else 0

@@ -26,15 +26,16 @@ def _stage_command(sub) -> None:
 
     p = sub.add_parser("stage", help="serve one block of a model's layers to the ring",
                        description="Load layers [start, end) of a model and serve them over libp2p. Prints "
-                                   "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits 1.")
+                                   "SWARM_STAGE_READY {json} once listening, or SWARM_STAGE_FATAL {json} and exits "
+                                   "1 (2 with --check, for a port in use, or a cache it cannot write).")
     p.error = lambda message: _stage_usage_error(p, message)  # a supervisor still gets one FATAL line
     p.add_argument("--check", action="store_true",
                    help="preflight only, no networking: model, tensors of the range, dtype, device, key file, "
                         "memory; prints SWARM_STAGE_OK {json} and exits 0, or SWARM_STAGE_FATAL and exits 2")
-    p.add_argument("--max-memory", metavar="SIZE",
-                   help="--mem-budget-mb as a size: 12GB (10^9 bytes), 12GiB (2^30), 512MB (`swarm plan` shows "
-                        "what a layer costs)")
-    StageConfig.add_cli_args(p)  # every setting's flag, declared with the setting in swarm.config
+    groups = StageConfig.add_cli_args(p)  # every setting's flag, declared with the setting in swarm.config
+    groups["membership"].add_argument("--max-memory", metavar="SIZE",
+                                      help="--mem-budget-mb as a size: 12GB (10^9 bytes), 12GiB (2^30), 512MB "
+                                           "(`swarm plan` shows what a layer costs)")
 
 
 def _stage_usage_error(parser, message: str):
@@ -199,7 +200,8 @@ def _serve_command(sub) -> None:
     g.add_argument("--draft", default="none", choices=["none", "ngram"], help="drafter (default none)")
     g.add_argument("--k", type=int, help="draft tokens per verify chunk (default 4 with a drafter)")
     g.add_argument("--depth", type=int, default=1, help="verify chunks in flight (default 1)")
-    g.add_argument("--prefill-chunk", type=int, default=128)
+    g.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt positions per prefill chunk; chunks pipeline across the stages (default 128)")
 
 
 def _dashboard_parser(sub) -> None:
@@ -320,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         verbosity.set_verbosity(verbosity.log_levels.get(os.environ.get("TRANSFORMERS_VERBOSITY", ""), logging.WARNING))
     try:
         try:
-            return {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
+            code = {"stage": cmd_stage, "coordinate": cmd_coordinate, "demo": cmd_demo, "model": cmd_model,
                     "keygen": cmd_keygen, "id": cmd_id, "receipts": cmd_receipts, "serve": cmd_serve,
                     "audit": _cmd_audit, "plan": _cmd_plan,
                     "dashboard": cmd_dashboard,
                     "bootstrap": cmd_bootstrap, "relay": cmd_bootstrap, "peers": cmd_peers}[args.cmd](args)
+            sys.stdout.flush()  # here, so a reader that closed the pipe early is met below, not at exit
+            return code
         except BaseExceptionGroup as group:
             found = collapse(group)
             if not isinstance(found, (SwarmError, KeyboardInterrupt)):
@@ -332,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 found = cache_fault(group) or group
             raise found from None
+    except BrokenPipeError:  # stdout closed early (`swarm ... --json | head`): the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except (SwarmError, OSError) as exc:
         if not isinstance(exc, SwarmError):  # a refused write under the cache is one line; other OSErrors are bugs
             from swarm.config import cache_fault

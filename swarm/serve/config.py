@@ -180,9 +180,9 @@ class ServeConfig:
         return build(cls, flat)
 
     @staticmethod
-    def add_cli_args(parser) -> None:
-        """Every section's flags on ``swarm serve``'s parser."""
-        add_sections(parser, ServeConfig)
+    def add_cli_args(parser) -> dict:
+        """Every section's flags on ``swarm serve``'s parser; returns where each section's went."""
+        return add_sections(parser, ServeConfig)
 
     @classmethod
     def from_args(cls, args, **overrides) -> ServeConfig:

@@ -22,3 +22,12 @@ def test_audit_run_refuses_bad_receipts_and_rates_before_any_network(tmp_path):
     bad.write_text("{}")
     res = run_cli("audit", "run", str(bad), "--model", str(tmp_path), "--rate", "2")
     assert res.returncode == 1 and "--rate must be in [0, 1]" in res.stderr
+
+
+def test_audit_run_names_a_model_it_cannot_find_before_any_network(tmp_path):
+    """A --model that is not there is one line (it used to audit nothing, print NOT COMPARABLE per stage
+    and exit 0)."""
+    receipt = tmp_path / "r.json"
+    receipt.write_text("{}")
+    res = run_cli("audit", "run", str(receipt), "--model", str(tmp_path / "no-such-model"))
+    assert res.returncode == 1 and "no-such-model" in res.stderr and "Traceback" not in res.stderr, res.stderr

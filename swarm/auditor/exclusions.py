@@ -1,7 +1,7 @@
 """Who a reader of the swarm shuts out: identities against which it verified a fraud proof itself.
 
 Owns: :class:`Exclusions`. Routing, heals and placement ask it which of the stages they found to leave
-out (``excluded``): it reads the proofs against each from the DHT (``SwarmDHT.read_proofs``: values
+out (``excluded``): it reads the proofs against each from the DHT (``SwarmDHT.proofs.read_all``: values
 anyone can write, checked without weights by every DHT node, several per accused), re-checks each with
 this process's own weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and excludes when
 one holds: a framing proof read first does not hide a real one beside it. A proof it
@@ -65,12 +65,7 @@ class Exclusions:
         return None
 
     async def _check(self, dht, peer: str) -> None:
-        read_proofs = getattr(dht, "read_proofs", None)
-        if read_proofs is not None:
-            values = await read_proofs(peer)
-        else:  # a reader of one proof per accused
-            value = await dht.read_proof(peer)
-            values = [] if value is None else [value]
+        values = await dht.proofs.read_all(peer)
         for value in values:
             if peer in self.verified:
                 return

@@ -113,7 +113,7 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
             dht = await stack.enter_async_context(open_dht(host, server=False, bootstrap=args.bootstrap))
 
             async def publish(proof: dict) -> None:
-                stored = await dht.publish_proof(proofs.encode(proof), proof["accused"])
+                stored = await dht.proofs.publish(proofs.encode(proof), proof["accused"])
                 print(f"proof published on the DHT against {proof['accused']} ({stored} node(s) stored it)")
 
         async def keep(proof: dict) -> None:

@@ -525,7 +525,7 @@ async def _proofs_of(dht, records, model) -> dict[str, str]:
     out.update({p: "refused: " + why for p, why in shut_out.refused.items()})
     if blocks is None:  # nothing re-run: say which stages have a proof that checks without weights
         for p in peers:
-            if await dht.read_proof(p) is not None:
+            if await dht.proofs.read_one(p) is not None:
                 out[p] = "on the DHT"
     return out
 

@@ -154,3 +154,14 @@ async def measure_offsets(host, addrs: Sequence[str], local: Callable[[], float]
         for addr in dict.fromkeys(addrs):
             nursery.start_soon(one, addr)
     return out
+
+
+async def sync_offset(clock, host, addrs: Sequence[str], max_age_s: float = 0.0) -> None:
+    """Measure ``clock``'s offset (a ``SwarmClock``; any other clock is left alone) against the nodes
+    ``addrs`` (``measure_offsets``), unless its last measurement is younger than ``max_age_s``
+    seconds; no answer keeps the old offset."""
+    if not isinstance(clock, SwarmClock) or not addrs:
+        return
+    if clock.measured_at is not None and time.monotonic() - clock.measured_at < max_age_s:
+        return
+    clock.set_offset(await measure_offsets(host, addrs, clock.local))

@@ -7,12 +7,13 @@ the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing
 ``put_value`` of the signed record + ``provide`` of the model id and of its placement shard,
 ``placement_key``; ``RecordRefused`` when no node stored it), reading fresh, validated, de-duplicated
 records with a report of the providers that were not live (``read_records``; with
-``placement=True`` over every placement shard too), and timing round trips to peers.
+``placement=True`` over every placement shard too), and timing round trips to peers (``ping_ms``).
 Fraud proofs (``swarm.proofs``) live beside the records in ``PROOF_SLOTS`` slots per accused PeerId
 (``proof_key``: ``/swarm-proof/<accused>``, then ``/swarm-proof/<accused>/<i>``): every node checks one
 without weights before storing it, keeps the first proof stored in a slot (a later one never replaces
 it), and a publisher puts its proof in the first slot of each node that is free or already holds it
-(``publish_proof``); a reader gathers the distinct proofs of every slot (``read_proofs``). A node cannot
+(``ProofBoard.publish``, ``SwarmDHT.proofs``); a reader gathers the distinct proofs of every slot
+(``ProofBoard.read_all``). A node cannot
 tell a framing proof (an auditor's false re-run of an honest row) from a real one without the weights,
 so one framing stored first no longer hides the real proof: only ``PROOF_SLOTS`` of them, at every node
 a reader asks, before the real one arrives, would. Excluding the accused is for a reader that re-ran a
@@ -190,7 +191,7 @@ def _validator(clock: Callable[[], float], accept_models: frozenset[str] | None)
         whose signatures, openings and binding check (``swarm.proofs.check_proof``: no weights) and that
         accuses the key's PeerId. A slot keeps the proof stored first (select 0: the stored one), so that
         no later proof, a flood of framings included, pushes a stored one out; a second proof goes to
-        another slot (``SwarmDHT.publish_proof``)."""
+        another slot (``ProofBoard.publish``)."""
 
         def validate(self, key: str, value: bytes) -> None:
             check_proof_value(key, value)
@@ -285,7 +286,8 @@ class SwarmDHT:
     def __init__(self, host, dht, bootstrap: list, clock: Callable[[], float], bootstrap_addrs: Sequence[str] = ()):
         self.host, self.dht, self.bootstrap, self.clock = host, dht, bootstrap, clock
         self.bootstrap_addrs = tuple(bootstrap_addrs)
-        self._bootstrap_slots = trio.CapacityLimiter(BOOTSTRAP_REQUESTS)
+        self.bootstrap_slots = trio.CapacityLimiter(BOOTSTRAP_REQUESTS)  # requests in flight to a bootstrap node
+        self.proofs = ProofBoard(self)  # the fraud proofs' slots
         self.table_filled = trio.Event()  # the join's self-lookup ended (``fill_table``), or none runs
         # PeerIds of the nodes that named providers of a key this node read, most recent last: its
         # peer cache leads with them (``_keep_peers``), so that through a bootstrap outage its first
@@ -300,23 +302,11 @@ class SwarmDHT:
         return self.dht.mode == DHTMode.SERVER
 
     async def sync_clock(self, max_age_s: float = 0.0, addrs: Sequence[str] | None = None) -> None:
-        """Measure this node's clock offset against the bootstrap nodes (``swarm.discovery.clock``),
-        unless the last measurement is younger than ``max_age_s``; no answer keeps the old offset.
+        """``swarm.discovery.clock.sync_offset`` against ``addrs`` (multiaddrs with ``/p2p/``; default every
+        bootstrap node; at a join, those that answered it); a measurement younger than ``max_age_s`` is kept."""
+        from swarm.discovery.clock import sync_offset
 
-        Args:
-            max_age_s: seconds a measurement stays good enough.
-            addrs: the nodes to ask (multiaddrs with ``/p2p/``) instead of every bootstrap node: at
-                a join, those that answered it (one that did not would cost the whole deadline).
-        """
-        from swarm.discovery.clock import SwarmClock, measure_offsets
-
-        clock = self.clock
-        addrs = self.bootstrap_addrs if addrs is None else tuple(addrs)
-        if not isinstance(clock, SwarmClock) or not addrs:
-            return
-        if clock.measured_at is not None and time.monotonic() - clock.measured_at < max_age_s:
-            return
-        clock.set_offset(await measure_offsets(self.host, addrs, clock.local))
+        await sync_offset(self.clock, self.host, self.bootstrap_addrs if addrs is None else tuple(addrs), max_age_s)
 
     def describe_clock(self) -> str:
         """How this node's clock relates to the swarm's, for messages."""
@@ -418,94 +408,7 @@ class SwarmDHT:
             raise RecordRefused(asked)
         return stored
 
-    async def publish_proof(self, value: bytes, accused: str, timeout_s: float = 10.0) -> int:
-        """Put a fraud proof (``swarm.proofs.encode``) in a slot of ``/swarm-proof/<accused>`` (checked here first)
-        at this node, the bootstrap nodes and the nodes closest to the accused's slot 0: at each, in the
-        first slot (``proof_key``) that is free or holds this very proof; a node whose ``PROOF_SLOTS``
-        slots hold other proofs does not store it.
-
-        Returns:
-            How many remote DHT nodes stored it (or held it already).
-        Raises:
-            ProofRefused: the proof does not check (never published).
-        """
-        check_proof_value(proof_key(accused), value)
-        keys = [proof_key(accused, slot).encode() for slot in range(PROOF_SLOTS)]
-        tally = [0, 0]
-        with trio.move_on_after(timeout_s):
-            store = self.dht.value_store
-            for kb in keys:  # this node's own copy: the first free slot, or the one holding it
-                held = store.get(kb)
-                if held is None:
-                    store.put(kb, value)
-                if held is None or held.value == value:
-                    break
-
-            async def send(peer) -> bool:
-                for kb in keys:
-                    if await store._store_at_peer(peer, kb, value):
-                        return True
-                    held = await store._get_from_peer(peer, kb)
-                    if held == value:
-                        return True
-                    if held is None:  # refused and holds nothing there: it does not take the proof at all
-                        return False
-                log.info("dht.proof_slots_full accused=%s peer=%s slots=%d", accused, peer, PROOF_SLOTS)
-                return False
-
-            await self._spread(keys[0], send, tally)
-        log.info("dht.proof_published accused=%s stored=%d asked=%d", accused, *tally)
-        return tally[0]
-
-    async def read_proofs(self, peer_id: str, timeout_s: float = 3.0) -> list[bytes]:
-        """The distinct proofs against ``peer_id`` that check without weights, from the slots of this node's
-        store and of the bootstrap nodes' (where every publish stores them); [] when none.
-
-        A node fills its slots in order (``publish_proof``), so each node's slots are read until the
-        first empty one: one request per node when there is no proof, the common case.
-        """
-        keys = [proof_key(peer_id, slot) for slot in range(PROOF_SLOTS)]
-        found: list[tuple[int, bytes]] = []  # (slot, value)
-        for slot, key in enumerate(keys):
-            local = self.dht.value_store.store.get(key.encode())
-            if local is None:
-                break
-            found.append((slot, local[0].value))
-
-        async def from_peer(peer) -> None:
-            for slot, key in enumerate(keys):
-                try:
-                    async with self._bootstrap_slots:  # a libp2p node resets requests beyond 12 in flight
-                        got = await self.dht.value_store._get_from_peer(peer, key.encode())
-                except Exception as e:  # unreachable or not serving: another node may hold it
-                    log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer, e)
-                    return
-                if got is None:
-                    return
-                found.append((slot, got))
-
-        with trio.move_on_after(timeout_s):
-            async with trio.open_nursery() as nursery:
-                for info in self.bootstrap:
-                    nursery.start_soon(from_peer, info.peer_id)
-        out: dict[bytes, None] = {}
-        for slot, v in sorted(found, key=lambda sv: sv[0]):
-            if v in out:
-                continue
-            try:
-                check_proof_value(keys[slot], v)
-                out[v] = None
-            except SwarmError as e:
-                log.info("dht.proof_rejected accused=%s reason=%s", peer_id, e)
-        return list(out)
-
-    async def read_proof(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
-        """The first of ``read_proofs``: a proof against ``peer_id`` that checks without weights; None when
-        there is none (``swarm peers``: whether any proof is published)."""
-        proofs = await self.read_proofs(peer_id, timeout_s)
-        return proofs[0] if proofs else None
-
-    async def _spread(self, kb: bytes, send, tally: list[int] | None = None) -> None:
+    async def spread(self, kb: bytes, send, tally: list[int] | None = None) -> None:
         """Run ``send(peer) -> bool`` at the bootstrap nodes at once and at the closest nodes to
         ``kb`` once the network lookup names them (each node once, ``QUERY_TIMEOUT_S`` each),
         counting ``[succeeded, asked]`` into ``tally`` as they finish.
@@ -538,6 +441,10 @@ class SwarmDHT:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask_each_once, [info.peer_id for info in self.bootstrap], asked, one)
             nursery.start_soon(ask_each_once, await self.closest_nodes(kb), asked, one)
+
+    async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
+        """``ping_ms`` from this node (tests stand a table in for it here)."""
+        return await ping_ms(self.host, addr, rounds, timeout_s)
 
     async def closest_nodes(self, key: bytes, on_answer: Callable[[object], None] | None = None, *,
                             alpha: int = ALPHA) -> list:
@@ -587,7 +494,7 @@ class SwarmDHT:
 
     async def _put(self, key: str, value: bytes, tally: list[int]) -> None:
         """libp2p 0.8.1's ``KadDHT.put_value`` (store locally, then at remote nodes), through
-        ``_spread`` and counting the nodes that stored the value (the library only logs it)."""
+        ``spread`` and counting the nodes that stored the value (the library only logs it)."""
         kb = key.encode()
         store = self.dht.value_store
         old = store.get(kb)
@@ -601,11 +508,11 @@ class SwarmDHT:
             # fetched it on a read) refuses it like a worse one: then ask what it holds
             return await store._store_at_peer(peer, kb, value) or await store._get_from_peer(peer, kb) == value
 
-        await self._spread(kb, send, tally)
+        await self.spread(kb, send, tally)
 
     async def _provide(self, key: str) -> None:
         """libp2p 0.8.1's ``ProviderStore.provide`` (a local entry, then ADD_PROVIDER at remote
-        nodes) through ``_spread``.
+        nodes) through ``spread``.
 
         The key is not left to the library to republish (nor is ``_put``'s record): the stage's
         ``Announcer`` republishes both every ``announce_interval_s``, well within their lifetime.
@@ -620,7 +527,7 @@ class SwarmDHT:
         store = self.dht.provider_store
         lh = self.host.libp2p_host
         store.add_provider(kb, PeerInfo(lh.get_id(), list(lh.get_addrs())))
-        await self._spread(kb, lambda peer: store._send_add_provider(peer, kb))
+        await self.spread(kb, lambda peer: store._send_add_provider(peer, kb))
 
     async def find_records(self, model_id: str | None = None, *, timeout_s: float = 5.0,
                            placement: bool = False) -> list[StageRecord]:
@@ -776,7 +683,7 @@ class SwarmDHT:
         async def from_peer(peer_id) -> None:
             try:
                 # a libp2p node resets requests beyond 12 in flight: a read of many records queues here
-                async with self._bootstrap_slots:
+                async with self.bootstrap_slots:
                     with trio.move_on_after(timeout_s):
                         got = await self.dht.value_store._get_from_peer(peer_id, kb)
                         if got is not None:
@@ -808,41 +715,6 @@ class SwarmDHT:
         except RecordInvalid:
             return False
         return True
-
-    async def rtt_ms(self, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
-        """Median-free minimum round trip to a peer over the libp2p ping protocol, in milliseconds.
-
-        Dials ``addr`` (an existing connection is reused), then times ``rounds`` 32-byte echoes on
-        one stream and returns the smallest. None when the peer cannot be reached in time.
-        """
-        from swarm.errors import StageLost
-
-        try:
-            with trio.fail_after(timeout_s):
-                stream = await self.host.open_raw_stream(addr, PING_PROTOCOL)
-                best = float("inf")
-                try:
-                    for _ in range(rounds):
-                        payload = secrets.token_bytes(32)
-                        start = time.perf_counter()
-                        await stream.write(payload)
-                        got = b""
-                        while len(got) < 32:
-                            chunk = await stream.read(32 - len(got))
-                            if not chunk:
-                                raise StageLost("ping stream closed")
-                            got += chunk
-                        if got != payload:
-                            raise StageLost("ping echo mismatch")
-                        best = min(best, (time.perf_counter() - start) * 1000)
-                finally:
-                    with trio.move_on_after(1):
-                        await stream.close()
-                return best
-        except (trio.TooSlowError, SwarmError, OSError, Exception) as e:  # noqa: BLE001 - any failure = unreachable
-            log.info("dht.rtt_failed addr=%s error=%r", addr, e)
-            return None
-
 
 def _skip_client_peers(dht) -> None:
     """Keep client-mode peers out of the routing table.
@@ -1241,3 +1113,134 @@ async def open_dht(host, *, server: bool, bootstrap: Sequence[str] = (), timeout
                 _keep_peers(peer_cache, host, dht, node.holders)
     if error is not None:
         raise error
+
+
+async def ping_ms(host, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> float | None:
+    """Median-free minimum round trip from ``host`` (a SwarmHost) to a peer over the libp2p ping protocol, in
+    milliseconds.
+
+    Dials ``addr`` (an existing connection is reused), then times ``rounds`` 32-byte echoes on
+    one stream and returns the smallest. None when the peer cannot be reached in time.
+    """
+    from swarm.errors import StageLost
+
+    try:
+        with trio.fail_after(timeout_s):
+            stream = await host.open_raw_stream(addr, PING_PROTOCOL)
+            best = float("inf")
+            try:
+                for _ in range(rounds):
+                    payload = secrets.token_bytes(32)
+                    start = time.perf_counter()
+                    await stream.write(payload)
+                    got = b""
+                    while len(got) < 32:
+                        chunk = await stream.read(32 - len(got))
+                        if not chunk:
+                            raise StageLost("ping stream closed")
+                        got += chunk
+                    if got != payload:
+                        raise StageLost("ping echo mismatch")
+                    best = min(best, (time.perf_counter() - start) * 1000)
+            finally:
+                with trio.move_on_after(1):
+                    await stream.close()
+            return best
+    except (trio.TooSlowError, SwarmError, OSError, Exception) as e:  # noqa: BLE001 - any failure = unreachable
+        log.info("dht.rtt_failed addr=%s error=%r", addr, e)
+        return None
+
+
+class ProofBoard:
+    """The fraud proofs' slots on the DHT of ``node`` (a ``SwarmDHT``; the module docstring says how
+    slots are filled and read): ``publish`` a proof, ``read_all`` / ``read_one`` the proofs against a PeerId."""
+
+    def __init__(self, node: SwarmDHT):
+        self.node = node
+
+    async def publish(self, value: bytes, accused: str, timeout_s: float = 10.0) -> int:
+        """Put a fraud proof (``swarm.proofs.encode``) in a slot of ``/swarm-proof/<accused>`` (checked here first)
+        at this node, the bootstrap nodes and the nodes closest to the accused's slot 0: at each, in the
+        first slot (``proof_key``) that is free or holds this very proof; a node whose ``PROOF_SLOTS``
+        slots hold other proofs does not store it.
+
+        Returns:
+            How many remote DHT nodes stored it (or held it already).
+        Raises:
+            ProofRefused: the proof does not check (never published).
+        """
+        check_proof_value(proof_key(accused), value)
+        keys = [proof_key(accused, slot).encode() for slot in range(PROOF_SLOTS)]
+        tally = [0, 0]
+        with trio.move_on_after(timeout_s):
+            store = self.node.dht.value_store
+            for kb in keys:  # this node's own copy: the first free slot, or the one holding it
+                held = store.get(kb)
+                if held is None:
+                    store.put(kb, value)
+                if held is None or held.value == value:
+                    break
+
+            async def send(peer) -> bool:
+                for kb in keys:
+                    if await store._store_at_peer(peer, kb, value):
+                        return True
+                    held = await store._get_from_peer(peer, kb)
+                    if held == value:
+                        return True
+                    if held is None:  # refused and holds nothing there: it does not take the proof at all
+                        return False
+                log.info("dht.proof_slots_full accused=%s peer=%s slots=%d", accused, peer, PROOF_SLOTS)
+                return False
+
+            await self.node.spread(keys[0], send, tally)
+        log.info("dht.proof_published accused=%s stored=%d asked=%d", accused, *tally)
+        return tally[0]
+
+    async def read_all(self, peer_id: str, timeout_s: float = 3.0) -> list[bytes]:
+        """The distinct proofs against ``peer_id`` that check without weights, from the slots of this node's
+        store and of the bootstrap nodes' (where every publish stores them); [] when none.
+
+        A node fills its slots in order (``publish``), so each node's slots are read until the
+        first empty one: one request per node when there is no proof, the common case.
+        """
+        keys = [proof_key(peer_id, slot) for slot in range(PROOF_SLOTS)]
+        found: list[tuple[int, bytes]] = []  # (slot, value)
+        for slot, key in enumerate(keys):
+            local = self.node.dht.value_store.store.get(key.encode())
+            if local is None:
+                break
+            found.append((slot, local[0].value))
+
+        async def from_peer(peer) -> None:
+            for slot, key in enumerate(keys):
+                try:
+                    async with self.node.bootstrap_slots:  # a libp2p node resets requests beyond 12 in flight
+                        got = await self.node.dht.value_store._get_from_peer(peer, key.encode())
+                except Exception as e:  # unreachable or not serving: another node may hold it
+                    log.debug("dht.get_failed key=%s peer=%s error=%r", key, peer, e)
+                    return
+                if got is None:
+                    return
+                found.append((slot, got))
+
+        with trio.move_on_after(timeout_s):
+            async with trio.open_nursery() as nursery:
+                for info in self.node.bootstrap:
+                    nursery.start_soon(from_peer, info.peer_id)
+        out: dict[bytes, None] = {}
+        for slot, v in sorted(found, key=lambda sv: sv[0]):
+            if v in out:
+                continue
+            try:
+                check_proof_value(keys[slot], v)
+                out[v] = None
+            except SwarmError as e:
+                log.info("dht.proof_rejected accused=%s reason=%s", peer_id, e)
+        return list(out)
+
+    async def read_one(self, peer_id: str, timeout_s: float = 3.0) -> bytes | None:
+        """The first of ``read_all``: a proof against ``peer_id`` that checks without weights; None when
+        there is none (``swarm peers``: whether any proof is published)."""
+        proofs = await self.read_all(peer_id, timeout_s)
+        return proofs[0] if proofs else None

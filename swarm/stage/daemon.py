@@ -88,7 +88,7 @@ async def _run_auditor(server: StageServer, host) -> None:
     async def publish(proof: dict) -> None:
         if server.announcer is None:
             return
-        stored = await server.announcer.dht.publish_proof(proofs.encode(proof), proof["accused"])
+        stored = await server.announcer.dht.proofs.publish(proofs.encode(proof), proof["accused"])
         log.warning("audit.proof_published accused=%s nodes=%d", proof["accused"], stored)
 
     b = server.block

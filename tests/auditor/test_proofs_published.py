@@ -134,9 +134,9 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
                     host = await stack.enter_async_context(open_host(create_new_key_pair()))
                     nodes.append(await stack.enter_async_context(open_dht(host, server=False, bootstrap=[addr])))
                 auditor, reader = nodes
-                got["stored"] = await auditor.publish_proof(proofs.encode(real), accused)
+                got["stored"] = await auditor.proofs.publish(proofs.encode(real), accused)
                 with pytest.raises(ProofRefused) as err:  # a proof filed under another PeerId than it accuses
-                    await auditor.publish_proof(proofs.encode(real), proof_set["honest"])
+                    await auditor.proofs.publish(proofs.encode(real), proof_set["honest"])
                 got["misfiled"] = err.value
                 # a forger bypassing its own check: the DHT node's validator refuses the value
                 kb = proof_key(proof_set["honest"]).encode()
@@ -144,7 +144,7 @@ def test_dht_nodes_store_only_proofs_that_check_and_readers_exclude_only_after_r
                     boot_host.libp2p_host.get_id(), kb, proofs.encode({**real, "sig": "00" * 64}))
                 got["boot_has"] = boot.dht.value_store.store.get(kb)
                 # a framing checks without weights (signed, openings fine): stored, and refused by readers
-                got["framed_stored"] = await auditor.publish_proof(proofs.encode(framed), proof_set["honest"])
+                got["framed_stored"] = await auditor.proofs.publish(proofs.encode(framed), proof_set["honest"])
                 shut_out = Exclusions(Blocks(model_dir))
                 got["excluded"] = await shut_out.excluded(reader, [accused, proof_set["honest"], "12D3KooWnobody"])
                 got["refused"] = dict(shut_out.refused)
@@ -187,15 +187,15 @@ def test_framing_proofs_stored_first_do_not_hide_the_real_proof(model_dir, proof
             framer, auditor, reader = nodes
             framed = [proofs.encode(_framed(real, create_new_key_pair())) for _ in range(framings)]
             if case == "the real proof, then a flood":
-                stored = [await auditor.publish_proof(proofs.encode(real), accused)]
-                stored += [await framer.publish_proof(v, accused) for v in framed]
+                stored = [await auditor.proofs.publish(proofs.encode(real), accused)]
+                stored += [await framer.proofs.publish(v, accused) for v in framed]
             else:
-                stored = [await framer.publish_proof(v, accused) for v in framed]
-                stored.append(await auditor.publish_proof(proofs.encode(real), accused))
-            stored.append(await framer.publish_proof(framed[0], accused))  # once more: held already, no new slot
+                stored = [await framer.proofs.publish(v, accused) for v in framed]
+                stored.append(await auditor.proofs.publish(proofs.encode(real), accused))
+            stored.append(await framer.proofs.publish(framed[0], accused))  # once more: held already, no new slot
             shut_out = Exclusions(Blocks(model_dir))
             excluded = await shut_out.excluded(reader, [accused])
-            got[case] = (stored, excluded, len(await reader.read_proofs(accused)), shut_out.judged(accused))
+            got[case] = (stored, excluded, len(await reader.proofs.read_all(accused)), shut_out.judged(accused))
 
     async def main():
         with trio.fail_after(120):

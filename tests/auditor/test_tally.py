@@ -50,13 +50,13 @@ def test_the_audit_column_joins_counts_and_proof_states(tmp_path):
 
 
 class _Proofs:
-    """A DHT double: ``read_proof`` answers from a dict."""
+    """A DHT double: its ``proofs.read_all`` answers from a dict."""
 
     def __init__(self, proofs: dict[str, bytes]):
-        self.proofs = proofs
+        self.by_peer, self.proofs = proofs, self
 
-    async def read_proof(self, peer_id: str) -> bytes | None:
-        return self.proofs.get(peer_id)
+    async def read_all(self, peer_id: str) -> list[bytes]:
+        return [self.by_peer[peer_id]] if peer_id in self.by_peer else []
 
 
 def test_judged_says_what_became_of_the_proof_against_a_stage():

@@ -127,7 +127,7 @@ def test_serve_routes_reroutes_and_heals_around_a_proven_cheater_and_shows_audit
                 assert [v.outcome for v in verdicts] == ["passed", "failed", "passed"], [v.line() for v in verdicts]
                 assert [v.outcome for v in liar] == ["passed", "failed", "failed"], [v.line() for v in liar]
                 add_tally(tally, honest.tally)
-                assert await pub.publish_proof(proofs.encode(verdicts[1].proof), c["peer"]) >= 1
+                assert await pub.proofs.publish(proofs.encode(verdicts[1].proof), c["peer"]) >= 1
                 got["c_sessions"] = double.sessions
                 (tmp_path / "serve").mkdir()  # its own key: not the job's coordinator's
                 swarm_of = RingSpec(model=str(stories_dir), stages=())
@@ -137,7 +137,7 @@ def test_serve_routes_reroutes_and_heals_around_a_proven_cheater_and_shows_audit
                     model = server.box["info"]["model"]
                     got["routed"] = [e["peer_id"] for e in server.box["info"]["ring"]]
                     # a forgery published after routing: the dashboard's reader judges it (and refuses it)
-                    assert await pub.publish_proof(proofs.encode(liar[2].proof), tail["peer"]) >= 1
+                    assert await pub.proofs.publish(proofs.encode(liar[2].proof), tail["peer"]) >= 1
                     got["framed"] = await in_thread(_dashboard_until, server, lambda s: s["stages"][2]["audit"]
                                                     ["proof"] is not None)
                     h2["scope"].cancel()  # before any request: the first one's client reroutes over the DHT

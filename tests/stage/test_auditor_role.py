@@ -18,6 +18,7 @@ from swarm.auditor.judge import Blocks, verify_proof
 from swarm.auditor.offers import auditor_targets, offer_job
 from swarm.config import StageSpec
 from swarm.coordinator.jobs import offer_for_audit
+from swarm.coordinator.routing import RouteContext
 from swarm.discovery.dht import open_dht
 from swarm.errors import collapse
 from swarm.ranges import LayerRange
@@ -89,7 +90,7 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
                     targets = auditor_targets(job, records, ())
                     got["targets"] = targets
                     offered = await offer_for_audit(host, {"verified": True, "path": res["path"]},
-                                                    (dht, weights_id, records))
+                                                    RouteContext(dht, weights_id, tuple(records)))
                     got["offered"] = offered
                     got["again"] = await offer_job(host, job, [aud_addr])  # offered twice: audited once
                     await _until(lambda: role.paused, "the role to pause for the live session")
@@ -101,7 +102,7 @@ def test_an_auditor_role_stage_audits_offered_jobs_when_idle_and_catches_the_che
                     await _until(lambda: role.jobs == 1, "the audit of the offered job", 120)
                     await _until(lambda: tally_file.exists(), "the tally file")
                     got["info"] = (await _ask(host, aud_addr, wire.frame("info")))["auditor"]
-                    got["dht_proof"] = await dht.read_proof(got["peers"][1])
+                    got["dht_proof"] = await dht.proofs.read_one(got["peers"][1])
                 # refusals: another sender than the job's coordinator, a receipt that does not verify
                 async with open_host(load_or_create_key(tmp_path / "stranger.key"), [LOOPBACK]) as other:
                     got["stranger"] = await _ask(other, aud_addr, wire.frame("audit_offer", job=job))

@@ -71,7 +71,7 @@ def test_the_proof_fails_where_plain_gemms_break_speculation(synthetic, dtype, m
 def test_the_proof_fails_where_the_fma_gemm_is_swapped_for_a_blas_gemm(synthetic, monkeypatch):
     """The fma mode's proof is no formality: with the BLAS's GEMM in place of the fma kernel's, a
     5-row chunk's rows stop matching decode rows, and the stage falls back to rows mode, proven."""
-    from swarm.stage.scheduler import _prove_kernels
+    from swarm.stage.kernel_proofs import prove_kernels
 
     torch.manual_seed(0)
     w, x = torch.randn(1536, 576), torch.randn(5, 576)
@@ -84,7 +84,7 @@ def test_the_proof_fails_where_the_fma_gemm_is_swapped_for_a_blas_gemm(synthetic
     assert not report.ok and "fma kernels" in report.reason and "differs when chunked" in report.reason
     monkeypatch.setenv("SWARM_CACHE", str(block.model_dir.parent / "cache"))
     monkeypatch.setattr(check, "_REPORTS", {})  # proofs of the same weights by earlier tests
-    kernels = _prove_kernels(block)
+    kernels = prove_kernels(block)
     assert kernels["mode"] == "rows" and kernels["rows_ok"] and block.kernel_mode == "rows"
     assert kernels["why"].startswith("the fma kernels failed the start-up proof: ") and \
         "differs when chunked" in kernels["why"] and kernels["library"] == "torch" and kernels["isa"] == ""

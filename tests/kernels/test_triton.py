@@ -214,7 +214,7 @@ def test_every_family_in_the_triton_mode_proves_row_invariance_and_matches_trans
 def test_a_triton_block_that_breaks_the_contract_falls_back_to_rows(synthetic, monkeypatch, caplog):
     """With a GEMM tile chosen by M in place of the fixed one, chunked rows stop matching decode rows:
     the stage's start-up proof says where, logs kernels.fallback and serves the rows mode, proven."""
-    from swarm.stage.scheduler import _prove_kernels
+    from swarm.stage.kernel_proofs import prove_kernels
 
     monkeypatch.setenv("SWARM_KERNELS", "triton")
     block = load_block(synthetic("llama", "float32", **SMALL), LayerRange(1, 2), dtype="float32", device="cpu")
@@ -227,7 +227,7 @@ def test_a_triton_block_that_breaks_the_contract_falls_back_to_rows(synthetic, m
     monkeypatch.setenv("SWARM_CACHE", str(block.model_dir.parent / "cache"))
     monkeypatch.setattr(check, "_REPORTS", {})  # proofs of the same weights by earlier tests
     with caplog.at_level("ERROR", logger="swarm.stage.scheduler"):
-        kernels = _prove_kernels(block)
+        kernels = prove_kernels(block)
     assert kernels["mode"] == "rows" and kernels["rows_ok"] and block.kernel_mode == "rows"
     fallback = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels.fallback")]
     assert fallback and "from=triton to=rows" in fallback[0] and "differs when chunked" in fallback[0]

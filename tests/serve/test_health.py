@@ -24,7 +24,8 @@ def test_ring_health_reports_the_kernels_each_stage_runs(synthetic, tmp_path):
             async with trio.open_nursery() as nursery:
                 spec, servers = await start_ring(nursery, synthetic("llama"), [(0, 2), (2, 4)], tmp_path)
                 async with open_host(load_or_create_key(tmp_path / "serve.key"), [LOOPBACK]) as host:
-                    state = SimpleNamespace(ring=spec, host=host, config=SimpleNamespace(connect_timeout_s=10.0))
+                    config = SimpleNamespace(ring=SimpleNamespace(connect_timeout_s=10.0))
+                    state = SimpleNamespace(ring=spec, host=host, config=config)
                     got["health"], got["servers"] = await ring_health(state), servers
                 nursery.cancel_scope.cancel()
 

@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -24,10 +23,9 @@ class Flag:
     Args:
         help: the ``--help`` text. flag: the option string (default ``--`` + the field's name with
             dashes). metavar, choices: as argparse's. negate: for a bool defaulting to True, the
-            ``--no-...`` flag that sets it False. dest: the parsed argument's name when it is not
-            the field's (an old flag spelling kept). required: argparse refuses a command
-            without it. convert: applied to a given value by ``from_args`` (the flag takes a
-            string; what ``convert`` raises, e.g. a ConfigError, reaches the caller).
+            ``--no-...`` flag that sets it False. required: argparse refuses a command without it.
+            convert: applied to a given value by ``from_args`` (the flag takes a string; what
+            ``convert`` raises, e.g. a ConfigError, reaches the caller).
     """
 
     help: str
@@ -35,17 +33,14 @@ class Flag:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     negate: str | None = None
-    dest: str | None = None
     required: bool = False
     convert: typing.Callable | None = None
 
 
-def option(default, help: str, *, default_factory=None, **kw) -> dataclasses.Field:
-    """A dataclass field that is also the flag ``Flag(help, **kw)``."""
-    meta = {"flag": Flag(help, **kw)}
-    if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+def option(default, help: str, **kw) -> dataclasses.Field:
+    """A dataclass field that is also the flag ``Flag(help, **kw)``; its parsed argument is named as the
+    field."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **kw)})
 
 
 def _flags(cls) -> list[tuple[dataclasses.Field, Flag, object]]:
@@ -65,23 +60,18 @@ def _base(annotation) -> type:
     return annotation
 
 
-def dest_of(field: dataclasses.Field, flag: Flag) -> str:
-    """The parsed argument's name of a flag field."""
-    return flag.dest or field.name
-
-
 def flag_name(field: dataclasses.Field, flag: Flag) -> str:
     """The option string of a flag field."""
     return flag.flag or "--" + field.name.replace("_", "-")
 
 
-def add_flags(parser, cls, title: str | None = None, description: str | None = None):
+def add_flags(parser, cls, title: str | None = None):
     """Add ``cls``'s flag fields to ``parser`` (in an argument group when ``title`` is given);
     returns where they went."""
-    target = parser.add_argument_group(title, description) if title else parser
+    target = parser.add_argument_group(title) if title else parser
     for field, flag, annotation in _flags(cls):
-        base, dest = _base(annotation), dest_of(field, flag)
-        kw: dict = {"help": flag.help, "dest": dest}
+        base = _base(annotation)
+        kw: dict = {"help": flag.help, "dest": field.name}
         if flag.required:
             kw["required"] = True
         if flag.metavar:
@@ -111,7 +101,7 @@ def from_args(cls, args: argparse.Namespace, **overrides):
     replace a parsed value). Raises what ``cls`` raises on construction."""
     values = {}
     for field, flag, annotation in _flags(cls):
-        value = getattr(args, dest_of(field, flag))
+        value = getattr(args, field.name)
         if _base(annotation) is tuple:
             value = tuple(value)
         elif flag.convert is not None and value is not None:

@@ -50,8 +50,7 @@ class RingClient:
                  heartbeat_s: float = 1.0, batch: bool = False, model_id: str | None = None):
         self.host = host
         self.model_id = model_id
-        # the RouteContext of a routed ring: heals look there
-        self.discovery = None  # swarm.coordinator.routing.RouteContext when routed through the swarm
+        self.discovery = None  # the swarm.coordinator.routing.RouteContext of a routed ring: heals look there
         self.shut_out = None  # swarm.auditor.exclusions.Exclusions: stages with a verified fraud proof, never used
         self.batch = batch
         self.ring = ring

@@ -341,17 +341,17 @@ async def ring_steps(spec, model_dir: Path, key_path: Path, prompt: list[int], s
             await ring.open_session(sid, len(prompt) + steps + 1)
             await ring.send_chunk(sid, SimpleNamespace(epoch=0, pos=0, chunk_id=0, tokens=prompt,
                                                        logits_from=len(prompt) - 1))
-            token = (await ring.next_result(sid))["token_ids"][-1]
-            before = [(await ring.stage_info(i))["timing"] for i in range(n)]
+            token = (await ring.next_result(sid)).token_ids[-1]
+            before = [(await ring.stage_info(i)).timing for i in range(n)]
             for k in range(steps):
                 chunk = SimpleNamespace(epoch=0, pos=len(prompt) + k, chunk_id=k + 1, tokens=[token], logits_from=None)
                 t0 = time.perf_counter()
                 await ring.send_chunk(sid, chunk)
                 t1 = time.perf_counter()
-                token = (await ring.next_result(sid))["token_ids"][-1]
+                token = (await ring.next_result(sid)).token_ids[-1]
                 step_s.append(time.perf_counter() - t0)
                 send_s.append(t1 - t0)
-            after = [(await ring.stage_info(i))["timing"] for i in range(n)]
+            after = [(await ring.stage_info(i)).timing for i in range(n)]
             deltas.append([{k: a[k] - b[k] for k in a} for a, b in zip(after, before)])
             await ring.close_session(sid)
         infos = ring.infos

@@ -15,6 +15,7 @@ The shared core, at the top of ``swarm/``:
 - ``merkle``      RFC 6962 hash trees: roots, inclusion paths, checks     (stdlib only)
 - ``repro``       reproducibility classes: facts in, class id out, pure  (stdlib only)
 - ``flags``       config fields that are also command-line flags          (stdlib only)
+- ``frames``      the ring protocol's frames, one dataclass per type      (stdlib only)
 - ``config``      the frozen per-role configs, the cache root             (core, transport)
 - ``receipts``    receipt schema, signing, verification                   (core, transport)
 - ``wire``        tensor <-> bytes, frame schema and validation           (core, transport)

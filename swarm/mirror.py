@@ -20,6 +20,7 @@ import trio
 
 from swarm import receipts, wire
 from swarm.errors import ProtocolError, StreamClosed, SwarmError
+from swarm.frames import Error, Refill
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Mirror:
         ids); never blocks. A full queue drops the mirror."""
         if not self.live:
             return
-        msg = wire.frame("refill", session=self.session, epoch=epoch, pos=pos, until=self.until, **payload)
+        msg = Refill(session=self.session, epoch=epoch, pos=pos, until=self.until, **payload)
         try:
             self._send.send_nowait(msg)
         except trio.WouldBlock:
@@ -127,7 +128,7 @@ class Mirror:
                     self.drop(f"a send failed: {exc}")
                     break
                 self.digest.add(receipts.refill_item(msg))
-                self.end = msg["pos"] + (len(msg["tokens"]) if "tokens" in msg else msg["hidden"]["shape"][1])
+                self.end = msg.pos + msg.rows
                 self._pending -= 1
                 if not self._pending:
                     self._idle.set()
@@ -146,13 +147,17 @@ class Mirror:
                     self.drop(f"the shadow's stream ended: {exc}")
                     scope.cancel()
                 return
-            if not isinstance(msg, dict) or msg.get("type") != "error":
+            try:
+                frame = wire.validate(msg)
+            except ProtocolError:
+                continue
+            if not isinstance(frame, Error):
                 continue
             if self.promoted:
                 if on_error is not None:
-                    await on_error(msg)
+                    await on_error(frame)
             else:
-                self.drop(f"the shadow answered: {msg.get('reason')}")
+                self.drop(f"the shadow answered: {frame.reason}")
                 scope.cancel()
                 return
 

@@ -52,7 +52,8 @@ from typing import Any
 import msgpack
 
 from swarm import merkle
-from swarm.errors import AuditFailed
+from swarm.errors import AuditFailed, ProtocolError
+from swarm.frames import Audit, AuditOk, Error, Forward, Refill
 
 WINDOW_POSITIONS = 64
 OPENING_SCHEMA = "swarm/audit-opening/1"
@@ -125,11 +126,11 @@ def tensor_map(kind: str, rows: list[bytes], hidden_size: int) -> dict:
     return out
 
 
-def input_rows(msg: dict) -> tuple[str, list[bytes]]:
+def input_rows(msg: Forward | Refill) -> tuple[str, list[bytes]]:
     """A ``forward``/``refill`` frame's input rows: ``("tokens", ...)`` or ``(dtype, ...)``."""
-    if "tokens" in msg:
-        return "tokens", token_rows(msg["tokens"])
-    return hidden_rows(msg["hidden"])
+    if msg.tokens is not None:
+        return "tokens", token_rows(msg.tokens)
+    return hidden_rows(msg.hidden)
 
 
 class WindowLog:
@@ -178,7 +179,7 @@ class WindowLog:
             self.broken = f"its rows up to position {len(self.rows)} pass {self.max_bytes} bytes (--audit-retention-mb)"
             self.rows, self.nbytes = [], 0
 
-    def record_chunk(self, msg: dict, output: Any) -> None:
+    def record_chunk(self, msg: Forward | Refill, output: Any) -> None:
         """Record a computed ``forward``/``refill`` frame ``msg`` and what was sent for it.
 
         Args:
@@ -195,7 +196,7 @@ class WindowLog:
             out_kind, outs = "token_ids", token_rows(output)
         else:
             out_kind, outs = hidden_rows(output)
-        self.record(msg["pos"], in_kind, ins, out_kind, outs)
+        self.record(msg.pos, in_kind, ins, out_kind, outs)
 
     def snapshot(self) -> list[Row]:
         """The rows now (a copy of the list; rows are immutable bytes, shared)."""
@@ -397,17 +398,19 @@ async def request_window(stream, receipt: dict, window: int, *, timeout_s: float
     """
     from swarm import wire
 
-    await stream.send(wire.frame("audit", session=receipt["session"], job=receipt["job_id"], window=window),
-                      timeout_s=timeout_s)
-    answer = await stream.recv(timeout_s=timeout_s)
-    if isinstance(answer, dict) and answer.get("type") == "error":
-        exc = _audit_fail("refused", f"{answer.get('code')}: {answer.get('reason')}")
-        exc.code = answer.get("code")
+    await stream.send(Audit(session=receipt["session"], job=receipt["job_id"], window=window), timeout_s=timeout_s)
+    raw = await stream.recv(timeout_s=timeout_s)
+    try:
+        answer = wire.validate(raw)
+    except ProtocolError as exc:
+        raise _audit_fail("schema", f"the stage answered a malformed frame: {exc}"[:200]) from None
+    if isinstance(answer, Error):
+        exc = _audit_fail("refused", f"{answer.code}: {answer.reason}")
+        exc.code = answer.code
         raise exc
-    if not (isinstance(answer, dict) and answer.get("type") == "audit_ok"):
-        kind = answer.get("type") if isinstance(answer, dict) else answer
-        raise _audit_fail("schema", f"the stage answered {str(kind)[:40]!r}, not audit_ok")
-    return check_opening(receipt, answer.get("opening"), window)
+    if not isinstance(answer, AuditOk):
+        raise _audit_fail("schema", f"the stage answered {answer.TYPE!r}, not audit_ok")
+    return check_opening(receipt, answer.opening, window)
 
 
 async def open_window(host, addr: str, receipt: dict, window: int, *, timeout_s: float = 30.0) -> Opening:

@@ -59,6 +59,7 @@ from typing import Any, Callable
 import msgpack
 
 from swarm.errors import ReceiptInvalid
+from swarm.frames import Forward, Open, Refill, Repair, Result
 
 STAGE_SCHEMA = "swarm/stage-receipt/1"
 JOB_SCHEMA = "swarm/job-receipt/1"
@@ -93,7 +94,7 @@ class RollingDigest:
         return {"digest": self.hexdigest(), "frames": self.frames}
 
 
-def forward_item(msg: dict) -> list:
+def forward_item(msg: Forward) -> list:
     """The digest item of a ``forward`` frame: position fields and the payload's exact bytes.
 
     ``["forward", epoch, pos, chunk, "tokens", [ids...]]`` for the head's input, or
@@ -101,33 +102,33 @@ def forward_item(msg: dict) -> list:
     except for float8) for hidden states. Values are taken as decoded from the wire, not coerced:
     the receiver's item packs to the same bytes as the sender's.
     """
-    head = ["forward", msg["epoch"], msg["pos"], msg["chunk"]]
-    if "logits_from" in msg:  # which rows the tail answers for: part of what was asked
-        head.append(["logits_from", msg["logits_from"]])
-    if "tokens" in msg:
-        return head + ["tokens", msg["tokens"]]
-    t = msg["hidden"]
-    return head + ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
+    head = ["forward", msg.epoch, msg.pos, msg.chunk]
+    if msg.logits_from is not None:  # which rows the tail answers for: part of what was asked
+        head.append(["logits_from", msg.logits_from])
+    return head + _payload_item(msg)
 
 
-def refill_item(msg: dict) -> list:
+def refill_item(msg: Refill) -> list:
     """The digest item of a ``refill`` frame (a heal's resent positions):
     ``["refill", epoch, pos, until, "tokens", [ids...]]`` or
     ``["refill", epoch, pos, until, "hidden", dtype, shape, data, scale]``."""
-    head = ["refill", msg["epoch"], msg["pos"], msg["until"]]
-    if "tokens" in msg:
-        return head + ["tokens", msg["tokens"]]
-    t = msg["hidden"]
-    return head + ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
+    return ["refill", msg.epoch, msg.pos, msg.until] + _payload_item(msg)
 
 
-def result_item(msg: dict) -> list:
+def _payload_item(msg: Forward | Refill) -> list:
+    if msg.tokens is not None:
+        return ["tokens", msg.tokens]
+    t = msg.hidden
+    return ["hidden", t.get("dtype"), t.get("shape"), t.get("data"), t.get("scale")]
+
+
+def result_item(msg: Result) -> list:
     """The digest item of a ``result`` frame: ``["result", epoch, pos, chunk, [token ids...]]``, with
     ``["logits_from", n]`` after ``chunk`` when the frame answers only rows from ``n`` on."""
-    head = ["result", msg["epoch"], msg["pos"], msg["chunk"]]
-    if "logits_from" in msg:
-        head.append(["logits_from", msg["logits_from"]])
-    return head + [msg["token_ids"]]
+    head = ["result", msg.epoch, msg.pos, msg.chunk]
+    if msg.logits_from is not None:
+        head.append(["logits_from", msg.logits_from])
+    return head + [msg.token_ids]
 
 
 def ids_digest(ids: list[int]) -> str:
@@ -159,17 +160,18 @@ def canonical(body: dict, tag: bytes = _SIGN_TAG) -> bytes:
                             allow_nan=False).encode()
 
 
-def assignment_bytes(open_frame: dict, coordinator: str) -> bytes:
-    """What a coordinator signs in an ``open`` frame: every field but ``sig``, plus its own PeerId,
-    under the tag ``swarm-open/1\\n`` (so an open can never pass for a receipt, or the reverse)."""
-    return canonical({**open_frame, "coordinator": coordinator}, _OPEN_TAG)
+def assignment_bytes(open_frame: Open | Repair, coordinator: str) -> bytes:
+    """What a coordinator signs in an ``open`` (or ``repair``) frame: every field of its wire map but
+    ``sig``, plus its own PeerId, under the tag ``swarm-open/1\\n`` (so an open can never pass for a
+    receipt, or the reverse)."""
+    return canonical({**open_frame.to_wire(), "coordinator": coordinator}, _OPEN_TAG)
 
 
-def assignment_ok(open_frame: dict, coordinator: str) -> bool:
-    """True when ``open_frame["sig"]`` is ``coordinator``'s signature of the assignment (fails closed)."""
+def assignment_ok(open_frame: Open | Repair, coordinator: str) -> bool:
+    """True when ``open_frame.sig`` is ``coordinator``'s signature of the assignment (fails closed)."""
     from swarm.transport.identity import verify_peer_signature
 
-    sig = open_frame.get("sig")
+    sig = open_frame.sig
     try:
         return isinstance(sig, str) and verify_peer_signature(
             coordinator, assignment_bytes(open_frame, coordinator), bytes.fromhex(sig))

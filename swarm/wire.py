@@ -10,14 +10,17 @@ Every frame is a msgpack map with ``v`` (protocol version) and ``type``. See doc
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
+from swarm import frames
 from swarm.errors import ContextOverflow, ProtocolError
+from swarm.frames import Error, Frame, Open, Repair
 
 PROTOCOL_ID = "/swarm/ring/1"
-VERSION = 1
+VERSION = frames.VERSION
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,63 +33,15 @@ DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 LOSSLESS = {"float32", "float64"}  # for float32/float64 stages; narrower wire dtypes are opt-in and lossy
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-_INT = (int,)
-_STR = (str,)
-_OPT_STR = (str, type(None))
-_LIST = (list,)
-_DICT = (dict,)
 _SIGNED = ("signed",)  # an int that may be -1 (nothing yet)
+_WIRE_TYPES = {"str": (str,), "int": (int,), "str | None": (str, type(None)), "list": (list,), "dict": (dict,),
+               "SignedInt": _SIGNED}
 
-# type -> {field: allowed python types}; "v" and "type" are checked for every frame.
+# type -> {required field: allowed python types}, from the frame classes of swarm.frames (their optional
+# fields are checked by _CHECKS); "v" and "type" are checked for every frame.
 SCHEMA: dict[str, dict[str, tuple]] = {
-    "info": {},
-    "info_ok": {"peer_id": _STR, "model": _STR, "model_digest": _STR, "layers": _LIST,
-                "num_layers": _INT, "hidden_size": _INT, "vocab_size": _INT, "dtype": _STR, "max_ctx": _INT},
-    # optional: prev (PeerId of the predecessor; required at every stage but the head), sampling,
-    # wire_dtype, job, batch (bool: the session may share packed forwards with others), shadow (bool:
-    # a warm spare's copy of the stage: fill the KV cache from refill frames, no `next`, send nothing
-    # on until a repair promotes it), mirror + mirror_until (the successor's shadow's multiaddr and
-    # end layer: copy every forward sent on to it as a refill frame). sig: the coordinator's signature
-    # of the assignment (receipts.assignment_bytes); prefix ({"ids", "ns"}: reuse cached KV of the
-    # prompt's leading blocks, see _check_prefix)
-    "open": {"session": _STR, "next": _OPT_STR, "max_len": _INT, "sig": _STR},
-    "open_ok": {"session": _STR},  # optional: reused (positions [0, n) taken from the prefix cache)
-    # optional on forward and result: logits_from (int, pos <= n <= pos + T): the tail computes the
-    # LM head and answers only for rows [n, pos + T); absent: every row
-    "forward": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT},
-    # a heal that keeps the survivors: positions [pos, pos + T) that only fill the KV caches of the
-    # stages replacing a lost range, up to the stage whose layers end at `until` (which sends nothing
-    # on); exactly one of tokens (to a new head, from the coordinator) or hidden, like forward
-    "refill": {"session": _STR, "epoch": _INT, "pos": _INT, "until": _INT},
-    # coordinator -> a surviving stage: keep the session's KV, take frames of `epoch` on; optional
-    # prev (new predecessor PeerId), next (new successor multiaddr), resend (positions [0, n) of the
-    # hidden states this stage sent, to resend to the new successor as refill frames up to layer
-    # `until`), mirror (bool, with next and resend: `next` is the shadow this stage mirrors to; make
-    # it the successor, resending only the positions the mirror did not cover); at a shadow, a repair
-    # promotes it to the stage (its epoch stays: mirrored frames still in flight are computed); sig as in open
-    "repair": {"session": _STR, "epoch": _INT, "sig": _STR},
-    # optional: mirrored (with repair mirror: positions [0, n) the mirror had delivered)
-    "repair_ok": {"session": _STR, "kv_len": _INT, "resent": _INT},
-    "result": {"session": _STR, "epoch": _INT, "pos": _INT, "chunk": _INT, "token_ids": _LIST},
-    "close": {"session": _STR},  # optional: keep (the committed ids: cache the KV of their blocks)
-    "cancel": {"session": _STR, "epoch": _INT},
-    "progress": {"session": _STR},
-    "progress_ok": {"session": _STR, "received": _SIGNED, "sent": _SIGNED},
-    "close_ok": {"session": _STR},
-    "receipt": {"session": _STR},  # flows head -> tail behind the session's frames
-    "receipt_ok": {"session": _STR, "receipt": _DICT},  # each stage's signed receipt, to the coordinator
-    "error": {"reason": _STR, "code": _STR},
-    # anyone -> a stage (low priority, rate-limited per PeerId): open window `window` of the job `job`
-    # of `session` (swarm.openings); the answer's opening holds the window's rows, Merkle path, signature
-    "audit": {"session": _STR, "job": _STR, "window": _INT},
-    "audit_ok": {"session": _STR, "job": _STR, "window": _INT, "opening": _DICT},
-    # a coordinator -> a stage in the auditor role (--audit-rate > 0; fire-and-forget, low priority): the
-    # signed job receipt `job` of a job it coordinated, for the stage to audit in idle time (swarm.stage.auditor_role);
-    # the answer says whether it was queued and how many offers wait there
-    "audit_offer": {"job": _DICT},
-    "audit_offer_ok": {"job": _STR, "queued": _INT, "waiting": _INT},
-    "drain": {},  # from an --admin peer: drain and exit
-    "drain_ok": {"sessions": _INT},
+    kind: {name: _WIRE_TYPES[cls.__dataclass_fields__[name].type] for name in cls.REQUIRED}
+    for kind, cls in frames.FRAME_TYPES.items()
 }
 MAX_SESSION_CHARS = 128
 MAX_TOKENS_PER_FRAME = 1 << 18  # a prefill chunk longer than any context we serve
@@ -94,33 +49,31 @@ MAX_INT = 2**31 - 1
 
 
 def frame(kind: str, **fields: Any) -> dict:
-    """Build a frame map of ``kind`` with the protocol version set."""
+    """A raw frame map of ``kind`` with the protocol version set, unchecked (for tests of the wire
+    itself; swarm's own code sends the typed frames of :mod:`swarm.frames`)."""
     return {"v": VERSION, "type": kind, **fields}
 
 
 def open_frame(key_pair, session: str, next_addr: str | None, max_len: int, *, prev: str | None = None,
-               **extra: Any) -> dict:
+               **extra: Any) -> Open:
     """A signed ``open`` frame: the coordinator (``key_pair``) assigns ``session`` at one stage.
 
     Args:
         key_pair: the coordinator's node key (its PeerId is what the stage sees on the stream).
         next_addr: the successor's multiaddr (with /p2p/PeerId), None at the tail.
         prev: the predecessor stage's PeerId, None at the head (whose input is the coordinator).
-        extra: sampling, wire_dtype, job, batch, layers (``[start, end)``: the sub-range of the
-            stage's block this session runs; absent = the whole block).
+        extra: the optional fields of :class:`swarm.frames.Open` (sampling, wire_dtype, job, batch,
+            layers, shadow, mirror with mirror_until, prefix).
     """
     from swarm.receipts import assignment_bytes
     from swarm.transport.identity import peer_id_of, sign
 
-    msg = frame("open", session=session, next=next_addr, max_len=max_len, **extra)
-    if prev is not None:
-        msg["prev"] = prev
-    msg["sig"] = sign(key_pair, assignment_bytes(msg, peer_id_of(key_pair))).hex()
-    return msg
+    unsigned = Open(session=session, next=next_addr, max_len=max_len, sig="", prev=prev, **extra)
+    return replace(unsigned, sig=sign(key_pair, assignment_bytes(unsigned, peer_id_of(key_pair))).hex())
 
 
 def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None, next_addr: str | None = None,
-                 resend: int | None = None, until: int | None = None, mirror: bool = False) -> dict:
+                 resend: int | None = None, until: int | None = None, mirror: bool = False) -> Repair:
     """A signed ``repair`` frame: the coordinator (``key_pair``) re-points a surviving stage of
     ``session`` after a heal, keeping its KV cache (see docs/protocol.md, "Healing on the wire").
 
@@ -136,14 +89,9 @@ def repair_frame(key_pair, session: str, epoch: int, *, prev: str | None = None,
     from swarm.receipts import assignment_bytes
     from swarm.transport.identity import peer_id_of, sign
 
-    msg = frame("repair", session=session, epoch=epoch)
-    for name, value in (("prev", prev), ("next", next_addr), ("resend", resend), ("until", until)):
-        if value is not None:
-            msg[name] = value
-    if mirror:
-        msg["mirror"] = True
-    msg["sig"] = sign(key_pair, assignment_bytes(msg, peer_id_of(key_pair))).hex()
-    return msg
+    unsigned = Repair(session=session, epoch=epoch, sig="", prev=prev, next=next_addr, resend=resend, until=until,
+                      mirror=True if mirror else None)
+    return replace(unsigned, sig=sign(key_pair, assignment_bytes(unsigned, peer_id_of(key_pair))).hex())
 
 
 def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
@@ -154,21 +102,19 @@ def is_lossy(wire_dtype: str | None, stage_dtype: str) -> bool:
     return stage_dtype not in exact_into.get(wire_dtype, set())
 
 
-def error_frame(reason: str, code: str = "bad_request", session: str | None = None) -> dict:
+def error_frame(reason: str, code: str = "bad_request", session: str | None = None,
+                epoch: int | None = None) -> Error:
     """An error reply; ``code`` is one of bad_request, no_session, overflow, internal, unavailable,
     forbidden (the sender is not the peer this session or stage accepts that frame from), busy (the
     KV budget is full), no_state (a ``repair`` asks for state the stage does not hold: the session's
     KV or the hidden states it sent), no_job (an ``audit`` names a job the stage does not hold: never
     seen, or evicted from its retention), rate_limited (too many ``audit`` or ``audit_offer`` requests from
     that PeerId)."""
-    out = frame("error", reason=reason, code=code)
-    if session is not None:
-        out["session"] = session
-    return out
+    return Error(reason=reason, code=code, session=session, epoch=epoch)
 
 
-def validate(msg: Any) -> dict:
-    """Check a decoded frame against the schema and return it.
+def validate(msg: Any) -> Frame:
+    """Check a decoded frame map against the schema and return it typed (:mod:`swarm.frames`).
 
     The envelope (a map, ``v``, a known ``type``) first, then the kind's required fields
     (``SCHEMA``), then the kind's own checks in order (``_CHECKS``: optional fields, the session
@@ -182,7 +128,7 @@ def validate(msg: Any) -> dict:
     _check_required(kind, msg)
     for check in _CHECKS.get(kind, (_check_session,)):
         check(msg)
-    return msg
+    return frames.of(msg)
 
 
 def _check_envelope(msg: Any) -> str:
@@ -463,9 +409,9 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
     return out
 
 
-def forward_inputs(msg: dict, *, is_head: bool, vocab_size: int, hidden_size: int, kv_len: int,
+def forward_inputs(msg: frames.Forward | frames.Refill, *, is_head: bool, vocab_size: int, hidden_size: int, kv_len: int,
                    max_len: int) -> dict:
-    """Check a validated ``forward`` frame against the stage and session, and decode its input.
+    """Check a validated ``forward`` (or ``refill``) frame against the stage and session, and decode its input.
 
     The one place a stage checks a forward's payload: stage 0 takes ``tokens`` (ids in
     ``[0, V)``), other stages ``hidden`` of shape (1, T, D) with D the model's hidden size; T >= 1;
@@ -479,19 +425,19 @@ def forward_inputs(msg: dict, *, is_head: bool, vocab_size: int, hidden_size: in
             of the wrong dtype/rank/shape/byte length, a position gap.
         ContextOverflow: ``pos + T > max_len``.
     """
-    pos = msg["pos"]
+    pos = msg.pos
     if is_head:
-        if "tokens" not in msg:
+        if msg.tokens is None:
             raise ProtocolError("this stage is the head and expects token ids, got hidden states")
-        tokens = msg["tokens"]
+        tokens = msg.tokens
         bad = [t for t in tokens if not 0 <= t < vocab_size]
         if bad:
             raise ProtocolError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
         t = len(tokens)
     else:
-        if "hidden" not in msg:
+        if msg.hidden is None:
             raise ProtocolError("this stage expects hidden states, got token ids")
-        shape = msg["hidden"].get("shape") if isinstance(msg["hidden"], dict) else None
+        shape = msg.hidden.get("shape") if isinstance(msg.hidden, dict) else None
         if isinstance(shape, list) and len(shape) == 3 and shape[0] != 1:
             raise ProtocolError(f"hidden states have batch size {shape[0]}, expected 1")
         t = shape[1] if isinstance(shape, list) and len(shape) == 3 and isinstance(shape[1], int) else None
@@ -503,5 +449,5 @@ def forward_inputs(msg: dict, *, is_head: bool, vocab_size: int, hidden_size: in
         raise ContextOverflow(f"positions [{pos}, {pos + t}) exceed the session's maximum context of {max_len}")
     if is_head:
         return {"token_ids": torch.tensor([tokens], dtype=torch.long)}
-    return {"hidden": decode_tensor(msg["hidden"], rank=3, last_dim=hidden_size,
+    return {"hidden": decode_tensor(msg.hidden, rank=3, last_dim=hidden_size,
                                     max_elements=max(1, max_len) * hidden_size)}

@@ -133,13 +133,16 @@ def test_validators_are_total(msg, head, kv_len):
         m = wire.validate(msg)
     except ProtocolError:
         return
-    if m["type"] == "forward":
+    # the typed frame travels as the map it came from (an optional field sent as nil is one left out)
+    assert {k: v for k, v in m.to_wire().items() if v is not None} == {k: v for k, v in msg.items() if v is not None}
+    assert wire.validate(m.to_wire()) == m
+    if m.TYPE == "forward":
         try:
             out = wire.forward_inputs(m, is_head=head, vocab_size=97, hidden_size=32, kv_len=kv_len, max_len=32)
         except (ProtocolError, ContextOverflow):
             return
         t = next(iter(out.values()))
-        assert t.shape[0] == 1 and 1 <= t.shape[1] <= 32 and m["pos"] <= kv_len
+        assert t.shape[0] == 1 and 1 <= t.shape[1] <= 32 and m.pos <= kv_len
 
 
 # ---- a stage under fire -------------------------------------------------------------------------
@@ -165,7 +168,7 @@ def test_stage_survives_hostile_frames_and_keeps_the_good_session_exact(stage, j
     server.sessions.clear()
     c, m = MemStream(peer_id_of(coord)), MemStream(peer_id_of(mallory))
     # mallory may also hold properly signed sessions of her own (possibly reusing the good id)
-    extra = [(False, wire.open_frame(mallory, sid, None, max_len)) for sid, max_len in signed]
+    extra = [(False, wire.open_frame(mallory, sid, None, max_len).to_wire()) for sid, max_len in signed]
 
     async def run():
         with trio.fail_after(30):
@@ -177,7 +180,7 @@ def test_stage_survives_hostile_frames_and_keeps_the_good_session_exact(stage, j
             return out
 
     async def session():
-        await server.handle_frame(c, wire.open_frame(coord, "good", None, 64))
+        await server.handle_frame(c, wire.open_frame(coord, "good", None, 64).to_wire())
         assert c.sent[-1]["type"] == "open_ok"
         out, pos, feed = [], 0, list(PROMPT)
         hostile = extra + junk

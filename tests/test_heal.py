@@ -326,16 +326,17 @@ def test_a_replacement_chain_longer_than_the_ring_is_dialed_without_an_index_err
     from swarm.errors import RemoteError
     from swarm.ranges import LayerRange
     from swarm.coordinator.ring import RingClient
+    from swarm.frames import Error, LinkLost, Progress
 
     ring = RingSpec(model="m", stages=(StageSpec("/ip4/127.0.0.1/tcp/1/p2p/X", LayerRange(0, 5)),))
     client = RingClient(None, ring, 1.0, 1.0)
-    client.net.raise_for(1, {"type": "info_ok"})  # a good answer: nothing to raise
+    client.net.raise_for(1, Progress("s"))  # a good answer: nothing to raise
     with pytest.raises(StageLost, match=r"stage 1 \(of a replacement chain\) at \? closed the connection: gone"):
-        client.net.raise_for(1, {"type": "_lost", "reason": "gone"})
+        client.net.raise_for(1, LinkLost("gone"))
     with pytest.raises(RemoteError, match=r"stage 1 \(of a replacement chain\) refused: busy"):
-        client.net.raise_for(1, {"type": "error", "code": "busy", "reason": "busy"})
+        client.net.raise_for(1, Error(code="busy", reason="busy"))
     with pytest.raises(StageLost, match=r"stage 0 \[0, 5\) refused"):
-        client.net.raise_for(0, {"type": "error", "code": "unavailable", "reason": "draining"})
+        client.net.raise_for(0, Error(code="unavailable", reason="draining"))
 
 
 class WideningOps(KeepingOps):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "swarm"
 
 # the shared core at the top of swarm/
 # pure: the standard library and each other
-CORE = {"errors", "ranges", "heal", "routing", "files", "addrs", "merkle", "repro", "flags"}
+CORE = {"errors", "ranges", "heal", "routing", "files", "addrs", "merkle", "repro", "flags", "frames"}
 CORE_IO = {"config", "receipts", "wire", "listen", "mirror", "metrics", "openings", "proofs"}  # may use the transport
 # group -> the groups it may import besides its own (every module may import the ``swarm`` package itself)
 MAY_IMPORT = {

@@ -9,6 +9,7 @@ import pytest
 
 from swarm import openings, merkle, receipts
 from swarm.errors import AuditFailed
+from swarm.frames import Forward
 from swarm.transport import load_or_create_key
 from swarm.transport.identity import peer_id_of, sign
 
@@ -50,34 +51,34 @@ def test_rows_turn_back_into_the_frame_they_came_from(scale):
 
 def test_the_log_keeps_the_last_rows_computed_at_each_position():
     log = openings.WindowLog()
-    log.record_chunk({"pos": 0, "tokens": [5, 6, 7]}, hidden([1, 2, 3]))
-    log.record_chunk({"pos": 3, "tokens": [8, 9]}, hidden([4, 5]))
-    log.record_chunk({"pos": 4, "tokens": [10]}, hidden([6]))  # a rollback into the last chunk
+    log.record_chunk(Forward("s", 0, 0, 0, tokens=[5, 6, 7]), hidden([1, 2, 3]))
+    log.record_chunk(Forward("s", 0, 3, 0, tokens=[8, 9]), hidden([4, 5]))
+    log.record_chunk(Forward("s", 0, 4, 0, tokens=[10]), hidden([6]))  # a rollback into the last chunk
     assert len(log) == 5
     assert [r[1] for r in log.rows] == openings.token_rows([5, 6, 7, 8, 10])
     assert log.rows[4][2:] == ("float32", b"\x06" * 12)
     before = log.nbytes
-    log.record_chunk({"pos": 2, "tokens": [1]}, hidden([9]))
+    log.record_chunk(Forward("s", 0, 2, 0, tokens=[1]), hidden([9]))
     assert len(log) == 3 and log.nbytes < before
 
 
 def test_the_tail_answers_only_the_last_rows_and_gaps_are_absent_rows():
     log = openings.WindowLog()
-    log.record_chunk({"pos": 2, "hidden": hidden([1, 2, 3])}, [42])  # prefix-cached [0, 2); logits_from = 4
+    log.record_chunk(Forward("s", 0, 2, 0, hidden=hidden([1, 2, 3])), [42])  # prefix-cached [0, 2); logits_from = 4
     assert log.rows[0] == log.rows[1] == (None, None, None, None)
     assert [r[3] for r in log.rows[2:]] == [None, None, struct.pack("<I", 42)]
     assert log.rows[4][2] == "token_ids" and log.rows[2][2] is None
-    log.record_chunk({"pos": 5, "hidden": hidden([4])}, None)  # a refill that went no further
+    log.record_chunk(Forward("s", 0, 5, 0, hidden=hidden([4])), None)  # a refill that went no further
     assert log.rows[5] == ("float32", b"\x04" * 12, None, None)
 
 
 def test_a_log_past_its_budget_drops_its_rows_for_good():
     log = openings.WindowLog(max_bytes=3 * (4 + 12 + 48))
-    log.record_chunk({"pos": 0, "tokens": [1, 2, 3]}, hidden([1, 2, 3]))
+    log.record_chunk(Forward("s", 0, 0, 0, tokens=[1, 2, 3]), hidden([1, 2, 3]))
     assert len(log) == 3 and not log.broken
-    log.record_chunk({"pos": 3, "tokens": [4]}, hidden([4]))
+    log.record_chunk(Forward("s", 0, 3, 0, tokens=[4]), hidden([4]))
     assert len(log) == 0 and log.nbytes == 0 and "--audit-retention-mb" in log.broken
-    log.record_chunk({"pos": 0, "tokens": [1]}, hidden([1]))  # a rollback does not revive it
+    log.record_chunk(Forward("s", 0, 0, 0, tokens=[1]), hidden([1]))  # a rollback does not revive it
     assert len(log) == 0
 
 
@@ -86,7 +87,7 @@ def _commit(n: int, size: int) -> tuple[list, openings.Commitment]:
     for pos in range(0, n, 5):  # chunks of 5 rows straddle windows of 4
         t = min(5, n - pos)
         ids = list(range(pos, pos + t))
-        log.record_chunk({"pos": pos, "tokens": ids}, hidden([p % 256 for p in ids]))
+        log.record_chunk(Forward("s", 0, pos, 0, tokens=ids), hidden([p % 256 for p in ids]))
     return log.snapshot(), openings.Commitment(log.snapshot(), size)
 
 

@@ -21,6 +21,7 @@ import torch
 import trio
 
 from swarm import receipts, wire
+from swarm.frames import Forward
 from swarm.config import SpecConfig
 from swarm.coordinator.jobs import write_job_receipt
 from swarm.coordinator.drafters import NgramDrafter
@@ -44,14 +45,14 @@ NEW = 20
 def test_forward_item_is_identical_on_both_ends_of_a_hop():
     t = torch.randn(1, 3, 8, dtype=torch.float32)
     for dtype in (None, torch.bfloat16, torch.float8_e4m3fn):
-        sent = wire.frame("forward", session="s", epoch=2, pos=5, chunk=7, hidden=wire.encode_tensor(t, dtype))
-        got = decode_body(encode_frame(sent)[4:])
+        sent = Forward(session="s", epoch=2, pos=5, chunk=7, hidden=wire.encode_tensor(t, dtype))
+        got = wire.validate(decode_body(encode_frame(sent)[4:]))
         a, b = receipts.RollingDigest(), receipts.RollingDigest()
         a.add(receipts.forward_item(sent))
         b.add(receipts.forward_item(got))
         assert a.hexdigest() == b.hexdigest() and a.frames == b.frames == 1
-    tok = wire.frame("forward", session="s", epoch=0, pos=0, chunk=0, tokens=[1, 2, 3])
-    assert receipts.forward_item(decode_body(encode_frame(tok)[4:])) == receipts.forward_item(tok)
+    tok = Forward(session="s", epoch=0, pos=0, chunk=0, tokens=[1, 2, 3])
+    assert receipts.forward_item(wire.validate(decode_body(encode_frame(tok)[4:]))) == receipts.forward_item(tok)
 
 
 def test_rolling_digest_depends_on_every_byte_and_the_order():

@@ -18,6 +18,7 @@ import trio
 
 from swarm import wire
 from swarm.errors import SwarmError
+from swarm.frames import AuditOffer, AuditOfferOk, Error
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,12 @@ async def offer_job(host, job: dict, addrs: list[str], *, timeout_s: float = OFF
             got[addr] = f"failed: {exc}"[:300]
             return
         try:
-            await stream.send(wire.frame("audit_offer", job=job), timeout_s=timeout_s)
-            answer = await stream.recv(timeout_s=timeout_s)
-            if isinstance(answer, dict) and answer.get("type") == "audit_offer_ok":
-                got[addr] = "queued" if answer.get("queued") else "known"
-            elif isinstance(answer, dict) and answer.get("type") == "error":
-                got[addr] = f"refused ({answer.get('code')}): {answer.get('reason')}"[:300]
+            await stream.send(AuditOffer(job=job), timeout_s=timeout_s)
+            answer = wire.validate(await stream.recv(timeout_s=timeout_s))
+            if isinstance(answer, AuditOfferOk):
+                got[addr] = "queued" if answer.queued else "known"
+            elif isinstance(answer, Error):
+                got[addr] = f"refused ({answer.code}): {answer.reason}"[:300]
             else:
                 got[addr] = "failed: an answer that is not audit_offer_ok"
         except (SwarmError, OSError) as exc:

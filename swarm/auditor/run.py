@@ -24,7 +24,8 @@ import trio
 
 from swarm import openings, proofs, receipts
 from swarm.auditor.judge import Blocks, Verdict, judge
-from swarm.errors import AuditFailed, HopTimeout, StreamClosed, SwarmError
+from swarm.errors import AuditFailed, HopTimeout, ProtocolError, StreamClosed, SwarmError
+from swarm.frames import Audit, AuditOk, Error
 
 log = logging.getLogger(__name__)
 
@@ -151,22 +152,25 @@ class Auditor:
             while len(got) <= last:
                 k = len(got)
                 await self.wait_idle()
-                await stream.send(wire.frame("audit", session=receipt["session"], job=receipt["job_id"], window=k),
+                await stream.send(Audit(session=receipt["session"], job=receipt["job_id"], window=k),
                                   timeout_s=self.timeout_s)
-                answer = await stream.recv(timeout_s=self.timeout_s)
-                if isinstance(answer, dict) and answer.get("type") == "audit_ok":
-                    openings.check_opening(receipt, answer.get("opening"), k)
-                    got.append(answer["opening"])
+                try:
+                    answer = wire.validate(await stream.recv(timeout_s=self.timeout_s))
+                except ProtocolError as exc:
+                    answer = Error(reason=f"a malformed answer: {exc}", code="bad_request")
+                if isinstance(answer, AuditOk):
+                    openings.check_opening(receipt, answer.opening, k)
+                    got.append(answer.opening)
                     continue
-                if isinstance(answer, dict) and answer.get("code") == "rate_limited" and waits < RATE_LIMIT_WAITS:
+                if isinstance(answer, Error) and answer.code == "rate_limited" and waits < RATE_LIMIT_WAITS:
                     waits += 1  # the stage protects its live sessions: ask again later, never count it against it
                     await trio.sleep(RATE_LIMIT_PAUSE_S)
                     continue
-                reason = answer.get("reason") if isinstance(answer, dict) else answer
+                reason = answer.reason if isinstance(answer, Error) else f"answered {answer.TYPE!r}"
                 exc = AuditFailed(f"refused: window {k}: {str(reason)[:600]}")
                 exc.check = "refused"
-                if isinstance(answer, dict) and answer.get("code") == "no_job":
-                    exc.since_ms = answer.get("since_ms")
+                if isinstance(answer, Error) and answer.code == "no_job":
+                    exc.since_ms = answer.since_ms
                 raise exc
             return got
         finally:

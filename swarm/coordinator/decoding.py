@@ -332,7 +332,7 @@ async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, reco
                             "replaced, generation goes on", exc)
             continue
         epoch = loop.epoch
-        new = loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+        new = loop.on_result(msg.chunk, msg.epoch, msg.token_ids)
         if loop.epoch != epoch and not loop.done:
             await ring.cancel(state["session"], loop.epoch)
         if new:

@@ -235,7 +235,7 @@ class RingOps:
             for chunk in loop.next_chunks():
                 await self.ring.send_chunk(session, chunk)
             msg = await self.ring.next_result(session)
-            loop.on_result(msg["chunk"], msg["epoch"], msg["token_ids"])
+            loop.on_result(msg.chunk, msg.epoch, msg.token_ids)
         return loop.replay_token
 
     async def reset(self) -> None:

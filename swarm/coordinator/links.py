@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import trio
 
@@ -29,8 +30,11 @@ from swarm import wire
 from swarm.addrs import current_addr
 from swarm.config import RingSpec, StageSpec
 from swarm.errors import ConfigError, HopTimeout, ProtocolError, RemoteError, StageLost, StreamClosed, SwarmError
+from swarm.frames import Error, Frame, Incoming, Info, InfoOk, LinkLost, Progress, ProgressOk, Result
 from swarm.heal import StageReport
 from swarm.wire import PROTOCOL_ID
+
+F = TypeVar("F", bound=Frame)
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +144,7 @@ class RingLinks:
                     with trio.move_on_after(1.0):
                         await stream.aclose()
 
-    async def stage_info(self, index: int) -> dict:
+    async def stage_info(self, index: int) -> InfoOk:
         """Stage ``index``'s ``info_ok`` frame now (its load, kernels and ``hops``, docs/protocol.md).
 
         Only between sessions: frames of a running session that arrive meanwhile are dropped.
@@ -149,8 +153,8 @@ class RingLinks:
             StageLost / HopTimeout: the stage does not answer.
         """
         link = self.links[index]
-        await link.control.send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-        return await self.expect(index, "info_ok", gen=link.generation)
+        await link.control.send(Info(), timeout_s=self.hop_timeout_s)
+        return await self.expect(index, InfoOk, gen=link.generation)
 
     async def dial(self, index: int, spec: StageSpec) -> Link:
         """Dial ``spec`` (data + control streams), check its info, start its readers."""
@@ -167,44 +171,44 @@ class RingLinks:
         for stream in streams:
             self.nursery.start_soon(self._pump, index, gen, stream)
         # one request in flight at a time: expect keeps frames that answer something else
-        await streams[0].send(wire.frame("info"), timeout_s=self.hop_timeout_s)
-        msg = await self.expect(index, "info_ok", gen=gen)
-        got = tuple(msg["layers"])
+        await streams[0].send(Info(), timeout_s=self.hop_timeout_s)
+        msg = await self.expect(index, InfoOk, gen=gen)
+        got = tuple(msg.layers)
         if not got[0] <= spec.layers.start < spec.layers.end <= got[1]:  # a stage serves any sub-range of its block
             raise ConfigError(f"stage {index} at {spec.addr} serves layers [{got[0]}, {got[1]}) but the ring file "
                               f"says {spec.layers}")
-        if msg["num_layers"] != self.num_layers or msg["model_digest"] != self.model_digest:
-            raise ConfigError(f"stage {index} at {spec.addr} serves model {msg['model']!r} "
-                              f"({msg['num_layers']} layers, digest {msg['model_digest'][:12]}) but the ring file "
+        if msg.num_layers != self.num_layers or msg.model_digest != self.model_digest:
+            raise ConfigError(f"stage {index} at {spec.addr} serves model {msg.model!r} "
+                              f"({msg.num_layers} layers, digest {msg.model_digest[:12]}) but the ring file "
                               f"names {self.ring.model!r} ({self.num_layers} layers, digest {self.model_digest[:12]})")
-        if msg["peer_id"] != spec.peer_id:
-            raise ConfigError(f"stage {index} at {spec.addr} answered as PeerId {msg['peer_id']}")
-        if self.model_id is not None and msg.get("model_id") != self.model_id:
+        if msg.peer_id != spec.peer_id:
+            raise ConfigError(f"stage {index} at {spec.addr} answered as PeerId {msg.peer_id}")
+        if self.model_id is not None and msg.model_id != self.model_id:
             raise ConfigError(f"stage {index} at {spec.addr} runs other weights (model id "
-                              f"{str(msg.get('model_id'))[:16]}, expected {self.model_id[:16]})")
-        addrs = msg.get("addrs")
+                              f"{str(msg.model_id)[:16]}, expected {self.model_id[:16]})")
+        addrs = msg.addrs
         if isinstance(addrs, list) and all(isinstance(a, str) for a in addrs) and \
                 not _connected_at(streams[0], spec.addr):
             moved = current_addr(spec.addr, addrs)
             if moved != spec.addr:  # restarted on a new port; the dial reused a connection to its new one
                 log.warning("stage.moved index=%d peer=%s dialed=%s listens=%s: handing on its current address",
-                            index, msg["peer_id"], spec.addr, moved)
+                            index, msg.peer_id, spec.addr, moved)
                 spec = replace(spec, addr=moved)
-        kernels = msg.get("kernels")
-        info = StageInfo(index, spec.addr, msg["peer_id"], (spec.layers.start, spec.layers.end), msg["model"],
-                         msg["model_digest"], msg["max_ctx"], msg["dtype"],
+        kernels = msg.kernels
+        info = StageInfo(index, spec.addr, msg.peer_id, (spec.layers.start, spec.layers.end), msg.model,
+                         msg.model_digest, msg.max_ctx, msg.dtype,
                          rows_proven=not isinstance(kernels, dict) or kernels.get("rows_ok") is not False, block=got)
         return Link(spec, streams[0], streams[1], info, gen)
 
     async def _pump(self, index: int, gen: int, stream) -> None:
         while True:
             try:
-                msg = await stream.recv()
-            except (StreamClosed, ProtocolError) as exc:
+                msg = wire.validate(await stream.recv())
+            except (StreamClosed, ProtocolError) as exc:  # a stage that sends a malformed frame is lost too
                 self.lost_gens.add(gen)
-                await self._send_ch.send((index, gen, {"type": "_lost", "reason": str(exc)}))
+                await self._send_ch.send((index, gen, LinkLost(str(exc))))
                 return
-            if msg.get("type") == "result" and self.where(gen) == len(self.links) - 1:
+            if isinstance(msg, Result) and self.where(gen) == len(self.links) - 1:
                 self.on_tail_result(msg)  # every result the tail sent, in order, also stale ones
             await self._send_ch.send((index, gen, msg))
 
@@ -215,7 +219,7 @@ class RingLinks:
         replaces one), or None when it is not part of the ring (replaced, or still being set up)."""
         return next((i for i, link in enumerate(self.links) if link.generation == gen), None)
 
-    async def next(self, timeout_s: float, gen: int | None = None) -> tuple[int, dict]:
+    async def next(self, timeout_s: float, gen: int | None = None) -> tuple[int, Incoming]:
         """The next frame of a current connection; with ``gen``, only of that connection (one being
         set up), keeping the others' frames for later. Frames of replaced connections are dropped."""
         kept: list = []
@@ -246,30 +250,28 @@ class RingLinks:
             return self.links[index].spec
         return self.ring.stages[index] if index < len(self.ring.stages) else None
 
-    def raise_for(self, index: int, msg: dict, session: str | None = None) -> None:
+    def raise_for(self, index: int, msg: Incoming, session: str | None = None) -> None:
         """Raise what ``msg`` from stage ``index`` says went wrong: its stream closed (StageLost) or
         it answered an error for ``session`` (StageLost when ``unavailable``, else RemoteError);
         errors of other sessions or of epochs before the session's last repair are ignored."""
-        if msg.get("type") not in ("_lost", "error"):
+        if not isinstance(msg, (LinkLost, Error)):
             return
         spec = self.stage_spec(index)
         name = f"stage {index} {spec.layers}" if spec is not None else f"stage {index} (of a replacement chain)"
-        if msg.get("type") == "_lost":
-            raise StageLost(f"{name} at {spec.addr if spec else '?'} closed the connection: {msg['reason']}")
-        if msg.get("type") == "error" and msg.get("session") not in (None, session):
-            log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.get("session"))
+        if isinstance(msg, LinkLost):
+            raise StageLost(f"{name} at {spec.addr if spec else '?'} closed the connection: {msg.reason}")
+        if msg.session not in (None, session):
+            log.debug("error.ignored stage=%d session=%s (an earlier session)", index, msg.session)
             return
-        if msg.get("type") == "error" and isinstance(msg.get("epoch"), int) and \
-                msg["epoch"] < self.repaired_epoch(session or ""):
+        if msg.epoch is not None and msg.epoch < self.repaired_epoch(session or ""):
             log.debug("error.ignored stage=%d session=%s epoch=%d (before the heal that repaired it): %s", index,
-                      session, msg["epoch"], msg.get("reason"))
+                      session, msg.epoch, msg.reason)
             return
-        if msg.get("type") == "error":
-            exc = StageLost if msg.get("code") == "unavailable" else RemoteError
-            raise exc(f"{name} refused: {msg.get('reason')}")
+        exc = StageLost if msg.code == "unavailable" else RemoteError
+        raise exc(f"{name} refused: {msg.reason}")
 
-    async def expect(self, index: int, kind: str, session: str | None = None, gen: int | None = None) -> dict:
-        """The next ``kind`` frame (of ``session``, if given) from stage ``index``, validated; with
+    async def expect(self, index: int, kind: type[F], session: str | None = None, gen: int | None = None) -> F:
+        """The next frame of type ``kind`` (of ``session``, if given) from stage ``index``; with
         ``gen``, only that connection's frames are read (one being set up).
 
         Raises:
@@ -278,11 +280,11 @@ class RingLinks:
         while True:
             i, msg = await self.next(self.hop_timeout_s, gen)
             self.raise_for(i, msg, session)
-            if i == index and msg.get("type") == kind and (session is None or msg.get("session") == session):
-                return wire.validate(msg)
-            log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
+            if i == index and isinstance(msg, kind) and (session is None or msg.session == session):
+                return msg
+            log.debug("frame.ignored stage=%d type=%s", i, msg.TYPE)
 
-    async def expect_from(self, link: Link, kind: str, session: str, timeout_s: float) -> dict:
+    async def expect_from(self, link: Link, kind: type[F], session: str, timeout_s: float) -> F:
         """The next ``kind`` frame of ``session`` from ``link`` (not necessarily in the ring), within
         ``timeout_s``; other frames of that connection are dropped, of others kept.
 
@@ -291,12 +293,12 @@ class RingLinks:
         deadline = trio.current_time() + timeout_s
         while True:
             _, msg = await self.next(max(0.0, deadline - trio.current_time()), link.generation)
-            if msg.get("type") == "_lost":
-                raise StageLost(f"shadow {link.info.peer_id} closed the connection: {msg.get('reason')}")
-            if msg.get("type") == "error" and msg.get("session") in (None, session):
-                raise RemoteError(f"shadow {link.info.peer_id} refused: {msg.get('reason')}")
-            if msg.get("type") == kind and msg.get("session") == session:
-                return wire.validate(msg)
+            if isinstance(msg, LinkLost):
+                raise StageLost(f"shadow {link.info.peer_id} closed the connection: {msg.reason}")
+            if isinstance(msg, Error) and msg.session in (None, session):
+                raise RemoteError(f"shadow {link.info.peer_id} refused: {msg.reason}")
+            if isinstance(msg, kind) and msg.session == session:
+                return msg
             if trio.current_time() >= deadline:
                 raise HopTimeout(f"no {kind} from shadow {link.info.peer_id} within {timeout_s:.1f} s")
 
@@ -307,10 +309,10 @@ class RingLinks:
         Frames that arrive meanwhile are kept for later.
         """
         lost: set[int] = set()
-        replies: dict[int, dict] = {}
+        replies: dict[int, ProgressOk] = {}
         for i, link in enumerate(self.links):
             try:
-                await link.control.send(wire.frame("progress", session=session), timeout_s=timeout_s)
+                await link.control.send(Progress(session=session), timeout_s=timeout_s)
             except SwarmError:
                 lost.add(i)
         kept = []
@@ -323,10 +325,10 @@ class RingLinks:
                 index = self.where(g)
                 if index is None:
                     continue
-                if msg.get("type") == "progress_ok" and msg.get("session") == session:
+                if isinstance(msg, ProgressOk) and msg.session == session:
                     replies[index] = msg
                 else:
-                    if msg.get("type") == "_lost":
+                    if isinstance(msg, LinkLost):
                         lost.add(index)
                     kept.append((index, g, msg))
         self._deferred.extend(kept)
@@ -336,7 +338,7 @@ class RingLinks:
             if i in lost or m is None:  # gone: its stream failed; else silent (maybe paused)
                 reports.append(StageReport(i, False, gone=i in lost))
             else:
-                reports.append(StageReport(i, True, m["received"], m["sent"], bool(m.get("busy")),
-                                           refusing=bool(m.get("draining")) and m.get("known") is False,
-                                           lost_successor=bool(m.get("lost_successor"))))
+                reports.append(StageReport(i, True, m.received, m.sent, bool(m.busy),
+                                           refusing=bool(m.draining) and m.known is False,
+                                           lost_successor=bool(m.lost_successor)))
         return reports

@@ -28,6 +28,7 @@ import trio
 from swarm import receipts, wire
 from swarm.config import StageSpec
 from swarm.errors import ConfigError, RemoteError, StageLost, SwarmError
+from swarm.frames import Close, OpenOk, Progress, ProgressOk, Refill, RepairOk
 from swarm.ranges import LayerRange
 from swarm.transport.circuit import is_circuit
 from swarm.coordinator.links import Link, RingLinks
@@ -160,7 +161,7 @@ class RingRepair:
             kw = {"next_addr": self.links[index + 1].spec.addr} if index + 1 < n else {}
             await self.links[index].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
                                               timeout_s=self.hop_timeout_s)
-            await self.net.expect(index, "repair_ok", session)
+            await self.net.expect(index, RepairOk, session)
 
         try:
             if not shadow:
@@ -228,17 +229,17 @@ class RingRepair:
             await self.links[i].data.send(wire.repair_frame(self.host.key_pair, session, epoch, **kw),
                                           timeout_s=self.hop_timeout_s)
             try:
-                ok = await self.net.expect(i, "repair_ok", session)
+                ok = await self.net.expect(i, RepairOk, session)
             except RemoteError as exc:
                 if not (shadow and i == index - 1):
                     raise
                 shadow = False
                 await self._shadow_fallback(session, index, str(exc), epoch, keep, until, *opening)
-                ok = await self.net.expect(i, "repair_ok", session)
+                ok = await self.net.expect(i, RepairOk, session)
             if i == index - 1:
-                start = ok.get("mirrored", 0) if shadow else 0
-            if ok["kv_len"] < keep:
-                return (f"stage {i} {self.links[i].info.layers} holds {ok['kv_len']} positions of the session, "
+                start = (ok.mirrored or 0) if shadow else 0
+            if ok.kv_len < keep:
+                return (f"stage {i} {self.links[i].info.layers} holds {ok.kv_len} positions of the session, "
                         f"fewer than the {keep} to keep"), start, shadow
             if i == last + 1 and promote is not None:
                 await promote()
@@ -267,8 +268,8 @@ class RingRepair:
         """Send the new head ``tokens[start:keep]`` as ``refill`` frames of ``REFILL_TOKENS`` positions
         (each computed up to layer ``until``), adding each to the sent ledger."""
         for pos in range(start, keep, REFILL_TOKENS):
-            msg = wire.frame("refill", session=session, epoch=epoch, pos=pos, until=until,
-                             tokens=list(tokens[pos:min(keep, pos + REFILL_TOKENS)]))
+            msg = Refill(session=session, epoch=epoch, pos=pos, until=until,
+                         tokens=list(tokens[pos:min(keep, pos + REFILL_TOKENS)]))
             await self.links[0].data.send(msg, timeout_s=self.hop_timeout_s)
             if ledger is not None:
                 ledger[0].add(receipts.refill_item(msg))
@@ -309,7 +310,7 @@ class RingRepair:
             msg = wire.open_frame(self.host.key_pair, session, None, max_len, prev=prev, **extra)
             try:
                 await link.data.send(msg, timeout_s=SHADOW_TIMEOUT_S)
-                await self.net.expect_from(link, "open_ok", session, SHADOW_TIMEOUT_S)
+                await self.net.expect_from(link, OpenOk, session, SHADOW_TIMEOUT_S)
             except SwarmError as exc:
                 log.warning("shadow.refused layers=[%d, %d) peer=%s reason=%s: the session runs without it",
                             *layers, link.info.peer_id, exc)
@@ -351,7 +352,7 @@ class RingRepair:
             if link.generation not in self.net.lost_gens:
                 with trio.move_on_after(timeout_s):
                     try:
-                        await link.data.send(wire.frame("close", session=session), timeout_s=timeout_s)
+                        await link.data.send(Close(session=session), timeout_s=timeout_s)
                     except SwarmError:
                         pass
 
@@ -362,12 +363,12 @@ class RingRepair:
         if link.generation in self.net.lost_gens:
             return "lost"
         try:
-            await link.control.send(wire.frame("progress", session=session), timeout_s=timeout_s)
-            msg = await self.net.expect_from(link, "progress_ok", session, timeout_s)
+            await link.control.send(Progress(session=session), timeout_s=timeout_s)
+            msg = await self.net.expect_from(link, ProgressOk, session, timeout_s)
         except SwarmError as exc:
             log.warning("shadow.unusable peer=%s reason=%s", link.info.peer_id, exc)
             return "lost"
-        if not msg.get("known"):
+        if not msg.known:
             log.warning("shadow.session_lost peer=%s session=%s: it answers, so it is refilled as a plain spare",
                         link.info.peer_id, session)
             return "spare"

@@ -23,9 +23,10 @@ import time
 from swarm import receipts, wire
 from swarm.config import RingSpec
 from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError
+from swarm.frames import Cancel, Close, Error, Forward, InfoOk, LinkLost, OpenOk, Receipt, ReceiptOk, Result
 from swarm.heal import Probe, locate_failure
 from swarm.ranges import check_tiling
-from swarm.coordinator.links import Link, RingLinks, StageInfo
+from swarm.coordinator.links import F, Link, RingLinks, StageInfo
 from swarm.coordinator.repair import RingRepair
 
 log = logging.getLogger(__name__)
@@ -84,19 +85,15 @@ class RingClient:
         """What each stage of the ring reported about itself, in ring order (after any heal)."""
         return self.net.infos
 
-    def _tail_result(self, msg: dict) -> None:
+    def _tail_result(self, msg: Result) -> None:
         """Count a result frame the tail sent as returned the moment it arrives, read or not (a probe
         taken while the frame waits in the queue, during a heal, must not blame the tail that sent
         it), and add it to its session's received ledger (sessions with a job)."""
-        session, chunk = msg.get("session"), msg.get("chunk")
-        if session in self.returned and type(chunk) is int:
-            self.returned[session] = max(self.returned[session], chunk)
-        ledger = self.ledgers.get(session)
+        if msg.session in self.returned:
+            self.returned[msg.session] = max(self.returned[msg.session], msg.chunk)
+        ledger = self.ledgers.get(msg.session)
         if ledger is not None:
-            try:
-                ledger[1].add(receipts.result_item(msg))
-            except KeyError:
-                pass  # malformed: next_result's validation reports it
+            ledger[1].add(receipts.result_item(msg))
 
     # ---- connecting -----------------------------------------------------------------------------
 
@@ -133,7 +130,7 @@ class RingClient:
         return RingSpec(model=self.ring.model, stages=tuple(self.net.stage_specs),
                         spares=tuple(self.repair.spares) + tuple(link.spec for link in self.repair.shadows.values()))
 
-    async def stage_info(self, index: int) -> dict:
+    async def stage_info(self, index: int) -> InfoOk:
         """Stage ``index``'s ``info_ok`` frame now (``RingLinks.stage_info``; only between sessions).
 
         Raises:
@@ -232,11 +229,11 @@ class RingClient:
             except StreamClosed as exc:  # it died since the last session of this client: a heal can replace it
                 raise StageLost(f"stage {i} {link.spec.layers} at {link.spec.addr} closed the connection: "
                                 f"{exc}") from exc
-            ok = await self._expect_alive(i, "open_ok", session)
-            reused.append((ok.get("reused") or 0) if prefix_ids else 0)  # [] (a replacement) reuses nothing
+            ok = await self._expect_alive(i, OpenOk, session)
+            reused.append((ok.reused or 0) if prefix_ids else 0)  # [] (a replacement) reuses nothing
         return min(reused, default=0)
 
-    async def _expect_alive(self, index: int, kind: str, session: str) -> dict:
+    async def _expect_alive(self, index: int, kind: type[F], session: str) -> F:
         """``RingLinks.expect``, probing the stages after every ``heartbeat_s`` of silence as ``next_result``
         does: a stage that stops answering (frozen) is StageLost in seconds, not a HopTimeout after
         ``hop_timeout_s``.
@@ -247,20 +244,20 @@ class RingClient:
         """
         deadline = time.monotonic() + self.hop_timeout_s
         while True:
-            i, msg = await self._next_probing(session, deadline, f"stage {index} sent no {kind}",
+            i, msg = await self._next_probing(session, deadline, f"stage {index} sent no {kind.TYPE}",
                                               " while opening the session")
             if i is None:
                 continue  # every stage answered the probe
             self.net.raise_for(i, msg, session)
-            if i == index and msg.get("type") == kind and msg.get("session") == session:
-                return wire.validate(msg)
-            log.debug("frame.ignored stage=%d type=%s", i, msg.get("type"))
+            if i == index and isinstance(msg, kind) and msg.session == session:
+                return msg
+            log.debug("frame.ignored stage=%d type=%s", i, msg.TYPE)
 
     async def close_session(self, session: str, timeout_s: float = 5.0, keep: list[int] | None = None) -> None:
         """Ask every stage to drop ``session`` (best effort). ``keep``: the session's committed ids
         (prompt + output); each stage then caches the KV of their leading blocks for a later prompt
         that starts with them (its prefix cache; a stage without one ignores it)."""
-        close = wire.frame("close", session=session, **({"keep": list(keep)} if keep else {}))
+        close = Close(session=session, keep=list(keep) if keep else None)
         for link in self.links:
             try:
                 await link.data.send(close, timeout_s=timeout_s)
@@ -294,10 +291,8 @@ class RingClient:
         Raises:
             StageLost: the head's stream is closed. HopTimeout: the send did not finish in time.
         """
-        msg = wire.frame("forward", session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
-                         tokens=list(chunk.tokens))
-        if getattr(chunk, "logits_from", None) is not None:
-            msg["logits_from"] = chunk.logits_from
+        msg = Forward(session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id, tokens=list(chunk.tokens),
+                      logits_from=getattr(chunk, "logits_from", None))
         head = self.links[0]
         try:
             await head.data.send(msg, timeout_s=self.hop_timeout_s)
@@ -324,7 +319,7 @@ class RingClient:
         got: dict[int, dict] = {}
         problems: list[str] = []
         try:
-            await self.links[0].data.send(wire.frame("receipt", session=session), timeout_s=timeout_s)
+            await self.links[0].data.send(Receipt(session=session), timeout_s=timeout_s)
         except SwarmError as exc:
             return [None] * len(self.links), [f"stage 0: cannot request receipts: {exc}"]
         deadline = time.monotonic() + timeout_s
@@ -333,17 +328,16 @@ class RingClient:
                 i, msg = await self.net.next(max(0.0, deadline - time.monotonic()))
             except HopTimeout:
                 break
-            kind = msg.get("type")
-            if kind == "receipt_ok" and msg.get("session") == session and isinstance(msg.get("receipt"), dict):
-                got[i] = msg["receipt"]
-            elif kind == "_lost" or (kind == "error" and msg.get("session") == session):
-                problems.append(f"stage {i}: {msg.get('reason')}")
+            if isinstance(msg, ReceiptOk) and msg.session == session:
+                got[i] = msg.receipt
+            elif isinstance(msg, LinkLost) or (isinstance(msg, Error) and msg.session == session):
+                problems.append(f"stage {i}: {msg.reason}")
         out = [got.get(i) for i in range(len(self.links))]
         problems += [f"stage {i}: no receipt within {timeout_s:.1f} s" for i, r in enumerate(out)
                      if r is None and not any(p.startswith(f"stage {i}:") for p in problems)]
         return out, problems
 
-    async def next_result(self, session: str) -> dict:
+    async def next_result(self, session: str) -> Result:
         """The next ``result`` frame of ``session`` from the tail (any epoch), validated.
 
         While waiting, every ``heartbeat_s`` of silence probes all stages; one that does not answer
@@ -378,9 +372,8 @@ class RingClient:
                                     f"for {time.monotonic() - gap_since:.1f} s (a broken hop)") from None
                 continue
             self.net.raise_for(i, msg, session)
-            if i == tail and msg.get("type") == "result" and msg.get("session") == session:
-                msg = wire.validate(msg)
-                self.returned[session] = max(self.returned.get(session, -1), msg["chunk"])
+            if i == tail and isinstance(msg, Result) and msg.session == session:
+                self.returned[session] = max(self.returned.get(session, -1), msg.chunk)
                 return msg
 
     async def _next_probing(self, session: str, deadline: float, waiting: str, during: str = "") -> tuple:
@@ -413,7 +406,7 @@ class RingClient:
         overtakes the data frames queued behind the head's data stream."""
         for link in self.links:
             try:
-                await link.control.send(wire.frame("cancel", session=session, epoch=epoch),
+                await link.control.send(Cancel(session=session, epoch=epoch),
                                         timeout_s=self.hop_timeout_s)
             except SwarmError as exc:  # the data path will report a lost stage itself
                 log.debug("cancel.failed reason=%s", exc)

@@ -12,6 +12,7 @@ import trio
 
 from swarm import wire
 from swarm.errors import SwarmError
+from swarm.frames import Info, InfoOk
 from swarm.wire import PROTOCOL_ID
 
 
@@ -35,13 +36,13 @@ async def ring_health(state) -> list[dict]:
             with trio.fail_after(min(5.0, state.config.ring.connect_timeout_s)):
                 s = await state.host.open_stream(spec.addr, PROTOCOL_ID, timeout_s=state.config.ring.connect_timeout_s)
                 try:
-                    await s.send(wire.frame("info"))
-                    msg = await s.recv()
+                    await s.send(Info())
+                    msg = wire.validate(await s.recv())
                 finally:
                     await s.aclose()
-            entry.update(ok=msg.get("type") == "info_ok" and msg.get("peer_id") == spec.peer_id
-                         and not msg.get("draining"), latency_ms=round((time.perf_counter() - t0) * 1000, 1),
-                         **{k: msg.get(k) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
+            entry.update(ok=isinstance(msg, InfoOk) and msg.peer_id == spec.peer_id
+                         and not msg.draining, latency_ms=round((time.perf_counter() - t0) * 1000, 1),
+                         **{k: getattr(msg, k, None) for k in ("max_ctx", "sessions", "kv_bytes", "kv_reserved_bytes",
                                                     "draining", "batching", "prefix_cache", "kernels")})
         except (SwarmError, trio.TooSlowError) as exc:
             entry["error"] = str(exc) or "no answer within 5 s"

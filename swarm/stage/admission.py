@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from swarm import wire
 from swarm.addrs import peer_id_from_addr
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError
+from swarm.frames import Open
 from swarm.ranges import LayerRange
 from swarm.stage.session import Session
 
@@ -37,7 +38,7 @@ class OpenPlace:
     tail: bool
 
 
-def open_place(msg: dict, block) -> OpenPlace:
+def open_place(msg: Open, block) -> OpenPlace:
     """Check an ``open`` frame's layer span and its ``prev`` against the block.
 
     Args:
@@ -50,11 +51,11 @@ def open_place(msg: dict, block) -> OpenPlace:
             not naming it.
     """
     try:
-        span = block.check_span(None if msg.get("layers") is None else LayerRange(*msg["layers"]))
+        span = block.check_span(None if msg.layers is None else LayerRange(*msg.layers))
     except ConfigError as exc:
         raise ProtocolError(f"open frame: {exc}") from None
     head, tail = span.start == 0, span.end == block.num_layers
-    prev = msg.get("prev")
+    prev = msg.prev
     if head and prev is not None:
         raise ProtocolError(f"stage {span} is the head: its input comes from the coordinator, "
                             "not from a 'prev' stage")
@@ -64,7 +65,7 @@ def open_place(msg: dict, block) -> OpenPlace:
     return OpenPlace(span, head, tail)
 
 
-def open_links(msg: dict, place: OpenPlace, self_peer: str, max_ctx: int) -> int:
+def open_links(msg: Open, place: OpenPlace, self_peer: str, max_ctx: int) -> int:
     """Check an ``open`` frame's successor, shadow and mirror, and its ``max_len``.
 
     Args:
@@ -79,8 +80,8 @@ def open_links(msg: dict, place: OpenPlace, self_peer: str, max_ctx: int) -> int
             own successor, a shadow that sends on, a mirror that is no later stage.
         ContextOverflow: ``max_len`` over ``max_ctx``.
     """
-    span, tail, next_addr = place.span, place.tail, msg["next"]
-    shadow, mirror = bool(msg.get("shadow")), msg.get("mirror")
+    span, tail, next_addr = place.span, place.tail, msg.next
+    shadow, mirror = bool(msg.shadow), msg.mirror
     if tail and next_addr is not None:
         raise ProtocolError(f"stage {span} is the tail and takes no successor")
     if next_addr is not None and peer_id_from_addr(next_addr) == self_peer:
@@ -90,10 +91,10 @@ def open_links(msg: dict, place: OpenPlace, self_peer: str, max_ctx: int) -> int
     if not tail and next_addr is None and not shadow:
         raise ProtocolError(f"stage {span} is not the tail and needs a successor")
     if mirror is not None and (tail or peer_id_from_addr(mirror) in (self_peer, "")
-                               or msg["mirror_until"] <= span.end):
-        raise ProtocolError(f"stage {span} cannot mirror to {mirror} up to layer {msg['mirror_until']}: a "
+                               or msg.mirror_until <= span.end):
+        raise ProtocolError(f"stage {span} cannot mirror to {mirror} up to layer {msg.mirror_until}: a "
                             "mirror goes to another stage (/p2p/ address) holding the layers after this one's")
-    max_len = msg["max_len"] or max_ctx
+    max_len = msg.max_len or max_ctx
     if max_len > max_ctx:
         raise ContextOverflow(f"the session asks for {max_len} positions; this stage's maximum context is "
                               f"{max_ctx}")

@@ -29,8 +29,9 @@ from pathlib import Path
 import msgpack
 import trio
 
-from swarm import receipts, wire
+from swarm import receipts
 from swarm.errors import ConfigError, ReceiptInvalid
+from swarm.frames import AuditOffer, AuditOfferOk
 from swarm.stage.openings import RateLimit
 
 log = logging.getLogger(__name__)
@@ -96,18 +97,18 @@ class AuditorRole:
 
     # ---- offers ---------------------------------------------------------------------------------
 
-    async def offer(self, stream, msg: dict, me: str) -> None:
+    async def offer(self, stream, msg: AuditOffer, me: str) -> None:
         """Answer a validated ``audit_offer`` frame from ``stream`` (see the module docstring). Never raises
         for what the offer holds: a bad one is refused with the reason."""
         sender = getattr(stream, "remote_peer_id", "?")
-        refusal = await self._check(sender, msg["job"], me)
+        refusal = await self._check(sender, msg.job, me)
         if refusal is not None:
             reason, code = refusal
             self.refused += 1
             log.info("audit.offer_refused peer=%s code=%s reason=%s", sender, code, reason)
             await stream.send(self._error(f"stage {self.layers}: {reason}"[:400], code))
             return
-        job = msg["job"]
+        job = msg.job
         queued = job["job_id"] not in self._recent
         if queued:
             self._recent.append(job["job_id"])
@@ -119,7 +120,7 @@ class AuditorRole:
             self.offers += 1
             self._work.set()
             log.info("audit.offer_queued peer=%s job=%s waiting=%d", sender, job["job_id"], len(self.queue))
-        await stream.send(wire.frame("audit_offer_ok", job=job["job_id"], queued=int(queued), waiting=len(self.queue)))
+        await stream.send(AuditOfferOk(job=job["job_id"], queued=int(queued), waiting=len(self.queue)))
 
     async def _check(self, sender: str, job: dict, me: str) -> tuple[str, str] | None:
         """``(reason, code)`` when the offer is refused, else None."""

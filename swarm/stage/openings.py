@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import trio
 
-from swarm import openings, wire
+from swarm import openings
+from swarm.frames import Audit, AuditOk
 from swarm.stage.retention import RetentionCorrupt, RetentionStore
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,9 @@ class Audits:
         me = self._peer_id()
         self.store.adopt(lambda receipt: receipt.get("peer_id") == me and signature_ok(receipt, me))
 
-    async def answer(self, stream, msg: dict) -> None:
+    async def answer(self, stream, msg: Audit) -> None:
         """Answer a validated ``audit`` frame on ``stream`` (see the module docstring)."""
-        sid, job, k, peer = msg["session"], msg["job"], msg["window"], stream.remote_peer_id
+        sid, job, k, peer = msg.session, msg.job, msg.window, stream.remote_peer_id
         if not self.limit.allow(peer, trio.current_time()):
             log.warning("audit.rate_limited peer=%s session=%s job=%s", peer, sid, job)
             await stream.send(self._error(f"stage {self.layer_range}: too many audit requests from {peer} "
@@ -130,9 +132,7 @@ class Audits:
                                    f"(re)started at {since} (since_ms {self.started_ms}) but those it spilled "
                                    f"to --audit-retention-dir")
             err = self._error(f"stage {self.layer_range}: job {job!r} of session {sid!r} {why}", "no_job", sid)
-            if not evicted:
-                err["since_ms"] = self.started_ms
-            await stream.send(err)
+            await stream.send(err if evicted else replace(err, since_ms=self.started_ms))
             return
         leaves = len(entry.commitment.tree)
         if k >= leaves:
@@ -146,7 +146,7 @@ class Audits:
         opening = await trio.to_thread.run_sync(self._opening, entry, k, limiter=self._thread)
         self.answered += 1
         log.info("audit.answered peer=%s session=%s job=%s window=%d", peer, sid, job, k)
-        await stream.send(wire.frame("audit_ok", session=sid, job=job, window=k, opening=opening))
+        await stream.send(AuditOk(session=sid, job=job, window=k, opening=opening))
 
     def _opening(self, entry, k: int) -> dict:
         from swarm.transport.identity import sign

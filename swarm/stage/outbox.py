@@ -24,13 +24,14 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
 from swarm import receipts, wire
 from swarm.errors import ProtocolError, StreamClosed, SwarmError
-from swarm.stage.session import Session, record_answers, session_of
+from swarm.frames import Error, Forward, Frame, Refill, Result
+from swarm.stage.session import Session, record_answers
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,7 @@ class _Outbox:
     done: trio.Event = field(default_factory=trio.Event)  # set when the sending task has ended
 
 
-def _rows_of(msg: dict) -> int:
-    """Positions of a validated forward frame: its token ids, or the T of its (1, T, D) hidden states."""
-    return len(msg["tokens"]) if "tokens" in msg else int(msg["hidden"]["shape"][1])
-
-
-async def try_send(stream, msg: dict) -> None:
+async def try_send(stream, msg: Frame) -> None:
     """Send ``msg`` on ``stream`` within 5 s; a failure is logged, not raised (the peer has gone)."""
     try:
         await stream.send(msg, timeout_s=5.0)
@@ -136,47 +132,52 @@ class Outboxes:
                 self.close(s)
                 self._successor_gone(s, exc)
                 return
-            sess = self.sessions.get(session_of(msg) or "")
-            if sess is not None and isinstance(msg, dict) and msg.get("type") == "error":
-                await try_send(sess.reply, msg)
+            try:
+                frame = wire.validate(msg)
+            except ProtocolError as exc:
+                log.info("successor.malformed addr=%s reason=%s", addr, exc)
+                continue
+            sess = self.sessions.get(frame.session or "") if isinstance(frame, Error) else None
+            if sess is not None:
+                await try_send(sess.reply, frame)
 
-    def emit(self, sess: Session, msg: dict, payload) -> None:
+    def emit(self, sess: Session, msg: Forward | Refill, payload) -> None:
         """Post a computed chunk's output: the tail's result to the coordinator, else hidden states on."""
-        if msg["epoch"] < sess.epoch or self.sessions.get(sess.session_id) is not sess:
+        if msg.epoch < sess.epoch or self.sessions.get(sess.session_id) is not sess:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
         tail = sess.is_tail(self.num_layers)
-        if msg["type"] == "refill":  # a heal's resent positions: KV only, on within the replacement
+        if isinstance(msg, Refill):  # a heal's resent positions: KV only, on within the replacement
             if not tail and sess.sent_log is not None:
-                sess.sent_log.record(msg["pos"], payload)  # a later heal of the successor resends them
-            onward = sess.span.end < msg["until"]
+                sess.sent_log.record(msg.pos, payload)  # a later heal of the successor resends them
+            onward = sess.span.end < msg.until
             if onward:
-                sent = wire.frame("refill", hidden=payload, **{k: msg[k] for k in ("session", "epoch", "pos", "until")})
+                sent = replace(msg, tokens=None, hidden=payload, extra={})
                 self.post(sess.next_stream, sess, sent)
                 if sess.ledger is not None:
                     sess.ledger.output.add(receipts.refill_item(sent))
             if sess.windows is not None:
                 sess.windows.record_chunk(msg, payload if onward else None)
             return
-        meta = {k: msg[k] for k in ("session", "epoch", "pos", "chunk", "logits_from") if k in msg}
         if tail:
-            record_answers(sess.answers, msg["pos"], _rows_of(msg), payload)  # the ids its receipt signs
-            sent = wire.frame("result", token_ids=payload, **meta)
-            self.post(sess.reply, sess, sent, msg["chunk"])
+            record_answers(sess.answers, msg.pos, msg.rows, payload)  # the ids its receipt signs
+            sent = Result(session=msg.session, epoch=msg.epoch, pos=msg.pos, chunk=msg.chunk, token_ids=payload,
+                          logits_from=msg.logits_from)
+            self.post(sess.reply, sess, sent, msg.chunk)
             item = receipts.result_item(sent)
         else:
-            sent = wire.frame("forward", hidden=payload, **meta)
+            sent = replace(msg, tokens=None, hidden=payload, extra={})
             if sess.sent_log is not None:
-                sess.sent_log.record(msg["pos"], payload)
+                sess.sent_log.record(msg.pos, payload)
             if sess.mirror is not None:  # the successor's shadow gets a copy (its own bounded queue)
-                sess.mirror.post(msg["epoch"], msg["pos"], hidden=payload)
-            self.post(sess.next_stream, sess, sent, msg["chunk"])
+                sess.mirror.post(msg.epoch, msg.pos, hidden=payload)
+            self.post(sess.next_stream, sess, sent, msg.chunk)
             item = receipts.forward_item(sent)
         if sess.ledger is not None:  # in posting order = the order the stream carries them
             sess.ledger.output.add(item)
         if sess.windows is not None:  # the rows behind the receipt's window root (swarm.openings)
             sess.windows.record_chunk(msg, payload)
 
-    def post(self, stream, sess: Session, msg: dict, chunk: int | None = None) -> None:
+    def post(self, stream, sess: Session, msg: Frame, chunk: int | None = None) -> None:
         """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow
         peer delays only the sessions that send to it. Nothing is queued on a closed stream."""
         if stream is None or stream.closed:
@@ -199,7 +200,7 @@ class Outboxes:
             async with box.recv:
                 async for sess, msg, chunk, posted in box.recv:
                     try:
-                        gone = msg.get("type") != "error" and self.sessions.get(sess.session_id) is not sess
+                        gone = not isinstance(msg, Error) and self.sessions.get(sess.session_id) is not sess
                         if box.dead or stream.closed or gone:
                             continue
                         t_send = time.perf_counter()
@@ -243,10 +244,9 @@ class Outboxes:
         or ``--session-ttl-s``) drops the session when it does not heal."""
         sess.next_stream, sess.successor_lost = None, True
         log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
-        err = self._error(f"stage {self.layer_range}: lost its successor {sess.next_addr}: {exc}"[:300],
-                          "unavailable", sess.session_id)
-        err["epoch"] = sess.epoch  # a coordinator that repaired the session since reads it as stale
-        self.post(sess.reply, sess, err)
+        # with its epoch: a coordinator that repaired the session since reads it as stale
+        self.post(sess.reply, sess, self._error(f"stage {self.layer_range}: lost its successor {sess.next_addr}: "
+                                                f"{exc}"[:300], "unavailable", sess.session_id, epoch=sess.epoch))
 
     def close(self, stream) -> _Outbox | None:
         """Stop ``stream``'s outbox: frames still queued are dropped, not sent."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from swarm import receipts, wire
+from swarm import receipts
 from swarm.addrs import peer_id_from_addr
 from swarm.errors import ProtocolError
+from swarm.frames import Refill, Repair, RepairOk
 from swarm.stage.session import Session
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Repairs:
         self._refuse, self._successor_or_answer, self._post = refuse, successor_or_answer, post
         self.applied = 0  # heal repairs applied (metrics)
 
-    async def repair(self, stream, msg: dict) -> None:
+    async def repair(self, stream, msg: Repair) -> None:
         """Re-point a surviving session after a heal, keeping its KV cache; answer ``repair_ok``.
 
         From the coordinator that opened the session, signed like ``open``. Sets the epoch (older
@@ -66,7 +67,7 @@ class Repairs:
             ProtocolError: an unsigned frame, or one naming what the session has not (a
                 predecessor of the head, a successor of the tail, this stage as the successor).
         """
-        sid = msg["session"]
+        sid = msg.session
         sess = self.sessions.get(sid)
         if sess is None:
             await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range} to repair",
@@ -93,17 +94,15 @@ class Repairs:
         self._relink(sess, msg, new_stream, promoted)
         resent = self._resend(sess, msg, start)
         log.info("session.repair session=%s epoch=%d prev=%s next=%s resent=%d kv_len=%d%s", sid, sess.epoch,
-                 msg.get("prev"), msg.get("next"), resent, sess.cache.kv_len,
-                 f" promoted_mirror=[0, {start})" if msg.get("mirror") else "")
+                 msg.prev, msg.next, resent, sess.cache.kv_len,
+                 f" promoted_mirror=[0, {start})" if msg.mirror else "")
         self.applied += 1
-        ok = wire.frame("repair_ok", session=sid, kv_len=sess.cache.kv_len, resent=resent)
-        if msg.get("mirror"):
-            ok["mirrored"] = start
-        await stream.send(ok)
+        await stream.send(RepairOk(session=sid, kv_len=sess.cache.kv_len, resent=resent,
+                                   mirrored=start if msg.mirror else None))
 
-    def _check(self, sess: Session, msg: dict) -> None:
+    def _check(self, sess: Session, msg: Repair) -> None:
         """Raise ProtocolError when the repair names what the session has not."""
-        prev, next_addr = msg.get("prev"), msg.get("next")
+        prev, next_addr = msg.prev, msg.next
         if prev is not None and sess.is_head:
             raise ProtocolError(f"stage {sess.span} is the head: it has no predecessor to replace")
         if next_addr is not None and sess.is_tail(self.block.num_layers):
@@ -111,10 +110,10 @@ class Repairs:
         if next_addr is not None and peer_id_from_addr(next_addr) == self._self_peer():
             raise ProtocolError("the successor named in 'next' is this stage itself")
 
-    def _log_short(self, sess: Session, msg: dict) -> str | None:
+    def _log_short(self, sess: Session, msg: Repair) -> str | None:
         """Why the session cannot resend the positions the repair asks for, or None when it can."""
-        resend = msg.get("resend")
-        if resend is None or msg.get("mirror"):  # a promoted mirror needs only what it did not deliver
+        resend = msg.resend
+        if resend is None or msg.mirror:  # a promoted mirror needs only what it did not deliver
             return None
         log_ = sess.sent_log
         held = log_.length if log_ is not None else 0
@@ -125,12 +124,12 @@ class Repairs:
         return f"stage {sess.span} holds the hidden states it sent for {held} positions{why}; the repair asks " \
                f"for {resend}"
 
-    async def _new_successor(self, stream, sess: Session, msg: dict) -> tuple[object, int, object] | None:
+    async def _new_successor(self, stream, sess: Session, msg: Repair) -> tuple[object, int, object] | None:
         """The stream to the repair's successor (None when it names none), the positions it holds
         already and the mirror promoted to it (a promoted mirror's; else 0 and None); None after
         answering ``stream`` why not."""
-        sid, next_addr, resend, mirror = sess.session_id, msg.get("next"), msg.get("resend"), sess.mirror
-        if msg.get("mirror"):  # the new successor is the shadow this stage mirrors to: it lacks little or nothing
+        sid, next_addr, resend, mirror = sess.session_id, msg.next, msg.resend, sess.mirror
+        if msg.mirror:  # the new successor is the shadow this stage mirrors to: it lacks little or nothing
             if mirror is None or mirror.addr != next_addr or not await mirror.promote():
                 why = "it mirrors to no shadow" if mirror is None else f"it mirrors to {mirror.addr}" \
                     if mirror.addr != next_addr else f"its mirror was dropped ({mirror.broken})"
@@ -156,10 +155,10 @@ class Repairs:
             sess.mirror = None
         return new_stream, 0, None
 
-    def _relink(self, sess: Session, msg: dict, new_stream, promoted) -> None:
+    def _relink(self, sess: Session, msg: Repair, new_stream, promoted) -> None:
         """Take the repair's epoch, predecessor and successor, closing the digests they end."""
-        prev = msg.get("prev")
-        sess.epoch = max(sess.epoch, msg["epoch"])
+        prev = msg.prev
+        sess.epoch = max(sess.epoch, msg.epoch)
         if prev is not None:
             if sess.ledger is not None:
                 sess.ledger.cut("input", sess.source)
@@ -169,22 +168,21 @@ class Repairs:
                 sess.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if promoted is not None:  # the shadow's input digest began with the mirrored frames
                     sess.ledger.output = promoted.digest
-            sess.next_addr, sess.next_stream, sess.successor_lost = msg.get("next"), new_stream, False
+            sess.next_addr, sess.next_stream, sess.successor_lost = msg.next, new_stream, False
             sess.sent = -1  # progress on the new hop starts afresh
 
-    def _resend(self, sess: Session, msg: dict, start: int) -> int:
+    def _resend(self, sess: Session, msg: Repair, start: int) -> int:
         """Post the hidden states sent for ``[start, resend)`` to the successor as ``refill``
         frames; returns how many positions that is."""
-        resend = msg.get("resend")
+        resend = msg.resend
         for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
-            out = wire.frame("refill", session=sess.session_id, epoch=sess.epoch, pos=pos, until=msg["until"],
-                             hidden=tensor)
+            out = Refill(session=sess.session_id, epoch=sess.epoch, pos=pos, until=msg.until, hidden=tensor)
             self._post(sess.next_stream, sess, out)
             if sess.ledger is not None:
                 sess.ledger.output.add(receipts.refill_item(out))
         return max(0, (resend or 0) - start)
 
-    async def _promote_shadow(self, stream, sess: Session, msg: dict) -> None:
+    async def _promote_shadow(self, stream, sess: Session, msg: Repair) -> None:
         """A repair at a shadow: it becomes the stage (a heal swapped it in for the one it shadowed).
 
         Only ``next`` may be named (the successor it now sends to; none at the tail); its source
@@ -193,8 +191,8 @@ class Repairs:
         are), and the first frame of the heal's epoch raises it. Its output digest is empty (a
         shadow sends nothing), so nothing is closed. Answers ``repair_ok`` with the positions its
         cache will hold once its queued frames are computed."""
-        sid, next_addr = sess.session_id, msg.get("next")
-        if msg.get("prev") is not None or msg.get("resend") is not None:
+        sid, next_addr = sess.session_id, msg.next
+        if msg.prev is not None or msg.resend is not None:
             raise ProtocolError("a repair that promotes a shadow names only 'next'")
         tail = sess.is_tail(self.block.num_layers)
         if tail == (next_addr is not None) or peer_id_from_addr(next_addr or "") == self._self_peer():
@@ -208,4 +206,4 @@ class Repairs:
         sess.shadow = False
         kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
         log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)
-        await stream.send(wire.frame("repair_ok", session=sid, kv_len=kv_len, resent=0))
+        await stream.send(RepairOk(session=sid, kv_len=kv_len, resent=0))

@@ -39,6 +39,7 @@ import trio
 
 from swarm import wire
 from swarm.config import SchedulingSection
+from swarm.frames import Forward, Receipt, Refill
 from swarm.errors import ProtocolError
 from swarm.stage.kernel_proofs import prove_kernels, prove_tile
 from swarm.stage.session import Job, Session
@@ -312,7 +313,7 @@ class StepResult:
 SHADOW_QUEUE_FACTOR = 16  # a shadow may have this many times MAX_QUEUED frames waiting
 
 
-def chunk_input(msg: dict, sess: Session, block) -> torch.Tensor:
+def chunk_input(msg: Forward | Refill, sess: Session, block) -> torch.Tensor:
     """Check a ``forward`` (or ``refill``) frame of a live session and decode its rows.
 
     A ``refill`` is computed like a forward but only fills the KV cache of the stages replacing a
@@ -331,8 +332,8 @@ def chunk_input(msg: dict, sess: Session, block) -> torch.Tensor:
             ``logits_from`` past the chunk's last row.
         ContextOverflow: the chunk ends past the session's ``max_len``.
     """
-    if msg["type"] == "refill" and sess.span.end > msg["until"]:
-        raise ProtocolError(f"a refill for the layers below {msg['until']} reached stage {sess.span}, whose layers "
+    if isinstance(msg, Refill) and sess.span.end > msg.until:
+        raise ProtocolError(f"a refill for the layers below {msg.until} reached stage {sess.span}, whose layers "
                             "go past them")
     # a shadow is sent every frame at the ring's pace, not the coordinator's few in flight: it
     # may fall behind further before it gives up (a heal then refills it as a plain spare)
@@ -344,9 +345,9 @@ def chunk_input(msg: dict, sess: Session, block) -> torch.Tensor:
                                  kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
                                  max_len=sess.cache.max_len)
     x = inputs["token_ids"] if sess.is_head else inputs["hidden"]
-    if msg.get("logits_from", msg["pos"]) > msg["pos"] + x.shape[1]:
-        raise ProtocolError(f"forward frame 'logits_from' {msg['logits_from']} lies past "
-                            f"its last row {msg['pos'] + x.shape[1] - 1}")
+    if isinstance(msg, Forward) and msg.logits_from is not None and msg.logits_from > msg.pos + x.shape[1]:
+        raise ProtocolError(f"forward frame 'logits_from' {msg.logits_from} lies past "
+                            f"its last row {msg.pos + x.shape[1] - 1}")
     return x
 
 
@@ -451,7 +452,7 @@ class Scheduler:
         paused, self.paused = self.paused, None
         sess, job = paused.session, paused.job
         if self.sessions.get(sess.session_id) is not sess or not sess.queue or sess.queue[0] is not job \
-                or job.msg["epoch"] < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
+                or job.msg.epoch < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
             paused.steps.close()  # its cache rolls back to before the slice
             return True
         return await self._run_step(StepPlan(), time.perf_counter(), resuming=paused)
@@ -515,7 +516,7 @@ class Scheduler:
             job = self._next_job(sess)
             if job is None:
                 continue
-            pos = job.msg["pos"] + job.done
+            pos = job.msg.pos + job.done
             if pos > sess.cache.kv_len:
                 self._fail(sess, f"chunk at pos {pos} is not contiguous with the session's kv_len "
                                  f"{sess.cache.kv_len}", "bad_request")
@@ -622,7 +623,7 @@ class Scheduler:
                 except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
                     log.exception("receipt.failed session=%s", sess.session_id)
                     self._fail(sess, f"cannot sign the receipt: {exc}")
-            elif job.msg["epoch"] < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
+            elif job.msg.epoch < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
                 sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:
                 return job
@@ -647,14 +648,14 @@ class Scheduler:
         # in the rows mode only sessions that asked to batch do (--batch-tile GEMMs), the others run alone
         packs = block.kernel_mode in ("fma", "triton")
         groups: dict = {}  # packed rows share a forward only with rows over the same layers
-        entries = [(s, j, j.msg["pos"], j.x) for s, j in plan.short]
+        entries = [(s, j, j.msg.pos, j.x) for s, j in plan.short]
         long_rows = 0
         if plan.long is not None:
             s, j = plan.long.session, plan.long.job
             long_rows = min(plan.long.rows, j.x.shape[1] - j.done)
-            entries.append((s, j, j.msg["pos"] + j.done, j.x[:, j.done:j.done + long_rows]))
+            entries.append((s, j, j.msg.pos + j.done, j.x[:, j.done:j.done + long_rows]))
         for s, j, pos, x in entries:
-            s.cache.frame_end = j.msg["pos"] + j.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
+            s.cache.frame_end = j.msg.pos + j.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             if packs or s.batch:
                 groups.setdefault(s.span, []).append((s, j, pos, x))
             else:  # alone, one GEMV per row
@@ -679,8 +680,8 @@ class Scheduler:
         else:
             sess, job = piece.session, piece.job
             n = min(piece.rows, job.x.shape[1] - job.done)
-            pos = job.msg["pos"] + job.done
-            sess.cache.frame_end = job.msg["pos"] + job.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
+            pos = job.msg.pos + job.done
+            sess.cache.frame_end = job.msg.pos + job.x.shape[1]  # a slice's rotary is its whole frame's (LongRoPE)
             steps = self.block.forward_steps([(sess.cache, pos, job.x[:, job.done:job.done + n])],
                                              tile=self.tile_of(sess), logits_rows=[_logits_rows(job.msg, pos, n)],
                                              span=sess.span)
@@ -774,23 +775,23 @@ def stale_needed(queue: Iterable[Job], epoch: int, kv_len: int) -> bool:
     stage had computed them, or a promoted shadow whose heal's first frame follows mirrored frames
     still queued. False while no chunk of ``epoch`` is queued (a ``cancel`` ran ahead of it)."""
     for job in queue:
-        if job.x is not None and job.msg["epoch"] >= epoch:
-            return job.msg["pos"] > kv_len
+        if job.x is not None and job.msg.epoch >= epoch:
+            return job.msg.pos > kv_len
     return False
 
 
-def prompt_ends(msg: dict, rows: int) -> bool:
+def prompt_ends(msg: Forward | Refill | Receipt, rows: int) -> bool:
     """Whether a chunk of ``rows`` positions is the last of a prompt (or a heal's replay): a long
     ``forward`` whose ``logits_from`` lies inside it, so its session decodes next."""
-    return (rows > BATCH_CHUNK_MAX and msg.get("type") == "forward"
-            and msg.get("logits_from", msg["pos"]) < msg["pos"] + rows)
+    return (rows > BATCH_CHUNK_MAX and isinstance(msg, Forward)
+            and (msg.pos if msg.logits_from is None else msg.logits_from) < msg.pos + rows)
 
 
-def _logits_rows(msg: dict, pos: int, n: int) -> int:
+def _logits_rows(msg: Forward | Refill, pos: int, n: int) -> int:
     """How many of the last rows of ``[pos, pos + n)`` (a chunk or a slice of it) the tail must run
     the LM head on: those at or after the frame's ``logits_from`` (every row when absent; none of a
     ``refill``, which only fills the KV cache)."""
-    if msg.get("type") == "refill":
+    if isinstance(msg, Refill):
         return 0
-    start = max(pos, msg.get("logits_from", pos))
+    start = pos if msg.logits_from is None else max(pos, msg.logits_from)
     return max(0, pos + n - start)

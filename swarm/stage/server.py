@@ -30,6 +30,8 @@ import trio
 from swarm import receipts, wire
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
+from swarm.frames import (Audit, AuditOffer, Cancel, Close, CloseOk, Drain, DrainOk, Error, Forward, Frame, Info, InfoOk,
+                           Open, OpenOk, Progress, ProgressOk, Receipt, Refill, Repair)
 from swarm.mirror import Mirror
 from swarm.ranges import LayerRange
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
@@ -118,17 +120,17 @@ class StageServer:
             await trio.sleep(0.001)
 
     def _error(self, reason: str, code: str = "bad_request", session: str | None = None,
-               why: str | None = None) -> dict:
+               why: str | None = None, epoch: int | None = None) -> Error:
         """``wire.error_frame``, counted for the metrics by ``why`` (default: the code), e.g. busy,
         forbidden, overflow, draining (``swarm_stage_refusals_total``)."""
         key = why or code
         self.refusals[key] = self.refusals.get(key, 0) + 1
-        return wire.error_frame(reason, code, session)
+        return wire.error_frame(reason, code, session, epoch)
 
-    def info(self) -> dict:
+    def info(self) -> InfoOk:
         b = self.block
-        return wire.frame(
-            "info_ok", peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
+        return InfoOk(
+            peer_id=self.host.peer_id, model=self.model_name, model_digest=self.model_digest,
             model_id=self.model_id, addrs=list(self.host.addrs()),
             layers=b.layer_range.as_list(), num_layers=b.num_layers, hidden_size=b.hidden_size,
             vocab_size=b.vocab_size, dtype=str(b.dtype).removeprefix("torch."), max_ctx=b.max_ctx,
@@ -194,60 +196,62 @@ class StageServer:
             await try_send(stream, self._error(f"internal error: {type(exc).__name__}: {exc}"[:300],
                                                "internal", session=session_of(msg)))
 
-    async def dispatch(self, stream, msg: dict) -> None:
-        kind = msg["type"]
-        sess = self.sessions.get(session_of(msg) or "")
+    async def dispatch(self, stream, msg: Frame) -> None:
+        sess = self.sessions.get(getattr(msg, "session", None) or "")
         if sess is not None and stream.remote_peer_id in (sess.coordinator, sess.source):
             sess.last_active = trio.current_time()
-        if kind == "info":
-            await stream.send(self.info())
-        elif kind == "drain":
-            if stream.remote_peer_id not in self.config.network.admins:
-                log.warning("drain.refused peer=%s", stream.remote_peer_id)
-                await stream.send(self._error(f"PeerId {stream.remote_peer_id} may not drain this stage "
-                                                   "(not in --admin)", "forbidden"))
-                return
-            log.warning("drain.requested peer=%s", stream.remote_peer_id)
-            await stream.send(wire.frame("drain_ok", sessions=len(self.sessions)))  # before the host may stop
-            self.drain_requested.set()
-        elif kind == "open":
-            await self._open(stream, msg)
-        elif kind in ("forward", "refill"):
-            await self._forward(stream, msg)
-        elif kind == "repair":
-            await self.repairs.repair(stream, msg)
-        elif kind == "receipt":
-            await self._receipt(stream, msg)
-        elif kind == "audit":  # anyone may ask (rate-limited); answered on its own stream, off the hot path
-            await self.audits.answer(stream, msg)
-        elif kind == "audit_offer":  # the auditor role: a coordinator's job receipt, queued for idle time
-            await self.auditing.offer(stream, msg, self.host.peer_id)
-        elif kind in ("cancel", "progress", "close"):
-            sess = self.sessions.get(msg["session"])
-            if sess is not None and stream.remote_peer_id != sess.coordinator:
-                await self._refuse(stream, sess, kind)
-            elif kind == "cancel":
-                if sess is not None and msg["epoch"] > sess.epoch:
-                    sess.epoch = msg["epoch"]  # queued frames of older epochs are now dropped unseen
+        match msg:
+            case Info():
+                await stream.send(self.info())
+            case Drain():
+                await self._drain(stream)
+            case Open():
+                await self._open(stream, msg)
+            case Forward() | Refill():
+                await self._forward(stream, msg)
+            case Repair():
+                await self.repairs.repair(stream, msg)
+            case Receipt():
+                await self._receipt(stream, msg)
+            case Audit():  # anyone may ask (rate-limited); answered on its own stream, off the hot path
+                await self.audits.answer(stream, msg)
+            case AuditOffer():  # the auditor role: a coordinator's job receipt, queued for idle time
+                await self.auditing.offer(stream, msg, self.host.peer_id)
+            case Cancel() | Progress() | Close() if sess is not None and stream.remote_peer_id != sess.coordinator:
+                await self._refuse(stream, sess, msg.TYPE)
+            case Cancel():
+                if sess is not None and msg.epoch > sess.epoch:
+                    sess.epoch = msg.epoch  # queued frames of older epochs are now dropped unseen
                     log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
-            elif kind == "progress":
-                await stream.send(wire.frame("progress_ok", session=msg["session"], known=sess is not None,
+            case Progress():
+                await stream.send(ProgressOk(session=msg.session, known=sess is not None,
                                              received=sess.received if sess else -1,
                                              sent=sess.sent if sess else -1, busy=bool(sess and sess.busy),
                                              lost_successor=bool(sess and sess.successor_lost),
                                              draining=bool(self.draining)))
-            else:
-                self.sessions.pop(msg["session"], None)
-                log.info("session.close session=%s", msg["session"])
-                if sess is not None and msg.get("keep") and self.reuse is not None and sess.prefix_ns:
-                    self.nursery.start_soon(self.reuse.keep, sess, msg["keep"])
-                await stream.send(wire.frame("close_ok", session=msg["session"]))
-        else:
-            raise ProtocolError(f"a stage does not accept {kind!r} frames")
+            case Close():
+                self.sessions.pop(msg.session, None)
+                log.info("session.close session=%s", msg.session)
+                if sess is not None and msg.keep and self.reuse is not None and sess.prefix_ns:
+                    self.nursery.start_soon(self.reuse.keep, sess, msg.keep)
+                await stream.send(CloseOk(session=msg.session))
+            case _:
+                raise ProtocolError(f"a stage does not accept {msg.TYPE!r} frames")
 
-    async def _open(self, stream, msg: dict) -> None:
+    async def _drain(self, stream) -> None:
+        """An ``--admin`` peer's drain: answer, then let the daemon drain and exit."""
+        if stream.remote_peer_id not in self.config.network.admins:
+            log.warning("drain.refused peer=%s", stream.remote_peer_id)
+            await stream.send(self._error(f"PeerId {stream.remote_peer_id} may not drain this stage "
+                                          "(not in --admin)", "forbidden"))
+            return
+        log.warning("drain.requested peer=%s", stream.remote_peer_id)
+        await stream.send(DrainOk(sessions=len(self.sessions)))  # before the host may stop
+        self.drain_requested.set()
+
+    async def _open(self, stream, msg: Open) -> None:
         """Admit a session (see the module docstring) and answer ``open_ok``, or say why not."""
-        sid, coordinator = msg["session"], stream.remote_peer_id
+        sid, coordinator = msg.session, stream.remote_peer_id
         if not await self._may_open(stream, sid, coordinator):
             return
         if not receipts.assignment_ok(msg, coordinator):
@@ -258,7 +262,7 @@ class StageServer:
             await self._refuse(stream, existing, "open")
             return
         max_len = open_links(msg, place, self.host.peer_id, self.block.max_ctx)
-        row_bytes = self.block.hidden_size * wire_itemsize(msg.get("wire_dtype"), self.block.dtype)
+        row_bytes = self.block.hidden_size * wire_itemsize(msg.wire_dtype, self.block.dtype)
         need, log_rows = kv_need(max_len, self.block.kv_bytes_per_position(place.span), row_bytes, place.tail,
                                  self.config.admission.heal_log_mb)
         if not await self._admit(stream, sid, need, max_len):
@@ -268,14 +272,13 @@ class StageServer:
             if session is None:
                 return
             self.sessions[sid] = session
-            mirror = msg.get("mirror")
+            mirror = msg.mirror
             if mirror is not None:  # dialed in the background: a slow shadow never delays this open
-                session.mirror = Mirror(sid, mirror, msg["mirror_until"])
+                session.mirror = Mirror(sid, mirror, msg.mirror_until)
                 self.nursery.start_soon(self.outboxes.run_mirror, session, session.mirror)
-            log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, place.span, msg["next"],
+            log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, place.span, msg.next,
                      max_len, " shadow" if session.shadow else "", f" mirror={mirror}" if mirror else "")
-            reused = {"reused": session.reused} if session.prefix_ns else {}
-            await stream.send(wire.frame("open_ok", session=sid, **reused))
+            await stream.send(OpenOk(session=sid, reused=session.reused if session.prefix_ns else None))
 
     async def _may_open(self, stream, sid: str, coordinator: str) -> bool:
         """Refuse an open while draining or from a peer not in ``--allow-coordinator``."""
@@ -316,69 +319,70 @@ class StageServer:
                 f"and this one needs {_mib(need)} for {max_len} positions; retry when a session ends", "busy", sid))
         return verdict.admit
 
-    async def _new_session(self, stream, msg: dict, span, max_len: int, need: int, log_rows: int) -> Session | None:
+    async def _new_session(self, stream, msg: Open, span, max_len: int, need: int, log_rows: int) -> Session | None:
         """The admitted session, its cache allocated, its successor reached and its prefix reused;
         None after answering ``stream`` that the successor cannot be reached."""
-        sid, next_addr, coordinator = msg["session"], msg["next"], stream.remote_peer_id
-        if msg.get("batch") and self.kernels["batch_ok"] is None:
+        sid, next_addr, coordinator = msg.session, msg.next, stream.remote_peer_id
+        if msg.batch and self.kernels["batch_ok"] is None:
             await self.scheduler.prove_batch_tile()
         if span != self.block.layer_range:  # the receipt signs the digest of the tensors it runs: hash once
             await trio.to_thread.run_sync(self.block.digest_of, span)
         session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
-                          source=msg.get("prev") or coordinator, reserved=need, last_active=trio.current_time(),
+                          source=msg.prev or coordinator, reserved=need, last_active=trio.current_time(),
                           span=span)
-        session.batch = bool(msg.get("batch"))
+        session.batch = bool(msg.batch)
         if log_rows:
             session.sent_log = SentLog(self.block.hidden_size, log_rows)
-        if msg.get("wire_dtype") is not None:
-            session.wire_dtype = wire.WIRE_DTYPES[msg["wire_dtype"]]
-        if msg.get("job") is not None:
-            job_id, nonce = receipts.check_job_field(msg["job"])  # validate() has checked it
+        if msg.wire_dtype is not None:
+            session.wire_dtype = wire.WIRE_DTYPES[msg.wire_dtype]
+        if msg.job is not None:
+            job_id, nonce = receipts.check_job_field(msg.job)  # validate() has checked it
             session.ledger, session.windows = receipts.StageLedger(job_id, nonce), self.audits.new_log()
-        if msg.get("sampling") is not None:
-            session.sampling = _sampling_of(msg["sampling"])
+        if msg.sampling is not None:
+            session.sampling = _sampling_of(msg.sampling)
         if next_addr is not None:
             session.next_stream = await self.outboxes.successor_or_answer(stream, sid, next_addr)
             if session.next_stream is None:
                 return None
-        session.shadow = bool(msg.get("shadow"))
-        if msg.get("prefix") is not None and self.reuse is not None and not session.shadow:
-            await self.reuse.reuse(session, msg["prefix"])
+        session.shadow = bool(msg.shadow)
+        if msg.prefix is not None and self.reuse is not None and not session.shadow:
+            await self.reuse.reuse(session, msg.prefix)
         return session
 
-    async def _forward(self, stream, msg: dict) -> None:
+    async def _forward(self, stream, msg: Forward | Refill) -> None:
         """Check a forward (or refill) frame and queue it for the scheduler; a frame the session cannot
         take (:func:`swarm.stage.scheduler.chunk_input`) fails the session. A ``refill`` is no chunk of
         the coordinator's: progress counters do not move."""
-        kind, sid = msg["type"], msg["session"]
+        kind, sid = msg.TYPE, msg.session
         sess = self.sessions.get(sid)
         if sess is None:
             await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
             return
         if stream.remote_peer_id != sess.source:
-            await self._refuse(stream, sess, kind, msg["epoch"])
+            await self._refuse(stream, sess, kind, msg.epoch)
             return
-        if kind == "forward":
-            sess.received = max(sess.received, msg["chunk"])
+        forward = isinstance(msg, Forward)
+        if forward:
+            sess.received = max(sess.received, msg.chunk)
         if sess.ledger is not None:  # every frame received, also the stale ones dropped below
-            sess.ledger.input.add(receipts.forward_item(msg) if kind == "forward" else receipts.refill_item(msg))
-        if msg["epoch"] < sess.epoch:
+            sess.ledger.input.add(receipts.forward_item(msg) if forward else receipts.refill_item(msg))
+        if msg.epoch < sess.epoch:
             return  # stale speculation: drop before computing
-        sess.epoch = msg["epoch"]
+        sess.epoch = msg.epoch
         try:
             x = chunk_input(msg, sess, self.block)
         except (ProtocolError, ContextOverflow) as exc:
             await self._fail_session(sess, exc)
             return
         sess.frames_in += 1
-        sess.queued_end = msg["pos"] + x.shape[1]
+        sess.queued_end = msg.pos + x.shape[1]
         self.scheduler.enqueue(sess, Job(msg, x))
         self.timing["chunks"] += 1
 
-    async def _receipt(self, stream, msg: dict) -> None:
+    async def _receipt(self, stream, msg: Receipt) -> None:
         """Check a receipt request and queue it behind the session's chunks (signed by
         :meth:`swarm.stage.signing.ReceiptSigner.sign` when the scheduler reaches it)."""
-        sid = msg["session"]
+        sid = msg.session
         sess = self.sessions.get(sid)
         if sess is None:
             await stream.send(self._error(f"no session {sid!r} at stage {self.block.layer_range}", "no_session", sid))
@@ -449,11 +453,9 @@ class StageServer:
         peer = stream.remote_peer_id
         log.warning("frame.refused type=%s session=%s peer=%s expected=%s", kind, sess.session_id, peer,
                     sess.source if kind in ("forward", "refill", "receipt") else sess.coordinator)
-        err = self._error(f"stage {self.block.layer_range} refuses {kind!r} for session {sess.session_id!r} from "
-                          f"{peer}: the session was not assigned to that peer", "forbidden", sess.session_id)
-        if epoch is not None:
-            err["epoch"] = epoch
-        await try_send(stream, err)
+        await try_send(stream, self._error(f"stage {self.block.layer_range} refuses {kind!r} for session "
+                                           f"{sess.session_id!r} from {peer}: the session was not assigned to that "
+                                           "peer", "forbidden", sess.session_id, epoch=epoch))
 
     async def _fail_session(self, sess: Session, exc: SwarmError) -> None:
         """Fail one session cleanly: free its KV cache, tell its coordinator why. Others go on."""

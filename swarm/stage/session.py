@@ -91,7 +91,7 @@ class SentLog:
 class Job:
     """A queued chunk (or receipt request) of one session at this stage."""
 
-    msg: dict
+    msg: Forward | Refill | Receipt
     x: torch.Tensor | None = None  # (1, T) token ids at the head, else (1, T, D); None: a receipt request
     done: int = 0  # positions computed so far (a long chunk is computed a slice per step)
     parts: list = field(default_factory=list)  # outputs of the slices computed so far
@@ -160,4 +160,6 @@ def record_answers(answers: list, pos: int, rows: int, ids: list[int]) -> None:
 
 
 def session_of(msg) -> str | None:
+    """The ``session`` of a raw frame map, where it names one (for the error reply to a frame that
+    failed validation)."""
     return msg.get("session") if isinstance(msg, dict) and isinstance(msg.get("session"), str) else None

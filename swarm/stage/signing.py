@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 
 from swarm import openings, receipts, wire
+from swarm.frames import Receipt, ReceiptOk
 from swarm.stage.session import Session
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,9 @@ class ReceiptSigner:
             self._retain(sess, signed, commitment)  # the rows an audit opens, kept after the session ends
         log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
                  sess.ledger.input.frames, sess.ledger.output.frames)
-        self._post(sess.reply, sess, wire.frame("receipt_ok", session=sid, receipt=signed))
+        self._post(sess.reply, sess, ReceiptOk(session=sid, receipt=signed))
         if not tail:
-            self._post(sess.next_stream, sess, wire.frame("receipt", session=sid))
+            self._post(sess.next_stream, sess, Receipt(session=sid))
 
 
 def _answers(sess: Session) -> dict:

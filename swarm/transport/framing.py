@@ -33,6 +33,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from swarm.errors import FrameTooLarge, HopTimeout, ProtocolError, StreamClosed, SwarmError
+from swarm.frames import Frame
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ def _check_max(max_bytes: int) -> int:
     return max_bytes
 
 
-def encode_frame(msg: Mapping[str, Any], max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+def encode_frame(msg: Mapping[str, Any] | Frame, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """Pack one map into a complete frame (length prefix + msgpack body).
 
     Args:
-        msg: the map to send; values must be msgpack-serializable (bytes stay bytes).
+        msg: the map to send, or a typed frame (sent as its ``to_wire()`` map); values must be
+            msgpack-serializable (bytes stay bytes).
         max_bytes: largest allowed body size in bytes.
     Returns:
         ``uint32_be(len(body)) + body`` as one bytes object, ready for a single write.
@@ -67,6 +69,8 @@ def encode_frame(msg: Mapping[str, Any], max_bytes: int = MAX_FRAME_BYTES) -> by
         FrameTooLarge: the packed body exceeds ``max_bytes``.
         TypeError: ``msg`` is not a mapping or holds a value msgpack cannot pack.
     """
+    if isinstance(msg, Frame):
+        msg = msg.to_wire()
     if not isinstance(msg, Mapping):
         raise TypeError(f"a frame is a map, got {type(msg).__name__}")
     body = msgpack.packb(msg, use_bin_type=True)
@@ -279,11 +283,11 @@ class FramedStream:
 
     # ---- sending -------------------------------------------------------------------------
 
-    async def send(self, msg: Mapping[str, Any], timeout_s: float | None = 30.0) -> None:
-        """Send one map as one frame; concurrent senders never interleave.
+    async def send(self, msg: Mapping[str, Any] | Frame, timeout_s: float | None = 30.0) -> None:
+        """Send one map (or typed frame) as one frame; concurrent senders never interleave.
 
         Args:
-            msg: the map to send.
+            msg: the map or typed frame (:mod:`swarm.frames`) to send.
             timeout_s: deadline in seconds for waiting on the lock and writing (None: no limit).
         Raises:
             FrameTooLarge: the packed map exceeds ``max_frame_bytes`` (nothing was written).

@@ -396,7 +396,7 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                 await client.connect(5, digest, nursery)
                 got["first"] = (await decode(client, PROMPT, DecodeOptions(NEW, prefix_cache=prefix_cache))).output_ids
                 prompt = PROMPT + got["first"] + FOLLOW
-                before = (await client.stage_info(len(RANGES) - 1))["prefix_cache"]
+                before = (await client.stage_info(len(RANGES) - 1)).prefix_cache
                 proc = ring_stages[victim].proc
                 os.kill(proc.pid, sig)
                 if sig == signal.SIGKILL:
@@ -421,12 +421,12 @@ def _open_heal_run(model_dir, tmp_path, ring_stages, spare_stages, victim, spec_
                         await next_turn(heal=False)
                     with trio.fail_after(10):
                         for i in range(len(RANGES)):
-                            while i != victim and (await client.stage_info(i))["sessions"]:
+                            while i != victim and (await client.stage_info(i)).sessions:
                                 await trio.sleep(0.05)
                     raise no_spare.value
                 decoded = await next_turn()
                 out, rec = decoded.output_ids, decoded.as_record()
-                got["tail_prefix"] = (before, (await client.stage_info(len(RANGES) - 1))["prefix_cache"])
+                got["tail_prefix"] = (before, (await client.stage_info(len(RANGES) - 1)).prefix_cache)
                 res = write_job_receipt(tmp_path / "receipts", key, job, rec.pop("receipt_parts"), model="stories260k",
                                         model_digest=digest, num_layers=5, prompt_ids=prompt, output_ids=out,
                                         ring=[i.entry() for i in client.infos], record=rec)

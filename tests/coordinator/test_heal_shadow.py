@@ -259,7 +259,7 @@ def test_a_mirror_writes_in_order_and_promotes_when_flushed():
             closed = False
 
             async def send(self, msg, timeout_s=None):
-                sent.append((msg["pos"], len(msg["tokens"])))
+                sent.append((msg.pos, len(msg.tokens)))
 
             async def recv(self, timeout_s=None):
                 await trio.sleep(math.inf)

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from swarm.coordinator.repair import RingRepair
+from swarm.frames import Repair, RepairOk
 from swarm.transport import load_or_create_key
 
 
@@ -21,8 +22,9 @@ class FakeLink:
         self.data = SimpleNamespace(send=self._send)
         self.i, self.sent = i, sent
 
-    async def _send(self, frame: dict, timeout_s: float) -> None:
-        self.sent.append((self.i, {k: frame[k] for k in ("prev", "next", "resend", "mirror") if k in frame}))
+    async def _send(self, frame: Repair, timeout_s: float) -> None:
+        wire_map = frame.to_wire()
+        self.sent.append((self.i, {k: wire_map[k] for k in ("prev", "next", "resend", "mirror") if k in wire_map}))
 
 
 class FakeNet:
@@ -32,9 +34,9 @@ class FakeNet:
         self.sent: list = []
         self.links = [FakeLink(i, self.sent) for i in range(n)]
 
-    async def expect(self, index: int, kind: str, session: str | None = None) -> dict:
-        assert kind == "repair_ok"
-        return {"type": "repair_ok", "session": session, "kv_len": 100, "resent": 0, "mirrored": 100}
+    async def expect(self, index: int, kind: type, session: str | None = None) -> RepairOk:
+        assert kind is RepairOk
+        return RepairOk(session=session, kv_len=100, resent=0, mirrored=100)
 
 
 @pytest.mark.parametrize("index", [1, 2, 0], ids=["middle", "tail", "head"])

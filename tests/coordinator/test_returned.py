@@ -12,6 +12,7 @@ import trio
 from swarm.config import RingSpec
 from swarm.coordinator.ring import RingClient
 from swarm.errors import StreamClosed
+from swarm.frames import LinkLost, Result
 from swarm.heal import Probe, StageReport, locate_failure
 
 
@@ -40,13 +41,17 @@ def _pump(client: RingClient, index: int, gen: int, frames) -> None:
     trio.run(client.net._pump, index, gen, _Frames(frames))
 
 
+def _result(session: str, chunk) -> dict:
+    return {**Result(session=session, epoch=0, pos=chunk if type(chunk) is int else 0, chunk=0, token_ids=[7]).to_wire(),
+            "chunk": chunk}
+
+
 def test_a_result_from_the_tail_counts_as_returned_before_anyone_reads_it():
     client = _client()
-    result = {"type": "result", "session": "s", "chunk": 5, "epoch": 0, "ids": [7]}
-    _pump(client, 1, 11, [result])
+    _pump(client, 1, 11, [_result("s", 5)])
     assert client.returned["s"] == 5
     queued = client.net._recv_ch.receive_nowait()
-    assert queued == (1, 11, result)  # still there for next_result, unread
+    assert queued == (1, 11, Result("s", 0, 5, 5, [7]))  # still there for next_result, unread
     # the heal's re-check of a ring whose tail sent result 5 blames nobody
     reports = (StageReport(0, True, 5, 5), StageReport(1, True, 5, 5))
     earlier = Probe(reports, 5, 4)
@@ -55,9 +60,17 @@ def test_a_result_from_the_tail_counts_as_returned_before_anyone_reads_it():
 
 def test_only_the_current_tails_results_for_an_open_session_count():
     client = _client()
-    _pump(client, 0, 10, [{"type": "result", "session": "s", "chunk": 9}])  # not the tail
-    _pump(client, 1, 99, [{"type": "result", "session": "s", "chunk": 9}])  # a replaced connection
-    _pump(client, 1, 11, [{"type": "result", "session": "other", "chunk": 9},  # no such session
-                          {"type": "result", "session": "s", "chunk": "9"},  # malformed: validation reports it
-                          {"type": "result", "session": "s", "chunk": 3}])  # older than what came back
+    _pump(client, 0, 10, [_result("s", 9)])  # not the tail
+    _pump(client, 1, 99, [_result("s", 9)])  # a replaced connection
+    _pump(client, 1, 11, [_result("other", 9),  # no such session
+                          _result("s", 3)])  # older than what came back
     assert client.returned == {"s": 4}
+
+
+def test_a_malformed_frame_from_a_stage_counts_as_its_link_lost_and_nothing_returned():
+    client = _client()
+    _pump(client, 1, 11, [_result("s", "9"), _result("s", 5)])  # the second is never read
+    assert client.returned == {"s": 4}
+    index, gen, lost = client.net._recv_ch.receive_nowait()
+    assert (index, gen) == (1, 11) and isinstance(lost, LinkLost) and "chunk" in lost.reason
+    assert 11 in client.net.lost_gens

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError
+from swarm.frames import Open
 from swarm.ranges import LayerRange
 from swarm.stage.admission import OpenPlace, Reservations, Verdict, decide, kv_need, open_links, open_place
 
@@ -66,8 +67,8 @@ class _Block:
         return span
 
 
-def _open(**fields) -> dict:
-    return {"type": "open", "session": "s", "next": None, "max_len": 0, **fields}
+def _open(**fields) -> Open:
+    return Open(**{"session": "s", "next": None, "max_len": 0, "sig": "", **fields})
 
 
 @pytest.mark.parametrize("fields, place", [

@@ -15,6 +15,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from swarm import proofs, wire
 from swarm.auditor.judge import Blocks, verify_proof
+from swarm.frames import AuditOffer
 from swarm.auditor.offers import auditor_targets, offer_job
 from swarm.config import StageSpec
 from swarm.coordinator.jobs import offer_for_audit
@@ -187,7 +188,7 @@ class _Stream:
         self.sent = []
 
     async def send(self, msg, timeout_s=None):
-        self.sent.append(msg)
+        self.sent.append(msg.to_wire())  # as the wire carries it
 
 
 def test_offers_are_bounded_dropped_oldest_and_rate_limited_per_sender(monkeypatch):
@@ -203,7 +204,7 @@ def test_offers_are_bounded_dropped_oldest_and_rate_limited_per_sender(monkeypat
     async def main():
         stream = _Stream()
         for n in range(5):
-            await role.offer(stream, {"job": {"job_id": f"j{n}"}}, "me")
+            await role.offer(stream, AuditOffer({"job_id": f"j{n}"}), "me")
         assert [m.get("waiting", m.get("code")) for m in stream.sent] == [1, 2, 2, 2, "rate_limited"]
         assert [j["job_id"] for j in role.queue] == ["j2", "j3"] and role.dropped == 2 and role.offers == 4
         assert role.refused == 1
@@ -215,7 +216,7 @@ def test_a_stage_without_the_role_refuses_offers_and_targets_cover_the_jobs_rang
     async def main():
         role = _role(rate=0.0)
         stream = _Stream()
-        await role.offer(stream, {"job": {"job_id": "j"}}, "me")
+        await role.offer(stream, AuditOffer({"job_id": "j"}), "me")
         assert stream.sent[0]["code"] == "unavailable" and not role.queue
 
     trio.run(main)

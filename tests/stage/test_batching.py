@@ -166,7 +166,7 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
 
         def logged(plan, resuming=None):
             long = plan.long
-            steps_log.append(([(s.session_id, j.msg["pos"], j.x.shape[1]) for s, j in plan.short],
+            steps_log.append(([(s.session_id, j.msg.pos, j.x.shape[1]) for s, j in plan.short],
                               None if long is None else (long.session.session_id, long.job.done)))
             if long is not None and slice_s:
                 time.sleep(slice_s)  # the worker thread: a slice never runs inline
@@ -178,7 +178,7 @@ def _drive(server, coord, sessions: dict, sampled: set = frozenset(), steps_log=
         extra = {"sampling": SamplingParams(temperature=0.9, seed=7).to_wire()} if sid in sampled else {}
         if batch:
             extra["batch"] = True
-        await server.handle_frame(c, wire.open_frame(coord, sid, None, max_len, **extra))
+        await server.handle_frame(c, wire.open_frame(coord, sid, None, max_len, **extra).to_wire())
         out, pos, feed = [], 0, list(prompt)
         for step in range(new):
             await server.handle_frame(c, wire.frame("forward", session=sid, epoch=0, pos=pos, chunk=step, tokens=feed))
@@ -335,7 +335,7 @@ def test_a_decode_row_overtakes_a_long_prompt_slice_between_layers(synthetic, tm
                 for sid in ("long", "short"):
                     if sid == "short":
                         assert await trio.to_thread.run_sync(in_slice.wait, 10)
-                    await server.handle_frame(c, wire.open_frame(coord, sid, None, 128))
+                    await server.handle_frame(c, wire.open_frame(coord, sid, None, 128).to_wire())
                     await server.handle_frame(c, wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0,
                                                             tokens=prompts[sid]))
                 arrived.set()
@@ -481,12 +481,12 @@ def test_stage_timing_counters_count_each_chunk_step_and_sent_frame(synthetic, t
 
     model = synthetic("llama", "float32")
     server = _server(model, LayerRange(0, 4), tmp_path)
-    assert set(server.info()["timing"].values()) == {0}
+    assert set(server.info().timing.values()) == {0}
     coord = load_or_create_key(tmp_path / "coord.key")
     t0 = time.perf_counter()
     _drive(server, coord, {"a": ([1, 2, 3], 4), "b": ([4, 5], 3)}, batch=False)
     wall = time.perf_counter() - t0
-    t = server.info()["timing"]
+    t = server.info().timing
     assert (t["chunks"], t["picked"], t["frames_out"]) == (7, 7, 7), t
     assert 4 <= t["steps"] <= 7, t  # the two sessions' chunks may share steps
     for name in ("parse_s", "queue_s", "to_thread_s", "compute_s", "from_thread_s", "outbox_s", "send_s"):
@@ -503,7 +503,7 @@ def test_short_steps_run_inline_once_their_compute_is_known_brief_with_the_same_
     runs = {}
     for limit in (30.0, 0.0):
         server = _server(model, LayerRange(0, 4), tmp_path, inline_step_ms=limit)
-        runs[limit] = (_drive(server, coord, {"a": ([1, 2, 3], 6)}, batch=False), server.info()["timing"])
+        runs[limit] = (_drive(server, coord, {"a": ([1, 2, 3], 6)}, batch=False), server.info().timing)
     (inline_out, inline_t), (thread_out, thread_t) = runs[30.0], runs[0.0]
     assert inline_out == thread_out
     assert thread_t["inline_steps"] == 0 and thread_t["steps"] == 6, thread_t

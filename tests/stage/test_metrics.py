@@ -36,7 +36,7 @@ def _kernels_line(server) -> str:
 def test_the_kernels_a_stage_runs_are_in_its_info_and_metrics(synthetic, tmp_path, dtype):
     """fma: which ISA and which library (installed or built at run time); rows: why (float64 here)."""
     server = _server(synthetic("llama", "float32"), dtype, tmp_path)
-    kernels = server.info()["kernels"]
+    kernels = server.info().kernels
     assert kernels is server.kernels and kernels["rows_ok"]
     if dtype == "float64" or not fma.available()[0]:
         why = ("the fma kernels cannot run: they take float32 or bfloat16 on the CPU, this block is float64 on cpu"

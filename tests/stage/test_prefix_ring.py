@@ -83,13 +83,14 @@ def record_kv_at_close(monkeypatch) -> list:
     every KV row it holds): two runs whose sessions held the same bits note the same list."""
     import hashlib
 
+    from swarm.frames import Close
     from swarm.stage.server import StageServer
 
     noted: list = []
     real = StageServer.dispatch
 
     async def dispatch(self, stream, msg):
-        sess = self.sessions.get(msg.get("session") or "") if msg.get("type") == "close" else None
+        sess = self.sessions.get(msg.session) if isinstance(msg, Close) else None
         if sess is not None:
             c, h = sess.cache, hashlib.sha256()
             for layer in c.layer_ids:

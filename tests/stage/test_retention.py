@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from swarm import openings
+from swarm.frames import Audit
 from swarm.stage.openings import RateLimit
 from swarm.stage.retention import RetentionStore
 
@@ -66,7 +67,7 @@ class _Stream:
         self.sent = []
 
     async def send(self, msg, timeout_s=None):
-        self.sent.append((trio.current_time(), msg))
+        self.sent.append((trio.current_time(), msg.to_wire()))  # as the wire carries it
 
 
 def _audits(tmp_path, busy, limit=None):
@@ -106,13 +107,13 @@ def test_an_audit_waits_for_the_scheduler_and_answers_a_checked_opening(tmp_path
     async def main():
         audits, receipt = _audits(tmp_path, busy=lambda: trio.current_time() < state["busy_until"])
         stream = _Stream()
-        await audits.answer(stream, {"session": "s", "job": "job", "window": 1})
+        await audits.answer(stream, Audit("s", "job", 1))
         (at, msg), = stream.sent
         assert msg["type"] == "audit_ok" and at >= 0.2
         assert openings.check_opening(receipt, msg["opening"], 1).start == 4
         state["busy_until"] = 1e9  # busy for ever: answered after YIELD_S all the same
         t0 = trio.current_time()
-        await audits.answer(stream, {"session": "s", "job": "job", "window": 0})
+        await audits.answer(stream, Audit("s", "job", 0))
         assert stream.sent[-1][1]["type"] == "audit_ok"
         assert stage_audit.YIELD_S <= stream.sent[-1][0] - t0 < stage_audit.YIELD_S + 0.1
 
@@ -124,8 +125,8 @@ def test_audit_refusals_are_error_frames(tmp_path):
         audits, _ = _audits(tmp_path, busy=lambda: False, limit=RateLimit(rate_per_s=0.001, burst=2))
         stream = _Stream()
         for window in (5, 0):
-            await audits.answer(stream, {"session": "s", "job": "job", "window": window})
-        await audits.answer(stream, {"session": "s", "job": "other", "window": 0})  # the limit is spent now
+            await audits.answer(stream, Audit("s", "job", window))
+        await audits.answer(stream, Audit("s", "other", 0))  # the limit is spent now
         codes = [m.get("code", m["type"]) for _, m in stream.sent]
         assert codes == ["bad_request", "audit_ok", "rate_limited"]
         assert "no window 5" in stream.sent[0][1]["reason"] and "too many audit requests" in stream.sent[2][1]["reason"]

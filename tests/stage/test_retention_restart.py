@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from swarm import openings, wire
+from swarm.frames import Audit
 from swarm.stage.openings import Audits
 from swarm.stage.retention import RetentionStore, encode_spilled, spill_name
 from tests.stage.test_retention import _Stream
@@ -44,7 +45,7 @@ def test_a_restarted_stage_opens_the_jobs_it_spilled_and_drops_the_files_not_its
     async def main():
         stream = _Stream()
         for job, window in (("job-0", 1), ("job-1", 0), ("job-2", 0), ("job-x", 0), ("job-3", 0)):
-            await audits.answer(stream, {"session": "s", "job": job, "window": window})
+            await audits.answer(stream, Audit("s", job, window))
         return [m for _, m in stream.sent]
 
     ok0, ok1, *gone = trio.run(main)
@@ -86,6 +87,7 @@ class _Pipe:
         self.audits, self.replies = audits, []
 
     async def send(self, msg, timeout_s=None):
+        msg = msg.to_wire()  # as the wire carries it
         if msg.get("type") == "audit":
             await self.audits.answer(self, wire.validate(msg))
         else:

@@ -7,6 +7,7 @@ import pytest
 import trio
 
 from swarm import openings
+from swarm.frames import Audit
 from swarm.stage.retention import RetentionCorrupt, RetentionStore, encode_spilled, spill_name
 from tests.stage.test_retention import _Stream, commitment
 
@@ -137,9 +138,9 @@ def test_an_audit_of_a_spilled_job_is_answered_and_a_corrupt_one_refused(tmp_pat
 
     async def main():
         stream = _Stream()
-        await audits.answer(stream, {"session": "s", "job": "job-0", "window": 1})
-        await audits.answer(stream, {"session": "s", "job": "job-1", "window": 0})
-        await audits.answer(stream, {"session": "s", "job": "job-1", "window": 0})
+        await audits.answer(stream, Audit("s", "job-0", 1))
+        await audits.answer(stream, Audit("s", "job-1", 0))
+        await audits.answer(stream, Audit("s", "job-1", 0))
         ok, bad, gone = (m for _, m in stream.sent)
         assert ok["type"] == "audit_ok" and openings.check_opening(receipts[0], ok["opening"], 1).start == 4
         assert bad["code"] == "no_job" and "cannot be opened" in bad["reason"] and "not a msgpack" in bad["reason"]

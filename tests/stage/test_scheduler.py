@@ -12,6 +12,7 @@ import pytest
 
 from swarm.config import SchedulingSection
 from swarm.errors import ProtocolError
+from swarm.frames import Forward, Receipt, Refill
 from swarm.ranges import LayerRange
 from swarm.stage.scheduler import (ACTIVE_S, BATCH_CHUNK_MAX, DUE_GAPS, DUE_MIN_S, DUE_SLACK_S, FIRST_GAP_S,
                                    MAX_QUEUED, SHADOW_QUEUE_FACTOR, Costs, Slice, StepPlan, StepRows, chunk_input,
@@ -94,11 +95,11 @@ def test_overtakes(rows, left, pauses):
 
 
 @pytest.mark.parametrize("msg, rows, ends", [
-    ({"type": "forward", "pos": 0, "logits_from": 99}, 100, True),  # the prompt's last chunk: decoding follows
-    ({"type": "forward", "pos": 0}, 100, True),  # every row's token wanted
-    ({"type": "forward", "pos": 0, "logits_from": 100}, 100, False),  # a chunk in the middle of a prompt
-    ({"type": "refill", "pos": 0, "logits_from": 99}, 100, False),  # a heal's refill: no token from it
-    ({"type": "forward", "pos": 5, "logits_from": 5}, S, False),  # a verify chunk is short: not a prompt
+    (Forward("s", 0, 0, 1, logits_from=99), 100, True),  # the prompt's last chunk: decoding follows
+    (Forward("s", 0, 0, 1), 100, True),  # every row's token wanted
+    (Forward("s", 0, 0, 1, logits_from=100), 100, False),  # a chunk in the middle of a prompt
+    (Refill("s", 0, 0, 30), 100, False),  # a heal's refill: no token from it
+    (Forward("s", 0, 5, 1, logits_from=5), S, False),  # a verify chunk is short: not a prompt
 ])
 def test_prompt_ends(msg, rows, ends):
     assert prompt_ends(msg, rows) is ends
@@ -106,7 +107,7 @@ def test_prompt_ends(msg, rows, ends):
 
 def _jobs(*chunks):
     """Queued jobs from (epoch, pos) pairs; None: a receipt request."""
-    return [Job({"type": "receipt"}) if c is None else Job({"type": "refill", "epoch": c[0], "pos": c[1]}, x=1)
+    return [Job(Receipt("s")) if c is None else Job(Refill("s", epoch=c[0], pos=c[1], until=30), x=1)
             for c in chunks]
 
 
@@ -132,9 +133,9 @@ def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):
 
 
 @pytest.mark.parametrize("msg, sess, reason", [
-    ({"type": "refill", "until": 1, "pos": 0}, _sess(), "reached stage"),  # layers past its until
-    ({"type": "forward", "pos": 0}, _sess(MAX_QUEUED), f"more than {MAX_QUEUED} chunks"),
-    ({"type": "forward", "pos": 0}, _sess(MAX_QUEUED * SHADOW_QUEUE_FACTOR, shadow=True),
+    (Refill("s", 0, 0, until=1), _sess(), "reached stage"),  # layers past its until
+    (Forward("s", 0, 0, 1), _sess(MAX_QUEUED), f"more than {MAX_QUEUED} chunks"),
+    (Forward("s", 0, 0, 1), _sess(MAX_QUEUED * SHADOW_QUEUE_FACTOR, shadow=True),
      f"more than {MAX_QUEUED * SHADOW_QUEUE_FACTOR} chunks"),  # a shadow may lag further, not forever
 ])
 def test_chunk_input_refuses_before_decoding(msg, sess, reason):

@@ -57,7 +57,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
             ({"v": 9, "type": "info"}, "unsupported protocol version"),
             ({"v": 1, "type": "bogus"}, "unknown frame type"),
             (wire.frame("forward", session="nope", epoch=0, pos=0, chunk=0, tokens=[1]), "no session"),
-            (wire.open_frame(host.key_pair, "s1", None, 64), "not the tail and needs a successor"),
+            (wire.open_frame(host.key_pair, "s1", None, 64).to_wire(), "not the tail and needs a successor"),
             (wire.frame("result", session="s1", epoch=0, pos=0, chunk=0, token_ids=[1]), "does not accept"),
         ]
         for msg, reason in cases:
@@ -70,7 +70,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
         bad_head = [([10_000], 0, "outside the vocabulary"), ([1], 5, "not contiguous"),
                     ([1] * 17, 0, "maximum context of 16")]
         for n, (tokens, pos, reason) in enumerate(bad_head):
-            await s.send(wire.open_frame(host.key_pair, f"p{n}", spec.stages[1].addr, 16))
+            await s.send(wire.open_frame(host.key_pair, f"p{n}", spec.stages[1].addr, 16).to_wire())
             assert (await s.recv(timeout_s=10))["type"] == "open_ok"
             await s.send(wire.frame("forward", session=f"p{n}", epoch=0, pos=pos, chunk=0, tokens=tokens))
             err = await _expect_error(s, reason)
@@ -86,7 +86,7 @@ def test_bad_frames_get_reasons_and_stage_stays_up(model, tmp_path):
                       (dict(hidden={"dtype": "float64", "shape": [1, 1, 32], "data": b"0" * 8}), "needs 256"),
                       (dict(tokens=[1]), "expects hidden states")]
         for n, (payload, reason) in enumerate(bad_hidden):
-            await s1.send(wire.open_frame(host.key_pair, f"q{n}", None, 16, prev=host.peer_id))
+            await s1.send(wire.open_frame(host.key_pair, f"q{n}", None, 16, prev=host.peer_id).to_wire())
             assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
             await s1.send(wire.frame("forward", session=f"q{n}", epoch=0, pos=0, chunk=0, **payload))
             await _expect_error(s1, reason)
@@ -150,7 +150,7 @@ def test_only_assigned_peers_steer_a_session(model, tmp_path):
 
     async def body(spec, servers, host):
         s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
-        await s.send(wire.open_frame(host.key_pair, "x", spec.stages[1].addr, 32))
+        await s.send(wire.open_frame(host.key_pair, "x", spec.stages[1].addr, 32).to_wire())
         assert (await s.recv(timeout_s=10))["type"] == "open_ok"
         async with open_host(load_or_create_key(tmp_path / "mallory.key"), [LOOPBACK]) as mallory:
             m = await mallory.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
@@ -161,23 +161,23 @@ def test_only_assigned_peers_steer_a_session(model, tmp_path):
                 err = await _expect_error(m, "the session was not assigned to that peer")
                 assert err["code"] == "forbidden" and mallory.peer_id in err["reason"]
             # a re-open of someone else's session id, an unsigned open, an open signed by another key
-            await m.send(wire.open_frame(mallory.key_pair, "x", spec.stages[1].addr, 32))
+            await m.send(wire.open_frame(mallory.key_pair, "x", spec.stages[1].addr, 32).to_wire())
             await _expect_error(m, "not assigned to that peer")
             unsigned = wire.frame("open", session="y", next=spec.stages[1].addr, max_len=8, sig="00" * 64)
-            forged = {**wire.open_frame(host.key_pair, "y", spec.stages[1].addr, 8)}
+            forged = {**wire.open_frame(host.key_pair, "y", spec.stages[1].addr, 8).to_wire()}
             for msg in (unsigned, forged):
                 await m.send(msg)
                 await _expect_error(m, f"not signed by the peer that sent it ({mallory.peer_id})")
             # a tampered field breaks the coordinator's own signature too
-            await s.send({**wire.open_frame(host.key_pair, "z", spec.stages[1].addr, 8), "max_len": 64})
+            await s.send({**wire.open_frame(host.key_pair, "z", spec.stages[1].addr, 8).to_wire(), "max_len": 64})
             await _expect_error(s, "not signed")
         sess = servers[0].sessions["x"]
         assert sess.epoch == 0 and sess.cache.kv_len == 0  # mallory changed nothing
         # stage 1 takes hidden states only from the predecessor named in its open
         s1 = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
-        await s1.send(wire.open_frame(host.key_pair, "w", None, 8))
+        await s1.send(wire.open_frame(host.key_pair, "w", None, 8).to_wire())
         await _expect_error(s1, "needs 'prev'")
-        await s1.send(wire.open_frame(host.key_pair, "x", None, 32, prev=servers[0].host.peer_id))
+        await s1.send(wire.open_frame(host.key_pair, "x", None, 32, prev=servers[0].host.peer_id).to_wire())
         assert (await s1.recv(timeout_s=10))["type"] == "open_ok"
         await s1.send(wire.frame("forward", session="x", epoch=2, pos=0, chunk=0,
                                  hidden=wire.encode_tensor(torch.zeros(1, 1, 32, dtype=torch.float64))))
@@ -241,7 +241,7 @@ def test_max_ctx_is_reported_and_enforced(model, tmp_path):
                     await ring_generate(spec, model, 4, list(range(1, 13)), 2, tmp_path)  # refused before work
                 async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
                     s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
-                    await s.send(wire.open_frame(host.key_pair, "big", None, 13, prev=host.peer_id))
+                    await s.send(wire.open_frame(host.key_pair, "big", None, 13, prev=host.peer_id).to_wire())
                     err = await _expect_error(s, "asks for 13 positions; this stage's maximum context is 12")
                     assert err["code"] == "overflow" and "big" not in servers[1].sessions
                 nursery.cancel_scope.cancel()
@@ -263,16 +263,16 @@ def test_kv_budget_admits_then_refuses_busy(model, tmp_path):
                 assert servers[0].block.kv_bytes_per_position() == per_pos
                 async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
                     s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
-                    await s.send(wire.open_frame(host.key_pair, "a", None, 64, prev=host.peer_id))
+                    await s.send(wire.open_frame(host.key_pair, "a", None, 64, prev=host.peer_id).to_wire())
                     assert (await s.recv(timeout_s=10))["type"] == "open_ok"
                     assert servers[1].sessions["a"].reserved == 64 * per_pos
-                    await s.send(wire.open_frame(host.key_pair, "b", None, 64, prev=host.peer_id))
+                    await s.send(wire.open_frame(host.key_pair, "b", None, 64, prev=host.peer_id).to_wire())
                     err = await _expect_error(s, f"KV budget of {budget_mb:g} MiB (--kv-budget-mb) is taken: "
                                                  "1 sessions hold 32.0 KiB and this one needs 32.0 KiB")
                     assert err["code"] == "busy" and "b" not in servers[1].sessions
                     with pytest.raises(RemoteError, match="is busy: its KV budget"):  # a whole job is refused
                         await ring_generate(spec, model, 4, PROMPT, 57, tmp_path)
-                    await s.send(wire.open_frame(host.key_pair, "huge", None, 128, prev=host.peer_id))
+                    await s.send(wire.open_frame(host.key_pair, "huge", None, 128, prev=host.peer_id).to_wire())
                     err = await _expect_error(s, "more than this stage's whole KV budget")  # never fits: not busy
                     assert err["code"] == "overflow"
                     await s.send(wire.frame("close", session="a"))
@@ -309,7 +309,7 @@ def test_concurrent_opens_never_over_admit_the_kv_budget(model, tmp_path):
                 async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
                     async def open_one(sid):
                         s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
-                        await s.send(wire.open_frame(host.key_pair, sid, spec.stages[1].addr, 64))
+                        await s.send(wire.open_frame(host.key_pair, sid, spec.stages[1].addr, 64).to_wire())
                         answers[sid] = await s.recv(timeout_s=10)
 
                     async with trio.open_nursery() as opens:
@@ -335,7 +335,7 @@ def test_idle_sessions_expire(model, tmp_path):
                 async with open_host(load_or_create_key(tmp_path / "probe.key"), [LOOPBACK]) as host:
                     s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
                     for sid in ("idle", "busy"):
-                        await s.send(wire.open_frame(host.key_pair, sid, None, 32))
+                        await s.send(wire.open_frame(host.key_pair, sid, None, 32).to_wire())
                         assert (await s.recv(timeout_s=10))["type"] == "open_ok"
                     t0 = trio.current_time()
                     while trio.current_time() - t0 < 1.2:  # keep "busy" alive with heartbeats
@@ -358,7 +358,7 @@ def test_idle_sessions_expire(model, tmp_path):
 def test_unhashable_values_get_an_error_and_the_stream_lives(model, tmp_path):
     async def body(spec, servers, host):
         s = await host.open_stream(spec.stages[1].addr, PROTOCOL_ID, timeout_s=10)
-        await s.send(wire.open_frame(host.key_pair, "keep", None, 16, prev=host.peer_id))
+        await s.send(wire.open_frame(host.key_pair, "keep", None, 16, prev=host.peer_id).to_wire())
         assert (await s.recv(timeout_s=10))["type"] == "open_ok"
         for msg in ({"v": 1, "type": ["info"]}, {"v": 1, "type": "info", "session": ["x"]}, {"type": {"a": 1}},
                     {"v": True, "type": "info"}, {"v": 1.0, "type": "info"},
@@ -392,7 +392,7 @@ def test_a_dead_successor_does_not_hold_up_other_opens(model, tmp_path):
                 trio.open_nursery() as nursery:
             async def stall(i):
                 m = await mallory.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
-                await m.send(wire.open_frame(mallory.key_pair, f"stall{i}", dead, 8))
+                await m.send(wire.open_frame(mallory.key_pair, f"stall{i}", dead, 8).to_wire())
                 await m.recv(timeout_s=60)
 
             for i in range(3):
@@ -438,7 +438,7 @@ def test_tail_answers_only_the_rows_logits_from_asks_for(model, tmp_path):
         s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
         answers = {}
         for sid, lf in (("all", None), ("last", len(PROMPT) - 1), ("none", len(PROMPT))):
-            await s.send(wire.open_frame(host.key_pair, sid, None, 16))
+            await s.send(wire.open_frame(host.key_pair, sid, None, 16).to_wire())
             assert (await s.recv(timeout_s=10))["type"] == "open_ok"
             extra = {} if lf is None else {"logits_from": lf}
             await s.send(wire.frame("forward", session=sid, epoch=0, pos=0, chunk=0, tokens=PROMPT, **extra))
@@ -450,7 +450,7 @@ def test_tail_answers_only_the_rows_logits_from_asks_for(model, tmp_path):
             assert (await s.recv(timeout_s=10))["token_ids"] == [ref[1]]
         assert len(answers["all"]) == len(PROMPT) and answers["last"] == answers["all"][-1:] == [ref[0]]
         assert answers["none"] == []
-        await s.send(wire.open_frame(host.key_pair, "past", None, 16))
+        await s.send(wire.open_frame(host.key_pair, "past", None, 16).to_wire())
         assert (await s.recv(timeout_s=10))["type"] == "open_ok"
         await s.send(wire.frame("forward", session="past", epoch=0, pos=0, chunk=0, tokens=[1, 2], logits_from=3))
         await _expect_error(s, "lies past its last row")
@@ -483,9 +483,9 @@ def test_sessions_run_sub_ranges_of_overlapping_blocks(synthetic, tmp_path, fami
             outs.append(await ring_generate(chain, model, 4, PROMPT, 6, tmp_path, info=info, job={"id": "j", "nonce": "00" * 16}))
             infos.append(info)
         s = await host.open_stream(b.addr, PROTOCOL_ID, timeout_s=10)
-        await s.send(wire.open_frame(host.key_pair, "x1", None, 64, prev="12D3KooWx", layers=[2, 6]))
+        await s.send(wire.open_frame(host.key_pair, "x1", None, 64, prev="12D3KooWx", layers=[2, 6]).to_wire())
         await _expect_error(s, "not inside this stage's block [1, 4)")
-        await s.send(wire.open_frame(host.key_pair, "x2", a.addr, 64, layers=[0, 2]))
+        await s.send(wire.open_frame(host.key_pair, "x2", a.addr, 64, layers=[0, 2]).to_wire())
         await _expect_error(s, "not inside this stage's block [1, 4)")
         return outs, infos
 
@@ -549,7 +549,7 @@ def test_a_lagging_shadow_computes_the_rolled_back_chunks_the_next_one_builds_on
         server = servers[0]
         s = await host.open_stream(spec.stages[0].addr, PROTOCOL_ID, timeout_s=10)
         for sid in ("lagging", "kept"):
-            await s.send(wire.open_frame(host.key_pair, sid, None, 32, shadow=True))
+            await s.send(wire.open_frame(host.key_pair, sid, None, 32, shadow=True).to_wire())
             assert (await s.recv(timeout_s=10))["type"] == "open_ok"
         lagging = server.sessions["lagging"]
         await server.scheduler.limiter.acquire_on_behalf_of(held)  # the shadow's compute lags

@@ -50,9 +50,9 @@ async def main(cfg: dict) -> dict:
             # the stages' own hop A -> B (both NATed): A opened it over the relay at the first
             # session; in the port-preserving lab it moves once DCUtR punched through
             with trio.move_on_after(20 if cfg["mode"] == "punch" else 0):
-                while not [h for h in (await client.stage_info(0))["hops"] if h["moves"]]:
+                while not [h for h in (await client.stage_info(0)).hops if h["moves"]]:
                     await trio.sleep(0.2)
-            out["stage_hops"] = (await client.stage_info(0))["hops"]
+            out["stage_hops"] = (await client.stage_info(0)).hops
             await trio.sleep(cfg.get("settle_s", 1.0))
             if cfg["mode"] == "punch":
                 os.kill(cfg["relay_pid"], signal.SIGKILL)  # from here on only direct connections work

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from swarm.frames import Frame
 from swarm.transport.framing import encode_frame
 
 
@@ -15,7 +16,7 @@ class MemStream:
 
     async def send(self, msg, timeout_s=None):
         encode_frame(msg)  # what the stage sends must be a valid frame
-        self.sent.append(msg)
+        self.sent.append(msg.to_wire() if isinstance(msg, Frame) else msg)  # as the wire carries it
 
     async def aclose(self):
         self.closed = True

@@ -7,6 +7,7 @@ import pytest
 from swarm.config import SamplingParams, SpecConfig
 from swarm.coordinator.decoding import DecodeOptions, DecodeResult
 from swarm.errors import ConfigError
+from swarm.frames import Result
 
 # the keys (in order) of the record ``swarm coordinate --json`` prints after its own fields
 RECORD_KEYS = ["tokens_per_s", "ttft_s", "cached_tokens", "total_s", "context_limited", "stopped", "sampling",
@@ -107,8 +108,8 @@ def test_ids_committed_past_the_answer_leave_the_output_and_the_kept_prefix():
 
         async def send_chunk(self, session, chunk):
             first = chunk.first_result
-            self.results.append({"chunk": chunk.chunk_id, "epoch": chunk.epoch,
-                                 "token_ids": [script[q + 1] for q in range(first, chunk.pos + len(chunk.tokens))]})
+            self.results.append(Result(session, chunk.epoch, chunk.pos, chunk.chunk_id,
+                                       [script[q + 1] for q in range(first, chunk.pos + len(chunk.tokens))]))
 
         async def next_result(self, session):
             return self.results.pop(0)

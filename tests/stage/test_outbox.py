@@ -38,7 +38,7 @@ def _outboxes(sessions: dict, nursery, successor) -> Outboxes:
 
     return Outboxes(sessions, LayerRange(0, 2), 4, {"frames_out": 0, "outbox_s": 0.0, "send_s": 0.0},
                     hop_timeout_s=5.0, dial=dial, spawn=nursery.start_soon,
-                    error=lambda reason, code="bad_request", session=None: wire.error_frame(reason, code, session))
+                    error=wire.error_frame)
 
 
 def _session(sid: str, reply, next_stream) -> Session:

@@ -63,17 +63,16 @@ def of(msg: dict[str, Any]) -> Frame:
     """The typed frame of a checked map (``swarm.wire.validate`` has run). Raises KeyError for an
     unknown ``type``."""
     cls = FRAME_TYPES[msg["type"]]
-    known = {}
-    extra = {}
-    for key, value in msg.items():
-        if key in ("v", "type"):
-            continue
-        if key in cls.__dataclass_fields__ and key != "extra":
-            if value is not None or key in cls.REQUIRED:
-                known[key] = value
-        else:
-            extra[key] = value
-    return cls(**known, extra=extra) if extra else cls(**known)
+    fields = dict(msg)
+    del fields["v"], fields["type"]
+    if "extra" not in fields:
+        try:
+            return cls(**fields)  # an optional field given as None is the default
+        except TypeError:
+            pass  # a field this version does not know
+    known = cls.__dataclass_fields__
+    return cls(**{k: v for k, v in fields.items() if k in known and k != "extra"},
+               extra={k: v for k, v in fields.items() if k not in known or k == "extra"})
 
 
 # ---- session set-up and teardown

@@ -23,6 +23,7 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``server``     ``StageServer``: info, inbound streams, dispatch of frames, sessions' lifecycle; it wires
                  together the objects below, each given what it uses (no mixins, no shared attributes)
 - ``session``    ``Session`` and ``Job``: per-session state and queued work (data only)
+- ``runtime``    ``StageRuntime``: the host, nursery and key the parts reach once the stage serves
 - ``admission``  the open frame's checks and the KV budget: pure ``decide``, ``Reservations``
 - ``scheduler``  ``Scheduler``: a step planned (pure ``plan_step`` -> ``StepPlan``), run (-> ``StepResult``),
                  applied to the queues

@@ -40,10 +40,10 @@ from swarm.stage.openings import Audits
 from swarm.stage.auditor_role import AuditorRole
 from swarm.stage.repair import Repairs
 from swarm.stage.retention import RetentionStore
+from swarm.stage.runtime import StageRuntime
 from swarm.stage.scheduler import TIMING_FIELDS, Scheduler, chunk_input
 from swarm.stage.session import Job, SentLog, Session, session_of
 from swarm.stage.signing import ReceiptSigner
-from swarm.wire import PROTOCOL_ID
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class StageServer:
 
     def __init__(self, config: StageConfig, block, model_name: str, model_digest: str, key=None):
         self.config = config
-        self.key = key  # the node's ed25519 KeyPair: signs receipts (serve() sets it to the host key)
+        # the host, nursery and node key (signs receipts; serve() sets it to the host key when None)
+        self.runtime = StageRuntime(config.network.hop_timeout_s, key=key)
         self.block = block
         self.model_name = model_name
         self.model_digest = model_digest
@@ -64,31 +65,25 @@ class StageServer:
             from swarm.stage.metrics import StageMetrics
 
             self.metrics = StageMetrics(self)
-        self.host = None
-        self.nursery = None  # background tasks (successor drains, outboxes, mirrors), set by serve()
         self.timing = dict.fromkeys(TIMING_FIELDS, 0)  # a few perf_counter calls per frame and step
         self.reservations = Reservations(self.sessions)
+        run = self.runtime
         self.outboxes = Outboxes(self.sessions, block.layer_range, block.num_layers, self.timing,
                                  hop_timeout_s=config.network.hop_timeout_s, error=self._error, metrics=self.metrics,
-                                 # a new stream to a successor or a mirror's shadow; background tasks:
-                                 # the host and nursery are the ones serve() sets
-                                 dial=lambda addr: self.host.open_stream(addr, PROTOCOL_ID,
-                                                                         timeout_s=self.config.network.hop_timeout_s),
-                                 spawn=lambda fn, *args: self.nursery.start_soon(fn, *args))
-        self.audits = Audits(_retention(config), block.layer_range,
-                             key=lambda: self.key, peer_id=lambda: self.host.peer_id,
-                             busy=lambda: self.scheduler.busy(), error=self._error)  # audit.py: openings
-        self.auditing = AuditorRole(config.audits.audit_rate, block.layer_range, model_digest,  # auditing.py: offers
-                                    live=lambda: len(self.sessions), error=self._error,
+                                 dial=run.dial, spawn=run.spawn)
+        self.scheduler = Scheduler(config.scheduling, block, self.sessions, self.timing, fail=self._fail_later,
+                                   emit=self.outboxes.emit, metrics=self.metrics,  # proves the kernels
+                                   sign_receipt=self._sign_receipt)
+        self.kernels, self.stats = self.scheduler.kernels, self.scheduler.stats  # the scheduler's (info, metrics)
+        self.audits = Audits(_retention(config), block.layer_range, key=run.node_key, peer_id=run.peer_id,
+                             busy=self.scheduler.busy, error=self._error)  # openings
+        self.auditing = AuditorRole(config.audits.audit_rate, block.layer_range, model_digest,  # offers
+                                    live=self.sessions.__len__, error=self._error,
                                     allowed=config.network.allow_coordinators, queue_len=config.audits.audit_queue,
                                     tally_path=config.audits.audit_tally)
         self.signer = ReceiptSigner(block, model_name, model_digest, self.outboxes.post,
-                                    tile_of=lambda s: self.scheduler.tile_of(s), retain=self.audits.retain)
-        self.scheduler = Scheduler(config.scheduling, block, self.sessions, self.timing, fail=self._fail_later,
-                                   emit=self.outboxes.emit, metrics=self.metrics,  # proves the kernels
-                                   sign_receipt=lambda sess: self.signer.sign(sess, self.key, self.host.peer_id))
-        self.kernels, self.stats = self.scheduler.kernels, self.scheduler.stats  # the scheduler's (info, metrics)
-        self.repairs = Repairs(self.sessions, block, self_peer=lambda: self.host.peer_id, error=self._error,
+                                    tile_of=self.scheduler.tile_of, retain=self.audits.retain)
+        self.repairs = Repairs(self.sessions, block, self_peer=run.peer_id, error=self._error,
                                refuse=self._refuse, successor_or_answer=self.outboxes.successor_or_answer,
                                post=self.outboxes.post)
         self.draining = False  # no new sessions; set by drain()
@@ -104,6 +99,37 @@ class StageServer:
                 raise ConfigError(f"--max-ctx {config.admission.max_ctx} exceeds the model's maximum context of "
                                   f"{block.max_ctx}")
             block.max_ctx = config.admission.max_ctx
+
+    @property
+    def host(self):
+        """The stage's libp2p host (``serve`` sets it)."""
+        return self.runtime.host
+
+    @host.setter
+    def host(self, host) -> None:
+        self.runtime.host = host
+
+    @property
+    def nursery(self):
+        """The nursery of the stage's background tasks (``serve`` sets it)."""
+        return self.runtime.nursery
+
+    @nursery.setter
+    def nursery(self, nursery) -> None:
+        self.runtime.nursery = nursery
+
+    @property
+    def key(self):
+        """The node's KeyPair: signs receipts."""
+        return self.runtime.key
+
+    @key.setter
+    def key(self, key) -> None:
+        self.runtime.key = key
+
+    def _sign_receipt(self, sess: Session) -> None:
+        """Sign and post ``sess``'s stage receipt (the scheduler reaches its receipt request)."""
+        self.signer.sign(sess, self.runtime.key, self.runtime.peer_id())
 
     def reserved_bytes(self, besides: str | None = None) -> int:
         """KV bytes reserved against ``--kv-budget-mb``: every live session's, and every open still

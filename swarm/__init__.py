@@ -8,7 +8,7 @@ The shared core, at the top of ``swarm/``:
 
 - ``errors``      the error hierarchy                                  (stdlib only)
 - ``ranges``      half-open layer ranges, tilings, even splits            (core)
-- ``heal``        recovery decisions, pure                                (core)
+- ``heal``        heal decisions, pure                                    (core)
 - ``routing``     choosing a route (a chain of stages) and spares, pure   (core)
 - ``files``       writing a file atomically (temp file + rename)          (stdlib only)
 - ``addrs``       multiaddr strings: the PeerId an address names, pure    (stdlib only)

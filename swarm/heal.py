@@ -1,7 +1,7 @@
-"""Recovery decisions when a stage dies or freezes mid-generation. Pure: standard library only.
+"""Heal decisions when a stage dies or freezes mid-generation. Pure: standard library only.
 
 Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``), and the ordered
-recovery steps (``run_recovery``) over an injected ``SwarmOps``: localize, pick a warm replacement
+heal steps (``run_heal``) over an injected ``SwarmOps``: localize, pick a warm replacement
 for the lost layer range (a spare, or a chain of stages tiling it), swap it in, then either keep
 the survivors' session (``SwarmOps.repair``: every surviving stage already holds the KV of the
 committed positions, so only the replacement rebuilds its own from the hidden states its
@@ -27,7 +27,7 @@ NO_WARM_SPARE = "no warm spare holds that range"  # how a NoSpare message ends u
 
 
 class HealError(SwarmError):
-    """Recovery failed: no spare for the lost range, the replay disagreed, or too many failures."""
+    """The heal failed: no spare for the lost range, the replay disagreed, or too many failures."""
 
 
 class NoSpare(HealError):
@@ -177,7 +177,7 @@ class Kept:
 
 
 class SwarmOps(Protocol):
-    """What recovery needs from the engine (the coordinator implements it)."""
+    """What a heal needs from the engine (the coordinator implements it)."""
 
     def now(self) -> float: ...
 
@@ -230,7 +230,7 @@ class SwarmOps(Protocol):
 
 @dataclass
 class HealEvent:
-    """One recovery, for logs and ``--json`` (seconds, from ``ops.now()``).
+    """One heal, for logs and ``--json`` (seconds, from ``ops.now()``).
 
     ``detected_at``: when the fault surfaced; ``detect_s``: from then until the failed stage was
     located; ``spare``: what took the position (``spares``: its PeerIds, in ring order, more than
@@ -277,9 +277,9 @@ class HealEvent:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
 
-async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause: str,
+async def run_heal(ops: SwarmOps, replay: Replay, detected_at: float, cause: str,
                        max_attempts: int = 3) -> HealEvent | None:
-    """Recover the ring and rebuild the session's KV caches; return what happened.
+    """Heal the ring and rebuild the session's KV caches; return what happened.
 
     Steps, each attempt: probe and ``locate_failure``; unless the blamed stage's connection is
     gone, settle and probe again and blame only what persisted (``locate_failure(earlier=...)``);
@@ -312,7 +312,7 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
             if attempt == 1:
                 return None  # every stage answers and nothing is stuck: a pause, not a loss
             if swapped is None:
-                raise HealError(f"recovery failed ({'; '.join(errors)}) and then no stage could be blamed")
+                raise HealError(f"the heal failed ({'; '.join(errors)}) and then no stage could be blamed")
             # the replacement is in and every stage answers again: the second failure was a pause
             # during the rebuild (issue 31's chaos soak: a survivor SIGSTOPped then). Rebuild in full
             # on the ring as it is
@@ -357,12 +357,12 @@ async def run_recovery(ops: SwarmOps, replay: Replay, detected_at: float, cause:
             t3 = ops.now()
         except ReplayMismatch:
             raise
-        except SwarmError as exc:  # a second failure during recovery: start over from the probe
+        except SwarmError as exc:  # a second failure during the heal: start over from the probe
             errors.append(f"attempt {attempt}: {exc}")
             continue
         _finish(event, replay, token, t2, t3)
         return event
-    raise HealError(f"recovery failed {max_attempts} times: {'; '.join(errors)}")
+    raise HealError(f"the heal failed {max_attempts} times: {'; '.join(errors)}")
 
 
 async def _replay_in_full(ops: SwarmOps, replay: Replay, event: HealEvent, why: str) -> tuple[float, int | None]:

@@ -1,4 +1,4 @@
-"""heal.py: table-driven decisions and recovery paths over a scripted SwarmOps (no network)."""
+"""heal.py: table-driven decisions and heal paths over a scripted SwarmOps (no network)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from swarm.errors import StageLost
 from swarm.heal import (Failure, HealError, NoSpare, Probe, ReplayMismatch, StageReport, locate_failure,
-                        plan_replay, run_recovery)
+                        plan_replay, run_heal)
 
 R = StageReport
 
@@ -173,9 +173,9 @@ def run(coro):
     ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, False)], 2, (20, 30)),
     ([R(0, True, 5, 5), R(1, True, 5, 5), R(2, True, 4, 4)], 2, (20, 30)),  # frozen tail: a gap
 ])
-def test_recovery_steps_in_order(reports, stage, layers):
+def test_heal_steps_in_order(reports, stage, layers):
     ops = FakeOps(reports, spares={layers: "spare-A"})
-    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="hop timeout"))
+    event = run(run_heal(ops, REPLAY, detected_at=100.0, cause="hop timeout"))
     assert ops.log == ["probe", "settle", "probe", ("pick", layers), ("swap", stage, "spare-A"), "reset", ("replay", 5)]
     assert event.stage == stage and event.layers == layers and event.spare == "spare-A"
     assert event.replay_tokens == 5 and event.total_s > 0 and event.attempts == 1
@@ -183,33 +183,33 @@ def test_recovery_steps_in_order(reports, stage, layers):
 
 def test_no_spare_names_the_range():
     with pytest.raises(NoSpare, match=r"layers \[10, 20\) is lost \(unreachable\) and no warm spare holds"):
-        run(run_recovery(FakeOps(DEAD_MIDDLE, spares={(0, 10): "x"}), REPLAY, 100.0, "timeout"))
+        run(run_heal(FakeOps(DEAD_MIDDLE, spares={(0, 10): "x"}), REPLAY, 100.0, "timeout"))
     routed = FakeOps(DEAD_MIDDLE)  # a ring routed over the DHT says where else it looked
     routed.no_spare = "no warm spare or stage announcing on the swarm can take over that range now"
     with pytest.raises(NoSpare, match=r"is lost \(unreachable\) and no warm spare or stage announcing on the swarm"):
-        run(run_recovery(routed, REPLAY, 100.0, "timeout"))
+        run(run_heal(routed, REPLAY, 100.0, "timeout"))
 
 
 def test_replay_mismatch_aborts_loudly():
     ops = FakeOps(DEAD_MIDDLE, spares={(10, 20): "s"}, replay_token=4)
     with pytest.raises(ReplayMismatch, match="gave token 4, but 9 was already committed"):
-        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+        run(run_heal(ops, REPLAY, 100.0, "timeout"))
 
 
 def test_nothing_to_blame_replaces_nothing():
     """The ring stopped answering for a moment (a paused stage) and answers again: no swap, no
-    replay, the session goes on (run_recovery returns None)."""
+    replay, the session goes on (run_heal returns None)."""
     paused = [R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)]
     resumed = [R(0, True, 5, 5), R(1, True, 4, 4), R(2, True, 4, 4)]
     ops = FakeOps([paused, resumed], spares={(0, 10): "s", (10, 20): "t"})
-    assert run(run_recovery(ops, REPLAY, 100.0, "stage 0 stopped answering heartbeats")) is None
+    assert run(run_heal(ops, REPLAY, 100.0, "stage 0 stopped answering heartbeats")) is None
     assert ops.log == ["probe", "settle", "probe"]
 
 
 def test_a_closed_connection_is_blamed_without_waiting():
     dead = [R(0, True, 5, 5), R(1, False, gone=True), R(2, True, 4, 4)]
     ops = FakeOps(dead, spares={(10, 20): "s"})
-    event = run(run_recovery(ops, REPLAY, 100.0, "stream closed"))
+    event = run(run_heal(ops, REPLAY, 100.0, "stream closed"))
     assert event.stage == 1 and ops.log[:2] == ["probe", ("pick", (10, 20))]
 
 
@@ -218,7 +218,7 @@ async def _coro(value):
 
 
 @pytest.mark.parametrize("fault", ["swap", "replay"])
-def test_second_failure_during_recovery_retries(fault):
+def test_second_failure_during_a_heal_retries(fault):
     # the first spare dies during the swap (or the replay); a second spare of the range is used
     ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE], spares={(10, 20): "s1"},
                   fail_swaps=int(fault == "swap"), fail_replays=int(fault == "replay"))
@@ -230,7 +230,7 @@ def test_second_failure_during_recovery_retries(fault):
         return got or (backups.pop() if backups else None)
 
     ops.pick_spare = pick
-    event = run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+    event = run(run_heal(ops, REPLAY, 100.0, "timeout"))
     assert event.attempts == 2 and event.spare == "s2"
     assert event.errors[0] == "timeout" and ("died" in event.errors[1] or "lost during replay" in event.errors[1])
 
@@ -238,13 +238,13 @@ def test_second_failure_during_recovery_retries(fault):
 def test_every_attempt_failing_gives_up():
     ops = FakeOps([DEAD_MIDDLE] * 3, fail_replays=3)
     ops.pick_spare = lambda layers: _coro("s")
-    with pytest.raises(HealError, match="recovery failed 3 times"):
-        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+    with pytest.raises(HealError, match="the heal failed 3 times"):
+        run(run_heal(ops, REPLAY, 100.0, "timeout"))
 
 
 def test_first_failure_during_prefill_replays_the_prompt():
     ops = FakeOps(DEAD_MIDDLE, spares={(10, 20): "s"}, replay_token=123)
-    event = run(run_recovery(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
+    event = run(run_heal(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
     assert event.replay_tokens == 3  # no driver to check
 
 
@@ -277,26 +277,26 @@ class KeepingOps(FakeOps):
         return self.replay_token
 
 
-def test_recovery_keeps_the_survivors_when_the_engine_can():
+def test_a_heal_keeps_the_survivors_when_the_engine_can():
     ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "spare-A"})
-    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    event = run(run_heal(ops, REPLAY, detected_at=100.0, cause="lost"))
     assert ops.log[-3:] == [("swap", 1, "spare-A"), ("repair", 1, 1, 5), "resume"]
     assert "reset" not in ops.log
     assert (event.replay, event.replay_tokens, event.refill_tokens, event.survivor_tokens) == ("survivors_kept", 5, 4, 1)
     assert event.replaced == ["p1"] and event.fallback == ""
 
 
-def test_recovery_falls_back_to_a_full_replay_and_says_why():
+def test_a_heal_falls_back_to_a_full_replay_and_says_why():
     ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "spare-A"}, why="stage 0 holds 0 positions")
-    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    event = run(run_heal(ops, REPLAY, detected_at=100.0, cause="lost"))
     assert ops.log[-4:] == [("swap", 1, "spare-A"), ("repair", 1, 1, 5), "reset", ("replay", 5)]
     assert (event.replay, event.survivor_tokens, event.refill_tokens) == ("full", 5, 0)
     assert event.fallback == "stage 0 holds 0 positions"
 
 
-def test_recovery_with_nothing_committed_replays_in_full_without_repair():
+def test_a_heal_with_nothing_committed_replays_in_full_without_repair():
     ops = KeepingOps(DEAD_MIDDLE, spares={(10, 20): "s"})
-    event = run(run_recovery(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
+    event = run(run_heal(ops, plan_replay([1, 2, 3], []), 100.0, "timeout"))
     assert not any(isinstance(x, tuple) and x[0] == "repair" for x in ops.log)
     assert event.replay == "full" and "nothing committed" in event.fallback
 
@@ -313,7 +313,7 @@ def test_a_kept_heal_that_fails_again_retries_and_records_every_replaced_stage()
         ops.peers[index] = spare  # the spare now sits there: the retry replaces it
 
     ops.pick_spare, ops.swap = pick, swap
-    event = run(run_recovery(ops, REPLAY, 100.0, "lost"))
+    event = run(run_heal(ops, REPLAY, 100.0, "lost"))
     assert event.attempts == 2 and event.replay == "survivors_kept"
     assert event.replaced == ["p1", "s"] and event.spare == "s2"
 
@@ -359,7 +359,7 @@ def test_no_spare_for_the_lost_range_re_routes_a_window_and_replays_in_full():
     """Stage 1 [10, 20) is lost and nothing outside the ring holds it: the engine re-routes positions
     0 and 1 ([0, 20)) onto one stage; the event names the window, the lost position and the fallback."""
     ops = WideningOps(DEAD_MIDDLE, window=(0, 2, "wide"))
-    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    event = run(run_heal(ops, REPLAY, detected_at=100.0, cause="lost"))
     assert ops.log[-6:] == [("pick", (10, 20)), ("wider", 1), ("swap", 0, "wide"), ("repair", 0, 1, 5), "reset",
                             ("replay", 5)]
     assert (event.stage, event.layers, event.positions, event.lost_stage) == (0, (0, 20), 2, 1)
@@ -370,18 +370,18 @@ def test_no_spare_for_the_lost_range_re_routes_a_window_and_replays_in_full():
 def test_no_spare_and_no_window_still_names_the_lost_range():
     ops = WideningOps(DEAD_MIDDLE, window=None)
     with pytest.raises(NoSpare, match=r"stage 1 holding layers \[10, 20\) is lost"):
-        run(run_recovery(ops, REPLAY, 100.0, "timeout"))
+        run(run_heal(ops, REPLAY, 100.0, "timeout"))
     assert ("wider", 1) in ops.log and not any(isinstance(x, tuple) and x[0] == "swap" for x in ops.log)
 
 
 def test_a_pause_during_the_rebuild_replays_in_full_on_the_ring_as_it_is():
     """Issue 31's chaos soak: the spare was swapped in, then a survivor paused (SIGSTOP) during the
-    replay; the next probe blames nobody. Before: "recovery failed ... and then no stage could be
+    replay; the next probe blames nobody. Before: "the heal failed ... and then no stage could be
     blamed" (the request lost); now the session is replayed in full on the ring as it is."""
     paused, resumed = [R(0, False), R(1, True, 4, 4), R(2, True, 4, 4)], [R(0, True, 5, 5), R(1, True, 4, 4),
                                                                        R(2, True, 4, 4)]  # then nothing stuck
     ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE, paused, resumed], spares={(10, 20): "spare-A"}, fail_replays=1)
-    event = run(run_recovery(ops, REPLAY, detected_at=100.0, cause="lost"))
+    event = run(run_heal(ops, REPLAY, detected_at=100.0, cause="lost"))
     # the replay failed, the re-check blamed nobody, the replay ran again in full
     assert ops.log[-7:] == ["reset", ("replay", 5), "probe", "settle", "probe", "reset", ("replay", 5)]
     assert ops.log.count(("swap", 1, "spare-A")) == 1
@@ -395,4 +395,4 @@ def test_a_pause_before_anything_was_swapped_still_fails_loudly():
                                                                        R(2, True, 4, 4)]
     ops = FakeOps([DEAD_MIDDLE, DEAD_MIDDLE, paused, resumed], spares={(10, 20): "spare-A"}, fail_swaps=1)
     with pytest.raises(HealError, match="then no stage could be blamed"):
-        run(run_recovery(ops, REPLAY, 100.0, "lost"))
+        run(run_heal(ops, REPLAY, 100.0, "lost"))

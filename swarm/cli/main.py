@@ -177,7 +177,7 @@ def _demo_parser(sub) -> None:
     h = p.add_argument_group("healing")
     h.add_argument("--spares", action="store_true", help="also start one warm spare per stage (same layers)")
     h.add_argument("--kill-stage", type=int, help="SIGKILL this stage (0-based) mid-answer, to watch the ring heal "
-                                                  "(needs --spares to recover)")
+                                                  "(needs --spares to heal)")
     h.add_argument("--kill-after", type=int, default=16, help="new tokens before --kill-stage fires (default 16)")
     h.add_argument("--shadow", action="store_true", help=SHADOW_HELP + " (with --spares)")
     _add_receipt_flags(p)

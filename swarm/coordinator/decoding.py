@@ -1,7 +1,7 @@
 """Decoding one prompt on a connected ring: ``decode`` (``DecodeOptions`` -> ``DecodeResult``).
 
 Owns: opening the session, driving a ``SpecLoop`` (prefill chunks, then verify chunks) through the
-ring client, turning a lost or frozen stage into ``swarm.heal.run_recovery`` over ``RingOps`` and
+ring client, turning a lost or frozen stage into ``swarm.heal.run_heal`` over ``RingOps`` and
 going on, the context budget, and collecting the stages' receipt parts of a job.
 """
 
@@ -17,7 +17,7 @@ import trio
 from swarm import wire
 from swarm.config import SamplingParams, SpecConfig
 from swarm.errors import ConfigError, ContextOverflow, StageLost
-from swarm.heal import HealEvent, plan_replay, run_recovery
+from swarm.heal import HealEvent, plan_replay, run_heal
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import NoDrafter, SpecLoop
 from swarm.coordinator.heal_ops import RingOps
@@ -52,7 +52,7 @@ class DecodeOptions:
         wire_dtype: dtype of hidden states between stages (None: each stage's own dtype). Narrower
             dtypes (bfloat16, float16, float8_e4m3fn with a scale per position) are lossy: opt-in,
             and recorded as ``wire_lossy`` in the result.
-        heal: recover onto spares (default); False fails on the first lost stage.
+        heal: heal onto spares (default); False fails on the first lost stage.
         job: ``{"id", "nonce"}``: every stage keeps receipt digests for the session, and at the end
             the signed stage receipts are collected (``swarm.receipts``). None: no digests.
         shadow: (with ``heal``) open the session also at a warm spare for each stage that has one,
@@ -151,7 +151,7 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     decode sends verify chunks ``[last committed] + K drafts`` with up to ``spec.depth`` in flight
     (``swarm.coordinator.spec.SpecLoop``). Output is token-for-token plain greedy (or plain keyed sampling).
     When a stage is lost (its stream ends) or frozen (it stops answering heartbeats), and the ring
-    file lists a warm spare for its layers, the ring heals (``swarm.heal.run_recovery``): the spare
+    file lists a warm spare for its layers, the ring heals (``swarm.heal.run_heal``): the spare
     is swapped in, the session reopened, prompt + committed output replayed in prefill chunks, the
     driver token checked, and generation continues; the output equals an uninterrupted run. A stage
     found lost while the session opens (one that died since an earlier session of this client, as in
@@ -191,16 +191,16 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     shadowed = options.heal and options.shadow and await ops.prepare_shadows() > 0
     heal_events: list[HealEvent] = []
 
-    async def recover(exc: StageLost) -> bool:
-        return await _recover(ops, plan_replay(prompt_ids, loop.output), exc, heal_events)
+    async def heal_after(exc: StageLost) -> bool:
+        return await _heal(ops, plan_replay(prompt_ids, loop.output), exc, heal_events)
 
     t0 = time.perf_counter()
     keep = None
     try:  # from the open on: a session opened at only some stages is closed there in the end too
-        cached = await _open_session(ring, loop, state, prompt_ids, options, shadowed, recover)
+        cached = await _open_session(ring, loop, state, prompt_ids, options, shadowed, heal_after)
         if on_open is not None:
             on_open()
-        t_first, stopped = await _drive(ring, loop, state, options.heal, recover, on_ids, should_stop)
+        t_first, stopped = await _drive(ring, loop, state, options.heal, heal_after, on_ids, should_stop)
         t_end = time.perf_counter()
         out = loop.output
         if answer_len is not None:
@@ -253,12 +253,12 @@ def _context_budget(ring: RingClient, prompt_ids: list[int], max_new_tokens: int
     return budget
 
 
-async def _recover(ops: RingOps, replay, exc: StageLost, heal_events: list[HealEvent]) -> bool:
-    """Heal after ``exc`` (``run_recovery``) and append the event to ``heal_events``; False when the
+async def _heal(ops: RingOps, replay, exc: StageLost, heal_events: list[HealEvent]) -> bool:
+    """Heal after ``exc`` (``run_heal``) and append the event to ``heal_events``; False when the
     re-check found every stage answering (nothing was replaced)."""
     detected = time.monotonic()
     log.warning("heal.start cause=%s", exc)
-    event = await run_recovery(ops, replay, detected, str(exc))
+    event = await run_heal(ops, replay, detected, str(exc))
     if event is None:
         return False
     log.warning("heal.done stage=%d layers=[%d, %d) spare=%s replay=%s detect_s=%.2f swap_s=%.2f "
@@ -271,7 +271,7 @@ async def _recover(ops: RingOps, replay, exc: StageLost, heal_events: list[HealE
 
 
 async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_ids: list[int],
-                        options: DecodeOptions, shadowed: bool, recover) -> int:
+                        options: DecodeOptions, shadowed: bool, heal_after) -> int:
     """Open the generation's session at every stage (healing a stage found lost meanwhile).
 
     Returns:
@@ -292,7 +292,7 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
             # prefill runs from position 0 (nothing committed)
             if not options.heal:
                 raise
-            if await recover(exc):
+            if await heal_after(exc):
                 return 0
             if attempt == OPEN_ATTEMPTS:
                 log.warning("heal.skipped cause=%s: every stage answers and nothing is stuck, so no stage is "
@@ -308,7 +308,7 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, recover, on_ids,
+async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, heal_after, on_ids,
                  should_stop) -> tuple[float | None, bool]:
     """Send the loop's chunks and commit the tail's results until the loop is done or ``should_stop``
     says so, healing lost stages (with ``heal``).
@@ -327,7 +327,7 @@ async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, reco
         except HEALABLE as exc:
             if not heal:
                 raise
-            if not await recover(exc):  # re-checked: every stage answers and moves again (a pause)
+            if not await heal_after(exc):  # re-checked: every stage answers and moves again (a pause)
                 log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; no stage "
                             "replaced, generation goes on", exc)
             continue

@@ -42,7 +42,7 @@ class RingOps:
 
     @property
     def no_spare(self) -> str:
-        """The end of the "is lost" message when ``pick_spare`` found nothing (``heal.run_recovery``)."""
+        """The end of the "is lost" message when ``pick_spare`` found nothing (``heal.run_heal``)."""
         if self.ring.discovery is not None:
             return "no warm spare or stage announcing on the swarm can take over that range now"
         return NO_WARM_SPARE

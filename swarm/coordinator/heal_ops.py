@@ -49,7 +49,7 @@ class RingOps:
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
         session = self.state["session"]
-        reports = await self.ring.net.probe(session, 2 * self.ring.heartbeat_s)
+        reports = await self.ring.probe(session)
         self._refusing |= {self.peer_of(r.index) for r in reports if r.refusing}
         return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
 
@@ -59,9 +59,8 @@ class RingOps:
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
         ring, session = self.ring, self.state["session"]
-        shadow = ring.repair.shadowed.get(session, {}).pop(tuple(layers), None)
+        shadow = ring.repair.take_shadow(session, layers)
         if shadow is not None:  # the spare that shadowed this stage, if it still answers
-            ring.repair.shadows.pop(tuple(layers), None)
             state = await ring.repair.shadow_state(session, shadow, 2 * ring.heartbeat_s)
             if state != "lost":
                 name = shadow.info.peer_id
@@ -73,7 +72,7 @@ class RingOps:
             log.warning("heal.shadow_unusable layers=[%d, %d) peer=%s: looking for another spare", *layers,
                         shadow.info.peer_id)
             self._shadow_note = f"the shadow {shadow.info.peer_id} did not answer"
-            await ring.net.drop([shadow])
+            await ring.repair.drop([shadow])
         link = await self.ring.repair.prepare_spare(index, layers)
         chain = [link] if link is not None else None
         if chain is None and self.ring.discovery is not None:
@@ -145,7 +144,7 @@ class RingOps:
                 next_peer=infos[last + 1].peer_id if last + 1 < len(infos) else None,
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos)
                                   if not index <= j <= last or (j == lost and not fresh_session))
-                | {s.info.peer_id for s in self.ring.repair.shadows.values()} | self._refusing,
+                | self.ring.repair.shadow_peers() | self._refusing,
                 context_tokens=self.state["max_len"],
                 known=route.records, known_rtt_ms=route.client_rtt_ms,
                 shut_out=self.ring.shut_out, measured_layer_ms=load_measured(model_id))
@@ -157,7 +156,7 @@ class RingOps:
             link = await self.ring.repair.prepare_spare(index + len(chain), hop.layers,
                                                  spec=StageSpec(addr=hop.addr, layers=LayerRange(*hop.layers)))
             if link is None:
-                await self.ring.net.drop(chain)
+                await self.ring.repair.drop(chain)
                 return None
             chain.append(link)
         if len(chain) > 1:
@@ -173,32 +172,29 @@ class RingOps:
         ids = self.ring.repair.swap(index, self._spares.pop(spare), self._window)
         # a re-routed window's surviving stages leave the ring: closing their streams ends this
         # session there (a stage drops the sessions of a stream that closes)
-        await self.ring.net.drop([link for link in old if link.info.peer_id != self._replaced])
+        await self.ring.repair.drop([link for link in old if link.info.peer_id != self._replaced])
         return ids
 
     async def prepare_shadows(self) -> int:
         """Find a warm spare for every ring position that has none shadowing it yet (the ring file's
         spares, then the DHT's holders when the ring was routed there: one stage holding the whole
-        range), dial and check it; they are kept in ``ring.repair.shadows`` for the sessions to come.
-        Returns how many positions have a shadow."""
-        ring = self.ring
-        for index, info in enumerate(ring.infos):
+        range), dial and check it; ``RingRepair`` keeps them for the sessions to come. Returns how many
+        positions have a shadow."""
+        repair = self.ring.repair
+        for index, info in enumerate(self.ring.infos):
             layers = tuple(info.layers)
-            if layers in ring.repair.shadows and ring.repair.shadows[layers].generation not in ring.net.lost_gens:
+            if repair.has_shadow(layers):
                 continue
-            before = list(ring.repair.spares)
-            link = await ring.repair.prepare_spare(index, layers)
-            if link is None:  # a spare that cannot be reached now is tried again at a heal
-                ring.repair.spares = before
-            if link is None and ring.discovery is not None:
+            link = await repair.try_spare(index, layers)  # one that cannot be reached now is tried at a heal
+            if link is None and self.ring.discovery is not None:
                 chain = await self._spare_from_swarm(index, layers)
                 if chain and len(chain) > 1:  # a chain cannot shadow one stage: it stays unused
-                    await ring.net.drop(chain)
+                    await repair.drop(chain)
                 link = chain[0] if chain and len(chain) == 1 else None
             if link is not None:
-                ring.repair.shadows[layers] = link
+                repair.keep_shadow(layers, link)
                 log.info("shadow.ready layers=[%d, %d) peer=%s", *layers, link.info.peer_id)
-        return sum(tuple(i.layers) in ring.repair.shadows for i in ring.infos)
+        return sum(repair.has_shadow(tuple(i.layers)) for i in self.ring.infos)
 
     def peer_of(self, index: int) -> str:
         return self.ring.links[index].info.peer_id

@@ -74,6 +74,42 @@ class RingRepair:
     def links(self) -> list[Link]:
         return self.net.links
 
+    # ---- the shadows' books (RingOps reads them through these)
+
+    def take_shadow(self, session: str, layers: tuple[int, int]) -> Link | None:
+        """The shadow ``session`` opened for ring position ``layers``, out of the books (a heal takes it
+        as the spare, or drops it); None when it had none."""
+        link = self.shadowed.get(session, {}).pop(tuple(layers), None)
+        if link is not None:
+            self.shadows.pop(tuple(layers), None)
+        return link
+
+    def has_shadow(self, layers: tuple[int, int]) -> bool:
+        """Whether a shadow for ``layers`` is ready and its connection not lost."""
+        link = self.shadows.get(tuple(layers))
+        return link is not None and link.generation not in self.net.lost_gens
+
+    def keep_shadow(self, layers: tuple[int, int], link: Link) -> None:
+        """Keep ``link`` as the shadow of ``layers`` for the sessions to come."""
+        self.shadows[tuple(layers)] = link
+
+    def shadow_peers(self) -> set[str]:
+        """The PeerIds of the shadows kept (none may take another ring position)."""
+        return {link.info.peer_id for link in self.shadows.values()}
+
+    async def try_spare(self, index: int, layers: tuple[int, int]) -> Link | None:
+        """:meth:`prepare_spare` from the ring file's spares, leaving them as they were when none answers
+        (it is tried again at a heal)."""
+        before = list(self.spares)
+        link = await self.prepare_spare(index, layers)
+        if link is None:
+            self.spares = before
+        return link
+
+    async def drop(self, links) -> None:
+        """Close the connections of ``links`` (spares not taken, stages that left the ring)."""
+        await self.net.drop(links)
+
     @property
     def hop_timeout_s(self) -> float:
         return self.net.hop_timeout_s

@@ -130,6 +130,11 @@ class RingClient:
         return RingSpec(model=self.ring.model, stages=tuple(self.net.stage_specs),
                         spares=tuple(self.repair.spares) + tuple(link.spec for link in self.repair.shadows.values()))
 
+    async def probe(self, session: str) -> list:
+        """Every stage's progress on ``session`` (``RingLinks.probe``, within twice the heartbeat: a
+        loaded machine must not look like a dead stage)."""
+        return await self.net.probe(session, 2 * self.heartbeat_s)
+
     async def stage_info(self, index: int) -> InfoOk:
         """Stage ``index``'s ``info_ok`` frame now (``RingLinks.stage_info``; only between sessions).
 

@@ -95,7 +95,7 @@ class Audits:
     def retain(self, sess, receipt: dict, commitment: openings.Commitment) -> None:
         """Keep a signed receipt's commitment (the signer calls this) for later audits."""
         self.adopt()
-        self.store.put(sess.session_id, sess.ledger.job_id, receipt, commitment)
+        self.store.put(sess.session_id, sess.evidence.ledger.job_id, receipt, commitment)
 
     def adopt(self) -> None:
         """Take over the jobs an earlier run of this stage spilled (:meth:`RetentionStore.adopt`: those whose

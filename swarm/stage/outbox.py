@@ -153,13 +153,14 @@ class Outboxes:
             if onward:
                 sent = replace(msg, tokens=None, hidden=payload, extra={})
                 self.post(sess.next_stream, sess, sent)
-                if sess.ledger is not None:
-                    sess.ledger.output.add(receipts.refill_item(sent))
-            if sess.windows is not None:
-                sess.windows.record_chunk(msg, payload if onward else None)
+                if sess.evidence is not None:
+                    sess.evidence.ledger.output.add(receipts.refill_item(sent))
+            if sess.evidence is not None and sess.evidence.windows is not None:
+                sess.evidence.windows.record_chunk(msg, payload if onward else None)
             return
         if tail:
-            record_answers(sess.answers, msg.pos, msg.rows, payload)  # the ids its receipt signs
+            if sess.evidence is not None:
+                record_answers(sess.evidence.answers, msg.pos, msg.rows, payload)  # the ids its receipt signs
             sent = Result(session=msg.session, epoch=msg.epoch, pos=msg.pos, chunk=msg.chunk, token_ids=payload,
                           logits_from=msg.logits_from)
             self.post(sess.reply, sess, sent, msg.chunk)
@@ -172,10 +173,11 @@ class Outboxes:
                 sess.mirror.post(msg.epoch, msg.pos, hidden=payload)
             self.post(sess.next_stream, sess, sent, msg.chunk)
             item = receipts.forward_item(sent)
-        if sess.ledger is not None:  # in posting order = the order the stream carries them
-            sess.ledger.output.add(item)
-        if sess.windows is not None:  # the rows behind the receipt's window root (swarm.openings)
-            sess.windows.record_chunk(msg, payload)
+        evidence = sess.evidence
+        if evidence is not None:  # in posting order = the order the stream carries them
+            evidence.ledger.output.add(item)
+            if evidence.windows is not None:  # the rows behind the receipt's window root (swarm.openings)
+                evidence.windows.record_chunk(msg, payload)
 
     def post(self, stream, sess: Session, msg: Frame, chunk: int | None = None) -> None:
         """Queue ``msg`` on ``stream``'s outbox: one task per stream sends in posting order, so a slow

@@ -160,14 +160,14 @@ class Repairs:
         prev = msg.prev
         sess.epoch = max(sess.epoch, msg.epoch)
         if prev is not None:
-            if sess.ledger is not None:
-                sess.ledger.cut("input", sess.source)
+            if sess.evidence is not None:
+                sess.evidence.ledger.cut("input", sess.source)
             sess.source = prev
         if new_stream is not None:
-            if sess.ledger is not None:
-                sess.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
+            if sess.evidence is not None:
+                sess.evidence.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if promoted is not None:  # the shadow's input digest began with the mirrored frames
-                    sess.ledger.output = promoted.digest
+                    sess.evidence.ledger.output = promoted.digest
             sess.next_addr, sess.next_stream, sess.successor_lost = msg.next, new_stream, False
             sess.sent = -1  # progress on the new hop starts afresh
 
@@ -178,8 +178,8 @@ class Repairs:
         for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
             out = Refill(session=sess.session_id, epoch=sess.epoch, pos=pos, until=msg.until, hidden=tensor)
             self._post(sess.next_stream, sess, out)
-            if sess.ledger is not None:
-                sess.ledger.output.add(receipts.refill_item(out))
+            if sess.evidence is not None:
+                sess.evidence.ledger.output.add(receipts.refill_item(out))
         return max(0, (resend or 0) - start)
 
     async def _promote_shadow(self, stream, sess: Session, msg: Repair) -> None:

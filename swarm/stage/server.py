@@ -42,7 +42,7 @@ from swarm.stage.repair import Repairs
 from swarm.stage.retention import RetentionStore
 from swarm.stage.runtime import StageRuntime
 from swarm.stage.scheduler import TIMING_FIELDS, Scheduler, chunk_input
-from swarm.stage.session import Job, SentLog, Session, session_of
+from swarm.stage.session import Evidence, Job, SentLog, Session, session_of
 from swarm.stage.signing import ReceiptSigner
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class StageServer:
             session.wire_dtype = wire.WIRE_DTYPES[msg.wire_dtype]
         if msg.job is not None:
             job_id, nonce = receipts.check_job_field(msg.job)  # validate() has checked it
-            session.ledger, session.windows = receipts.StageLedger(job_id, nonce), self.audits.new_log()
+            session.evidence = Evidence(receipts.StageLedger(job_id, nonce), self.audits.new_log())
         if msg.sampling is not None:
             session.sampling = _sampling_of(msg.sampling)
         if next_addr is not None:
@@ -390,8 +390,8 @@ class StageServer:
         forward = isinstance(msg, Forward)
         if forward:
             sess.received = max(sess.received, msg.chunk)
-        if sess.ledger is not None:  # every frame received, also the stale ones dropped below
-            sess.ledger.input.add(receipts.forward_item(msg) if forward else receipts.refill_item(msg))
+        if sess.evidence is not None:  # every frame received, also the stale ones dropped below
+            sess.evidence.ledger.input.add(receipts.forward_item(msg) if forward else receipts.refill_item(msg))
         if msg.epoch < sess.epoch:
             return  # stale speculation: drop before computing
         sess.epoch = msg.epoch
@@ -416,7 +416,7 @@ class StageServer:
         if stream.remote_peer_id != sess.source:
             await self._refuse(stream, sess, "receipt")
             return
-        if sess.ledger is None:
+        if sess.evidence is None:
             raise ProtocolError(f"session {sid!r} was opened without a job: there is no receipt to sign")
         self.scheduler.enqueue(sess, Job(msg))
 

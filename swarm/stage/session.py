@@ -1,21 +1,29 @@
 """Per-session state at a stage, and the queued work of a session.
 
-Owns: ``Session`` (KV cache, the coordinator's reply stream, the successor, epoch, the progress
-counters a probe reads, the receipt ledger, the queue of jobs, the hidden states sent on, whether
-it is a shadow, the mirror to the successor's shadow),
-``SentLog`` (those hidden states by position, for a heal that keeps the survivors), ``Job`` (one
-queued chunk, refill or receipt request) and ``session_of`` (the session id a frame names). Data only: the server, scheduler,
-outbox and signing modules of this package act on it.
+Owns: ``Session`` (KV cache, streams, epoch, progress, the queue of jobs, heal and shadow state),
+its ``Evidence`` (what a session with a job keeps for its receipt and audits), ``SentLog`` (the
+hidden states sent on, for a heal that keeps the survivors), ``Job`` (one queued chunk, refill or
+receipt request) and ``session_of``. Data only: the server, scheduler, outbox and signing act on it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from swarm import receipts
+from swarm.frames import Forward, Receipt, Refill
+from swarm.ranges import LayerRange
+
+if TYPE_CHECKING:  # annotations only: the session's parts, owned elsewhere
+    from swarm.config import SamplingParams
+    from swarm.mirror import Mirror
+    from swarm.model.cache import KVCache
+    from swarm.openings import WindowLog
+    from swarm.transport.framing import FramedStream
 
 
 class SentLog:
@@ -99,20 +107,29 @@ class Job:
 
 
 @dataclass
+class Evidence:
+    """What a session opened with a job keeps for its stage receipt and audits."""
+
+    ledger: receipts.StageLedger  # rolling digests of the frames received and sent
+    windows: WindowLog | None = None  # the rows behind the receipt's Merkle root (None: no --audit-retention-mb)
+    answers: list = field(default_factory=list)  # the tail's token id after each position (None: not answered)
+
+
+@dataclass
 class Session:
     """One session's state at this stage."""
 
     session_id: str
-    cache: object
-    reply: object  # FramedStream back to the coordinator that opened the session
+    cache: KVCache
+    reply: FramedStream  # back to the coordinator that opened the session
     next_addr: str | None
     coordinator: str = ""  # PeerId that opened (and alone may steer) the session
     source: str = ""  # PeerId whose forward frames the session accepts: the predecessor, or the coordinator
-    next_stream: object | None = None
+    next_stream: FramedStream | None = None
     successor_lost: bool = False  # its successor stopped taking frames (until a repair names a new one)
     epoch: int = 0
-    sampling: object = None  # SamplingParams at the tail when the session samples; None = greedy
-    wire_dtype: object = None  # torch dtype of hidden states sent on; None = the stage's dtype
+    sampling: SamplingParams | None = None  # at the tail when the session samples; None = greedy
+    wire_dtype: torch.dtype | None = None  # of hidden states sent on; None = the stage's dtype
     positions: int = 0
     received: int = -1  # highest chunk id received (heal progress reports)
     sent: int = -1  # highest chunk id sent on (the tail: as a result)
@@ -120,8 +137,7 @@ class Session:
     frames_in: int = 0
     frames_out: int = 0
     errors: list = field(default_factory=list)
-    ledger: receipts.StageLedger | None = None  # rolling digests, when the open frame named a job
-    windows: object = None  # swarm.openings.WindowLog with the ledger: the rows behind the receipt's Merkle root
+    evidence: Evidence | None = None  # when the open frame named a job
     reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     last_active: float = 0.0  # trio clock of the last frame for this session
     last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
@@ -130,15 +146,14 @@ class Session:
     queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
     queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
     batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
-    span: object = None  # LayerRange this session runs: the block or a sub-range the open frame named
+    span: LayerRange | None = None  # the layers it runs: the block or a sub-range the open frame named
     sent_log: SentLog | None = None  # hidden states sent on (non-tail stages), for a heal's resend
     # a warm spare's copy of a stage's session (open with shadow: true): it only fills its KV cache
     # from the refill frames its predecessor mirrors, sends nothing on, until a repair promotes it
     shadow: bool = False
-    mirror: object = None  # swarm.mirror.Mirror: copies of the forwards sent on, to the successor's shadow
+    mirror: Mirror | None = None  # copies of the forwards sent on, to the successor's shadow
     prefix_ns: str | None = None  # the prefix-cache namespace (open frame named a prefix), else None
     reused: int = 0  # positions [0, reused) of the KV cache came from the prefix cache at open
-    answers: list = field(default_factory=list)  # the tail's token id after each position (None: not answered)
 
     @property
     def is_head(self) -> bool:

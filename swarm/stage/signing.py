@@ -59,38 +59,38 @@ class ReceiptSigner:
         so every receipt covers all frames its predecessor sent: the digests of neighbours match.
 
         Args:
-            sess: a session opened with a job (its ``ledger`` holds the rolling digests).
+            sess: a session opened with a job (its ``evidence`` holds the rolling digests).
             key: this node's ed25519 KeyPair; ``peer_id``: its PeerId, named in the receipt.
         """
-        b, sid = self.block, sess.session_id
+        b, sid, evidence = self.block, sess.session_id, sess.evidence
         tail = sess.is_tail(b.num_layers)
-        log_ = sess.windows  # absent without --audit-retention-mb, broken when the job outgrew it
+        log_ = evidence.windows  # absent without --audit-retention-mb, broken when the job outgrew it
         commitment = None if log_ is None or log_.broken else openings.Commitment(log_.snapshot(), self.window)
         if log_ is not None and log_.broken:
-            log.warning("receipt.no_windows session=%s job=%s reason=%s", sid, sess.ledger.job_id, log_.broken)
-        body = sess.ledger.body(
+            log.warning("receipt.no_windows session=%s job=%s reason=%s", sid, evidence.ledger.job_id, log_.broken)
+        body = evidence.ledger.body(
             session=sid, coordinator=sess.coordinator, peer_id=peer_id, model=self.model_name,
             model_digest=self.model_digest, range_digest=b.digest_of(sess.span), layers=sess.span.as_list(),
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions, reused=sess.reused, repro=self.repro_class(sess).as_dict(),
-            windows=None if commitment is None else commitment.field(), answers=_answers(sess) if tail else None)
+            windows=None if commitment is None else commitment.field(), answers=_answers(evidence.answers) if tail else None)
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(key, data))
         self.signed += 1
         if commitment is not None and self._retain is not None:
             self._retain(sess, signed, commitment)  # the rows an audit opens, kept after the session ends
-        log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, sess.ledger.job_id,
-                 sess.ledger.input.frames, sess.ledger.output.frames)
+        log.info("receipt.signed session=%s job=%s in=%d out=%d", sid, evidence.ledger.job_id,
+                 evidence.ledger.input.frames, evidence.ledger.output.frames)
         self._post(sess.reply, sess, ReceiptOk(session=sid, receipt=signed))
         if not tail:
             self._post(sess.next_stream, sess, Receipt(session=sid))
 
 
-def _answers(sess: Session) -> dict:
+def _answers(answers: list) -> dict:
     """The tail's signed answers: ``{"from": p0, "ids": [...]}``, the token id it last sent after each
     position from ``p0`` (its first answered position) on; null where it sent none (see
     ``swarm.receipts``: a client proves with it what the ring answered)."""
-    first = next((p for p, t in enumerate(sess.answers) if t is not None), len(sess.answers))
-    return {"from": first, "ids": list(sess.answers[first:])}
+    first = next((p for p, t in enumerate(answers) if t is not None), len(answers))
+    return {"from": first, "ids": list(answers[first:])}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from swarm.addrs import peer_id_from_addr
-from swarm.errors import CacheUnwritable, ConfigError
+from swarm.errors import CacheUnwritable, ConfigError, IdentityError
 from swarm.flags import add_sections, build, option
 from swarm.ranges import LayerRange
 
@@ -388,7 +388,6 @@ def check_fetch_addr(addr: object) -> str:
 
 def _check_peer_id(flag: str, peer) -> None:
     """A well-formed ed25519 PeerId (base58, the public key inlined), or ConfigError naming ``flag``."""
-    from swarm.errors import IdentityError
     from swarm.transport.identity import public_key_of_peer
 
     try:

@@ -6,6 +6,8 @@ that a one-line log or a FATAL line says exactly what went wrong.
 
 from __future__ import annotations
 
+import errno
+
 
 class SwarmError(Exception):
     """Base class of every error swarm raises on purpose. ``exit_code``: what a command exits with."""
@@ -36,8 +38,6 @@ class ListenError(ConfigError):
     exit_code = 2
 
     def __init__(self, where: str, exc: OSError | None = None, flag: str = "--port", why: str | None = None) -> None:
-        import errno
-
         self.where = where
         code = getattr(exc, "errno", None)
         if code == errno.EADDRINUSE:

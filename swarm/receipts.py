@@ -51,15 +51,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
 
-from swarm.errors import ReceiptInvalid
+from swarm.errors import ConfigError, ReceiptInvalid
 from swarm.frames import Forward, Open, Refill, Repair, Result
+from swarm.files import write_atomic
+from swarm.ranges import LayerRange, check_tiling
 
 STAGE_SCHEMA = "swarm/stage-receipt/1"
 JOB_SCHEMA = "swarm/job-receipt/1"
@@ -603,9 +607,6 @@ def _fmt(layers: Any) -> str:
 
 
 def _check_tiling(ranges: list, num_layers: int) -> None:
-    from swarm.errors import ConfigError
-    from swarm.ranges import LayerRange, check_tiling
-
     try:
         if not all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in ranges):
             raise ValueError(f"layer ranges must be [start, end] integer pairs, got {ranges!r}"[:200])
@@ -620,10 +621,6 @@ def save(doc: dict, directory) -> str:
     Returns:
         The path written. Raises OSError when the directory cannot be created or written.
     """
-    from pathlib import Path
-
-    from swarm.files import write_atomic
-
     path = Path(directory) / f"{doc['job_id']}.json"
     write_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return str(path)
@@ -652,8 +649,6 @@ def verify_files(paths: list, **expect) -> list[tuple[str, Verified | ReceiptInv
         ``[(path, Verified or ReceiptInvalid)]`` in input order; unreadable or non-JSON files fail
         with check ``schema``.
     """
-    import os
-
     seen: dict[str, str] = {}
     out: list = []
     done: set[str] = set()

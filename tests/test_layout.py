@@ -210,3 +210,36 @@ def test_the_longest_first_list_names_test_files_that_exist():
     from tests.conftest import LONGEST_FIRST, REPO
 
     assert [name for name in LONGEST_FIRST if not (REPO / "tests" / name).is_file()] == []
+
+
+def lazy_light_imports(modules: dict[str, str]) -> list[str]:
+    """Imports inside functions of the standard library or of the pure core (``CORE``): both are
+    cheap and torch-free, so they belong at the module's top (a lazy import is kept for what is heavy
+    or optional: torch, transformers, libp2p, the other swarm parts)."""
+    import sys
+
+    found = []
+    for module, source in sorted(modules.items()):
+        for fn in ast.walk(ast.parse(source)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and not node.level:
+                    name = node.module or ""
+                elif isinstance(node, ast.Import):
+                    name = node.names[0].name
+                else:
+                    continue
+                parts = name.split(".")
+                if parts[0] in sys.stdlib_module_names or (parts[0] == "swarm" and len(parts) > 1 and parts[1] in CORE):
+                    found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_cheap_imports_sit_at_the_module_top():
+    assert lazy_light_imports(read_tree()) == []
+
+
+def test_a_lazy_cheap_import_is_caught():
+    modules = {"swarm.x": "def f():\n    import json\n    from swarm.errors import ConfigError\n    import torch\n"}
+    assert lazy_light_imports(modules) == ["swarm.x:2 import json", "swarm.x:3 from swarm.errors import ConfigError"]

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from swarm.errors import ConfigError
+from swarm.files import write_atomic
 
 COUNTS = ("audited", "passed", "failed")
 UNAVAILABLE = "unavailable"  # audits a restarted stage could not answer (``swarm.auditor.run``): counted apart
@@ -45,8 +46,6 @@ def add_tally(path: Path, tally: dict) -> dict:
     Raises:
         ConfigError: the file holds something else than such a map, or cannot be written.
     """
-    from swarm.files import write_atomic
-
     old = read_tally(path) if Path(path).exists() else {}
     for peer, counts in tally.items():
         mine = old.setdefault(peer, {k: 0 for k in COUNTS})

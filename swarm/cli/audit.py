@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, ProofRefused, ReceiptInvalid
 
 
 def add_parser(sub) -> None:
@@ -58,7 +59,6 @@ def cmd_audit(args) -> int:
 def _verify(args) -> int:
     from swarm import proofs
     from swarm.auditor.judge import Blocks, verify_proof
-    from swarm.errors import ProofRefused
 
     blocks = Blocks(args.model)
     bad = 0
@@ -98,10 +98,7 @@ async def _audit_jobs(args, jobs: list[dict], key_path: Path) -> int:
     from swarm import proofs
     from swarm.auditor.judge import Blocks
     from swarm.auditor.run import Auditor
-    from swarm.errors import ReceiptInvalid
     from swarm.transport import load_or_create_key, open_host
-
-    from contextlib import AsyncExitStack
 
     from swarm.discovery.dht import open_dht
 

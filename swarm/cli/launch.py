@@ -8,6 +8,7 @@ terminate and reap every process it started. Standard library + swarm.config onl
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -189,8 +190,6 @@ def _die_with_parent() -> None:
     """In the child before exec: on Linux, get SIGTERM when the launcher dies, even by SIGKILL,
     so no stage outlives a killed demo or test."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -11,12 +11,15 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from swarm.config import QUANTIZE_SCHEMES
 from swarm.errors import ConfigError, SwarmError, collapse
 from swarm.cli.output import TextOut, rate_text, receipt_line, spec_summary
 from swarm.serve.config import PREFIX_HELP, WIRE_DTYPE_HELP, WIRE_DTYPES
+from swarm.ranges import LayerRange
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -363,8 +366,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_stage(args) -> int:
-    from dataclasses import replace
-
     from swarm.config import StageConfig, cache_root
 
     mem_budget_mb = args.mem_budget_mb
@@ -394,8 +395,6 @@ def text_arg(value: str, flag: str) -> str:
 
     Python hands argv bytes that are not UTF-8 over as lone surrogates (``surrogateescape``), which
     no tokenizer takes. Raises ConfigError naming the flag, the first bad byte and its offset."""
-    from swarm.errors import ConfigError
-
     try:
         value.encode("utf-8")
         return value
@@ -445,7 +444,6 @@ def cmd_coordinate(args) -> int:
 def _ring_or_swarm(args):
     """The ring file's RingSpec, or (``--model`` with ``--bootstrap``) an empty one the DHT fills."""
     from swarm.config import RingSpec
-    from swarm.errors import ConfigError
 
     if args.ring is not None:
         if args.bootstrap:
@@ -582,8 +580,6 @@ def cmd_serve(args) -> int:
 
 
 def cmd_dashboard(args) -> int:
-    from functools import partial
-
     import trio
     from hypercorn.config import Config as HyperConfig
 
@@ -591,7 +587,6 @@ def cmd_dashboard(args) -> int:
     from swarm.serve.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
     from swarm.serve.dashboard import SwarmCoverage, receipts_app
     from swarm.serve.guard import default_max_connections, serve_http
-    from swarm.errors import ConfigError
 
     if args.receipts is None and not args.bootstrap:
         raise ConfigError("swarm dashboard needs --receipts DIR, --bootstrap MULTIADDR, or both")
@@ -644,7 +639,6 @@ def cmd_dashboard(args) -> int:
 
 def cmd_keygen(args) -> int:
     from swarm.config import cache_root
-    from swarm.errors import ConfigError
     from swarm.transport.identity import key_holder, load_or_create_key, peer_id_of
 
     path = args.out or cache_root() / "keys" / "node.key"
@@ -712,7 +706,6 @@ def cmd_receipts(args) -> int:
         from swarm.cli.watch import watch
 
         return watch(args.dir, args.interval_s, args.once, args.limit)
-    from swarm.errors import ConfigError
     from swarm.receipts import verify_files
 
     paths: list[Path] = []
@@ -744,7 +737,6 @@ def _local_expectations(model: str, paths: list[Path]) -> dict:
     receipts' rings name."""
     from swarm.model.block import block_tensor_names
     from swarm.model.resolve import model_manifest_digest, resolve_model, weights_digest
-    from swarm.ranges import LayerRange
 
     resolved = resolve_model(model)
     ranges: set[tuple[int, int]] = set()

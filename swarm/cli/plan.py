@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, ModelError
 
 
 def add_parser(sub) -> None:
@@ -103,7 +103,6 @@ def cmd_plan(args) -> int:
 
 
 def _shapes(spec: str):
-    from swarm.errors import ModelError
     from swarm.model import plan
 
     path = Path(spec).expanduser()

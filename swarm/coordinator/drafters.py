@@ -15,6 +15,7 @@ from typing import Sequence
 
 from swarm.errors import ConfigError
 from swarm.coordinator.spec import NoDrafter
+from swarm.ranges import LayerRange
 
 
 class NgramDrafter:
@@ -67,7 +68,6 @@ class ModelDrafter:
 
         from swarm.model.block import load_block, model_num_layers
         from swarm.model.resolve import resolve_model
-        from swarm.ranges import LayerRange
 
         self._torch = torch
         self._sample = sample

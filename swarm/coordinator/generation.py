@@ -8,8 +8,10 @@ tokenizer (and a draft model, if asked).
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from pathlib import Path
 
 import trio
 
@@ -26,9 +28,6 @@ log = logging.getLogger(__name__)
 
 def eos_ids(model_dir, tokenizer) -> set[int]:
     """The end-of-sequence ids transformers' generate would stop at (generation_config first)."""
-    import json
-    from pathlib import Path
-
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         p = Path(model_dir) / name
@@ -44,9 +43,6 @@ def eos_ids(model_dir, tokenizer) -> set[int]:
 
 def vocab_size(model_dir) -> int:
     """The target model's vocabulary size V, from ``model_dir``'s config.json (``vocab_size`` or ``n_vocab``)."""
-    import json
-    from pathlib import Path
-
     data = json.loads((Path(model_dir) / "config.json").read_text())
     return int(data.get("vocab_size") or data.get("n_vocab"))
 

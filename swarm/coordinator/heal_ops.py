@@ -17,6 +17,8 @@ from swarm.errors import ConfigError
 from swarm.heal import NO_WARM_SPARE, Kept, StageReport
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import SpecLoop
+from swarm.ranges import LayerRange
+from swarm.routing import NoRoute
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +131,6 @@ class RingOps:
         from swarm.config import StageSpec
         from swarm.coordinator.measured import load_measured
         from swarm.discovery.client import find_replacement
-        from swarm.ranges import LayerRange
-        from swarm.routing import NoRoute
 
         route = self.ring.discovery  # the records and client RTTs read when routing
         dht, model_id = route.dht, route.model_id

@@ -6,10 +6,13 @@ signed, written atomically and verified) and ``offer_for_audit``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 from swarm import receipts
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, ReceiptInvalid
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +25,6 @@ async def offer_for_audit(host, receipt: dict, discovery, spares=()) -> dict:
     Returns:
         ``{addr: outcome}`` (empty when there is nobody to offer it to, or the receipt did not verify).
     """
-    import json
-    from pathlib import Path
-
     from swarm.auditor.offers import auditor_targets, offer_job
 
     if not receipt.get("verified"):
@@ -45,9 +45,6 @@ def check_receipt_dir(directory) -> None:
     Raises:
         ConfigError: it is not a directory, cannot be created, or is not writable.
     """
-    import os
-    from pathlib import Path
-
     if Path(directory).exists() and not Path(directory).is_dir():
         raise ConfigError(f"--receipt-dir {directory} is not a directory")
     try:
@@ -68,9 +65,6 @@ def write_job_receipt(receipt_dir, key, job: dict, parts: dict, *, model: str, m
     Raises:
         ConfigError: the receipt directory cannot be written.
     """
-    import os
-
-    from swarm.errors import ReceiptInvalid
     from swarm.transport.identity import peer_id_of, sign
 
     body = receipts.job_body(job_id=job["id"], nonce=job["nonce"], coordinator=peer_id_of(key), model=model,

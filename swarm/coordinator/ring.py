@@ -17,8 +17,11 @@ survivors' session, shadows). This client keeps the per-session books (``returne
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from pathlib import Path
 
 from swarm import receipts, wire
 from swarm.config import RingSpec
@@ -183,8 +186,6 @@ class RingClient:
         salt, issue 45 item 16): every block key of the stage chains from this digest, so sessions of
         different salts share no block, and the stage never sees the salt itself. "" (no salt) gives
         the namespace of before salts existed."""
-        import hashlib
-
         upstream = [[x.peer_id, list(x.layers), x.dtype] for x in self.infos[:index]]
         scope = [self.net.model_digest, wire_dtype or "stage", upstream] + ([["salt", salt]] if salt else [])
         return hashlib.sha256(repr(scope).encode()).hexdigest()
@@ -282,9 +283,6 @@ class RingClient:
         """LongRoPE's switch (:func:`swarm.coordinator.spec.rotary_switch`) of the ring's model, read from
         its ``config.json`` where the model is a local directory; None for any other rotary or no such
         directory (the stages then refuse a chunk that crosses the switch rather than mix factors)."""
-        import json
-        from pathlib import Path
-
         from swarm.coordinator.spec import rotary_switch
 
         path = Path(str(self.ring.model)) / "config.json"

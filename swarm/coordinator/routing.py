@@ -15,6 +15,7 @@ import trio
 from swarm.config import CoordinatorConfig
 from swarm.errors import HopTimeout, StageLost
 from swarm.coordinator.ring import RingClient
+from swarm.addrs import peer_id_from_addr
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ async def connect_ring(config: CoordinatorConfig, host, nursery, model_path, num
         ring = RingClient(host, config.ring, config.hop_timeout_s, config.connect_timeout_s, config.heartbeat_s)
         await ring.connect(num_layers, digest, nursery)
         return ring, None
-    from swarm.addrs import peer_id_from_addr
     from swarm.config import cache_root as _cache_root
     from swarm.discovery.client import discover_ring
     from swarm.weights.identify import model_id as weights_model_id

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import json
 import logging
 import random
 import secrets
@@ -65,7 +67,8 @@ from swarm.discovery.lookup import ALPHA, lookup
 from swarm.discovery.providers import (QUERY_TIMEOUT_S, SETTLE_GRACE_S, SETTLE_QUORUM, ask_each_once,
                                       bound_provider_store, gather_settled, lookup_providers)
 from swarm.discovery.records import NAMESPACE, RecordInvalid, StageRecord, open_record, record_key, select_record
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError, StageLost, SwarmError
+from swarm.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +161,6 @@ def pin_protocol() -> str:
         ConfigError: the installed libp2p is not the pinned version (the patch targets its
             module layout; another version must be re-checked, not trusted).
     """
-    import importlib
-
     installed = _dist_version("libp2p")
     if installed != PINNED_LIBP2P:
         raise ConfigError(f"swarm's DHT protocol patch is pinned to libp2p {PINNED_LIBP2P}; "
@@ -784,8 +785,6 @@ def load_peer_cache(path) -> list[str]:
 
     A cache is a hint, never a reason to fail: a corrupt file is logged and ignored.
     """
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
             addrs = json.load(f)
@@ -802,10 +801,6 @@ def load_peer_cache(path) -> list[str]:
 
 def save_peer_cache(path, addrs: Sequence[str]) -> None:
     """Write ``addrs`` (at most ``PEER_CACHE_SIZE``) to the peer cache file atomically."""
-    import json
-
-    from swarm.files import write_atomic
-
     write_atomic(path, json.dumps(list(addrs)[:PEER_CACHE_SIZE], indent=1) + "\n")
 
 
@@ -1122,8 +1117,6 @@ async def ping_ms(host, addr: str, rounds: int = 3, timeout_s: float = 3.0) -> f
     Dials ``addr`` (an existing connection is reused), then times ``rounds`` 32-byte echoes on
     one stream and returns the smallest. None when the peer cannot be reached in time.
     """
-    from swarm.errors import StageLost
-
     try:
         with trio.fail_after(timeout_s):
             stream = await host.open_raw_stream(addr, PING_PROTOCOL)

@@ -17,7 +17,9 @@ observed address cannot reuse one. No torch.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,9 +70,6 @@ def tcp_ports(addrs: Sequence[str]) -> list[int]:
 
 async def _dial(ip: str, port: int, timeout_s: float) -> str:
     """"ok" when a new TCP connection to ``ip:port`` opens within ``timeout_s``, else why not."""
-    import ipaddress
-    import socket
-
     family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
     with trio.socket.socket(family, socket.SOCK_STREAM) as sock:
         try:

@@ -7,6 +7,8 @@ Standard library only: ``setup.py`` loads this file by path, before swarm's depe
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,9 +49,6 @@ def compile_library(cc: list[str], out: Path, *, flags: tuple[str, ...] = FLAGS,
     Returns:
         (exit status, the compiler's stderr): 0 and the file written, or the first failure.
     """
-    import subprocess
-    import tempfile
-
     sources = tuple(sources or (HERE / name for name in C_SOURCES))
     with tempfile.TemporaryDirectory(prefix="swarm-kernels-obj-") as tmp:
         objects = [Path(tmp) / f"{i}-{Path(src).stem}.o" for i, src in enumerate(sources)]

@@ -10,9 +10,14 @@ modules, dtype, device and BLAS on seeded random inputs in scratch KV caches; it
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -146,9 +151,6 @@ def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
     configuration, and the source of this package's kernels, so a stage restarted on the same machine
     reuses the proof it ran, and any change of hardware, library or kernel code proves again.
     """
-    import hashlib
-    import json
-
     key = (getattr(block, "range_digest", "") or str(id(block)), str(block.layer_range), str(block.dtype),
            str(block.device), tile, torch.get_num_threads(), getattr(block, "kernel_mode", "rows"),
            getattr(block, "quantize", None) or "")
@@ -177,11 +179,6 @@ def check_block_once(block, tile: int = 1, cache_dir=None) -> InvarianceReport:
 def _machine() -> list[str]:
     """What a proof's result may depend on besides the block: CPU, GPU, torch build, kernel source
     (and, once the triton kernels are loaded, Triton's version and whether its interpreter runs them)."""
-    import hashlib
-    import platform
-    import sys
-    from pathlib import Path
-
     cpu = platform.processor()
     try:
         info = Path("/proc/cpuinfo").read_text()

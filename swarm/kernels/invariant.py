@@ -29,6 +29,8 @@ other bits than a contiguous copy; both broke packed == solo for Phi-3 there (no
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -187,8 +189,6 @@ def attention_backends(device: torch.device):
     step, 0.09 ms for a length seen before) and a decode step's key length is new every time.
     Elsewhere: no restriction (a null context).
     """
-    import contextlib
-
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

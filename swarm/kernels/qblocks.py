@@ -14,6 +14,7 @@ the formats, and ``qquantize.c`` for the two it does not write) and :func:`dequa
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +167,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> QWeight:
 def _quantize_k(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """uint8 (N, K // 256 * block_bytes): ``x`` (contiguous float32 (N, K)) in Q4_K / Q6_K, rows split over
     the kernel threads (ctypes lets go of the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from swarm.kernels import fma
 
     lib = fma._library()

@@ -30,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -302,8 +303,6 @@ def weights_digest(path: Path, names) -> str:
     Raises:
         ModelError: a name is not in the checkpoint, or a shard is unreadable or truncated.
     """
-    import mmap
-
     path = Path(path)
     index = tensor_index(path)
     missing = sorted(set(names) - set(index))

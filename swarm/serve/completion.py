@@ -22,6 +22,7 @@ from swarm.coordinator.text import Detokenizer
 from swarm.errors import (ConfigError, ContextOverflow, HopTimeout, ModelError, RemoteError, StageLost,
                           collapse)
 from swarm.serve.requests import ApiError, Request
+from swarm.heal import HealError, NoSpare
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,8 +46,6 @@ class Detok(Detokenizer):
 
 def map_error(exc: BaseException) -> ApiError:
     """A SwarmError from the ring, as the HTTP error a client should see."""
-    from swarm.heal import HealError, NoSpare
-
     text = str(exc)
     if isinstance(exc, ContextOverflow):
         return ApiError(400, text, None, "context_length_exceeded")

@@ -9,6 +9,7 @@ a request gets while the server shuts down.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -105,8 +106,6 @@ async def drain_on_signals(shutdown: Shutdown, drain_timeout_s: float,
     with ``drain_timeout_s`` (again: logged and ignored, the drain has its deadline); Ctrl-C (SIGINT)
     drains with 0 s (open streams end now, with an error event and ``[DONE]``); a second Ctrl-C,
     or one before the API listens, raises KeyboardInterrupt (stop at once)."""
-    import signal
-
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
         async for signum in signals:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from swarm.errors import ConfigError, StageLost
+from swarm.routing import OVERCLAIM_FACTOR, overclaimed
 
 if TYPE_CHECKING:
     from swarm.coordinator.ring import RingClient
@@ -131,7 +132,6 @@ class ClientPool:
         ``OVERCLAIM_FACTOR`` times slower than its record claims marks the route stale."""
         from swarm.coordinator.measured import note_session
         from swarm.discovery.client import holders_of
-        from swarm.routing import OVERCLAIM_FACTOR, overclaimed
 
         st = self.state
         if st.discovery is None:

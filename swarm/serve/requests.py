@@ -8,6 +8,7 @@ the tokenizer applied. Parsing runs in a worker thread (``parse_body``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import secrets
@@ -211,8 +212,6 @@ def cache_scope(cache_salt: str | None, user: str | None) -> str:
         "" for a request with neither (the one pool such requests share, as before salts existed),
         else a SHA-256 hex digest, tagged so that a salt never equals a ``user`` of the same text.
     """
-    import hashlib
-
     if cache_salt is not None:
         tagged = "cache_salt\n" + cache_salt
     elif user:

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 from swarm.config import FETCH_FROM_SWARM, StageConfig, cache_root
-from swarm.errors import ModelError, WeightsMismatch
+from swarm.errors import ModelError, WeightsMismatch, collapse
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,6 @@ def _fetch_from_peers(config: StageConfig, key, root: Path, name: str):
     """Run ``fetch_weights`` over a short-lived host (the stage's key; loopback listen, dials out)."""
     import trio
 
-    from swarm.errors import collapse
     from swarm.transport import open_host
     from swarm.weights.peer import fetch_weights
 

@@ -11,18 +11,22 @@ line on stdout).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+from functools import partial
 
 import torch
 import trio
 
 from swarm.config import StageConfig, cache_fault
-from swarm.errors import SwarmError, collapse
+from swarm.errors import ConfigError, SwarmError, collapse
 from swarm.stage.server import StageServer
 from swarm.wire import PROTOCOL_ID
+from swarm.ranges import LayerRange
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +109,6 @@ def _serve_metrics(server: StageServer, listen: str):
     """
     from prometheus_client import start_http_server
 
-    from swarm.errors import ConfigError
-
     addr, _, port = listen.rpartition(":")
     try:
         httpd, _ = start_http_server(int(port), addr=addr.strip("[]"), registry=server.metrics.registry)
@@ -120,8 +122,6 @@ def stop_signals() -> tuple[int, ...]:
     """The signals by which an operator stops a stage, each asking for a drain: SIGTERM (a supervisor),
     SIGINT (Ctrl-C) and SIGHUP (its terminal closed), the last unless the process was started to
     ignore it (``nohup``), which is kept."""
-    import signal
-
     wanted = [signal.SIGTERM, signal.SIGINT]
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         wanted.append(signal.SIGHUP)
@@ -133,8 +133,6 @@ async def _drain_on_signal(server: StageServer, task_status=trio.TASK_STATUS_IGN
     so the stage withdraws its record on every way out. Later ones during the drain are logged and
     ignored (the drain has its own deadline). Reports started once the handler is installed: READY is
     printed only after that, so a supervisor's SIGTERM right after READY drains instead of killing."""
-    import signal
-
     with trio.open_signal_receiver(*stop_signals()) as signals:
         task_status.started()
         async for signum in signals:
@@ -233,10 +231,7 @@ def run_stage(config: StageConfig) -> int:
 def _placed(config: StageConfig, model_dir, model_id: str | None, key) -> StageConfig:
     """The config with the block this stage serves when ``--layers`` was not given: the one it
     moved to (a rebalance's restart), else the one the swarm's DHT shows is needed."""
-    import dataclasses
-
     from swarm.model.block import model_num_layers
-    from swarm.ranges import LayerRange
     from swarm.stage.membership import place
 
     moved = os.environ.get(MOVED_ENV)  # a stage that moved restarts on the block it chose
@@ -248,8 +243,6 @@ def _placed(config: StageConfig, model_dir, model_id: str | None, key) -> StageC
 def _membership(config: StageConfig, server: StageServer, model_id: str | None, placed: bool):
     """Give the fma kernels the cores; with ``--bootstrap``, the task announcing the stage
     (:func:`swarm.stage.membership.announce`, after measuring its decode throughput), else None."""
-    from functools import partial
-
     from swarm.stage.membership import announce, measure_decode_tps
 
     block = server.block
@@ -270,8 +263,6 @@ def _membership(config: StageConfig, server: StageServer, model_id: str | None, 
 async def _serve_until_drained(server: StageServer, key, config: StageConfig, membership) -> None:
     """Serve, print READY, and on a drain request drain, print DRAINED and leave the process (or
     restart it on the block a rebalance chose)."""
-    from functools import partial
-
     async with trio.open_nursery() as nursery:
         # before serving: a stop signal while joining the swarm (its first record is published
         # before READY) still drains and withdraws, once READY is out

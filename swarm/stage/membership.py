@@ -23,8 +23,9 @@ import trio
 
 from swarm import __version__
 from swarm.config import StageConfig
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 from swarm.ranges import LayerRange
+from swarm.routing import plan_placement, should_move
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,6 @@ def estimate_block_tps(model_dir, config: StageConfig, num_layers: int, width: i
     Raises:
         ModelError: the probe layer's tensors are missing. ConfigError: width < 1.
     """
-    from swarm.errors import ConfigError
     from swarm.model.block import load_block
 
     if width < 1:
@@ -106,7 +106,6 @@ async def place(config: StageConfig, model_dir, model_id: str, num_layers: int, 
     from swarm.discovery.client import holders_of
     from swarm.discovery.dht import open_dht
     from swarm.stage.preflight import layers_that_fit
-    from swarm.routing import plan_placement
     from swarm.transport import open_host
 
     fit = config.membership.fit_layers or await trio.to_thread.run_sync(
@@ -194,7 +193,6 @@ async def announce(server, config: StageConfig, model_id: str, throughput_tps: f
     from swarm.discovery.client import holders_of
     from swarm.discovery.dht import open_dht, peer_cache_path
     from swarm.discovery.reach import check_reachable
-    from swarm.routing import should_move
 
     reachable = None
     if not config.membership.dht_client:

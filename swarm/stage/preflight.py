@@ -17,6 +17,7 @@ from pathlib import Path
 
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, IdentityError, ModelError
+from swarm.ranges import LayerRange
 
 # safetensors dtypes a stage can load (converted to the stage dtype on load)
 LOADABLE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -211,7 +212,6 @@ def layers_that_fit(model_dir, *, dtype: str = "auto", device: str = "auto", bud
     from swarm.model.block import block_tensor_names, load_config, pick_device, pick_dtype
     from swarm.model.plan import kv_elements_per_token_layer
     from swarm.model.resolve import tensor_index
-    from swarm.ranges import LayerRange
     from swarm.weights.manifest import read_header
     from swarm.weights.select import select_tensors
     from swarm.weights.store import sidecar_manifest

@@ -30,6 +30,7 @@ import msgpack
 
 from swarm.openings import Commitment
 from swarm.errors import SwarmError
+from swarm.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,6 @@ class RetentionStore:
             self._unspill(old)
             self._forget(old)
         path = self.spill_dir / spill_name(*key)
-        from swarm.files import write_atomic
 
         try:
             write_atomic(path, data)

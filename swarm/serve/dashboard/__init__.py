@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 import trio
+from swarm.errors import ConfigError, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,6 @@ class SwarmCoverage:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from swarm.discovery.peers import summarize
-        from swarm.errors import SwarmError
 
         task_status.started()
         while True:
@@ -211,7 +211,6 @@ async def audit_state(state, peer_ids: list[str]) -> dict:
         "layers", "why"}], "tally": the file or None, "error": why the file could not be read, or None}``.
     """
     from swarm.auditor.tally import COUNTS, read_tally
-    from swarm.errors import ConfigError
 
     path, tally, error = state.config.receipts.audit_tally, {}, None
     if path is not None:

@@ -69,7 +69,7 @@ class _StageCollector:
         yield kernels
         yield _gauge("swarm_stage_sessions_open", "Sessions open at this stage", len(sessions))
         yield _gauge("swarm_stage_queue_depth", "Chunks queued for compute, all sessions",
-                     sum(len(x.queue) for x in sessions))
+                     sum(len(x.scheduling.queue) for x in sessions))
         yield _gauge("swarm_stage_kv_used_bytes", "KV cache memory the open sessions hold",
                      sum(x.cache.nbytes() for x in sessions))
         yield _gauge("swarm_stage_kv_reserved_bytes", "KV memory the open sessions reserved (max_len positions)",

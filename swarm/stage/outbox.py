@@ -147,8 +147,8 @@ class Outboxes:
             return  # cancelled or failed while computing: the rows it wrote are rolled back by the next chunk
         tail = sess.is_tail(self.num_layers)
         if isinstance(msg, Refill):  # a heal's resent positions: KV only, on within the replacement
-            if not tail and sess.sent_log is not None:
-                sess.sent_log.record(msg.pos, payload)  # a later heal of the successor resends them
+            if not tail and sess.heal.sent_log is not None:
+                sess.heal.sent_log.record(msg.pos, payload)  # a later heal of the successor resends them
             onward = sess.span.end < msg.until
             if onward:
                 sent = replace(msg, tokens=None, hidden=payload, extra={})
@@ -167,10 +167,10 @@ class Outboxes:
             item = receipts.result_item(sent)
         else:
             sent = replace(msg, tokens=None, hidden=payload, extra={})
-            if sess.sent_log is not None:
-                sess.sent_log.record(msg.pos, payload)
-            if sess.mirror is not None:  # the successor's shadow gets a copy (its own bounded queue)
-                sess.mirror.post(msg.epoch, msg.pos, hidden=payload)
+            if sess.heal.sent_log is not None:
+                sess.heal.sent_log.record(msg.pos, payload)
+            if sess.heal.mirror is not None:  # the successor's shadow gets a copy (its own bounded queue)
+                sess.heal.mirror.post(msg.epoch, msg.pos, hidden=payload)
             self.post(sess.next_stream, sess, sent, msg.chunk)
             item = receipts.forward_item(sent)
         evidence = sess.evidence
@@ -216,7 +216,7 @@ class Outboxes:
                     else:
                         if chunk is not None:
                             sess.frames_out += 1
-                            sess.sent = max(sess.sent, chunk)
+                            sess.heal.sent = max(sess.heal.sent, chunk)
                             timing = self.timing
                             timing["frames_out"] += 1
                             timing["outbox_s"] += t_send - posted
@@ -244,7 +244,7 @@ class Outboxes:
         heal can re-point it at a replacement (``repair``) without recomputing anything here.
         Frames computed meanwhile go nowhere; the coordinator's ``close`` (or its stream closing,
         or ``--session-ttl-s``) drops the session when it does not heal."""
-        sess.next_stream, sess.successor_lost = None, True
+        sess.next_stream, sess.heal.successor_lost = None, True
         log.warning("session.successor_lost session=%s next=%s reason=%s", sess.session_id, sess.next_addr, exc)
         # with its epoch: a coordinator that repaired the session since reads it as stale
         self.post(sess.reply, sess, self._error(f"stage {self.layer_range}: lost its successor {sess.next_addr}: "

@@ -79,7 +79,7 @@ class Repairs:
             return
         if not receipts.assignment_ok(msg, coordinator):
             raise ProtocolError(f"repair frame is not signed by the peer that sent it ({coordinator})")
-        if sess.shadow:
+        if sess.heal.shadow:
             await self._promote_shadow(stream, sess, msg)
             return
         self._check(sess, msg)
@@ -115,7 +115,7 @@ class Repairs:
         resend = msg.resend
         if resend is None or msg.mirror:  # a promoted mirror needs only what it did not deliver
             return None
-        log_ = sess.sent_log
+        log_ = sess.heal.sent_log
         held = log_.length if log_ is not None else 0
         if held >= resend:
             return None
@@ -128,7 +128,7 @@ class Repairs:
         """The stream to the repair's successor (None when it names none), the positions it holds
         already and the mirror promoted to it (a promoted mirror's; else 0 and None); None after
         answering ``stream`` why not."""
-        sid, next_addr, resend, mirror = sess.session_id, msg.next, msg.resend, sess.mirror
+        sid, next_addr, resend, mirror = sess.session_id, msg.next, msg.resend, sess.heal.mirror
         if msg.mirror:  # the new successor is the shadow this stage mirrors to: it lacks little or nothing
             if mirror is None or mirror.addr != next_addr or not await mirror.promote():
                 why = "it mirrors to no shadow" if mirror is None else f"it mirrors to {mirror.addr}" \
@@ -137,8 +137,8 @@ class Repairs:
                                               "no_state", sid))
                 return None
             start = min(mirror.end, resend)
-            sess.mirror = None
-            held = sess.sent_log.length if sess.sent_log is not None else 0
+            sess.heal.mirror = None
+            held = sess.heal.sent_log.length if sess.heal.sent_log is not None else 0
             if start < resend and held < resend:
                 await stream.send(self._error(
                     f"stage {sess.span}: its mirror delivered {start} positions and it holds the hidden states it "
@@ -152,7 +152,7 @@ class Repairs:
             return None
         if mirror is not None:  # re-pointed at another stage: the shadow is of no use any more
             mirror.drop(f"the successor is now {next_addr}", quiet=True)
-            sess.mirror = None
+            sess.heal.mirror = None
         return new_stream, 0, None
 
     def _relink(self, sess: Session, msg: Repair, new_stream, promoted) -> None:
@@ -168,14 +168,14 @@ class Repairs:
                 sess.evidence.ledger.cut("output", peer_id_from_addr(sess.next_addr or ""))
                 if promoted is not None:  # the shadow's input digest began with the mirrored frames
                     sess.evidence.ledger.output = promoted.digest
-            sess.next_addr, sess.next_stream, sess.successor_lost = msg.next, new_stream, False
-            sess.sent = -1  # progress on the new hop starts afresh
+            sess.next_addr, sess.next_stream, sess.heal.successor_lost = msg.next, new_stream, False
+            sess.heal.sent = -1  # progress on the new hop starts afresh
 
     def _resend(self, sess: Session, msg: Repair, start: int) -> int:
         """Post the hidden states sent for ``[start, resend)`` to the successor as ``refill``
         frames; returns how many positions that is."""
         resend = msg.resend
-        for pos, tensor in (sess.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
+        for pos, tensor in (sess.heal.sent_log.frames(resend, REFILL_ROWS, start) if resend and start < resend else []):
             out = Refill(session=sess.session_id, epoch=sess.epoch, pos=pos, until=msg.until, hidden=tensor)
             self._post(sess.next_stream, sess, out)
             if sess.evidence is not None:
@@ -202,8 +202,8 @@ class Repairs:
             new_stream = await self._successor_or_answer(stream, sid, next_addr)
             if new_stream is None:
                 return
-            sess.next_stream, sess.next_addr, sess.successor_lost = new_stream, next_addr, False
-        sess.shadow = False
-        kv_len = sess.queued_end if sess.queue else sess.cache.kv_len
+            sess.next_stream, sess.next_addr, sess.heal.successor_lost = new_stream, next_addr, False
+        sess.heal.shadow = False
+        kv_len = sess.scheduling.queued_end if sess.scheduling.queue else sess.cache.kv_len
         log.info("session.promoted session=%s layers=%s next=%s kv_len=%d", sid, sess.span, next_addr, kv_len)
         await stream.send(RepairOk(session=sid, kv_len=kv_len, resent=0))

@@ -253,7 +253,7 @@ def plan_step(ready: Sequence[tuple[Session, Job]], sessions: Iterable[Session],
         return StepPlan(short)
     sess, job = ready[picked.long]
     if settings.prefill_piggyback:
-        due = decoder_due([(s.last_short, s.short_gap) for s in sessions if s is not sess], now)
+        due = decoder_due([(s.scheduling.last_short, s.scheduling.short_gap) for s in sessions if s is not sess], now)
         if due is None:
             return StepPlan(short, Slice(sess, job, settings.prefill_slice))  # nobody's decode row is due
         if not short:  # wait for the decoder's row to ride along with it (or until it is overdue)
@@ -262,7 +262,7 @@ def plan_step(ready: Sequence[tuple[Session, Job]], sessions: Iterable[Session],
                          starving=now - costs.long_at > STARVE_S)
         # 0: the decode rows go alone, the prompt's row would cost them too much
         return StepPlan(short, Slice(sess, job, rows) if rows else None)
-    others = [(s.last_active, s.last_rows) for s in sessions if s is not sess]
+    others = [(s.scheduling.last_active, s.scheduling.last_rows) for s in sessions if s is not sess]
     shared = long_chunk_shares(bool(short), others, now)
     return StepPlan(short, Slice(sess, job, settings.prefill_slice_shared if shared else settings.prefill_slice))
 
@@ -337,12 +337,12 @@ def chunk_input(msg: Forward | Refill, sess: Session, block) -> torch.Tensor:
                             "go past them")
     # a shadow is sent every frame at the ring's pace, not the coordinator's few in flight: it
     # may fall behind further before it gives up (a heal then refills it as a plain spare)
-    limit = MAX_QUEUED * (SHADOW_QUEUE_FACTOR if sess.shadow else 1)
-    if len(sess.queue) >= limit:
+    limit = MAX_QUEUED * (SHADOW_QUEUE_FACTOR if sess.heal.shadow else 1)
+    if len(sess.scheduling.queue) >= limit:
         raise ProtocolError(f"more than {limit} chunks of the session are waiting at this stage")
     inputs = wire.forward_inputs(msg, is_head=sess.is_head, vocab_size=block.vocab_size,
                                  hidden_size=block.hidden_size,
-                                 kv_len=sess.queued_end if sess.queue else sess.cache.kv_len,
+                                 kv_len=sess.scheduling.queued_end if sess.scheduling.queue else sess.cache.kv_len,
                                  max_len=sess.cache.max_len)
     x = inputs["token_ids"] if sess.is_head else inputs["hidden"]
     if isinstance(msg, Forward) and msg.logits_from is not None and msg.logits_from > msg.pos + x.shape[1]:
@@ -393,14 +393,14 @@ class Scheduler:
         job.queued_at = time.perf_counter()
         if job.x is not None:
             rows = job.x.shape[1]
-            if rows <= BATCH_CHUNK_MAX and not sess.shadow:  # a decode/verify row: note when the next one is due
+            if rows <= BATCH_CHUNK_MAX and not sess.heal.shadow:  # a decode/verify row: note when the next one is due
                 now = trio.current_time()
-                sess.short_gap = now - sess.last_short if sess.last_short and sess.last_rows <= BATCH_CHUNK_MAX else 0.0
-                sess.last_short = now
-            sess.last_rows = rows
-        sess.queue.append(job)
-        sess.busy = True  # until its queue is empty: a probe during a long step sees it
-        if self._slicing is not None and sess is not self._slicing and not sess.shadow and job.x is not None \
+                sess.scheduling.short_gap = now - sess.scheduling.last_short if sess.scheduling.last_short and sess.scheduling.last_rows <= BATCH_CHUNK_MAX else 0.0
+                sess.scheduling.last_short = now
+            sess.scheduling.last_rows = rows
+        sess.scheduling.queue.append(job)
+        sess.scheduling.busy = True  # until its queue is empty: a probe during a long step sees it
+        if self._slicing is not None and sess is not self._slicing and not sess.heal.shadow and job.x is not None \
                 and overtakes(job.x.shape[1], self._slice_left):
             self._urgent = True  # the slice in flight pauses at its next layer
         self._runq.setdefault(id(sess), sess)
@@ -408,7 +408,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether a step is being computed or paused, or a session has a job queued."""
-        return bool(self.in_flight) or self.paused is not None or any(s.queue for s in self._runq.values())
+        return bool(self.in_flight) or self.paused is not None or any(s.scheduling.queue for s in self._runq.values())
 
     async def run(self) -> None:
         """Run scheduling steps while work is queued (forever; started by :func:`swarm.stage.daemon.serve`)."""
@@ -451,8 +451,8 @@ class Scheduler:
         """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
         paused, self.paused = self.paused, None
         sess, job = paused.session, paused.job
-        if self.sessions.get(sess.session_id) is not sess or not sess.queue or sess.queue[0] is not job \
-                or job.msg.epoch < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
+        if self.sessions.get(sess.session_id) is not sess or not sess.scheduling.queue or sess.scheduling.queue[0] is not job \
+                or job.msg.epoch < sess.epoch and not stale_needed(sess.scheduling.queue, sess.epoch, sess.cache.kv_len):
             paused.steps.close()  # its cache rolls back to before the slice
             return True
         return await self._run_step(StepPlan(), time.perf_counter(), resuming=paused)
@@ -494,14 +494,14 @@ class Scheduler:
             return
 
         def short(sess) -> bool:
-            job = sess.queue[0] if sess.queue else None
+            job = sess.scheduling.queue[0] if sess.scheduling.queue else None
             return job is not None and job.x is not None and job.x.shape[1] <= BATCH_CHUNK_MAX
 
         if not any(s.batch and short(s) for s in self._runq.values()):
             return
         now = trio.current_time()
-        if any(s.batch and not s.queue and not s.shadow and s.last_rows <= BATCH_CHUNK_MAX
-               and decoder_due([(s.last_short, s.short_gap)], now) is not None for s in self.sessions.values()):
+        if any(s.batch and not s.scheduling.queue and not s.heal.shadow and s.scheduling.last_rows <= BATCH_CHUNK_MAX
+               and decoder_due([(s.scheduling.last_short, s.scheduling.short_gap)], now) is not None for s in self.sessions.values()):
             await trio.sleep(wait / 1000)
 
     def _ready_jobs(self) -> list[tuple[Session, Job]]:
@@ -588,14 +588,14 @@ class Scheduler:
                 self._runq[id(sess)] = sess
             if payload is None:
                 continue  # more slices of this chunk to come
-            if sess.queue and sess.queue[0] is job:
-                sess.queue.popleft()
-            if prompt_ends(job.msg, job.x.shape[1]) and not sess.shadow:
+            if sess.scheduling.queue and sess.scheduling.queue[0] is job:
+                sess.scheduling.queue.popleft()
+            if prompt_ends(job.msg, job.x.shape[1]) and not sess.heal.shadow:
                 # its first decode row comes after the ring's other stages and the coordinator: due from now
-                sess.last_short, sess.short_gap = trio.current_time(), 0.0
-            if not sess.queue:
+                sess.scheduling.last_short, sess.scheduling.short_gap = trio.current_time(), 0.0
+            if not sess.scheduling.queue:
                 self._runq.pop(id(sess), None)
-                sess.busy = False
+                sess.scheduling.busy = False
             try:
                 self._emit(sess, job.msg, payload)
             except Exception as exc:  # a bug reached by this session's output: fail it alone
@@ -614,21 +614,21 @@ class Scheduler:
     def _next_job(self, sess: Session) -> Job | None:
         """The session's next chunk to compute, after serving receipt requests and dropping stale
         chunks at the front of its queue; None (and out of the run queue) when it has none."""
-        while sess.queue and self.sessions.get(sess.session_id) is sess:
-            job = sess.queue[0]
+        while sess.scheduling.queue and self.sessions.get(sess.session_id) is sess:
+            job = sess.scheduling.queue[0]
             if job.x is None:
-                sess.queue.popleft()
+                sess.scheduling.queue.popleft()
                 try:
                     self._sign_receipt(sess)
                 except Exception as exc:  # e.g. a ledger value the signer cannot encode: this session only
                     log.exception("receipt.failed session=%s", sess.session_id)
                     self._fail(sess, f"cannot sign the receipt: {exc}")
-            elif job.msg.epoch < sess.epoch and not stale_needed(sess.queue, sess.epoch, sess.cache.kv_len):
-                sess.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
+            elif job.msg.epoch < sess.epoch and not stale_needed(sess.scheduling.queue, sess.epoch, sess.cache.kv_len):
+                sess.scheduling.queue.popleft()  # cancelled speculation: never computed (rolled back by the next chunk)
             else:
                 return job
-        sess.queue.clear()
-        sess.busy = False
+        sess.scheduling.queue.clear()
+        sess.scheduling.busy = False
         self._runq.pop(id(sess), None)
         return None
 

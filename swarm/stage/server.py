@@ -225,7 +225,7 @@ class StageServer:
     async def dispatch(self, stream, msg: Frame) -> None:
         sess = self.sessions.get(getattr(msg, "session", None) or "")
         if sess is not None and stream.remote_peer_id in (sess.coordinator, sess.source):
-            sess.last_active = trio.current_time()
+            sess.scheduling.last_active = trio.current_time()
         match msg:
             case Info():
                 await stream.send(self.info())
@@ -251,9 +251,9 @@ class StageServer:
                     log.debug("session.cancel session=%s epoch=%d", sess.session_id, sess.epoch)
             case Progress():
                 await stream.send(ProgressOk(session=msg.session, known=sess is not None,
-                                             received=sess.received if sess else -1,
-                                             sent=sess.sent if sess else -1, busy=bool(sess and sess.busy),
-                                             lost_successor=bool(sess and sess.successor_lost),
+                                             received=sess.heal.received if sess else -1,
+                                             sent=sess.heal.sent if sess else -1, busy=bool(sess and sess.scheduling.busy),
+                                             lost_successor=bool(sess and sess.heal.successor_lost),
                                              draining=bool(self.draining)))
             case Close():
                 self.sessions.pop(msg.session, None)
@@ -300,10 +300,10 @@ class StageServer:
             self.sessions[sid] = session
             mirror = msg.mirror
             if mirror is not None:  # dialed in the background: a slow shadow never delays this open
-                session.mirror = Mirror(sid, mirror, msg.mirror_until)
-                self.nursery.start_soon(self.outboxes.run_mirror, session, session.mirror)
+                session.heal.mirror = Mirror(sid, mirror, msg.mirror_until)
+                self.nursery.start_soon(self.outboxes.run_mirror, session, session.heal.mirror)
             log.info("session.open session=%s layers=%s next=%s max_len=%d%s%s", sid, place.span, msg.next,
-                     max_len, " shadow" if session.shadow else "", f" mirror={mirror}" if mirror else "")
+                     max_len, " shadow" if session.heal.shadow else "", f" mirror={mirror}" if mirror else "")
             await stream.send(OpenOk(session=sid, reused=session.reused if session.prefix_ns else None))
 
     async def _may_open(self, stream, sid: str, coordinator: str) -> bool:
@@ -354,11 +354,11 @@ class StageServer:
         if span != self.block.layer_range:  # the receipt signs the digest of the tensors it runs: hash once
             await trio.to_thread.run_sync(self.block.digest_of, span)
         session = Session(sid, self.block.new_cache(max_len, span), stream, next_addr, coordinator=coordinator,
-                          source=msg.prev or coordinator, reserved=need, last_active=trio.current_time(),
-                          span=span)
+                          source=msg.prev or coordinator, reserved=need, span=span)
+        session.scheduling.last_active = trio.current_time()
         session.batch = bool(msg.batch)
         if log_rows:
-            session.sent_log = SentLog(self.block.hidden_size, log_rows)
+            session.heal.sent_log = SentLog(self.block.hidden_size, log_rows)
         if msg.wire_dtype is not None:
             session.wire_dtype = wire.WIRE_DTYPES[msg.wire_dtype]
         if msg.job is not None:
@@ -370,8 +370,8 @@ class StageServer:
             session.next_stream = await self.outboxes.successor_or_answer(stream, sid, next_addr)
             if session.next_stream is None:
                 return None
-        session.shadow = bool(msg.shadow)
-        if msg.prefix is not None and self.reuse is not None and not session.shadow:
+        session.heal.shadow = bool(msg.shadow)
+        if msg.prefix is not None and self.reuse is not None and not session.heal.shadow:
             await self.reuse.reuse(session, msg.prefix)
         return session
 
@@ -389,7 +389,7 @@ class StageServer:
             return
         forward = isinstance(msg, Forward)
         if forward:
-            sess.received = max(sess.received, msg.chunk)
+            sess.heal.received = max(sess.heal.received, msg.chunk)
         if sess.evidence is not None:  # every frame received, also the stale ones dropped below
             sess.evidence.ledger.input.add(receipts.forward_item(msg) if forward else receipts.refill_item(msg))
         if msg.epoch < sess.epoch:
@@ -401,7 +401,7 @@ class StageServer:
             await self._fail_session(sess, exc)
             return
         sess.frames_in += 1
-        sess.queued_end = msg.pos + x.shape[1]
+        sess.scheduling.queued_end = msg.pos + x.shape[1]
         self.scheduler.enqueue(sess, Job(msg, x))
         self.timing["chunks"] += 1
 
@@ -431,7 +431,7 @@ class StageServer:
         """Drop a session (its KV cache goes with it) and whatever it has queued."""
         if self.sessions.get(sess.session_id) is sess:
             del self.sessions[sess.session_id]
-        sess.queue.clear()
+        sess.scheduling.queue.clear()
 
     async def expire_idle(self) -> None:
         """Drop sessions idle for longer than ``--session-ttl-s`` (forever; run in the server's nursery)."""
@@ -439,9 +439,9 @@ class StageServer:
         while True:
             await trio.sleep(max(0.05, min(5.0, ttl / 4)))
             now = trio.current_time()
-            for sess in [s for s in self.sessions.values() if not s.busy and now - s.last_active > ttl]:
+            for sess in [s for s in self.sessions.values() if not s.scheduling.busy and now - s.scheduling.last_active > ttl]:
                 del self.sessions[sess.session_id]
-                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.last_active)
+                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.scheduling.last_active)
                 await try_send(sess.reply, self._error(
                     f"stage {self.block.layer_range}: session {sess.session_id!r} expired after {ttl:g} s idle "
                     "(--session-ttl-s)", "no_session", sess.session_id))

@@ -116,8 +116,35 @@ class Evidence:
 
 
 @dataclass
+class Scheduling:
+    """How a session's chunks arrive and wait at this stage: what the scheduler plans with."""
+
+    queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
+    queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
+    busy: bool = False  # computing a received chunk
+    last_active: float = 0.0  # trio clock of the last frame for this session
+    last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
+    last_short: float = 0.0  # trio clock when its last decode/verify chunk was queued, or its prompt's last chunk done (0: neither)
+    short_gap: float = 0.0  # seconds between its last two decode/verify chunks (0: fewer than two in a row)
+
+
+@dataclass
+class HealState:
+    """What a heal reads and re-points at this stage: progress, the successor, the copies kept."""
+
+    received: int = -1  # highest chunk id received (heal progress reports)
+    sent: int = -1  # highest chunk id sent on (the tail: as a result)
+    successor_lost: bool = False  # its successor stopped taking frames (until a repair names a new one)
+    sent_log: SentLog | None = None  # hidden states sent on (non-tail stages), for a heal's resend
+    # a warm spare's copy of a stage's session (open with shadow: true): it only fills its KV cache
+    # from the refill frames its predecessor mirrors, sends nothing on, until a repair promotes it
+    shadow: bool = False
+    mirror: Mirror | None = None  # copies of the forwards sent on, to the successor's shadow
+
+
+@dataclass
 class Session:
-    """One session's state at this stage."""
+    """One session's state at this stage, with its scheduling, heal and evidence parts."""
 
     session_id: str
     cache: KVCache
@@ -126,34 +153,21 @@ class Session:
     coordinator: str = ""  # PeerId that opened (and alone may steer) the session
     source: str = ""  # PeerId whose forward frames the session accepts: the predecessor, or the coordinator
     next_stream: FramedStream | None = None
-    successor_lost: bool = False  # its successor stopped taking frames (until a repair names a new one)
     epoch: int = 0
     sampling: SamplingParams | None = None  # at the tail when the session samples; None = greedy
     wire_dtype: torch.dtype | None = None  # of hidden states sent on; None = the stage's dtype
+    span: LayerRange | None = None  # the layers it runs: the block or a sub-range the open frame named
+    batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
+    reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
     positions: int = 0
-    received: int = -1  # highest chunk id received (heal progress reports)
-    sent: int = -1  # highest chunk id sent on (the tail: as a result)
-    busy: bool = False  # computing a received chunk
     frames_in: int = 0
     frames_out: int = 0
     errors: list = field(default_factory=list)
-    evidence: Evidence | None = None  # when the open frame named a job
-    reserved: int = 0  # KV bytes reserved against --kv-budget-mb (max_len positions)
-    last_active: float = 0.0  # trio clock of the last frame for this session
-    last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
-    last_short: float = 0.0  # trio clock when its last decode/verify chunk was queued, or its prompt's last chunk done (0: neither)
-    short_gap: float = 0.0  # seconds between its last two decode/verify chunks (0: fewer than two in a row)
-    queue: deque = field(default_factory=deque)  # Jobs waiting for the scheduler, in arrival order
-    queued_end: int = 0  # pos + T of the last queued chunk: where the next one may start at most
-    batch: bool = False  # may share packed forwards (--batch-tile GEMMs); else alone, one GEMV per row
-    span: LayerRange | None = None  # the layers it runs: the block or a sub-range the open frame named
-    sent_log: SentLog | None = None  # hidden states sent on (non-tail stages), for a heal's resend
-    # a warm spare's copy of a stage's session (open with shadow: true): it only fills its KV cache
-    # from the refill frames its predecessor mirrors, sends nothing on, until a repair promotes it
-    shadow: bool = False
-    mirror: Mirror | None = None  # copies of the forwards sent on, to the successor's shadow
     prefix_ns: str | None = None  # the prefix-cache namespace (open frame named a prefix), else None
     reused: int = 0  # positions [0, reused) of the KV cache came from the prefix cache at open
+    scheduling: Scheduling = field(default_factory=Scheduling)
+    heal: HealState = field(default_factory=HealState)
+    evidence: Evidence | None = None  # when the open frame named a job
 
     @property
     def is_head(self) -> bool:

@@ -132,7 +132,7 @@ def test_kept_heal_with_speculation_depth(model, tmp_path, reference):
 def test_a_predecessor_without_its_sent_states_falls_back_to_full_replay(model, tmp_path, reference):
     def drop_log(servers):
         for sess in servers[0].sessions.values():
-            sess.sent_log._break("dropped by the test")
+            sess.heal.sent_log._break("dropped by the test")
 
     out, rec, job = heal_inprocess(model, tmp_path, 1, before_kill=drop_log)
     assert out == reference

@@ -156,7 +156,7 @@ def test_a_dropped_mirror_falls_back_to_refilling_the_shadow(model, tmp_path, re
 
     def drop_mirror(servers, spares):
         (sess,) = servers[0].sessions.values()
-        sess.mirror.drop("dropped by the test")
+        sess.heal.mirror.drop("dropped by the test")
 
     out, rec, job, _ = shadow_run(model, tmp_path, 1, before_kill=drop_mirror)
     assert out == reference

@@ -129,7 +129,8 @@ def test_stale_needed(queue, epoch, kv_len, needed):
 
 
 def _sess(queued: int = 0, shadow: bool = False, span=LayerRange(0, 2)):
-    return SimpleNamespace(span=span, shadow=shadow, queue=deque([None] * queued))
+    return SimpleNamespace(span=span, heal=SimpleNamespace(shadow=shadow),
+                           scheduling=SimpleNamespace(queue=deque([None] * queued)))
 
 
 @pytest.mark.parametrize("msg, sess, reason", [
@@ -169,7 +170,8 @@ def test_greedy_ids_pick_what_torch_argmax_picks():
 
 # plan_step: sessions by what planning reads of them; a chunk by its positions and what is done
 def _planned(name: str, last_short: float = 0.0, gap: float = 0.0, active: float = 0.0, rows: int = 1):
-    return SimpleNamespace(name=name, last_short=last_short, short_gap=gap, last_active=active, last_rows=rows)
+    return SimpleNamespace(name=name, scheduling=SimpleNamespace(last_short=last_short, short_gap=gap,
+                                                                 last_active=active, last_rows=rows))
 
 
 def _chunk(positions: int, done: int = 0):

@@ -21,7 +21,7 @@ import torch
 from swarm.errors import ConfigError, ModelError, ProtocolError
 from swarm.kernels import fma, invariant
 from swarm.kernels.invariant import RotaryTable
-from swarm.model import fused, mla, moe, qformats
+from swarm.model import fp8, fused, mla, moe, qformats
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -820,7 +820,11 @@ def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[st
     config = load_config(model_dir)
     layer_range.check_within(config.num_hidden_layers)
     _, wanted, _ = _plan(model_dir, config, FAMILIES[config.model_type], layer_range)
-    return {name for _, _, src in wanted.values() for name in moe.sources_of(src)}
+    names = {name for _, _, src in wanted.values() for name in moe.sources_of(src)}
+    from swarm.model.resolve import tensor_index
+
+    index = tensor_index(model_dir)  # an FP8 weight's block scales are read with it
+    return names | {fp8.scale_name(n) for n in names if fp8.scale_name(n) in index}
 
 
 def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
@@ -851,6 +855,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
+    fp8_block = fp8.block_size(config)  # refuses other quantization methods by name
     family = FAMILIES[config.model_type]
     layer_range.check_within(config.num_hidden_layers)
     dev = pick_device("cpu" if quantize is not None and device == "auto" else device)  # quantized: the CPU's ops
@@ -873,6 +878,20 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 from_gguf[full] = (qformats.hold_embedding, modules["embed"], q)
     index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
+
+    def float_of(tensor: torch.Tensor, src: str) -> torch.Tensor:
+        """A checkpoint tensor as floats: an FP8 weight dequantized with its block scales (read here)."""
+        if tensor.dtype not in fp8.FP8_DTYPES:
+            return tensor
+        scale = fp8.scale_name(src)
+        if scale not in index:
+            raise ModelError(f"{src} is stored in {tensor.dtype} without its block scales ({scale}); a stage "
+                             "dequantizes FP8 weights only with them")
+        with safe_open(str(index[scale]), framework="pt", device="cpu") as g:
+            scale_inv = g.get_tensor(scale)
+        block.loaded_tensors.append(scale)
+        return fp8.dequantize(tensor, scale_inv, fp8_block)
+
     by_file: dict[Path, list[str]] = {}
     fused = {full: src for full, (_, _, src) in wanted.items() if not isinstance(src, str)}
     for full, (_, _, src) in wanted.items():
@@ -896,7 +915,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                     _assign(module, pname, held[src])
                 else:
                     keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
-                    tensor = f.get_tensor(src).to(device=dev, dtype=torch.float32 if keep else dt)
+                    tensor = float_of(f.get_tensor(src), src).to(device=dev, dtype=torch.float32 if keep else dt)
                     held[src] = _assign(module, pname, tensor)
                     block.loaded_tensors.append(src)
                     block.loaded_bytes += tensor.numel() * tensor.element_size()
@@ -909,7 +928,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
             path = index[name]
             if path not in opened:
                 opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            return opened[path].get_tensor(name)
+            return float_of(opened[path].get_tensor(name), name)
 
         for full, (kind, names) in fused.items():
             module, pname, _ = wanted[full]

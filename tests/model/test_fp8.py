@@ -1,0 +1,111 @@
+"""FP8 checkpoints with block scales (the layout DeepSeek-V3/R1, Qwen3 FP8 and GLM-4.5 FP8 publish):
+a stage dequantizes each weight with its ``weight_scale_inv`` blocks to the bits transformers loads on
+a CPU, and refuses what it cannot read instead of loading garbage (issue 47)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from swarm.errors import ModelError
+from swarm.model import fp8
+from swarm.model.block import block_tensor_names, load_block
+from swarm.ranges import LayerRange
+
+BLOCK = (16, 16)
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _to_fp8(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float32 -> (float8_e4m3fn weight, float32 weight_scale_inv per block), as DeepSeek's tools do."""
+    n, k = weight.shape
+    grid = (n // block[0], k // block[1])
+    blocks = weight.reshape(grid[0], block[0], grid[1], block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
+    return q, scale
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(synthetic, tmp_path_factory) -> Path:
+    src = synthetic("llama", "float32")
+    out = tmp_path_factory.mktemp("llama-fp8")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and any(f".{p}." in name for p in PROJ):
+            tensors[name], tensors[fp8.scale_name(name)] = _to_fp8(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_stage_holds_the_weights_transformers_dequantizes(fp8_dir):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32).eval()
+    expected = {n: p for n, p in reference.named_parameters() if any(f".{q}." in n for q in PROJ)}
+    assert len(expected) == 4 * len(PROJ) and all(p.dtype == torch.float32 for p in expected.values())
+    block = load_block(fp8_dir, LayerRange(0, 4), dtype="float32", device="cpu")
+    held = {n: p for n, p in block.named_parameters() if any(f".{q}." in n for q in PROJ)}
+    for name, want in expected.items():
+        got = [p for n, p in held.items() if name.endswith(n) or n.endswith(name.removeprefix("model."))]
+        assert len(got) == 1, (name, sorted(held)[:4])
+        assert torch.equal(got[0], want), name  # the same bits, not just close
+    # the scales are part of what the stage loaded: its receipts' range digest covers them
+    assert any(n.endswith("q_proj.weight_scale_inv") for n in block.loaded_tensors)
+    assert set(block.loaded_tensors) == block_tensor_names(fp8_dir, LayerRange(0, 4))
+    ids = torch.tensor([[5, 17, 3, 42, 9, 11]])
+    with torch.no_grad():
+        want_next = reference(ids).logits[0, -1].argmax().item()
+        cache = block.new_cache()
+        got_next = block.forward(cache, 0, token_ids=ids)[0, -1].argmax().item()
+    assert got_next == want_next
+
+
+def test_a_dequantized_weight_is_each_value_times_its_blocks_scale():
+    w = torch.randn(32, 48)
+    q, scale = _to_fp8(w, (16, 16))
+    out = fp8.dequantize(q, scale, (16, 16))
+    assert out.dtype == torch.float32
+    assert torch.equal(out[16:, 32:], q[16:, 32:].float() * scale[1, 2])
+    assert torch.equal(fp8.dequantize(q, scale, None), out)  # the block from the shapes
+    ragged = fp8.dequantize(q[:, :40], scale, (16, 16))  # a last block cut short (ceil, as DeepSeek's grids)
+    assert torch.equal(ragged, out[:, :40])
+    with pytest.raises(ModelError, match="not one per 16x16 block"):
+        fp8.dequantize(q, scale[:, :2], (16, 16))
+
+
+def test_a_float8_weight_without_its_scales_is_refused(fp8_dir, tmp_path):
+    broken = tmp_path / "no-scales"
+    shutil.copytree(fp8_dir, broken)
+    tensors = {n: t for n, t in load_file(str(broken / "model.safetensors")).items()
+               if n != "model.layers.1.self_attn.q_proj.weight_scale_inv"}
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model.layers.1.self_attn.q_proj.weight is stored in torch.float8_e4m3fn "
+                                         r"without its block scales"):
+        load_block(broken, LayerRange(0, 4), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "bitsandbytes", "gptq"])
+def test_other_quantization_methods_are_refused_by_name(synthetic, tmp_path, method):
+    src = synthetic("llama", "float32")
+    out = tmp_path / method
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=f"quantized with '{method}'"):
+        load_block(out, LayerRange(0, 2), dtype="float32", device="cpu")

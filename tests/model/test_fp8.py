@@ -109,3 +109,40 @@ def test_other_quantization_methods_are_refused_by_name(synthetic, tmp_path, met
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError, match=f"quantized with '{method}'"):
         load_block(out, LayerRange(0, 2), dtype="float32", device="cpu")
+
+
+DEEPSEEK_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj")  # what DeepSeek-V3's FP8 release stores in FP8: attention and every expert's Linears
+
+
+def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path):
+    """Routed experts (read and stacked per expert), latent attention and the dense layer: a ring of
+    stages on the FP8 layout gives the bits of the same ring on the floats the scales decode to."""
+    from tests.support.models import chained_greedy
+
+    src = synthetic("deepseek_v3", "float32")
+    quantized, floats = tmp_path / "fp8", tmp_path / "floats"
+    for out in (quantized, floats):
+        shutil.copytree(src, out)
+    fp8_tensors, float_tensors = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8):
+            q, scale = _to_fp8(t, (8, 8))
+            fp8_tensors[name], fp8_tensors[fp8.scale_name(name)] = q, scale
+            float_tensors[name] = fp8.dequantize(q, scale, (8, 8))
+        else:
+            fp8_tensors[name] = float_tensors[name] = t
+    assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8
+    save_file(fp8_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    save_file(float_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [8, 8]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    ranges = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]
+    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
+            for d in (quantized, floats)]
+    assert runs[0] == runs[1]
+    held = load_block(quantized, LayerRange(1, 3), dtype="float32", device="cpu")
+    same = load_block(floats, LayerRange(1, 3), dtype="float32", device="cpu")
+    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
+        assert torch.equal(a, b), name  # every parameter, the stacked experts' too

@@ -4,7 +4,7 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 
 - ``resolve``   a model spec (directory, name, GGUF, hub id) -> a local safetensors directory
 - ``gguf_tensors`` a stage's tensors read from a GGUF file, llama.cpp's block formats kept (no dequantizing)
-- ``fp8``       FP8 checkpoints with block scales (DeepSeek, Qwen3, GLM), dequantized at load
+- ``qcheckpoint`` quantized checkpoints as published (FP8 with block scales, MXFP4 experts), dequantized at load
 - ``qformats``  a block's Linear weights held in llama.cpp's block formats (``--quantize q8_0|q4_0|q4_1|q4_k|q6_k|gguf``)
 - ``block``     ``LayerBlock``: a stage's layers ``[start, end)`` loaded from only its own tensors
 - ``cache``     the per-session KV cache, addressed by absolute position

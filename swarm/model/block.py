@@ -21,7 +21,7 @@ import torch
 from swarm.errors import ConfigError, ModelError, ProtocolError
 from swarm.kernels import fma, invariant
 from swarm.kernels.invariant import RotaryTable
-from swarm.model import fp8, fused, mla, moe, qformats
+from swarm.model import fused, mla, moe, qcheckpoint, qformats
 from swarm.model.cache import KVCache
 from swarm.weights.families import FAMILIES, Family  # noqa: F401  (re-exported; the table is torch-free there)
 from swarm.ranges import LayerRange
@@ -789,7 +789,7 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
                 src = tied_name  # tied LM head: the tail reads the embedding matrix
             elif full not in index and experts:
                 src = (moe.expert_sources(prefix, pname, experts, index) or moe.renamed_source(prefix, pname, index)
-                       or src)
+                       or qcheckpoint.mxfp4_sources(full, index) or src)
             missing = [n for n in moe.sources_of(src) if n not in index]
             if missing:
                 raise ModelError(f"{model_dir} lacks tensor {missing[0]!r} needed by layers {layer_range}")
@@ -824,7 +824,7 @@ def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[st
     from swarm.model.resolve import tensor_index
 
     index = tensor_index(model_dir)  # an FP8 weight's block scales are read with it
-    return names | {fp8.scale_name(n) for n in names if fp8.scale_name(n) in index}
+    return names | {qcheckpoint.scale_name(n) for n in names if qcheckpoint.scale_name(n) in index}
 
 
 def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "auto",
@@ -855,7 +855,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    fp8_block = fp8.block_size(config)  # refuses other quantization methods by name
+    fp8_block = qcheckpoint.block_size(config)  # refuses other quantization methods by name
     family = FAMILIES[config.model_type]
     layer_range.check_within(config.num_hidden_layers)
     dev = pick_device("cpu" if quantize is not None and device == "auto" else device)  # quantized: the CPU's ops
@@ -881,16 +881,16 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
 
     def float_of(tensor: torch.Tensor, src: str) -> torch.Tensor:
         """A checkpoint tensor as floats: an FP8 weight dequantized with its block scales (read here)."""
-        if tensor.dtype not in fp8.FP8_DTYPES:
+        if tensor.dtype not in qcheckpoint.FP8_DTYPES:
             return tensor
-        scale = fp8.scale_name(src)
+        scale = qcheckpoint.scale_name(src)
         if scale not in index:
             raise ModelError(f"{src} is stored in {tensor.dtype} without its block scales ({scale}); a stage "
                              "dequantizes FP8 weights only with them")
         with safe_open(str(index[scale]), framework="pt", device="cpu") as g:
             scale_inv = g.get_tensor(scale)
         block.loaded_tensors.append(scale)
-        return fp8.dequantize(tensor, scale_inv, fp8_block)
+        return qcheckpoint.dequantize(tensor, scale_inv, fp8_block)
 
     by_file: dict[Path, list[str]] = {}
     fused = {full: src for full, (_, _, src) in wanted.items() if not isinstance(src, str)}
@@ -933,7 +933,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         for full, (kind, names) in fused.items():
             module, pname, _ = wanted[full]
             parts = [[read(n) for n in pair] for pair in names] if kind == "gate_up" else [read(n) for n in names]
-            tensor = moe.fuse(kind, parts).to(device=dev, dtype=dt)
+            tensor = qcheckpoint.dequantize_mxfp4(*parts) if kind == "mxfp4" else moe.fuse(kind, parts)
+            tensor = tensor.to(device=dev, dtype=dt)
             _assign(module, pname, tensor)
             block.loaded_tensors.extend(moe.sources_of((kind, names)))
             block.loaded_bytes += tensor.numel() * tensor.element_size()

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swarm.errors import ModelError
-from swarm.model import fp8
+from swarm.model import qcheckpoint
 from swarm.model.block import block_tensor_names, load_block
 from swarm.ranges import LayerRange
 
@@ -41,7 +41,7 @@ def fp8_dir(synthetic, tmp_path_factory) -> Path:
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.endswith(".weight") and any(f".{p}." in name for p in PROJ):
-            tensors[name], tensors[fp8.scale_name(name)] = _to_fp8(t)
+            tensors[name], tensors[qcheckpoint.scale_name(name)] = _to_fp8(t)
         else:
             tensors[name] = t
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -78,14 +78,14 @@ def test_a_stage_holds_the_weights_transformers_dequantizes(fp8_dir):
 def test_a_dequantized_weight_is_each_value_times_its_blocks_scale():
     w = torch.randn(32, 48)
     q, scale = _to_fp8(w, (16, 16))
-    out = fp8.dequantize(q, scale, (16, 16))
+    out = qcheckpoint.dequantize(q, scale, (16, 16))
     assert out.dtype == torch.float32
     assert torch.equal(out[16:, 32:], q[16:, 32:].float() * scale[1, 2])
-    assert torch.equal(fp8.dequantize(q, scale, None), out)  # the block from the shapes
-    ragged = fp8.dequantize(q[:, :40], scale, (16, 16))  # a last block cut short (ceil, as DeepSeek's grids)
+    assert torch.equal(qcheckpoint.dequantize(q, scale, None), out)  # the block from the shapes
+    ragged = qcheckpoint.dequantize(q[:, :40], scale, (16, 16))  # a last block cut short (ceil, as DeepSeek's grids)
     assert torch.equal(ragged, out[:, :40])
     with pytest.raises(ModelError, match="not one per 16x16 block"):
-        fp8.dequantize(q, scale[:, :2], (16, 16))
+        qcheckpoint.dequantize(q, scale[:, :2], (16, 16))
 
 
 def test_a_float8_weight_without_its_scales_is_refused(fp8_dir, tmp_path):
@@ -99,7 +99,7 @@ def test_a_float8_weight_without_its_scales_is_refused(fp8_dir, tmp_path):
         load_block(broken, LayerRange(0, 4), dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("method", ["mxfp4", "bitsandbytes", "gptq"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq"])
 def test_other_quantization_methods_are_refused_by_name(synthetic, tmp_path, method):
     src = synthetic("llama", "float32")
     out = tmp_path / method
@@ -128,8 +128,8 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8):
             q, scale = _to_fp8(t, (8, 8))
-            fp8_tensors[name], fp8_tensors[fp8.scale_name(name)] = q, scale
-            float_tensors[name] = fp8.dequantize(q, scale, (8, 8))
+            fp8_tensors[name], fp8_tensors[qcheckpoint.scale_name(name)] = q, scale
+            float_tensors[name] = qcheckpoint.dequantize(q, scale, (8, 8))
         else:
             fp8_tensors[name] = float_tensors[name] = t
     assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8
@@ -146,3 +146,58 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
     same = load_block(floats, LayerRange(1, 3), dtype="float32", device="cpu")
     for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
         assert torch.equal(a, b), name  # every parameter, the stacked experts' too
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts (E, K, R) as transformers' gpt-oss holds them -> MXFP4 (blocks (E, R, K / 32, 16) uint8, scales
+    (E, R, K / 32) uint8), as gpt-oss's release stores them: each group of 32 over K with one power of two."""
+    t = w.transpose(1, 2)
+    e_, r, k = t.shape
+    groups = t.reshape(e_, r, k // 32, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).to(torch.int32)
+    scaled = groups / torch.ldexp(torch.ones(()), exp)[..., None]
+    idx = (scaled[..., None] - torch.tensor(qcheckpoint.FP4_VALUES)).abs().argmin(-1)
+    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(synthetic, tmp_path):
+    """gpt-oss's release: every expert's gate_up and down projections in MXFP4 (``*_blocks``, ``*_scales``),
+    the rest in floats. A ring of stages on it gives the bits of the same ring on the floats transformers
+    dequantizes those blocks to."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.support.models import chained_greedy
+
+    src = synthetic("gpt_oss", "float32", intermediate_size=32)
+    quantized, floats = tmp_path / "mxfp4", tmp_path / "floats"
+    for out in (quantized, floats):
+        shutil.copytree(src, out)
+    q_tensors, f_tensors = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _to_mxfp4(t)
+            q_tensors[name + "_blocks"], q_tensors[name + "_scales"] = blocks, scales
+            ours = qcheckpoint.dequantize_mxfp4(blocks, scales)
+            assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            assert ours.shape == t.shape and not torch.equal(ours, t)  # a real quantization, same layout
+            f_tensors[name] = ours
+        else:
+            q_tensors[name] = f_tensors[name] = t
+    assert sum(n.endswith("_blocks") for n in q_tensors) == 2 * 4
+    save_file(q_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    save_file(f_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.embed_tokens", "lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
+    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
+            for d in (quantized, floats)]
+    assert runs[0] == runs[1]
+    held = load_block(quantized, LayerRange(0, 4), dtype="float32", device="cpu")
+    same = load_block(floats, LayerRange(0, 4), dtype="float32", device="cpu")
+    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert any(n.endswith("gate_up_proj_scales") for n in held.loaded_tensors)
+    assert set(held.loaded_tensors) == block_tensor_names(quantized, LayerRange(0, 4))

@@ -1,0 +1,105 @@
+"""Quantized checkpoints as published: FP8 with block scales (DeepSeek-V3/R1, Qwen3 FP8, GLM-4.5 FP8)
+and MXFP4 experts (gpt-oss).
+
+Owns: which quantized checkpoints a stage takes (``quantization_config``: ``fp8`` and ``mxfp4``; any
+other method is refused by name, never loaded as garbage) and their dequantization at load to the
+bits transformers holds on a CPU: an FP8 weight times its ``weight_scale_inv`` block (one float32
+multiply), MXFP4's e2m1 values times 2^(e8m0 - 127) (exact). Not yet (issue 47): holding the weights
+in these formats and decoding them in the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swarm.errors import ModelError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+METHODS = ("fp8", "mxfp4")
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
+MXFP4_GROUP = 32  # values per e8m0 scale
+
+
+def block_size(config) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of a checkpoint quantized as ``fp8`` (None: none named, an ``mxfp4``
+    checkpoint, or a float one).
+
+    Raises:
+        ModelError: a ``quantization_config`` of another method (bitsandbytes, GPTQ, AWQ, ...): not
+            supported yet.
+    """
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method not in METHODS:
+        raise ModelError(f"the checkpoint is quantized with {method!r} (config.json quantization_config); a stage "
+                         "loads float checkpoints, GGUF files, FP8 with block scales and MXFP4 experts, not this "
+                         "method yet")
+    if method == "mxfp4":
+        return None
+    block = q.get("weight_block_size")
+    if block is None:
+        return None
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ModelError(f"quantization_config weight_block_size {block!r} is not two positive integers")
+    return int(block[0]), int(block[1])
+
+
+def scale_name(weight_name: str) -> str:
+    """The checkpoint name of a weight's block scales: ``...proj.weight`` -> ``...proj.weight_scale_inv``."""
+    return weight_name + "_scale_inv"
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """``weight`` (..., N, K) in float8 times its block's scale from ``scale_inv`` (..., ceil(N / bn),
+    ceil(K / bk)), as float32: the product transformers forms (each a float32 multiply, so the same bits).
+
+    Args:
+        block: (bn, bk) rows and columns per scale; None: from the shapes (N and K divided evenly).
+    Raises:
+        ModelError: a scale grid that does not match the weight's shape.
+    """
+    rows, cols = weight.shape[-2:]
+    grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
+    if block is None:
+        if rows % grid[0] or cols % grid[1]:
+            raise ModelError(f"an FP8 weight of shape {tuple(weight.shape)} does not divide into its "
+                             f"{tuple(grid)} scale blocks")
+        block = (rows // grid[0], cols // grid[1])
+    if tuple(grid) != (math.ceil(rows / block[0]), math.ceil(cols / block[1])):
+        raise ModelError(f"an FP8 weight of shape {tuple(weight.shape)} has scales of shape {tuple(scale_inv.shape)}, "
+                         f"not one per {block[0]}x{block[1]} block")
+    scale = scale_inv.to(torch.float32).reshape(*scale_inv.shape[:-2], *grid)
+    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return weight.to(torch.float32) * scale
+
+
+def mxfp4_sources(name: str, index) -> tuple[str, tuple[str, str]] | None:
+    """``("mxfp4", (blocks, scales))`` when the checkpoint holds parameter ``name`` (gpt-oss's
+    ``mlp.experts.gate_up_proj`` / ``down_proj``) as MXFP4 ``name_blocks`` and ``name_scales``; else None."""
+    blocks, scales = name + "_blocks", name + "_scales"
+    return ("mxfp4", (blocks, scales)) if blocks in index and scales in index else None
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 experts as transformers' gpt-oss holds them, float32: ``blocks`` (E, R, G, 16) uint8 (two
+    e2m1 values a byte, the low nibble first) and ``scales`` (E, R, G) uint8 (2^(s - 127) for each group
+    of 32) -> (E, G * 32, R), every value an e2m1 value times a power of two (exact).
+
+    Raises:
+        ModelError: shapes or dtypes that are not MXFP4's.
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 \
+            or blocks.shape[-1] != MXFP4_GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ModelError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype} are not (E, R, G, 16) and (E, R, G) bytes")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (E, R, G, 16, 2)
+    values = torch.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_GROUP), scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(blocks.shape[0], blocks.shape[1], -1).transpose(1, 2).contiguous()

@@ -36,8 +36,8 @@ Source of the routing rule and layouts: the families' transformers implementatio
 (``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``modeling_deepseek_v3``,
 ``conversion_mapping``); DeepSeek-V3's checkpoints name experts as Qwen's do.
 
-Not here: DeepSeek-V3's FP8 checkpoints (``weight_scale_inv`` blocks; tests use float checkpoints written
-by transformers) and its multi-token-prediction layer (``model.layers.61``, never in a stage's range).
+Not here: DeepSeek-V3's FP8 weights and gpt-oss's MXFP4 experts (:mod:`swarm.model.qcheckpoint`
+dequantizes them at load) and its multi-token-prediction layer (``model.layers.61``, never in a stage's range).
 """
 
 from __future__ import annotations

@@ -22,12 +22,15 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def _to_fp8(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float32 -> (float8_e4m3fn weight, float32 weight_scale_inv per block), as DeepSeek's tools do."""
+    """(N, K) float32 -> (float8_e4m3fn weight, float32 weight_scale_inv per block of ``block``, the last
+    ones cut short where N or K is not a multiple: DeepSeek-V3's ceil-division rule), as its tools do."""
     n, k = weight.shape
-    grid = (n // block[0], k // block[1])
-    blocks = weight.reshape(grid[0], block[0], grid[1], block[1])
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:n, :k] = weight
+    blocks = padded.reshape(grid[0], block[0], grid[1], block[1])
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)[:n, :k].contiguous()
     return q, scale
 
 
@@ -111,12 +114,23 @@ def test_other_quantization_methods_are_refused_by_name(synthetic, tmp_path, met
         load_block(out, LayerRange(0, 2), dtype="float32", device="cpu")
 
 
+def _by_blocks(q: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Tensor:
+    """DeepSeek-V3's rule written out (its inference/kernel.py): block (i, j) of b x b, the last ones cut
+    short, is its float8 values times scale[i, j] in float32."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * b:(i + 1) * b, j * b:(j + 1) * b] = q[i * b:(i + 1) * b, j * b:(j + 1) * b].float() * scale[i, j]
+    return out
+
+
 DEEPSEEK_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                 "down_proj")  # what DeepSeek-V3's FP8 release stores in FP8: attention and every expert's Linears
 
 
 def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path):
-    """Routed experts (read and stacked per expert), latent attention and the dense layer: a ring of
+    """Routed experts (read and stacked per expert), latent attention and the dense layer, weights whose
+    sizes are not multiples of the block among them: a ring of
     stages on the FP8 layout gives the bits of the same ring on the floats the scales decode to."""
     from tests.support.models import chained_greedy
 
@@ -124,19 +138,20 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
     quantized, floats = tmp_path / "fp8", tmp_path / "floats"
     for out in (quantized, floats):
         shutil.copytree(src, out)
-    fp8_tensors, float_tensors = {}, {}
+    fp8_tensors, float_tensors, ragged = {}, {}, 0
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8):
-            q, scale = _to_fp8(t, (8, 8))
+            q, scale = _to_fp8(t, (16, 16))  # q_a_proj (24, 32), o_proj (32, 40), ...: last blocks cut short
+            ragged += t.shape[0] % 16 != 0 or t.shape[1] % 16 != 0
             fp8_tensors[name], fp8_tensors[qcheckpoint.scale_name(name)] = q, scale
-            float_tensors[name] = qcheckpoint.dequantize(q, scale, (8, 8))
+            float_tensors[name] = _by_blocks(q, scale, 16)
         else:
             fp8_tensors[name] = float_tensors[name] = t
-    assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8
+    assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8 and ragged >= 4
     save_file(fp8_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
     save_file(float_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [8, 8]}
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     (quantized / "config.json").write_text(json.dumps(config))
     ranges = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]
     runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)

@@ -7,6 +7,7 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``heal_ops``      ``RingOps``: the ring-side operations a heal runs (``swarm.heal.SwarmOps``)
 - ``routing``       ``connect_ring``: a ring file's stages, or a route through the swarm's DHT
 - ``jobs``          a job's signed receipt written and verified, and offered to auditors
+- ``books``         ``SessionBook``: what the ring client keeps of one session (progress, receipt ledger, prefix)
 - ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring; composed of
                     a ``RingLinks`` (``net``) and a ``RingRepair`` (``repair``)
 - ``links``         ``StageInfo``, ``Link``, ``RingLinks``: dialing and checking each stage, reader tasks,

@@ -18,6 +18,7 @@ from swarm import wire
 from swarm.config import SamplingParams, SpecConfig
 from swarm.errors import ConfigError, ContextOverflow, StageLost
 from swarm.heal import HealEvent, plan_replay, run_heal
+from swarm.coordinator.books import Generation
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import NoDrafter, SpecLoop
 from swarm.coordinator.heal_ops import RingOps
@@ -184,10 +185,9 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     budget = _context_budget(ring, prompt_ids, options.max_new_tokens)
     loop = SpecLoop(prompt_ids, budget, options.stop_ids, options.drafter or NoDrafter(), k=spec.k, depth=spec.depth,
                     prefill_chunk=spec.prefill_chunk, rotary_switch=ring.rotary_switch)
-    state = {"session": uuid.uuid4().hex, "max_len": len(prompt_ids) + budget,
-             "sampling": None if sampling.greedy else sampling.to_wire(), "wire_dtype": options.wire_dtype,
-             "job": job, "prefix_cache": options.prefix_cache, "prefix_salt": options.prefix_salt}
-    ops = RingOps(ring, loop, state)
+    gen = Generation(uuid.uuid4().hex, len(prompt_ids) + budget, None if sampling.greedy else sampling.to_wire(),
+                     options.wire_dtype, job, options.prefix_cache, options.prefix_salt)
+    ops = RingOps(ring, loop, gen)
     shadowed = options.heal and options.shadow and await ops.prepare_shadows() > 0
     heal_events: list[HealEvent] = []
 
@@ -197,20 +197,20 @@ async def decode(ring: RingClient, prompt_ids: list[int], options: DecodeOptions
     t0 = time.perf_counter()
     keep = None
     try:  # from the open on: a session opened at only some stages is closed there in the end too
-        cached = await _open_session(ring, loop, state, prompt_ids, options, shadowed, heal_after)
+        cached = await _open_session(ring, loop, gen, prompt_ids, options, shadowed, heal_after)
         if on_open is not None:
             on_open()
-        t_first, stopped = await _drive(ring, loop, state, options.heal, heal_after, on_ids, should_stop)
+        t_first, stopped = await _drive(ring, loop, gen, options.heal, heal_after, on_ids, should_stop)
         t_end = time.perf_counter()
         out = loop.output
         if answer_len is not None:
             out = out[:max(0, min(len(out), answer_len(out)))]
-        parts = await _receipt_parts(ring, state["session"]) if job is not None else None
+        parts = await _receipt_parts(ring, gen.session) if job is not None else None
         if options.prefix_cache and not loop.rotary_long:  # LongRoPE's long rows fit no shorter prompt
             keep = list(prompt_ids) + list(out)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await ring.close_session(state["session"], keep=keep)
+            await ring.close_session(gen.session, keep=keep)
     decode_s = t_end - t_first if t_first is not None else 0.0  # None: stopped before the first token
     return DecodeResult(
         output_ids=out,
@@ -270,7 +270,7 @@ async def _heal(ops: RingOps, replay, exc: StageLost, heal_events: list[HealEven
     return True
 
 
-async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_ids: list[int],
+async def _open_session(ring: RingClient, loop: SpecLoop, gen: Generation, prompt_ids: list[int],
                         options: DecodeOptions, shadowed: bool, heal_after) -> int:
     """Open the generation's session at every stage (healing a stage found lost meanwhile).
 
@@ -279,7 +279,7 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
     """
     for attempt in range(1, OPEN_ATTEMPTS + 1):
         try:
-            reused = await ring.open_session(state["session"], state["max_len"], state["sampling"],
+            reused = await ring.open_session(gen.session, gen.max_len, gen.sampling,
                                              options.wire_dtype, job=options.job, shadow=shadowed,
                                              prefix_ids=list(prompt_ids) if options.prefix_cache else None,
                                              prefix_salt=options.prefix_salt)
@@ -303,12 +303,12 @@ async def _open_session(ring: RingClient, loop: SpecLoop, state: dict, prompt_id
             log.warning("heal.skipped cause=%s: every stage answers again and nothing is stuck; opening the "
                         "session again", exc)
             with trio.move_on_after(2.0):
-                await ring.close_session(state["session"], timeout_s=1.0)
-            state["session"] = uuid.uuid4().hex
+                await ring.close_session(gen.session, timeout_s=1.0)
+            gen.session = uuid.uuid4().hex
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, heal_after, on_ids,
+async def _drive(ring: RingClient, loop: SpecLoop, gen: Generation, heal: bool, heal_after, on_ids,
                  should_stop) -> tuple[float | None, bool]:
     """Send the loop's chunks and commit the tail's results until the loop is done or ``should_stop``
     says so, healing lost stages (with ``heal``).
@@ -322,8 +322,8 @@ async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, heal
             return t_first, True
         try:
             for chunk in loop.next_chunks():
-                await ring.send_chunk(state["session"], chunk)
-            msg = await ring.next_result(state["session"])
+                await ring.send_chunk(gen.session, chunk)
+            msg = await ring.next_result(gen.session)
         except HEALABLE as exc:
             if not heal:
                 raise
@@ -334,7 +334,7 @@ async def _drive(ring: RingClient, loop: SpecLoop, state: dict, heal: bool, heal
         epoch = loop.epoch
         new = loop.on_result(msg.chunk, msg.epoch, msg.token_ids)
         if loop.epoch != epoch and not loop.done:
-            await ring.cancel(state["session"], loop.epoch)
+            await ring.cancel(gen.session, loop.epoch)
         if new:
             t_first = t_first or time.perf_counter()
             if on_ids:
@@ -347,9 +347,10 @@ async def _receipt_parts(ring: RingClient, session: str) -> dict:
     replayed one) and this client's digests of what it sent and received (``write_job_receipt``)."""
     t_collect = time.perf_counter()
     stage_receipts, problems = await ring.collect_receipts(session)
-    sent, received = ring.ledgers[session]
+    book = ring.books[session]
+    sent, received = book.ledger
     parts = {"stage_receipts": stage_receipts, "problems": problems, "sent": sent.as_dict(),
-             "received": received.as_dict(), "segments": list(ring.segments.get(session, [])),
+             "received": received.as_dict(), "segments": list(book.segments),
              "collect_s": time.perf_counter() - t_collect}
     for p in problems:
         log.warning("receipt.missing %s", p)

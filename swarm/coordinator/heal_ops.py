@@ -15,6 +15,7 @@ import trio
 
 from swarm.errors import ConfigError
 from swarm.heal import NO_WARM_SPARE, Kept, StageReport
+from swarm.coordinator.books import Generation
 from swarm.coordinator.ring import RingClient
 from swarm.coordinator.spec import SpecLoop
 from swarm.ranges import LayerRange
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 class RingOps:
     """``swarm.heal.SwarmOps`` over a RingClient and the generation's SpecLoop."""
 
-    def __init__(self, ring: RingClient, loop: SpecLoop, state: dict):
-        self.ring, self.loop, self.state = ring, loop, state
+    def __init__(self, ring: RingClient, loop: SpecLoop, gen: Generation):
+        self.ring, self.loop, self.gen = ring, loop, gen
         self._spares: dict = {}
         self._replaced = ""  # PeerId the last swap replaced
         self._shadow = ""  # name of the picked spare when it is this session's shadow of the lost stage
@@ -50,17 +51,18 @@ class RingOps:
         return NO_WARM_SPARE
 
     async def probe(self) -> tuple[list[StageReport], int, int]:
-        session = self.state["session"]
+        session = self.gen.session
         reports = await self.ring.probe(session)
         self._refusing |= {self.peer_of(r.index) for r in reports if r.refusing}
-        return reports, self.loop.sent_chunk, self.ring.returned.get(session, -1)
+        book = self.ring.books.get(session)
+        return reports, self.loop.sent_chunk, -1 if book is None else book.returned
 
     async def settle(self) -> None:
         await trio.sleep(self.ring.heartbeat_s)
 
     async def pick_spare(self, layers: tuple[int, int]):
         index = next(i for i, info in enumerate(self.ring.infos) if info.layers == tuple(layers))
-        ring, session = self.ring, self.state["session"]
+        ring, session = self.ring, self.gen.session
         shadow = ring.repair.take_shadow(session, layers)
         if shadow is not None:  # the spare that shadowed this stage, if it still answers
             state = await ring.repair.shadow_state(session, shadow, 2 * ring.heartbeat_s)
@@ -145,7 +147,7 @@ class RingOps:
                 exclude=frozenset(i.peer_id for j, i in enumerate(infos)
                                   if not index <= j <= last or (j == lost and not fresh_session))
                 | self.ring.repair.shadow_peers() | self._refusing,
-                context_tokens=self.state["max_len"],
+                context_tokens=self.gen.max_len,
                 known=route.records, known_rtt_ms=route.client_rtt_ms,
                 shut_out=self.ring.shut_out, measured_layer_ms=load_measured(model_id))
         except NoRoute as exc:
@@ -203,7 +205,7 @@ class RingOps:
         """Keep the session at the survivors (``RingRepair.repair_session``): the replacement at
         ``[index, index + count)`` rebuilds positions ``[0, len(prefix) - 1)`` alone, the last one
         goes round the ring in :meth:`resume`. Returns None, or why not (logged; a full replay follows)."""
-        loop, session = self.loop, self.state["session"]
+        loop, session = self.loop, self.gen.session
         if list(replay.prefix) != loop.seq[: len(replay.prefix)] or len(replay.prefix) != loop.committed_len - 1:
             raise ConfigError("internal: the replay plan and the generation state disagree")
         if self._window > 1:
@@ -214,8 +216,8 @@ class RingOps:
         keep = loop.resume()
         why = await self.ring.repair.repair_session(
             session, index, count, epoch=loop.epoch, keep=keep, tokens=loop.seq[:keep],
-            replaced=self._replaced, max_len=self.state["max_len"],
-            sampling=self.state["sampling"], wire_dtype=self.state["wire_dtype"], job=self.state["job"],
+            replaced=self._replaced, max_len=self.gen.max_len,
+            sampling=self.gen.sampling, wire_dtype=self.gen.wire_dtype, job=self.gen.job,
             shadow=bool(self._shadow))
         if why is not None:
             log.warning("heal.fallback stage=%d reason=%s: replaying in full on a fresh session", index, why)
@@ -226,7 +228,7 @@ class RingOps:
         return Kept(done["mode"], done["refill_tokens"], done["shadow_fallback"] or self._shadow_note)
 
     async def resume(self) -> int | None:
-        loop, session = self.loop, self.state["session"]
+        loop, session = self.loop, self.gen.session
         while loop.replay_token is None:
             for chunk in loop.next_chunks():
                 await self.ring.send_chunk(session, chunk)
@@ -236,12 +238,12 @@ class RingOps:
 
     async def reset(self) -> None:
         with trio.move_on_after(2.0):  # survivors drop the broken session; the lost stage cannot
-            await self.ring.close_session(self.state["session"], timeout_s=1.0)
-        self.state["session"] = uuid.uuid4().hex
-        await self.ring.open_session(self.state["session"], self.state["max_len"], self.state["sampling"],
-                                     self.state["wire_dtype"], job=self.state["job"],
-                                     prefix_ids=[] if self.state.get("prefix_cache") else None,
-                                     prefix_salt=self.state.get("prefix_salt") or "")
+            await self.ring.close_session(self.gen.session, timeout_s=1.0)
+        self.gen.session = uuid.uuid4().hex
+        await self.ring.open_session(self.gen.session, self.gen.max_len, self.gen.sampling,
+                                     self.gen.wire_dtype, job=self.gen.job,
+                                     prefix_ids=[] if self.gen.prefix_cache else None,
+                                     prefix_salt=self.gen.prefix_salt or "")
 
     async def replay(self, prefix) -> int | None:
         loop = self.loop

@@ -14,8 +14,8 @@ Progress probes are :meth:`swarm.coordinator.links.RingLinks.probe`; the heartbe
 while waiting for a result live in :meth:`swarm.coordinator.ring.RingClient.next_result`.
 
 What it needs from the client is passed in (see ``RingRepair``): the links (``RingLinks``), the
-host (its key signs open and repair frames), the client's ``open_at`` and its per-session books
-(receipt ledgers, closed segments, repaired epochs).
+host (its key signs open and repair frames), the client's ``open_at`` and its ``SessionBook`` of
+each session (receipt ledger, closed segments, repaired epoch).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from swarm.errors import ConfigError, RemoteError, StageLost, SwarmError
 from swarm.frames import Close, OpenOk, Progress, ProgressOk, Refill, RepairOk
 from swarm.ranges import LayerRange
 from swarm.transport.circuit import is_circuit
+from swarm.coordinator.books import SessionBook
 from swarm.coordinator.links import Link, RingLinks
 
 log = logging.getLogger(__name__)
@@ -48,19 +49,18 @@ class RingRepair:
         host: the client's SwarmHost; its ``key_pair`` signs open and repair frames.
         spares: the ring file's spares not used yet (taken from as spares are prepared).
         open_at: the client's ``RingClient.open_at`` (open a session at some ring positions).
-        ledgers / segments / repaired_epoch: the client's per-session books (``RingClient``): a
-            repair that replaces the head or the tail closes a ledger into ``segments``, and records
-            the session's new epoch in ``repaired_epoch``.
+        books: the client's ``SessionBook`` of each session (``RingClient.books``): a repair that
+            replaces the head or the tail closes its ledger into ``segments``, and records the session's
+            new epoch in ``repaired_epoch``.
         batch: sessions are opened for packing with others (``swarm serve``).
     """
 
-    def __init__(self, net: RingLinks, host, spares, *, open_at, ledgers: dict, segments: dict,
-                 repaired_epoch: dict, batch: bool = False):
+    def __init__(self, net: RingLinks, host, spares, *, open_at, books: dict[str, SessionBook], batch: bool = False):
         self.net = net
         self.host = host
         self.spares: list[StageSpec] = list(spares)
         self.open_at = open_at
-        self.ledgers, self.segments, self.repaired_epoch = ledgers, segments, repaired_epoch
+        self.books = books
         self.batch = batch
         # warm spares shadowing ring positions (layer range -> link, kept across sessions), the shadows
         # each session opened (session -> layer range -> link), and the coordinator's mirror of the token
@@ -187,7 +187,7 @@ class RingRepair:
         n = len(self.links)
         last = index + count - 1
         until = self.links[last].info.layers[1]
-        self.repaired_epoch[session] = epoch
+        self.books.setdefault(session, SessionBook()).repaired_epoch = epoch
         ledger = self._close_ledgers(session, index, last, replaced)
         self.last_repair = {"mode": "shadow" if shadow else "survivors_kept", "refill_tokens": keep,
                             "shadow_fallback": ""}
@@ -223,15 +223,15 @@ class RingRepair:
         Returns:
             the session's (sent, received) ledgers now; None without a job.
         """
-        ledger = self.ledgers.get(session)
+        book = self.books.get(session)
+        ledger = None if book is None else book.ledger
         if ledger is not None:
-            segs = self.segments.setdefault(session, [])
             if index == 0:  # frames from now on go to the new head
-                segs.append({"side": "sent", "peer": replaced, **ledger[0].as_dict()})
-                ledger = self.ledgers[session] = (receipts.RollingDigest(), ledger[1])
+                book.segments.append({"side": "sent", "peer": replaced, **ledger[0].as_dict()})
+                ledger = book.ledger = (receipts.RollingDigest(), ledger[1])
             if last == len(self.links) - 1:  # results from now on come from the new tail
-                segs.append({"side": "received", "peer": replaced, **ledger[1].as_dict()})
-                ledger = self.ledgers[session] = (ledger[0], receipts.RollingDigest())
+                book.segments.append({"side": "received", "peer": replaced, **ledger[1].as_dict()})
+                ledger = book.ledger = (ledger[0], receipts.RollingDigest())
         return ledger
 
     async def _repair_survivors(self, session: str, index: int, last: int, epoch: int, keep: int, until: int,
@@ -293,7 +293,7 @@ class RingRepair:
         mirror = self.head_mirrors.pop(session, None)
         if mirror is not None and await mirror.promote():
             if ledger is not None:  # the new head's input digest began with the mirrored frames
-                ledger = self.ledgers[session] = (mirror.digest, ledger[1])
+                ledger = self.books[session].ledger = (mirror.digest, ledger[1])
             return min(mirror.end, keep), ledger
         why = "no mirror" if mirror is None else f"the mirror was dropped ({mirror.broken})"
         await self._shadow_fallback(session, 0, why, epoch, keep, until, *opening)

@@ -6,13 +6,13 @@ waits for the tail's results (probing every stage after ``heartbeat_s`` of silen
 stage is detected in about two heartbeats, and a hop that swallows frames while both its stages
 still answer in ``GAP_S``, not at the hop timeout), cancels stale epochs on the
 control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
-keeping its own digests of what it sent to the head and received from the tail (``ledgers``).
+keeping its own digests of what it sent to the head and received from the tail (a book's ``ledger``).
 
 Composed of two objects with their own state: ``net``, a :class:`swarm.coordinator.links.RingLinks`
 (the links in ring order: dialing, the ring check, the reader tasks, receiving, progress probes), and
 ``repair``, a :class:`swarm.coordinator.repair.RingRepair` (spares, swaps, repairs that keep the
-survivors' session, shadows). This client keeps the per-session books (``returned``, ``sent``,
-``ledgers``, ``segments``, ``repaired_epoch``, ``prefixed``) and hands them to those two explicitly.
+survivors' session, shadows). This client keeps one ``SessionBook`` per session (``books``: progress, the
+receipt ledger and its closed segments, the epoch of the last repair, the prefix) and hands them to those two.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from swarm.errors import HopTimeout, StageLost, StreamClosed, SwarmError
 from swarm.frames import Cancel, Close, Error, Forward, InfoOk, LinkLost, OpenOk, Receipt, ReceiptOk, Result
 from swarm.heal import Probe, locate_failure
 from swarm.ranges import check_tiling
+from swarm.coordinator.books import SessionBook
 from swarm.coordinator.links import F, Link, RingLinks, StageInfo
 from swarm.coordinator.repair import RingRepair
 
@@ -61,22 +62,10 @@ class RingClient:
         self.hop_timeout_s = hop_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.heartbeat_s = heartbeat_s
-        self.returned: dict[str, int] = {}  # session -> highest chunk id whose result arrived
-        self.sent: dict[str, int] = {}  # session -> highest chunk id sent to the head
-        # session -> (digest of forward frames sent to the head, of result frames from the tail),
-        # for sessions opened with a job (receipts)
-        self.ledgers: dict[str, tuple[receipts.RollingDigest, receipts.RollingDigest]] = {}
-        # session -> the ledgers' closed digests (a heal that kept the survivors replaced the head or
-        # the tail), and the epoch of the last such repair (errors of older epochs are stale)
-        self.segments: dict[str, list[dict]] = {}
-        self.repaired_epoch: dict[str, int] = {}
-        self.prefixed: set[str] = set()  # sessions opened with a prefix: a replacement stage gets one too
-        self.prefix_salts: dict[str, str] = {}  # session -> its prefix salt (a replacement's namespace has it too)
+        self.books: dict[str, SessionBook] = {}  # session -> what this client keeps of it
         self.net = RingLinks(host, ring, hop_timeout_s=hop_timeout_s, connect_timeout_s=connect_timeout_s,
-                             model_id=model_id, on_tail_result=self._tail_result,
-                             repaired_epoch=lambda session: self.repaired_epoch.get(session, -1))
-        self.repair = RingRepair(self.net, host, ring.spares, open_at=self.open_at, ledgers=self.ledgers,
-                                 segments=self.segments, repaired_epoch=self.repaired_epoch, batch=batch)
+                             model_id=model_id, on_tail_result=self._tail_result, repaired_epoch=self.repaired_epoch)
+        self.repair = RingRepair(self.net, host, ring.spares, open_at=self.open_at, books=self.books, batch=batch)
 
     @property
     def links(self) -> list[Link]:
@@ -92,11 +81,17 @@ class RingClient:
         """Count a result frame the tail sent as returned the moment it arrives, read or not (a probe
         taken while the frame waits in the queue, during a heal, must not blame the tail that sent
         it), and add it to its session's received ledger (sessions with a job)."""
-        if msg.session in self.returned:
-            self.returned[msg.session] = max(self.returned[msg.session], msg.chunk)
-        ledger = self.ledgers.get(msg.session)
-        if ledger is not None:
-            ledger[1].add(receipts.result_item(msg))
+        book = self.books.get(msg.session)
+        if book is None:
+            return
+        book.returned = max(book.returned, msg.chunk)
+        if book.ledger is not None:
+            book.ledger[1].add(receipts.result_item(msg))
+
+    def repaired_epoch(self, session: str) -> int:
+        """The epoch of ``session``'s last repair (-1: none, or no such session)."""
+        book = self.books.get(session)
+        return -1 if book is None else book.repaired_epoch
 
     # ---- connecting -----------------------------------------------------------------------------
 
@@ -153,7 +148,7 @@ class RingClient:
                            prefix_ids: list[int] | None = None, prefix_salt: str = "") -> int:
         """Open ``session`` at every stage, telling each its successor (the tail gets none and,
         when sampling, the sampling settings). With ``job`` (``{"id", "nonce"}``) every stage keeps
-        receipt digests for the session, and so does this client (``ledgers``). With ``shadow``, the
+        receipt digests for the session, and so does this client (its book's ``ledger``). With ``shadow``, the
         session is first opened as a shadow at the warm spares in ``shadows`` (each position's
         predecessor then mirrors what it sends on to it; this client mirrors the head's token ids).
         With ``prefix_ids`` (the prompt), each stage may fill the session's KV cache from its prefix
@@ -164,18 +159,15 @@ class RingClient:
             positions ``[0, n)`` every stage already holds (0 without ``prefix_ids``, or with a shadow:
             a shadow holds no prefix): the prefill starts at ``n``.
         """
+        self.books[session] = book = SessionBook(prefix_salt=prefix_salt)
         if job is not None:
-            self.ledgers[session] = (receipts.RollingDigest(), receipts.RollingDigest())
-        if prefix_ids is not None:
-            self.prefix_salts[session] = prefix_salt
+            book.ledger = (receipts.RollingDigest(), receipts.RollingDigest())
         opened = await self.repair.open_shadows(session, max_len, sampling, wire_dtype, job) if shadow else {}
         mirrors = {i - 1: (link.spec.addr, link.info.layers[1]) for i, link in opened.items() if i > 0}
         reused = await self.open_at(range(len(self.links)), session, max_len, sampling, wire_dtype, job,
                                     mirrors=mirrors, prefix_ids=[] if opened and prefix_ids is not None else prefix_ids)
         if 0 in opened:
             self.repair.start_head_mirror(session, opened[0])
-        self.returned[session] = -1
-        self.sent[session] = -1
         return reused
 
     def prefix_namespace(self, index: int, wire_dtype: str | None, salt: str = "") -> str:
@@ -208,9 +200,10 @@ class RingClient:
         """
         n = len(self.links)
         reused = []
+        book = self.books.setdefault(session, SessionBook())
         if prefix_ids is not None:
-            self.prefixed.add(session)
-        elif session in self.prefixed:  # a heal's replacement: it holds no prefix, but keeps the session's KV
+            book.prefixed = True
+        elif book.prefixed:  # a heal's replacement: it holds no prefix, but keeps the session's KV
             prefix_ids = []
         for i in sorted(positions, reverse=True):
             nxt = self.links[i + 1].spec.addr if i + 1 < n else None
@@ -226,7 +219,7 @@ class RingClient:
                 extra["mirror"], extra["mirror_until"] = mirrors[i]
             if prefix_ids is not None:
                 extra["prefix"] = {"ids": list(prefix_ids),
-                                   "ns": self.prefix_namespace(i, wire_dtype, self.prefix_salts.get(session, ""))}
+                                   "ns": self.prefix_namespace(i, wire_dtype, book.prefix_salt)}
             prev = self.links[i - 1].info.peer_id if i > 0 else None
             msg = wire.open_frame(self.host.key_pair, session, nxt, max_len, prev=prev, **extra)
             link = self.links[i]
@@ -269,13 +262,7 @@ class RingClient:
                 await link.data.send(close, timeout_s=timeout_s)
             except SwarmError:
                 pass
-        self.returned.pop(session, None)
-        self.sent.pop(session, None)
-        self.prefixed.discard(session)
-        self.prefix_salts.pop(session, None)
-        self.ledgers.pop(session, None)
-        self.segments.pop(session, None)
-        self.repaired_epoch.pop(session, None)
+        self.books.pop(session, None)
         await self.repair.forget(session, timeout_s)
 
     @property
@@ -303,10 +290,11 @@ class RingClient:
             raise StageLost(f"stage 0 {head.spec.layers} at {head.spec.addr} closed the connection: {exc}") from exc
         # the head's shadow gets the same token ids (its own bounded queue)
         self.repair.post_to_head_shadow(session, chunk.epoch, chunk.pos, list(chunk.tokens))
-        self.sent[session] = max(self.sent.get(session, -1), chunk.chunk_id)
-        ledger = self.ledgers.get(session)
-        if ledger is not None:
-            ledger[0].add(receipts.forward_item(msg))
+        book = self.books.get(session)
+        if book is not None:
+            book.sent = max(book.sent, chunk.chunk_id)
+            if book.ledger is not None:
+                book.ledger[0].add(receipts.forward_item(msg))
 
     async def collect_receipts(self, session: str, timeout_s: float | None = None) -> tuple[list, list[str]]:
         """Ask every stage for its signed receipt of ``session`` (opened with a job).
@@ -362,7 +350,8 @@ class RingClient:
                 reports = msg
                 # every stage answers, but a hop may be broken in silence (a relayed hop whose relay
                 # died swallows frames): a gap in the chain of progress that persists is a loss
-                now_probe = Probe(tuple(reports), self.sent.get(session, -1), self.returned.get(session, -1))
+                book = self.books.get(session) or SessionBook()
+                now_probe = Probe(tuple(reports), book.sent, book.returned)
                 failure = locate_failure(reports, now_probe.sent, now_probe.returned, earlier) if earlier else None
                 earlier = now_probe
                 if failure is None or not failure.reason.startswith("silent"):
@@ -376,7 +365,9 @@ class RingClient:
                 continue
             self.net.raise_for(i, msg, session)
             if i == tail and isinstance(msg, Result) and msg.session == session:
-                self.returned[session] = max(self.returned.get(session, -1), msg.chunk)
+                book = self.books.get(session)
+                if book is not None:
+                    book.returned = max(book.returned, msg.chunk)
                 return msg
 
     async def _next_probing(self, session: str, deadline: float, waiting: str, during: str = "") -> tuple:

@@ -48,6 +48,7 @@ def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
     Now the session is closed where it was opened and opened once more under a fresh id."""
     import trio
 
+    from swarm.coordinator.books import Generation
     from swarm.coordinator.decoding import OPEN_ATTEMPTS, _open_session
     from swarm.errors import StageLost
 
@@ -73,12 +74,12 @@ def test_an_open_met_by_a_pause_is_closed_and_opened_again_under_a_fresh_id():
         return False
 
     def run_open(fails):
-        ring, state = Ring(fails), {"session": "s0", "max_len": 64, "sampling": None}
-        trio.run(_open_session, ring, Loop(), state, [1, 2, 3], DecodeOptions(4), False, never_replaced)
-        return ring, state
+        ring, gen = Ring(fails), Generation("s0", 64)
+        trio.run(_open_session, ring, Loop(), gen, [1, 2, 3], DecodeOptions(4), False, never_replaced)
+        return ring, gen
 
-    ring, state = run_open(1)
-    assert ring.opened[0] == "s0" and ring.closed == ["s0"] and state["session"] == ring.opened[1] != "s0"
+    ring, gen = run_open(1)
+    assert ring.opened[0] == "s0" and ring.closed == ["s0"] and gen.session == ring.opened[1] != "s0"
     with pytest.raises(StageLost, match="while opening the session"):  # paused at every try: it says so
         run_open(OPEN_ATTEMPTS)
 

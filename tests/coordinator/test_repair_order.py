@@ -43,7 +43,7 @@ class FakeNet:
 def test_a_shadow_is_promoted_after_its_successor_takes_its_frames(tmp_path, index):
     net = FakeNet(4)
     host = SimpleNamespace(key_pair=load_or_create_key(tmp_path / "c.key"))
-    repair = RingRepair(net, host, [], open_at=None, ledgers={}, segments={}, repaired_epoch={})
+    repair = RingRepair(net, host, [], open_at=None, books={})
     if index == 2:  # make it the tail: a ring of 3
         net.links.pop()
     repair.head_mirrors["s"] = SimpleNamespace(promote=_true, end=100, digest=None)

@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.process  # a child swarm process
+
 
 def test_a_closed_stdout_is_no_traceback(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({

@@ -63,16 +63,16 @@ def of(msg: dict[str, Any]) -> Frame:
     """The typed frame of a checked map (``swarm.wire.validate`` has run). Raises KeyError for an
     unknown ``type``."""
     cls = FRAME_TYPES[msg["type"]]
-    fields = dict(msg)
-    del fields["v"], fields["type"]
-    if "extra" not in fields:
+    given = dict(msg)
+    del given["v"], given["type"]
+    if "extra" not in given:
         try:
-            return cls(**fields)  # an optional field given as None is the default
+            return cls(**given)  # an optional field given as None is the default
         except TypeError:
             pass  # a field this version does not know
     known = cls.__dataclass_fields__
-    return cls(**{k: v for k, v in fields.items() if k in known and k != "extra"},
-               extra={k: v for k, v in fields.items() if k not in known or k == "extra"})
+    return cls(**{k: v for k, v in given.items() if k in known and k != "extra"},
+               extra={k: v for k, v in given.items() if k not in known or k == "extra"})
 
 
 # ---- session set-up and teardown

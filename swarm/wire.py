@@ -409,8 +409,8 @@ def decode_tensor(m: Any, *, rank: int | None = None, last_dim: int | None = Non
     return out
 
 
-def forward_inputs(msg: frames.Forward | frames.Refill, *, is_head: bool, vocab_size: int, hidden_size: int, kv_len: int,
-                   max_len: int) -> dict:
+def forward_inputs(msg: frames.Forward | frames.Refill, *, is_head: bool, vocab_size: int, hidden_size: int,
+                   kv_len: int, max_len: int) -> dict:
     """Check a validated ``forward`` (or ``refill``) frame against the stage and session, and decode its input.
 
     The one place a stage checks a forward's payload: stage 0 takes ``tokens`` (ids in

@@ -281,8 +281,8 @@ class RingClient:
         Raises:
             StageLost: the head's stream is closed. HopTimeout: the send did not finish in time.
         """
-        msg = Forward(session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id, tokens=list(chunk.tokens),
-                      logits_from=getattr(chunk, "logits_from", None))
+        msg = Forward(session=session, epoch=chunk.epoch, pos=chunk.pos, chunk=chunk.chunk_id,
+                      tokens=list(chunk.tokens), logits_from=getattr(chunk, "logits_from", None))
         head = self.links[0]
         try:
             await head.data.send(msg, timeout_s=self.hop_timeout_s)

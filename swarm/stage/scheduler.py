@@ -395,7 +395,8 @@ class Scheduler:
             rows = job.x.shape[1]
             if rows <= BATCH_CHUNK_MAX and not sess.heal.shadow:  # a decode/verify row: note when the next one is due
                 now = trio.current_time()
-                sess.scheduling.short_gap = now - sess.scheduling.last_short if sess.scheduling.last_short and sess.scheduling.last_rows <= BATCH_CHUNK_MAX else 0.0
+                pace = sess.scheduling
+                pace.short_gap = now - pace.last_short if pace.last_short and pace.last_rows <= BATCH_CHUNK_MAX else 0.0
                 sess.scheduling.last_short = now
             sess.scheduling.last_rows = rows
         sess.scheduling.queue.append(job)
@@ -451,8 +452,9 @@ class Scheduler:
         """Go on with the paused slice (it may pause again), unless its session or chunk is gone."""
         paused, self.paused = self.paused, None
         sess, job = paused.session, paused.job
-        if self.sessions.get(sess.session_id) is not sess or not sess.scheduling.queue or sess.scheduling.queue[0] is not job \
-                or job.msg.epoch < sess.epoch and not stale_needed(sess.scheduling.queue, sess.epoch, sess.cache.kv_len):
+        queue = sess.scheduling.queue
+        if self.sessions.get(sess.session_id) is not sess or not queue or queue[0] is not job \
+                or job.msg.epoch < sess.epoch and not stale_needed(queue, sess.epoch, sess.cache.kv_len):
             paused.steps.close()  # its cache rolls back to before the slice
             return True
         return await self._run_step(StepPlan(), time.perf_counter(), resuming=paused)
@@ -501,7 +503,8 @@ class Scheduler:
             return
         now = trio.current_time()
         if any(s.batch and not s.scheduling.queue and not s.heal.shadow and s.scheduling.last_rows <= BATCH_CHUNK_MAX
-               and decoder_due([(s.scheduling.last_short, s.scheduling.short_gap)], now) is not None for s in self.sessions.values()):
+               and decoder_due([(s.scheduling.last_short, s.scheduling.short_gap)], now) is not None
+               for s in self.sessions.values()):
             await trio.sleep(wait / 1000)
 
     def _ready_jobs(self) -> list[tuple[Session, Job]]:

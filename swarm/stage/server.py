@@ -30,8 +30,8 @@ import trio
 from swarm import receipts, wire
 from swarm.config import StageConfig
 from swarm.errors import ConfigError, ContextOverflow, ProtocolError, StreamClosed, SwarmError
-from swarm.frames import (Audit, AuditOffer, Cancel, Close, CloseOk, Drain, DrainOk, Error, Forward, Frame, Info, InfoOk,
-                           Open, OpenOk, Progress, ProgressOk, Receipt, Refill, Repair)
+from swarm.frames import (Audit, AuditOffer, Cancel, Close, CloseOk, Drain, DrainOk, Error, Forward, Frame, Info,
+                          InfoOk, Open, OpenOk, Progress, ProgressOk, Receipt, Refill, Repair)
 from swarm.mirror import Mirror
 from swarm.ranges import LayerRange
 from swarm.stage.admission import Reservations, decide, kv_need, open_links, open_place, wire_itemsize
@@ -252,7 +252,8 @@ class StageServer:
             case Progress():
                 await stream.send(ProgressOk(session=msg.session, known=sess is not None,
                                              received=sess.heal.received if sess else -1,
-                                             sent=sess.heal.sent if sess else -1, busy=bool(sess and sess.scheduling.busy),
+                                             sent=sess.heal.sent if sess else -1,
+                                             busy=bool(sess and sess.scheduling.busy),
                                              lost_successor=bool(sess and sess.heal.successor_lost),
                                              draining=bool(self.draining)))
             case Close():
@@ -439,9 +440,11 @@ class StageServer:
         while True:
             await trio.sleep(max(0.05, min(5.0, ttl / 4)))
             now = trio.current_time()
-            for sess in [s for s in self.sessions.values() if not s.scheduling.busy and now - s.scheduling.last_active > ttl]:
+            for sess in [s for s in self.sessions.values()
+                         if not s.scheduling.busy and now - s.scheduling.last_active > ttl]:
                 del self.sessions[sess.session_id]
-                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id, now - sess.scheduling.last_active)
+                log.warning("session.expired session=%s idle_s=%.1f", sess.session_id,
+                            now - sess.scheduling.last_active)
                 await try_send(sess.reply, self._error(
                     f"stage {self.block.layer_range}: session {sess.session_id!r} expired after {ttl:g} s idle "
                     "(--session-ttl-s)", "no_session", sess.session_id))

@@ -124,7 +124,8 @@ class Scheduling:
     busy: bool = False  # computing a received chunk
     last_active: float = 0.0  # trio clock of the last frame for this session
     last_rows: int = 0  # positions of its last queued chunk: a few when it decodes, many when it prefills
-    last_short: float = 0.0  # trio clock when its last decode/verify chunk was queued, or its prompt's last chunk done (0: neither)
+    # trio clock when its last decode/verify chunk was queued, or its prompt's last chunk done (0: neither)
+    last_short: float = 0.0
     short_gap: float = 0.0  # seconds between its last two decode/verify chunks (0: fewer than two in a row)
 
 

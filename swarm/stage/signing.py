@@ -74,7 +74,8 @@ class ReceiptSigner:
             num_layers=b.num_layers, dtype=str(b.dtype).removeprefix("torch."),
             wire_dtype="token_ids" if tail else wire.DTYPE_NAMES.get(sess.wire_dtype or b.dtype, "?"),
             positions=sess.positions, reused=sess.reused, repro=self.repro_class(sess).as_dict(),
-            windows=None if commitment is None else commitment.field(), answers=_answers(evidence.answers) if tail else None)
+            windows=None if commitment is None else commitment.field(),
+            answers=_answers(evidence.answers) if tail else None)
         from swarm.transport.identity import sign
 
         signed = receipts.sign_receipt(body, lambda data: sign(key, data))

@@ -43,8 +43,8 @@ def _pump(client: RingClient, index: int, gen: int, frames) -> None:
 
 
 def _result(session: str, chunk) -> dict:
-    return {**Result(session=session, epoch=0, pos=chunk if type(chunk) is int else 0, chunk=0, token_ids=[7]).to_wire(),
-            "chunk": chunk}
+    result = Result(session=session, epoch=0, pos=chunk if type(chunk) is int else 0, chunk=0, token_ids=[7])
+    return {**result.to_wire(), "chunk": chunk}
 
 
 def test_a_result_from_the_tail_counts_as_returned_before_anyone_reads_it():

@@ -203,8 +203,8 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(sy
     save_file(q_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
     save_file(f_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                         "model.embed_tokens", "lm_head"]}
+    keep_float = ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep_float}
     (quantized / "config.json").write_text(json.dumps(config))
     ranges = [LayerRange(0, 2), LayerRange(2, 4)]
     runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)

@@ -564,7 +564,8 @@ def test_a_lagging_shadow_computes_the_rolled_back_chunks_the_next_one_builds_on
         await s.send(wire.frame("refill", session="kept", epoch=0, pos=0, until=4, tokens=PROMPT + [4]))
         await s.send(wire.frame("refill", session="kept", epoch=0, pos=n + 1, until=4, tokens=[7, 8]))
         kept = server.sessions["kept"]
-        await until(lambda: not lagging.scheduling.queue and not kept.scheduling.queue and not server.scheduler.in_flight, "computed")
+        await until(lambda: not lagging.scheduling.queue and not kept.scheduling.queue
+                    and not server.scheduler.in_flight, "computed")
         assert server.sessions.get("lagging") is lagging and lagging.cache.kv_len == kept.cache.kv_len == n + 3
         for layer, keys in kept.cache._keys.items():
             assert torch.equal(lagging.cache._keys[layer][:, :n + 3], keys[:, :n + 3]), layer

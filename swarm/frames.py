@@ -181,8 +181,19 @@ class DrainOk(Frame):
 # ---- data: rows around the ring
 
 
+class Rows:
+    """What a data frame (:class:`Forward`, :class:`Refill`) carries: ``tokens`` or ``hidden`` rows."""
+
+    __slots__ = ()
+
+    @property
+    def rows(self) -> int:
+        """T, the positions the frame carries."""
+        return len(self.tokens) if self.tokens is not None else int(self.hidden["shape"][1])
+
+
 @frame_type
-class Forward(Frame):
+class Forward(Frame, Rows):
     """Rows ``[pos, pos + T)`` of a chunk: ``tokens`` (to the head) or ``hidden`` (1, T, D), exactly
     one; ``logits_from``: the tail answers only for rows from there on."""
 
@@ -195,14 +206,9 @@ class Forward(Frame):
     hidden: TensorMap | None = None
     logits_from: int | None = None
 
-    @property
-    def rows(self) -> int:
-        """T, the positions the frame carries."""
-        return len(self.tokens) if self.tokens is not None else int(self.hidden["shape"][1])
-
 
 @frame_type
-class Refill(Frame):
+class Refill(Frame, Rows):
     """A heal's rows ``[pos, pos + T)``: they only fill the KV caches of the stages replacing a lost
     range, up to the stage whose layers end at ``until``; ``tokens`` or ``hidden``, as :class:`Forward`."""
 
@@ -213,11 +219,6 @@ class Refill(Frame):
     until: int
     tokens: list | None = None
     hidden: TensorMap | None = None
-
-    @property
-    def rows(self) -> int:
-        """T, the positions the frame carries."""
-        return len(self.tokens) if self.tokens is not None else int(self.hidden["shape"][1])
 
 
 @frame_type

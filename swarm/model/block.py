@@ -751,7 +751,7 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
 
     Returns:
         (modules for LayerBlock, {full param name: (module, param name, file tensor name)}, the
-        skeleton's base module).
+        skeleton's base module, the checkpoint's ``tensor_index``).
     Raises:
         ModelError: the checkpoint lacks a tensor the range needs.
     """
@@ -795,7 +795,7 @@ def _plan(model_dir: Path, config, family: Family, layer_range: LayerRange):
                 raise ModelError(f"{model_dir} lacks tensor {missing[0]!r} needed by layers {layer_range}")
             wanted[full] = (module, pname, src)
 
-    return modules, wanted, base
+    return modules, wanted, base, index
 
 
 def _persistent_buffers(module: torch.nn.Module, prefix: str, index) -> list[str]:
@@ -819,11 +819,9 @@ def block_tensor_names(model_dir: Path | str, layer_range: LayerRange) -> set[st
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     layer_range.check_within(config.num_hidden_layers)
-    _, wanted, _ = _plan(model_dir, config, FAMILIES[config.model_type], layer_range)
+    _, wanted, _, index = _plan(model_dir, config, FAMILIES[config.model_type], layer_range)
     names = {name for _, _, src in wanted.values() for name in moe.sources_of(src)}
-    from swarm.model.resolve import tensor_index
-
-    index = tensor_index(model_dir)  # an FP8 weight's block scales are read with it
+    # an FP8 weight's block scales are read with it
     return names | {qcheckpoint.scale_name(n) for n in names if qcheckpoint.scale_name(n) in index}
 
 
@@ -851,7 +849,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     """
     from safetensors import safe_open
 
-    from swarm.model.resolve import tensor_index, weights_digest
+    from swarm.model.resolve import weights_digest
 
     model_dir = Path(model_dir)
     config = load_config(model_dir)
@@ -864,7 +862,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         dtype = qformats.compute_dtype(quantize, dtype, dev) if blocks else _quantized_dtype(quantize, dtype, dev)
     dt = pick_dtype(dtype, dev)
 
-    modules, wanted, base = _plan(model_dir, config, family, layer_range)
+    modules, wanted, base, index = _plan(model_dir, config, family, layer_range)
     from_gguf = {}  # full parameter name -> its Linear and the GGUF's block-format matrix
     if quantize == "gguf":
         head, tail = layer_range.start == 0, layer_range.end == config.num_hidden_layers
@@ -876,21 +874,24 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 from_gguf[full] = (qformats.hold, linear, q)
             elif isinstance(modules.get("embed"), torch.nn.Embedding) and full.endswith(".embed_tokens.weight"):
                 from_gguf[full] = (qformats.hold_embedding, modules["embed"], q)
-    index = tensor_index(model_dir)
     block = LayerBlock(config, family, layer_range, modules, dev, dt)
+    shards = ExitStack()  # each shard opened (its header parsed) once, closed when the block is read
+    opened: dict[Path, object] = {}
 
-    def float_of(tensor: torch.Tensor, src: str) -> torch.Tensor:
-        """A checkpoint tensor as floats: an FP8 weight dequantized with its block scales (read here)."""
+    def read(name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name``, an FP8 weight dequantized with its block scales."""
+        path = index[name]
+        if path not in opened:
+            opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        tensor = opened[path].get_tensor(name)
         if tensor.dtype not in qcheckpoint.FP8_DTYPES:
             return tensor
-        scale = qcheckpoint.scale_name(src)
+        scale = qcheckpoint.scale_name(name)
         if scale not in index:
-            raise ModelError(f"{src} is stored in {tensor.dtype} without its block scales ({scale}); a stage "
+            raise ModelError(f"{name} is stored in {tensor.dtype} without its block scales ({scale}); a stage "
                              "dequantizes FP8 weights only with them")
-        with safe_open(str(index[scale]), framework="pt", device="cpu") as g:
-            scale_inv = g.get_tensor(scale)
         block.loaded_tensors.append(scale)
-        return qcheckpoint.dequantize(tensor, scale_inv, fp8_block)
+        return qcheckpoint.dequantize(tensor, read(scale), fp8_block)
 
     by_file: dict[Path, list[str]] = {}
     fused = {full: src for full, (_, _, src) in wanted.items() if not isinstance(src, str)}
@@ -900,8 +901,8 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     bar = _progress(len(wanted), progress, f"loading layers {layer_range}")
     held: dict[str, torch.nn.Parameter] = {}  # file tensor -> its parameter: a tied LM head shares the embedding's
     held_q: set[int] = set()  # block-format matrices held (ids)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    with shards:
+        for names in by_file.values():
             for full in names:
                 module, pname, src = wanted[full]
                 if full in from_gguf:  # held as the GGUF stores it: its float conversion is never read
@@ -915,22 +916,13 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                     _assign(module, pname, held[src])
                 else:
                     keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
-                    tensor = float_of(f.get_tensor(src), src).to(device=dev, dtype=torch.float32 if keep else dt)
+                    tensor = read(src).to(device=dev, dtype=torch.float32 if keep else dt)
                     held[src] = _assign(module, pname, tensor)
                     block.loaded_tensors.append(src)
                     block.loaded_bytes += tensor.numel() * tensor.element_size()
                 if bar:
                     bar.update(1)
-    with ExitStack() as shards:  # per-expert checkpoint tensors, stacked as the module holds them
-        opened: dict[Path, object] = {}  # each shard opened (its header parsed) once, not once per expert
-
-        def read(name: str) -> torch.Tensor:
-            path = index[name]
-            if path not in opened:
-                opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            return float_of(opened[path].get_tensor(name), name)
-
-        for full, (kind, names) in fused.items():
+        for full, (kind, names) in fused.items():  # per-expert tensors, stacked as the module holds them
             module, pname, _ = wanted[full]
             parts = [[read(n) for n in pair] for pair in names] if kind == "gate_up" else [read(n) for n in names]
             tensor = qcheckpoint.dequantize_mxfp4(*parts) if kind == "mxfp4" else moe.fuse(kind, parts)

@@ -124,6 +124,34 @@ def _by_blocks(q: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Tensor:
     return out
 
 
+def _published_and_floats(src: Path, out: Path, published: dict, floats: dict, quantization_config: dict):
+    """``src`` written twice: at ``out`` with the ``published`` tensors and ``quantization_config``, and
+    beside it with the ``floats`` they decode to. Returns (that checkpoint, the float one)."""
+    float_dir = out.parent / f"{out.name}-floats"
+    for path, tensors in ((out, published), (float_dir, floats)):
+        shutil.copytree(src, path)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config))
+    return out, float_dir
+
+
+def _assert_same_bits(quantized: Path, floats: Path, ranges: list[LayerRange], span: LayerRange):
+    """The chain of blocks of ``ranges`` gives the same greedy ids on both checkpoints, and a block of
+    ``span`` the same parameters (the stacked experts' too); returns the quantized one's block."""
+    from tests.support.models import chained_greedy
+
+    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
+            for d in (quantized, floats)]
+    assert runs[0] == runs[1]
+    held = load_block(quantized, span, dtype="float32", device="cpu")
+    same = load_block(floats, span, dtype="float32", device="cpu")
+    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
+        assert torch.equal(a, b), name
+    return held
+
+
 DEEPSEEK_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                 "down_proj")  # what DeepSeek-V3's FP8 release stores in FP8: attention and every expert's Linears
 
@@ -132,12 +160,7 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
     """Routed experts (read and stacked per expert), latent attention and the dense layer, weights whose
     sizes are not multiples of the block among them: a ring of
     stages on the FP8 layout gives the bits of the same ring on the floats the scales decode to."""
-    from tests.support.models import chained_greedy
-
     src = synthetic("deepseek_v3", "float32")
-    quantized, floats = tmp_path / "fp8", tmp_path / "floats"
-    for out in (quantized, floats):
-        shutil.copytree(src, out)
     fp8_tensors, float_tensors, ragged = {}, {}, 0
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8):
@@ -148,19 +171,9 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
         else:
             fp8_tensors[name] = float_tensors[name] = t
     assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8 and ragged >= 4
-    save_file(fp8_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
-    save_file(float_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    (quantized / "config.json").write_text(json.dumps(config))
-    ranges = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]
-    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
-            for d in (quantized, floats)]
-    assert runs[0] == runs[1]
-    held = load_block(quantized, LayerRange(1, 3), dtype="float32", device="cpu")
-    same = load_block(floats, LayerRange(1, 3), dtype="float32", device="cpu")
-    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
-        assert torch.equal(a, b), name  # every parameter, the stacked experts' too
+    quantized, floats = _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
+                                              {"quant_method": "fp8", "weight_block_size": [16, 16]})
+    _assert_same_bits(quantized, floats, [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)], LayerRange(1, 3))
 
 
 def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,12 +195,7 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(sy
     dequantizes those blocks to."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from tests.support.models import chained_greedy
-
     src = synthetic("gpt_oss", "float32", intermediate_size=32)
-    quantized, floats = tmp_path / "mxfp4", tmp_path / "floats"
-    for out in (quantized, floats):
-        shutil.copytree(src, out)
     q_tensors, f_tensors = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -200,19 +208,9 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(sy
         else:
             q_tensors[name] = f_tensors[name] = t
     assert sum(n.endswith("_blocks") for n in q_tensors) == 2 * 4
-    save_file(q_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
-    save_file(f_tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((quantized / "config.json").read_text())
     keep_float = ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"]
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep_float}
-    (quantized / "config.json").write_text(json.dumps(config))
-    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
-    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
-            for d in (quantized, floats)]
-    assert runs[0] == runs[1]
-    held = load_block(quantized, LayerRange(0, 4), dtype="float32", device="cpu")
-    same = load_block(floats, LayerRange(0, 4), dtype="float32", device="cpu")
-    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
-        assert torch.equal(a, b), name
+    quantized, floats = _published_and_floats(src, tmp_path / "mxfp4", q_tensors, f_tensors,
+                                              {"quant_method": "mxfp4", "modules_to_not_convert": keep_float})
+    held = _assert_same_bits(quantized, floats, [LayerRange(0, 2), LayerRange(2, 4)], LayerRange(0, 4))
     assert any(n.endswith("gate_up_proj_scales") for n in held.loaded_tensors)
     assert set(held.loaded_tensors) == block_tensor_names(quantized, LayerRange(0, 4))

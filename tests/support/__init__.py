@@ -14,4 +14,5 @@
 - ``weights``: resharded checkpoints, in-process weights servers, byte flips.
 - ``natlab`` and ``nat_client``: the NAT lab of network namespaces and the client it runs
   (``python -m tests.support.nat_client CONFIG.json``).
+- ``doc_commands``: the documented benchmark and pytest commands, checked in one child process.
 """

@@ -1,10 +1,8 @@
 """swarm: a peer-to-peer, pipeline-parallel LLM inference swarm.
 
-Layer map, lower first. Each part may import only the parts named in its rule (and the ``swarm``
-package itself); each package's docstring repeats its rule, and ``tests/test_layout.py`` checks
-every import (lazy ones too) against these rules and that there are no import cycles.
-
-The shared core, at the top of ``swarm/``:
+Layer map, lower first: each part may import only the parts its rule names, checked by ``tests/test_layout.py``;
+``stage`` and ``coordinator`` are peers that never import each other. Importing this package has no side effects
+and loads neither torch nor libp2p.
 
 - ``errors``      the error hierarchy                                  (stdlib only)
 - ``ranges``      half-open layer ranges, tilings, even splits            (core)
@@ -24,9 +22,6 @@ The shared core, at the top of ``swarm/``:
 - ``metrics``     Prometheus plumbing shared by stage and serve           (core, transport)
 - ``openings``    openable receipts: window leaves, openings, the client  (core, transport)
 - ``proofs``      audit selection by hash, fraud proofs and their check   (core, transport)
-
-The parts, in packages:
-
 - ``transport``   libp2p host, identity, framed streams, relays, deadlines (core; never torch)
 - ``kernels``     the arithmetic a stage runs and its start-up proof       (core)
 - ``discovery``   the DHT, signed stage records, clocks, the bootstrap node (core, transport; no torch)
@@ -39,11 +34,6 @@ The parts, in packages:
 - ``serve``       the OpenAI-compatible HTTP API and the dashboard        (everything above and coordinator)
 - ``cli``         the ``swarm`` command, the demo, local rings            (anything; nothing imports it)
 - ``__main__``    ``python -m swarm``                                     (cli)
-
-``stage`` and ``coordinator`` are peers: they share only the core and the packages below them
-(the wire format, the transport), never each other's code.
-
-Importing this package has no side effects and loads neither torch nor libp2p.
 """
 
 __version__ = "0.1.0"

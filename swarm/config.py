@@ -1,14 +1,8 @@
 """Role configurations and the ring file. Standard library + PyYAML only.
 
-Owns: ``StageConfig`` (in sections whose fields declare their ``swarm stage`` flags, ``swarm.flags``),
-``CoordinatorConfig``, ``SpecConfig``, ``SamplingParams`` and ``RingSpec`` (frozen, validated on
-construction; ``from_args`` builds each from parsed flags), and reading a ring file::
-
-    model: smollm2-135m            # as for --model
-    stages:                        # in ring order; ranges must tile [0, L)
-      - {addr: /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW..., layers: "0:10"}
-      - {addr: ..., layers: "10:20"}
-    spares: []                     # same shape; used by the heal work
+Owns: ``StageConfig`` (in sections whose fields declare their ``swarm stage`` flags), ``CoordinatorConfig``,
+``SpecConfig``, ``SamplingParams`` and ``RingSpec`` (frozen, validated on construction, each built by
+``from_args`` from parsed flags), the ring file's reading (its format: docs/commands.md) and ``cache_root``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Config fields that are also command-line flags, declared once. Standard library only.
 
-A config section is a frozen dataclass whose fields carry their flag in ``option(...)``; argparse
-arguments (``add_flags``) and the section built from parsed arguments (``from_args``) are generated
-from them, so a flag's name, type, default and help live in one place. The argument's type comes
-from the field's annotation: ``int``, ``float``, ``str``, ``Path`` (each optionally ``| None``), ``bool``
-(a switch: ``--flag`` sets True, or with ``negate`` a ``--no-...`` flag sets False), and
-``tuple[str, ...]`` (a repeatable flag). Model: vLLM's ``EngineArgs.add_cli_args``.
+Owns: ``option`` (a field that carries its flag), ``add_flags`` / ``add_sections`` (the argparse arguments) and
+``from_args`` / ``build`` (the config from parsed arguments), so a flag's name, type, default and help live on
+the field. The types it takes: docs/architecture.md, "Notes by module".
 """
 
 from __future__ import annotations

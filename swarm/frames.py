@@ -1,10 +1,8 @@
 """Typed frames of the ring protocol ``/swarm/ring/1``: one frozen dataclass per frame type.
 
-Owns: each type's fields (required ones have no default; optional ones default to None and travel
-only when set, so an optional field sent as nil is the same as one left out), :meth:`Frame.to_wire`
-(the msgpack map, ``v`` and ``type`` first) and :func:`of` (the typed frame of a map that
-:func:`swarm.wire.validate` has checked). Fields a newer peer adds ride along in ``extra``. The
-fields' meanings: docs/protocol.md, "Frames".
+Owns: each type's fields, :meth:`Frame.to_wire` (the msgpack map, ``v`` and ``type`` first) and :func:`of` (the
+typed frame of a map that :func:`swarm.wire.validate` has checked). The fields' meanings, optional fields and
+the ``extra`` a newer peer adds: docs/protocol.md, "Frames".
 """
 
 from __future__ import annotations

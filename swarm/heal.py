@@ -1,19 +1,8 @@
 """Heal decisions when a stage dies or freezes mid-generation. Pure: standard library only.
 
-Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``), and the ordered
-heal steps (``run_heal``) over an injected ``SwarmOps``: localize, pick a warm replacement
-for the lost layer range (a spare, or a chain of stages tiling it), swap it in, then either keep
-the survivors' session (``SwarmOps.repair``: every surviving stage already holds the KV of the
-committed positions, so only the replacement rebuilds its own from the hidden states its
-predecessor resends, or from token ids at the head, and one position goes round the ring) or, when
-that is not possible, reset the session on the repaired ring and replay the prompt and committed
-output through every stage; check that the replay reproduces the known driver token (abort loudly
-if not), resume. No torch, no sockets, no clock: time comes from ``ops.now()``; the coroutines are
-plain ``async def`` so the engine's event loop (trio) runs them, and tests run them with asyncio.
-
-Replay-to-heal follows Petals (Borzunov et al. 2023, "Distributed Inference and Fine-tuning of
-Large Language Models Over The Internet", section 3.2): a replacement server rebuilds the
-attention cache by re-running the past inputs of the session.
+Owns: where the ring broke (``locate_failure``), what to replay (``plan_replay``) and the ordered heal steps
+(``run_heal``) over an injected ``SwarmOps``; no clock (``ops.now()``), so tests run the steps under asyncio.
+The steps and their source: docs/architecture.md, "Healing".
 """
 
 from __future__ import annotations

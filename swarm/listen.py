@@ -1,10 +1,8 @@
 """Binding a command's HTTP socket before any slow start-up work. Standard library only.
 
-Owns: ``bind_tcp`` (``swarm serve``, ``swarm dashboard``, ``swarm demo --serve`` bind their HOST:PORT
-first, so a taken port fails in one line within a second instead of after the model has loaded; they
-serve it with ``swarm.serve.guard.serve_http``) and ``quiet_accept_errors`` (trio's accept loops, libp2p's
-among them, log running out of descriptors once per condition, not a traceback every 0.1 s).
-libp2p listen addresses are checked by ``swarm.transport.host.check_listen_addrs``.
+Owns: ``bind_tcp`` (``swarm serve``, ``swarm dashboard``, ``swarm demo --serve``: a taken port fails in one line
+within a second, not after the model loaded) and ``quiet_accept_errors`` (trio's accept loops log running out
+of descriptors once per condition, not a traceback every 0.1 s).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Merkle trees over a receipt's window leaves: the root, an inclusion path, and its check.
 
-Owns: the hash tree an openable stage receipt commits to (``swarm.openings`` defines the leaves: one
-per window of positions). Pure: bytes in, bytes out; the standard library only.
-
-The tree is RFC 6962's (Certificate Transparency, section 2.1) with BLAKE2b-256 in place of
-SHA-256: ``leaf = H(0x00 || data)``, ``node = H(0x01 || left || right)``; the domain bytes keep a
-leaf from ever passing for a node (second-preimage attacks). For ``n`` leaves the tree splits at
-the largest power of two below ``n``, so an odd leaf count needs no padding or duplicated leaf
-(duplicating the last leaf, as Bitcoin does, lets two different leaf lists share a root). The
-root of no leaves is ``H()`` (the empty string), as in RFC 6962. An inclusion path lists the
-sibling hashes from the leaf up to the root (RFC 6962 section 2.1.1, "audit path").
+Owns: ``leaf_hash``, ``node_hash``, ``root``, ``path``, ``verify`` and ``Tree``: RFC 6962's tree with
+BLAKE2b-256 (the leaves are ``swarm.openings``'; the tree and why: docs/protocol.md, "Openable receipts").
+Pure: bytes in, bytes out; the standard library only.
 """
 
 from __future__ import annotations

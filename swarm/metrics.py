@@ -1,10 +1,8 @@
 """Prometheus plumbing shared by the stage's and ``swarm serve``'s metrics, with prometheus_client.
 
-Owns: the histogram buckets both use, the exposition content type, and the two constructors of a
-metric family read at scrape time. Each node has its own ``CollectorRegistry`` (several nodes may
-share a process in tests). Names and units follow the Prometheus conventions (``_seconds``,
-``_bytes``, ``_total``). No label carries prompt text, token ids, session ids or key material.
-The metrics themselves: ``swarm.stage.metrics`` and ``swarm.serve.metrics``.
+Owns: the histogram buckets both use, the exposition content type and the two constructors of a metric family
+read at scrape time (``gauge``, ``counter``). The metrics themselves: ``swarm.stage.metrics`` and
+``swarm.serve.metrics``; their conventions: docs/architecture.md, "Notes by module".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """A live mirror of what one session sends on, to a warm spare that shadows the next stage.
 
-Owns: ``Mirror`` (one session's copy of every ``forward`` frame a stage sends on, or the
-coordinator sends to the head, re-labelled as a
-``refill`` so the shadow only fills its KV cache; a bounded queue and its own sending task and
-stream, so a slow, frozen or dead shadow never slows or fails the session: when the queue
-overflows, a send fails or takes too long, or the shadow answers an error, the mirror is dropped,
-logged, and a heal onto that shadow falls back to resending the hidden states from the
-``SentLog``), and ``promote`` (at a heal onto the shadow: wait until every queued frame is written,
-then hand the mirror's stream and digest to the session, so the shadow's input digest and this
-stage's output digest stay one chain). Used by the stage server (``swarm.stage``) and, for a
-head's shadow, by the ring client's repair (``swarm.coordinator.repair``).
+Owns: ``Mirror``: one session's ``forward`` frames copied to the shadow as ``refill`` frames, through a bounded
+queue, its own task and stream (dropped, never waited on, when the shadow is slow or gone), and ``promote``,
+which hands its stream and digest to the session at a heal (docs/architecture.md, "Healing").
 """
 
 from __future__ import annotations

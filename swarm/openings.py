@@ -1,46 +1,8 @@
 """Openable receipts: the window leaves a stage receipt commits to, openings, and the audit client.
 
-Owns: how the rows a stage computed for a job become Merkle leaves (:class:`WindowLog`,
-:func:`leaf_data`), the receipt field that commits to them (``windows``: :class:`Commitment`), the
-signed ``opening`` of one window a stage answers an ``audit`` request with (:func:`opening_body`,
-:func:`sign_opening`), its check against the stage's signed receipt (:func:`check_opening`, pure)
-and the client that asks for it (:func:`request_window`, :func:`open_window`).
-No torch: an opening checks on a machine with no model.
-
-**Rows.** A stage's work for a job is a sequence of positions; at each it took one input row and
-sent one output row (or none). A row is the exact wire bytes of that position in its frame:
-
-- token ids (the head's input from a ``forward``/``refill`` ``tokens`` list; the tail's output, the
-  ``result`` id chosen after that row): 4 bytes, unsigned little-endian; kind ``tokens`` /
-  ``token_ids``;
-- hidden states (``hidden`` tensor map of shape (1, T, D)): row ``t`` is bytes
-  ``[t * len(data) / T, (t + 1) * len(data) / T)`` of ``data``, followed for float8 by its 4-byte
-  float32 ``scale``; kind: the wire dtype name (``float32``, ...).
-
-A multi-row frame is split into its rows, so a frame that straddles a window boundary gives its
-rows to both windows. The tail answers only rows from ``logits_from`` on: the others have no
-output row (None). Positions the stage took from its prefix cache have neither (None, None).
-
-**Which rows.** A computed chunk's rows are recorded when its output is posted, at their absolute
-positions; each record first drops every row from its position on, as the KV cache does at a
-rollback. So after the job, position ``p`` holds the input the stage last computed there and the
-output it sent for it; a chunk cancelled before it was posted is not recorded (its KV rows are
-overwritten by the next chunk). Stage i's output rows equal stage i + 1's input rows at every
-position both hold; a chunk stage i sent in an epoch stage i + 1 had already cancelled may leave
-stage i with trailing rows stage i + 1 never computed.
-
-**Leaves.** Window ``k`` covers positions ``[k * size, min((k + 1) * size, positions))`` (``size``
-default 64); its leaf data is the msgpack array ``["swarm-window/1", k, start, rows]`` with
-``rows`` a list of ``[in_kind, in_bytes, out_kind, out_bytes]`` per position (None where absent).
-The receipt's ``windows`` field is ``{"size", "positions", "leaves", "root"}``: the RFC 6962 root
-(``swarm.merkle``) of the leaves, hex.
-
-**Opening.** ``audit_ok`` carries ``opening``: the schema ``swarm/audit-opening/1``, the stage's
-PeerId, session, job id, window, start, size, positions, leaves, root (hex), ``rows`` (as in the
-leaf), ``path`` (sibling hashes, bytes, bottom up) and ``sig``: the stage's ed25519 signature of
-the canonical JSON of every field but ``rows``, ``path`` and ``sig``, plus ``leaf`` (hex of the
-leaf hash), under the tag ``swarm-audit-opening/1\\n``. The rows are bound by the leaf hash, the
-leaf by the path to the root its receipt signed.
+Owns: rows as Merkle leaves (:class:`WindowLog`, :func:`leaf_data`), the receipt's ``windows`` (:class:`Commitment`),
+a window's signed opening (:func:`opening_body`, :func:`sign_opening`), its pure check (:func:`check_opening`) and
+the client (:func:`request_window`, :func:`open_window`). No torch. Formats: docs/protocol.md; rows: docs/audits.md.
 """
 
 from __future__ import annotations

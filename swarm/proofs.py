@@ -1,39 +1,8 @@
 """Audit selection and fraud proofs: which receipts an auditor checks, and the evidence of a cheat.
 
-Owns: the unpredictable choice of what to audit (:func:`pick`, from a hash of the coordinator's
-signed job receipt and the stage's PeerId: never anyone's free choice), the fraud proof document
-(``swarm/fraud-proof/1``: :func:`build_proof`, :func:`encode` / :func:`decode`) and its check
-without weights (:func:`check_proof`, pure: signatures, Merkle paths, the input binding, the class,
-the auditor's claim). The re-run that completes a check needs the layer range's weights and lives in
-``swarm.auditor``. No torch.
-
-**Selection.** ``h = BLAKE2b-256(person "swarm-audit-pick", job sig bytes || 0x00 || PeerId)``; the
-stage is audited when ``int(h[0:8]) / 2^64 < s`` (``s``: the rate, default 5%; 1 for an identity's
-first ``FIRST_SESSIONS`` sessions the auditor has seen), and the window opened is
-``int(h[8:16]) mod leaves``. The job signature is the coordinator's ed25519 signature over the
-receipt (deterministic, RFC 8032), so neither the coordinator nor the stage can choose it after the
-job without re-running it.
-
-**A fraud proof** (msgpack map; bytes stay bytes):
-
-- ``schema``: ``swarm/fraud-proof/1``; ``accused``: the stage's PeerId; ``receipt``: its signed
-  stage receipt; ``openings``: its signed openings (``swarm.openings``) of windows ``0 .. w``, where
-  ``w`` is the window holding ``position``;
-- ``pred_receipt`` / ``pred_openings``: the predecessor's signed receipt and openings of the same
-  positions (None at the head, whose inputs are the token ids it committed to): its output rows must
-  equal the accused's input rows at every position up to ``position``: the input is bound by a
-  signature other than the accused's;
-- ``position``: the first position whose output row the auditor's re-run does not reproduce;
-  ``recomputed``: the auditor's output row there (exact wire bytes), ``auditor_class``: the class
-  the auditor ran in (``{id, facts}``), comparable with the receipt's;
-- ``auditor``, ``created_ms``, ``sig``: the auditor's ed25519 signature over the canonical JSON of
-  the claim (:func:`claim_body`: the ids, position, leaf hashes of every opening, digests of the
-  claimed and recomputed rows) under the tag ``swarm-fraud-proof/1\\n``.
-
-A proof is refused (:class:`swarm.errors.ProofRefused`, ``.reason`` one of ``malformed``,
-``signature``, ``opening``, ``wrong window``, ``input not bound``, ``another class``,
-``honest stage framed``) with a line saying why; a refused proof whose auditor signature verifies is
-evidence against that auditor (``.against``).
+Owns: :func:`pick` (from a hash of the signed job receipt and the stage's PeerId), the fraud proof
+(:func:`build_proof`, :func:`encode` / :func:`decode`) and its check without weights (:func:`check_proof`, pure);
+the re-run is ``swarm.auditor``'s. No torch. Formats: docs/protocol.md, "Fraud proofs"; reasons: docs/audits.md.
 """
 
 from __future__ import annotations

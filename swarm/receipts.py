@@ -1,50 +1,8 @@
 """Receipts: who computed what, signed with the node's own identity, and their verification.
 
-Owns: the stage and job receipt schemas, the rolling digests over frame payloads, canonical
-signing bytes, and ``verify_job`` (fail closed). No torch: a receipt verifies on a
-machine with no model and no network.
-
-**Stage receipt** (``swarm/stage-receipt/1``): one per stage per job, signed by the stage's
-ed25519 key (the key behind its libp2p PeerId). It binds the job id and the coordinator's fresh
-nonce, the model manifest digest, a digest of the weights of the stage's own layer range, the
-range, the compute and wire dtypes, the positions computed, and two rolling BLAKE2b-256 digests:
-``input`` over the payload of every ``forward`` frame the stage received for the job's session,
-``output`` over every frame it sent on (``forward`` to its successor; at the tail, ``result`` to
-the coordinator). Payload items are msgpack arrays of the frame's exact wire bytes (see
-``forward_item`` / ``result_item``): the hidden-state bytes as sent, not a re-encoding.
-
-Two optional fields (added to schema 1 without a bump: a receipt without them verifies as before,
-and a verifier that predates them ignores them, while the signature covers them): ``repro``, the
-stage's reproducibility class (``swarm.repro``: its id and the facts the stage's bits depend on),
-and ``windows``, ``{"size", "positions", "leaves", "root"}``: the RFC 6962 Merkle root over one leaf
-per window of ``size`` positions, each leaf the exact input and output row bytes of those positions
-(``swarm.openings``), so one window can be opened and checked with a short proof.
-
-The tail's receipt also carries ``answers`` (optional in the same way): ``{"from": p0, "ids": [...]}``,
-the token id it last sent after each position from its first answered one (null where it sent none),
-so a client holding the tail's signed receipt can prove what the ring answered even if its
-coordinator lies: ``verify_job`` checks the job's output ids against it (check ``answers``).
-
-**Job receipt** (``swarm/job-receipt/1``): written by the coordinator and signed with its key. It
-holds the prompt digest, the output ids and their digest, the ring (PeerIds, multiaddrs, ranges),
-every stage receipt, the coordinator's own digests of what it sent to the head and received from
-the tail, speculation stats, timings and heal events.
-
-**The chain**: frames travel in order on one stream per hop, so what stage i sent is exactly what
-stage i + 1 received; verification checks ``coordinator.sent == stage 0 input``, ``stage i output
-== stage i + 1 input`` and ``tail output == coordinator.received``. A job that healed holds the
-receipts of the session that finished it (the survivors and the spare replayed prompt + output
-from position 0 into fresh KV caches), so its chain is complete too.
-
-Canonical bytes: a receipt's signature covers ``json.dumps(body, sort_keys=True,
-separators=(",", ":"), ensure_ascii=True, allow_nan=False)`` of every field except ``sig``,
-prefixed by a domain tag (``swarm-receipt/1\\n``). Signatures are raw ed25519 (RFC 8032), hex.
-
-What a receipt proves: that the node holding each PeerId claims, under its own key, to have
-received and sent exactly these bytes for this job, with these weights; and that the claims
-form an unbroken chain from the coordinator's prompt frames to the tokens it committed. It does
-not prove the arithmetic was right: a colluding stage can sign wrong activations. Re-running a
-stage's range on the same inputs is the audit for that.
+Owns: the stage and job receipt schemas, the rolling digests over frame payloads (``forward_item``,
+``result_item``), canonical signing bytes and ``verify_job`` (fail closed). No torch, no network. Formats:
+docs/protocol.md, "Receipts on the wire"; what they prove: docs/architecture.md, "Receipts".
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
 """Reproducibility classes: the facts a stage's output bits depend on, and a short id for them.
 
-Owns: the canonical form of those facts, the class id (a digest of it), reading a class off the
-wire or a record (:func:`parse`, which recomputes the id), and :func:`comparable`, the one question
-an audit asks before it compares two stages' bits. Pure: facts in, id out; the standard library
-only. Gathering the facts needs torch and lives with the kernels (``swarm.kernels.facts``).
-
-Why a class: a stage's arithmetic is row-invariant and proven at start-up (``swarm.kernels.check``),
-so an honest stage's output is a function of its input, its weights and the arithmetic it runs.
-Two stages that run the same arithmetic on the same weights give the same bits; an audit compares
-bit for bit only then. Across classes it says "not comparable" (never "cheated").
-
-Facts (JSON values; see ``swarm.kernels.facts.stage_facts`` for where each comes from):
-
-- ``schema``: ``swarm/repro/1``.
-- ``device``: ``cpu``, or ``cuda <GPU name> sm<major><minor>``.
-- ``isa``: the CPU architecture and torch's vector dispatch level (``x86_64 AVX2``): torch's own
-  element-wise kernels (rotary tables, residual adds) are compiled per level.
-- ``cpu_vendor``: only where the kernel mode rests on a vendor library (the ``rows`` mode on a CPU
-  runs the BLAS, whose code paths differ by vendor), else absent.
-- ``blas``: torch's BLAS and its version (``mkl 2024.2``); ``torch``, ``transformers``: versions.
-- ``cuda``: the CUDA version, on a GPU only.
-- ``dtype``: the compute dtype (``float32``).
-- ``kernel``: the kernel mode and the constants its bits depend on: ``fma`` with the digest of
-  ``fma.c``, its key block and the norm tile; ``triton`` with the digest of ``triton_ops.py``, its
-  GEMM tile (``block_m``, ``block_n``, ``block_k``), key block, launch configuration, norm tile,
-  Triton's version and whether its interpreter ran the kernels; ``rows`` with the session's GEMM tile, torch's thread
-  count (the BLAS's bits change with it) and the LM head's column block.
-- ``weights``: the digest of the tensors the stage runs for its range (the receipt's ``range_digest``).
-
-The id: ``rc1-`` + the first 16 hex digits of BLAKE2b-256 over the canonical JSON of the facts
-(sorted keys, no spaces, ASCII). The facts travel with the id, so a person can read why two
-classes differ.
+Owns: the facts' canonical form and class id (:func:`make`), a class read off the wire or a record (:func:`parse`,
+which recomputes the id) and :func:`comparable`, asked before an audit compares bits. Pure, standard library
+only; the facts are gathered by ``swarm.kernels.facts`` and listed in docs/audits.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Route, spare and placement decisions for a self-organizing swarm (issue 14). Pure: standard library only.
+"""Route, spare and placement decisions for a self-organizing swarm. Pure: standard library only.
 
-Owns: which chain of stages a client uses (``plan_route``), what replaces a lost layer range
-(``plan_replacement``, ``spares_for``), which block a stage started without ``--layers`` takes
-(``plan_placement``) and whether a running stage should move to another block (``should_move``).
-Inputs are ``Holder``s, built elsewhere from the signed records stages announce on the DHT; this
-module only decides. No torch, no trio, no sockets, no clock: every measurement (RTT, throughput,
-load, free KV cache) comes in as data. A record's throughput is the stage's claim: routing prefers what
-the client measured itself (``attribute_round_ms``) and bounds what it has not (``unmeasured_floor_ms``).
-
-Sources: Petals (Borzunov et al. 2023, "Distributed Inference and Fine-tuning of Large Language
-Models Over The Internet", arXiv 2312.08361, section 3): a client picks the chain of servers with
-the lowest compute + network time by a shortest path over server spans (Dijkstra, in Petals'
-``client/routing/sequence_manager.py``, which also skips servers without room for the session's
-attention cache); a joining server takes the blocks with the lowest total throughput, and a
-running one moves only when that clearly raises the swarm's throughput.
+Owns: ``plan_route`` (the chain of stages a client uses), ``plan_replacement`` and ``spares_for`` (what replaces
+a lost layer range), ``plan_placement`` and ``should_move`` (a stage's block), over ``Holder``s that carry every
+measurement as data. The rules and their source: docs/architecture.md, "The self-organizing swarm".
 """
 
 from __future__ import annotations

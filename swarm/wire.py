@@ -1,10 +1,8 @@
 """Frames of the ring protocol: schema, validation, and tensors as raw bytes.
 
-Owns: the message types of ``/swarm/ring/1``, their field types and ranges, and the conversion of
-tensors to and from ``{"dtype", "shape", "data"}`` maps (raw little-endian bytes, no pickle).
-Framing on the stream (length prefix, maximum size) belongs to ``swarm.transport.framing``.
-
-Every frame is a msgpack map with ``v`` (protocol version) and ``type``. See docs/protocol.md.
+Owns: the message types of ``/swarm/ring/1``, their field types and ranges (``validate``), and tensors to and
+from ``{"dtype", "shape", "data"}`` maps (raw little-endian bytes, no pickle). Framing on the stream is
+``swarm.transport.framing``; the format is docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Discovery: DHT membership, signed stage records, swarm time and the bootstrap node.
 
-Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
+Rule: may import the shared core and ``transport``; trio, libp2p, PyNaCl; never torch.
 
 - ``records``    the signed stage record, its checks, which value wins
 - ``providers``  a provider store stale entries cannot fill, a lookup without side effects
@@ -12,6 +12,4 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``client``     a client's view: records -> holders, RTT probes, a route as a ring, replacements
 - ``peers``      ``swarm peers``: per model a layer-coverage map, per stage its record
 - ``bootstrap``  ``swarm bootstrap`` and ``swarm relay``: nodes that hold no model
-
-Rule: may import the shared core and ``transport``; trio, libp2p, PyNaCl; never torch.
 """

@@ -1,17 +1,8 @@
 """Keeping a stage's record fresh on the DHT: republish, state changes, RTTs to the next holders.
 
-Owns: ``Announcer``, the stage's task that signs and publishes its ``StageRecord`` at start, about
-every ``interval_s`` after (each with a new expiry ``ttl_s`` out and a higher sequence number), at
-once when poked (a state change such as ``draining``), and that measures round trips to the
-stages whose blocks can follow its own (they start at or before its end layer and extend past it),
-publishing them as ``rtt_ms`` for clients' routing. A failed publish is logged and retried at the
-next tick after re-joining lost bootstrap nodes; it never stops the stage. A record that no DHT
-node stored (``RecordRefused``: clients cannot find the stage) is a WARNING on the stage's console
-naming the likely causes and how this node's clock compares with the swarm's. A stage that leaves
-publishes a last ``draining`` record valid ``LEAVING_TTL_S`` (``withdraw``), so readers stop
-listing it within seconds instead of at the old record's expiry. Expiries are in the swarm's time
-(``SwarmDHT.clock``), re-measured every ``swarm.discovery.clock.RESYNC_S``.
-No torch.
+Owns: ``Announcer``, the stage's task that signs and publishes its ``StageRecord`` (at start, every
+``interval_s``, at once on a state change), measures RTTs to the stages whose blocks can follow its own, warns
+when no DHT node stored the record, and ``withdraw`` (a last short-lived ``draining`` record). No torch.
 """
 
 from __future__ import annotations

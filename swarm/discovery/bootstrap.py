@@ -1,12 +1,8 @@
 """``swarm bootstrap`` and ``swarm relay``: nodes that hold no model, the addresses members join through.
 
-Owns: the life of both daemons: key, host, a server-mode DHT (``swarm.discovery.dht``), the
-``SWARM_BOOTSTRAP_READY {"peer_id", "addrs", "protocol"}`` line on stdout (``SWARM_RELAY_READY``
-with ``relay_protocol`` added for a relay; or ``SWARM_<ROLE>_FATAL {"reason"}``), and a clean stop
-on SIGTERM or Ctrl-C. A relay also relays circuits (circuit relay v2, no data or time caps:
-``swarm.transport.circuit``) for stages behind NAT, and serves the DHT like a bootstrap node.
-No torch; several such nodes may join each other (``--bootstrap``) for redundancy.
-Glue: nothing imports it but the CLI and tests.
+Owns: ``run_bootstrap``: key, host, a server-mode DHT, the READY or FATAL line (docs/protocol.md) and a clean
+stop on SIGTERM or Ctrl-C; a relay also relays circuits (``swarm.transport.circuit``). Several such nodes may
+join each other (``--bootstrap``) for redundancy.
 """
 
 from __future__ import annotations

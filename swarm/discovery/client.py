@@ -1,10 +1,8 @@
 """A client's view of the swarm: records -> holders, RTT probes, a route as a ring, replacements.
 
-Owns: turning validated ``StageRecord``s of one model into ``swarm.routing.Holder``s, probing the
-client's own round trips to them, and asking ``swarm.routing`` for a route (``discover_ring``,
-returned as a ``RingSpec`` so everything after it works as with a ring file) or for a replacement
-of a lost layer range (``find_replacement``, used by healing). The decisions are in
-``swarm.routing``; this module only gathers their inputs.
+Owns: one model's validated ``StageRecord``s as ``swarm.routing.Holder``s (``holders_of``), the client's own RTT
+probes (``probe_rtts``), ``discover_ring`` (a route as a ``RingSpec``) and ``find_replacement`` (for a heal);
+the decisions are ``swarm.routing``'s.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Swarm time: this node's wall clock corrected by its offset from the swarm's, measured against peers.
 
-Owns: the time protocol ``/swarm/time/1.0.0`` served by every DHT server node (``serve_time``),
-measuring this node's offset from the nodes it joined through (``measure_offsets``: each offset is
-taken at the midpoint of its round trip, Cristian's algorithm; the median of all that answer
-wins), ``SwarmClock`` (the corrected clock every stage record is stamped and checked with) and
-``local_clock`` (the machine's wall clock as this process sees it).
-No torch.
-
-Why: a record's expiry is an absolute time in its signer's clock and every reader checks it in
-its own (``swarm.discovery.records``). A volunteer's clock minutes off made its records expire on
-arrival, or look too far out, and the stage vanished silently (Petals #433). Every node therefore
-measures its offset from the bootstrap nodes when it joins and works in their time; a bootstrap
-node that joins no other node is the reference. A malicious bootstrap node could shift the time
-of the nodes that joined only through it, but such a node can already hide records.
-
-Test hook: ``SWARM_CLOCK_SKEW_S=<seconds>`` in a process's environment shifts ``local_clock`` (it
-simulates a machine whose clock is off, e.g. ``-180``). It is for tests only; never set it.
+Owns: the time protocol ``/swarm/time/1.0.0`` (``serve_time``), ``measure_offsets`` (Cristian's algorithm against
+the nodes joined through; the median wins), ``SwarmClock`` (the clock records are stamped and checked with) and
+``local_clock`` (which the tests skew with ``SWARM_CLOCK_SKEW_S``). Why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
 """DHT membership: a swarm node on py-libp2p's Kademlia DHT, announcing and reading stage records.
 
-Owns: pinning the swarm's own DHT protocol id, building ``libp2p.kad_dht.KadDHT`` with strict
-validation and the stage-record validator, joining through bootstrap nodes (all at once, any one
-answering is enough; rounds with backoff while none does; one clear error when none ever answers),
-the node's clock offset from the swarm's (``swarm.discovery.clock``), announcing (a counted
-``put_value`` of the signed record + ``provide`` of the model id and of its placement shard,
-``placement_key``; ``RecordRefused`` when no node stored it), reading fresh, validated, de-duplicated
-records with a report of the providers that were not live (``read_records``; with
-``placement=True`` over every placement shard too), and timing round trips to peers (``ping_ms``).
-Fraud proofs (``swarm.proofs``) live beside the records in ``PROOF_SLOTS`` slots per accused PeerId
-(``proof_key``: ``/swarm-proof/<accused>``, then ``/swarm-proof/<accused>/<i>``): every node checks one
-without weights before storing it, keeps the first proof stored in a slot (a later one never replaces
-it), and a publisher puts its proof in the first slot of each node that is free or already holds it
-(``ProofBoard.publish``, ``SwarmDHT.proofs``); a reader gathers the distinct proofs of every slot
-(``ProofBoard.read_all``). A node cannot
-tell a framing proof (an auditor's false re-run of an honest row) from a real one without the weights,
-so one framing stored first no longer hides the real proof: only ``PROOF_SLOTS`` of them, at every node
-a reader asks, before the real one arrives, would. Excluding the accused is for a reader that re-ran a
-proof (``swarm.auditor.exclusions``).
-No torch.
-
-Facts of libp2p 0.8.1's DHT this module designs around (measured on loopback, issue 14):
-- the wire protocol is always ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is ignored), so a swarm
-  DHT would merge with any IPFS peer it meets: ``pin_protocol`` sets the module-level protocol id
-  of every kad_dht module to ``/swarm/kad/1.0.0`` before a DHT is built, and refuses any other
-  library version (the patch is tested against this version);
-- with ``strict_validation=False`` unregistered namespaces are accepted unvalidated: swarm runs
-  strict, with only ``/swarm-stage/`` registered;
-- reads are local-first and stale (``get_value`` returns a local copy unvalidated;
-  ``find_providers`` never asks the network once it has a local answer), and network answers
-  hold duplicates: every value read here sets the local entry aside, queries, validates,
-  de-duplicates, and puts the entry back only when the network had nothing (a server node keeps
-  serving it); providers are looked up by ``swarm.discovery.providers`` (which also bounds the
-  provider store: the library's keeps 20 per key for 48 h, so stages that left hid new ones);
-- ``put_value`` does not say whether any node stored the value (a validator refusing it only
-  resets the stream): ``SwarmDHT._put`` counts the acknowledgements;
-- its network lookup cannot serve record keys: the FIND_NODE handler resets a key that is not a
-  multihash and longer than 50 bytes (``/swarm-stage/<PeerId>`` is 65), so ``put_value`` stored a
-  record at the writer's routing table's closest nodes only (after a join: the bootstrap nodes),
-  and ``get_value`` (quorum 0) asks every node it hears of before it returns. Puts and reads here
-  run swarm's own iterative lookup over the library's GET_VALUE (``swarm.discovery.lookup``):
-  a put stores at the k closest nodes found (and the bootstrap nodes), a read asks them
-  (``SwarmDHT.get_value``), and a server node's join looks up its own PeerId to fill its routing
-  table, in the background (issue 31, ``bench/dht_scale.py``).
+Owns: ``pin_protocol`` (``/swarm/kad/1.0.0``), ``open_dht`` -> ``SwarmDHT`` (strict validation, the join, the
+clock offset, counted announces, ``read_records``, ``ping_ms``) and ``ProofBoard`` (fraud proofs in
+``PROOF_SLOTS`` slots per accused). No torch. The libp2p facts it works around: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The iterative Kademlia lookup of the swarm's DHT: the k nodes closest to a key, and the values they hold.
 
-Owns: ``lookup`` (Maymounkov & Mazieres 2002, "Kademlia", section 2.3: ``alpha`` concurrent
-queries to the closest nodes not yet asked, each answer merged into a shortlist, until the k
-closest nodes heard of have all answered or failed), the one request it sends (``ask``) and the
-metric (``distance``). ``swarm.discovery.dht`` puts at the k closest nodes a lookup finds and
-reads from them. No torch.
-
-The request is libp2p's own GET_VALUE (``/swarm/kad/1.0.0``, protobuf ``Message``, varint length
-prefix), which every libp2p 0.8.1 DHT server answers with the value it holds, if any, and the 20
-nodes of its routing table closest to the key (``closerPeers``), ranked by the same metric as here:
-XOR of SHA-256(key) and SHA-256(PeerId bytes). That makes it Kademlia's FIND_VALUE, and, with the
-value ignored, its FIND_NODE for any key. The library's own lookup cannot serve record keys
-(issue 31, measured by ``bench/dht_scale.py``): its FIND_NODE handler resets requests whose key is
-not a multihash and longer than 50 bytes, and ``/swarm-stage/<PeerId>`` is 65 bytes, so
-``find_closest_peers_network`` never left the local routing table for a record and every put
-landed on the writer's table's closest nodes (after a join: the bootstrap nodes only), while
-``get_value`` asks every node it hears of before returning.
-
-Every node that answers is added to the routing table (it serves the DHT protocol; the table's own
-rules decide whether it stays), so lookups also keep tables filled, as in the paper.
+Owns: ``lookup`` (Kademlia's: ``alpha`` queries in flight until the k closest nodes heard of have answered),
+``ask`` (libp2p's GET_VALUE, serving as FIND_VALUE and FIND_NODE) and ``distance``. ``swarm.discovery.dht`` puts
+at and reads from the nodes it finds. Why libp2p's own lookup will not do: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``swarm peers``: the swarm as a table: per model a layer-coverage map, per stage its record.
 
-Owns: grouping records by model, the coverage count per layer, and rendering (text table or a
-JSON document). Reading the records is ``SwarmDHT.read_records``; RTTs are ``probe_rtts``. A record
-is a claim until its expiry, also for a stage killed since: the listing says when each record
-expires and whether the stage answered this client's ping, and with probes the coverage counts
-only online stages that answered.
+Owns: records grouped by model, the coverage per layer (``coverage``) and the text table or JSON document
+(``render``). Reading the records is ``SwarmDHT.read_records``; RTTs are ``probe_rtts``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Provider records of the swarm's DHT: a store that stale entries cannot fill, and a lookup without side effects.
 
-Owns: the provider store policy every swarm DHT node runs (``bound_provider_store``) and the
-provider lookup readers use (``lookup_providers``), and the fan-out that asks each node of a lookup
-once (``ask_each_once``, also ``SwarmDHT``'s). No torch.
-
-Facts of libp2p 0.8.1 this module replaces (issue 27, py-libp2p #1425):
-- ``ProviderStore.add_provider`` keeps at most 20 providers per key and ignores every newcomer
-  once 20 are held, for 48 h: 20 stages that came and went hid every later stage of the model
-  (and every later stage of any model, under the all-stages key);
-- ``find_providers`` stores every provider it hears of with a fresh timestamp and serves it
-  on, so a departed provider learned second-hand would be refreshed by readers for ever, and
-  returns only the local copy once it has one.
-Swarm stages re-provide at every publish (every ``--announce-interval-s``, below the record TTL
-of at most ``records.MAX_TTL_S``), so an entry not refreshed within ``PROVIDER_TTL_S`` belongs to
-a stage whose record has expired too. Entries are timed by the storing node's own clock at
-receipt, so a skewed publisher cannot shorten or lengthen them. A full key evicts its
-least recently refreshed entry: a newcomer always gets in, and a live stage, refreshed every
-interval, is never the one evicted while departed ones remain.
+Owns: ``bound_provider_store`` (the provider store every swarm DHT node runs), ``lookup_providers`` (the lookup
+readers use) and ``ask_each_once`` (a fan-out asking each node of a lookup once). No torch. What libp2p 0.8.1
+does instead, and the store's policy: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Reachability: can the swarm dial this node? A dial-back asked of a bootstrap node.
 
-Owns: the dial-back protocol ``/swarm/dialback/1.0.0``, served by every DHT server node
-(``serve_dialback``: bootstrap nodes and reachable stages), and the question a joining stage asks
-before it picks its DHT mode (``check_reachable``). The asking node sends the TCP ports it
-announces; the server opens a fresh TCP connection to each port at the IP address the request
-came from (never at an address the request names, so a node cannot make the swarm dial third
-parties) and answers which ports accepted. A node with at least one port reachable runs the DHT
-in server mode; one with none runs client mode and says why (issue 14: "reachable stages run the
-DHT in server mode; stages that are not reachable run client mode").
-
-The idea is AutoNAT's (libp2p spec ``autonat/README.md``: a peer dials the asker back on a new
-connection). libp2p 0.8.1's AutoNAT v1 answers PUBLIC behind a firewall that drops inbound,
-since its dial-back reuses the open connection (measured, issue 15); a raw TCP connect to the
-observed address cannot reuse one. No torch.
+Owns: the dial-back protocol ``/swarm/dialback/1.0.0`` (``serve_dialback``, on every DHT server node) and
+``check_reachable``, which a joining stage asks before it picks its DHT mode. No torch. The protocol:
+docs/protocol.md, "The swarm's DHT"; why not libp2p's AutoNAT: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Signed stage records: what a stage announces on the DHT, and the checks every reader applies.
 
-Owns: ``StageRecord`` (one stage's announcement: model id, layer range, addrs, load, measured
-throughput and RTTs, sequence number, expiry, reproducibility class), its canonical encoding, signing with the stage's
-node key, ``open_record`` (the validator's checks) and ``select_record`` (which of two values for
-one key wins). No torch, no trio, no clock: time is an argument.
-
-A record lives under ``/swarm-stage/<PeerId>`` and is signed by that PeerId's ed25519 key, so a
-reader needs no registry: the key names the signer, the PeerId inlines the public key. Remote DHT
-nodes keep a value 24 h whatever its publisher wants, so the expiry is inside the signed body and
-a reader rejects an expired record; a stage republishes about every minute with a fresh expiry
-and a higher sequence number. Times are the swarm's (``swarm.discovery.clock``: every node
-measures its offset from the bootstrap nodes), so a signer's clock minutes off does not expire
-its records on arrival. Unlike Petals' self-declared, unsigned server records, a record
-names the model by the id of its weights (``swarm.weights.identify.model_id``), never by a name.
+Owns: ``StageRecord``, its canonical encoding and signing (``sign_record``), ``open_record`` (the validator's
+checks) and ``select_record`` (which of two values for one key wins). No torch, no trio, no clock: time is an
+argument. The format: docs/protocol.md, "The swarm's DHT".
 """
 
 from __future__ import annotations

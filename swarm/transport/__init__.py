@@ -1,12 +1,8 @@
-"""Transport layer of a swarm node: identity, the libp2p host, framed streams, deadlines.
+"""Transport layer of a swarm node: identity, the libp2p host, framed streams, relays, deadlines.
 
-Owns everything between "send this map to that stage" and TCP: the ed25519 node key and its
-PeerId, a py-libp2p host restricted to TCP + Noise + Yamux, length-prefixed msgpack frames
-with a draining reader task, and the mapping of network faults onto ``swarm.errors``.
-Never torch, numpy or model
-code: ``import swarm.transport`` must not load torch (a test checks it).
+Everything between "send this map to that stage" and TCP; ``import swarm.transport`` never loads torch (tested).
+Rule: may import ``swarm.errors``, ``swarm.files`` and ``swarm.addrs`` only (the stdlib-only core).
 
-Modules:
 - ``identity``  key file (0600), PeerId, sign / verify from a PeerId alone
 - ``framing``   wire format, pure encoder/decoder, ``FramedStream``
 - ``host``      ``open_host`` -> ``SwarmHost`` (listen, dial, serve protocols)
@@ -16,8 +12,6 @@ Modules:
 - ``circuit``   circuit relay v2: serving as a relay, reserving on one, dialing through one
 - ``migrate``   moving hops off relays once a direct connection (a hole punch) appears
 - ``relay``     link emulation for benchmarks: a delaying TCP relay on loopback
-
-Rule: may import ``swarm.errors``, ``swarm.files`` and ``swarm.addrs`` only (the stdlib-only core).
 """
 
 from swarm.transport.framing import (

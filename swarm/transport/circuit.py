@@ -1,32 +1,8 @@
 """Circuit relay v2 for swarm nodes: serving as a relay, reserving on one, dialing through one.
 
-Owns: circuit addresses (``is_circuit``, ``circuit_addr``, ``relay_part``), the relay role
-(``RelayService``: libp2p's hop service with data-plane limits and one pinned fix), a node's
-client side (``CircuitClient``: accepts relayed connections, dials ``/p2p-circuit`` addresses, runs
-DCUtR hole punching on relayed connections, and ``keep_reservation`` holds a reservation on a
-relay, making a new one at once when the connection to the relay drops; moving hops onto the
-punched connection is ``swarm.transport.migrate``). Protocol: libp2p circuit relay v2
-(https://github.com/libp2p/specs/blob/master/relay/circuit-v2.md), as py-libp2p 0.8.1 implements
-it in ``libp2p.relay.circuit_v2``; this module only configures and wraps it.
-
-Facts of libp2p 0.8.1's relay this module designs around (measured, issue 15):
-- the default limits cap a circuit at 1 h and 1 GiB and a cap kills the whole relayed connection;
-  ``RelayLimits(data=0)`` (meant as unlimited) breaks every circuit, because the copy loop then
-  checks each read against a reservation budget of 0 bytes. A data plane must not be cut off
-  mid-answer: ``RelayService`` copies without caps (a circuit ends only when one of its ends
-  closes it) and allows many reservations and circuits;
-- the hop service keys its active circuits by peer, not by circuit, and the copy loop closes
-  "the circuit of that peer" when it ends: closing an older circuit to a destination reset a
-  newer one to the same destination. ``RelayService`` closes only the two streams of the
-  circuit whose copy loop ended;
-- after a relay restarts, a node stays unreachable until its reservation refresh (about 59 min):
-  ``keep_reservation`` watches the connection to the relay and reserves again as soon as it
-  is gone;
-- ``host.get_addrs()`` never lists circuit addresses and libp2p's own dialer skips them: swarm
-  carries them itself (records, READY lines, ring files) and dials them here.
-
-The library version is pinned: ``check_version`` refuses any other (the subclass overrides a
-private method).
+Owns: circuit addresses (``is_circuit``, ``circuit_addr``, ``relay_part``), ``RelayService`` (libp2p 0.8.1's hop
+service without data or time caps, closing only its own circuit), ``CircuitClient`` (relayed connections,
+``/p2p-circuit`` dials, DCUtR, ``keep_reservation``) and ``check_version``. Why: docs/architecture.md.
 """
 
 from __future__ import annotations

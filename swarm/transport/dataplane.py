@@ -1,32 +1,8 @@
 """Fewer Python steps per byte on libp2p 0.8.1's Noise and Yamux, with the same bytes on the wire.
 
-Owns: ``BatchedNoiseTransport`` (libp2p's Noise XX transport whose sessions encrypt a whole write
-into consecutive Noise messages and send them in one socket write, and read the socket in large
-blocks, decrypting every complete message buffered) and ``BulkYamuxStream`` (libp2p's Yamux
-stream sending DATA frames of up to ``BULK_FRAME_BYTES`` within the peer's window, instead of one
-frame per 64 KiB, and returning receive credit once per half window, not per read;
-``bulk_stream`` re-types a stream), and ``QuickLock`` (the per-frame locks of libp2p's stream,
-connection and TCP socket, taken without a pass through trio's scheduler when free).
-``open_host`` uses the transport for every connection and ``SwarmHost`` the stream class for
-every stream it opens or accepts.
-
-Nothing about the protocols changes, so either end may be a stock libp2p:
-
-- Noise (https://github.com/libp2p/specs/blob/master/noise/README.md): each message is still a
-  2-byte length and at most 65535 bytes of ciphertext (ChaCha20-Poly1305 with the session keys
-  of the XX handshake, which binds them to both PeerIds), nonces in sending order. Only the number
-  of ``send`` calls and of ``recv`` calls per message changes. A message that fails its tag
-  raises (libp2p's ``InvalidTag`` path) and the connection dies, as before.
-- Yamux (https://github.com/hashicorp/yamux/blob/master/spec.md) has no frame size limit but
-  the receive window: a DATA frame here never exceeds the send window the peer granted, and
-  libp2p 0.8.1's reader accepts DATA frames up to its 16 MiB maximum window.
-
-Measured on loopback (two processes, 2 cores): see ``bench/transport.py``.
-
-Pinned to libp2p 0.8.1 (``check_version``): the subclasses rely on its internals (the Noise
-read-writer's ``read_writer``/``noise_state``, the Yamux stream's window fields and locks, the
-attributes holding the locks of the net stream, the Yamux connection and ``TrioTCPStream``), which
-``tests/transport/test_dataplane.py`` exercises against stock peers of the same version.
+Owns: ``BatchedNoiseTransport`` (a write sealed into consecutive Noise messages sent at once, the socket read in
+large blocks), ``BulkYamuxStream`` (DATA frames up to ``BULK_FRAME_BYTES`` within the peer's window;
+``bulk_stream``), ``QuickLock`` and ``check_version``. Why a stock peer still understands it: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Length-prefixed msgpack frames over one libp2p stream.
 
-Owns: the frame wire format, its pure encoder/decoder, and ``FramedStream`` (a send lock, a
-reader task draining the stream into a bounded queue, deadlines, close/reset semantics).
-No torch, no model terms; the frame
-*schema* (what keys a map holds) belongs to ``swarm.wire``.
-
-Wire format of one frame::
-
-    +----------------------------+------------------------------------------+
-    | length: uint32 big-endian  | body: `length` bytes, one msgpack map     |
-    +----------------------------+------------------------------------------+
-
-Bodies are packed with ``use_bin_type=True`` and unpacked with ``raw=False`` and
-``strict_map_key=True`` (map keys must be str or bytes), so byte strings round-trip as bytes
-and text as str. A declared length above the stream's maximum is refused before anything
-is read or allocated.
+Owns: the frame wire format, its pure encoder and decoder, and ``FramedStream`` (a send lock, a reader task
+draining the stream into a bounded queue, deadlines, close and reset, ``migrate``). What a map holds is
+``swarm.wire``'s; the format is docs/protocol.md, "Framing".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The libp2p host of a swarm node: listen, dial, and hand out framed streams.
 
-Owns: building the py-libp2p host (TCP + Noise + Yamux, nothing else), its lifetime on trio,
-listen-address checks, dialing with deadlines, and mapping libp2p failures onto swarm errors.
-
-No torch, no model terms.
-
-Security is Noise only and the muxer Yamux only: libp2p's default ``new_host()`` also offers
-TLS, secio and *plaintext*, so both option maps are passed explicitly and a peer that speaks
-only plaintext fails the security handshake.
+Owns: ``open_host`` -> ``SwarmHost``: py-libp2p on TCP + Noise + Yamux and nothing else (its defaults would also
+offer TLS, secio and plaintext), its lifetime on trio, listen-address checks, dials under deadlines, and libp2p
+failures mapped onto swarm errors. No torch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Node identity: the ed25519 key file, the PeerId derived from it, and raw signatures.
 
-Owns: reading/creating the key file (mode 0600), holding it for the running process
-(``claim_key``: one process per key), PeerId derivation, signing bytes with the node key and
-verifying a signature from a PeerId alone (ed25519 PeerIds inline the public key).
-No torch, no model terms.
-
-The same key is the libp2p host identity and the receipt signing key, so the identity that
-routes traffic is the identity that answers for it.
+Owns: reading and creating the key file (mode 0600), ``claim_key`` (one process per key), the PeerId, ``sign``
+with the node key and ``verify_peer_signature`` from a PeerId alone. The same key is the libp2p identity and
+the receipt key (docs/architecture.md, "Identity").
 """
 
 from __future__ import annotations

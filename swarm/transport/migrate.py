@@ -1,19 +1,8 @@
-"""Moving hops off relays: when a direct connection to a peer appears (a DCUtR hole punch), every
-stream this node opened to it over a relay moves onto the direct connection at a frame boundary.
+"""Moving hops off relays: once a hole punch gives a direct connection, relayed streams move onto it.
 
-Owns: the move protocol ``/swarm/migrate/1`` (a new stream whose first frame is
-``{"token": 16 bytes}``, the token the moving stream's ``_moved`` marker names; see
-``FramedStream.migrate`` for the order of frames that keeps a move exact), ``Migrator`` (its
-handler, the new streams waiting to be taken, and the loop that starts moves), and
-resetting a relayed stream whose relay is gone (``Migrator.relay_gone``), and
-``BufferedRaw`` (a raw stream whose bytes are read ahead into memory, so a new stream's flow
-control window never fills while the old stream is still being drained: Yamux resets a writer
-whose window stays full for 5 s). Only the side that opened a stream moves it; a node accepts a
-move only from the same PeerId (Noise-authenticated) that holds the old stream.
-
-Hole punching itself is libp2p's DCUtR (https://github.com/libp2p/specs/blob/master/relay/DCUtR.md,
-``libp2p.relay.circuit_v2.dcutr``), started on every host by ``open_host``; it closes the relayed
-connection 60 s after a punch, so a move must happen well before.
+Owns: the move protocol ``/swarm/migrate/1`` (docs/protocol.md, "Transport"), ``Migrator`` (its handler, new
+streams waiting by token, the loop that starts moves, ``relay_gone``) and ``BufferedRaw`` (a raw stream read
+ahead into memory); the handover at a frame boundary is ``FramedStream.migrate``. Why: docs/architecture.md.
 """
 
 from __future__ import annotations

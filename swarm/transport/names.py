@@ -1,10 +1,8 @@
 """Host names in multiaddrs (``/dns4``, ``/dns6``, ``/dns``), resolved as the system resolves them.
 
-Owns: ``resolve_tcp`` (a ``/dns*/NAME/tcp/PORT/...`` multiaddr -> its ``/ip4`` / ``/ip6`` forms, by
-``getaddrinfo``: ``/etc/hosts``, nsswitch, the system's DNS) and ``SystemResolvingTCP`` (libp2p's TCP
-transport dialing through it). libp2p 0.8.1 resolves with dnspython only, which reads no
-``/etc/hosts``: ``/dns4/localhost/...`` took 14 s of retries and then read "unreachable" (issue 45,
-item 14). ``/dnsaddr`` (TXT records, not in getaddrinfo) is left to libp2p.
+Owns: ``resolve_tcp`` (such a multiaddr -> its ``/ip4`` / ``/ip6`` forms, by ``getaddrinfo``) and
+``SystemResolvingTCP`` (libp2p's TCP transport dialing through it); ``/dnsaddr`` is left to libp2p. Why:
+docs/architecture.md, "Notes by module".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The node's libp2p peer store: bounded by forgetting departed peers, never the node itself.
 
-Owns: ``BoundedPeerStore`` (libp2p's ``PeerStore`` with its size limit applied to every entry it
-creates and an eviction order that spares this node and connected peers) and ``guard_handlers``
-(a libp2p stream handler's exception resets that stream and is logged, never ends the host).
-
-libp2p 0.8.1 keeps at most ``max_peers`` (1000) entries and, past it, evicts entries without
-addresses first: the node's own entry (its key pair, no addresses) went first, and identify then
-raised ``PeerStoreError`` from a stream handler, which ended the process (issue 45, item 1).
+Owns: ``BoundedPeerStore`` (libp2p's ``PeerStore``, its size limit applied to every entry it creates, evicting
+neither this node nor connected peers) and ``guard_handlers`` (a stream handler's exception resets that stream
+and is logged, never ends the host). Why: docs/architecture.md, "Notes by module".
 """
 
 from __future__ import annotations

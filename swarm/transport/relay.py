@@ -1,11 +1,8 @@
 """Link emulation for benchmarks: a delaying (and optionally rate-limited) TCP relay on loopback.
 
-Owns: ``DelayRelay``, a TCP proxy that listens on 127.0.0.1 and forwards every connection to one
-target address, holding each piece of data for a fixed one-way delay in each direction (and, with
-``rate_mbps``, serialising it at that rate), so a loopback ring can be measured as if its stages
-were in different cities. There is no kernel netem on these machines. Byte order is preserved;
-the relay never looks inside the (Noise-encrypted) stream. ``relay_addr`` rewrites a stage's
-multiaddr to go through a relay.
+Owns: ``DelayRelay`` (a TCP proxy on 127.0.0.1 to one target, each piece of data held a fixed one-way delay each
+way and, with ``rate_mbps``, serialised at that rate; order kept, never looked into) and ``relay_addr`` (a
+stage's multiaddr through a relay). These machines have no kernel netem.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Where each supported transformers family keeps its pieces: attribute paths, hence tensor names.
 
 Owns: the ``Family`` table, shared by ``swarm.model.block`` (building a block's modules) and
-``swarm.weights.select`` (naming a block's tensors without torch, to pick the shard files a stage
-needs).
-
-A checkpoint's tensor names follow these paths: decoder layer ``i`` of a Llama-like model lives
-under ``model.layers.i.``, its embedding at ``model.embed_tokens.weight``, the final norm under
-``model.norm.``, the LM head at ``lm_head.weight`` (absent when tied to the embedding).
+``swarm.weights.select`` (naming a block's tensors without torch, to pick the shard files a stage needs).
 """
 
 from __future__ import annotations

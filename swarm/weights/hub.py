@@ -1,17 +1,8 @@
 """A stage's own shards from the Hugging Face hub, pinned to one commit, each tensor checked.
 
-Owns: ``fetch_from_hub``: resolve a repo's current commit, read the safetensors layout (headers
-only, ``HfApi.get_safetensors_metadata``), download config and tokenizer files and only the shards
-that hold the stage's tensors (``swarm.weights.select``), all at that commit, verify each shard
-(its header against the layout, every tensor against the manifest when one is known, the whole
-file against the hub's LFS sha256), and link it into the weights directory only then. Files land in
-huggingface_hub's own cache first (shared with coordinators and transformers, resumable), and the
-weights directory hard-links the verified blobs (a copy where links are not possible).
-No torch.
-
-Without a known manifest (no peer gave one) the hub is the root of trust: the tensors downloaded
-are hashed into the sidecar, and the model id stays unknown unless every shard is there
-(``need_model_id`` downloads them all, as a stage announcing on the DHT needs its id).
+Owns: ``fetch_from_hub``: the repo's commit, its safetensors layout (headers only), the small files and only the
+shards holding the stage's tensors at that commit, each verified in huggingface_hub's cache before it is linked
+into the weights directory. No torch. What it trusts without a manifest: docs/architecture.md, "Known limits".
 """
 
 from __future__ import annotations

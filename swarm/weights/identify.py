@@ -1,9 +1,7 @@
 """The model id of a weights directory, computed once and cached on disk.
 
-Owns: ``model_id`` and ``load_manifest``: a whole checkpoint is hashed (``swarm.weights.manifest``)
-and the result kept in a cache keyed by every shard's path, size and mtime, so a stage hashes its
-model once; a directory of only some shards answers from its sidecar (``swarm.weights.store``).
-No torch.
+Owns: ``model_id`` and ``load_manifest``: a whole checkpoint is hashed (``swarm.weights.manifest``) and cached by
+every shard's path, size and mtime; a directory of only some shards answers from its sidecar. No torch.
 """
 
 from __future__ import annotations

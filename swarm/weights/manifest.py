@@ -1,16 +1,8 @@
 """Per-tensor manifest and model id: what names a model on the swarm is its weights, not its name.
 
-Owns: reading safetensors headers, the per-tensor manifest ``{name: [dtype, shape, sha256]}`` of a
-checkpoint directory (sha256 of each tensor's exact bytes in the file), the **model id** (sha256
-of that manifest in canonical JSON, plus the config's ``num_hidden_layers``), and a cache of
-both on disk keyed by every shard's path, size and mtime, so a stage hashes its model once.
-No torch: hashing reads the files through mmap. The model id
-of a directory (a whole checkpoint, or one of only some shards with its sidecar) and its cache on
-disk: ``swarm.weights.identify``.
-
-Two checkpoints get the same model id exactly when they hold the same tensors (names, dtypes,
-shapes, values), whatever their shard layout or directory name; a stage with other weights
-under the same model name therefore never shares a model's DHT key.
+Owns: safetensors headers (``read_header``), the manifest ``{name: [dtype, shape, sha256]}`` of a checkpoint
+(``tensor_manifest``, read through mmap) and the **model id** (``manifest_model_id``): the same tensors give the
+same id whatever the shards or the directory's name. No torch; the id cached on disk is ``identify``'s.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The weights protocol ``/swarm/weights/1.0.0``: stages serve their weights files to joining stages.
 
-Owns: ``WeightsServer`` (every stage runs one: the manifest of its weights and the files it holds,
-sent over one stream per fetcher), ``serve_weights`` (registers it on a host) and
-``fetch_weights`` (a joining stage gets the files its layer range needs from a list of peers, in
-order, checking every tensor against the manifest while the bytes arrive, writing each file to a
-temp file renamed into place only once verified, and moving to the next peer when one fails).
-No torch.
-
-Wire (docs/protocol.md, "Weights"): requests and replies are framed msgpack maps
-(``swarm.transport.framing``); a file's bytes follow its ``data`` reply raw on the same stream, so
-the fetcher hashes and writes them as they come without a msgpack copy per chunk (measured on
-loopback with Yamux frames that fill one Noise message: raw 128-134 MB/s, framed 1 MiB chunks 113).
-
-The fetcher trusts a manifest only when it hashes to the model id it claims, and that id must be
-the one expected (``--model-id``) or, when none is given, the first valid peer's, whose model name
-must then be the ``--model`` the stage was started with. Circuit (relayed) addresses are refused:
-weights never cross a relay.
+Owns: ``WeightsServer`` (every stage's manifest and files), ``serve_weights`` (registered on a host) and
+``fetch_weights`` (a layer range's files from peers in order, every tensor checked as it arrives, each file
+renamed into place once verified, the next peer on a failure). No torch. Wire and trust: docs/protocol.md.
 """
 
 from __future__ import annotations

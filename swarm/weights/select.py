@@ -1,12 +1,8 @@
 """Which tensors and which files a stage needs: pure functions over an index and a config.
 
-Owns: naming the tensors of a layer range (its decoder layers; the embedding when the range
-starts at 0; the final norm and the LM head, or the embedding it is tied to, when it ends at L)
-from the checkpoint's tensor names alone, the shard files that hold them, and the small files
-every stage needs (config, tokenizer). No I/O: callers read index and config and pass them in.
-
-The names follow ``swarm.weights.families``: the same paths ``swarm.model.block.load_block`` reads,
-so the selection holds every tensor ``block_tensor_names`` names (tests check both agree).
+Owns: ``select_tensors`` (a layer range's layers; the embedding at 0; the final norm and LM head, or the tied
+embedding, at L), ``select_shards`` and ``metadata_files`` (the small files every stage needs). No I/O; names
+follow ``swarm.weights.families``, as ``load_block`` reads them (tests check both agree).
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """A stage's own copy of a model's weights: a directory holding only some shards, and their checks.
 
-Owns: the weights manifest a fetch is checked against (``WeightsManifest``: per-tensor sha256 of the
-values, the model id over them, and the shard layout), the sidecar file that makes a directory with
-only some shards usable (``swarm-weights.json``), ``ShardVerifier`` (checks a safetensors file's
-header and every tensor's sha256 while its bytes arrive), and finding and re-verifying a directory
-fetched earlier (warm restart). No torch, no networking.
-
-A weights directory (``<cache_root>/weights/<name>-<key>/``) is an HF-layout checkpoint that may
-lack some shards::
-
-    config.json  tokenizer.json ...           the small files (all of them)
-    model.safetensors.index.json              the full weight map, written from the layout
-    model-00003-of-00006.safetensors ...      only the shards the stage's layers need, each verified
-    swarm-weights.json                        the sidecar: name, source, model id, manifest, layout
-
-A shard is renamed into the directory only after every tensor in it matched the manifest, so a
-file present there was verified once; a restarted stage verifies its shards again before loading.
-``swarm.model.resolve.tensor_index`` and ``model_manifest_digest`` read the sidecar to treat the
-absent shards (their headers are in the layout), so ``load_block``, ``--check``, the model
-manifest digest and ``manifest.model_id`` work on such a directory.
+Owns: ``WeightsManifest`` (per-tensor sha256, the model id, the shard layout), the sidecar ``swarm-weights.json``,
+``ShardVerifier`` (a safetensors file's header and every tensor checked while its bytes arrive) and re-verifying
+a directory fetched earlier (``find_cached``, warm restart). No torch, no networking. Layout: docs/architecture.md.
 """
 
 from __future__ import annotations

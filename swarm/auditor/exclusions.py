@@ -1,14 +1,8 @@
 """Who a reader of the swarm shuts out: identities against which it verified a fraud proof itself.
 
-Owns: :class:`Exclusions`. Routing, heals and placement ask it which of the stages they found to leave
-out (``excluded``): it reads the proofs against each from the DHT (``SwarmDHT.proofs.read_all``: values
-anyone can write, checked without weights by every DHT node, several per accused), re-checks each with
-this process's own weights (``swarm.auditor.judge.verify_proof``, in a worker thread) and excludes when
-one holds: a framing proof read first does not hide a real one beside it. A proof it
-cannot re-run (no local weights of the range, another class) excludes nobody; a refused proof is
-logged with the reason, and when it framed an honest stage, as evidence against its auditor
-(``refused``); ``judged(peer)`` says which of these befell the proof against a stage (the dashboard).
-Verdicts are kept per proof (by digest), so a proof is re-run once.
+Owns: :class:`Exclusions`: routing, heals and placement ask it which stages to leave out (``excluded``); it reads
+the proofs against each from the DHT, re-runs each once on this process's own weights in a worker thread and
+excludes when one holds; ``judged(peer)`` says what befell a stage's proof (the dashboard).
 """
 
 from __future__ import annotations

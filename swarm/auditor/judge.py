@@ -1,10 +1,8 @@
 """Judging a stage's opened work, and re-checking a fraud proof, with the layer range's weights.
 
-Owns: :class:`Blocks` (the blocks an auditor loads, by layer range and dtype, in the kernel mode a
-receipt's class names), :func:`class_for` (the class this process would run a receipt's session in,
-and whether it is the receipt's), :func:`judge` (a stage's opened rows, its predecessor's, a re-run:
-a :class:`Verdict`, with a fraud proof on a mismatch) and :func:`verify_proof` (``swarm audit verify``:
-:func:`swarm.proofs.check_proof`, then the re-run of the claimed position). No networking.
+Owns: :class:`Blocks` (an auditor's blocks by layer range and dtype), :func:`class_for` (the class this process
+would run a receipt's session in, and whether it is the receipt's), :func:`judge` (opened rows re-run: a
+:class:`Verdict`, with a fraud proof on a mismatch) and :func:`verify_proof`. No networking.
 """
 
 from __future__ import annotations

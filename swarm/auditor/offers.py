@@ -1,12 +1,8 @@
 """Offering a signed job receipt to auditor-role stages: whom (pure) and the fire-and-forget send.
 
-Owns: :func:`auditor_targets` (from the DHT records a coordinator routed with: online stages whose
-record states an auditor role, ``audit_rate`` > 0; and from a ring file's spares: each stage whose
-layers contain a stage range of the job and that did not serve in it; at most ``MAX_AUDITORS``) and
-:func:`offer_job` (one ``audit_offer`` frame per target, each on its own short-lived stream, all under
-one deadline; the answers are logged and returned, never raised: an offer is low priority and never
-fails or delays the job it is about). A spare from a ring file states no role: it refuses an offer
-with ``unavailable`` when it has none.
+Owns: :func:`auditor_targets` (online stages whose record states ``audit_rate`` > 0, and a ring file's spares,
+whose layers contain a stage range of the job and that did not serve in it; at most ``MAX_AUDITORS``) and
+:func:`offer_job` (one ``audit_offer`` each, all under one deadline; answers logged, never raised).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The networked auditor: pick a job's stages to audit, open their windows, judge, tally, publish proofs.
 
-Owns: :class:`Auditor`. Given a verified job receipt (``swarm.receipts.verify_job``), for each stage
-it decides by :func:`swarm.proofs.pick` (the rate ``s``, 100% for an identity's first sessions seen),
-opens windows ``0 .. k`` of the stage (``k`` the picked window, or every window) and the same windows
-of its predecessor on one stream each (``swarm.openings.request_window``: the stage answers them at low
-priority and rate-limits each requester), re-runs the block in a worker thread
-(:func:`swarm.auditor.judge.judge`) and counts audited / passed / failed per PeerId. A stage that
-refuses or does not answer within ``timeout_s`` fails its audit (no proof: there is nothing to
-re-run), except a stage whose ``no_job`` answer says it (re)started (``since_ms``) after the job
-ended (the receipt's ``ended_ms``): that is ``unavailable``, counted apart from failed (an honest
-restart must not read as a cheat; a stage that keeps restarting shows as many unavailable audits); a
-``rate_limited`` answer is waited out (``RATE_LIMIT_PAUSE_S``, up to ``RATE_LIMIT_WAITS``
-times), since the limit is the stage protecting its live sessions. Each fraud proof goes to
-``publish(proof)`` (the DHT, a file).
+Owns: :class:`Auditor`: for a verified job receipt, the stages :func:`swarm.proofs.pick` picks, their windows
+``0 .. k`` and their predecessors' on one stream each, the re-run in a worker thread, the counts per PeerId and
+``publish(proof)``. How refusals, restarts and rate limits count: docs/audits.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""An auditor's tally file: ``{PeerId: {audited, passed, failed}}`` as JSON, summed over runs, with
-``unavailable`` beside them for a stage that had no record of a job because it restarted since (not
-audited, not failed; the key is there only for a stage that had such an audit).
+"""An auditor's tally file: ``{PeerId: {audited, passed, failed}}`` as JSON, summed over runs.
 
-Owns: the file format, its writer (``add_tally``: ``swarm audit run --tally FILE``) and its reader
-(``read_tally``: ``swarm peers --audits FILE``, ``swarm serve --audits FILE``), and ``audit_column``,
-the per-stage ``{audited, passed, failed, proof}`` both of those readers show.
+Owns: the format (``unavailable`` beside the counts of a stage that restarted since a job), its writer
+(``add_tally``: ``swarm audit run --tally``), its reader (``read_tally``: ``swarm peers --audits``, ``swarm serve
+--audits``) and ``audit_column``, the per-stage counts and proof both readers show.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Where a stage's weights come from at start-up: its own cache, then peers, then the hub.
 
-Owns: ``acquire_model``, the order of sources for ``swarm stage --model M --layers A:B``:
-
-1. a local directory or ``.gguf`` file is used as it is (``resolve_model``);
-2. a weights directory fetched earlier (``<cache_root>/weights/``) holding the range's shards,
-   each re-verified against its manifest: a warm restart, no network;
-3. ``--fetch-from`` peers, in order (``swarm.weights.peer``), over a short-lived host with the
-   stage's own key; ``swarm`` in that list stands for the holders found on the DHT (``--bootstrap``);
-4. the hub for an ``org/name`` id: only the range's shards (``swarm.weights.hub``), checked against
-   the peers' manifest when one was obtained; a built-in name is converted locally as before.
-
-No torch.
+Owns: ``acquire_model`` for ``swarm stage --model M --layers A:B``: a local directory or ``.gguf`` as it is, else
+a weights directory fetched earlier (re-verified), else ``--fetch-from`` peers (``swarm``: the DHT's holders),
+else the hub for an ``org/name`` id (only the range's shards) or a built-in name converted locally. No torch.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Admission of a session at ``open``: is the frame sound, and does its KV cache fit the budget.
 
-Owns: the checks of an ``open`` frame's place in the ring (its layer span, head and tail, ``prev``,
-``next``, shadow and mirror, ``max_len`` within the stage's context), the bytes a session reserves
-(its KV cache for ``max_len`` positions, plus the hidden states a non-tail stage keeps to resend
-after a heal, ``--heal-log-mb``), the ``--kv-budget-mb`` decision (:func:`decide`: admit, refuse
-as too big for the whole budget, refuse as busy; how far the prefix cache must shrink first) and
-the reservations (:class:`Reservations`): every live session's bytes and those of the opens still in
-progress (dialing the successor, proving a tile, reusing a prefix), so concurrent opens never
-over-admit. Everything but :class:`Reservations` is pure: numbers and frames in, a decision out.
+Owns: the pure checks of an ``open`` frame's place in the ring, the bytes a session reserves (KV for ``max_len``
+and the heal log), the ``--kv-budget-mb`` decision (:func:`decide`) and :class:`Reservations` (live sessions'
+bytes and those of opens in progress, so concurrent opens never over-admit).
 """
 
 from __future__ import annotations

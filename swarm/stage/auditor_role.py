@@ -1,22 +1,8 @@
 """A stage's auditor role (``swarm stage --audit-rate S``): audit offered jobs in idle time.
 
-Owns: :class:`AuditorRole`. A coordinator that wrote a signed job receipt offers it (``audit_offer``,
-``swarm.auditor.offers``) to the auditor-role stages it knows whose layers cover a stage range of the
-job. :meth:`AuditorRole.offer` answers each offer on the sender's stream: refused (an error frame with
-the reason) when the role is off (``unavailable``), the sender is over its rate (``rate_limited``:
-``OFFER_RATE_PER_S`` per PeerId), not in ``--allow-coordinator`` or not the coordinator that signed the
-job (``forbidden``), or the job receipt is too large, does not verify (``swarm.receipts.verify_job``),
-names other weights or has no stage whose layers lie within this stage's (``bad_request``); otherwise
-queued (``audit_offer_ok``), in a bounded queue (``--audit-queue``) whose oldest offer is dropped and
-counted when it is full. :meth:`AuditorRole.run` takes the queue in order, but only while the stage has
-no live session of its own (``live()``): it pauses before each stage's audit, each window request and
-each re-run while sessions are open, so its own sessions are not slowed (a re-run already started in
-its worker thread finishes). It runs ``swarm.auditor.run.Auditor`` on the job for the stages whose
-layers lie within this stage's (re-run from its own model directory, in its device; never itself):
-which stages and windows stays :func:`swarm.proofs.pick`'s hash of the signed job receipt, at the
-role's rate. Fraud proofs are kept (the last ``PROOFS_KEPT``) and handed to ``publish`` (the DHT with
-``--bootstrap``); the tally (audited / passed / failed per PeerId) shows in ``info`` and the metrics
-and is added to ``--audit-tally FILE`` after each job (``swarm.auditor.tally``).
+Owns: :class:`AuditorRole`: :meth:`~AuditorRole.offer` answers each ``audit_offer`` (refused with the reason, or
+queued in a bounded queue), :meth:`~AuditorRole.run` audits queued jobs with ``swarm.auditor.run.Auditor`` only
+while the stage has no live session, and it keeps the proofs and the tally. The rules: docs/audits.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The stage process: the libp2p host around a ``StageServer``, and the daemon's contract.
 
-Owns: ``serve`` (a host listening on ``/swarm/ring/1`` with the frame-size limit, the expiry and
-scheduler tasks, the READY payload), ``run_stage`` (``swarm stage``: load the block, print
-``SWARM_STAGE_READY {json}`` or ``SWARM_STAGE_FATAL {json}``, serve until a stop signal (SIGTERM,
-Ctrl-C, SIGHUP) or a drain frame drains it: a last short-lived record withdraws it from the swarm,
-``SWARM_STAGE_DRAINED {json}``, exit 0), ``run_check``
-(``swarm stage --check``: ``SWARM_STAGE_OK`` or ``SWARM_STAGE_FATAL``) and ``emit`` (one lifecycle
-line on stdout).
+Owns: ``serve`` (the host on ``/swarm/ring/1`` with the frame-size limit, the expiry and scheduler tasks, the
+READY payload), ``run_stage`` (``swarm stage``: READY or FATAL, serving until a signal or a drain frame drains
+it, DRAINED), ``run_check`` (``swarm stage --check``) and ``emit`` (the lines: docs/protocol.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """A stage's membership in a self-organizing swarm: placement, its record, announcing, moving.
 
-Owns: picking a block when ``swarm stage`` has no ``--layers`` (``place``: read the swarm's records
-of the model, take the window ``swarm.routing.plan_placement`` gives: uncovered layers first,
-then the lowest throughput, and announce it at once as ``joining`` while the weights load, with the
-speed ``estimate_block_tps`` measured on one layer before choosing), the
-decode throughput a stage measures on its own block at start (``measure_decode_tps``), the fields of its signed record read from the live server
-(``record_fields``), and the task that joins the DHT (in the mode a dial-back chose) and keeps the
-record fresh (``announce``), republishing ``draining`` at once when a drain starts and checking
-every ``--rebalance-s`` whether its block should move (``swarm.routing.should_move``; a move
-drains the stage's sessions first and then restarts it on the new block, so no session ever sees
-a half-moved stage).
+Owns: ``place`` (a block for a stage without ``--layers``, announced as ``joining`` while the weights load),
+``estimate_block_tps`` and ``measure_decode_tps``, ``record_fields`` (its record from the live server) and
+``announce`` (the DHT join, the record kept fresh, ``draining`` at once, a move when ``should_move`` says so).
 """
 
 from __future__ import annotations

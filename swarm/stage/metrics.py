@@ -1,12 +1,8 @@
 """Prometheus metrics of a stage (issue 18): ``StageMetrics``, served by ``--metrics-listen``.
 
-Counters and gauges that the stage already keeps (sessions, KV bytes, steps, frames and bytes of
-its streams, refusals, prefix cache) are read at scrape time by a collector, so they cost nothing
-per frame; histograms (step time, rows per step, send time) are observed where the event happens.
-Labels are fixed small sets (a refusal reason); ``swarm_stage_info`` names the stage's public
-PeerId, model and layers, ``swarm_stage_kernels_info`` the kernels it runs (mode, ISA, library, bfloat16 pairs) and
-why rows. ``swarm stage --metrics-listen HOST:PORT`` serves them on ``/metrics``
-(prometheus_client's own HTTP server, in a thread).
+Owns: the counters and gauges read at scrape time from what the stage keeps, the histograms observed where the
+event happens (step time, rows per step, send time), ``swarm_stage_info`` and ``swarm_stage_kernels_info``. The
+list: docs/commands.md, "Metrics".
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The stage's side of an audit: keeping recent jobs' rows and answering ``audit`` requests.
 
-Owns: :class:`Audits`: handing each signed receipt's window commitment to the retention store
-(:mod:`swarm.stage.retention`), and answering an ``audit`` frame (session, job, window) with
-``audit_ok`` carrying the window's rows, its Merkle path and the stage's signature
-(:func:`swarm.openings.opening_body`, :func:`swarm.openings.sign_opening`), or an error frame that says
-why not: ``no_job`` (unknown or evicted job), ``bad_request`` (no such window), ``rate_limited``.
-A job it does not know is answered with ``since_ms``, when this process started (and took over its
-spill directory: :meth:`RetentionStore.adopt`): a job that ended before then is one a restarted
-stage cannot open, which the auditor counts as ``unavailable``, not as failed.
-An audit is low priority: it is answered on the asker's own stream, never by the scheduler; it
-waits (up to ``YIELD_S``) while the scheduler has work, and builds the opening in a worker thread
-of its own, so live decode steps are not delayed by it. Each requester PeerId has a token bucket
-(:class:`RateLimit`, pure: the clock is an argument). Anyone may ask: an opening reveals the
-window's rows (at the head, the prompt's token ids), so who may audit is for the auditor's issue to
-settle (issue 29, item 3).
+Owns: :class:`Audits` (each signed receipt's window commitment handed to retention; an ``audit`` frame answered,
+at low priority, with the window's signed opening or an error saying why) and :class:`RateLimit` (a token bucket
+per requester, pure). The answers and their priority: docs/audits.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """The stage's way out: ordered per-stream outboxes and the persistent streams to successors.
 
-Owns: one outbox per stream (a channel, and one task that sends its frames in posting order, so a
-slow successor or coordinator delays only the sessions that send to it; frames of a session that is
-gone are dropped, nothing is written to a closed stream, and a successor that fails a send is
-reported to the coordinator of every session sending to it, which keep their state for a heal's
-``repair``); posting a computed chunk's output (the tail's ``result`` to the coordinator, else
-``forward`` hidden states to the successor, kept in the session's ``SentLog`` and copied to its
-mirror (the successor's shadow, :class:`swarm.mirror.Mirror`), each digested into
-the session's receipt ledger in posting order and its input and output rows kept in the session's
-``swarm.openings.WindowLog`` (the receipt's window root); a heal's ``refill`` passed on within the stages
-replacing a lost range); and the successor streams (one persistent stream per successor
-address, dialed once under a lock per address, read for the errors a successor sends back); and
-the task of each session's mirror (its own stream to the shadow, :meth:`Outboxes.run_mirror`).
-
-:class:`Outboxes` holds that state and is given what it uses: the live sessions, the block's layers,
-the timing counters, the metrics, and callbacks to dial a successor, start a background task and
-build a counted error frame (the server's). :func:`try_send` is the one send that may fail quietly.
+Owns: :class:`Outboxes`: one task per stream sending in posting order (a slow peer delays only the sessions that
+send to it), a chunk's output posted (digested, logged for heals, mirrored, recorded for audits), the successor
+streams and each mirror's task; :func:`try_send` is the one send that may fail quietly.
 """
 
 from __future__ import annotations

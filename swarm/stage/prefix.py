@@ -1,17 +1,8 @@
 """A stage's store of reusable prefix blocks: KV rows of ended sessions, kept by the token ids they encode.
 
-Owns: ``PrefixStore`` (fixed-size prefix blocks of K/V rows, keyed by a hash chain over token ids, with
-LRU eviction under a byte budget, pins, checksums and stats) and ``chain_keys`` (the pure key function).
-A later session whose prompt starts with the same token ids, in the same namespace, copies the blocks
-into its fresh KV cache instead of recomputing them (exactness contract 5: resumed from a cached prefix
-== fresh, bit for bit, since the copied rows are the bytes the first session computed and every forward
-is row-invariant).
-
-After vLLM's automatic prefix caching (a block's key is the hash of its tokens chained with its parent's
-key, so equal keys mean equal whole prefixes) and SGLang's RadixAttention (Zheng et al., "SGLang:
-Efficient Execution of Structured Language Model Programs", 2024: a tree of shared prefixes, evicting
-least-recently-used leaves first). Scoping (model digest, layer range, dtype, the coordinator's PeerId)
-is the caller's: it is all in the ``namespace`` string, which roots the chain.
+Owns: ``PrefixStore`` (fixed-size blocks of K/V rows keyed by a hash chain over token ids, LRU eviction under a
+byte budget, pins, checksums, stats) and ``chain_keys`` (the pure key function). Scoping is the caller's: all of
+it is in the ``namespace`` that roots the chain. Why reuse is exact, and the sources: docs/architecture.md.
 """
 
 from __future__ import annotations

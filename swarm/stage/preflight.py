@@ -1,11 +1,8 @@
 """``swarm stage --check``: everything a stage needs, checked without listening or dialing.
 
-Owns: the preflight of a StageConfig: the engine imports, the model resolves locally (the hub is
-put offline), its family is supported, the layer range is in bounds and every tensor it needs is
-in the checkpoint with a dtype we can load, the device exists and takes the dtype, the key file
-is usable (0600, or creatable), and the memory the stage will need fits in what is available; and
-which kernels it would run (the fma kernels are built here if no installed library serves).
-Glue over ``swarm.model`` and ``swarm.transport.identity``; imported only by ``swarm.stage``.
+Owns: the preflight of a ``StageConfig``: engine imports, the model resolved locally (the hub offline), its
+family, the layer range, every tensor and its dtype, the device, the key file, the memory it will need, and the
+kernels it would run (the fma kernels are built here if no installed library serves).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A heal's ``repair`` at a stage: re-pointing a surviving session, keeping its KV cache.
 
-Owns: :class:`Repairs`: checking a ``repair`` frame (from the session's coordinator, signed like
-``open``), re-pointing the session at a replacement predecessor (``prev``) or successor (``next``,
-dialed), resending the hidden states it sent (its ``SentLog``) to the new successor as ``refill``
-frames, promoting the session's mirror to the successor it copies to, and promoting a shadow
-session to the stage it shadowed; the count of repairs applied. It is given the live sessions, the
-block, this stage's PeerId (known once it serves), and the server's callbacks to build a counted
-error frame, refuse a frame from the wrong peer, reach a successor (or answer why not) and post a
-frame on an outbox.
+Owns: :class:`Repairs`: a ``repair`` frame checked (from the session's coordinator, signed like ``open``), the
+session re-pointed at a new ``prev`` or ``next``, its ``SentLog`` resent to the new successor as ``refill``
+frames, its mirror or a shadow session promoted, and the count of repairs applied.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """What a stage keeps of its recent jobs so that an audit can open them: the retention store.
 
-Owns: :class:`RetentionStore`, the signed receipt and the window commitment (rows and Merkle tree,
-``swarm.openings.Commitment``) of each recent job, by (session, job id), bounded in bytes
-(``--audit-retention-mb``), oldest first out, and its optional spill to disk
-(``--audit-retention-dir DIR``, bounded by ``--audit-retention-disk-mb``): a job evicted from memory
-is written to one file in ``DIR`` (a temporary file renamed into place, so a reader never sees part of
-one), read back when an audit opens it, and deleted when the disk bound evicts it (oldest first). A
-stage starting on a directory takes over the spill files it finds there that are its own
-(:meth:`RetentionStore.adopt`: the receipt is signed by this stage's key and the rows hash to the root
-it signed), so that a restart (SIGTERM, an upgrade) does not turn audits of its earlier jobs into
-refusals; it deletes the others (another key's, altered, half-written). A file that
-does not read back, or whose rows do not hash to the root its receipt signed, raises
-:class:`RetentionCorrupt` (the audit is refused with the reason; the file is dropped).
-A job signed again (a second receipt request) replaces its entry. No clock.
-
-Spill file (``<hash of session and job>.ret``): msgpack ``{"schema": "swarm/retained/1", "session",
-"job", "receipt", "size", "rows"}`` with ``rows`` as in ``swarm.openings`` (lists of 4, bytes or None).
+Owns: :class:`RetentionStore` (each recent job's signed receipt and window commitment, bounded in bytes, spilled
+to ``--audit-retention-dir`` when evicted, read back for an audit, taken over after a restart by
+:meth:`~RetentionStore.adopt`) and :class:`RetentionCorrupt`. No clock. The spill file: docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The stage's side of the prefix cache (issue 17): sessions' KV reused at ``open``, kept at ``close``.
 
-Owns: :class:`PrefixReuse`: the stage's ``PrefixStore`` under its byte allowance (``--prefix-cache-mb``,
-and within ``--kv-budget-mb`` what live sessions do not reserve), the namespace a session's blocks
-are scoped by, filling a new session's cache from the store and keeping a closed session's whole
-blocks, both in the worker thread under the compute limiter (no step writes the cache meanwhile).
-It is given the block, the reservations (:class:`swarm.stage.admission.Reservations`), the compute
-limiter and the scheduler's ``tile_of``.
+Owns: :class:`PrefixReuse`: the ``PrefixStore`` under its byte allowance (``--prefix-cache-mb``, within what
+``--kv-budget-mb`` leaves), a session's namespace, a new session's cache filled from the store and a closed
+session's whole blocks kept, both in the worker thread under the compute limiter.
 """
 
 from __future__ import annotations

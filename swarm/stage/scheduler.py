@@ -1,30 +1,8 @@
 """The stage's scheduler: which queued rows run in each step, and the step itself.
 
-Owns (continuous batching, after Orca, Yu et al. OSDI 2022, with Sarathi-Serve's chunked prefill,
-Agrawal et al. OSDI 2024): the run queue of sessions with queued jobs and each step as plan -> run
--> apply (after vLLM's ``schedule()`` / ``update_from_output()``):
-
-- plan, pure (:func:`plan_step` -> :class:`StepPlan`): the next chunk of every ready session that is
-  short (decode/verify rows of at most ``BATCH_CHUNK_MAX`` positions, up to ``--max-batch-rows`` in
-  all) into one packed forward, plus a :class:`Slice` of the long chunk with the least left:
-  ``--prefill-slice`` rows, and while another session's decode row is due only what rides along in
-  its steps (:func:`decoder_due`, :func:`ride_rows`), or a wait for that row, so a long prompt never
-  stalls it;
-- run (:meth:`Scheduler._compute_step` -> :class:`StepResult`): in a worker thread
-  (``trio.to_thread.run_sync``, one at a time, so trio and the libp2p host stay responsive), or in
-  the trio thread for short chunks whose recent compute is below ``--inline-step-ms``; the tail
-  chooses the tokens (argmax, or sampling keyed by position); a slice computed alone pauses between
-  layers for a chunk that overtakes it (:func:`overtakes`, :meth:`LayerBlock.forward_steps`) and
-  comes back as :class:`Paused`;
-- apply (:meth:`Scheduler._apply`): the measured :class:`Costs`, the counters, each chunk's output
-  posted, the run queue advanced.
-
-In the fma and triton modes every step's rows over the same layers share one forward (the kernels
-give a row the same bits in any forward, proven before serving by :mod:`swarm.stage.kernel_proofs`);
-in the rows mode only sessions opened with ``batch: true`` are packed (with ``--batch-tile``-row
-GEMMs) and the others run alone. The :class:`Scheduler` is given what it uses: the scheduling
-settings, the block, the live sessions, the timing counters, and callbacks to fail a session, post
-a chunk's output (the outbox) and sign a receipt (the server, with :mod:`swarm.stage.signing`).
+Owns: :class:`Scheduler`, each step as plan -> run -> apply: the pure :func:`plan_step` -> :class:`StepPlan`,
+the compute in a worker thread or inline -> :class:`StepResult` (a slice that paused: :class:`Paused`), and
+the outputs posted. The policy and its sources: docs/architecture.md, "Processes and roles".
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """The stage server: one block of layers served on ``/swarm/ring/1``, frame by frame.
 
-Owns: ``StageServer``: its ``info``, the task per inbound stream (frames read in order, each
-validated, an invalid one answered with an error naming the problem), the dispatch of ``info``,
-``drain``, ``open``, ``forward``, ``refill``, ``repair``, ``receipt``, ``cancel``, ``progress``,
-``close``, ``audit`` and ``audit_offer`` frames, and
-the sessions' lifecycle (admission at ``open``: signed assignment, allowed coordinators, ``--max-ctx``,
-``--kv-budget-mb``; who may steer a session; failing one session alone; expiry after
-``--session-ttl-s``; the drain; ``open`` with ``mirror`` starts that mirror,
-:class:`swarm.mirror.Mirror`). A checked ``forward``, ``refill`` or ``receipt`` is queued for the
-scheduler.
-
-The server wires together objects of this package, one concern each, each given what it uses:
-``scheduler.Scheduler`` (steps, the compute, kernel proofs), ``outbox.Outboxes`` (ordered sending,
-successor streams, mirrors), ``signing.ReceiptSigner`` (the stage receipt), ``admission`` (the open
-frame's checks and the KV budget, with ``Reservations``), ``repair.Repairs`` (a heal's ``repair``)
-``reuse.PrefixReuse`` (the prefix cache) and ``audit.Audits`` (recent jobs' rows kept in a
-``retention.RetentionStore``, ``audit`` requests answered), ``auditing.AuditorRole`` (``--audit-rate``:
-offered jobs audited in idle time); ``session`` holds the per-session state, ``daemon``
-the process around the server.
+Owns: ``StageServer``: its ``info``, a task per inbound stream (frames read in order, each validated), the
+dispatch of every frame type and the sessions' lifecycle (admission, who may steer a session, failing one
+alone, expiry, the drain). It wires together the package's objects, one concern each, each given what it uses.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Per-session state at a stage, and the queued work of a session.
 
-Owns: ``Session`` (KV cache, streams, epoch, progress, the queue of jobs, heal and shadow state),
-its ``Evidence`` (what a session with a job keeps for its receipt and audits), ``SentLog`` (the
-hidden states sent on, for a heal that keeps the survivors), ``Job`` (one queued chunk, refill or
-receipt request) and ``session_of``. Data only: the server, scheduler, outbox and signing act on it.
+Owns: ``Session`` (KV cache, streams, epoch, progress, job queue, heal and shadow state), ``Evidence`` (what a
+session with a job keeps for its receipt and audits), ``SentLog`` (hidden states sent on, for a heal), ``Job``
+(a queued chunk, refill or receipt request) and ``session_of``. Data only.
 """
 
 from __future__ import annotations

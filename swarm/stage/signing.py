@@ -1,16 +1,8 @@
 """The stage receipt: sign what this stage received and sent for a job, and pass the request on.
 
-Owns: signing the stage receipt of a session (job id, nonce, model and range digests, layer range,
-dtypes, positions, this stage's PeerId, and the rolling digests of every frame received and sent,
-kept in the session's ``receipts.StageLedger``: the server adds each forward frame received, the
-outbox each frame posted; the stage's reproducibility class, ``swarm.kernels.facts``; the Merkle
-root over the session's windows of rows, ``swarm.openings.Commitment``, whose rows it hands to the
-retention store for audits), posting it to the coordinator and passing the request on to the
-successor behind the session's frames. The schema and canonical bytes live in ``swarm.receipts``.
-
-:class:`ReceiptSigner` holds what every receipt of this stage names (the block, model name and
-digest) and the count signed; it is given the key and PeerId per receipt (the host's, known once
-the stage serves) and a ``post(stream, sess, frame)`` callback (the outbox).
+Owns: :class:`ReceiptSigner`: a session's stage receipt signed (its rolling digests, reproducibility class and
+window root, whose rows go to retention), posted to the coordinator, and the request passed on to the successor
+behind the session's frames. The schema and canonical bytes are ``swarm.receipts``'.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ it may use.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,13 @@ def group(module: str) -> str:
     return top
 
 
+@functools.lru_cache(maxsize=None)
+def parse(source: str) -> ast.Module:
+    """``ast.parse``, once per distinct source: the tests below read the same tree many times over.
+    The tree is shared: callers only read it."""
+    return ast.parse(source)
+
+
 def read_tree(root: Path = ROOT) -> dict[str, str]:
     """``{module name: source}`` of every module under ``root`` (a package is its ``__init__``)."""
     out = {}
@@ -64,6 +72,22 @@ def read_tree(root: Path = ROOT) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def swarm_targets(module: str, source: str, is_package: bool) -> tuple[str, ...]:
+    """The absolute names of the swarm objects or modules ``module`` imports, at any depth of its code."""
+    targets = []
+    for node in ast.walk(parse(source)):
+        if isinstance(node, ast.Import):
+            targets += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package
+                pkg = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(pkg + ([base] if base else []))
+            targets += [f"{base}.{a.name}" for a in node.names]
+    return tuple(t for t in targets if t.split(".")[0] == "swarm")
+
+
 def imports(modules: dict[str, str]) -> dict[str, set[str]]:
     """Every swarm module each module imports, at any depth of its code (a lazy import counts)."""
     def resolve(name: str) -> str | None:
@@ -73,23 +97,10 @@ def imports(modules: dict[str, str]) -> dict[str, set[str]]:
 
     edges: dict[str, set[str]] = {}
     for module, source in modules.items():
-        found = set()
         is_package = f"{module}.__init__" not in modules and any(m.startswith(module + ".") for m in modules)
-        for node in ast.walk(ast.parse(source)):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the module's package
-                    pkg = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
-                    base = ".".join(pkg + ([base] if base else []))
-                targets = [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                if t.split(".")[0] == "swarm":
-                    r = resolve(t)
-                    if r is not None and r != module:
-                        found.add(r)
+        found = {resolve(t) for t in swarm_targets(module, source, is_package)}
+        found.discard(None)
+        found.discard(module)
         edges[module] = found
     return edges
 
@@ -186,7 +197,7 @@ def test_every_package_docstring_names_each_of_its_modules():
     modules = read_tree()
     missing = []
     for package in [m for m in modules if any(k.startswith(m + ".") for k in modules)]:
-        doc = ast.get_docstring(ast.parse(modules[package])) or ""
+        doc = ast.get_docstring(parse(modules[package])) or ""
         depth = len(package.split(".")) + 1
         for child in sorted({".".join(k.split(".")[:depth]) for k in modules if k.startswith(package + ".")}):
             name = child.rsplit(".", 1)[1]
@@ -202,7 +213,7 @@ def test_every_package_docstring_names_each_of_its_modules():
 def test_importing_a_role_package_imports_nothing(package):
     """``import swarm.stage.acquire`` must not run the daemon's imports (torch) through ``swarm.stage``:
     a package's ``__init__`` is its map, not a re-export hub."""
-    tree = ast.parse(read_tree()[package])
+    tree = parse(read_tree()[package])
     assert [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] == []
 
 
@@ -220,7 +231,7 @@ def lazy_light_imports(modules: dict[str, str]) -> list[str]:
 
     found = []
     for module, source in sorted(modules.items()):
-        for fn in ast.walk(ast.parse(source)):
+        for fn in ast.walk(parse(source)):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):

@@ -12,6 +12,8 @@ from swarm.coordinator.drafters import NgramDrafter
 from tests.support.models import make_synthetic, reference_greedy
 from tests.support.ring import ring_generate, start_ring
 
+pytestmark = pytest.mark.ring  # real stages on loopback
+
 SWITCH = 16
 
 

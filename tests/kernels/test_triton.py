@@ -98,7 +98,10 @@ def _norms_are_each_rows_own(device: str, dtype: torch.dtype) -> None:
 
 # (H, Hkv, Dh, window, S): grouped heads and an odd head width over two key blocks; a window whose
 # first key passes the first block (row 88 sees keys [69, 88]); one kv head and a short window
-ATTENTION = [(8, 2, 13, None, 100), (4, 4, 16, 20, 100), (4, 1, 8, 5, 30)]
+# the interpreter runs each program in Python: the two 100-row cases take 3-6 s each, so `make test` runs them
+# and the unit tier only the 30-row one (grouped heads and a window crossing key blocks all the same)
+ATTENTION = [pytest.param(8, 2, 13, None, 100, marks=pytest.mark.slow),
+             pytest.param(4, 4, 16, 20, 100, marks=pytest.mark.slow), (4, 1, 8, 5, 30)]
 
 
 @interpreted
@@ -176,6 +179,7 @@ def test_where_the_triton_kernels_run():
 
 
 @interpreted
+@pytest.mark.slow  # a whole block in the interpreter: 3 s
 def test_a_llama_block_in_the_triton_mode_proves_row_invariance(synthetic, monkeypatch):
     """SWARM_KERNELS=triton picks the mode (the CPU has it only under the interpreter); the head block
     passes check_block (chunked and packed rows against one row at a time), and its class names the
@@ -211,6 +215,7 @@ def test_every_family_in_the_triton_mode_proves_row_invariance_and_matches_trans
 
 
 @interpreted
+@pytest.mark.slow  # a whole block in the interpreter: 3 s
 def test_a_triton_block_that_breaks_the_contract_falls_back_to_rows(synthetic, monkeypatch, caplog):
     """With a GEMM tile chosen by M in place of the fixed one, chunked rows stop matching decode rows:
     the stage's start-up proof says where, logs kernels.fallback and serves the rows mode, proven."""

@@ -1,16 +1,8 @@
 """``swarm audit``: audit the stages of signed jobs, and re-check fraud proofs.
 
-- ``swarm audit run RECEIPT... --model DIR``: for each job receipt (``receipts/<job>.json``), audit the
-  stages :func:`swarm.proofs.pick` picks at ``--rate`` (every stage of an identity's first
-  ``--first-sessions`` sessions), over the network (``swarm.auditor.run.Auditor``), print one line per
-  stage, write each fraud proof to ``--proofs DIR`` (``<accused>-<job>.proof``) and, with
-  ``--bootstrap``, publish it on the DHT under the accused PeerId; ``--tally FILE`` adds the counts
-  audited / passed / failed / unavailable per stage to a JSON file ``swarm peers --audits`` shows. Exit 1
-  when a stage failed (``unavailable``, a stage restarted since the job, is not a failure), 2 when no
-  stage could be audited (every verdict ``not comparable`` or ``unauditable``).
-- ``swarm audit verify PROOF... --model DIR``: re-check proofs in one pass each
-  (``swarm.auditor.judge.verify_proof``): ``VALID ...`` or ``REFUSED (reason): ...``; exit 0 only when
-  every proof holds.
+Owns: ``swarm audit run RECEIPT... --model DIR`` (the picked stages audited over the network, one line each,
+proofs written to ``--proofs`` and published with ``--bootstrap``, counts added to ``--tally``) and ``swarm audit
+verify PROOF... --model DIR`` (one pass each). Flags and exit codes: docs/audits.md.
 """
 
 from __future__ import annotations

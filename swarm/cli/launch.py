@@ -1,9 +1,8 @@
 """Start stage daemons on loopback as child processes and always reap them.
 
-Owns: ``LocalRing``, used by ``swarm demo``, the tests and the benchmarks: spawn ``swarm stage``
-processes with an even split of layers and the CPU cores divided among them, wait for each
-``SWARM_STAGE_READY`` line, build the ring file, and on exit (also on errors and Ctrl-C)
-terminate and reap every process it started. Standard library + swarm.config only.
+Owns: ``LocalRing`` (``swarm demo``, the tests, the benchmarks): ``swarm stage`` processes with an even split of
+layers and of the CPU cores, each ``SWARM_STAGE_READY`` awaited, the ring file built, and every process it
+started terminated and reaped on exit (errors and Ctrl-C too). Standard library + swarm.config only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What the ``swarm`` commands print for a person: streamed text, the rate, speculation, the receipt.
 
-Owns: ``TextOut`` (generated text streamed to stdout, and the logging filter that keeps a log line
-off the streamed line), ``receipt_line``, ``rate_text`` and ``spec_summary`` (the summary lines of
-``swarm coordinate`` and ``swarm demo``, read from a generation's result record). Shared by
-``swarm.cli.main`` and ``swarm.cli.demo``.
+Owns: ``TextOut`` (generated text streamed to stdout; a log line kept off the streamed line), ``receipt_line``,
+``rate_text`` and ``spec_summary`` (the summary lines of ``swarm coordinate`` and ``swarm demo``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """``swarm plan``: what a model costs in memory per layer and per token of KV, and how its layers split over cards.
 
-``swarm plan MODEL [--gpus 24GB,24GB,12GB] [--dtype bfloat16|int8|int4] [--ctx 4096] [--sessions 1] [--reserve 1GB]
-[--json]``. ``MODEL`` is a model directory (shapes from its safetensors headers: the bytes a stage
-loads), a directory or file holding only ``config.json`` (shapes from transformers' model on the meta
-device, nothing downloaded), or a built-in name / GGUF as ``--model`` takes it. Prints, for each dtype,
-the bytes of one layer, of what only the first and the last stage hold, of the whole model, and of one
-token of KV per layer; with ``--gpus``, contiguous blocks per card in ring order with the bytes each
-stage needs (weights from the stage's own tensor selection, exact; plus its KV budget). Exit 1 (one line
-saying by how much) when the layers do not fit.
+Owns: the command over ``swarm.model.plan``: ``MODEL`` as a model directory (its safetensors headers), a
+``config.json`` alone (transformers' meta device) or a built-in name or GGUF; a table per dtype, contiguous
+blocks per card with ``--gpus``, ``--json``; exit 1 naming the shortfall. docs/commands.md, "Memory planning".
 """
 
 from __future__ import annotations

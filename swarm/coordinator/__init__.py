@@ -1,6 +1,7 @@
 """The coordinator: the client side of a ring (``swarm coordinate``, and what ``swarm serve`` drives).
 
-Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
+Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights``, ``model`` and ``auditor``;
+never ``stage`` (its peer), ``serve`` or ``cli``. Importing this package imports nothing.
 
 - ``generation``    ``generate``: prompt text -> the result record (tokenize, connect, decode, stream, receipt)
 - ``decoding``      ``decode`` (``DecodeOptions`` -> ``DecodeResult``): a session driven round the ring, healed
@@ -8,10 +9,8 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``routing``       ``connect_ring``: a ring file's stages, or a route through the swarm's DHT
 - ``jobs``          a job's signed receipt written and verified, and offered to auditors
 - ``books``         ``SessionBook``: what the ring client keeps of one session (progress, receipt ledger, prefix)
-- ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts over one ring; composed of
-                    a ``RingLinks`` (``net``) and a ``RingRepair`` (``repair``)
-- ``links``         ``StageInfo``, ``Link``, ``RingLinks``: dialing and checking each stage, reader tasks,
-                    receiving frames, progress probes
+- ``ring``          ``RingClient``: sessions, chunks, results, cancels, receipts; ``net`` + ``repair`` below
+- ``links``         ``StageInfo``, ``Link``, ``RingLinks``: dialing and checking stages, readers, progress probes
 - ``repair``        ``RingRepair``: warm spares, swapping a link, keeping a session at the survivors, shadows
 - ``spec``          ``SpecLoop``: speculative chunk scheduling and the greedy accept rule (pure)
 - ``drafters``      drafters that propose tokens for verify chunks (n-gram, a draft model)
@@ -19,7 +18,4 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``text``          ``Detokenizer``: committed ids -> the text safe to emit now, with stop strings
 - ``conversation``  a conversation kept in a file across ``swarm coordinate --session`` runs
 - ``measured``      the stage timings this client measured in its sessions, kept for routing over claims
-
-Rule: may import the shared core, ``transport``, ``kernels``, ``discovery``, ``weights`` and
-``model``; never ``stage`` (its peer), ``serve`` or ``cli``. Importing this package imports nothing.
 """

@@ -1,11 +1,8 @@
 """Chat prompts to token ids with the model's chat template, control text in messages kept literal.
 
-Owns: :func:`encode_chat` and :func:`encode_chat_flag` (its command-line form). A user who types
-``<|im_end|>`` into a message must not close their own turn and forge others (prompt injection
-through control tokens): the template always runs on the messages, and only its own markers (and an
-assistant turn's own reasoning / tool markup) become control tokens; control text a sender typed is
-tokenized with special-token matching off. Used by ``swarm coordinate --chat`` and ``swarm serve``.
-Works on any transformers tokenizer passed in; imports nothing heavy.
+Owns: :func:`encode_chat` and :func:`encode_chat_flag` (its command-line form), on any transformers tokenizer
+passed in: only the template's own markers become control tokens, so a typed ``<|im_end|>`` cannot close a
+turn and forge others (docs/architecture.md). Used by ``swarm coordinate --chat`` and ``swarm serve``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A conversation kept in a file across ``swarm coordinate --session FILE`` invocations.
 
-Owns: the session file (JSON, version 1): the model, its manifest digest, whether it is a chat, the
-messages so far (chat) and every committed token id so far (prompt + answers). Each invocation
-appends the new prompt: with ``--chat`` as a user message rendered with the whole history through
-the chat template, else as plain text tokenized without special tokens after the ids so far. The
-stages' prefix caches then hold most of that prompt already (issue 17): only the new part is
-prefilled. Written atomically (temp file + rename), so an interrupted run leaves the old file; a
-new file is created 0600 (it holds the conversation), an existing one keeps its mode. Two runs on
-one file at once are not serialized: the later write wins.
+Owns: the session file (JSON, version 1: the model and its manifest digest, chat or not, the messages and every
+committed token id so far) and a new prompt appended to it (a user message through the chat template, or plain
+text after the ids), so the stages' prefix caches hold most of it. Written atomically; docs/architecture.md.
 """
 
 from __future__ import annotations

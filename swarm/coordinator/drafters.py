@@ -1,12 +1,8 @@
 """Drafters: propose tokens for speculative verify chunks.
 
-Owns: ``NgramDrafter`` (prompt lookup over prompt + committed output, no model; standard library
-only), ``ModelDrafter`` (a small causal LM sharing the target's tokenizer, run on the coordinator
-with its own KV cache and rollback; imports torch lazily), and ``make_drafter`` which parses the
-``--draft`` flag (``none``, ``ngram``, ``model:PATH``).
-
-References: prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding);
-draft-model speculation (Leviathan et al. 2023, arXiv 2211.17192).
+Owns: ``NgramDrafter`` (prompt lookup over prompt + committed output; standard library only), ``ModelDrafter`` (a
+small causal LM sharing the target's tokenizer, with its own KV cache; torch lazily) and ``make_drafter`` (the
+``--draft`` flag). What each does, and the sources: docs/architecture.md, "Speculative decoding".
 """
 
 from __future__ import annotations

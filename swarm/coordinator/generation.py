@@ -1,9 +1,8 @@
 """``generate``: one ``swarm coordinate`` run from prompt text to the result record ``--json`` prints.
 
-Owns: tokenizing the prompt (chat template, a kept conversation), the stop ids, connecting a ring
-(``swarm.coordinator.routing``), decoding on it (``swarm.coordinator.decoding``), streaming text,
-and the job's receipt (``swarm.coordinator.jobs``). Holds no layers of the target model: only the
-tokenizer (and a draft model, if asked).
+Owns: tokenizing the prompt (chat template, a kept conversation), the stop ids, connecting (``routing``),
+decoding (``decoding``), streaming text and the job's receipt (``jobs``). Holds no layers of the target model:
+only the tokenizer (and a draft model, if asked).
 """
 
 from __future__ import annotations

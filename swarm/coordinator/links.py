@@ -1,20 +1,8 @@
 """The coordinator's links to the stages of a ring: dialing, the info check, the frames they send.
 
-Owns: ``StageInfo`` (what a stage reported about itself), ``Link`` (the two streams to one stage:
-data for forward frames, session replies and the tail's results; control for cancel and progress
-probes, so they overtake queued data) and ``RingLinks``: the links in ring order, dialing a stage
-and checking its ``info`` against the ring file (range, model, PeerId), one reader task per stream
-funnelling ``(stage, generation, frame)`` into one channel, receiving from it (a frame's stage is
-where its connection sits in the ring now): frames of replaced connections are dropped, a closed
-stream or an error frame is raised as ``StageLost`` or ``RemoteError`` naming the stage, and
-``probe`` (every stage asked for its progress on a session over the control streams, in parallel;
-a stage whose stream is gone or that stays silent is reported unreachable, as the
-``swarm.heal.StageReport`` the pure heal logic reads).
-
-``RingLinks`` is composed into :class:`swarm.coordinator.ring.RingClient` (as ``net``) and handed
-to its repair (:mod:`swarm.coordinator.repair`); what it needs from the client is passed in: the
-host, the ring file, the timeouts, a hook for the tail's results (the receipt ledger) and the epoch
-of a session's last repair (older error frames are stale).
+Owns: ``StageInfo`` (what a stage reported), ``Link`` (its data and control streams) and ``RingLinks`` (the links
+in ring order: dialing and the ``info`` check, one reader task per stream into one channel, receiving, faults
+raised as ``StageLost`` or ``RemoteError``, and ``probe``); composed into ``RingClient`` as ``net``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """What this client measured of the stages it routed through: per PeerId, compute ms per layer per decode step.
 
-Owns: the measurement file (``measured-stages.json`` in the cache root, per model id then PeerId), turning a
-finished session's timing into per-stage figures (``swarm.routing.attribute_round_ms``), and handing them to
-routing, which prefers them over the stages' claims (issue 45 item 17). A ``swarm generate`` process runs one
-session: the file carries what it measured to the next one. Figures expire after ``MEASURED_TTL_S`` (a
-stage's load changes, and a stage charged for a slow neighbour gets another chance).
+Owns: ``measured-stages.json`` in the cache root (per model id, then PeerId), a finished session's timing turned
+into per-stage figures (``swarm.routing.attribute_round_ms``) and handed to routing over the stages' claims
+(issue 45 item 17); figures expire after ``MEASURED_TTL_S``.
 """
 
 from __future__ import annotations

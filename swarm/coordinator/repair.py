@@ -1,21 +1,8 @@
 """The ring client's repair: warm spares, swapping a link, keeping a session at the survivors, shadows.
 
-Owns: ``RingRepair``, composed into :class:`swarm.coordinator.ring.RingClient` (as ``repair``), with
-its own state: the ring file's unused spares, the warm spares shadowing ring positions, the shadows
-each session opened, this client's mirrors of the head's token ids, and how the last repair went.
-It does ``prepare_spare`` (dial and check an unused spare of the ring file holding a range),
-``swap`` (put it, or a chain of stages tiling the same layers, at a ring position; frames of the
-replaced connection are ignored from then on), ``repair_session`` (keep a session at the survivors
-around the replacement: open it there, re-point its neighbours, have the predecessor resend what it
-sent, or refill a new head's tokens; onto a shadow: promote it and the predecessor's mirror), and
-shadows (``open_shadows``: the session at the warm spares as shadows; ``start_head_mirror``: this
-client's mirror of the head's token ids; ``shadow_state``: whether a shadow can take over at a heal).
-Progress probes are :meth:`swarm.coordinator.links.RingLinks.probe`; the heartbeats that call them
-while waiting for a result live in :meth:`swarm.coordinator.ring.RingClient.next_result`.
-
-What it needs from the client is passed in (see ``RingRepair``): the links (``RingLinks``), the
-host (its key signs open and repair frames), the client's ``open_at`` and its ``SessionBook`` of
-each session (receipt ledger, closed segments, repaired epoch).
+Owns: ``RingRepair``, composed into ``RingClient`` as ``repair``: ``prepare_spare``, ``swap`` (a spare or a chain
+at a ring position), ``repair_session`` (the session kept at the survivors around the replacement, or a shadow
+promoted) and shadows (``open_shadows``, ``start_head_mirror``, ``shadow_state``). docs/architecture.md, "Healing".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The coordinator's client of a ring: sessions, chunks, results, cancels and receipts.
 
-Owns: ``RingClient``, the one object the coordinator and ``swarm serve`` drive: it opens a session
-at every stage (tail first, each told its successor and signed for), sends chunks to the head,
-waits for the tail's results (probing every stage after ``heartbeat_s`` of silence, so a frozen
-stage is detected in about two heartbeats, and a hop that swallows frames while both its stages
-still answer in ``GAP_S``, not at the hop timeout), cancels stale epochs on the
-control streams, closes sessions, and collects the stages' signed receipts behind the last chunk,
-keeping its own digests of what it sent to the head and received from the tail (a book's ``ledger``).
-
-Composed of two objects with their own state: ``net``, a :class:`swarm.coordinator.links.RingLinks`
-(the links in ring order: dialing, the ring check, the reader tasks, receiving, progress probes), and
-``repair``, a :class:`swarm.coordinator.repair.RingRepair` (spares, swaps, repairs that keep the
-survivors' session, shadows). This client keeps one ``SessionBook`` per session (``books``: progress, the
-receipt ledger and its closed segments, the epoch of the last repair, the prefix) and hands them to those two.
+Owns: ``RingClient``, the one object the coordinator and ``swarm serve`` drive: a session opened at every stage
+(tail first, signed), chunks to the head, the tail's results (with heartbeat probes), cancels, closes and the
+stages' receipts; composed of ``net`` (``RingLinks``) and ``repair`` (``RingRepair``), one ``SessionBook`` each.
 """
 
 from __future__ import annotations

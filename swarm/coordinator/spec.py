@@ -1,18 +1,8 @@
 """Speculative decoding around the ring: chunk scheduling and the greedy accept rule. Pure.
 
-Owns: ``SpecLoop``, which decides which verify chunks to send (up to ``depth`` in flight, each
-drafted as if the previous one fully accepts), and turns the tail's argmax ids into committed
-tokens: accept the longest prefix where draft == argmax, commit it plus the first disagreeing (or
-bonus) token, and on a rejection bump the epoch so every chunk still in flight is stale.
-Standard library only: no torch, no sockets, no clock; the drafter is injected.
-
-A chunk is a contiguous slice of the speculated sequence ``seq`` (prompt + committed + drafts)
-fed at absolute positions ``[pos, pos + T)``; the tail returns, for each fed position q, the
-target model's argmax for position q + 1. Prefill chunks are the same thing over the prompt.
-
-References: Leviathan et al. 2023 (arXiv 2211.17192), speculative decoding's lossless acceptance
-rule (greedy case: exact match); PipeInfer (arXiv 2407.11798), pipelined speculation with early
-cancellation of stale in-flight work.
+Owns: ``SpecLoop``: which chunks to send (up to ``depth`` verify chunks in flight, each drafted as if the previous
+one fully accepts) and the tail's ids turned into committed tokens (the longest matching prefix plus one; a
+rejection bumps the epoch). Standard library only; the drafter is injected. Sources: docs/architecture.md.
 """
 
 from __future__ import annotations

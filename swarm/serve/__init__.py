@@ -1,6 +1,7 @@
 """``swarm serve``: an OpenAI-compatible HTTP API over a ring, its metrics and its dashboard.
 
-Layout (each module's docstring says what it owns; tests/test_layout.py holds who may import what):
+Rule: may import everything ``coordinator`` may, and ``coordinator``; never ``stage`` or ``cli``. Importing this
+package imports nothing. Imports inside it: docs/architecture.md, "Serving".
 
 - ``app``         the Starlette app and its routes; ``serve_api``: load the model, check the ring, listen, drain
 - ``config``      ``ServeConfig``: every setting of ``swarm serve`` and its flag, in sections, validated
@@ -15,11 +16,4 @@ Layout (each module's docstring says what it owns; tests/test_layout.py holds wh
 - ``health``      ``ring_health``: every stage of the ring asked for its info
 - ``metrics``     ``ServeMetrics``: Prometheus metrics and the recent requests the dashboard shows
 - ``dashboard``   the live dashboard page and the JSON it polls
-
-Inside, imports go one way: ``app`` -> ``stream`` -> ``completion``, ``lifecycle`` -> ``requests``,
-``config``; ``state`` imports ``config`` and names ``pool``'s, ``metrics``' and ``dashboard``'s
-types only for annotations, so those three and ``health`` read a ``ServeState`` without importing it.
-
-Rule: may import everything ``coordinator`` may, and ``coordinator``; never ``stage`` or ``cli``.
-Importing this package imports nothing.
 """

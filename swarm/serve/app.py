@@ -1,30 +1,8 @@
 """``swarm serve``: an OpenAI-compatible HTTP API over a ring.
 
-Owns: the Starlette app (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-``/health``, ``/metrics``, ``/dashboard``) and ``serve_api``, which loads the model, checks the
-ring, listens and drains. Runs in one trio event loop with Hypercorn (its trio worker), so the
-libp2p host and every request share it. Glue over ``swarm.coordinator.generation`` and
-``swarm.coordinator.ring``; the other modules of ``swarm.serve`` own the parts: ``requests``
-(parsing, OpenAI-shaped errors), ``completion`` (one generation, stop strings), ``stream``
-(server-sent events), ``pool`` (ring clients), ``lifecycle`` (hang-ups, the drain, signals),
-``config`` and ``state``.
-
-Each request in flight holds one ``RingClient`` from a pool (its own streams to every stage, over
-the host's one connection per stage) and opens its own session with its own KV cache at every
-stage, so concurrent requests are isolated: a request that ends closes its session everywhere. A
-client that disconnects stops its generation after the next result (a token's, or a prefill
-chunk's), which closes the session the normal way (cancelled after 10 s if it is stuck); a request
-that fails closes its client's streams, so every stage drops the session.
-
-The request lifecycle: the body's size and the prompt's characters are checked before any parsing
-or tokenizing, which run in a worker thread; a stream's status is sent once the ring admitted its
-session (a refusal is a 503 with Retry-After); a waiting stream sends SSE keep-alive comments; a
-``Shutdown`` (SIGTERM, Ctrl-C) drains: new requests get 503, running ones may finish until a
-deadline, the rest end with an error event and ``[DONE]`` (``drain``). Sessions open with ``batch:
-true``: stages pack the rows of requests that are ready together into one forward (see
-``swarm.stage.scheduler``).
-
-API reference: https://platform.openai.com/docs/api-reference (chat, completions, streaming).
+Owns: the Starlette app (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``,
+``/dashboard``) and ``serve_api``, which loads the model, checks the ring, listens and drains, in one trio event
+loop with Hypercorn's trio worker. A request's life: docs/commands.md and docs/architecture.md, "Serving".
 """
 
 from __future__ import annotations

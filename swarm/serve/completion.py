@@ -1,9 +1,8 @@
 """One request's generation on the ring, as ``swarm serve`` runs it.
 
-Owns: ``generate_ids`` (a ring client from the pool, ``swarm.coordinator.decoding.decode`` on it,
-the metrics and the job receipt of the request), ``Detok`` (text as it becomes final, stop strings),
-``map_error`` (a ring's fault as the HTTP error a client sees), and the answer's ``finish_reason``
-and ``usage``.
+Owns: ``generate_ids`` (a pool's ring client, ``swarm.coordinator.decoding.decode``, the request's metrics and
+job receipt), ``Detok`` (final text, stop strings), ``map_error`` (a ring's fault as the client's HTTP error)
+and the answer's ``finish_reason`` and ``usage``.
 """
 
 from __future__ import annotations

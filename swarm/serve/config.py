@@ -1,9 +1,7 @@
 """``ServeConfig``: everything ``swarm serve`` is told, as one frozen object validated on construction.
 
-Owns: the settings of ``serve_api`` in sections (``listen``: address, identity, CORS; ``ring``: the
-ring clients' deadlines, concurrency, route, speculation; ``lifecycle``: a request's limits and
-deadlines, the drain; ``receipts``), each field with its default, check and flag (``swarm.flags``);
-the messages name the flags.
+Owns: the settings of ``serve_api`` in sections (``listen``, ``ring``, ``lifecycle``, ``receipts``), each field
+with its default, check and flag (``swarm.flags``); the messages name the flags.
 """
 
 from __future__ import annotations

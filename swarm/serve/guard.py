@@ -1,22 +1,8 @@
 """Slow, idle and too many HTTP clients, bounded: what keeps ``swarm serve`` answering under a trickle.
 
-Owns: ``serve_http`` (hypercorn's trio worker over a capped listener), ``CappedListener`` (at most
-``max_connections`` client connections open; at the cap the oldest connection still sending its
-request, or idle between requests, is closed for the newcomer; ``EMFILE`` / ``ENFILE`` on accept is
-logged once and waited out, never spun on), ``guard_app`` (an ASGI wrapper: a request's body must be
-in within ``body_timeout_s`` of its headers, else 408), ``default_max_connections`` (the open-file
-limit less headroom for the ring, receipts and heals) and ``RateLog`` (one log line per condition,
-repeats counted).
-
-The header deadline is hypercorn's idle timer (``keep_alive_timeout``): it runs from a connection's
-accept, and from each response's end, until the next request's headers are complete, so it bounds
-slow headers and idle keep-alive connections alike. Hypercorn has no body deadline (its
-``read_timeout`` is per read, which a byte every few seconds defeats, and it would also cut a long
-stream whose client sends nothing), hence ``guard_app``. A client that stops reading its answer is
-bounded by the send deadline: one write to its socket that cannot complete within ``send_timeout_s``
-(the kernel's buffers are full: the client read nothing for that long) closes the connection, which
-the app sees as the client hanging up (its generation stops). Slowloris, R-U-Dead-Yet, idle floods and
-slow readers are the attacks meant (CWE-400).
+Owns: ``serve_http`` (hypercorn's trio worker over a ``CappedListener`` of at most ``max_connections``),
+``guard_app`` (a body due within ``body_timeout_s`` of its headers, else 408), ``default_max_connections`` and
+``RateLog`` (one log line per condition). Which deadline bounds which attack: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The lifecycle of ``swarm serve`` and of its requests: hang-ups, the drain, signals.
 
-Owns: ``until_hang_up`` (a request's generation stops when its client hangs up or a drain's deadline
-passes), ``Shutdown`` and ``drain_on_signals`` (SIGTERM drains, Ctrl-C ends the streams now),
-``drain`` (refuse new requests, let running ones finish until a deadline, end the rest) and the 503
-a request gets while the server shuts down.
+Owns: ``until_hang_up`` (a generation stops when its client hangs up or a drain's deadline passes), ``Shutdown``
+and ``drain_on_signals`` (SIGTERM drains, Ctrl-C ends the streams now), ``drain`` and the 503 a request gets
+while the server shuts down.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Prometheus metrics of ``swarm serve`` (issue 18): ``ServeMetrics``, served on ``/metrics``.
 
-Counters and gauges read at scrape time; histograms (time to first token, inter-token latency,
-request time, heal phases) observed where the event happens. Labels are fixed small sets (a
-request status, a receipt check). Also keeps the recent finished requests, arrivals and heal
-events the dashboard shows.
+Owns: the counters and gauges read at scrape time, the histograms (time to first token, inter-token latency,
+request time, heal phases) and the recent requests, arrivals and heal events the dashboard shows.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Which fields of an OpenAI request swarm honours, accepts as a no-op, or refuses by name.
 
-Owns: the decision for every field of the chat-completions and completions request bodies
-(https://platform.openai.com/docs/api-reference/chat/create, .../completions/create, as of 2026),
-so that no parameter is silently ignored when it would change the answer. Pure: standard library
-only; ``swarm.serve.requests`` turns :class:`ParamRefused` into a 400 in OpenAI's error shape.
-
-- ``null`` means "the default" for every optional field (the field is dropped before any check).
-- Honoured fields are checked and used by ``swarm.serve.requests.parse_request``.
-- A no-op field is accepted and ignored: it cannot change the generated text (bookkeeping such as
-  ``metadata``, or a hint such as ``prediction``, which OpenAI defines as not changing the output).
-  ``user`` and ``cache_salt`` do not change the text either, but are honoured: they decide which
-  requests share the stages' prefix caches (``swarm.serve.requests.cache_scope``).
-- A refused field gets a 400 naming it unless it carries its neutral value (``tools: []``,
-  ``logprobs: false``, ``response_format: {"type": "text"}``, ...), which changes nothing.
-- An unknown field gets a 400 naming it, as OpenAI answers "Unrecognized request argument".
-
-:func:`load_body` turns the raw bytes of a request into its JSON object, refusing with a message
-what is not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH` or holds a lone surrogate
-(``"\\ud83d"``: valid JSON, but no Unicode text a tokenizer can take).
+Owns: the decision for every field of the chat-completions and completions bodies, so nothing that would change
+the answer is silently ignored (:class:`ParamRefused`, a 400 naming the field), and :func:`load_body` (UTF-8 JSON
+at most :data:`MAX_DEPTH` deep, no lone surrogate). Pure, standard library only. The rules: docs/architecture.md.
 """
 
 from __future__ import annotations

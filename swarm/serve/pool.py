@@ -1,12 +1,8 @@
 """The client pool of ``swarm serve``: ring clients with open streams, one per request in flight.
 
-Owns: ``ClientPool`` (at most ``max_concurrency`` clients; a healthy one is reused, a failed one
-closed), rerouting through the swarm's DHT when a routed ring lost a stage, and keeping what each
-routed request measured of its stages (``swarm.coordinator.measured``): routes and reroutes believe
-those timings over the stages' claims, and a stage of the route measured ``OVERCLAIM_FACTOR`` times
-slower than it claims makes the clients opened next route again (issue 45 item 17). It reads and
-updates the server's ``ServeState`` (its ring, host, nursery, settings) duck-typed: the state holds
-the pool, so this module does not import it.
+Owns: ``ClientPool`` (at most ``max_concurrency`` clients; a healthy one reused, a failed one closed), rerouting
+through the DHT when a routed ring lost a stage or a stage ran ``OVERCLAIM_FACTOR`` times slower than it claims,
+and each routed request's measurements (``swarm.coordinator.measured``). It reads ``ServeState`` duck-typed.
 """
 
 from __future__ import annotations

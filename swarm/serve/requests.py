@@ -1,9 +1,8 @@
 """Requests of ``swarm serve``: from an HTTP body to a validated ``Request``, or an OpenAI-shaped error.
 
-Owns: ``ApiError`` (``{"error": {"message", "type", "param", "code"}}``) and its response, reading a
-body under the size limit, the prompt's size check before tokenizing, and ``parse_request``: every
-field a client sends checked (``swarm.serve.params`` says which are honoured), the chat template and
-the tokenizer applied. Parsing runs in a worker thread (``parse_body``).
+Owns: ``ApiError`` and its response, a body read under the size limit, the prompt's size check before
+tokenizing, and ``parse_request`` (every field checked, ``swarm.serve.params`` saying which are honoured, the
+chat template and tokenizer applied), run in a worker thread by ``parse_body``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``ServeState``: what every request of ``swarm serve`` shares while the server runs.
 
-Owns: the ring (replaced when a request healed it or the pool rerouted), the host and the server's
-nursery, whom routing shuts out (fraud proofs it re-ran), the tokenizer and what the ring reported of
-the model, the settings (``ServeConfig``), the client pool, metrics, and the request lifecycle's
-counters (requests in flight, the drain).
+Owns: the ring (replaced when a request healed it or the pool rerouted), the host and nursery, whom routing shuts
+out, the tokenizer and the model as the ring reported it, the settings, the client pool, metrics, and the
+request lifecycle's counters (requests in flight, the drain).
 """
 
 from __future__ import annotations

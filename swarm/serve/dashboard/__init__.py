@@ -1,17 +1,8 @@
 """The live dashboard (issue 18): one page, no build step, no CDN (``index.html`` ships in the package).
 
-Owns: the page, and the JSON it polls every second (``state``): the ring as a picture (stages,
-layer ranges, PeerIds, state, sessions, KV memory, the kernels each runs and why rows), layer
-coverage per model (how many stages hold each layer: from the swarm's DHT when there is one, else
-from the ring and its spares), tokens/s and latency (time to first token, inter-token) over the
-last two minutes, the recent jobs with their receipt verdicts (verified, or failed and which
-check), heal events, and audits per stage (the fraud proof against it as the server judged it:
-excluded / refused / none; audited / passed / failed from ``--audits``' tally file). ``swarm
-serve`` serves it at ``/dashboard`` (state from its ring and metrics); ``swarm dashboard --receipts
-DIR`` and/or ``--bootstrap ADDR`` serves it alone, over a receipt directory and the swarm's coverage.
-
-Nothing sensitive reaches the page: no prompt text, token ids or key material; PeerIds and
-addresses are public by nature. It binds where its server binds: keep that private.
+Owns: the page and the JSON it polls every second (``state``): the ring, layer coverage per model, tokens/s and
+latency, recent jobs' receipt verdicts, heal events and audits per stage. ``swarm serve`` serves it at
+``/dashboard``, ``swarm dashboard`` alone; what it shows and what never reaches it: docs/commands.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Start-up proof that a loaded layer block keeps a row's bits independent of its neighbours.
 
-Owns: :func:`check_block`, the property a stage must prove before it serves a kernel mode, and
-the same property the test suite tests for every family: the outputs of a session's positions are
-bit-identical whether they are computed one row at a time (decode steps) or in chunks of several
-rows (prefill, prefill slices, verify chunks with rollback), and, for ``tile > 1`` and in the fma
-and triton kernel modes, packed with other sessions' rows in any order. It runs the block's real
-modules, dtype, device and BLAS on seeded random inputs in scratch KV caches; it never touches a live session.
+Owns: :func:`check_block` and :func:`check_block_once` (its report kept in memory and, with ``cache_dir``, on disk):
+a block's outputs one row at a time, in chunks and, for ``tile > 1`` or a kernel mode, packed with other sessions'
+rows, compared bit for bit on seeded inputs in scratch KV caches (docs/architecture.md, "The start-up proof").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The facts a block's output bits depend on, read off this machine: its reproducibility class.
 
-Owns: :func:`machine_facts` (device, ISA, CPU vendor, BLAS, library versions: read once per
-process) and :func:`stage_class` (those facts plus the block's dtype, kernel mode and its
-constants, and the weights digest of the span a session runs), turned into a
-:class:`swarm.repro.ReproClass`. The canonical form, the id and ``comparable`` are pure and live in
-``swarm.repro``. Also :func:`kernels_in_use`: which kernels a stage runs (mode, ISA, library) and why
-rows, as its READY line, ``--check``, ``info_ok``, ``/metrics`` and the dashboard report them.
+Owns: :func:`machine_facts` (device, ISA, CPU vendor, BLAS, library versions), :func:`kernel_facts`, :func:`stage_class`
+(those facts with the block's dtype, kernel mode and weights digest, as a :class:`swarm.repro.ReproClass`) and
+:func:`kernels_in_use` (mode, ISA, library, why rows: for READY, ``--check``, ``info_ok``, ``/metrics``, the dashboard).
 """
 
 from __future__ import annotations

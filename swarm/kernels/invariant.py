@@ -1,30 +1,8 @@
 """Row-invariant arithmetic for a layer block: a row's result never depends on its neighbours.
 
-Owns: the GEMM, norm, activation and attention paths a stage runs, chosen so that the bits of one
-position's output depend only on that position's input and its session's KV cache, never on how
-many rows share the forward (a decode row, a verify chunk of K+1, a prefill slice, other sessions'
-rows in a packed step), on where the row sits among them, or on the memory address a slice of the
-packed tensor happens to start at. This is what makes speculative == greedy, concurrent == solo,
-healed == uninterrupted and resumed == fresh hold bit for bit by construction (DESIGN.md,
-"Exactness contract"), after Thinking Machines' batch-invariant ops (He et al., "Defeating
-Nondeterminism in LLM Inference", 2025).
-
-How, with stock torch ops only (no kernel of our own on the CPU):
-
-- **GEMMs** run in fixed shapes: ``tile`` rows per call, each tile a fresh, contiguous (so
-  allocator-aligned) copy, zero-padded. ``tile=1`` is one GEMV per row: every row takes exactly the
-  call a one-token decode step takes, so it needs no premise about the BLAS. ``tile>1`` (packed
-  sessions of ``swarm serve``) needs the BLAS to give a row the same bits wherever it sits in the
-  tile; :func:`swarm.kernels.check.check_block` proves that per block at stage start-up.
-- **Norms and activations** (vectorized kernels leave a tensor's last elements to a scalar tail
-  loop, and reductions may split differently by shape) run once per token, on a fresh copy.
-- **Attention** runs once per query row, with that row's own keys ``[0, pos]`` as a decode step of
-  that position would: same shapes, same strides (the cache is position-major, so a prefix view
-  does not depend on the buffer's capacity), same mask.
-
-Measured on an AMD EPYC (Zen 3, AVX2, MKL 2024.2) on 2026-12-01: MKL's sgemm gives a 2- or 3-row
-GEMM different bits when its input is not 16-byte aligned, and SDPA gives a strided query slice
-other bits than a contiguous copy; both broke packed == solo for Phi-3 there (not on Intel).
+Owns: the row-invariant paths of stock torch ops (the rows mode's): :func:`linear_rows` (GEMMs in fixed aligned
+tiles), :func:`per_token` and :func:`per_tile` (norms, activations), :func:`attention_rows` (per query row),
+:class:`RotaryTable` and the SDPA backends allowed on CUDA (docs/architecture.md, "Row-invariant forwards").
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), multiplied exactly by
-construction (``qblocks_kernels.h`` states the arithmetic): each row of activations rounded to 16-bit
-integers per block of 32 (a float32 scale per block), integer dot products per block (exact, so any
-instruction may form them: VNNI's vpdpwssd or madd), float32 sums over the blocks in a fixed order. A
-row's bits are its own on every ISA and for any number of rows. llama.cpp rounds activations to 8 bits;
-16 keep the next-token argmax of the float32 expansion (SmolLM2's GGUF: 400 of 400 positions of
-``tests/data/quality.txt``, 94% with 8 bits), at the memory traffic of the blocks.
+"""Weights held in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), multiplied exactly by construction.
 
-Owns: :class:`QWeight` (a matrix in a block format, the bytes as a GGUF file stores them), the facts
-of each format (:data:`FORMATS`), :data:`ARITHMETIC` (the name receipts carry), :func:`linear` (the C
-kernels through ctypes), :func:`quantize` (the ``gguf`` package, llama.cpp's own Python reference of
-the formats, and ``qquantize.c`` for the two it does not write) and :func:`dequantize`.
+Owns: :class:`QWeight` (a matrix's bytes as a GGUF file stores them), :data:`FORMATS`, :data:`ARITHMETIC` (the name
+receipts carry; ``qblocks_kernels.h`` states it), :func:`linear` (the C kernels through ctypes), :func:`quantize` and
+:func:`dequantize`. Why 16-bit activations, and the measured figures: docs/kernels.md, "Weight formats".
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Weight-only quantized GEMMs held quantized: int8 per output channel, int4 in groups, through torch's own ops.
 
-Owns: :func:`quantize` (a float ``(N, K)`` weight to a :class:`QuantWeight`), :func:`dequantize`
-(the float weight it stands for, for references), :func:`linear_rows` (``x @ W^T + b`` in fixed
-``tile``-row calls, as :func:`swarm.kernels.invariant.linear_rows` does for float weights) and
-:func:`usable` (whether this torch has the ops, and why not).
-
-Schemes (the bytes ``swarm plan`` counts for them):
-
-- ``int8``: symmetric per output row: ``scale = max|w_row| / 127``, ``q = round(w / scale)`` in
-  [-127, 127]; held as int8 ``(N, K)`` plus a bfloat16 scale per row; multiplied by
-  ``torch._weight_int8pack_mm``.
-- ``int4``: asymmetric per group of 32 consecutive inputs of a row: ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], the value
-  ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` (the layout of gpt-fast and torchao's
-  int4 weight-only CPU path); held packed two to a byte (``torch._convert_weight_to_int4pack_for_cpu``)
-  with bfloat16 scales and zeros; multiplied by ``torch._weight_int4pack_mm_for_cpu``.
-
-Activations are bfloat16: measured 2026-12-03 on the 2-core AMD EPYC (torch 2.13, 1 thread, a
-1536 x 576 weight), ``_weight_int8pack_mm`` took 35 us for one bfloat16 row and 794 us for one float32
-row (float32 linear: 75 us; bfloat16 linear: 93 us); ``_weight_int4pack_mm_for_cpu`` 36 us for one
-bfloat16 row, 93 us for five. Both gave a row the same bits alone and among five rows there; a stage
-proves that on its own weights and hardware at start-up (``swarm.kernels.check.check_block``), and
-every call here has one fixed shape per tile regardless.
+Owns: :func:`quantize` (a float ``(N, K)`` weight to a :class:`QuantWeight`), :func:`dequantize` (for references),
+:func:`linear_rows` (``x @ W^T + b`` in fixed ``tile``-row bfloat16 calls), :func:`usable`, and the bytes each scheme
+holds (:func:`scheme_bytes`). The schemes' arithmetic and measured costs: docs/kernels.md.
 """
 
 from __future__ import annotations

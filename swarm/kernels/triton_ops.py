@@ -1,34 +1,8 @@
 """Batch-invariant GEMM, attention, RMSNorm and SiLU in Triton: the ``triton`` kernel mode of CUDA stages.
 
-Owns: the Triton kernels and their torch wrappers. Each output element is one fixed function of its
-own row's inputs, as in the CPU's fma mode (``fma.c``), so a row's bits never depend on how many rows
-share the call (a decode row, a verify chunk, a prefill slice, packed sessions) or where it sits:
-
-- **GEMM** ``y = x @ W^T (+ bias)``: fixed tiles (``BLOCK_M`` x ``BLOCK_N`` outputs, ``BLOCK_K`` deep),
-  constants that never depend on M; each tile walks K from 0 upwards in ``BLOCK_K`` steps into one
-  float32 accumulator (no split-K), then adds the bias. A row lands in some tile's row slot, and a
-  tile computes every slot with the same instructions, so M and the neighbours do not matter.
-- **Attention**: one program per (query row, kv head), the kv head's group of query heads together
-  (grouped-query attention). The row at position p reads only its own keys ``[lo, p]`` (``lo`` from a
-  sliding window, else 0) in key blocks of ``KEY_BLOCK`` at fixed positions (block j holds keys
-  ``[64 j, 64 j + 64)``), merged in increasing order by an online softmax (FlashAttention's running
-  maximum and sum; flash-decoding's split of the keys into fixed blocks). A chunk's row therefore runs
-  exactly the arithmetic of a decode step at p.
-- **RMSNorm** per row over one power-of-two width (the row's padded length), and **SiLU** per
-  element, both in float32, rounded to the input dtype as transformers' modules do.
-
-After Thinking Machines' batch-invariant kernels (He et al., "Defeating Nondeterminism in LLM
-Inference", 2025: fixed tile configuration, no split-K, fixed reduction order per output element),
-FlashAttention (Dao et al. 2022; Dao 2023) and flash-decoding (Dao, Haziza, Massa, Sizov 2023).
-
-Where it runs: on CUDA (bfloat16, float16, float32; float32 multiplies at IEEE precision, not TF32),
-and on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
-imported: the kernels then run their logic on CPU tensors through numpy, slowly, which is how the test
-suite exercises them without a GPU), float32 only there (numpy has no bfloat16 matrix product).
-:func:`available` says whether and why not. The tile constants are not tuned: nobody has run these
-kernels on a GPU yet (no GPU was lent when they were written); ``tests/kernels/test_triton.py`` has the
-``gpu`` tests that prove their bits on CUDA. Importing this module imports triton (ImportError
-without it).
+Owns: the Triton kernels (fixed tiles without split-K, attention per query row in fixed 64-key blocks) and their torch
+wrappers :func:`linear`, :func:`attention`, :func:`rms_norm`, :func:`silu`; :func:`available` and :func:`describe`.
+Importing it imports triton; on the CPU it runs only under ``TRITON_INTERPRET=1`` (docs/kernels.md).
 """
 
 from __future__ import annotations

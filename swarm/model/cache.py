@@ -1,11 +1,8 @@
 """Per-session KV cache for one stage's block of layers, addressed by absolute position.
 
-Owns: the key/value rows of every layer a stage holds, for one session, and ``kv_len`` (the
-number of committed positions). Rollback sets ``kv_len`` back; stale rows past ``kv_len`` are
-overwritten by the next chunk, so rollback never frees or copies memory.
-
-Duck-types the part of ``transformers.Cache`` that decoder layers call (``update``), so
-transformers' own attention modules write into it.
+Owns: :class:`KVCache`: every held layer's key/value rows for one session and ``kv_len``, the committed positions;
+a rollback sets ``kv_len`` back and the next chunk overwrites the stale rows. It duck-types the ``update`` of
+``transformers.Cache``, so transformers' own attention modules write into it.
 """
 
 from __future__ import annotations

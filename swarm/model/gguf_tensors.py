@@ -1,14 +1,8 @@
 """A stage's tensors read straight from a GGUF file, the block formats kept as they are.
 
-Owns: the GGUF header (`read_index`: names, GGML types, shapes and offsets, read without touching
-tensor data), the names of llama.cpp's tensors in Hugging Face's spelling, llama.cpp's rope
-permutation of ``attn_q`` / ``attn_k`` rows undone on the raw block bytes. (Dequantizing a block-format
-matrix is :func:`swarm.kernels.qblocks.dequantize`.)
-
-Tensor data is memory-mapped copy-on-write (``MAP_PRIVATE``): a tensor that needs no change is a
-view of the file's pages (no copy, nothing read until used; a write stays private to the process
-and never reaches the file). Reverse-permuted ``attn_q`` / ``attn_k`` rows and F16/BF16 tensors
-widened to float32 are copies.
+Owns: the GGUF header (:func:`read_index`: names, GGML types, shapes and offsets), :func:`read_layer_tensors` (a layer
+range, memory-mapped copy-on-write), llama.cpp's tensor names in Hugging Face's spelling, and its rope permutation of
+``attn_q`` / ``attn_k`` rows undone on the block bytes. What is a view and what a copy: docs/kernels.md.
 """
 
 from __future__ import annotations

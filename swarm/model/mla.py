@@ -1,29 +1,8 @@
 """Multi-head latent attention (DeepSeek-V3's MLA) over a session's KV cache, one query row at a time.
 
-Owns: what a block needs to run transformers' own ``DeepseekV3Attention`` so that a row's bits depend
-only on its own input and its session's cache:
-
-- The cache holds what transformers' cache holds for this family: per layer and position the
-  compressed latent (``kv_a_layernorm`` of the first ``kv_lora_rank`` outputs of ``kv_a_proj_with_mqa``)
-  as the "keys" and the shared rotary key (``qk_rope_head_dim``, after rotary) as the "values" of a
-  one-head :class:`swarm.model.cache.KVCache` (their widths differ; the cache takes that). So a
-  position costs ``kv_lora_rank + qk_rope_head_dim`` elements per layer
-  (:func:`swarm.model.plan.kv_elements_per_token_layer`), not ``2 * H * Dh``.
-- :func:`defer_expansion`: inside a packed forward the module's ``expand_kv`` (``kv_b_proj`` of the
-  latents into per-head K and V) is deferred: the module hands the packed latents to the attention
-  function unchanged, and :func:`attention` expands each session's cached latents itself.
-- :func:`attention`: per session, the cached latents ``[0, pos + T)`` are expanded once by the
-  module's own ``expand_kv`` (``kv_b_proj`` is a block Linear, so every cached row's K/V bits are the
-  row-invariant GEMM's, whatever S); then each query row attends through transformers' SDPA path
-  over a fresh contiguous copy of the first ``p + 1`` expanded rows, exactly the tensors (values,
-  shape, layout) a one-token decode step at position ``p`` builds. K's head width
-  (``qk_nope_head_dim + qk_rope_head_dim``) differs from V's (``v_head_dim``): the fma and triton
-  attention kernels take one head width for K and V, so MLA runs per row in every kernel mode, like
-  gpt-oss's sink attention; its projections, norms and MoE still take the block's mode.
-
-Source: transformers' ``modeling_deepseek_v3`` (``DeepseekV3Attention.forward``, ``expand_kv``), the
-DeepSeek-V2 paper (arXiv 2405.04434, section 2.1). Not done: the weight-absorbed MLA (attention over the
-latents without expanding them), which would change the arithmetic transformers runs.
+Owns: :func:`is_mla`, :func:`defer_expansion` (a packed forward hands its latents to the attention function unexpanded)
+and :func:`attention` (each session's cached latents expanded by the module's own ``expand_kv``, then SDPA per query
+row over exactly what a decode step at that position sees). The cache's layout and sources: docs/architecture.md.
 """
 
 from __future__ import annotations

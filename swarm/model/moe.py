@@ -1,43 +1,8 @@
 """Mixture-of-experts layers, exact by construction: per-token expert blocks, stable routing, fused expert weights.
 
-Owns: what a block needs beyond a dense family to run transformers' own sparse-MoE modules (Mixtral,
-Qwen2-MoE with its shared expert, Qwen3-MoE, gpt-oss, DeepSeek-V3 with its shared experts) so that a
-row's bits never depend on its neighbours:
-
-- :func:`is_moe_block`, :func:`per_token_moe`: transformers computes a sparse-MoE block by grouping
-  the tokens routed to each expert into one GEMM, so a row's expert output depends on how many other
-  rows chose the same expert (a BLAS gives an M-row GEMM other bits than a GEMV). Here the whole block
-  runs once per token: every row takes exactly the calls a one-token decode step takes (routing, its
-  experts in ascending expert order, as transformers adds them, the shared expert), whatever shares
-  the forward.
-- :func:`stable_router`: the top-k routers pick experts by a stable sort of the routing probabilities
-  (descending score, then ascending expert index), so a tie always goes to the lower index (torch's
-  ``topk`` does not promise which of two equal scores it returns); without ties it returns what
-  transformers' router returns (the same softmax, normalisation and casts).
-- :func:`grouped_router`: DeepSeek-V3's router (sigmoid scores, ``e_score_correction_bias`` added for
-  the choice only, experts in ``n_group`` groups of which the ``topk_group`` with the highest sums of
-  their two best biased scores stay eligible, then the top ``num_experts_per_tok`` of those, weights
-  from the unbiased scores, normalised when ``norm_topk_prob``, times ``routed_scaling_factor``): both
-  choices by a stable sort (descending score, then ascending group / expert index), and the chosen
-  experts listed in that order, so the normalising sum adds them in a fixed order too (transformers'
-  ``topk(sorted=False)`` promises no order). The experts themselves are added in ascending expert
-  index (transformers' loop), the shared experts after them. Dense layers before
-  ``first_k_dense_replace`` are plain MLPs (no routing). Its attention is :mod:`swarm.model.mla`.
-- :func:`expert_sources`, :func:`fuse`: checkpoints store experts one by one
-  (``block_sparse_moe.experts.E.w1/w3/w2`` in Mixtral's, ``mlp.experts.E.gate_proj/up_proj/down_proj``
-  in Qwen's), while transformers' modules hold them fused (``mlp.experts.gate_up_proj`` (E, 2F, D) and
-  ``mlp.experts.down_proj`` (E, D, F)); a stage reads the per-expert tensors of its own layers and
-  stacks them (what transformers' checkpoint conversion does for these families on load).
-- :func:`sink_attention`: gpt-oss's attention with a learned sink logit per head, for one query row at
-  a time (the fma and triton kernels have none, so gpt-oss attention always runs per row); its
-  alternating sliding windows are the modules' own ``sliding_window``.
-
-Source of the routing rule and layouts: the families' transformers implementations
-(``modeling_mixtral``, ``modeling_qwen2_moe``, ``modeling_qwen3_moe``, ``modeling_deepseek_v3``,
-``conversion_mapping``); DeepSeek-V3's checkpoints name experts as Qwen's do.
-
-Not here: DeepSeek-V3's FP8 weights and gpt-oss's MXFP4 experts (:mod:`swarm.model.qcheckpoint`
-dequantizes them at load) and its multi-token-prediction layer (``model.layers.61``, never in a stage's range).
+Owns: :func:`per_token_moe` (a sparse-MoE block run once per token), :func:`stable_router` and :func:`grouped_router`
+(DeepSeek-V3's) picking experts by stable sorts, :func:`expert_sources` and :func:`fuse` (per-expert checkpoint tensors
+stacked as transformers' modules hold them) and :func:`sink_attention` (gpt-oss's, per row). Why: docs/architecture.md.
 """
 
 from __future__ import annotations

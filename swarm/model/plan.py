@@ -1,16 +1,8 @@
 """Memory planning: the bytes of each layer and of each token of KV, and a split of a model's layers over cards.
 
-Owns: :func:`model_shapes` (every weight tensor's name and shape, from a checkpoint's safetensors
-headers or, for a ``config.json`` alone, from transformers' own model built on the meta device, so
-no weight is read or allocated), :func:`range_bytes` (what a stage holding ``[a, b)`` loads, by the
-same tensor selection the stage uses: ``swarm.weights.select.select_tensors``), :class:`Footprint`
-and :func:`split` (contiguous blocks over an ordered list of cards, as many layers per card as its
-memory allows, in proportion to what each card can hold: the memory-weighted partitioning exo and
-Petals users know), and :func:`parse_size` (``24GB``, ``512MiB``).
-
-Float dtypes are the bytes a stage loads (``swarm stage --dtype``); ``int8`` and ``int4`` the bytes it
-holds with ``--quantize`` (:mod:`swarm.kernels.quant`: the decoder layers' Linear weights and an untied
-LM head's where the scheme takes their shape, everything else in bfloat16).
+Owns: :func:`model_shapes` (from safetensors headers, or a meta-device model of a ``config.json``), :func:`range_bytes`
+(what a stage holding ``[a, b)`` loads or holds, by the stage's own tensor selection), :class:`Footprint`,
+:func:`split` (contiguous blocks over cards, by memory) and :func:`parse_size` (``24GB``, ``512MiB``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""A block's Linear weights (and, from a GGUF, its token embedding) held in llama.cpp's block formats
-(``--quantize q8_0|q4_0|q4_1|q4_k|q6_k|gguf``).
+"""A block's Linear weights (and a GGUF's token embedding) held in llama.cpp's block formats (``--quantize q8_0|...``).
 
-Owns: which weights a scheme takes, reading them (``gguf``: the model's own GGUF file, its blocks as
-stored, through :mod:`swarm.model.gguf_tensors`; the others: a float checkpoint quantized at load by
-:func:`swarm.kernels.qblocks.quantize`, a K-quant's weight whose K is no multiple of 256 in its
-:data:`~swarm.kernels.qblocks.FALLBACK`) and attaching them to the Linear modules, whose forward then
-runs :func:`swarm.kernels.qblocks.linear` (activations rounded to 16 bits per block of 32, exact integer
-dots, float32 sums in a fixed order: the same bits on every ISA, for any number of rows). Hidden states
-between modules stay float32. A mixture-of-experts block's routed experts (transformers' fused
-``gate_up_proj`` / ``down_proj``, (E, N, K), or gpt-oss's (E, K, N)) are held as :class:`QExperts` under
-the schemes quantized at load: the experts module's own loop indexes them and multiplies by the same kernel.
+Owns: which weights a scheme takes, reading them (the model's own GGUF, or a float checkpoint quantized at load),
+attaching them to the Linear modules (whose forward then runs :func:`swarm.kernels.qblocks.linear`), routed experts
+held as :class:`QExperts`, and the bytes held (:func:`held_bytes`). Formats and figures: docs/kernels.md.
 """
 
 from __future__ import annotations

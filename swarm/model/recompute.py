@@ -1,10 +1,8 @@
 """Re-running a block on a stage's opened input rows: what an auditor (or a proof's verifier) computes.
 
-Owns: :func:`recompute`: opened input rows (``swarm.openings``'s exact wire bytes per position) in, the
-output rows the block gives for them out, encoded as the stage would have sent them (hidden states in
-the opened rows' wire dtype; at the tail the greedy token after each row). One forward from position
-0 over a fresh KV cache: the block's arithmetic is row-invariant (proven at stage start-up,
-``swarm.kernels.check``), so the chunking the stage used changes no bits.
+Owns: :func:`recompute`: opened input rows in, the output rows the block gives for them out, encoded as the stage sent
+them (hidden states in the wire dtype; at the tail the greedy tokens). One forward from position 0 over a fresh KV
+cache: the block is row-invariant (``swarm.kernels.check``), so the stage's chunking changes no bits.
 """
 
 from __future__ import annotations

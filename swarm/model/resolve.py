@@ -1,24 +1,8 @@
 """Resolve a model spec to a local Hugging Face layout directory of safetensors weights.
 
-Owns: turning what the user typed (a local directory, a ``.gguf`` file, a built-in name such as
-``smollm2-135m``, or a hub id ``org/name``) into a directory holding ``config.json``, safetensors
-weights (``model.safetensors``, or shards plus ``model.safetensors.index.json``) and tokenizer
-files; converting GGUF files once into a cache; and cheap header-only views of a checkpoint
-(`tensor_index`, `model_manifest_digest`) so a stage can mmap only its own shards.
-
-No networking of our own: hub downloads go through
-``huggingface_hub`` with short timeouts, into its own cache (``HF_HUB_CACHE``).
-
-Cache layout (``cache_root()`` is ``$SWARM_CACHE`` or ``~/.cache/swarm``)::
-
-    <cache_root>/models/<gguf stem>-<key>/      a converted GGUF, trusted once it exists
-        config.json  generation_config.json  tokenizer.json  tokenizer_config.json ...
-        model-00001-of-0000N.safetensors ...  model.safetensors.index.json
-    <cache_root>/models/.tmp-*/                 a conversion in progress (renamed when complete)
-
-``<key>`` is `gguf_cache_key`: sha256 over the converter version, the file size and the first and
-last MiB of the file (reads 2 MiB, survives a reinstall or copy of the same file; an edit that
-keeps the size and both ends is not detected).
+Owns: :func:`resolve_model` (a local directory, a ``.gguf`` file, a built-in name or a hub id -> a directory of
+``config.json``, safetensors and tokenizer files), GGUF conversion into a cache (:func:`import_gguf`), and header-only
+views of a checkpoint (:func:`tensor_index`, :func:`model_manifest_digest`). Cache layout: docs/architecture.md.
 """
 
 from __future__ import annotations

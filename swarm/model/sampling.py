@@ -1,21 +1,8 @@
 """Keyed sampling: a token for absolute position n drawn with noise keyed by (seed, n).
 
-Owns: ``sample`` (the settings are ``swarm.config.SamplingParams``) — the
-Gumbel-max trick over the filtered, tempered logits, with Gumbel noise generated from a CPU
-generator seeded by a hash of (seed, position). A run is therefore replayable, and the token at a
-position does not depend on how positions were grouped into chunks.
-
-Speculation with sampling (``swarm.coordinator.spec``) verifies drafts by exact match against this keyed
-sample, as in the greedy case. That is lossless: the committed token at every position is exactly
-a sample of the target distribution (Gumbel-max), and it is the *same* token a non-speculative run
-draws, for any drafter, K and depth. For a one-hot draft (n-gram) the acceptance probability is
-p(x), the same as the rejection rule of Leviathan et al. 2023 (arXiv 2211.17192); a model drafter
-that samples its drafts with the same keyed noise (coupled sampling) accepts with high probability
-when its distribution is close to the target's. The draft distribution is therefore never sent.
-
-References: Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, "A* Sampling"); top-k (Fan et
-al. 2018) and nucleus / top-p sampling (Holtzman et al. 2019), applied after temperature in that
-order, as transformers' logits processors do.
+Owns: :func:`sample` (Gumbel-max over the tempered, top-k / top-p filtered logits, its noise from a CPU generator seeded
+by :func:`position_key`), so a run replays and a position's token does not depend on chunking. Why speculation stays
+lossless with it, and the sources: docs/architecture.md, "Sampling".
 """
 
 from __future__ import annotations

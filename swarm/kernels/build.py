@@ -15,7 +15,9 @@ HERE = Path(__file__).resolve().parent
 # fma.c: the thread pool, the ISA table and the public entry points; one file per instruction set,
 # each compiling to nothing on another architecture (so one list builds on x86-64 and aarch64); fma_layer.c:
 # a whole decoder layer through fma.c's entry points; qquantize.c: float rows written as Q4_K / Q6_K blocks
-C_SOURCES = ("fma.c", "fma_avx512.c", "fma_avx2.c", "fma_neon.c", "fma_generic.c", "fma_layer.c", "qquantize.c")
+# fp8.c: FP8 weights with block scales, decoded a panel at a time into the float32 / bfloat16 GEMM
+C_SOURCES = ("fma.c", "fma_avx512.c", "fma_avx2.c", "fma_neon.c", "fma_generic.c", "fma_layer.c", "qquantize.c",
+             "fp8.c")
 HEADERS = ("fma_kernels.h", "fma_bf16.h", "fma_attention.h", "fma_common.h", "qblocks_kernels.h")
 # no -m flags: each ISA file sets its own target, and fma.c dispatches on the CPU at run time;
 # -ffp-contract=off: no multiply-add is fused unless the source says so

@@ -203,6 +203,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_qlinear_many.argtypes = [_ptr, _int, _ptr, _i64, _i64, _i64, _int]
     lib.swarm_qlinear_many.restype = ctypes.c_int
     lib.swarm_layer_forward.argtypes = [_ptr, _ptr, _i64, _int]
+    lib.swarm_fp8_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+                                     _i64, _int, _int]
+    lib.swarm_fp8_linear.restype = ctypes.c_int
     lib.swarm_quantize_kquant.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64]
     lib.swarm_quantize_kquant.restype = ctypes.c_int
     lib.swarm_layer_forward.restype = ctypes.c_int

@@ -667,6 +667,16 @@ def _tiled(module: torch.nn.Module, block: LayerBlock) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         tile = block._tile
+        fw = module.__dict__.get(qcheckpoint.FP8_ATTR)
+        if fw is not None:  # FP8 as published: the float GEMM's bits over the dequantized weight, in any mode
+            from swarm.kernels import fp8
+
+            bias, flat = params.get("bias"), x.reshape(-1, x.shape[-1])
+            if x.dtype is torch.float32:
+                out = fp8.linear(flat, fw, bias)
+            else:  # bfloat16: as the fma branch below, over the weight rounded to bfloat16
+                out = fp8.linear(flat.float(), fw, None if bias is None else bias.float(), bf16=True).to(x.dtype)
+            return out.reshape(*x.shape[:-1], fw.n)
         qw = module.__dict__.get(qformats.ATTR)
         if qw is not None:  # a llama.cpp block format: the fma family's kernel, any number of rows, in forward_batch or not
             from swarm.kernels import qblocks
@@ -878,20 +888,32 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     shards = ExitStack()  # each shard opened (its header parsed) once, closed when the block is read
     opened: dict[Path, object] = {}
 
-    def read(name: str) -> torch.Tensor:
-        """Checkpoint tensor ``name``, an FP8 weight dequantized with its block scales."""
+    # FP8 Linear weights stay FP8 where the fma kernels multiply this block (swarm.kernels.fp8: the bits of
+    # the float GEMM over the dequantized weight, at a quarter or half of the bytes)
+    hold_fp8 = quantize is None and pick_kernel_mode(dev, dt)[0] == "fma"
+
+    def raw(name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` as stored."""
         path = index[name]
         if path not in opened:
             opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-        tensor = opened[path].get_tensor(name)
-        if tensor.dtype not in qcheckpoint.FP8_DTYPES:
-            return tensor
+        return opened[path].get_tensor(name)
+
+    def scales(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The block scales of FP8 weight ``name``, recorded among the block's tensors."""
         scale = qcheckpoint.scale_name(name)
         if scale not in index:
             raise ModelError(f"{name} is stored in {tensor.dtype} without its block scales ({scale}); a stage "
                              "dequantizes FP8 weights only with them")
         block.loaded_tensors.append(scale)
-        return qcheckpoint.dequantize(tensor, read(scale), fp8_block)
+        return raw(scale)
+
+    def read(name: str, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """Checkpoint tensor ``name`` (``tensor`` if already read), an FP8 weight dequantized with its scales."""
+        tensor = raw(name) if tensor is None else tensor
+        if tensor.dtype not in qcheckpoint.FP8_DTYPES:
+            return tensor
+        return qcheckpoint.dequantize(tensor, scales(name, tensor), fp8_block)
 
     by_file: dict[Path, list[str]] = {}
     fused = {full: src for full, (_, _, src) in wanted.items() if not isinstance(src, str)}
@@ -915,11 +937,16 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 elif src in held:  # read once, held once (a stage holding head and tail of a tied model)
                     _assign(module, pname, held[src])
                 else:
-                    keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
-                    tensor = read(src).to(device=dev, dtype=torch.float32 if keep else dt)
-                    held[src] = _assign(module, pname, tensor)
+                    tensor = raw(src)
+                    linear = qformats.linear_of(module, pname) if tensor.dtype is torch.float8_e4m3fn else None
+                    if hold_fp8 and linear is not None:
+                        block.loaded_bytes += qcheckpoint.hold_fp8(linear, tensor, scales(src, tensor), fp8_block)
+                    else:
+                        keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
+                        tensor = _aligned(read(src, tensor).to(device=dev, dtype=torch.float32 if keep else dt))
+                        held[src] = _assign(module, pname, tensor)
+                        block.loaded_bytes += tensor.numel() * tensor.element_size()
                     block.loaded_tensors.append(src)
-                    block.loaded_bytes += tensor.numel() * tensor.element_size()
                 if bar:
                     bar.update(1)
         for full, (kind, names) in fused.items():  # per-expert tensors, stacked as the module holds them
@@ -1006,6 +1033,17 @@ def _quantize_block(block: LayerBlock, scheme: str, *, tied: bool) -> None:
         log.warning("quantize.kept_bfloat16 layers=%s scheme=%s weights=%d of %d: %s does not take their shapes "
                     "(int8: inputs a multiple of 16; int4: inputs of 32, outputs of 16)", block.layer_range, scheme,
                     kept, len(targets), scheme)
+
+
+ALIGN = 64  # bytes: where torch's own allocations start
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when its data does not start on an ``ALIGN``-byte boundary (a view into a safetensors
+    file, wherever the tensor sits in it): MKL gives a GEMV other bits at another alignment of its operands (a
+    router's logits, any op of the rows mode), so without the copy a stage's bits would depend on the file's
+    layout, and a resharded copy of the same weights would compute other bits."""
+    return tensor if tensor.device.type != "cpu" or tensor.data_ptr() % ALIGN == 0 else tensor.clone()
 
 
 def _assign(module: torch.nn.Module, pname: str, tensor: torch.Tensor) -> torch.nn.Parameter:

@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from swarm.kernels import fma, qblocks
-from swarm.model import qformats
+from swarm.model import qcheckpoint, qformats
 from swarm.model.cache import KVCache
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -28,7 +28,7 @@ FORMAT_NUMBERS = {name: i for i, name in enumerate(qblocks.FORMATS)}  # swarm_ql
 
 def layer_plan(layer: torch.nn.Module, dtype: torch.dtype, window: int | None) -> fma.LayerPlan | None:
     """``layer``'s plan for :func:`swarm.kernels.fma.decoder_layer`, or None where the fused path does not
-    take it (another structure, an activation other than SiLU, weights held in torch's int8/int4).
+    take it (another structure, an activation other than SiLU, weights held in torch's int8/int4 or in FP8).
 
     Args:
         layer: a decoder layer of the block, its weights loaded. dtype: the block dtype.
@@ -49,7 +49,7 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype, window: int | None) -
                "up": mlp.up_proj, "down": mlp.down_proj}
     projections = {}
     for name, lin in linears.items():
-        if not isinstance(lin, torch.nn.Linear) or "swarm_quant" in lin.__dict__:
+        if not isinstance(lin, torch.nn.Linear) or "swarm_quant" in lin.__dict__ or qcheckpoint.FP8_ATTR in lin.__dict__:
             return None
         q = lin.__dict__.get(qformats.ATTR)
         weight = lin.weight if q is None else fma.Blocks(q.data, FORMAT_NUMBERS[q.fmt], q.k)

@@ -1,12 +1,7 @@
-"""Quantized checkpoints as published: FP8 with block scales (DeepSeek-V3/R1, Qwen3 FP8, GLM-4.5 FP8)
-and MXFP4 experts (gpt-oss).
-
-Owns: which quantized checkpoints a stage takes (``quantization_config``: ``fp8`` and ``mxfp4``; any
-other method is refused by name, never loaded as garbage) and their dequantization at load to the
-bits transformers holds on a CPU: an FP8 weight times its ``weight_scale_inv`` block (one float32
-multiply), MXFP4's e2m1 values times 2^(e8m0 - 127) (exact). Not yet (issue 47): holding the weights
-in these formats and decoding them in the kernels.
-"""
+"""Quantized checkpoints as published: which a stage takes (``quantization_config`` ``fp8`` and ``mxfp4``,
+others refused by name), their dequantization to the bits transformers holds on a CPU, and FP8 Linear
+weights held as stored (:func:`hold_fp8`, multiplied by :mod:`swarm.kernels.fp8`). docs/kernels.md,
+"FP8 and MXFP4 checkpoints", gives the arithmetic and what is not held in its format yet."""
 
 from __future__ import annotations
 
@@ -15,8 +10,10 @@ import math
 import torch
 
 from swarm.errors import ModelError
+from swarm.kernels.fp8 import Fp8Weight
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_ATTR = "swarm_fp8"  # the Fp8Weight a Linear module holds, in its __dict__ (its weight parameter is emptied)
 
 
 METHODS = ("fp8", "mxfp4")
@@ -65,19 +62,58 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     Raises:
         ModelError: a scale grid that does not match the weight's shape.
     """
+    block = scale_block(tuple(weight.shape), tuple(scale_inv.shape), block)
     rows, cols = weight.shape[-2:]
     grid = scale_inv.shape[-2:] if scale_inv.dim() >= 2 else (1, 1)
-    if block is None:
-        if rows % grid[0] or cols % grid[1]:
-            raise ModelError(f"an FP8 weight of shape {tuple(weight.shape)} does not divide into its "
-                             f"{tuple(grid)} scale blocks")
-        block = (rows // grid[0], cols // grid[1])
-    if tuple(grid) != (math.ceil(rows / block[0]), math.ceil(cols / block[1])):
-        raise ModelError(f"an FP8 weight of shape {tuple(weight.shape)} has scales of shape {tuple(scale_inv.shape)}, "
-                         f"not one per {block[0]}x{block[1]} block")
     scale = scale_inv.to(torch.float32).reshape(*scale_inv.shape[:-2], *grid)
     scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
     return weight.to(torch.float32) * scale
+
+
+def scale_block(shape: tuple[int, ...], scale_shape: tuple[int, ...],
+                block: tuple[int, int] | None) -> tuple[int, int]:
+    """The (bn, bk) block of each scale of a (..., N, K) FP8 weight with scales of ``scale_shape``: ``block``
+    (``weight_block_size``) checked against the grid, or, when None, N and K divided evenly by the grid.
+
+    Raises:
+        ModelError: a scale grid that does not match the weight's shape.
+    """
+    rows, cols = shape[-2:]
+    grid = scale_shape[-2:] if len(scale_shape) >= 2 else (1, 1)
+    if block is None:
+        if rows % grid[0] or cols % grid[1]:
+            raise ModelError(f"an FP8 weight of shape {shape} does not divide into its {tuple(grid)} scale blocks")
+        block = (rows // grid[0], cols // grid[1])
+    if tuple(grid) != (math.ceil(rows / block[0]), math.ceil(cols / block[1])):
+        raise ModelError(f"an FP8 weight of shape {shape} has scales of shape {scale_shape}, not one per "
+                         f"{block[0]}x{block[1]} block")
+    return block
+
+
+def hold_fp8(linear: torch.nn.Linear, weight: torch.Tensor, scale_inv: torch.Tensor,
+             block: tuple[int, int] | None) -> int:
+    """Hold ``weight`` (float8 e4m3fn, (N, K)) and its scales in ``linear`` as stored (``FP8_ATTR``; the
+    float weight parameter emptied); returns the bytes held.
+
+    Raises:
+        ModelError: a weight of another shape than the Linear's, or scales that do not fit it.
+    """
+    if weight.dtype is not torch.float8_e4m3fn or tuple(weight.shape) != (linear.out_features, linear.in_features):
+        raise ModelError(f"an FP8 weight {weight.dtype} {tuple(weight.shape)} does not fit the Linear of "
+                         f"({linear.out_features}, {linear.in_features})")
+    grid = tuple(scale_inv.shape) if scale_inv.dim() == 2 else (1, 1)  # a scalar: one scale for the tensor
+    held = Fp8Weight.of(weight, scale_inv.reshape(grid), scale_block(tuple(weight.shape), grid, block))
+    linear.__dict__[FP8_ATTR] = held
+    linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return held.nbytes
+
+
+def weight_of(linear: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight ``linear`` multiplies by in a block of ``dtype``: its FP8 weight dequantized
+    (float32, or rounded to bfloat16 for a bfloat16 block), else its weight parameter."""
+    held = linear.__dict__.get(FP8_ATTR)
+    return linear.weight if held is None else held.dequantize(torch.bfloat16 if dtype is torch.bfloat16 else
+                                                               torch.float32)
 
 
 def mxfp4_sources(name: str, index) -> tuple[str, tuple[str, str]] | None:

@@ -139,3 +139,30 @@ def test_a_block_says_why_it_runs_the_rows_mode(synthetic, monkeypatch):
     assert block.kernel_why == ""
     block.set_kernel_mode("rows", why="the fma kernels failed the start-up proof: ...")
     assert block.kernel_why == "the fma kernels failed the start-up proof: ..."
+
+
+def test_a_blocks_tensors_start_on_64_byte_boundaries_wherever_the_file_puts_them(synthetic, tmp_path):
+    """safetensors hands out views at the tensor's offset in the file; MKL gives a GEMV (a router's logits,
+    the rows mode) other bits at another alignment, so a block copies what is not aligned: its bits never
+    depend on the file's layout (a resharded copy of the same weights computes the same)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = synthetic("qwen2_moe", "float32")
+    shifted = tmp_path / "shifted"
+    shutil.copytree(src, shifted)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file(tensors, str(shifted / "model.safetensors"), metadata={"format": "pt", "pad": "x" * 13})
+    with safe_open(str(shifted / "model.safetensors"), framework="pt") as f:
+        assert any(f.get_tensor(n).data_ptr() % 64 for n in f.keys())  # the file does put some off the boundary
+    x = torch.randn(1, 3, FAMILY_CONFIGS["qwen2_moe"]["hidden_size"], dtype=torch.float32)
+    outs = []
+    for d in (src, shifted):
+        block = load_block(d, LayerRange(1, 3), dtype="float32", device="cpu")
+        assert not [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.data_ptr() % 64], d
+        block.set_kernel_mode("rows")  # torch's own ops, MKL's GEMVs among them
+        with torch.no_grad():
+            outs.append(block.forward_batch([(block.new_cache(), 0, x)], tile=1)[0])
+    assert torch.equal(outs[0], outs[1])

@@ -55,14 +55,30 @@ def fp8_dir(synthetic, tmp_path_factory) -> Path:
     return out
 
 
-def test_a_stage_holds_the_weights_transformers_dequantizes(fp8_dir):
+def _weights(block) -> dict[str, torch.Tensor]:
+    """Every parameter of ``block`` by name, an FP8-held Linear's weight as the values it multiplies by."""
+    out = {n: p for n, p in block.named_parameters()}
+    for name, mod in block.named_modules():
+        if qcheckpoint.FP8_ATTR in mod.__dict__:
+            out[f"{name}.weight"] = qcheckpoint.weight_of(mod, block.dtype)
+    return out
+
+
+def _fp8_held(block) -> int:
+    return sum(qcheckpoint.FP8_ATTR in m.__dict__ for m in block.modules())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stage_holds_the_weights_transformers_dequantizes(fp8_dir, dtype):
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(fp8_dir), dtype=getattr(torch, dtype)).eval()
     expected = {n: p for n, p in reference.named_parameters() if any(f".{q}." in n for q in PROJ)}
-    assert len(expected) == 4 * len(PROJ) and all(p.dtype == torch.float32 for p in expected.values())
-    block = load_block(fp8_dir, LayerRange(0, 4), dtype="float32", device="cpu")
-    held = {n: p for n, p in block.named_parameters() if any(f".{q}." in n for q in PROJ)}
+    assert len(expected) == 4 * len(PROJ) and all(p.dtype == getattr(torch, dtype) for p in expected.values())
+    block = load_block(fp8_dir, LayerRange(0, 4), dtype=dtype, device="cpu")
+    if block.kernel_mode == "fma":  # held as published: a byte a value, and its scales
+        assert _fp8_held(block) == 4 * len(PROJ)
+    held = {n: p for n, p in _weights(block).items() if any(f".{q}." in n for q in PROJ)}
     for name, want in expected.items():
         got = [p for n, p in held.items() if name.endswith(n) or n.endswith(name.removeprefix("model."))]
         assert len(got) == 1, (name, sorted(held)[:4])
@@ -73,8 +89,7 @@ def test_a_stage_holds_the_weights_transformers_dequantizes(fp8_dir):
     ids = torch.tensor([[5, 17, 3, 42, 9, 11]])
     with torch.no_grad():
         want_next = reference(ids).logits[0, -1].argmax().item()
-        cache = block.new_cache()
-        got_next = block.forward(cache, 0, token_ids=ids)[0, -1].argmax().item()
+        got_next = block.forward_batch([(block.new_cache(), 0, ids)], tile=1)[0][0, -1].argmax().item()
     assert got_next == want_next
 
 
@@ -137,18 +152,40 @@ def _published_and_floats(src: Path, out: Path, published: dict, floats: dict, q
     return out, float_dir
 
 
-def _assert_same_bits(quantized: Path, floats: Path, ranges: list[LayerRange], span: LayerRange):
-    """The chain of blocks of ``ranges`` gives the same greedy ids on both checkpoints, and a block of
-    ``span`` the same parameters (the stacked experts' too); returns the quantized one's block."""
-    from tests.support.models import chained_greedy
+def _batched_greedy(blocks, prompt: list[int], new_tokens: int, tile: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding through ``blocks`` as a stage computes (``forward_batch``): the ids and each step's logits."""
+    caches = [b.new_cache() for b in blocks]
+    ids, logits, pos, toks = [], [], 0, list(prompt)
+    with torch.no_grad():
+        while len(ids) < new_tokens:
+            h = torch.tensor([toks])
+            for b, c in zip(blocks, caches):
+                h = b.forward_batch([(c, pos, h)], tile=tile)[0]
+            pos += len(toks)
+            logits.append(h[0, -1])
+            toks = [int(h[0, -1].argmax())]
+            ids.append(toks[0])
+    return ids, logits
 
-    runs = [chained_greedy([load_block(d, r, dtype="float32", device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6)
-            for d in (quantized, floats)]
-    assert runs[0] == runs[1]
-    held = load_block(quantized, span, dtype="float32", device="cpu")
-    same = load_block(floats, span, dtype="float32", device="cpu")
-    for (name, a), (_, b) in zip(held.state_dict().items(), same.state_dict().items()):
-        assert torch.equal(a, b), name
+
+def _assert_same_bits(quantized: Path, floats: Path, ranges: list[LayerRange], span: LayerRange,
+                      dtype: str = "float32"):
+    """The chain of blocks of ``ranges`` computes the same logits, bit for bit, on both checkpoints (prefill
+    and decode, as a stage runs them), and a block of ``span`` holds the same values (the stacked experts'
+    too; an FP8-held weight as the values it multiplies by); returns the quantized one's block."""
+    runs = [_batched_greedy([load_block(d, r, dtype=dtype, device="cpu") for r in ranges], [1, 5, 9, 3, 7], 6, tile)
+            for tile in (1, 2) for d in (quantized, floats)]
+    for a, b in ((runs[0], runs[1]), (runs[2], runs[3])):
+        assert a[0] == b[0]
+        assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    held = load_block(quantized, span, dtype=dtype, device="cpu")
+    same = load_block(floats, span, dtype=dtype, device="cpu")
+    if _fp8_held(held):  # a byte a value (and a scale a block) instead of four
+        assert held.loaded_bytes < same.loaded_bytes
+    got, want = _weights(held), _weights(same)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
     return held
 
 

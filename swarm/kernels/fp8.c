@@ -1,0 +1,236 @@
+/* Weights held as published in FP8 (float8 e4m3fn bytes with a float32 scale per bn x bk block, the
+ * layout of DeepSeek-V3/R1, Qwen3 FP8 and GLM-4.5 FP8), multiplied in swarm's float32 or bfloat16
+ * arithmetic: each task decodes a panel of rows, w[n, k] = float(e4m3(w8[n, k])) * scale[n / bn, k / bk]
+ * (one float32 multiply, rounded to bfloat16 half-even for a bfloat16 stage: the bits transformers'
+ * dequantization gives), into its own buffer, then runs swarm_linear / swarm_linear_bf16 on it. Every
+ * output is therefore the bits of the same GEMM over the dequantized weight: an FP8 stage and a stage
+ * holding that weight in floats compute the same rows, at a quarter (float32) or half (bfloat16) of
+ * the bytes held. Compiled with -ffp-contract=off like the rest. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fma_common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DECODE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DECODE_CLONES
+#endif
+
+static inline float f32_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t u32_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* e4m3fn (bias 7, no infinities, 0x7F / 0xFF NaN) to float32's bits, exactly: a normal number's exponent
+ * and mantissa shift into place, a subnormal one is m * 2^-9. Selections by masks, so loops vectorize. */
+static inline uint32_t e4m3_bits(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80) << 24, em = b & 0x7F;
+    const uint32_t normal = sign | ((em << 20) + (120u << 23));
+    const uint32_t sub = sign | u32_of((float)(b & 7) * 0x1p-9f);
+    const uint32_t is_normal = 0u - (uint32_t)((em >> 3) != 0), is_nan = 0u - (uint32_t)(em == 0x7F);
+    const uint32_t v = (normal & is_normal) | (sub & ~is_normal);
+    return (v & ~is_nan) | ((sign | 0x7FC00000u) & is_nan);
+}
+
+/* torch's float32 -> bfloat16: round half to even, a NaN kept quiet */
+static inline uint16_t bf16_rne(float f) {
+    const uint32_t u = u32_of(f);
+    const uint32_t is_nan = 0u - (uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1)) >> 16, quiet = (u >> 16) | 0x40;
+    return (uint16_t)((rounded & ~is_nan) | (quiet & is_nan));
+}
+
+/* dst[i] = e4m3(src[i]) * sc, float32, or rounded to bfloat16 when bf16: the definition, one value at a time */
+DECODE_CLONES static void decode_plain(const uint8_t *src, int64_t n, float sc, void *dst, int bf16) {
+    if (bf16) {
+        uint16_t *out = dst;
+        for (int64_t k = 0; k < n; k++) out[k] = bf16_rne(f32_of(e4m3_bits(src[k])) * sc);
+    } else {
+        float *out = dst;
+        for (int64_t k = 0; k < n; k++) out[k] = f32_of(e4m3_bits(src[k])) * sc;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* e4m3 bytes as float16 bits: the same sign, exponent and mantissa fields, worth 2^-8 of the e4m3 value
+ * (float16's exponent bias is 15, e4m3's 7; subnormals included), so F16C's conversion and a multiply by
+ * sc * 2^8 (exact: a power of two) give the same product as the definition. A NaN byte (0x7F, 0xFF) goes
+ * to decode_plain (any_nan). */
+__attribute__((target("avx2,f16c"))) static inline __m128i e4m3_as_f16(__m128i b16) {
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b16, _mm_set1_epi16(0x80)), 8);
+    return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(b16, _mm_set1_epi16(0x7F)), 7));
+}
+
+__attribute__((target("avx2,f16c"))) static inline __m128i bf16_rne8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* whether any of n bytes is a NaN (0x7F or 0xFF) */
+__attribute__((target("avx2,f16c"))) static int any_nan(const uint8_t *src, int64_t n) {
+    int64_t k = 0;
+    __m256i hit = _mm256_setzero_si256();
+    for (; k + 32 <= n; k += 32) {
+        const __m256i em = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(src + k)), _mm256_set1_epi8(0x7F));
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi8(em, _mm256_set1_epi8(0x7F)));
+    }
+    int found = !_mm256_testz_si256(hit, hit);
+    for (; k < n; k++) found |= (src[k] & 0x7F) == 0x7F;
+    return found;
+}
+
+__attribute__((target("avx2,f16c"))) static void decode_f16c(const uint8_t *src, int64_t n, float sc, void *dst,
+                                                          int bf16) {
+    const __m256 s = _mm256_set1_ps(sc * 256.0f);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m128i b16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + k)));
+        const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_f16(b16)), s);
+        if (bf16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + k), bf16_rne8(v));
+        else
+            _mm256_storeu_ps((float *)dst + k, v);
+    }
+    decode_plain(src + k, n - k, sc, bf16 ? (void *)((uint16_t *)dst + k) : (void *)((float *)dst + k), bf16);
+}
+
+/* decode_f16c's steps sixteen values at a time */
+__attribute__((target("avx512f,avx512bw,avx2,f16c"))) static void decode_avx512(const uint8_t *src, int64_t n,
+                                                                             float sc, void *dst, int bf16) {
+    const __m512 s = _mm512_set1_ps(sc * 256.0f);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m256i b16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + k)));
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b16, _mm256_set1_epi16(0x80)), 8);
+        const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(b16, _mm256_set1_epi16(0x7F)), 7));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), s);
+        if (bf16) {
+            const __m512i u = _mm512_castps_si512(v);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                          _mm512_set1_epi32(0x7F800000));
+            const __m512i out = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + k), _mm512_cvtepi32_epi16(out));
+        } else {
+            _mm512_storeu_ps((float *)dst + k, v);
+        }
+    }
+    decode_f16c(src + k, n - k, sc, bf16 ? (void *)((uint16_t *)dst + k) : (void *)((float *)dst + k), bf16);
+}
+
+static int avx512_ok(void) {
+    static int ok = -1;
+    if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return ok;
+}
+
+static int f16c_ok(void) {
+    static int ok = -1;
+    if (ok < 0) ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return ok;
+}
+#endif
+
+/* dst[i] = e4m3(src[i]) * sc for n values (float32, or bfloat16 when bf16): F16C's conversion where the CPU
+ * has it and sc * 2^8 is a finite normal number (the same bits), else the definition */
+static void decode_run(const uint8_t *src, int64_t n, float sc, void *dst, int bf16) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    const float s8 = sc * 256.0f;
+    if (f16c_ok() && isnormal(s8) && isnormal(sc) && !any_nan(src, n)) {
+        (avx512_ok() ? decode_avx512 : decode_f16c)(src, n, sc, dst, bf16);
+        return;
+    }
+#endif
+    decode_plain(src, n, sc, dst, bf16);
+}
+
+/* rows [n0, n1) of w8 (row stride ldw bytes) times their scales into dst (row stride K): float32, or
+ * bfloat16 when bf16 */
+static void decode_rows(const uint8_t *w8, int64_t ldw, int64_t K, const float *scale, int64_t lds, int64_t bn,
+                        int64_t bk, int64_t n0, int64_t n1, void *dst, int bf16) {
+    for (int64_t n = n0; n < n1; n++) {
+        const float *s = scale + (n / bn) * lds;
+        for (int64_t k0 = 0; k0 < K; k0 += bk) {
+            const int64_t k1 = k0 + bk < K ? k0 + bk : K, at = (n - n0) * K + k0;
+            decode_run(w8 + n * ldw + k0, k1 - k0, s[k0 / bk],
+                       bf16 ? (void *)((uint16_t *)dst + at) : (void *)((float *)dst + at), bf16);
+        }
+    }
+}
+
+typedef struct {
+    const float *x, *scale, *bias;
+    const uint8_t *w;
+    float *out;
+    int64_t M, K, ldx, N, ldw, lds, bn, bk, ldo, nb;
+    int bf16;
+    int failed; /* set by a task that could not allocate its panel */
+} fp8_ctx;
+
+static __thread void *panel;
+static __thread size_t panel_bytes;
+
+static void fp8_task(const void *c_, int64_t i) {
+    fp8_ctx *c = (fp8_ctx *)c_;
+    const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+    const size_t need = (size_t)(n1 - n0) * (size_t)c->K * (c->bf16 ? 2 : 4);
+    if (need > panel_bytes) {
+        void *p = realloc(panel, need);
+        if (!p) {
+            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        panel = p;
+        panel_bytes = need;
+    }
+    decode_rows(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n0, n1, panel, c->bf16);
+    const float *bias = c->bias ? c->bias + n0 : 0;
+    if (c->bf16) {
+        if (swarm_linear_bf16(c->x, c->M, c->K, c->ldx, (const uint16_t *)panel, n1 - n0, c->K, bias, c->out + n0,
+                              c->ldo, 1))
+            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+    } else {
+        swarm_linear(c->x, c->M, c->K, c->ldx, (const float *)panel, n1 - n0, c->K, bias, c->out + n0, c->ldo, 1);
+    }
+}
+
+/* out (M, N), row stride ldo = x (M, K) times the FP8 weight w8 (N rows of ldw bytes) dequantized, transposed,
+ * + bias (N) or NULL: swarm_linear's bits (bf16 = 0) or swarm_linear_bf16's (bf16 = 1) over
+ * float(e4m3(w8[n, k])) * scale[(n / bn) * lds + k / bk] (rounded to bfloat16 when bf16).
+ * Returns 0; -1 on arguments that do not fit; -2 when out of memory (out then partly written). */
+int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w8, int64_t N, int64_t ldw,
+                     const float *scale, int64_t lds, int64_t bn, int64_t bk, const float *bias, float *out,
+                     int64_t ldo, int bf16, int threads) {
+    if (M < 0 || K <= 0 || N < 0 || ldw < K || ldx < K || ldo < N || bn <= 0 || bk <= 0 || lds < (K + bk - 1) / bk)
+        return -1;
+    if (!M || !N) return 0;
+    /* rows per task: about 192 KB of decoded panel, which stays in L2 while x's rows pass (order of work only) */
+    int64_t nb = 196608 / (K * (bf16 ? 2 : 4));
+    if (nb < 1) nb = 1;
+    if (nb > 48) nb -= nb % 48; /* whole tiles of every ISA's column step (6 and 4) */
+    const int64_t tasks = (N + nb - 1) / nb;
+    if (threads > 1 && tasks < threads && N >= threads) { /* every thread gets rows */
+        nb = (N + threads - 1) / threads;
+    }
+    fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
+    swarm_parallel_for(threads, fp8_task, &c, (N + nb - 1) / nb);
+    return c.failed ? -2 : 0;
+}

@@ -1,0 +1,97 @@
+"""FP8 weights held as published (e4m3fn bytes and float32 block scales): :class:`Fp8Weight` and
+:func:`linear`, whose bits are those of the float32 or bfloat16 GEMM over the dequantized weight
+(``fp8.c`` decodes a panel of rows at a time, then runs that GEMM)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the float8 type published FP8 checkpoints hold (DeepSeek, Qwen3, GLM)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A (N, K) weight in float8 e4m3fn with one float32 scale per (bn, bk) block.
+
+    Attributes:
+        data: uint8 (N, K) on the CPU, the float8 bytes as the checkpoint stores them.
+        scale: float32 (ceil(N / bn), ceil(K / bk)): ``weight_scale_inv`` (a multiplier, despite the name).
+        block: (bn, bk) rows and columns per scale.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self):
+        n, k = self.data.shape if self.data.dim() == 2 else (-1, -1)
+        bn, bk = self.block
+        want = (math.ceil(n / bn), math.ceil(k / bk)) if n >= 0 and bn > 0 and bk > 0 else None
+        if self.data.dtype != torch.uint8 or want is None or self.scale.dtype != torch.float32 \
+                or tuple(self.scale.shape) != want:
+            raise ValueError(f"an FP8 weight is uint8 (N, K) bytes and float32 scales per {self.block} block, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)} and {self.scale.dtype} "
+                             f"{tuple(self.scale.shape)}")
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale.numel() * 4
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
+        """From a checkpoint's float8 (N, K) weight and its ``weight_scale_inv`` (any float dtype)."""
+        return cls(weight.contiguous().view(torch.uint8), scale_inv.to(torch.float32).contiguous(), tuple(block))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight in ``dtype``: each value times its block's scale in float32, then rounded to
+        ``dtype`` (transformers' dequantization, and the values :func:`linear` multiplies by)."""
+        bn, bk = self.block
+        scale = self.scale.repeat_interleave(bn, 0)[: self.n].repeat_interleave(bk, 1)[:, : self.k]
+        return (self.data.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(dtype)
+
+
+def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+           bf16: bool = False) -> torch.Tensor:
+    """``x @ weight.dequantize(d).T + bias`` with the bits of ``swarm.kernels.fma.linear`` over that
+    dequantized weight, ``d`` float32 (``bf16`` False) or bfloat16.
+
+    Args:
+        x: (M, K) float32 on the CPU. bias: (N,) float32 or None.
+    Returns:
+        (M, N) float32, a new tensor.
+    Raises:
+        ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
+    """
+    from swarm.kernels import fma
+
+    lib = fma._library()
+    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
+        raise ValueError(f"fp8.linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
+        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, weight.n), dtype=torch.float32)
+    data, scale = weight.data, weight.scale
+    rc = lib.swarm_fp8_linear(x.data_ptr(), m, weight.k, x.stride(0), data.data_ptr(), weight.n, data.stride(0),
+                              scale.data_ptr(), scale.stride(0), weight.block[0], weight.block[1],
+                              None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), weight.n,
+                              int(bf16), fma.threads())
+    if rc == -2:
+        raise MemoryError(f"no memory for a panel of the ({weight.n}, {weight.k}) FP8 weight")
+    if rc:
+        raise ValueError(f"the FP8 kernel refused a ({weight.n}, {weight.k}) weight with {weight.block} blocks")
+    return out

@@ -450,7 +450,7 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # a decoder layer's Li
 
 class _Projection(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("fmt", ctypes.c_int32), ("w", _ptr), ("ldw", _i64), ("n", _i64),
-                ("k", _i64), ("bias", _ptr)]
+                ("k", _i64), ("bias", _ptr), ("scale", _ptr), ("lds", _i64), ("bn", _i64), ("bk", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -515,9 +515,14 @@ class Blocks:
 
 
 def _projection(weight, bias: torch.Tensor | None, dtype: torch.dtype, held: list) -> _Projection:
-    """A Linear's weight (an (N, K) tensor of the block dtype, or :class:`Blocks`) and bias as fma_layer.c
+    """A Linear's weight (an (N, K) tensor of the block dtype, :class:`Blocks` or an ``Fp8Weight``) and bias as fma_layer.c
     takes them: the very arguments the module path's kernel call gets."""
-    if isinstance(weight, Blocks):
+    scale = lds = bn = bk = 0
+    if hasattr(weight, "scale"):  # swarm.kernels.fp8.Fp8Weight (which imports this module): swarm_fp8_linear
+        kind, fmt, ptr, ld, n, k = 3, 0, weight.data.data_ptr(), weight.data.stride(0), weight.n, weight.k
+        scale, lds, (bn, bk) = weight.scale.data_ptr(), weight.scale.stride(0), weight.block
+        held.extend((weight.data, weight.scale))
+    elif isinstance(weight, Blocks):
         if dtype is not torch.float32 or weight.data.dtype is not torch.uint8 or weight.data.dim() != 2:
             raise ValueError(f"block-format weights are uint8 rows computing in float32, got {weight.data.dtype} "
                              f"{tuple(weight.data.shape)} in a {dtype} block")
@@ -537,7 +542,7 @@ def _projection(weight, bias: torch.Tensor | None, dtype: torch.dtype, held: lis
             raise ValueError(f"bias {tuple(bias.shape)} does not fit {n} outputs")
         b = bias.detach().float().contiguous()  # a bfloat16 block's bias enters widened, as the module path's
         held.append(b)
-    return _Projection(kind, fmt, ptr, ld, n, k, None if b is None else b.data_ptr())
+    return _Projection(kind, fmt, ptr, ld, n, k, None if b is None else b.data_ptr(), scale or None, lds, bn, bk)
 
 
 def layer_plan(*, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, norm_in: torch.Tensor,

@@ -44,7 +44,7 @@ typedef struct swarm_isa {
     const struct swarm_isa *one_row;
 } swarm_isa;
 
-/* fma.c's public entry points (through the ISA in use), for the kernels built from them (fma_layer.c). */
+/* fma.c's public entry points (through the ISA in use) and fp8.c's, for the kernels built from them (fma_layer.c). */
 void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
                   const float *bias, float *out, int64_t ldo, int threads);
 int swarm_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
@@ -58,6 +58,9 @@ int swarm_qlinear(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, co
                   int64_t ldw, const float *bias, float *out, int64_t ldo, int threads);
 int swarm_qlinear_many(const swarm_qpart *parts, int nparts, const float *x, int64_t M, int64_t K, int64_t ldx,
                        int threads);
+int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w8, int64_t N, int64_t ldw,
+                     const float *scale, int64_t lds, int64_t bn, int64_t bk, const float *bias, float *out,
+                     int64_t ldo, int bf16, int threads);
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
 void swarm_silu(const float *x, int64_t n, float *out);
 

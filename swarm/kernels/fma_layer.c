@@ -23,16 +23,18 @@
 
 #include "fma_common.h"
 
-enum { PROJ_F32 = 0, PROJ_BF16 = 1, PROJ_BLOCKS = 2 };
+enum { PROJ_F32 = 0, PROJ_BF16 = 1, PROJ_BLOCKS = 2, PROJ_FP8 = 3 };
 
 /* One projection: out (M, n) = x (M, k) times w transposed, + bias. */
 typedef struct {
-    int32_t kind;       /* PROJ_F32, PROJ_BF16 (raw 16-bit patterns) or PROJ_BLOCKS (llama.cpp's blocks) */
+    int32_t kind;       /* PROJ_F32, PROJ_BF16 (raw 16-bit patterns), PROJ_BLOCKS (llama.cpp's blocks) or PROJ_FP8 */
     int32_t fmt;        /* PROJ_BLOCKS: the format's number in swarm_qlinear */
-    const void *w;      /* (n, k) rows, row stride ldw: elements (PROJ_F32, PROJ_BF16) or bytes (PROJ_BLOCKS) */
+    const void *w;      /* (n, k) rows, row stride ldw: elements (PROJ_F32, PROJ_BF16) or bytes (the others) */
     int64_t ldw;
     int64_t n, k;
     const float *bias;  /* (n) float32 or NULL */
+    const float *scale; /* PROJ_FP8: the (n / bn, k / bk) block scales (row stride lds), as swarm_fp8_linear */
+    int64_t lds, bn, bk;
 } swarm_proj;
 
 /* One decoder layer's weights and constants (built once per layer, see fma.py's LayerPlan). */
@@ -92,6 +94,9 @@ static int project(const swarm_proj *p, const float *x, int64_t M, float *out, i
     int rc = 0;
     if (p->kind == PROJ_BLOCKS)
         rc = swarm_qlinear(p->fmt, x, M, p->k, p->k, (const uint8_t *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
+    else if (p->kind == PROJ_FP8)
+        rc = swarm_fp8_linear(x, M, p->k, p->k, (const uint8_t *)p->w, p->n, p->ldw, p->scale, p->lds, p->bn, p->bk,
+                              p->bias, out, p->n, bf16, threads);
     else if (p->kind == PROJ_BF16)
         rc = swarm_linear_bf16(x, M, p->k, p->k, (const uint16_t *)p->w, p->n, p->ldw, p->bias, out, p->n, threads);
     else

@@ -136,6 +136,33 @@ __attribute__((target("avx512f,avx512bw,avx2,f16c"))) static void decode_avx512(
     decode_f16c(src + k, n - k, sc, bf16 ? (void *)((uint16_t *)dst + k) : (void *)((float *)dst + k), bf16);
 }
 
+/* One row of x against columns of the FP8 weight, decoded in registers: swarm_linear's dot (fma.c: 8 lanes
+ * along K by FMA chains, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the K % 8 tail by fmaf in k
+ * order, then + bias) over the same weight values as decode_f16c gives, four columns at a time. Rows whose
+ * scales or bytes decode_f16c does not take (see decode_run) are decoded by decode_run and go through
+ * swarm_linear. Needs bk a multiple of 8 (no group of 8 straddles two scales). */
+__attribute__((target("avx2,fma,f16c"))) static void gemv4(const float *x, int64_t K, const uint8_t *const *rows,
+                                                          const float *const *sc, int64_t bk, float *out4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t k8 = K & ~(int64_t)7;
+    for (int64_t k0 = 0; k0 < k8; k0 += bk) {
+        const int64_t k1 = k0 + bk < k8 ? k0 + bk : k8;
+        __m256 s[4];
+        for (int c = 0; c < 4; c++) s[c] = _mm256_set1_ps(sc[c][k0 / bk] * 256.0f);
+        for (int64_t k = k0; k < k1; k += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + k);
+            for (int c = 0; c < 4; c++) {
+                const __m128i b16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(rows[c] + k)));
+                acc[c] = _mm256_fmadd_ps(xv, _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_f16(b16)), s[c]), acc[c]);
+            }
+        }
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_storeu_ps(out4, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int c = 0; c < 4; c++)
+        for (int64_t k = k8; k < K; k++) out4[c] = fmaf(x[k], f32_of(e4m3_bits(rows[c][k])) * sc[c][k / bk], out4[c]);
+}
+
 static int avx512_ok(void) {
     static int ok = -1;
     if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
@@ -145,6 +172,12 @@ static int avx512_ok(void) {
 static int f16c_ok(void) {
     static int ok = -1;
     if (ok < 0) ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return ok;
+}
+
+static int fma_ok(void) {
+    static int ok = -1;
+    if (ok < 0) ok = f16c_ok() && __builtin_cpu_supports("fma");
     return ok;
 }
 #endif
@@ -176,6 +209,19 @@ static void decode_rows(const uint8_t *w8, int64_t ldw, int64_t K, const float *
     }
 }
 
+/* whether decode_f16c takes row n whole: its scales and their 2^8 multiples normal, no NaN byte */
+static int row_in_registers(const uint8_t *w8, int64_t ldw, int64_t K, const float *scale, int64_t lds, int64_t bn,
+                            int64_t bk, int64_t n) {
+    const float *s = scale + (n / bn) * lds;
+    for (int64_t j = 0; j < (K + bk - 1) / bk; j++)
+        if (!isnormal(s[j]) || !isnormal(s[j] * 256.0f)) return 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    return !any_nan(w8 + n * ldw, K);
+#else
+    return 0;
+#endif
+}
+
 typedef struct {
     const float *x, *scale, *bias;
     const uint8_t *w;
@@ -188,18 +234,59 @@ typedef struct {
 static __thread void *panel;
 static __thread size_t panel_bytes;
 
+static int panel_room(size_t need) {
+    if (need <= panel_bytes) return 1;
+    void *p = realloc(panel, need);
+    if (!p) return 0;
+    panel = p;
+    panel_bytes = need;
+    return 1;
+}
+
+/* one row of x (M == 1, float32, bk % 8 == 0): columns [n0, n1) four at a time, decoded in registers */
+static void gemv_task(const void *c_, int64_t i) {
+    fp8_ctx *c = (fp8_ctx *)c_;
+    const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+#if defined(__x86_64__) && defined(__GNUC__)
+    int64_t ready[4];
+    int held = 0;
+    for (int64_t n = n0; n < n1; n++) {
+        if (row_in_registers(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n)) {
+            ready[held++] = n;
+        } else { /* decode_run's row, then swarm_linear: the same bits */
+            if (!panel_room((size_t)c->K * 4)) {
+                __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            decode_rows(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n, n + 1, panel, 0);
+            swarm_linear(c->x, 1, c->K, c->ldx, (const float *)panel, 1, c->K, c->bias ? c->bias + n : 0, c->out + n,
+                         c->ldo, 1);
+        }
+        if (held == 4 || (n == n1 - 1 && held)) {
+            const uint8_t *rows[4];
+            const float *sc[4];
+            float sums[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t m = ready[j < held ? j : held - 1];
+                rows[j] = c->w + m * c->ldw;
+                sc[j] = c->scale + (m / c->bn) * c->lds;
+            }
+            gemv4(c->x, c->K, rows, sc, c->bk, sums);
+            for (int j = 0; j < held; j++) c->out[ready[j]] = c->bias ? sums[j] + c->bias[ready[j]] : sums[j];
+            held = 0;
+        }
+    }
+#else
+    (void)n0, (void)n1;
+#endif
+}
+
 static void fp8_task(const void *c_, int64_t i) {
     fp8_ctx *c = (fp8_ctx *)c_;
     const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
-    const size_t need = (size_t)(n1 - n0) * (size_t)c->K * (c->bf16 ? 2 : 4);
-    if (need > panel_bytes) {
-        void *p = realloc(panel, need);
-        if (!p) {
-            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
-            return;
-        }
-        panel = p;
-        panel_bytes = need;
+    if (!panel_room((size_t)(n1 - n0) * (size_t)c->K * (c->bf16 ? 2 : 4))) {
+        __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+        return;
     }
     decode_rows(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n0, n1, panel, c->bf16);
     const float *bias = c->bias ? c->bias + n0 : 0;
@@ -230,6 +317,15 @@ int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
     if (threads > 1 && tasks < threads && N >= threads) { /* every thread gets rows */
         nb = (N + threads - 1) / threads;
     }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (M == 1 && !bf16 && bk % 8 == 0 && fma_ok()) { /* a decode step: decoded in registers, no panel */
+        nb = 64;
+        if (threads > 1 && (N + nb - 1) / nb < threads) nb = (N + threads - 1) / threads;
+        fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
+        swarm_parallel_for(threads, gemv_task, &c, (N + nb - 1) / nb);
+        return c.failed ? -2 : 0;
+    }
+#endif
     fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
     swarm_parallel_for(threads, fp8_task, &c, (N + nb - 1) / nb);
     return c.failed ? -2 : 0;

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.kernels import fma
+
 FP8_DTYPES = (torch.float8_e4m3fn,)  # the float8 type published FP8 checkpoints hold (DeepSeek, Qwen3, GLM)
 
 
@@ -73,8 +75,6 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
     Raises:
         ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
     """
-    from swarm.kernels import fma
-
     lib = fma._library()
     if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"fp8.linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} "

@@ -1,7 +1,7 @@
 """Llama-structured decoder layers run as one ``fma_layer.c`` call each (the fma kernel mode's fused path).
 
 Owns: which decoder layers the fused path takes (Llama, Mistral, Qwen2, Qwen3: RMSNorms, q/k/v/o and
-gate/up/down Linears of float32, bfloat16 or llama.cpp block-format weights, SiLU; the others stay on the
+gate/up/down Linears of float32, bfloat16, FP8 or llama.cpp block-format weights, SiLU; the others stay on the
 module path), their :class:`swarm.kernels.fma.LayerPlan` built once from the modules' weights, and a packed
 step's rows for the C call: h, the rotary rows and each session's KV buffers (grown first, here, as the
 module path's ``KVCache.update`` would grow them). The C call performs the module path's operations in
@@ -28,7 +28,7 @@ FORMAT_NUMBERS = {name: i for i, name in enumerate(qblocks.FORMATS)}  # swarm_ql
 
 def layer_plan(layer: torch.nn.Module, dtype: torch.dtype, window: int | None) -> fma.LayerPlan | None:
     """``layer``'s plan for :func:`swarm.kernels.fma.decoder_layer`, or None where the fused path does not
-    take it (another structure, an activation other than SiLU, weights held in torch's int8/int4 or in FP8).
+    take it (another structure, an activation other than SiLU, weights held in torch's int8/int4).
 
     Args:
         layer: a decoder layer of the block, its weights loaded. dtype: the block dtype.
@@ -49,10 +49,10 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype, window: int | None) -
                "up": mlp.up_proj, "down": mlp.down_proj}
     projections = {}
     for name, lin in linears.items():
-        if not isinstance(lin, torch.nn.Linear) or "swarm_quant" in lin.__dict__ or qcheckpoint.FP8_ATTR in lin.__dict__:
+        if not isinstance(lin, torch.nn.Linear) or "swarm_quant" in lin.__dict__:
             return None
-        q = lin.__dict__.get(qformats.ATTR)
-        weight = lin.weight if q is None else fma.Blocks(q.data, FORMAT_NUMBERS[q.fmt], q.k)
+        q, fp8 = lin.__dict__.get(qformats.ATTR), lin.__dict__.get(qcheckpoint.FP8_ATTR)
+        weight = fp8 if fp8 is not None else lin.weight if q is None else fma.Blocks(q.data, FORMAT_NUMBERS[q.fmt], q.k)
         projections[name] = (weight, lin.bias)
     config = attn.config
     try:

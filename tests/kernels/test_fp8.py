@@ -23,8 +23,9 @@ def _weight(n: int, k: int, block: tuple[int, int], seed: int, scale: float = 1e
     return Fp8Weight.of(w, s, block)
 
 
+# a decode step (one row, float32) decodes in registers where the scale block is a multiple of 8 along K
 @pytest.mark.parametrize("n,k,block", [(37, 70, (16, 16)), (300, 576, (128, 128)), (64, 33, (128, 128)),
-                                       (97, 200, (32, 48))])
+                                       (97, 200, (32, 48)), (7, 90, (4, 20)), (130, 2051, (128, 128))])
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_the_product_is_the_float_gemm_over_the_dequantized_weight(n, k, block, m):
     fw = _weight(n, k, block, seed=n + k)
@@ -45,17 +46,19 @@ def test_every_float8_value_decodes_exactly_and_a_nan_byte_gives_nan():
     assert torch.equal(got, w.view(torch.float8_e4m3fn).float())
     nan = w.clone()
     nan[1, 5] = 0xFF
-    out = fp8.linear(torch.ones(3, 128), Fp8Weight.of(nan.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128)))
-    assert not out[:, 0].isnan().any() and out[:, 1].isnan().all()
+    held = Fp8Weight.of(nan.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+    for m in (3, 1):
+        out = fp8.linear(torch.ones(m, 128), held)
+        assert not out[:, 0].isnan().any() and out[:, 1].isnan().all()
 
 
 @pytest.mark.parametrize("scale", [1e-40, 2e36, 1.0])  # subnormal, and * 2^8 overflowing: the plain decoder
 def test_scales_the_vector_decoder_does_not_take_give_the_same_bits(scale):
-    fw = _weight(24, 64, (8, 32), seed=3, scale=scale, spread=0.01)
+    fw = _weight(24, 68, (8, 32), seed=3, scale=scale, spread=0.01)
     assert fw.dequantize().isfinite().all()
-    x = torch.randn(4, 64)
-    assert torch.equal(fp8.linear(x, fw), fma.linear(x, fw.dequantize()))
-    assert torch.equal(fp8.linear(x, fw, bf16=True), fma.linear(x, fw.dequantize(torch.bfloat16)))
+    for x in (torch.randn(4, 68), torch.randn(1, 68)):  # one row: a decode step decodes in registers
+        assert torch.equal(fp8.linear(x, fw), fma.linear(x, fw.dequantize()))
+        assert torch.equal(fp8.linear(x, fw, bf16=True), fma.linear(x, fw.dequantize(torch.bfloat16)))
 
 
 def test_every_isa_and_thread_count_gives_the_same_bits():

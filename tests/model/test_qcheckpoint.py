@@ -189,6 +189,29 @@ def _assert_same_bits(quantized: Path, floats: Path, ranges: list[LayerRange], s
     return held
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_llama_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path, dtype):
+    """Held as published, the FP8 weights go through the fused decoder layer (fma_layer.c) like floats do:
+    a chain of blocks gives the logits of the same chain on the floats the scales decode to, bit for bit."""
+    from swarm.model import fused
+
+    src = synthetic("llama", "float32")
+    fp8_tensors, float_tensors = {}, {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and any(f".{p}." in name for p in PROJ):
+            q, scale = _to_fp8(t, (16, 16))
+            fp8_tensors[name], fp8_tensors[qcheckpoint.scale_name(name)] = q, scale
+            float_tensors[name] = _by_blocks(q, scale, 16)
+        else:
+            fp8_tensors[name] = float_tensors[name] = t
+    quantized, floats = _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
+                                              {"quant_method": "fp8", "weight_block_size": [16, 16]})
+    held = _assert_same_bits(quantized, floats, [LayerRange(0, 2), LayerRange(2, 4)], LayerRange(1, 3), dtype)
+    if held.kernel_mode == "fma":
+        assert _fp8_held(held) == 2 * len(PROJ)
+        assert all(fused.layer_plan(layer, held.dtype, None) is not None for layer in held.layers)
+
+
 DEEPSEEK_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                 "down_proj")  # what DeepSeek-V3's FP8 release stores in FP8: attention and every expert's Linears
 

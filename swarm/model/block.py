@@ -892,12 +892,20 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     # the float GEMM over the dequantized weight, at a quarter or half of the bytes)
     hold_fp8 = quantize is None and pick_kernel_mode(dev, dt)[0] == "fma"
 
-    def raw(name: str) -> torch.Tensor:
-        """Checkpoint tensor ``name`` as stored."""
+    def shard(name: str):
+        """The open shard holding checkpoint tensor ``name``."""
         path = index[name]
         if path not in opened:
             opened[path] = shards.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-        return opened[path].get_tensor(name)
+        return opened[path]
+
+    def raw(name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` as stored."""
+        return shard(name).get_tensor(name)
+
+    def fp8_stored(name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is stored in float8 e4m3 (its header says; nothing read)."""
+        return shard(name).get_slice(name).get_dtype() == "F8_E4M3"
 
     def scales(name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The block scales of FP8 weight ``name``, recorded among the block's tensors."""
@@ -951,6 +959,19 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                     bar.update(1)
         for full, (kind, names) in fused.items():  # per-expert tensors, stacked as the module holds them
             module, pname, _ = wanted[full]
+            pairs = names if kind == "gate_up" else [[n] for n in names]
+            if hold_fp8 and kind in ("gate_up", "down") and all(fp8_stored(n) for pair in pairs for n in pair):
+                stored = [[raw(n) for n in pair] for pair in pairs]
+                experts = qcheckpoint.Fp8Experts([qcheckpoint.Fp8Expert(
+                    [qcheckpoint.fp8_weight(t, scales(n, t), fp8_block) for n, t in zip(pair, tensors)])
+                    for pair, tensors in zip(pairs, stored)])
+                *path, leaf = pname.split(".")
+                block.loaded_bytes += qcheckpoint.hold_fp8_experts(module.get_submodule(".".join(path)), leaf,
+                                                                   experts)
+                block.loaded_tensors.extend(moe.sources_of((kind, names)))
+                if bar:
+                    bar.update(1)
+                continue
             parts = [[read(n) for n in pair] for pair in names] if kind == "gate_up" else [read(n) for n in names]
             tensor = qcheckpoint.dequantize_mxfp4(*parts) if kind == "mxfp4" else moe.fuse(kind, parts)
             tensor = tensor.to(device=dev, dtype=dt)

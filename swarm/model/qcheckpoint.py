@@ -90,6 +90,72 @@ def scale_block(shape: tuple[int, ...], scale_shape: tuple[int, ...],
     return block
 
 
+def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None) -> Fp8Weight:
+    """A checkpoint's float8 e4m3 (N, K) weight and its scales (a (gn, gk) grid, or one scalar) as held.
+
+    Raises:
+        ModelError: scales that do not fit the weight.
+    """
+    grid = tuple(scale_inv.shape) if scale_inv.dim() == 2 else (1, 1)  # a scalar: one scale for the tensor
+    return Fp8Weight.of(weight, scale_inv.reshape(grid), scale_block(tuple(weight.shape), grid, block))
+
+
+class Fp8Expert:
+    """Expert e's (N, K) matrix of a fused experts parameter, held as FP8 row parts (a fused ``gate_up``: the
+    gate's rows, then the up's). ``F.linear(x, experts[e])`` (transformers' experts loop) runs
+    :func:`swarm.kernels.fp8.linear` on each part in x's dtype's arithmetic and returns x's dtype; any other
+    use raises TypeError (through ``__torch_function__``)."""
+
+    def __init__(self, parts: list[Fp8Weight]):
+        if len({p.k for p in parts}) != 1:
+            raise ModelError(f"an expert's FP8 parts take different inputs: {[p.k for p in parts]}")
+        self.parts, self.n, self.k = parts, sum(p.n for p in parts), parts[0].k
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.linear or len(args) < 2 or not isinstance(args[1], cls) \
+                or (args[2] if len(args) > 2 else kwargs.get("bias")) is not None:
+            return NotImplemented
+        from swarm.kernels import fp8
+
+        x, w = args[0], args[1]
+        flat, bf16 = x.reshape(-1, w.k).float(), x.dtype is torch.bfloat16
+        out = torch.cat([fp8.linear(flat, p, bf16=bf16) for p in w.parts], dim=1)
+        return out.reshape(*x.shape[:-1], w.n).to(x.dtype)
+
+
+class Fp8Experts:
+    """An experts module's fused matrix (E, N, K) held as E :class:`Fp8Expert`; ``experts[e]`` (an int or a
+    0-d tensor) is expert e's."""
+
+    def __init__(self, experts: list[Fp8Expert]):
+        self.experts = experts
+
+    def __getitem__(self, e) -> Fp8Expert:
+        return self.experts[int(e)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for x in self.experts for p in x.parts)
+
+
+def hold_fp8_experts(owner: torch.nn.Module, leaf: str, experts: Fp8Experts) -> int:
+    """Put ``experts`` in place of ``owner``'s fused parameter ``leaf`` (``gate_up_proj`` / ``down_proj``: (E, N,
+    K), on the meta device until loaded); returns the bytes held.
+
+    Raises:
+        ModelError: the experts' count or shapes are not the parameter's.
+    """
+    want = tuple(owner._parameters[leaf].shape)
+    got = (len(experts.experts), experts.experts[0].n, experts.experts[0].k)
+    if got != want or any((x.n, x.k) != want[1:] for x in experts.experts):
+        raise ModelError(f"FP8 experts of {got} do not fit {leaf} of {want}")
+    del owner._parameters[leaf]
+    owner.__dict__[leaf] = experts
+    return experts.nbytes
+
+
 def hold_fp8(linear: torch.nn.Linear, weight: torch.Tensor, scale_inv: torch.Tensor,
              block: tuple[int, int] | None) -> int:
     """Hold ``weight`` (float8 e4m3fn, (N, K)) and its scales in ``linear`` as stored (``FP8_ATTR``; the
@@ -101,8 +167,7 @@ def hold_fp8(linear: torch.nn.Linear, weight: torch.Tensor, scale_inv: torch.Ten
     if weight.dtype is not torch.float8_e4m3fn or tuple(weight.shape) != (linear.out_features, linear.in_features):
         raise ModelError(f"an FP8 weight {weight.dtype} {tuple(weight.shape)} does not fit the Linear of "
                          f"({linear.out_features}, {linear.in_features})")
-    grid = tuple(scale_inv.shape) if scale_inv.dim() == 2 else (1, 1)  # a scalar: one scale for the tensor
-    held = Fp8Weight.of(weight, scale_inv.reshape(grid), scale_block(tuple(weight.shape), grid, block))
+    held = fp8_weight(weight, scale_inv, block)
     linear.__dict__[FP8_ATTR] = held
     linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     return held.nbytes

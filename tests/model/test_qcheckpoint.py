@@ -216,24 +216,67 @@ DEEPSEEK_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pr
                 "down_proj")  # what DeepSeek-V3's FP8 release stores in FP8: attention and every expert's Linears
 
 
-def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path):
-    """Routed experts (read and stacked per expert), latent attention and the dense layer, weights whose
-    sizes are not multiples of the block among them: a ring of
-    stages on the FP8 layout gives the bits of the same ring on the floats the scales decode to."""
+def _deepseek_pair(synthetic, tmp_path: Path, experts: bool) -> tuple[Path, Path]:
+    """A DeepSeek-V3 checkpoint with DEEPSEEK_FP8's Linears in FP8 (the routed experts' too when ``experts``;
+    shapes that are no multiple of the block among them), and its dequantized floats."""
     src = synthetic("deepseek_v3", "float32")
     fp8_tensors, float_tensors, ragged = {}, {}, 0
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8):
+        if name.endswith(".weight") and t.dim() == 2 and any(f".{p}." in name for p in DEEPSEEK_FP8) \
+                and (experts or ".experts." not in name):
             q, scale = _to_fp8(t, (16, 16))  # q_a_proj (24, 32), o_proj (32, 40), ...: last blocks cut short
             ragged += t.shape[0] % 16 != 0 or t.shape[1] % 16 != 0
             fp8_tensors[name], fp8_tensors[qcheckpoint.scale_name(name)] = q, scale
             float_tensors[name] = _by_blocks(q, scale, 16)
         else:
             fp8_tensors[name] = float_tensors[name] = t
-    assert sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors) >= 3 * 8 and ragged >= 4
-    quantized, floats = _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
-                                              {"quant_method": "fp8", "weight_block_size": [16, 16]})
-    _assert_same_bits(quantized, floats, [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)], LayerRange(1, 3))
+    routed = sum(n.endswith("_scale_inv") and ".experts." in n for n in fp8_tensors)
+    assert (routed >= 3 * 8 if experts else routed == 0) and ragged >= 4
+    return _published_and_floats(src, tmp_path / f"fp8-{experts}", fp8_tensors, float_tensors,
+                                 {"quant_method": "fp8", "weight_block_size": [16, 16]})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path, dtype):
+    """Latent attention, the dense layer and the shared experts held in FP8: a chain of stages on the FP8
+    layout gives the bits of the same chain on the floats the scales decode to."""
+    quantized, floats = _deepseek_pair(synthetic, tmp_path, experts=False)
+    held = _assert_same_bits(quantized, floats, [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)],
+                             LayerRange(1, 3), dtype)
+    if held.kernel_mode == "fma":
+        assert _fp8_held(held) >= 2 * 5  # two layers' attention Linears at least
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_routed_experts_are_held_in_fp8_and_keep_a_stages_contracts(synthetic, tmp_path, dtype):
+    """The routed experts (most of a DeepSeek checkpoint's bytes) stay FP8 too, multiplied by swarm.kernels.fp8
+    (not the floats' torch GEMMs: close to them, not their bits), and the block keeps what a stage needs: its
+    start-up proof passes, a chunk's rows get the bits they get one at a time or in tiles of 2."""
+    from swarm.kernels.check import check_block
+
+    quantized, floats = _deepseek_pair(synthetic, tmp_path, experts=True)
+    held = load_block(quantized, LayerRange(0, 4), dtype=dtype, device="cpu")
+    same = load_block(floats, LayerRange(0, 4), dtype=dtype, device="cpu")
+    if held.kernel_mode != "fma":
+        pytest.skip(f"FP8 weights are held where the fma kernels run: {held.kernel_why}")
+    experts = [m for m in held.modules() if isinstance(m.__dict__.get("gate_up_proj"), qcheckpoint.Fp8Experts)]
+    assert len(experts) == 3 and all(isinstance(m.__dict__.get("down_proj"), qcheckpoint.Fp8Experts) for m in experts)
+    assert held.loaded_bytes < 0.6 * same.loaded_bytes
+    prompt = [1, 5, 9, 3, 7]
+    ids, logits = _batched_greedy([held], prompt, 6, 1)
+    want_ids, want_logits = _batched_greedy([same], prompt, 6, 1)
+    assert ids == want_ids
+    tol = dict(rtol=0, atol=1e-4) if dtype == "float32" else dict(rtol=0, atol=0.1)
+    assert all(torch.allclose(a.float(), b.float(), **tol) for a, b in zip(logits, want_logits))
+    tiled = _batched_greedy([held], prompt, 6, 2)
+    assert tiled[0] == ids and all(torch.equal(a, b) for a, b in zip(tiled[1], logits))
+    assert check_block(held, 1).ok
+    with torch.no_grad():  # the prompt in one chunk, and one row at a time: the same last row
+        whole = held.forward_batch([(held.new_cache(), 0, torch.tensor([prompt]))], tile=1)[0][0, -1]
+        cache = held.new_cache()
+        for i, tok in enumerate(prompt):
+            row = held.forward_batch([(cache, i, torch.tensor([[tok]]))], tile=1)[0][0, -1]
+    assert torch.equal(whole, row)
 
 
 def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from swarm.config import StageConfig
-from swarm.errors import ConfigError, IdentityError, ModelError
+from swarm.errors import ConfigError, ModelError
 from swarm.ranges import LayerRange
 
 # safetensors dtypes a stage can load (converted to the stage dtype on load)
@@ -43,17 +43,13 @@ def available_memory(device) -> int | None:
 
 
 def _check_key(path: Path | None) -> dict:
-    from swarm.transport.identity import load_or_create_key, peer_id_of
+    from swarm.transport.identity import check_key_creatable, load_or_create_key, peer_id_of
 
     if path is None:
         raise ConfigError("no key file given (--key)")
     if path.exists() or path.is_symlink():
         return {"key": str(path), "key_exists": True, "peer_id": peer_id_of(load_or_create_key(path, create=False))}
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise IdentityError(f"key file {path} does not exist and cannot be created ({parent} is not writable)")
+    check_key_creatable(path)  # as the start will create it and its lock: the same error, nothing left behind
     return {"key": str(path), "key_exists": False, "peer_id": None}
 
 

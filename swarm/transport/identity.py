@@ -13,6 +13,7 @@ import logging
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import nacl.exceptions
@@ -131,6 +132,7 @@ class KeyInUse(IdentityError):
 
 KEY_HINT = ", or pass --key FILE in a writable directory"
 FALLBACK_SLOTS = 64  # coordinator.key, coordinator-2.key, ... coordinator-64.key
+_REFUSED = (errno.EACCES, errno.EROFS, errno.EPERM)  # writing there is not allowed (CacheUnwritable)
 _HELD: dict[Path, int] = {}  # key files this process holds: resolved path -> fd of the flock'ed lock file
 
 
@@ -226,10 +228,8 @@ def _lock(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
-            raise IdentityError(f"key lock {lock} cannot be opened: {exc.strerror}") from exc
-        if not path.exists():
-            raise CacheUnwritable(exc.filename or path.parent, exc.strerror, KEY_HINT) from None
+        if exc.errno not in _REFUSED or not path.exists():
+            raise _cannot_create(path, exc.filename or path.parent, exc) from exc
         fd = os.open(path, os.O_RDONLY)  # a read-only directory with the key in it: lock the key itself
         lock = None
     try:
@@ -242,6 +242,39 @@ def _lock(path: Path) -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {' '.join(sys.argv)[:300]}\n".encode(errors="replace"), 0)
     _HELD[resolved] = fd
+
+
+def check_key_creatable(path: str | os.PathLike[str]) -> None:
+    """Raise what ``claim_key`` would raise creating the absent key file ``path`` and its lock, creating
+    neither (``swarm stage --check``).
+
+    A file is created and removed in the nearest existing directory above ``path``: ``os.access`` says yes
+    to root where the filesystem still refuses (``/proc``), so only a real create tells.
+
+    Raises:
+        CacheUnwritable: writing there is refused (permissions, a read-only filesystem).
+        IdentityError: no file can be created there for another reason (not a directory, ``/proc``).
+    """
+    path = Path(path)
+    where = path.parent
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    try:
+        if not where.is_dir():  # a file stands where the key's directory should be
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=where)
+    except OSError as exc:
+        raise _cannot_create(path, where, exc) from exc
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _cannot_create(path: Path, where: str | os.PathLike[str], exc: OSError) -> CacheUnwritable | IdentityError:
+    """The one-line error for a key file (or its lock) that cannot be created: ``where`` refused ``exc``."""
+    if exc.errno in _REFUSED:
+        return CacheUnwritable(where, exc.strerror, KEY_HINT)
+    return IdentityError(f"key file {path} cannot be created or locked in {path.parent}: {exc.strerror}; pass "
+                         "--key FILE in a writable directory")
 
 
 def _unlock(path: Path) -> None:

@@ -86,6 +86,8 @@ def test_check_ok_and_fatal(synthetic, tmp_path):
     (bad_values / "config.json").write_text(json.dumps({**cfg, "hidden_size": -64}))
     cases = [
         (["--key", str(tmp_path / "k" / "s.key")], "unsafe mode 0644"),
+        # root may write anywhere by os.access, yet /proc takes no file: the start would fail there
+        (["--key", "/proc/swarm-nope.key"], "key file /proc/swarm-nope.key cannot be created or locked in /proc: "),
         (["--model", str(tmp_path / "nothing")], "no such model path"),
         (["--model", str(bad)], "missing"),
         (["--device", "cuda"], "CUDA is not available"),

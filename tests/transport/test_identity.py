@@ -122,3 +122,36 @@ def test_an_unwritable_key_directory_names_swarm_cache(tmp_path: Path) -> None:
     finally:
         release_keys()
         ro.chmod(0o755)
+
+
+
+@pytest.mark.parametrize("where", ["proc", "under-a-file", "file-as-directory"])
+def test_checking_a_key_that_cannot_be_created_says_what_claiming_it_says(tmp_path: Path, where: str) -> None:
+    """``check_key_creatable`` (``swarm stage --check``) refuses where ``claim_key`` would, creating nothing:
+    ``os.access`` says yes to root in ``/proc``, where no file can be created."""
+    from swarm.transport.identity import check_key_creatable, claim_key, release_keys
+
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+    (tmp_path / "file").write_text("not a directory")
+    path = {"proc": Path("/proc/swarm-nope.key"), "under-a-file": tmp_path / "file" / "d" / "k.key",
+            "file-as-directory": tmp_path / "file" / "k.key"}[where]
+    with pytest.raises(IdentityError) as checked:
+        check_key_creatable(path)
+    assert f"key file {path} cannot be created or locked in {path.parent}: " in str(checked.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and not path.exists()
+    try:
+        with pytest.raises(IdentityError) as claimed:
+            claim_key(path)
+    finally:
+        release_keys()
+    if where != "file-as-directory":  # there the start's mkdir says "File exists", the check "Not a directory"
+        assert str(claimed.value) == str(checked.value)
+
+
+def test_checking_a_key_that_can_be_created_creates_nothing(tmp_path: Path) -> None:
+    from swarm.transport.identity import check_key_creatable
+
+    check_key_creatable(tmp_path / "keys" / "s.key")
+    check_key_creatable(tmp_path / "s.key")
+    assert list(tmp_path.iterdir()) == []

@@ -603,11 +603,13 @@ def cache_root() -> Path:
 
 
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+_NOT_CREATABLE = (errno.ENOENT, errno.ENOTDIR, errno.EEXIST)  # a mkdir in /proc, through a file, onto a file
 
 
 def cache_fault(exc: BaseException) -> CacheUnwritable | None:
     """The ``CacheUnwritable`` behind ``exc`` when it is (or wraps, in exception groups or as a cause) a
-    refused write at, under or above ``cache_root()``; else None.
+    refused write at, under or above ``cache_root()``, or a failure to create the cache directory itself
+    (it is still no directory); else None.
 
     Every writer under the cache (keys, converted models, manifests, kernels, proofs, fetched weights)
     thus fails with one line naming the path and SWARM_CACHE, however deep the write was.
@@ -622,10 +624,15 @@ def cache_fault(exc: BaseException) -> CacheUnwritable | None:
         seen.add(id(e))
         if isinstance(e, CacheUnwritable):
             return e
-        if isinstance(e, OSError) and e.errno in _NOT_WRITABLE and e.filename:
+        if isinstance(e, OSError) and e.errno in _NOT_WRITABLE + _NOT_CREATABLE and e.filename:
             path = Path(os.fsdecode(e.filename)).absolute()
-            if path == root or root in path.parents or path in root.parents:
+            above = path == root or path in root.parents
+            if e.errno in _NOT_WRITABLE and (above or root in path.parents):
                 return CacheUnwritable(path, e.strerror)
+            # the root cannot be made: its mkdir failed (a read under it fails below it), or a file stands there
+            making_root = above or (e.errno == errno.ENOTDIR and root in path.parents)
+            if e.errno in _NOT_CREATABLE and making_root and not root.is_dir():
+                return CacheUnwritable(root, e.strerror if path == root else f"{path}: {e.strerror}", create=True)
         if isinstance(e, BaseExceptionGroup):
             stack.extend(e.exceptions)
         stack.extend((e.__cause__, e.__context__))

@@ -21,14 +21,16 @@ class ConfigError(SwarmError):
 
 class CacheUnwritable(ConfigError):
     """swarm must write under its cache (keys, converted models, manifests, kernels, proofs) and cannot:
-    the directory is read-only or not ours (a HOME that is not writable). Exit code 2."""
+    the directory is read-only or not ours (a HOME that is not writable), or cannot be created at all
+    (``create``: SWARM_CACHE under /proc, or where a file stands). Exit code 2."""
 
     exit_code = 2
 
-    def __init__(self, path, why: str | None = None, also: str = "") -> None:
+    def __init__(self, path, why: str | None = None, also: str = "", *, create: bool = False) -> None:
         self.path = path
         because = f" ({why})" if why else ""
-        super().__init__(f"cannot write {path}{because}: set SWARM_CACHE to a writable directory (swarm keeps keys, "
+        what = f"create the cache directory {path}" if create else f"write {path}"
+        super().__init__(f"cannot {what}{because}: set SWARM_CACHE to a writable directory (swarm keeps keys, "
                          f"converted models and built kernels there; default ~/.cache/swarm){also}")
 
 

@@ -159,7 +159,9 @@ def run_check(config: StageConfig) -> int:
         return 2
     except Exception as exc:  # a model file no check above anticipated: still one line
         log.debug("preflight.crashed", exc_info=True)
-        emit("FATAL", {"reason": f"unexpected error while checking: {type(exc).__name__}: {exc}"[:500]})
+        fault = cache_fault(exc)  # the cache a local model is converted into cannot be created or written
+        emit("FATAL", {"reason": str(fault) if fault is not None else
+                       f"unexpected error while checking: {type(exc).__name__}: {exc}"[:500]})
         return 2
     emit("OK", payload)
     return 0

@@ -132,6 +132,28 @@ def test_a_read_only_cache_is_one_line_naming_swarm_cache(stories_dir, tmp_path,
     assert len(said.splitlines()) == 1, said
 
 
+@pytest.mark.parametrize("where", ["proc", "a-file", "under-a-file"])
+@pytest.mark.parametrize("cmd", ["stage-check", "model-import"])
+def test_a_cache_that_cannot_be_created_is_one_line_naming_it(tmp_path, where, cmd):
+    """SWARM_CACHE where no directory can be made (/proc takes none, even from root; a file stands there):
+    one line naming the cache directory and SWARM_CACHE, not an unexpected FileNotFoundError."""
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+    (tmp_path / "file").write_text("not a directory")
+    cache = {"proc": "/proc/swarm-nope", "a-file": str(tmp_path / "file"),
+             "under-a-file": str(tmp_path / "file" / "cache")}[where]
+    gguf = tmp_path / "tiny.gguf"  # converted into the cache before anything reads it
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    args = {"stage-check": ["stage", "--model", str(gguf), "--layers", "0:2", "--check"],
+            "model-import": ["model", "import", str(gguf)]}[cmd]
+    res = run_cli(*args, env={"SWARM_CACHE": cache})
+    said = (res.stdout + res.stderr).strip()
+    assert res.returncode == 2, said
+    assert f"cannot create the cache directory {cache} (" in said and "set SWARM_CACHE" in said, said
+    assert "Traceback" not in said and "unexpected" not in said and len(said.splitlines()) == 1, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "tiny.gguf"]
+
+
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["coordinate", "serve"])

@@ -429,12 +429,19 @@ class RingSpec:
         import yaml
 
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"ring file {p} is a directory, not a ring file (a YAML file with model and stages)")
         if not p.is_file():
             raise ConfigError(f"ring file {p} does not exist")
         try:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"ring file {p} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"ring file {p} is not valid YAML: {_yaml_problem(exc)}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"ring file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                              f"{exc.start})") from None
+        except OSError as exc:
+            raise ConfigError(f"ring file {p} cannot be read: {exc.strerror}") from exc
         return cls.from_dict(data, origin=str(p))
 
     def to_dict(self) -> dict:
@@ -442,6 +449,21 @@ class RingSpec:
             return {"addr": s.addr, "layers": f"{s.layers.start}:{s.layers.end}"}
 
         return {"model": self.model, "stages": [one(s) for s in self.stages], "spares": [one(s) for s in self.spares]}
+
+
+def _yaml_problem(exc) -> str:
+    """PyYAML's error in one line: ``line L, column C: problem (while parsing ... at line L', column C')``,
+    1-based as editors count (its own text spans lines and names "<unicode string>")."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, at = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and at is not None:
+        where += f" ({context} at line {at.line + 1}, column {at.column + 1})"
+    elif context:
+        where += f" ({context})"
+    return where
 
 
 def _stage_list(raw: object, key: str, origin: str, required: bool) -> list[StageSpec]:

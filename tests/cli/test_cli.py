@@ -134,6 +134,27 @@ def test_bad_ring_files(stories_ring, stories_dir, synthetic, tmp_path, case, ex
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("cmd", ["coordinate", "serve"])
+@pytest.mark.parametrize("case,expect", [
+    ("bad_yaml", "ring file {ring} is not valid YAML: line 4, column 11: expected ',' or ']', but got ':' "
+                 "(while parsing a flow sequence at line 3, column 11)"),
+    ("directory", "ring file {ring} is a directory, not a ring file (a YAML file with model and stages)"),
+    ("not_utf8", "ring file {ring} is not UTF-8 text (byte 0xff at offset 7)"),
+])
+def test_a_ring_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, cmd, case, expect):
+    """Refused before anything is dialed or loaded, in one line with the command's prefix: PyYAML's own
+    text spans lines and names "<unicode string>"; a directory is not a missing file."""
+    ring = tmp_path / "ring.yaml"
+    if case == "directory":
+        ring.mkdir()
+    else:
+        ring.write_bytes(b"model: x\nstages:\n  - addr: [a\n    layers: '0:2'\n" if case == "bad_yaml"
+                         else b"model: \xff\nstages: []\n")
+    res = run_cli(cmd, "--ring", str(ring), *(["--prompt", "hi"] if cmd == "coordinate" else ["--port", "0"]))
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip() == f"swarm {cmd}: error: " + expect.format(ring=ring), res.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_ring_still_serves_after_bad_clients(stories_ring, stories_dir, tmp_path):

@@ -269,10 +269,21 @@ def _receipts_parser(sub) -> None:
     w.add_argument("--limit", type=int, default=50, help="newest jobs shown (default 50)")
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser (and its own subcommands'): an argument it does not take is its error, with its
+    usage (``swarm keygen: error: unrecognized arguments: x``); argparse hands those up to ``swarm``'s."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm", description="Peer-to-peer pipeline-parallel LLM inference.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Subcommand)
     _stage_command(sub)
     _coordinate_parser(sub)
     _demo_parser(sub)

@@ -312,6 +312,22 @@ def test_help(sub):
     assert res.returncode == 0 and "usage: swarm" in res.stdout
 
 
+@pytest.mark.parametrize("args,prog,extra", [
+    (["keygen", "/tmp/k.key"], "swarm keygen", "/tmp/k.key"),
+    (["plan", "--cards", "0"], "swarm plan", "--cards"),
+    (["receipts", "verify", "r.json", "--bogus"], "swarm receipts verify", "--bogus"),
+    (["stage", "--model", "m", "--layers", "0:2", "stray"], "swarm stage", "stray"),
+])
+def test_a_stray_argument_is_the_subcommands_error(args, prog, extra):
+    """With the subcommand's usage and name, not the top-level ``swarm`` usage argparse hands it up to."""
+    res = run_cli(*args)
+    assert res.returncode in (1, 2), res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"usage: {prog} ") and lines[-1] == f"{prog}: error: unrecognized arguments: {extra}"
+    if prog == "swarm stage":  # a supervisor still gets its FATAL line
+        assert res.stdout.startswith('SWARM_STAGE_FATAL {"reason": "unrecognized arguments: stray"}')
+
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_coordinate_speculative_and_sampled(stories_ring, stories_dir, tmp_path):

@@ -86,7 +86,7 @@ def _coordinate_parser(sub) -> None:
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="route through the swarm joined at this bootstrap node (repeatable); no ring file needed")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
     p.add_argument("--key", type=Path, help="coordinator identity key (default: $SWARM_CACHE/keys/coordinator.key)")
@@ -160,17 +160,23 @@ def _demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="start a local ring on loopback and generate",
                        description="Start N stage processes on 127.0.0.1 with an even split of layers, run the "
                                    "coordinator, print text, tokens/s and the ring, then stop every process.")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="the model: a local Hugging Face directory, a .gguf file, a hub id or smollm2-135m "
+                        "(default %(default)s)")
+    p.add_argument("--stages", type=int, default=3,
+                   help="stage processes, the model's layers split evenly among them (default %(default)s)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: \"%(default)s\")")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end instead of streaming text (default: text)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+                   help="every stage's dtype, as `swarm stage --dtype` (default %(default)s)")
     p.add_argument("--quantize", choices=list(QUANTIZE_SCHEMES),
                    help="every stage holds its Linear weights quantized (`swarm stage --quantize`; CPU)")
     p.add_argument("--ring-out", type=Path, help="where to write the ring file (default: a temp dir)")
-    p.add_argument("--startup-timeout-s", type=float, default=180.0)
+    p.add_argument("--startup-timeout-s", type=float, default=180.0,
+                   help="seconds to wait for every stage to load and print READY (default %(default)s)")
     p.add_argument("--serve", action="store_true",
                    help="instead of one generation, serve the OpenAI-compatible API over the local ring until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="with --serve: the port (default 8000; 0 picks one)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from swarm.cli.launch import LocalRing
+from swarm.cli.main import build_parser
 from swarm.ranges import LayerRange
 from tests.support.cli import run_cli, run_swarm
 from tests.support.models import reference_greedy
@@ -310,6 +312,25 @@ def test_model_import_hub_id_offline_is_clear():
 def test_help(sub):
     res = run_swarm(sub, "--help", timeout=60)
     assert res.returncode == 0 and "usage: swarm" in res.stdout
+
+
+def _flags(parser: argparse.ArgumentParser, prog: str = "swarm"):
+    """(subcommand, action) for every flag of every (sub)subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _flags(sub, f"{prog} {name}")
+        elif action.option_strings and action.dest != "help":
+            yield prog, action
+
+
+def test_every_flag_has_help_and_demo_says_its_defaults():
+    flags = list(_flags(build_parser()))
+    assert not [(prog, a.option_strings) for prog, a in flags if not a.help]
+    demo = {a.option_strings[-1]: a for prog, a in flags if prog == "swarm demo"}
+    for flag in ("--model", "--stages", "--prompt", "--max-new-tokens", "--dtype", "--startup-timeout-s"):
+        assert "%(default)s" in demo[flag].help, flag
+    assert "default" in demo["--json"].help
 
 
 @pytest.mark.parametrize("args,prog,extra", [

@@ -222,6 +222,8 @@ static const swarm_isa *current(void) {
     return isa;
 }
 
+const char *swarm_isa_in_use(void) { return current()->name; }
+
 /* out (M, N), row stride ldo = x (M, K), row stride ldx, times w (N, K) transposed, row stride ldw (an
  * nn.Linear weight as stored), plus bias (N) or NULL; on up to `threads` threads. */
 void swarm_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,

@@ -206,6 +206,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swarm_fp8_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr,
                                      _i64, _int, _int]
     lib.swarm_fp8_linear.restype = ctypes.c_int
+    lib.swarm_mxfp4_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int,
+                                       _int]
+    lib.swarm_mxfp4_linear.restype = ctypes.c_int
     lib.swarm_quantize_kquant.argtypes = [_int, _ptr, _i64, _i64, _i64, _ptr, _i64]
     lib.swarm_quantize_kquant.restype = ctypes.c_int
     lib.swarm_layer_forward.restype = ctypes.c_int

@@ -61,6 +61,8 @@ int swarm_qlinear_many(const swarm_qpart *parts, int nparts, const float *x, int
 int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w8, int64_t N, int64_t ldw,
                      const float *scale, int64_t lds, int64_t bn, int64_t bk, const float *bias, float *out,
                      int64_t ldo, int bf16, int threads);
+/* the name of the ISA the entry points run now ("avx512", "avx2", "neon", "generic") */
+const char *swarm_isa_in_use(void);
 void swarm_rmsnorm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *out);
 void swarm_silu(const float *x, int64_t n, float *out);
 

@@ -1,4 +1,4 @@
-/* Weights held as published in FP8 (float8 e4m3fn bytes with a float32 scale per bn x bk block, the
+/* Weights held as published in FP8 (and, at the end, MXFP4) (float8 e4m3fn bytes with a float32 scale per bn x bk block, the
  * layout of DeepSeek-V3/R1, Qwen3 FP8 and GLM-4.5 FP8), multiplied in swarm's float32 or bfloat16
  * arithmetic: each task decodes a panel of rows, w[n, k] = float(e4m3(w8[n, k])) * scale[n / bn, k / bk]
  * (one float32 multiply, rounded to bfloat16 half-even for a bfloat16 stage: the bits transformers'
@@ -163,23 +163,20 @@ __attribute__((target("avx2,fma,f16c"))) static void gemv4(const float *x, int64
         for (int64_t k = k8; k < K; k++) out4[c] = fmaf(x[k], f32_of(e4m3_bits(rows[c][k])) * sc[c][k / bk], out4[c]);
 }
 
+/* The decoders follow the ISA the GEMMs run (swarm_use_isa): AVX-512's on "avx512", F16C's on "avx2" and
+ * "avx512", the plain definition on the others (every one gives the same values). */
 static int avx512_ok(void) {
-    static int ok = -1;
-    if (ok < 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    return ok;
+    return !strcmp(swarm_isa_in_use(), "avx512") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw");
 }
 
 static int f16c_ok(void) {
-    static int ok = -1;
-    if (ok < 0) ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    return ok;
+    const char *isa = swarm_isa_in_use();
+    return (!strcmp(isa, "avx512") || !strcmp(isa, "avx2")) && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("f16c");
 }
 
-static int fma_ok(void) {
-    static int ok = -1;
-    if (ok < 0) ok = f16c_ok() && __builtin_cpu_supports("fma");
-    return ok;
-}
+static int fma_ok(void) { return f16c_ok() && __builtin_cpu_supports("fma"); }
 #endif
 
 /* dst[i] = e4m3(src[i]) * sc for n values (float32, or bfloat16 when bf16): F16C's conversion where the CPU
@@ -328,5 +325,136 @@ int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
 #endif
     fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
     swarm_parallel_for(threads, fp8_task, &c, (N + nb - 1) / nb);
+    return c.failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * MXFP4 (gpt-oss's experts as published): row n holds K / 32 groups of 16 bytes, two e2m1 values a byte (the
+ * low nibble first), and K / 32 e8m0 scales; w[n, k] = e2m1 * 2^(scale - 127), one float32 multiply (exact:
+ * an e2m1 value has two significant bits), rounded to bfloat16 for a bfloat16 block (exact too).
+ * ---------------------------------------------------------------------------------------------- */
+
+/* e2m1 (1 sign, 2 exponent, 1 mantissa bits; 0, 0.5, 1, 1.5, 2, 3, 4, 6) to float32's bits */
+static inline uint32_t e2m1_bits(uint32_t nib) {
+    const uint32_t sign = (nib & 8) << 28, e = (nib >> 1) & 3, m = nib & 1;
+    const uint32_t normal = sign | ((e + 126) << 23) | (m << 22), sub = sign | (m ? 0x3F000000u : 0);
+    const uint32_t is_normal = 0u - (uint32_t)(e != 0);
+    return (normal & is_normal) | (sub & ~is_normal);
+}
+
+/* 2^(s - 127) as float32 (2^-127 subnormal, 2^128 infinite), the factor torch.ldexp applies */
+static inline float e8m0(uint8_t s) {
+    if (s == 0) return f32_of(0x00400000u);
+    if (s == 255) return f32_of(0x7F800000u);
+    return f32_of((uint32_t)s << 23);
+}
+
+/* rows [n0, n1) decoded into dst (row stride K): float32, or bfloat16 when bf16 */
+DECODE_CLONES static void mx_decode_rows(const uint8_t *blocks, int64_t ldb, const uint8_t *scales, int64_t lds,
+                                         int64_t K, int64_t n0, int64_t n1, void *dst, int bf16) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = blocks + n * ldb, *sc = scales + n * lds;
+        for (int64_t g = 0; g < K / 32; g++) {
+            const float p = e8m0(sc[g]);
+            const uint8_t *b = row + 16 * g;
+            if (bf16) {
+                uint16_t *out = (uint16_t *)dst + (n - n0) * K + 32 * g;
+                for (int j = 0; j < 16; j++) {
+                    out[2 * j] = bf16_rne(f32_of(e2m1_bits(b[j] & 15u)) * p);
+                    out[2 * j + 1] = bf16_rne(f32_of(e2m1_bits((uint32_t)b[j] >> 4)) * p);
+                }
+            } else {
+                float *out = (float *)dst + (n - n0) * K + 32 * g;
+                for (int j = 0; j < 16; j++) {
+                    out[2 * j] = f32_of(e2m1_bits(b[j] & 15u)) * p;
+                    out[2 * j + 1] = f32_of(e2m1_bits((uint32_t)b[j] >> 4)) * p;
+                }
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* mx_decode_rows' values sixteen bytes (a group of 32) at a time: the nibbles index a table of the 16 e2m1
+ * values, times 2^(s - 127); every value is exact in bfloat16 too, so its bfloat16 is its float32's top half */
+__attribute__((target("avx512f,avx512bw,avx2"))) static void mx_decode_avx512(const uint8_t *blocks, int64_t ldb,
+                                                                          const uint8_t *scales, int64_t lds,
+                                                                          int64_t K, int64_t n0, int64_t n1,
+                                                                          void *dst, int bf16) {
+    float table[16];
+    for (int i = 0; i < 16; i++) table[i] = f32_of(e2m1_bits((uint32_t)i));
+    const __m512 lut = _mm512_loadu_ps(table);
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = blocks + n * ldb, *sc = scales + n * lds;
+        for (int64_t g = 0; g < K / 32; g++) {
+            const __m512 p = _mm512_set1_ps(e8m0(sc[g]));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * g)));
+            const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), p);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), p);
+            const __m512 a = _mm512_permutex2var_ps(lo, first, hi), c = _mm512_permutex2var_ps(lo, second, hi);
+            const int64_t at = (n - n0) * K + 32 * g;
+            if (bf16) {
+                uint16_t *out = (uint16_t *)dst + at;
+                _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+                _mm256_storeu_si256((__m256i *)(out + 16),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
+            } else {
+                _mm512_storeu_ps((float *)dst + at, a);
+                _mm512_storeu_ps((float *)dst + at + 16, c);
+            }
+        }
+    }
+}
+#endif
+
+typedef struct {
+    const float *x, *bias;
+    const uint8_t *blocks, *scales;
+    float *out;
+    int64_t M, K, ldx, N, ldb, lds, ldo, nb;
+    int bf16;
+    int failed;
+} mx_ctx;
+
+static void mx_task(const void *c_, int64_t i) {
+    mx_ctx *c = (mx_ctx *)c_;
+    const int64_t n0 = i * c->nb, n1 = n0 + c->nb < c->N ? n0 + c->nb : c->N;
+    if (!panel_room((size_t)(n1 - n0) * (size_t)c->K * (c->bf16 ? 2 : 4))) {
+        __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+    (avx512_ok() ? mx_decode_avx512 : mx_decode_rows)(c->blocks, c->ldb, c->scales, c->lds, c->K, n0, n1, panel,
+                                                      c->bf16);
+#else
+    mx_decode_rows(c->blocks, c->ldb, c->scales, c->lds, c->K, n0, n1, panel, c->bf16);
+#endif
+    const float *bias = c->bias ? c->bias + n0 : 0;
+    if (c->bf16) {
+        if (swarm_linear_bf16(c->x, c->M, c->K, c->ldx, (const uint16_t *)panel, n1 - n0, c->K, bias, c->out + n0,
+                              c->ldo, 1))
+            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+    } else {
+        swarm_linear(c->x, c->M, c->K, c->ldx, (const float *)panel, n1 - n0, c->K, bias, c->out + n0, c->ldo, 1);
+    }
+}
+
+/* out (M, N), row stride ldo = x (M, K) times the MXFP4 weight (blocks: N rows of ldb bytes, K / 2 of them
+ * used; scales: N rows of lds bytes, K / 32 used) dequantized, transposed, + bias (N) or NULL: swarm_linear's
+ * bits (bf16 = 0) or swarm_linear_bf16's (bf16 = 1) over the dequantized weight.
+ * Returns 0; -1 on arguments that do not fit (K not a multiple of 32); -2 when out of memory. */
+int swarm_mxfp4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *blocks, int64_t ldb,
+                       const uint8_t *scales, int64_t lds, int64_t N, const float *bias, float *out, int64_t ldo,
+                       int bf16, int threads) {
+    if (M < 0 || K <= 0 || K % 32 || N < 0 || ldb < K / 2 || lds < K / 32 || ldx < K || ldo < N) return -1;
+    if (!M || !N) return 0;
+    int64_t nb = 196608 / (K * (bf16 ? 2 : 4));
+    if (nb < 1) nb = 1;
+    if (nb > 48) nb -= nb % 48;
+    if (threads > 1 && (N + nb - 1) / nb < threads && N >= threads) nb = (N + threads - 1) / threads;
+    mx_ctx c = {x, bias, blocks, scales, out, M, K, ldx, N, ldb, lds, ldo, nb, bf16, 0};
+    swarm_parallel_for(threads, mx_task, &c, (N + nb - 1) / nb);
     return c.failed ? -2 : 0;
 }

@@ -95,3 +95,79 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
     if rc:
         raise ValueError(f"the FP8 kernel refused a ({weight.n}, {weight.k}) weight with {weight.block} blocks")
     return out
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
+MXFP4_GROUP = 32  # values per e8m0 scale
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """A (N, K) weight in MXFP4: e2m1 values, two a byte (the low nibble first), and an e8m0 scale (2^(s - 127))
+    per group of 32 along K, as gpt-oss publishes its experts.
+
+    Attributes:
+        blocks: uint8 (N, K / 32, 16) on the CPU. scales: uint8 (N, K / 32).
+    """
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self):
+        b, s = self.blocks, self.scales
+        if b.dtype != torch.uint8 or s.dtype != torch.uint8 or b.dim() != 3 or b.shape[-1] != MXFP4_GROUP // 2 \
+                or tuple(b.shape[:2]) != tuple(s.shape) or not b.is_contiguous() or not s.is_contiguous():
+            raise ValueError(f"MXFP4 blocks and scales are contiguous uint8 (N, K / 32, 16) and (N, K / 32), got "
+                             f"{b.dtype} {tuple(b.shape)} and {s.dtype} {tuple(s.shape)}")
+
+    @property
+    def n(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.blocks.shape[1] * MXFP4_GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() + self.scales.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight in ``dtype``: each e2m1 value times 2^(s - 127) in float32 (exact), then ``dtype``."""
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        values = torch.stack([lut[(self.blocks & 0x0F).long()], lut[(self.blocks >> 4).long()]], dim=-1)
+        values = torch.ldexp(values.reshape(self.n, -1, MXFP4_GROUP), self.scales.to(torch.int32)[..., None] - 127)
+        return values.reshape(self.n, self.k).to(dtype)
+
+
+def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None = None,
+                 bf16: bool = False) -> torch.Tensor:
+    """``x @ weight.dequantize(d).T + bias`` with the bits of ``swarm.kernels.fma.linear`` over that dequantized
+    weight, ``d`` float32 (``bf16`` False) or bfloat16 (``fp8.c`` decodes a panel of rows, then that GEMM).
+
+    Args:
+        x: (M, K) float32 on the CPU. bias: (N,) float32 or None.
+    Returns:
+        (M, N) float32, a new tensor.
+    Raises:
+        ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
+    """
+    lib = fma._library()
+    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
+        raise ValueError(f"mxfp4_linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
+        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty((m, weight.n), dtype=torch.float32)
+    rc = lib.swarm_mxfp4_linear(x.data_ptr(), m, weight.k, x.stride(0), weight.blocks.data_ptr(), weight.k // 2,
+                                weight.scales.data_ptr(), weight.k // MXFP4_GROUP, weight.n,
+                                None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), weight.n,
+                                int(bf16), fma.threads())
+    if rc == -2:
+        raise MemoryError(f"no memory for a panel of the ({weight.n}, {weight.k}) MXFP4 weight")
+    if rc:
+        raise ValueError(f"the MXFP4 kernel refused a ({weight.n}, {weight.k}) weight")
+    return out

@@ -888,9 +888,9 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
     shards = ExitStack()  # each shard opened (its header parsed) once, closed when the block is read
     opened: dict[Path, object] = {}
 
-    # FP8 Linear weights stay FP8 where the fma kernels multiply this block (swarm.kernels.fp8: the bits of
-    # the float GEMM over the dequantized weight, at a quarter or half of the bytes)
-    hold_fp8 = quantize is None and pick_kernel_mode(dev, dt)[0] == "fma"
+    # FP8 Linear weights and FP8 or MXFP4 experts stay as published where the fma kernels multiply this block
+    # (swarm.kernels.fp8: a Linear's bits are the float GEMM's over the dequantized weight)
+    hold_published = quantize is None and pick_kernel_mode(dev, dt)[0] == "fma"
 
     def shard(name: str):
         """The open shard holding checkpoint tensor ``name``."""
@@ -947,7 +947,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
                 else:
                     tensor = raw(src)
                     linear = qformats.linear_of(module, pname) if tensor.dtype is torch.float8_e4m3fn else None
-                    if hold_fp8 and linear is not None:
+                    if hold_published and linear is not None:
                         block.loaded_bytes += qcheckpoint.hold_fp8(linear, tensor, scales(src, tensor), fp8_block)
                     else:
                         keep = family.keeps_float32(src) and dt != torch.float64  # DeepSeek-V3's router
@@ -960,14 +960,18 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
         for full, (kind, names) in fused.items():  # per-expert tensors, stacked as the module holds them
             module, pname, _ = wanted[full]
             pairs = names if kind == "gate_up" else [[n] for n in names]
-            if hold_fp8 and kind in ("gate_up", "down") and all(fp8_stored(n) for pair in pairs for n in pair):
+            if hold_published and kind in ("gate_up", "down") and all(fp8_stored(n) for pair in pairs for n in pair):
                 stored = [[raw(n) for n in pair] for pair in pairs]
-                experts = qcheckpoint.Fp8Experts([qcheckpoint.Fp8Expert(
+                experts = qcheckpoint.HeldExperts([qcheckpoint.HeldExpert(
                     [qcheckpoint.fp8_weight(t, scales(n, t), fp8_block) for n, t in zip(pair, tensors)])
                     for pair, tensors in zip(pairs, stored)])
+            elif hold_published and kind == "mxfp4":
+                experts = qcheckpoint.mxfp4_experts(raw(names[0]), raw(names[1]))
+            else:
+                experts = None
+            if experts is not None:
                 *path, leaf = pname.split(".")
-                block.loaded_bytes += qcheckpoint.hold_fp8_experts(module.get_submodule(".".join(path)), leaf,
-                                                                   experts)
+                block.loaded_bytes += qcheckpoint.hold_experts(module.get_submodule(".".join(path)), leaf, experts)
                 block.loaded_tensors.extend(moe.sources_of((kind, names)))
                 if bar:
                     bar.update(1)

@@ -1,6 +1,7 @@
 """Quantized checkpoints as published: which a stage takes (``quantization_config`` ``fp8`` and ``mxfp4``,
 others refused by name), their dequantization to the bits transformers holds on a CPU, and FP8 Linear
-weights held as stored (:func:`hold_fp8`, multiplied by :mod:`swarm.kernels.fp8`). docs/kernels.md,
+weights and FP8 / MXFP4 experts held as stored (:func:`hold_fp8`, :func:`hold_experts`; multiplied by
+:mod:`swarm.kernels.fp8`). docs/kernels.md,
 "FP8 and MXFP4 checkpoints", gives the arithmetic and what is not held in its format yet."""
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ import math
 import torch
 
 from swarm.errors import ModelError
-from swarm.kernels.fp8 import Fp8Weight
+from swarm.kernels.fp8 import MXFP4_GROUP, Fp8Weight, Mxfp4Weight
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_ATTR = "swarm_fp8"  # the Fp8Weight a Linear module holds, in its __dict__ (its weight parameter is emptied)
 
 
 METHODS = ("fp8", "mxfp4")
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
-MXFP4_GROUP = 32  # values per e8m0 scale
 
 
 def block_size(config) -> tuple[int, int] | None:
@@ -100,39 +99,48 @@ def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return Fp8Weight.of(weight, scale_inv.reshape(grid), scale_block(tuple(weight.shape), grid, block))
 
 
-class Fp8Expert:
-    """Expert e's (N, K) matrix of a fused experts parameter, held as FP8 row parts (a fused ``gate_up``: the
-    gate's rows, then the up's). ``F.linear(x, experts[e])`` (transformers' experts loop) runs
-    :func:`swarm.kernels.fp8.linear` on each part in x's dtype's arithmetic and returns x's dtype; any other
-    use raises TypeError (through ``__torch_function__``)."""
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # gpt-oss's x @ W[e]
 
-    def __init__(self, parts: list[Fp8Weight]):
+
+class HeldExpert:
+    """Expert e's matrix of a fused experts parameter, held as published: FP8 or MXFP4 row parts ((N, K) each,
+    the rows of a fused ``gate_up`` the gate's then the up's). ``F.linear(x, experts[e])`` (``transposed``
+    False: DeepSeek's, Qwen's) or ``x @ experts[e]`` (True: gpt-oss's, whose W[e] is (K, N)) runs
+    :mod:`swarm.kernels.fp8` on each part in x's dtype's arithmetic and returns x's dtype; any other use raises
+    TypeError (through ``__torch_function__``)."""
+
+    def __init__(self, parts: list[Fp8Weight | Mxfp4Weight], transposed: bool = False):
         if len({p.k for p in parts}) != 1:
-            raise ModelError(f"an expert's FP8 parts take different inputs: {[p.k for p in parts]}")
-        self.parts, self.n, self.k = parts, sum(p.n for p in parts), parts[0].k
+            raise ModelError(f"an expert's parts take different inputs: {[p.k for p in parts]}")
+        self.parts, self.transposed = parts, transposed
+        self.n, self.k = sum(p.n for p in parts), parts[0].k
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.nn.functional.linear or len(args) < 2 or not isinstance(args[1], cls) \
-                or (args[2] if len(args) > 2 else kwargs.get("bias")) is not None:
+        if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[1], cls) \
+                and not args[1].transposed and (args[2] if len(args) > 2 else kwargs.get("bias")) is None:
+            x, w = args[0], args[1]
+        elif func in _MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
+            x, w = args
+        else:
             return NotImplemented
         from swarm.kernels import fp8
 
-        x, w = args[0], args[1]
         flat, bf16 = x.reshape(-1, w.k).float(), x.dtype is torch.bfloat16
-        out = torch.cat([fp8.linear(flat, p, bf16=bf16) for p in w.parts], dim=1)
+        out = torch.cat([(fp8.linear if isinstance(p, Fp8Weight) else fp8.mxfp4_linear)(flat, p, bf16=bf16)
+                         for p in w.parts], dim=1)
         return out.reshape(*x.shape[:-1], w.n).to(x.dtype)
 
 
-class Fp8Experts:
-    """An experts module's fused matrix (E, N, K) held as E :class:`Fp8Expert`; ``experts[e]`` (an int or a
-    0-d tensor) is expert e's."""
+class HeldExperts:
+    """An experts module's fused matrix held as E :class:`HeldExpert`; ``experts[e]`` (an int or a 0-d
+    tensor) is expert e's."""
 
-    def __init__(self, experts: list[Fp8Expert]):
+    def __init__(self, experts: list[HeldExpert]):
         self.experts = experts
 
-    def __getitem__(self, e) -> Fp8Expert:
+    def __getitem__(self, e) -> HeldExpert:
         return self.experts[int(e)]
 
     @property
@@ -140,20 +148,33 @@ class Fp8Experts:
         return sum(p.nbytes for x in self.experts for p in x.parts)
 
 
-def hold_fp8_experts(owner: torch.nn.Module, leaf: str, experts: Fp8Experts) -> int:
+def hold_experts(owner: torch.nn.Module, leaf: str, experts: HeldExperts) -> int:
     """Put ``experts`` in place of ``owner``'s fused parameter ``leaf`` (``gate_up_proj`` / ``down_proj``: (E, N,
-    K), on the meta device until loaded); returns the bytes held.
+    K), or (E, K, N) for transposed experts; on the meta device until loaded); returns the bytes held.
 
     Raises:
         ModelError: the experts' count or shapes are not the parameter's.
     """
     want = tuple(owner._parameters[leaf].shape)
-    got = (len(experts.experts), experts.experts[0].n, experts.experts[0].k)
-    if got != want or any((x.n, x.k) != want[1:] for x in experts.experts):
-        raise ModelError(f"FP8 experts of {got} do not fit {leaf} of {want}")
+    first = experts.experts[0]
+    shape = (first.k, first.n) if first.transposed else (first.n, first.k)
+    if (len(experts.experts), *shape) != want or any((x.n, x.k) != (first.n, first.k) for x in experts.experts):
+        raise ModelError(f"experts held as published of {(len(experts.experts), *shape)} do not fit {leaf} of {want}")
     del owner._parameters[leaf]
     owner.__dict__[leaf] = experts
     return experts.nbytes
+
+
+def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> HeldExperts:
+    """gpt-oss's MXFP4 experts as published, ``blocks`` (E, R, G, 16) and ``scales`` (E, R, G) uint8, held as E
+    transposed :class:`HeldExpert` (W[e] = the dequantized (R, G * 32) rows, transposed).
+
+    Raises:
+        ModelError: shapes or dtypes that are not MXFP4's.
+    """
+    _check_mxfp4(blocks, scales)
+    return HeldExperts([HeldExpert([Mxfp4Weight(blocks[e].contiguous(), scales[e].contiguous())], transposed=True)
+                        for e in range(blocks.shape[0])])
 
 
 def hold_fp8(linear: torch.nn.Linear, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -196,11 +217,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     Raises:
         ModelError: shapes or dtypes that are not MXFP4's.
     """
+    _check_mxfp4(blocks, scales)
+    return torch.stack([Mxfp4Weight(blocks[e].contiguous(), scales[e].contiguous()).dequantize().t()
+                        for e in range(blocks.shape[0])])
+
+
+def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 \
             or blocks.shape[-1] != MXFP4_GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ModelError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype} are not (E, R, G, 16) and (E, R, G) bytes")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (E, R, G, 16, 2)
-    values = torch.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_GROUP), scales.to(torch.int32)[..., None] - 127)
-    return values.reshape(blocks.shape[0], blocks.shape[1], -1).transpose(1, 2).contiguous()

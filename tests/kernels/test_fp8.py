@@ -106,3 +106,60 @@ def test_bfloat16_rounding_ties_go_to_even(bk):
     assert ties.sum() > 100  # the test has ties to round
     got = fp8.linear(torch.eye(k), fw, bf16=True).t()  # 1 * w[n, k] in the bfloat16 GEMM: the rounded weight
     assert torch.equal(got, rounded.float())
+
+
+def _mxfp4(n: int, k: int, seed: int) -> fp8.Mxfp4Weight:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(110, 135, (n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    return fp8.Mxfp4Weight(blocks, scales)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits where finite, NaN where NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("n,k", [(37, 64), (300, 576), (64, 2880)])
+@pytest.mark.parametrize("m", [1, 5, 37])
+def test_mxfp4_is_the_float_gemm_over_the_values_transformers_decodes(n, k, m):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = _mxfp4(n, k, seed=n + k)
+    if n == 37:  # the scales' ends: 2^-127 (subnormal), 2^-126, 2^127, 2^128 (infinite: 0 * inf is NaN)
+        w.scales[0, 0], w.scales[1, 0], w.scales[2, 1], w.scales[3, 1] = 0, 1, 254, 255
+    reference = convert_moe_packed_tensors(w.blocks[None], w.scales[None], dtype=torch.float32)[0].t()
+    assert _same(w.dequantize(), reference)
+    if n == 37:  # each value itself (1 * w[n, k] plus zeros), subnormal ones too (rows 2 and 3 hold infinities)
+        decoded, finite = fp8.mxfp4_linear(torch.eye(k), w).t(), [0, 1, *range(4, n)]
+        assert torch.equal(decoded[finite], reference[finite])
+        assert (decoded[0, :32].abs() < 1e-37).all() and decoded[0, :32].any()  # 2^-127's: subnormal, not zero
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
+    assert _same(fp8.mxfp4_linear(x, w, bias), fma.linear(x, w.dequantize(), bias))
+    assert _same(fp8.mxfp4_linear(x, w, bias, bf16=True), fma.linear(x, w.dequantize(torch.bfloat16), bias))
+
+
+def test_mxfp4_every_isa_and_thread_count_gives_the_same_bits():
+    w = _mxfp4(70, 320, seed=9)
+    x = torch.randn(6, 320)
+    before, threads = fma.isa(), fma.threads()
+    outs = []
+    try:
+        for name in fma.describe().isas:  # the generic ISA decodes by the plain definition
+            fma.use_isa(name)
+            for t in (1, 3):
+                fma.set_threads(t)
+                outs.append((fp8.mxfp4_linear(x, w), fp8.mxfp4_linear(x, w, bf16=True)))
+    finally:
+        fma.use_isa(before)
+        fma.set_threads(threads)
+    assert all(torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1]) for a, b in outs)
+
+
+def test_mxfp4_bad_input_is_refused():
+    w = _mxfp4(16, 64, seed=1)
+    with pytest.raises(ValueError, match="float32 CPU rows"):
+        fp8.mxfp4_linear(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        fp8.Mxfp4Weight(w.blocks[:, :1], w.scales)

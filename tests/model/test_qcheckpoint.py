@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swarm.errors import ModelError
+from swarm.kernels.fp8 import FP4_VALUES
 from swarm.model import qcheckpoint
 from swarm.model.block import block_tensor_names, load_block
 from swarm.ranges import LayerRange
@@ -247,20 +248,21 @@ def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(syn
         assert _fp8_held(held) >= 2 * 5  # two layers' attention Linears at least
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deepseek_routed_experts_are_held_in_fp8_and_keep_a_stages_contracts(synthetic, tmp_path, dtype):
-    """The routed experts (most of a DeepSeek checkpoint's bytes) stay FP8 too, multiplied by swarm.kernels.fp8
-    (not the floats' torch GEMMs: close to them, not their bits), and the block keeps what a stage needs: its
-    start-up proof passes, a chunk's rows get the bits they get one at a time or in tiles of 2."""
+def _assert_held_experts_keep_a_stages_contracts(quantized: Path, floats: Path, dtype: str, layers: int,
+                                                moe_layers: int):
+    """The routed experts of ``quantized`` are held as published (both fused matrices of ``moe_layers`` layers),
+    multiplied by swarm.kernels.fp8 (not the floats' torch GEMMs: close to them, not their bits), and the block
+    keeps what a stage needs: its start-up proof passes, a chunk's rows get the bits they get one at a time or
+    in tiles of 2, and greedy decoding picks the floats' tokens."""
     from swarm.kernels.check import check_block
 
-    quantized, floats = _deepseek_pair(synthetic, tmp_path, experts=True)
-    held = load_block(quantized, LayerRange(0, 4), dtype=dtype, device="cpu")
-    same = load_block(floats, LayerRange(0, 4), dtype=dtype, device="cpu")
+    held = load_block(quantized, LayerRange(0, layers), dtype=dtype, device="cpu")
+    same = load_block(floats, LayerRange(0, layers), dtype=dtype, device="cpu")
     if held.kernel_mode != "fma":
-        pytest.skip(f"FP8 weights are held where the fma kernels run: {held.kernel_why}")
-    experts = [m for m in held.modules() if isinstance(m.__dict__.get("gate_up_proj"), qcheckpoint.Fp8Experts)]
-    assert len(experts) == 3 and all(isinstance(m.__dict__.get("down_proj"), qcheckpoint.Fp8Experts) for m in experts)
+        pytest.skip(f"checkpoints are held as published where the fma kernels run: {held.kernel_why}")
+    experts = [m for m in held.modules() if isinstance(m.__dict__.get("gate_up_proj"), qcheckpoint.HeldExperts)]
+    assert len(experts) == moe_layers
+    assert all(isinstance(m.__dict__.get("down_proj"), qcheckpoint.HeldExperts) for m in experts)
     assert held.loaded_bytes < 0.6 * same.loaded_bytes
     prompt = [1, 5, 9, 3, 7]
     ids, logits = _batched_greedy([held], prompt, 6, 1)
@@ -277,6 +279,14 @@ def test_deepseek_routed_experts_are_held_in_fp8_and_keep_a_stages_contracts(syn
         for i, tok in enumerate(prompt):
             row = held.forward_batch([(cache, i, torch.tensor([[tok]]))], tile=1)[0][0, -1]
     assert torch.equal(whole, row)
+    return held
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_routed_experts_are_held_in_fp8_and_keep_a_stages_contracts(synthetic, tmp_path, dtype):
+    """The routed experts (most of a DeepSeek checkpoint's bytes) stay FP8 too."""
+    quantized, floats = _deepseek_pair(synthetic, tmp_path, experts=True)
+    _assert_held_experts_keep_a_stages_contracts(quantized, floats, dtype, 4, 3)
 
 
 def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,15 +297,14 @@ def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = t.reshape(e_, r, k // 32, 32)
     exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).to(torch.int32)
     scaled = groups / torch.ldexp(torch.ones(()), exp)[..., None]
-    idx = (scaled[..., None] - torch.tensor(qcheckpoint.FP4_VALUES)).abs().argmin(-1)
+    idx = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
     blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
     return blocks, (exp + 127).to(torch.uint8)
 
 
-def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(synthetic, tmp_path):
-    """gpt-oss's release: every expert's gate_up and down projections in MXFP4 (``*_blocks``, ``*_scales``),
-    the rest in floats. A ring of stages on it gives the bits of the same ring on the floats transformers
-    dequantizes those blocks to."""
+def _gpt_oss_pair(synthetic, tmp_path: Path) -> tuple[Path, Path]:
+    """gpt-oss's release: every expert's gate_up and down projections in MXFP4 (``*_blocks``, ``*_scales``), the
+    rest in floats; and beside it the floats transformers dequantizes those blocks to (checked here)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     src = synthetic("gpt_oss", "float32", intermediate_size=32)
@@ -312,8 +321,25 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_the_floats_transformers_decodes(sy
             q_tensors[name] = f_tensors[name] = t
     assert sum(n.endswith("_blocks") for n in q_tensors) == 2 * 4
     keep_float = ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"]
-    quantized, floats = _published_and_floats(src, tmp_path / "mxfp4", q_tensors, f_tensors,
-                                              {"quant_method": "mxfp4", "modules_to_not_convert": keep_float})
+    return _published_and_floats(src, tmp_path / "mxfp4", q_tensors, f_tensors,
+                                 {"quant_method": "mxfp4", "modules_to_not_convert": keep_float})
+
+
+def test_gpt_oss_mxfp4_experts_dequantized_run_exactly_as_the_floats_transformers_decodes(synthetic, tmp_path,
+                                                                                        monkeypatch):
+    """Where the fma kernels do not run (here: SWARM_KERNELS=rows), the MXFP4 experts are dequantized at load:
+    a chain of stages gives the bits of the same chain on the floats transformers decodes them to."""
+    quantized, floats = _gpt_oss_pair(synthetic, tmp_path)
+    monkeypatch.setenv("SWARM_KERNELS", "rows")
     held = _assert_same_bits(quantized, floats, [LayerRange(0, 2), LayerRange(2, 4)], LayerRange(0, 4))
+    assert held.kernel_mode == "rows"
     assert any(n.endswith("gate_up_proj_scales") for n in held.loaded_tensors)
+    assert set(held.loaded_tensors) == block_tensor_names(quantized, LayerRange(0, 4))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_mxfp4_experts_are_held_as_published_and_keep_a_stages_contracts(synthetic, tmp_path, dtype):
+    """Where the fma kernels run, the experts stay MXFP4 (4.25 bits a weight), decoded by swarm.kernels.fp8."""
+    quantized, floats = _gpt_oss_pair(synthetic, tmp_path)
+    held = _assert_held_experts_keep_a_stages_contracts(quantized, floats, dtype, 4, 4)
     assert set(held.loaded_tensors) == block_tensor_names(quantized, LayerRange(0, 4))

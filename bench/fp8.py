@@ -11,7 +11,8 @@ kernel threads:
 - ``decode_tok_s``: greedy decode steps per second after a 16-token prompt (``--tokens`` steps, the median of
   ``--rounds`` runs, the two checkpoints interleaved round by round); ``prefill_tok_s``: a
   ``--prompt-tokens`` prompt in one ``forward_batch``;
-- ``same_bits``: every decode step's logits equal, bit for bit, between the two.
+- ``same_bits``: every decode step's logits equal, bit for bit, between the two;
+- ``mxfp4_expert_matrix``: one gpt-oss-20b expert matrix held in MXFP4 against its floats, one row and 8 rows.
 
 The model: SmolLM2-135M-Instruct by default. Prints one JSON object.
 Usage: python bench/fp8.py [--model smollm2-135m] [--tokens 32] [--rounds 3] [--threads 1]
@@ -102,6 +103,37 @@ def prefill(block, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def mxfp4_matrix(rounds: int) -> dict:
+    """One gpt-oss-20b expert's gate_up matrix (5,760 x 2,880) with random MXFP4 bytes: a decode step's GEMV
+    (one row) and an 8-row chunk, MXFP4 held / its floats in float32 and bfloat16 (median of ``rounds`` x 20
+    calls, four matrices in turn so they do not sit in cache), bytes and bits."""
+    from swarm.kernels import fma, fp8
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 5760, 2880
+    held = [fp8.Mxfp4Weight(torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8),
+                            torch.randint(118, 128, (n, k // 32), generator=g, dtype=torch.int32).to(torch.uint8))
+            for _ in range(4)]
+    floats = {"float32": [w.dequantize() for w in held], "bfloat16": [w.dequantize(torch.bfloat16) for w in held]}
+    out: dict = {"shape": [n, k], "bytes_mxfp4": held[0].nbytes, "bytes_float32": n * k * 4}
+    for rows in (1, 8):
+        x = torch.randn(rows, k, generator=g)
+        for dtype, mats in floats.items():
+            bf16 = dtype == "bfloat16"
+            runs = {"mxfp4": lambda i: fp8.mxfp4_linear(x, held[i], bf16=bf16), "floats": lambda i: fma.linear(x, mats[i])}
+            ms = {name: [] for name in runs}
+            for _ in range(rounds):
+                for name, f in runs.items():
+                    start = time.perf_counter()
+                    for r in range(20):
+                        f(r % 4)
+                    ms[name].append((time.perf_counter() - start) / 20 * 1e3)
+            same = torch.equal(runs["mxfp4"](0), runs["floats"](0))
+            out[f"{dtype}_rows{rows}"] = {"mxfp4_ms": round(statistics.median(ms["mxfp4"]), 3),
+                                          "floats_ms": round(statistics.median(ms["floats"]), 3), "same_bits": same}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -143,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["same_bits"] = all(torch.equal(a, b) for a, b in zip(logits["fp8"], logits["floats"]))
             result["dtypes"][dtype] = row
             del blocks
+    result["mxfp4_expert_matrix"] = mxfp4_matrix(args.rounds)
     print(json.dumps(result, indent=1))
     return result
 

@@ -237,7 +237,7 @@ def _deepseek_pair(synthetic, tmp_path: Path, experts: bool) -> tuple[Path, Path
                                  {"quant_method": "fp8", "weight_block_size": [16, 16]})
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # bfloat16: 10 s
 def test_a_deepseek_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path, dtype):
     """Latent attention, the dense layer and the shared experts held in FP8: a chain of stages on the FP8
     layout gives the bits of the same chain on the floats the scales decode to."""

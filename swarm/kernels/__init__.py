@@ -11,8 +11,8 @@
   GEMM in the same arithmetic family (``qblocks_kernels.h``: activations quantized per row, integer
   dots per block, float accumulation in a fixed order); ``qquantize.c`` writes Q4_K and Q6_K from float
   weights with the bytes of llama.cpp's reference quantizers.
-- ``fp8``: FP8 weights held as published (e4m3 bytes, block scales), multiplied with the bits of the
-  float GEMM over the dequantized weight (``fp8.c`` decodes a panel of rows, then runs that GEMM).
+- ``fp8``: FP8 and MXFP4 weights held as published, multiplied with the bits of the float GEMM over the
+  dequantized weight (``fp8.c`` decodes in registers or a panel of rows, then runs that GEMM).
 - ``triton_ops``: the triton kernel mode: the same contract in Triton kernels (GEMM in fixed tiles
   without split-K, attention per query row in fixed 64-key blocks, RMSNorm, SiLU) for CUDA stages,
   and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which is where it is tested.

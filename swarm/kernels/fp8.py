@@ -1,6 +1,6 @@
-"""FP8 weights held as published (e4m3fn bytes and float32 block scales): :class:`Fp8Weight` and
-:func:`linear`, whose bits are those of the float32 or bfloat16 GEMM over the dequantized weight
-(``fp8.c`` decodes a panel of rows at a time, then runs that GEMM)."""
+"""Weights held as published: FP8 (:class:`Fp8Weight`, e4m3fn bytes and float32 block scales) and MXFP4
+(:class:`Mxfp4Weight`), multiplied by :func:`linear` and :func:`mxfp4_linear` with the bits of the float32 or
+bfloat16 GEMM over the dequantized weight (``fp8.c``; docs/kernels.md, "FP8 and MXFP4 checkpoints")."""
 
 from __future__ import annotations
 

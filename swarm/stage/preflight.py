@@ -18,6 +18,7 @@ from swarm.ranges import LayerRange
 
 # safetensors dtypes a stage can load (converted to the stage dtype on load)
 LOADABLE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+PUBLISHED = ("F8_E4M3", "F8_E5M2", "U8")  # an FP8 checkpoint's weights, an MXFP4 one's blocks and scales
 BASELINE_BYTES = 350 * 2**20  # Python + torch + transformers + libp2p in a stage process (measured ~300 MiB)
 
 
@@ -83,7 +84,7 @@ def preflight(config: StageConfig) -> dict:
     names = block_tensor_names(resolved.path, config.model.layers)
     wanted = config.model.device
     device = pick_device("cpu" if config.model.quantize is not None and wanted == "auto" else wanted)
-    from swarm.model import qformats
+    from swarm.model import qcheckpoint, qformats
 
     if config.model.quantize in qformats.SCHEMES:  # llama.cpp's block formats: checked as load_block checks them
         dtype = pick_dtype(qformats.compute_dtype(config.model.quantize, config.model.dtype, device), device)
@@ -99,19 +100,30 @@ def preflight(config: StageConfig) -> dict:
     index = tensor_index(resolved.path)
     headers: dict = {}
     itemsize = torch.empty((), dtype=dtype).element_size()
+    qcheckpoint.block_size(model_config)  # refuses quantization methods other than fp8 and mxfp4 by name
+    published = getattr(model_config, "quantization_config", None) is not None
+    # held as published where the fma kernels run the block (load_block): a byte an FP8 value, MXFP4's bytes
+    held = config.model.quantize is None and pick_kernel_mode(device, dtype)[0] == "fma"
     weights = 0
     for name in sorted(names):
         shard = index[name]
         header = headers.setdefault(shard, read_header(shard))
         entry = header.get(name)
-        if not isinstance(entry, dict) or entry.get("dtype") not in LOADABLE:
-            got = entry.get("dtype") if isinstance(entry, dict) else "nothing"
-            raise ModelError(f"tensor {name!r} in {shard.name} has dtype {got}; a stage loads "
-                             f"{', '.join(LOADABLE)}")
+        stored = entry.get("dtype") if isinstance(entry, dict) else None
+        if stored not in LOADABLE and not (published and stored in PUBLISHED):
+            raise ModelError(f"tensor {name!r} in {shard.name} has dtype {stored or 'nothing'}; a stage loads "
+                             f"{', '.join(LOADABLE)}" + (f", and {', '.join(PUBLISHED)} in FP8 or MXFP4 checkpoints"
+                                                         if published else ""))
         numel = 1
         for d in entry.get("shape", []):
             numel *= int(d)
-        weights += numel * (max(itemsize, 4) if family.keeps_float32(name) else itemsize)  # DeepSeek-V3's router
+        if stored in PUBLISHED:  # held as stored, or dequantized at load (an MXFP4 byte holds two values)
+            weights += numel if held and stored != "F8_E5M2" else 0 if name.endswith("_scales") else \
+                numel * itemsize * (2 if name.endswith("_blocks") else 1)
+        elif published and name.endswith("_scale_inv"):  # an FP8 weight's scales: held in float32, or folded in
+            weights += numel * 4 if held else 0
+        else:
+            weights += numel * (max(itemsize, 4) if family.keeps_float32(name) else itemsize)  # DeepSeek-V3's router
     _check_retention_dir(config.audits.audit_retention_dir)
     if config.model.quantize in qformats.SCHEMES:  # what the block holds, counted as load_block holds it
         weights = qformats.held_bytes(resolved.path, config.model.layers, config.model.quantize)

@@ -343,3 +343,24 @@ def test_gpt_oss_mxfp4_experts_are_held_as_published_and_keep_a_stages_contracts
     quantized, floats = _gpt_oss_pair(synthetic, tmp_path)
     held = _assert_held_experts_keep_a_stages_contracts(quantized, floats, dtype, 4, 4)
     assert set(held.loaded_tensors) == block_tensor_names(quantized, LayerRange(0, 4))
+
+
+@pytest.mark.parametrize("kernels", ["fma", "rows"])
+def test_stage_check_takes_published_checkpoints_and_counts_what_the_block_holds(synthetic, tmp_path, monkeypatch,
+                                                                                 fp8_dir, kernels):
+    """``swarm stage --check`` (preflight) reads FP8 and MXFP4 tensors' dtypes as a stage loads them, and counts
+    the bytes load_block holds: the published bytes where the fma kernels run, the dequantized floats elsewhere."""
+    from swarm.config import StageConfig
+    from swarm.stage.preflight import preflight
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if kernels == "rows":
+        monkeypatch.setenv("SWARM_KERNELS", "rows")
+    mxfp4, _ = _gpt_oss_pair(synthetic, tmp_path)
+    for model in (fp8_dir, mxfp4):
+        layers = LayerRange(1, 3)
+        block = load_block(model, layers, dtype="float32", device="cpu")
+        reported = preflight(StageConfig.of(model=str(model), layers=layers, device="cpu", dtype="float32",
+                                            key_path=tmp_path / "k.key"))
+        assert reported["weights_bytes"] == block.loaded_bytes, model
+        assert block.kernel_mode == kernels

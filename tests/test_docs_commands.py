@@ -132,7 +132,8 @@ def test_the_docs_hold_commands_to_check():
 
 def test_a_multiline_quoted_argument_is_one_command(tmp_path):
     doc = tmp_path / "d.md"
-    doc.write_text('```bash\npython -c "\nimport os\nprint(1)"  # note\ncurl -d \'{"a": 1}\' \\\n  http://x | jq\n```\n')
+    doc.write_text('```bash\npython -c "\nimport os\nprint(1)"  # note\n'
+                   'curl -d \'{"a": 1}\' \\\n  http://x | jq\n```\n')
     assert _commands(doc) == [(2, ["python", "-c", "\nimport os\nprint(1)"]),
                               (5, ["curl", "-d", '{"a": 1}', "http://x"])]
 

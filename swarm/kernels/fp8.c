@@ -1,11 +1,12 @@
-/* Weights held as published in FP8 (and, at the end, MXFP4) (float8 e4m3fn bytes with a float32 scale per bn x bk block, the
- * layout of DeepSeek-V3/R1, Qwen3 FP8 and GLM-4.5 FP8), multiplied in swarm's float32 or bfloat16
- * arithmetic: each task decodes a panel of rows, w[n, k] = float(e4m3(w8[n, k])) * scale[n / bn, k / bk]
- * (one float32 multiply, rounded to bfloat16 half-even for a bfloat16 stage: the bits transformers'
- * dequantization gives), into its own buffer, then runs swarm_linear / swarm_linear_bf16 on it. Every
- * output is therefore the bits of the same GEMM over the dequantized weight: an FP8 stage and a stage
- * holding that weight in floats compute the same rows, at a quarter (float32) or half (bfloat16) of
- * the bytes held. Compiled with -ffp-contract=off like the rest. */
+/* Weights held as published: FP8 (float8 e4m3fn bytes with a float32 scale per bn x bk block, the layout of
+ * DeepSeek-V3/R1, Qwen3 FP8 and GLM-4.5 FP8) and, at the end, MXFP4 (gpt-oss's experts), multiplied in
+ * swarm's float32 or bfloat16 arithmetic: each weight value is decoded, w[n, k] = float(e4m3(w8[n, k])) *
+ * scale[n / bn, k / bk] (one float32 multiply, rounded to bfloat16 half-even for a bfloat16 stage: the bits
+ * transformers' dequantization gives), in registers for a float32 decode step (gemv4) or a panel of rows at a
+ * time into the GEMM's weight layout, and swarm_linear / swarm_linear_bf16 runs on those values. Every output
+ * is therefore the bits of the same GEMM over the dequantized weight: a stage holding the published bytes
+ * and a stage holding the dequantized floats compute the same rows. Compiled with -ffp-contract=off like
+ * the rest. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -124,7 +125,8 @@ __attribute__((target("avx512f,avx512bw,avx2,f16c"))) static void decode_avx512(
         if (bf16) {
             const __m512i u = _mm512_castps_si512(v);
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+            const __m512i r =
+                _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
             const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                           _mm512_set1_epi32(0x7F800000));
             const __m512i out = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
@@ -397,7 +399,8 @@ __attribute__((target("avx512f,avx512bw,avx2"))) static void mx_decode_avx512(co
             const int64_t at = (n - n0) * K + 32 * g;
             if (bf16) {
                 uint16_t *out = (uint16_t *)dst + at;
-                _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+                _mm256_storeu_si256((__m256i *)out,
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
                 _mm256_storeu_si256((__m256i *)(out + 16),
                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
             } else {

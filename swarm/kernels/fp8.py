@@ -33,8 +33,9 @@ class Fp8Weight:
         bn, bk = self.block
         want = (math.ceil(n / bn), math.ceil(k / bk)) if n >= 0 and bn > 0 and bk > 0 else None
         if self.data.dtype != torch.uint8 or want is None or self.scale.dtype != torch.float32 \
-                or tuple(self.scale.shape) != want:
-            raise ValueError(f"an FP8 weight is uint8 (N, K) bytes and float32 scales per {self.block} block, got "
+                or tuple(self.scale.shape) != want or not self.data.is_contiguous() or not self.scale.is_contiguous():
+            raise ValueError(f"an FP8 weight is contiguous uint8 (N, K) bytes and float32 scales per {self.block} "
+                             f"block, got "
                              f"{self.data.dtype} {tuple(self.data.shape)} and {self.scale.dtype} "
                              f"{tuple(self.scale.shape)}")
 

@@ -13,7 +13,8 @@ from swarm.coordinator.drafters import NgramDrafter
 from swarm.model import qcheckpoint
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from tests.model.test_qcheckpoint import PROJ, _batched_greedy, _by_blocks, _gpt_oss_pair, _published_and_floats, _to_fp8
+from tests.model.test_qcheckpoint import (PROJ, _batched_greedy, _by_blocks, _gpt_oss_pair, _published_and_floats,
+                                          _to_fp8)
 from tests.support.ring import ring_generate, start_ring
 
 pytestmark = pytest.mark.ring

@@ -332,6 +332,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and (x.dim() < 2 or x.stride(-2) >= x.shape[-1]) else x.contiguous()
 
 
+def held_operands(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None,
+                  what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands of a GEMM over a weight held in its own format (``qblocks``, ``fp8``) of ``k`` inputs and
+    ``n`` outputs: ``x`` as (M, k) float32 CPU rows with a unit last stride, a new (M, n) float32 output, and
+    the bias, contiguous (held by the caller while the kernel reads it), or None. ``what`` names the caller in
+    errors.
+
+    Raises:
+        ValueError: ``x`` or ``bias`` of another dtype, device or shape.
+    """
+    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{what} takes (M, {k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (n,)):
+        raise ValueError(f"bias must be float32 ({n},), got {bias.dtype} {tuple(bias.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, torch.empty((x.shape[0], n), dtype=torch.float32), None if bias is None else bias.contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, each output element ``dot(x[m], weight[n])`` (+ ``bias[n]``) as ``fma.c``
     defines it: its bits never depend on M.
@@ -518,8 +537,8 @@ class Blocks:
 
 
 def _projection(weight, bias: torch.Tensor | None, dtype: torch.dtype, held: list) -> _Projection:
-    """A Linear's weight (an (N, K) tensor of the block dtype, :class:`Blocks` or an ``Fp8Weight``) and bias as fma_layer.c
-    takes them: the very arguments the module path's kernel call gets."""
+    """A Linear's weight (an (N, K) tensor of the block dtype, :class:`Blocks` or an ``Fp8Weight``) and bias as
+    fma_layer.c takes them: the very arguments the module path's kernel call gets."""
     scale = lds = bn = bk = 0
     if hasattr(weight, "scale"):  # swarm.kernels.fp8.Fp8Weight (which imports this module): swarm_fp8_linear
         kind, fmt, ptr, ld, n, k = 3, 0, weight.data.data_ptr(), weight.data.stride(0), weight.n, weight.k

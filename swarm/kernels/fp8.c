@@ -242,6 +242,27 @@ static int panel_room(size_t need) {
     return 1;
 }
 
+/* Rows per panel task: about 192 KB of decoded panel, which stays in L2 while x's rows pass, in whole tiles of
+ * every ISA's column step (6 and 4), and fewer where that leaves a thread without rows (order of work only). */
+static int64_t panel_rows(int64_t K, int64_t N, int bf16, int threads) {
+    int64_t nb = 196608 / (K * (bf16 ? 2 : 4));
+    if (nb < 1) nb = 1;
+    if (nb > 48) nb -= nb % 48;
+    if (threads > 1 && (N + nb - 1) / nb < threads && N >= threads) nb = (N + threads - 1) / threads;
+    return nb;
+}
+
+/* out[:, n0:n1] (+ bias[n0:n1]) = x times the panel's decoded rows [n0, n1) (float32, or bfloat16 when bf16), by
+ * swarm_linear / swarm_linear_bf16 on this thread. Returns 0, or -2 when out of memory. */
+static int panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t n0, int64_t n1, const float *bias,
+                      float *out, int64_t ldo, int bf16) {
+    bias = bias ? bias + n0 : 0;
+    if (bf16)
+        return swarm_linear_bf16(x, M, K, ldx, (const uint16_t *)panel, n1 - n0, K, bias, out + n0, ldo, 1) ? -2 : 0;
+    swarm_linear(x, M, K, ldx, (const float *)panel, n1 - n0, K, bias, out + n0, ldo, 1);
+    return 0;
+}
+
 /* one row of x (M == 1, float32, bk % 8 == 0): columns [n0, n1) four at a time, decoded in registers */
 static void gemv_task(const void *c_, int64_t i) {
     fp8_ctx *c = (fp8_ctx *)c_;
@@ -258,8 +279,7 @@ static void gemv_task(const void *c_, int64_t i) {
                 return;
             }
             decode_rows(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n, n + 1, panel, 0);
-            swarm_linear(c->x, 1, c->K, c->ldx, (const float *)panel, 1, c->K, c->bias ? c->bias + n : 0, c->out + n,
-                         c->ldo, 1);
+            panel_gemm(c->x, 1, c->K, c->ldx, n, n + 1, c->bias, c->out, c->ldo, 0);
         }
         if (held == 4 || (n == n1 - 1 && held)) {
             const uint8_t *rows[4];
@@ -288,14 +308,8 @@ static void fp8_task(const void *c_, int64_t i) {
         return;
     }
     decode_rows(c->w, c->ldw, c->K, c->scale, c->lds, c->bn, c->bk, n0, n1, panel, c->bf16);
-    const float *bias = c->bias ? c->bias + n0 : 0;
-    if (c->bf16) {
-        if (swarm_linear_bf16(c->x, c->M, c->K, c->ldx, (const uint16_t *)panel, n1 - n0, c->K, bias, c->out + n0,
-                              c->ldo, 1))
-            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
-    } else {
-        swarm_linear(c->x, c->M, c->K, c->ldx, (const float *)panel, n1 - n0, c->K, bias, c->out + n0, c->ldo, 1);
-    }
+    if (panel_gemm(c->x, c->M, c->K, c->ldx, n0, n1, c->bias, c->out, c->ldo, c->bf16))
+        __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
 }
 
 /* out (M, N), row stride ldo = x (M, K) times the FP8 weight w8 (N rows of ldw bytes) dequantized, transposed,
@@ -308,25 +322,17 @@ int swarm_fp8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
     if (M < 0 || K <= 0 || N < 0 || ldw < K || ldx < K || ldo < N || bn <= 0 || bk <= 0 || lds < (K + bk - 1) / bk)
         return -1;
     if (!M || !N) return 0;
-    /* rows per task: about 192 KB of decoded panel, which stays in L2 while x's rows pass (order of work only) */
-    int64_t nb = 196608 / (K * (bf16 ? 2 : 4));
-    if (nb < 1) nb = 1;
-    if (nb > 48) nb -= nb % 48; /* whole tiles of every ISA's column step (6 and 4) */
-    const int64_t tasks = (N + nb - 1) / nb;
-    if (threads > 1 && tasks < threads && N >= threads) { /* every thread gets rows */
-        nb = (N + threads - 1) / threads;
-    }
+    swarm_task_fn task = fp8_task;
+    int64_t nb = panel_rows(K, N, bf16, threads);
 #if defined(__x86_64__) && defined(__GNUC__)
     if (M == 1 && !bf16 && bk % 8 == 0 && fma_ok()) { /* a decode step: decoded in registers, no panel */
+        task = gemv_task;
         nb = 64;
         if (threads > 1 && (N + nb - 1) / nb < threads) nb = (N + threads - 1) / threads;
-        fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
-        swarm_parallel_for(threads, gemv_task, &c, (N + nb - 1) / nb);
-        return c.failed ? -2 : 0;
     }
 #endif
     fp8_ctx c = {x, scale, bias, w8, out, M, K, ldx, N, ldw, lds, bn, bk, ldo, nb, bf16, 0};
-    swarm_parallel_for(threads, fp8_task, &c, (N + nb - 1) / nb);
+    swarm_parallel_for(threads, task, &c, (N + nb - 1) / nb);
     return c.failed ? -2 : 0;
 }
 
@@ -434,14 +440,8 @@ static void mx_task(const void *c_, int64_t i) {
 #else
     mx_decode_rows(c->blocks, c->ldb, c->scales, c->lds, c->K, n0, n1, panel, c->bf16);
 #endif
-    const float *bias = c->bias ? c->bias + n0 : 0;
-    if (c->bf16) {
-        if (swarm_linear_bf16(c->x, c->M, c->K, c->ldx, (const uint16_t *)panel, n1 - n0, c->K, bias, c->out + n0,
-                              c->ldo, 1))
-            __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
-    } else {
-        swarm_linear(c->x, c->M, c->K, c->ldx, (const float *)panel, n1 - n0, c->K, bias, c->out + n0, c->ldo, 1);
-    }
+    if (panel_gemm(c->x, c->M, c->K, c->ldx, n0, n1, c->bias, c->out, c->ldo, c->bf16))
+        __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
 }
 
 /* out (M, N), row stride ldo = x (M, K) times the MXFP4 weight (blocks: N rows of ldb bytes, K / 2 of them
@@ -453,11 +453,7 @@ int swarm_mxfp4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        int bf16, int threads) {
     if (M < 0 || K <= 0 || K % 32 || N < 0 || ldb < K / 2 || lds < K / 32 || ldx < K || ldo < N) return -1;
     if (!M || !N) return 0;
-    int64_t nb = 196608 / (K * (bf16 ? 2 : 4));
-    if (nb < 1) nb = 1;
-    if (nb > 48) nb -= nb % 48;
-    if (threads > 1 && (N + nb - 1) / nb < threads && N >= threads) nb = (N + threads - 1) / threads;
-    mx_ctx c = {x, bias, blocks, scales, out, M, K, ldx, N, ldb, lds, ldo, nb, bf16, 0};
-    swarm_parallel_for(threads, mx_task, &c, (N + nb - 1) / nb);
+    mx_ctx c = {x, bias, blocks, scales, out, M, K, ldx, N, ldb, lds, ldo, panel_rows(K, N, bf16, threads), bf16, 0};
+    swarm_parallel_for(threads, mx_task, &c, (N + c.nb - 1) / c.nb);
     return c.failed ? -2 : 0;
 }

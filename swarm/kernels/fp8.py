@@ -77,20 +77,11 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
         ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
     """
     lib = fma._library()
-    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
-        raise ValueError(f"fp8.linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} "
-                         f"on {x.device}")
-    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
-        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m = x.shape[0]
-    out = torch.empty((m, weight.n), dtype=torch.float32)
+    x, out, b = fma.held_operands(x, weight.k, weight.n, bias, "fp8.linear")
     data, scale = weight.data, weight.scale
-    rc = lib.swarm_fp8_linear(x.data_ptr(), m, weight.k, x.stride(0), data.data_ptr(), weight.n, data.stride(0),
-                              scale.data_ptr(), scale.stride(0), weight.block[0], weight.block[1],
-                              None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), weight.n,
-                              int(bf16), fma.threads())
+    rc = lib.swarm_fp8_linear(x.data_ptr(), x.shape[0], weight.k, x.stride(0), data.data_ptr(), weight.n,
+                              data.stride(0), scale.data_ptr(), scale.stride(0), weight.block[0], weight.block[1],
+                              None if b is None else b.data_ptr(), out.data_ptr(), weight.n, int(bf16), fma.threads())
     if rc == -2:
         raise MemoryError(f"no memory for a panel of the ({weight.n}, {weight.k}) FP8 weight")
     if rc:
@@ -154,19 +145,11 @@ def mxfp4_linear(x: torch.Tensor, weight: Mxfp4Weight, bias: torch.Tensor | None
         ValueError: shapes or dtypes that do not fit. RuntimeError: kernels unavailable. MemoryError.
     """
     lib = fma._library()
-    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
-        raise ValueError(f"mxfp4_linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} {tuple(x.shape)} "
-                         f"on {x.device}")
-    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
-        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m = x.shape[0]
-    out = torch.empty((m, weight.n), dtype=torch.float32)
-    rc = lib.swarm_mxfp4_linear(x.data_ptr(), m, weight.k, x.stride(0), weight.blocks.data_ptr(), weight.k // 2,
-                                weight.scales.data_ptr(), weight.k // MXFP4_GROUP, weight.n,
-                                None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), weight.n,
-                                int(bf16), fma.threads())
+    x, out, b = fma.held_operands(x, weight.k, weight.n, bias, "mxfp4_linear")
+    rc = lib.swarm_mxfp4_linear(x.data_ptr(), x.shape[0], weight.k, x.stride(0), weight.blocks.data_ptr(),
+                                weight.k // 2, weight.scales.data_ptr(), weight.k // MXFP4_GROUP, weight.n,
+                                None if b is None else b.data_ptr(), out.data_ptr(), weight.n, int(bf16),
+                                fma.threads())
     if rc == -2:
         raise MemoryError(f"no memory for a panel of the ({weight.n}, {weight.k}) MXFP4 weight")
     if rc:

@@ -108,20 +108,13 @@ def linear(x: torch.Tensor, weight: QWeight, bias: torch.Tensor | None = None) -
     from swarm.kernels import fma
 
     lib = fma._library()
-    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weight.k:
-        raise ValueError(f"qblocks.linear takes (M, {weight.k}) float32 CPU rows, got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
-    if bias is not None and (bias.dtype is not torch.float32 or tuple(bias.shape) != (weight.n,)):
-        raise ValueError(f"bias must be float32 ({weight.n},), got {bias.dtype} {tuple(bias.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, out, b = fma.held_operands(x, weight.k, weight.n, bias, "qblocks.linear")
     m = x.shape[0]
-    out = torch.empty((m, weight.n), dtype=torch.float32)
     if m and weight.n:
         data = weight.data if weight.data.is_contiguous() else weight.data.contiguous()
         rc = lib.swarm_qlinear(_INDEX[weight.fmt], x.data_ptr(), m, weight.k, x.stride(0), data.data_ptr(), weight.n,
-                               data.stride(0), None if bias is None else bias.contiguous().data_ptr(),
-                               out.data_ptr(), weight.n, fma.threads())
+                               data.stride(0), None if b is None else b.data_ptr(), out.data_ptr(), weight.n,
+                               fma.threads())
         if rc == -2:
             raise MemoryError(f"no memory for {m} rows of activations in 16-bit blocks")
         if rc:

@@ -962,7 +962,7 @@ def load_block(model_dir: Path | str, layer_range: LayerRange, *, dtype: str = "
             pairs = names if kind == "gate_up" else [[n] for n in names]
             if hold_published and kind in ("gate_up", "down") and all(fp8_stored(n) for pair in pairs for n in pair):
                 stored = [[raw(n) for n in pair] for pair in pairs]
-                experts = qcheckpoint.HeldExperts([qcheckpoint.HeldExpert(
+                experts = qformats.QExperts([qcheckpoint.HeldExpert(
                     [qcheckpoint.fp8_weight(t, scales(n, t), fp8_block) for n, t in zip(pair, tensors)])
                     for pair, tensors in zip(pairs, stored)])
             elif hold_published and kind == "mxfp4":

@@ -12,6 +12,7 @@ import torch
 
 from swarm.errors import ModelError
 from swarm.kernels.fp8 import MXFP4_GROUP, Fp8Weight, Mxfp4Weight
+from swarm.model import qformats
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_ATTR = "swarm_fp8"  # the Fp8Weight a Linear module holds, in its __dict__ (its weight parameter is emptied)
@@ -99,9 +100,6 @@ def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return Fp8Weight.of(weight, scale_inv.reshape(grid), scale_block(tuple(weight.shape), grid, block))
 
 
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # gpt-oss's x @ W[e]
-
-
 class HeldExpert:
     """Expert e's matrix of a fused experts parameter, held as published: FP8 or MXFP4 row parts ((N, K) each,
     the rows of a fused ``gate_up`` the gate's then the up's). ``F.linear(x, experts[e])`` (``transposed``
@@ -115,13 +113,17 @@ class HeldExpert:
         self.parts, self.transposed = parts, transposed
         self.n, self.k = sum(p.n for p in parts), parts[0].k
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[1], cls) \
                 and not args[1].transposed and (args[2] if len(args) > 2 else kwargs.get("bias")) is None:
             x, w = args[0], args[1]
-        elif func in _MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
+        elif func in qformats.MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
             x, w = args
         else:
             return NotImplemented
@@ -133,22 +135,7 @@ class HeldExpert:
         return out.reshape(*x.shape[:-1], w.n).to(x.dtype)
 
 
-class HeldExperts:
-    """An experts module's fused matrix held as E :class:`HeldExpert`; ``experts[e]`` (an int or a 0-d
-    tensor) is expert e's."""
-
-    def __init__(self, experts: list[HeldExpert]):
-        self.experts = experts
-
-    def __getitem__(self, e) -> HeldExpert:
-        return self.experts[int(e)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for x in self.experts for p in x.parts)
-
-
-def hold_experts(owner: torch.nn.Module, leaf: str, experts: HeldExperts) -> int:
+def hold_experts(owner: torch.nn.Module, leaf: str, experts: qformats.QExperts) -> int:
     """Put ``experts`` in place of ``owner``'s fused parameter ``leaf`` (``gate_up_proj`` / ``down_proj``: (E, N,
     K), or (E, K, N) for transposed experts; on the meta device until loaded); returns the bytes held.
 
@@ -165,7 +152,7 @@ def hold_experts(owner: torch.nn.Module, leaf: str, experts: HeldExperts) -> int
     return experts.nbytes
 
 
-def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> HeldExperts:
+def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> qformats.QExperts:
     """gpt-oss's MXFP4 experts as published, ``blocks`` (E, R, G, 16) and ``scales`` (E, R, G) uint8, held as E
     transposed :class:`HeldExpert` (W[e] = the dequantized (R, G * 32) rows, transposed).
 
@@ -173,7 +160,7 @@ def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> HeldExperts:
         ModelError: shapes or dtypes that are not MXFP4's.
     """
     _check_mxfp4(blocks, scales)
-    return HeldExperts([HeldExpert([Mxfp4Weight(blocks[e].contiguous(), scales[e].contiguous())], transposed=True)
+    return qformats.QExperts([HeldExpert([Mxfp4Weight(blocks[e].contiguous(), scales[e].contiguous())], transposed=True)
                         for e in range(blocks.shape[0])])
 
 

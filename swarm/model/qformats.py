@@ -102,7 +102,7 @@ def gguf_weights(model_dir: Path, config, layer_range, *, head: bool, tail: bool
     return {name: t for name, t in tensors.items() if isinstance(t, QWeight)}
 
 
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # x @ W[e]
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)  # x @ W[e]
 
 
 class QExpert:
@@ -114,12 +114,16 @@ class QExpert:
     def __init__(self, q: QWeight, transposed: bool):
         self.q, self.transposed = q, transposed
 
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear and len(args) >= 2 and isinstance(args[1], cls) and not args[1].transposed:
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-        elif func in _MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
+        elif func in MATMULS and len(args) == 2 and isinstance(args[1], cls) and args[1].transposed:
             (x, w), bias = args, None
         else:
             return NotImplemented
@@ -130,18 +134,18 @@ class QExpert:
 
 
 class QExperts:
-    """An experts module's stacked matrices (E, N, K) held as E :class:`QExpert`; ``experts[e]`` (an int or
-    a 0-d tensor) is expert e's."""
+    """An experts module's stacked matrices (E, N, K) held as E experts in their own formats (:class:`QExpert`,
+    ``swarm.model.qcheckpoint.HeldExpert``); ``experts[e]`` (an int or a 0-d tensor) is expert e's."""
 
-    def __init__(self, experts: list[QExpert]):
+    def __init__(self, experts: list):
         self.experts = experts
 
-    def __getitem__(self, e) -> QExpert:
+    def __getitem__(self, e):
         return self.experts[int(e)]
 
     @property
     def nbytes(self) -> int:
-        return sum(x.q.nbytes for x in self.experts)
+        return sum(x.nbytes for x in self.experts)
 
 
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")  # transformers' fused experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss)

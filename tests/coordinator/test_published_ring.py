@@ -4,40 +4,23 @@ and gpt-oss's MXFP4 experts as stored gives one process's tokens, greedy and n-g
 from __future__ import annotations
 
 import pytest
-import torch
 import trio
-from safetensors.torch import load_file
 
 from swarm.config import SpecConfig
 from swarm.coordinator.drafters import NgramDrafter
-from swarm.model import qcheckpoint
+from swarm.model import qcheckpoint, qformats
 from swarm.model.block import load_block
 from swarm.ranges import LayerRange
-from tests.model.test_qcheckpoint import (PROJ, _batched_greedy, _by_blocks, _gpt_oss_pair, _published_and_floats,
-                                          _to_fp8)
+from tests.model.test_qcheckpoint import _batched_greedy, _gpt_oss_pair, _llama_pair
 from tests.support.ring import ring_generate, start_ring
 
 pytestmark = pytest.mark.ring
 RANGES = [(0, 1), (1, 3), (3, 4)]
 
 
-def _fp8_llama(synthetic, tmp_path):
-    src = synthetic("llama", "float32")
-    fp8_tensors, float_tensors = {}, {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(".weight") and any(f".{p}." in name for p in PROJ):
-            q, scale = _to_fp8(t, (16, 16))
-            fp8_tensors[name], fp8_tensors[qcheckpoint.scale_name(name)] = q, scale
-            float_tensors[name] = _by_blocks(q, scale, 16)
-        else:
-            fp8_tensors[name] = float_tensors[name] = t
-    return _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
-                                 {"quant_method": "fp8", "weight_block_size": [16, 16]})[0]
-
-
 @pytest.mark.parametrize("kind", ["fp8-llama", "mxfp4-gpt-oss"])
 def test_a_ring_on_a_published_checkpoint_gives_one_processs_tokens(synthetic, tmp_path, kind):
-    model = _fp8_llama(synthetic, tmp_path) if kind == "fp8-llama" else _gpt_oss_pair(synthetic, tmp_path)[0]
+    model = (_llama_pair if kind == "fp8-llama" else _gpt_oss_pair)(synthetic, tmp_path)[0]
     whole = load_block(model, LayerRange(0, 4), dtype="float32", device="cpu")
     if whole.kernel_mode != "fma":
         pytest.skip(f"checkpoints are held as published where the fma kernels run: {whole.kernel_why}")
@@ -49,7 +32,7 @@ def test_a_ring_on_a_published_checkpoint_gives_one_processs_tokens(synthetic, t
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
                 ring, servers = await start_ring(nursery, model, RANGES, tmp_path, dtype="float32")
-                held = sum(isinstance(m.__dict__.get("gate_up_proj"), qcheckpoint.HeldExperts)
+                held = sum(isinstance(m.__dict__.get("gate_up_proj"), qformats.QExperts)
                            or qcheckpoint.FP8_ATTR in m.__dict__ for s in servers for m in s.block.modules())
                 got = [await ring_generate(ring, model, 4, prompt, new, tmp_path, spec_config=plain),
                        await ring_generate(ring, model, 4, prompt, new, tmp_path, spec_config=spec,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from swarm.errors import ModelError
 from swarm.kernels.fp8 import FP4_VALUES
-from swarm.model import qcheckpoint
+from swarm.model import qcheckpoint, qformats
 from swarm.model.block import block_tensor_names, load_block
 from swarm.ranges import LayerRange
 
@@ -190,12 +190,8 @@ def _assert_same_bits(quantized: Path, floats: Path, ranges: list[LayerRange], s
     return held
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_llama_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path, dtype):
-    """Held as published, the FP8 weights go through the fused decoder layer (fma_layer.c) like floats do:
-    a chain of blocks gives the logits of the same chain on the floats the scales decode to, bit for bit."""
-    from swarm.model import fused
-
+def _llama_pair(synthetic, tmp_path: Path) -> tuple[Path, Path]:
+    """A Llama checkpoint with every decoder Linear in FP8 (16x16 blocks), and its dequantized floats."""
     src = synthetic("llama", "float32")
     fp8_tensors, float_tensors = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
@@ -205,8 +201,17 @@ def test_a_llama_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthe
             float_tensors[name] = _by_blocks(q, scale, 16)
         else:
             fp8_tensors[name] = float_tensors[name] = t
-    quantized, floats = _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
-                                              {"quant_method": "fp8", "weight_block_size": [16, 16]})
+    return _published_and_floats(src, tmp_path / "fp8", fp8_tensors, float_tensors,
+                                 {"quant_method": "fp8", "weight_block_size": [16, 16]})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_llama_checkpoint_in_fp8_runs_exactly_as_its_dequantized_floats(synthetic, tmp_path, dtype):
+    """Held as published, the FP8 weights go through the fused decoder layer (fma_layer.c) like floats do:
+    a chain of blocks gives the logits of the same chain on the floats the scales decode to, bit for bit."""
+    from swarm.model import fused
+
+    quantized, floats = _llama_pair(synthetic, tmp_path)
     held = _assert_same_bits(quantized, floats, [LayerRange(0, 2), LayerRange(2, 4)], LayerRange(1, 3), dtype)
     if held.kernel_mode == "fma":
         assert _fp8_held(held) == 2 * len(PROJ)
@@ -260,9 +265,9 @@ def _assert_held_experts_keep_a_stages_contracts(quantized: Path, floats: Path, 
     same = load_block(floats, LayerRange(0, layers), dtype=dtype, device="cpu")
     if held.kernel_mode != "fma":
         pytest.skip(f"checkpoints are held as published where the fma kernels run: {held.kernel_why}")
-    experts = [m for m in held.modules() if isinstance(m.__dict__.get("gate_up_proj"), qcheckpoint.HeldExperts)]
+    experts = [m for m in held.modules() if isinstance(m.__dict__.get("gate_up_proj"), qformats.QExperts)]
     assert len(experts) == moe_layers
-    assert all(isinstance(m.__dict__.get("down_proj"), qcheckpoint.HeldExperts) for m in experts)
+    assert all(isinstance(m.__dict__.get("down_proj"), qformats.QExperts) for m in experts)
     assert held.loaded_bytes < 0.6 * same.loaded_bytes
     prompt = [1, 5, 9, 3, 7]
     ids, logits = _batched_greedy([held], prompt, 6, 1)
